@@ -1,0 +1,1 @@
+"""The Muster coordinator: etcd-elected leader per job, membership, liveness, rank maps."""

@@ -1,0 +1,198 @@
+"""Liveness bookkeeping: what each node and rank last reported, and who has failed.
+
+Three signals: a process exit (reported by the node, acted on at once elsewhere), silence
+(no frame for heartbeat_timeout) and a stall (frames arrive but the step does not advance
+for the progress timeout, calibrated from observed step times, suspended in declared long
+phases). Mutable for the hot path, but no clock reads and no I/O: `now` is an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from muster.coordinator.core.policy import Timing
+from muster.coordinator.core.state import JobState, NodeKind
+
+MIN_CALIBRATION_SAMPLES = 8
+
+
+@dataclass
+class RankLive:
+    pid: int = 0
+    step: int = 0
+    step_time_s: float = 0.0
+    state: str = "starting"  # starting | running | long_phase | exited
+    phase: str = ""
+    heard_ms_ago: int = 0
+    progress_at: float = 0.0  # when the step last advanced (or the generation changed)
+    phase_since: float | None = None
+
+
+@dataclass
+class NodeLive:
+    last_frame_at: float
+    generation: int = 0
+    ranks: dict[int, RankLive] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str  # node_silent | rank_silent | rank_stalled
+    node_id: str
+    local_rank: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankReport:
+    local_rank: int
+    pid: int
+    step: int
+    step_time_s: float
+    state: str
+    heard_ms_ago: int = 0
+    phase: str = ""
+
+
+class Liveness:
+    def __init__(self, timing: Timing, now: float):
+        self.timing = timing
+        self.nodes: dict[str, NodeLive] = {}
+        self.step_times: deque[float] = deque(maxlen=256)
+        self.grace_until = now
+        self.failed_pids: dict[tuple[str, int], int] = {}
+
+    def start_grace(self, node_ids, now: float) -> None:
+        """A new leader: every known node gets grace_s to reconnect before silence counts."""
+        self.grace_until = now + self.timing.grace_s
+        for node_id in node_ids:
+            self.nodes.setdefault(node_id, NodeLive(now)).last_frame_at = now
+
+    def in_grace(self, now: float) -> bool:
+        return now < self.grace_until
+
+    def track(self, node_id: str, now: float) -> None:
+        self.nodes.setdefault(node_id, NodeLive(now))
+
+    def forget(self, node_id: str) -> None:
+        self.nodes.pop(node_id, None)
+        for key in [k for k in self.failed_pids if k[0] == node_id]:
+            del self.failed_pids[key]
+
+    def observe(self, node_id: str, generation: int, reports: list[RankReport], now: float) -> list[int]:
+        """Record a frame. Returns the local ranks that came back (a new process in a failed slot)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeLive(now)
+        node.last_frame_at = now
+        node.generation = generation
+        recovered = []
+        for r in reports:
+            live = node.ranks.get(r.local_rank)
+            if live is None:
+                live = node.ranks[r.local_rank] = RankLive(progress_at=now)
+            if r.step != live.step or r.pid != live.pid:
+                if r.step > live.step and r.pid == live.pid and r.step_time_s > 0:
+                    self.step_times.append(r.step_time_s)
+                live.progress_at = now
+            if r.state == "long_phase" and live.state != "long_phase":
+                live.phase_since = now
+            elif r.state != "long_phase":
+                live.phase_since = None
+            live.pid, live.step, live.step_time_s = r.pid, r.step, r.step_time_s
+            live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
+            failed_pid = self.failed_pids.get((node_id, r.local_rank))
+            if failed_pid is not None and r.pid and r.pid != failed_pid and r.state != "exited":
+                del self.failed_pids[(node_id, r.local_rank)]
+                recovered.append(r.local_rank)
+        return recovered
+
+    def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
+        """The slot's process failed; a different pid in that slot later means it came back."""
+        self.failed_pids[(node_id, local_rank)] = pid or -1
+
+    def reset_progress(self, now: float) -> None:
+        """A new generation: reforming is not a stall."""
+        for node in self.nodes.values():
+            for live in node.ranks.values():
+                live.progress_at = now
+
+    def progress_timeout(self) -> float:
+        t = self.timing
+        if t.progress_timeout_s is not None:
+            return t.progress_timeout_s
+        if len(self.step_times) < MIN_CALIBRATION_SAMPLES:
+            return max(t.progress_floor_s, t.startup_progress_timeout_s)
+        ordered = sorted(self.step_times)
+        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        return max(t.progress_floor_s, t.progress_factor * p99)
+
+    def median_step_time(self) -> float | None:
+        if not self.step_times:
+            return None
+        ordered = sorted(self.step_times)
+        return ordered[len(ordered) // 2]
+
+    def max_step(self, state: JobState) -> int:
+        rm = state.rank_map
+        if rm is None:
+            return 0
+        steps = [
+            r.step
+            for p in rm.placements
+            if (node := self.nodes.get(p.node_id)) is not None
+            for slot, r in node.ranks.items()
+            if slot in p.slots
+        ]
+        return max(steps, default=0)
+
+    def failures(self, state: JobState, now: float) -> list[Failure]:
+        """Silence and stalls among the members; nothing while the leader's grace lasts."""
+        if self.in_grace(now):
+            return []
+        t = self.timing
+        found: list[Failure] = []
+        stall_after = self.progress_timeout()
+        rm = state.rank_map
+        for member in state.members:
+            node = self.nodes.get(member.node_id)
+            if node is None:
+                continue
+            silent_s = now - node.last_frame_at
+            if silent_s > t.heartbeat_timeout_s:
+                found.append(Failure("node_silent", member.node_id, None, f"no frame for {silent_s:.2f}s"))
+                continue
+            placement = rm.placement(member.node_id) if rm else None
+            if placement is None:
+                continue
+            for slot in placement.slots:
+                live = node.ranks.get(slot)
+                if live is None or live.state == "exited":
+                    continue
+                if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
+                    found.append(
+                        Failure("rank_silent", member.node_id, slot, f"agent has not heard from it for {live.heard_ms_ago}ms")
+                    )
+                elif live.state == "long_phase":
+                    if live.phase_since is not None and now - live.phase_since > t.long_phase_timeout_s:
+                        found.append(
+                            Failure(
+                                "rank_stalled",
+                                member.node_id,
+                                slot,
+                                f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
+                            )
+                        )
+                elif live.state == "running" and now - live.progress_at > stall_after:
+                    found.append(
+                        Failure(
+                            "rank_stalled",
+                            member.node_id,
+                            slot,
+                            f"step {live.step} has not advanced for {now - live.progress_at:.2f}s "
+                            f"(progress timeout {stall_after:.2f}s)",
+                        )
+                    )
+        return found

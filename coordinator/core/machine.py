@@ -1,0 +1,238 @@
+"""The generation state machine: (state, events, context) -> decision, with reasons.
+
+Events of one tally are folded into at most one new generation. Unplanned changes (a rank
+or node lost) publish g+1 marked "abort g"; planned ones (join, graceful leave, a slot
+coming back) publish g+1 with a future `switch_at_step`. No I/O, no clock reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from muster.coordinator.core.policy import Timing
+from muster.coordinator.core.rankmap import assign_ranks, store_address
+from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
+from muster.coordinator.errors import AlreadyExists, NotFound
+
+
+@dataclass(frozen=True)
+class Join:
+    node_id: str
+    host: str
+    store_port: int
+    slots: int
+    kind: NodeKind = NodeKind.AGENT
+
+
+@dataclass(frozen=True)
+class Leave:
+    node_id: str
+    immediate: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """The whole node is gone (silence, its process exited, its stream closed)."""
+
+    node_id: str
+    kind: str  # node_silent | process_exited | ...
+    reason: str
+
+
+@dataclass(frozen=True)
+class SlotDown:
+    """One rank of a node failed (exit, silence, stall); the node stays a member."""
+
+    node_id: str
+    slot: int
+    kind: str  # rank_exited | rank_silent | rank_stalled
+    reason: str
+
+
+@dataclass(frozen=True)
+class SlotsUp:
+    node_id: str
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Nothing happened but time passed (forming deadline)."""
+
+
+MembershipEvent = Join | Leave | NodeLost | SlotDown | SlotsUp | Tick
+
+
+@dataclass(frozen=True)
+class Context:
+    now: float  # monotonic seconds
+    wall_ms: int  # for the history
+    term: int
+    timing: Timing
+    max_step: int = 0  # highest completed step in the current generation
+    step_time_s: float | None = None  # median step time, to turn switch_lead_s into steps
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: JobState
+    persist: bool  # membership or map changed: write it (fenced) before acting
+    new_generation: bool
+    events: tuple[Event, ...]  # appended to the history
+    evicted: tuple[tuple[str, int], ...] = ()  # (node_id, member_id) fenced out
+    drains: tuple[tuple[str, int], ...] = ()  # (node_id, after_step) leaving at a step boundary
+    joined: Member | None = None
+
+
+def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
+    members = {m.node_id: m for m in state.members}
+    in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
+    next_seq = state.next_seq
+    log: list[Event] = []
+    evicted: list[tuple[str, int]] = []
+    leaving: list[str] = []
+    joined: Member | None = None
+    unplanned = planned = changed = False
+
+    def note(kind: str, reason: str, *nodes: str) -> None:
+        log.append(Event(state.generation, ctx.term, ctx.wall_ms, kind, reason, tuple(nodes)))
+
+    for ev in events:
+        if isinstance(ev, Join):
+            if ev.node_id in members:
+                raise AlreadyExists(
+                    f"node {ev.node_id!r} is already a member of job {state.job!r} "
+                    f"(member {members[ev.node_id].member_id}); leave first or use another node id"
+                )
+            joined = members[ev.node_id] = Member(
+                ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind
+            )
+            next_seq += 1
+            note("node_joined", f"{ev.slots} slot(s) at {ev.host}", ev.node_id)
+            planned = changed = True
+        elif isinstance(ev, Leave):
+            if ev.node_id not in members:
+                raise NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}")
+            del members[ev.node_id]
+            graceful = not ev.immediate and ev.node_id in in_map
+            note("node_left", ("graceful: " if graceful else "immediate: ") + ev.reason, ev.node_id)
+            if ev.node_id in in_map:
+                if graceful:
+                    leaving.append(ev.node_id)
+                    planned = True
+                else:
+                    unplanned = True
+            changed = True
+        elif isinstance(ev, NodeLost):
+            lost = members.pop(ev.node_id, None)
+            if lost is None:
+                continue  # already gone: several signals for one failure
+            evicted.append((lost.node_id, lost.member_id))
+            note(ev.kind, ev.reason, ev.node_id)
+            unplanned |= ev.node_id in in_map
+            changed = True
+        elif isinstance(ev, SlotDown):
+            member = members.get(ev.node_id)
+            if member is None or ev.slot in member.down_slots or ev.slot >= member.slots:
+                continue
+            members[ev.node_id] = replace(member, down_slots=member.down_slots | {ev.slot})
+            note(ev.kind, f"local rank {ev.slot}: {ev.reason}", ev.node_id)
+            placement = state.rank_map.placement(ev.node_id) if in_map else None
+            unplanned |= placement is not None and ev.slot in placement.slots
+            changed = True
+        elif isinstance(ev, SlotsUp):
+            member = members.get(ev.node_id)
+            back = frozenset(ev.slots) & member.down_slots if member else frozenset()
+            if not back:
+                continue
+            members[ev.node_id] = replace(member, down_slots=member.down_slots - back)
+            note("rank_recovered", f"local rank(s) {sorted(back)} running again", ev.node_id)
+            planned = changed = True
+
+    nxt = state.with_members(tuple(members.values()))
+    nxt = replace(nxt, next_seq=next_seq)
+    drains: tuple[tuple[str, int], ...] = ()
+
+    if state.phase is Phase.FORMING:
+        nxt, formed = _maybe_form(nxt, ctx, log)
+        new_generation = formed
+    elif not (planned or unplanned):
+        new_generation = False
+    else:
+        previous = state.rank_map if state.phase is Phase.RUNNING else None
+        assignment = assign_ranks(nxt.members, previous, nxt.spec)
+        if state.phase is Phase.RUNNING and assignment.placements == state.rank_map.placements:
+            new_generation = False  # e.g. a spare joined or a spare left
+        elif not assignment.runnable:
+            new_generation = state.phase is Phase.RUNNING
+            if new_generation:
+                nxt = _publish(nxt, (), 0, abort=True, switch_at=0)
+                nxt = replace(nxt, phase=Phase.WAITING)
+                log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "waiting", assignment.reason, (), 0))
+        else:
+            abort = unplanned or state.phase is Phase.WAITING
+            switch_at = 0 if abort else _switch_at(state, ctx)
+            nxt = _publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at)
+            nxt = replace(nxt, phase=Phase.RUNNING)
+            mode = "abort" if abort else f"switch after step {switch_at}"
+            log.append(
+                Event(nxt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
+                      nxt.rank_map.node_ids, assignment.world_size)
+            )
+            drains = tuple((node_id, switch_at) for node_id in leaving if not abort)
+            new_generation = True
+
+    if new_generation:
+        log = [replace(e, generation=nxt.generation) for e in log]
+    history = (state.history + tuple(log))[-ctx.timing.history_limit :]
+    nxt = replace(nxt, history=history, term=ctx.term)
+    return Decision(
+        state=nxt,
+        persist=changed or new_generation,
+        new_generation=new_generation,
+        events=tuple(log),
+        evicted=tuple(evicted),
+        drains=drains,
+        joined=joined,
+    )
+
+
+def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState, bool]:
+    """Form generation 1 when max_nodes are here, or once the last call after min_nodes ends."""
+    assignment = assign_ranks(state.members, None, state.spec)
+    if not assignment.runnable:
+        return replace(state, forming_deadline=None), False
+    usable = sum(1 for m in state.members if m.usable_slots)
+    deadline = state.forming_deadline if state.forming_deadline is not None else ctx.now + ctx.timing.last_call_s
+    if usable < state.spec.max_nodes and ctx.now < deadline:
+        return replace(state, forming_deadline=deadline), False
+    formed = _publish(state, assignment.placements, assignment.world_size, abort=False, switch_at=0)
+    formed = replace(formed, phase=Phase.RUNNING, forming_deadline=None)
+    log.append(Event(formed.generation, ctx.term, ctx.wall_ms, "formed", assignment.reason,
+                     formed.rank_map.node_ids, assignment.world_size))
+    return formed, True
+
+
+def _switch_at(state: JobState, ctx: Context) -> int:
+    """A step far enough ahead that every rank hears of the change before reaching it."""
+    lead = 2
+    if ctx.step_time_s:
+        lead = max(lead, math.ceil(ctx.timing.switch_lead_s / ctx.step_time_s) + 1)
+    pending = state.rank_map.switch_at_step if state.rank_map and not state.rank_map.abort_previous else 0
+    return max(ctx.max_step + lead, pending)
+
+
+def _publish(state: JobState, placements, world_size: int, *, abort: bool, switch_at: int) -> JobState:
+    generation = state.generation + 1
+    rank_map = RankMap(
+        generation=generation,
+        world_size=world_size,
+        placements=tuple(placements),
+        store_address=store_address(state.members, placements),
+        abort_previous=abort,
+        switch_at_step=switch_at,
+    )
+    return replace(state, generation=generation, rank_map=rank_map)

@@ -1,0 +1,77 @@
+"""Job policy: the knobs that decide sizes and timeouts, validated in one place.
+
+Per-job sizes (min/max nodes, world size multiple) come from the first Join; the timing
+knobs are the coordinator's (its `muster serve` flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+MAX_SLOTS = 1024
+MAX_NODES = 100_000
+
+
+class InvalidPolicy(ValueError):
+    """A policy value is out of range; the message names the field."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job asks for. Fixed when the job is created."""
+
+    min_nodes: int = 1
+    max_nodes: int = MAX_NODES
+    world_size_multiple: int = 1
+
+    def validate(self) -> JobSpec:
+        if not 1 <= self.min_nodes <= MAX_NODES:
+            raise InvalidPolicy(f"min_nodes must be in 1..{MAX_NODES}, got {self.min_nodes}")
+        if not self.min_nodes <= self.max_nodes <= MAX_NODES:
+            raise InvalidPolicy(
+                f"max_nodes must be in min_nodes..{MAX_NODES} ({self.min_nodes}..{MAX_NODES}), got {self.max_nodes}"
+            )
+        if not 1 <= self.world_size_multiple <= 65_536:
+            raise InvalidPolicy(f"world_size_multiple must be in 1..65536, got {self.world_size_multiple}")
+        return self
+
+    def merged_over(self, default: JobSpec) -> JobSpec:
+        """Fields left at zero (proto default) take the coordinator's default."""
+        return JobSpec(
+            min_nodes=self.min_nodes or default.min_nodes,
+            max_nodes=self.max_nodes or max(default.max_nodes, self.min_nodes),
+            world_size_multiple=self.world_size_multiple or default.world_size_multiple,
+        )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How fast failures are detected and changes are made. Seconds throughout."""
+
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 2.0
+    progress_timeout_s: float | None = None  # fixed stall timeout; None: calibrate
+    progress_floor_s: float = 10.0  # calibrated timeout never goes below this
+    progress_factor: float = 10.0  # calibrated timeout = factor x p99 step time
+    startup_progress_timeout_s: float = 300.0  # before enough step times are known
+    long_phase_timeout_s: float = 3600.0  # a declared long phase may last this long
+    grace_s: float = 5.0  # after a leader change, before silence/stall evict anyone
+    last_call_s: float = 0.5  # once min_nodes joined, wait this long for more before forming
+    switch_lead_s: float = 0.5  # planned changes switch this far ahead (as steps)
+    history_limit: int = 200
+
+    def validate(self) -> Timing:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and value <= 0:
+                raise InvalidPolicy(f"{field.name} must be positive, got {value}")
+        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
+            raise InvalidPolicy(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be below "
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s})"
+            )
+        return self

@@ -1,0 +1,67 @@
+"""Rank assignment: which slots of which nodes run the next generation, and as which ranks.
+
+Deterministic and topology-aware: a node's ranks are contiguous and its local ranks are its
+slot numbers; nodes of the previous map keep their relative order (so rank 0 stays put while
+its node lives, and otherwise moves to the oldest surviving node); new nodes follow by age.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from muster.coordinator.core.policy import JobSpec
+from muster.coordinator.core.state import Member, Placement, RankMap
+
+
+@dataclass(frozen=True)
+class Assignment:
+    placements: tuple[Placement, ...]  # empty when the job cannot run
+    world_size: int
+    reason: str
+
+    @property
+    def runnable(self) -> bool:
+        return self.world_size > 0
+
+
+def priority_order(members: Sequence[Member], previous: RankMap | None) -> list[Member]:
+    """Nodes of the previous map in their node-rank order, then the others by age."""
+    prior = {node_id: i for i, node_id in enumerate(previous.node_ids)} if previous else {}
+    return sorted(members, key=lambda m: (0, prior[m.node_id]) if m.node_id in prior else (1, m.seq))
+
+
+def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobSpec) -> Assignment:
+    candidates = [m for m in priority_order(members, previous) if m.usable_slots][: spec.max_nodes]
+    total = sum(len(m.usable_slots) for m in candidates)
+    target = total - total % spec.world_size_multiple
+    placements: list[Placement] = []
+    offset = 0
+    for member in candidates:
+        take = min(len(member.usable_slots), target - offset)
+        if take == 0:
+            break
+        placements.append(Placement(member.node_id, len(placements), offset, member.usable_slots[:take]))
+        offset += take
+    if len(placements) < spec.min_nodes:
+        return Assignment(
+            (),
+            0,
+            f"{len(placements)} usable node(s) of min_nodes={spec.min_nodes} "
+            f"({total} usable slot(s), world_size_multiple={spec.world_size_multiple})",
+        )
+    spares = len(members) - len(placements)
+    return Assignment(
+        tuple(placements),
+        offset,
+        f"world_size={offset} on {len(placements)} node(s)" + (f", {spares} spare/idle" if spares else ""),
+    )
+
+
+def store_address(members: Sequence[Member], placements: Sequence[Placement]) -> str:
+    """The store of a generation lives on the node holding its rank 0."""
+    if not placements:
+        return ""
+    node = next(m for m in members if m.node_id == placements[0].node_id)
+    host = f"[{node.host}]" if ":" in node.host else node.host
+    return f"{host}:{node.store_port}"

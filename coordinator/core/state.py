@@ -1,0 +1,202 @@
+"""The persisted state of one job: members, the current rank map and the change history.
+
+It changes only with membership (never per heartbeat) and is written to etcd, fenced on the
+leader's term, before any directive about it leaves the leader. Values are immutable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from muster.coordinator.core.policy import JobSpec
+
+SCHEMA = 1
+
+
+class NodeKind(str, Enum):
+    AGENT = "agent"  # a node agent supervising local ranks; its stream may reconnect
+    PROCESS = "process"  # one training process talking directly; its stream closing is its exit
+
+
+class Phase(str, Enum):
+    FORMING = "forming"  # no map yet: waiting for min_nodes (and the last call)
+    RUNNING = "running"
+    WAITING = "waiting"  # had a map, fell below min_nodes
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    member_id: int  # this incarnation; a node that rejoins gets a new one
+    host: str
+    store_port: int
+    slots: int
+    seq: int  # join order: lower is older
+    kind: NodeKind = NodeKind.AGENT
+    down_slots: frozenset[int] = frozenset()  # slots whose rank failed and has not come back
+
+    @property
+    def usable_slots(self) -> tuple[int, ...]:
+        return tuple(s for s in range(self.slots) if s not in self.down_slots)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One node's part of a rank map: rank = rank_offset + index of local_rank in slots."""
+
+    node_id: str
+    node_rank: int
+    rank_offset: int
+    slots: tuple[int, ...]  # local ranks in use, ascending (local_rank follows the slot)
+
+    def rank_of(self, local_rank: int) -> int:
+        return self.rank_offset + self.slots.index(local_rank)
+
+
+@dataclass(frozen=True)
+class RankMap:
+    generation: int
+    world_size: int
+    placements: tuple[Placement, ...]  # by node_rank
+    store_address: str
+    abort_previous: bool
+    switch_at_step: int  # planned: switch after this step; 0 with abort
+
+    def placement(self, node_id: str) -> Placement | None:
+        for p in self.placements:
+            if p.node_id == node_id:
+                return p
+        return None
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(p.node_id for p in self.placements)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of the membership history."""
+
+    generation: int
+    term: int
+    time_unix_ms: int
+    kind: str
+    reason: str
+    nodes: tuple[str, ...] = ()
+    world_size: int = 0
+
+
+@dataclass(frozen=True)
+class JobState:
+    job: str
+    spec: JobSpec
+    term: int = 0  # term of the leader that wrote it
+    generation: int = 0
+    phase: Phase = Phase.FORMING
+    members: tuple[Member, ...] = ()  # by seq
+    rank_map: RankMap | None = None
+    history: tuple[Event, ...] = ()
+    next_seq: int = 1
+    forming_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
+
+    def member(self, node_id: str) -> Member | None:
+        for m in self.members:
+            if m.node_id == node_id:
+                return m
+        return None
+
+    @property
+    def spares(self) -> tuple[str, ...]:
+        """Members with usable slots that the map does not use."""
+        used = set(self.rank_map.node_ids) if self.rank_map else set()
+        return tuple(m.node_id for m in self.members if m.node_id not in used and m.usable_slots)
+
+    def with_members(self, members: tuple[Member, ...]) -> JobState:
+        return replace(self, members=tuple(sorted(members, key=lambda m: m.seq)))
+
+
+def encode(state: JobState) -> bytes:
+    """JSON, so `etcdctl get` shows something an operator can read."""
+    rm = state.rank_map
+    doc = {
+        "schema": SCHEMA,
+        "job": state.job,
+        "spec": vars(state.spec),
+        "term": state.term,
+        "generation": state.generation,
+        "phase": state.phase.value,
+        "next_seq": state.next_seq,
+        "members": [
+            {
+                "node_id": m.node_id,
+                "member_id": m.member_id,
+                "host": m.host,
+                "store_port": m.store_port,
+                "slots": m.slots,
+                "seq": m.seq,
+                "kind": m.kind.value,
+                "down_slots": sorted(m.down_slots),
+            }
+            for m in state.members
+        ],
+        "rank_map": None
+        if rm is None
+        else {
+            "generation": rm.generation,
+            "world_size": rm.world_size,
+            "store_address": rm.store_address,
+            "abort_previous": rm.abort_previous,
+            "switch_at_step": rm.switch_at_step,
+            "placements": [
+                {"node_id": p.node_id, "node_rank": p.node_rank, "rank_offset": p.rank_offset, "slots": list(p.slots)}
+                for p in rm.placements
+            ],
+        },
+        "history": [
+            {
+                "generation": e.generation,
+                "term": e.term,
+                "time_unix_ms": e.time_unix_ms,
+                "kind": e.kind,
+                "reason": e.reason,
+                "nodes": list(e.nodes),
+                "world_size": e.world_size,
+            }
+            for e in state.history
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode(data: bytes) -> JobState:
+    doc = json.loads(data)
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"unsupported job state schema {doc.get('schema')!r} (this build reads {SCHEMA})")
+    rm = doc["rank_map"]
+    return JobState(
+        job=doc["job"],
+        spec=JobSpec(**doc["spec"]),
+        term=doc["term"],
+        generation=doc["generation"],
+        phase=Phase(doc["phase"]),
+        next_seq=doc["next_seq"],
+        members=tuple(
+            Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"])})
+            for m in doc["members"]
+        ),
+        rank_map=None
+        if rm is None
+        else RankMap(
+            generation=rm["generation"],
+            world_size=rm["world_size"],
+            store_address=rm["store_address"],
+            abort_previous=rm["abort_previous"],
+            switch_at_step=rm["switch_at_step"],
+            placements=tuple(
+                Placement(p["node_id"], p["node_rank"], p["rank_offset"], tuple(p["slots"])) for p in rm["placements"]
+            ),
+        ),
+        history=tuple(Event(**{**e, "nodes": tuple(e["nodes"])}) for e in doc["history"]),
+    )

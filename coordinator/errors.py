@@ -1,0 +1,40 @@
+"""The coordinator's error tree. Raised by the core and the edges; mapped to gRPC status
+codes in one table (`muster.coordinator.server.STATUS_OF`)."""
+
+
+class MusterError(Exception):
+    """Base of every error the coordinator reports to a caller."""
+
+
+class InvalidArgument(MusterError):
+    pass
+
+
+class NotFound(MusterError):
+    pass
+
+
+class AlreadyExists(MusterError):
+    pass
+
+
+class FailedPrecondition(MusterError):
+    """Stale term, generation or member: the caller acts on an outdated view."""
+
+
+class ResourceExhausted(MusterError):
+    pass
+
+
+class NotLeader(MusterError):
+    """This replica does not lead the job; `leader` is where to go ("" while unknown)."""
+
+    def __init__(self, job: str, leader: str):
+        self.job = job
+        self.leader = leader
+        where = f"; the leader is at {leader}" if leader else "; no leader is elected yet, retry"
+        super().__init__(f"this replica does not lead job {job!r}{where}")
+
+
+class Unavailable(MusterError):
+    pass

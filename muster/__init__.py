@@ -1,0 +1,1 @@
+"""Muster: elastic rendezvous and heartbeat coordinator for PyTorch distributed training."""

@@ -1,0 +1,288 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RANK_STATE_UNSPECIFIED: _ClassVar[RankState]
+    RANK_STATE_STARTING: _ClassVar[RankState]
+    RANK_STATE_RUNNING: _ClassVar[RankState]
+    RANK_STATE_LONG_PHASE: _ClassVar[RankState]
+    RANK_STATE_EXITED: _ClassVar[RankState]
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_ACTIVE: _ClassVar[Role]
+    ROLE_SPARE: _ClassVar[Role]
+    ROLE_WAITING: _ClassVar[Role]
+    ROLE_EVICTED: _ClassVar[Role]
+RANK_STATE_UNSPECIFIED: RankState
+RANK_STATE_STARTING: RankState
+RANK_STATE_RUNNING: RankState
+RANK_STATE_LONG_PHASE: RankState
+RANK_STATE_EXITED: RankState
+ROLE_UNSPECIFIED: Role
+ROLE_ACTIVE: Role
+ROLE_SPARE: Role
+ROLE_WAITING: Role
+ROLE_EVICTED: Role
+
+class JobSpec(_message.Message):
+    __slots__ = ("min_nodes", "max_nodes", "world_size_multiple")
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    min_nodes: int
+    max_nodes: int
+    world_size_multiple: int
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    AGENT_PID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    slots: int
+    host: str
+    store_port: int
+    spec: JobSpec
+    agent_pid: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    member_id: int
+    term: int
+    generation: int
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("job", "node_id", "member_id", "immediate", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    member_id: int
+    immediate: bool
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., immediate: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("generation", "switch_at_step")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    switch_at_step: int
+    def __init__(self, generation: _Optional[int] = ..., switch_at_step: _Optional[int] = ...) -> None: ...
+
+class RankReport(_message.Message):
+    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEARD_MS_AGO_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    pid: int
+    step: int
+    step_time_us: int
+    state: RankState
+    heard_ms_ago: int
+    phase: str
+    digest_step: int
+    digest: bytes
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class RankExit(_message.Message):
+    __slots__ = ("local_rank", "pid", "exit_code")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    pid: int
+    exit_code: int
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
+
+class NodeFrame(_message.Message):
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EXITS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    member_id: int
+    term: int
+    generation: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankReport]
+    exits: _containers.RepeatedCompositeFieldContainer[RankExit]
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    role: Role
+    abort_previous: bool
+    switch_at_step: int
+    world_size: int
+    node_rank: int
+    rank_offset: int
+    local_world_size: int
+    num_nodes: int
+    store_address: str
+    store_prefix: str
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("term", "generation", "assignment", "drain")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    generation: int
+    assignment: Assignment
+    drain: Drain
+    def __init__(self, term: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ("after_step", "reason")
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    after_step: int
+    reason: str
+    def __init__(self, after_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    local_rank: int
+    node: str
+    node_rank: int
+    pid: int
+    step: int
+    state: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    leader: str
+    term: int
+    generation: int
+    world_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    spares: _containers.RepeatedScalarFieldContainer[str]
+    phase: str
+    live: bool
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("replica", "jobs")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, replica: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("generation", "term", "time_unix_ms", "kind", "reason", "nodes", "world_size")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    term: int
+    time_unix_ms: int
+    kind: str
+    reason: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    world_size: int
+    def __init__(self, generation: _Optional[int] = ..., term: _Optional[int] = ..., time_unix_ms: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class EventsResponse(_message.Message):
+    __slots__ = ("job", "events")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, job: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,107 @@
+"""Liveness: silence, stalls with a calibrated progress timeout, long phases, grace."""
+
+from muster.coordinator.core.liveness import Liveness, RankReport
+from muster.coordinator.core.machine import Context, Join, Tick, decide
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState
+
+TIMING = Timing(heartbeat_timeout_s=2.0, progress_floor_s=1.0, progress_factor=10.0,
+                startup_progress_timeout_s=30.0, long_phase_timeout_s=60.0, grace_s=5.0)
+
+
+def job(n=2):
+    c = Context(now=0, wall_ms=0, term=1, timing=TIMING)
+    return decide(JobState("job", JobSpec(1, n, 1)), [Join(f"n{i}", "h", 1, 1) for i in range(n)], c).state
+
+
+def report(step, state="running", pid=100, step_time_s=0.05, heard_ms_ago=0):
+    return [RankReport(0, pid, step, step_time_s, state, heard_ms_ago)]
+
+
+def steady(live, node, start, steps, now, dt=0.05):
+    for i in range(steps):
+        live.observe(node, 1, report(start + i), now + i * dt)
+    return now + steps * dt
+
+
+def test_silent_node_fails_after_heartbeat_timeout():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(1), 0)
+    live.observe("n1", 1, report(1), 0)
+    live.observe("n0", 1, report(1), 2.5)
+    assert [(f.kind, f.node_id) for f in live.failures(state, 2.5)] == [("node_silent", "n1")]
+
+
+def test_progress_timeout_is_calibrated_from_step_times_with_a_floor():
+    live = Liveness(TIMING, now=0)
+    assert live.progress_timeout() == 30.0  # not calibrated yet
+    steady(live, "n0", 1, 20, 0, dt=0.05)
+    assert live.progress_timeout() == 1.0  # 10 x 0.05 s is under the floor
+    for i in range(20):
+        live.observe("n0", 1, report(100 + i, step_time_s=0.5), 10 + i)
+    assert live.progress_timeout() == 5.0
+
+
+def test_stalled_rank_is_found_while_frames_keep_arriving():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    now = steady(live, "n0", 1, 20, 0)
+    steady(live, "n1", 1, 20, 0)
+    for t in (now, now + 0.5, now + 1.2):
+        live.observe("n0", 1, report(20), t)
+        live.observe("n1", 1, report(int(t * 100)), t)
+    failures = live.failures(state, now + 1.2)
+    assert [(f.kind, f.node_id) for f in failures] == [("rank_stalled", "n0")]
+    assert "has not advanced" in failures[0].reason
+
+
+def test_declared_long_phase_suspends_stall_detection_until_its_ceiling():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    now = steady(live, "n0", 1, 20, 0)
+    live.observe("n1", 1, report(20), now)
+    for t in range(0, 61, 10):
+        live.observe("n0", 1, report(20, state="long_phase"), now + t)
+        live.observe("n1", 1, report(20 + t), now + t)
+    assert live.failures(state, now + 59.9) == []
+    live.observe("n0", 1, report(20, state="long_phase"), now + 61)
+    live.observe("n1", 1, report(99), now + 61)
+    assert [f.kind for f in live.failures(state, now + 61)] == ["rank_stalled"]
+
+
+def test_grace_after_a_leader_change_suppresses_silence_and_stalls():
+    state = job()
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1"], now=100)
+    assert live.failures(state, 104.9) == []
+    live.observe("n0", 1, report(1), 104.9)
+    assert [f.node_id for f in live.failures(state, 105.1)] == ["n1"]
+
+
+def test_agent_reported_silent_rank_is_a_rank_failure():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(1, heard_ms_ago=2500), 0)
+    live.observe("n1", 1, report(1), 0)
+    assert [(f.kind, f.local_rank) for f in live.failures(state, 0.1)] == [("rank_silent", 0)]
+
+
+def test_a_new_process_in_a_failed_slot_is_reported_as_recovered():
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(5, pid=100), 0)
+    live.mark_failed("n0", 0, 100)
+    assert live.observe("n0", 1, report(5, pid=100, state="exited"), 0.1) == []
+    assert live.observe("n0", 1, report(0, pid=101, state="starting"), 0.2) == [0]
+
+
+def test_new_generation_resets_progress_so_reforming_is_not_a_stall():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    now = steady(live, "n0", 1, 20, 0)
+    steady(live, "n1", 1, 20, 0)
+    live.reset_progress(now + 0.9)
+    live.observe("n0", 1, report(20), now + 1.5)
+    live.observe("n1", 1, report(20), now + 1.5)
+    assert live.failures(state, now + 1.5) == []
+    assert live.max_step(decide(state, [Tick()], Context(now=9, wall_ms=0, term=1, timing=TIMING)).state) == 20

@@ -1,0 +1,149 @@
+"""The generation state machine: forming, unplanned and planned changes, spares, history."""
+
+import pytest
+
+from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
+from muster.coordinator.errors import AlreadyExists, NotFound
+
+TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5)
+
+
+def ctx(now=0.0, max_step=0, step_time_s=None, term=7):
+    return Context(now=now, wall_ms=1_700_000_000_000 + int(now * 1000), term=term, timing=TIMING,
+                   max_step=max_step, step_time_s=step_time_s)
+
+
+def join(i, slots=2):
+    return Join(f"n{i}", f"10.0.0.{i}", 29500 + i, slots)
+
+
+def running(n=3, spec=JobSpec(2, 3, 1)):
+    state = JobState("job", spec)
+    state = decide(state, [join(i) for i in range(1, n + 1)], ctx()).state
+    return decide(state, [Tick()], ctx(now=2.0)).state
+
+
+def test_job_forms_after_the_last_call_once_min_nodes_joined():
+    state = JobState("job", JobSpec(2, 4, 1))
+    d = decide(state, [join(1), join(2)], ctx(now=0.0))
+    assert d.state.phase is Phase.FORMING and not d.new_generation and d.persist
+    d = decide(d.state, [Tick()], ctx(now=0.5))
+    assert not d.new_generation
+    d = decide(d.state, [Tick()], ctx(now=1.0))
+    assert d.new_generation and d.state.generation == 1 and d.state.rank_map.world_size == 4
+    assert d.state.rank_map.store_address == "10.0.0.1:29501"
+    assert [e.kind for e in d.events] == ["formed"]
+
+
+def test_job_forms_at_once_when_max_nodes_joined():
+    d = decide(JobState("job", JobSpec(1, 2, 1)), [join(1), join(2)], ctx())
+    assert d.new_generation and d.state.rank_map.node_ids == ("n1", "n2")
+
+
+def test_lost_node_publishes_an_abort_generation_without_it():
+    state = running()
+    d = decide(state, [NodeLost("n2", "node_silent", "no frame for 2.1s")], ctx(now=5, max_step=40))
+    assert d.new_generation and d.persist
+    rm = d.state.rank_map
+    assert rm.generation == 2 and rm.abort_previous and rm.switch_at_step == 0
+    assert rm.node_ids == ("n1", "n3") and rm.world_size == 4
+    assert d.evicted == (("n2", 2),)
+    assert [e.kind for e in d.events] == ["node_silent", "generation"]
+    assert all(e.generation == 2 and e.term == 7 for e in d.events)
+
+
+def test_losing_rank0_moves_the_store_to_the_next_surviving_node():
+    d = decide(running(), [NodeLost("n1", "process_exited", "stream closed")], ctx(now=5))
+    assert d.state.rank_map.placements[0].node_id == "n2"
+    assert d.state.rank_map.store_address == "10.0.0.2:29502"
+
+
+def test_failed_slot_aborts_and_the_node_keeps_its_other_local_rank():
+    d = decide(running(), [SlotDown("n2", 0, "rank_exited", "exit code -9")], ctx(now=5))
+    p = d.state.rank_map.placement("n2")
+    assert p.slots == (1,) and p.rank_of(1) == 2 and d.state.rank_map.world_size == 5
+    assert d.state.member("n2").down_slots == {0}
+
+
+def test_slot_coming_back_is_a_planned_switch_ahead_of_the_fastest_rank():
+    state = decide(running(), [SlotDown("n2", 0, "rank_exited", "exit code 1")], ctx(now=5)).state
+    d = decide(state, [SlotsUp("n2", (0,))], ctx(now=6, max_step=100, step_time_s=0.1))
+    rm = d.state.rank_map
+    assert not rm.abort_previous and rm.switch_at_step == 100 + 6
+    assert rm.placement("n2").slots == (0, 1)
+
+
+def test_join_beyond_max_nodes_is_a_spare_and_makes_no_generation():
+    state = running()
+    d = decide(state, [join(4)], ctx(now=5))
+    assert not d.new_generation and d.persist
+    assert d.state.spares == ("n4",) and d.state.generation == state.generation
+
+
+def test_spare_is_promoted_in_the_abort_generation():
+    state = decide(running(), [join(4)], ctx(now=5)).state
+    d = decide(state, [NodeLost("n1", "node_silent", "x")], ctx(now=6))
+    assert d.state.rank_map.node_ids == ("n2", "n3", "n4") and d.state.spares == ()
+
+
+def test_join_below_max_nodes_is_a_planned_switch():
+    state = running(n=2)
+    d = decide(state, [join(3)], ctx(now=5, max_step=10))
+    assert d.new_generation and not d.state.rank_map.abort_previous
+    assert d.state.rank_map.switch_at_step == 12 and d.joined.node_id == "n3"
+
+
+def test_graceful_leave_drains_the_node_at_the_switch_step():
+    d = decide(running(), [Leave("n3", immediate=False, reason="SIGTERM")], ctx(now=5, max_step=10))
+    assert d.drains == (("n3", 12),) and not d.state.rank_map.abort_previous
+    assert d.state.member("n3") is None
+
+
+def test_immediate_leave_aborts():
+    d = decide(running(), [Leave("n3", immediate=True, reason="operator")], ctx(now=5))
+    assert d.state.rank_map.abort_previous and d.drains == ()
+
+
+def test_falling_below_min_nodes_waits_then_resumes_when_a_node_joins():
+    state = running(n=2)
+    d = decide(state, [NodeLost("n1", "node_silent", "x")], ctx(now=5))
+    assert d.state.phase is Phase.WAITING and d.state.rank_map.world_size == 0 and d.new_generation
+    d = decide(d.state, [join(9)], ctx(now=6))
+    assert d.state.phase is Phase.RUNNING and d.state.rank_map.abort_previous
+    assert d.state.rank_map.node_ids == ("n2", "n9")
+
+
+def test_several_failures_in_one_tally_make_one_generation():
+    d = decide(running(), [NodeLost("n2", "node_silent", "x"), SlotDown("n3", 1, "rank_stalled", "y")], ctx(now=5))
+    assert d.state.generation == 2 and d.state.rank_map.world_size == 3
+
+
+def test_duplicate_node_id_is_refused_and_unknown_leave_is_not_found():
+    state = running()
+    with pytest.raises(AlreadyExists, match="already a member"):
+        decide(state, [join(1)], ctx())
+    with pytest.raises(NotFound, match="not a member"):
+        decide(state, [Leave("nx", False, "")], ctx())
+
+
+def test_repeated_loss_of_the_same_node_is_ignored():
+    state = decide(running(), [NodeLost("n2", "node_silent", "x")], ctx(now=5)).state
+    d = decide(state, [NodeLost("n2", "process_exited", "y")], ctx(now=6))
+    assert not d.persist and not d.new_generation
+
+
+def test_history_is_bounded():
+    state = running()
+    timing = Timing(history_limit=5)
+    for i in range(10):
+        c = Context(now=5 + i, wall_ms=0, term=1, timing=timing)
+        state = decide(state, [Join(f"x{i}", "h", 1, 1)], c).state
+    assert len(state.history) == 5 and state.history[-1].nodes == ("x9",)
+
+
+def test_state_round_trips_through_its_encoding():
+    state = decide(running(), [SlotDown("n2", 0, "rank_exited", "exit"), Join("p", "h", 1, 1, NodeKind.PROCESS)],
+                   ctx(now=5)).state
+    assert decode(encode(state)) == state

@@ -1,0 +1,101 @@
+"""Rank assignment: the invariants every rank map keeps, by property tests and examples."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muster.coordinator.core.policy import JobSpec
+from muster.coordinator.core.rankmap import assign_ranks
+from muster.coordinator.core.state import Member, RankMap
+
+
+def member(i, slots=2, down=()):
+    return Member(f"n{i}", i, f"10.0.0.{i}", 29500, slots, i, down_slots=frozenset(down))
+
+
+def as_map(assignment, generation=1):
+    return RankMap(generation, assignment.world_size, assignment.placements, "", False, 0)
+
+
+def global_ranks(assignment):
+    return {(p.node_id, slot): p.rank_of(slot) for p in assignment.placements for slot in p.slots}
+
+
+nodes_strategy = st.lists(
+    st.tuples(st.integers(1, 8), st.sets(st.integers(0, 7), max_size=3)), min_size=1, max_size=12
+).map(lambda specs: [member(i + 1, slots, {d for d in down if d < slots}) for i, (slots, down) in enumerate(specs)])
+spec_strategy = st.builds(
+    lambda lo, extra, mult: JobSpec(lo, lo + extra, mult),
+    st.integers(1, 4), st.integers(0, 8), st.sampled_from([1, 1, 2, 4, 8]),
+)
+
+
+def check_invariants(members, spec, a):
+    ranks = sorted(global_ranks(a).values())
+    assert ranks == list(range(a.world_size)), "ranks are a permutation of 0..world_size-1"
+    assert a.world_size % spec.world_size_multiple == 0
+    if a.runnable:
+        assert spec.min_nodes <= len(a.placements) <= spec.max_nodes
+    by_id = {m.node_id: m for m in members}
+    for p in a.placements:
+        assert list(p.slots) == sorted(p.slots) and set(p.slots) <= set(by_id[p.node_id].usable_slots)
+        node_ranks = [p.rank_of(s) for s in p.slots]
+        assert node_ranks == list(range(p.rank_offset, p.rank_offset + len(p.slots))), "contiguous per node"
+    assert [p.node_rank for p in a.placements] == list(range(len(a.placements)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes_strategy, spec_strategy)
+def test_every_map_is_a_contiguous_permutation_within_bounds(members, spec):
+    check_invariants(members, spec, assign_ranks(members, None, spec))
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes_strategy, spec_strategy, st.data())
+def test_survivors_keep_relative_order_and_rank0_stays_with_its_node(members, spec, data):
+    before = assign_ranks(members, None, spec)
+    if not before.runnable:
+        return
+    lost = data.draw(st.sets(st.sampled_from([m.node_id for m in members])))
+    survivors = [m for m in members if m.node_id not in lost]
+    after = assign_ranks(survivors, as_map(before), spec)
+    check_invariants(survivors, spec, after)
+    old, new = global_ranks(before), global_ranks(after)
+    kept = [k for k in old if k in new]
+    assert sorted(kept, key=old.get) == sorted(kept, key=new.get), "survivors keep relative order"
+    rank0 = before.placements[0].node_id
+    if after.runnable and rank0 not in lost and after.placements[0].node_id != rank0:
+        # only a multiple that trims every slot of the old rank-0 node may move rank 0
+        assert rank0 not in {p.node_id for p in after.placements}
+
+
+def test_first_map_puts_rank0_on_the_oldest_node_and_ranks_follow_slots():
+    a = assign_ranks([member(3, 2), member(1, 2), member(2, 2)], None, JobSpec())
+    assert [p.node_id for p in a.placements] == ["n1", "n2", "n3"]
+    assert a.world_size == 6
+    assert a.placements[1].rank_of(1) == 3
+
+
+def test_a_failed_slot_keeps_the_local_rank_of_the_others():
+    a = assign_ranks([member(1, 4, down={1})], None, JobSpec())
+    assert a.placements[0].slots == (0, 2, 3)
+    assert a.placements[0].rank_of(2) == 1
+
+
+def test_nodes_beyond_max_nodes_wait_as_spares_and_are_promoted_on_failure():
+    spec = JobSpec(1, 2, 1)
+    first = assign_ranks([member(1), member(2), member(3)], None, spec)
+    assert [p.node_id for p in first.placements] == ["n1", "n2"]
+    second = assign_ranks([member(2), member(3)], as_map(first), spec)
+    assert [p.node_id for p in second.placements] == ["n2", "n3"]
+
+
+def test_world_size_multiple_trims_slots_from_the_youngest_node():
+    a = assign_ranks([member(1, 4), member(2, 4), member(3, 2)], None, JobSpec(1, 8, 4))
+    assert a.world_size == 8
+    assert [p.node_id for p in a.placements] == ["n1", "n2"]
+
+
+def test_below_min_nodes_the_job_cannot_run_and_says_why():
+    a = assign_ranks([member(1)], None, JobSpec(2, 4, 1))
+    assert not a.runnable
+    assert "min_nodes=2" in a.reason
