@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.rankmap import assign_ranks, store_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
-from muster.coordinator.errors import AlreadyExists, NotFound
+from muster.coordinator.errors import AlreadyExists, MusterError, NotFound
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class Decision:
     events: tuple[Event, ...]  # appended to the history
     evicted: tuple[tuple[str, int], ...] = ()  # (node_id, member_id) fenced out
     drains: tuple[tuple[str, int], ...] = ()  # (node_id, after_step) leaving at a step boundary
-    joined: Member | None = None
+    joined: tuple[Member, ...] = ()
+    rejected: tuple[tuple[int, MusterError], ...] = ()  # (index in events, why): nothing of it applied
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
@@ -94,28 +95,30 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
     log: list[Event] = []
     evicted: list[tuple[str, int]] = []
     leaving: list[str] = []
-    joined: Member | None = None
+    joined: list[Member] = []
+    rejected: list[tuple[int, MusterError]] = []
     unplanned = planned = changed = False
 
     def note(kind: str, reason: str, *nodes: str) -> None:
         log.append(Event(state.generation, ctx.term, ctx.wall_ms, kind, reason, tuple(nodes)))
 
-    for ev in events:
+    for index, ev in enumerate(events):
         if isinstance(ev, Join):
             if ev.node_id in members:
-                raise AlreadyExists(
+                rejected.append((index, AlreadyExists(
                     f"node {ev.node_id!r} is already a member of job {state.job!r} "
                     f"(member {members[ev.node_id].member_id}); leave first or use another node id"
-                )
-            joined = members[ev.node_id] = Member(
-                ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind
-            )
+                )))
+                continue
+            members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind)
+            joined.append(members[ev.node_id])
             next_seq += 1
             note("node_joined", f"{ev.slots} slot(s) at {ev.host}", ev.node_id)
             planned = changed = True
         elif isinstance(ev, Leave):
             if ev.node_id not in members:
-                raise NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}")
+                rejected.append((index, NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}")))
+                continue
             del members[ev.node_id]
             graceful = not ev.immediate and ev.node_id in in_map
             note("node_left", ("graceful: " if graceful else "immediate: ") + ev.reason, ev.node_id)
@@ -196,7 +199,8 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         events=tuple(log),
         evicted=tuple(evicted),
         drains=drains,
-        joined=joined,
+        joined=tuple(joined),
+        rejected=tuple(rejected),
     )
 
 

@@ -1,7 +1,5 @@
 """The generation state machine: forming, unplanned and planned changes, spares, history."""
 
-import pytest
-
 from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
@@ -92,7 +90,7 @@ def test_join_below_max_nodes_is_a_planned_switch():
     state = running(n=2)
     d = decide(state, [join(3)], ctx(now=5, max_step=10))
     assert d.new_generation and not d.state.rank_map.abort_previous
-    assert d.state.rank_map.switch_at_step == 12 and d.joined.node_id == "n3"
+    assert d.state.rank_map.switch_at_step == 12 and d.joined[0].node_id == "n3"
 
 
 def test_graceful_leave_drains_the_node_at_the_switch_step():
@@ -120,12 +118,14 @@ def test_several_failures_in_one_tally_make_one_generation():
     assert d.state.generation == 2 and d.state.rank_map.world_size == 3
 
 
-def test_duplicate_node_id_is_refused_and_unknown_leave_is_not_found():
+def test_duplicate_node_id_and_unknown_leave_are_rejected_and_change_nothing():
     state = running()
-    with pytest.raises(AlreadyExists, match="already a member"):
-        decide(state, [join(1)], ctx())
-    with pytest.raises(NotFound, match="not a member"):
-        decide(state, [Leave("nx", False, "")], ctx())
+    d = decide(state, [join(1), Leave("nx", False, ""), join(5)], ctx(now=5))
+    (i, dup), (j, unknown) = d.rejected
+    assert (i, j) == (0, 1)
+    assert isinstance(dup, AlreadyExists) and "already a member" in str(dup)
+    assert isinstance(unknown, NotFound) and "not a member" in str(unknown)
+    assert [m.node_id for m in d.joined] == ["n5"] and d.state.member("n1") == state.member("n1")
 
 
 def test_repeated_loss_of_the_same_node_is_ignored():

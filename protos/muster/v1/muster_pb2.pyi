@@ -44,7 +44,7 @@ class JobSpec(_message.Message):
     def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid")
+    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class JoinRequest(_message.Message):
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
+    IS_PROCESS_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     slots: int
@@ -59,7 +60,8 @@ class JoinRequest(_message.Message):
     store_port: int
     spec: JobSpec
     agent_pid: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ...) -> None: ...
+    is_process: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms")
@@ -152,7 +154,7 @@ class NodeFrame(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason")
+    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ABORT_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,7 @@ class Assignment(_message.Message):
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     role: Role
     abort_previous: bool
@@ -177,7 +180,8 @@ class Assignment(_message.Message):
     store_address: str
     store_prefix: str
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    local_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("term", "generation", "assignment", "drain")

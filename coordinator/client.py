@@ -1,0 +1,86 @@
+"""A client for a coordinator deployment: give it any replicas, it finds the job's leader.
+
+Dead addresses are skipped; an UNAVAILABLE answer carrying `muster-leader` is followed to
+that address. Used by the CLI and the tests; agents and the worker library build on it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+LEADER_METADATA = "muster-leader"
+
+
+def parse_addresses(value: str | Sequence[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    addresses = [a.strip() for a in items if a.strip()]
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"coordinator address {a!r} is not HOST:PORT")
+    if not addresses:
+        raise ValueError("no coordinator address given")
+    return addresses
+
+
+def leader_hint(error: grpc.RpcError) -> str:
+    for key, value in error.trailing_metadata() or ():
+        if key == LEADER_METADATA:
+            return value
+    return ""
+
+
+class Coordinators:
+    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0):
+        self.addresses = parse_addresses(addresses)
+        self.timeout_s = timeout_s
+        self.retry_for_s = retry_for_s  # keep trying (with backoff) while no leader answers
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def stub(self, address: str) -> pb_grpc.CoordinatorStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.insecure_channel(address)
+        return pb_grpc.CoordinatorStub(channel)
+
+    def call(self, rpc: str, request, *, prefer: str | None = None):
+        """Call `rpc` on the leader (for job RPCs) or the first live replica (for queries)."""
+        deadline = time.monotonic() + self.retry_for_s
+        delay = 0.05
+        last: grpc.RpcError | None = None
+        while True:
+            order = ([prefer] if prefer else []) + self.addresses
+            hops = 0
+            while order and hops < len(self.addresses) + 3:
+                address = order.pop(0)
+                hops += 1
+                try:
+                    return getattr(self.stub(address), rpc)(request, timeout=self.timeout_s)
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                    last = exc
+                    hint = leader_hint(exc)
+                    if hint and hint != address:
+                        order.insert(0, hint)
+            if time.monotonic() >= deadline:
+                raise last
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def __enter__(self) -> Coordinators:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

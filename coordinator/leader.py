@@ -1,0 +1,317 @@
+"""One job led by this replica: its state, its node streams and its tally loop.
+
+A single asyncio task owns every change: it folds queued requests, exit reports and the
+liveness failures of one tick into one decision, persists it (fenced on the term) and only
+then adopts it and pushes each node its part of the new map. Frames only update liveness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from muster.coordinator import wire
+from muster.coordinator.core.liveness import Failure, Liveness
+from muster.coordinator.core.machine import (Context, Decision, Join, Leave, MembershipEvent, NodeLost, SlotDown,
+                                             SlotsUp, Tick, decide)
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState, NodeKind, Phase
+from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader
+from muster.v1 import muster_pb2 as pb
+
+log = structlog.get_logger(__name__)
+
+CLOSE = object()  # queued on a NodeStream to end it
+
+
+class PersistUnavailable(Exception):
+    """Job state could not be written for now (etcd unreachable); retry on the next tick."""
+
+
+class PersistFenced(Exception):
+    """Job state may not be written by this term any more: leadership is lost."""
+
+
+@dataclass(eq=False)
+class NodeStream:
+    """The directive side of one node's Session stream."""
+
+    job: str
+    node_id: str
+    member_id: int
+    kind: NodeKind
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    departed: bool = False  # the node left: its frames are ignored until it hangs up
+
+    def send(self, item) -> None:
+        self.queue.put_nowait(item)
+
+
+def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
+    if f.local_rank is None or kind is NodeKind.PROCESS:
+        return NodeLost(f.node_id, f.kind, f.reason)
+    return SlotDown(f.node_id, f.local_rank, f.kind, f.reason)
+
+
+class JobLeader:
+    def __init__(
+        self,
+        state: JobState,
+        *,
+        term: int,
+        address: str,
+        timing: Timing,
+        tick_s: float,
+        persist: Callable[[JobState], Awaitable[None]],
+        session_alive: Callable[[], bool],
+        on_lost: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.job = state.job
+        self.term = term
+        self.address = address
+        self.timing = timing
+        self.tick_s = tick_s
+        self.state = state
+        self._persist = persist
+        self._session_alive = session_alive
+        self._on_lost = on_lost
+        self._clock = clock
+        self._wall = wall
+        now = clock()
+        self.live = Liveness(timing, now)
+        if state.members:  # taken over: agents get a grace period to reconnect
+            self.live.start_grace([m.node_id for m in state.members], now)
+        self.streams: dict[str, NodeStream] = {}
+        self._inbox: list[tuple[MembershipEvent, asyncio.Future | None]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.lost_reason: str | None = None
+        self.log = log.bind(job=self.job, term=term)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"leader:{self.job}")
+
+    async def stop(self, reason: str) -> None:
+        """Give up the job: refuse queued requests and end every stream with a leader hint."""
+        if self.lost_reason is None:
+            self.lost_reason = reason
+        if self._task and self._task is not asyncio.current_task():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        not_leader = NotLeader(self.job, "")
+        for _, fut in self._inbox:
+            if fut and not fut.done():
+                fut.set_exception(not_leader)
+        self._inbox.clear()
+        for stream in self.streams.values():
+            stream.send(not_leader)
+        self.streams.clear()
+
+    def _lose(self, reason: str) -> None:
+        if self.lost_reason is None:
+            self.lost_reason = reason
+            self.log.warning("leadership_lost", reason=reason)
+            self._on_lost(reason)
+
+    async def _run(self) -> None:
+        while self.lost_reason is None:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if not self._session_alive():
+                self._lose("session lost: lease renewals failed past the renew deadline")
+                return
+            try:
+                await self._tally()
+            except PersistFenced as exc:
+                self._lose(f"fenced write refused: {exc}")
+                return
+
+    # ---- the tally -------------------------------------------------------------------
+
+    def _enqueue(self, event: MembershipEvent, want_result: bool = False) -> asyncio.Future | None:
+        fut = asyncio.get_running_loop().create_future() if want_result else None
+        self._inbox.append((event, fut))
+        self._wake.set()
+        return fut
+
+    async def _tally(self) -> None:
+        now = self._clock()
+        batch, self._inbox = self._inbox, []
+        events = [event for event, _ in batch]
+        for failure in self.live.failures(self.state, now):
+            member = self.state.member(failure.node_id)
+            events.append(_failure_event(failure, member.kind if member else NodeKind.AGENT))
+        if self.state.phase is Phase.FORMING:
+            events.append(Tick())
+        if not events:
+            return
+        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
+                      self.live.max_step(self.state), self.live.median_step_time())
+        decision = decide(self.state, events, ctx)
+        if decision.persist:
+            try:
+                await self._persist(decision.state)
+            except PersistUnavailable as exc:
+                self._inbox[:0] = batch  # nothing adopted: decide again next tick
+                self.log.warning("state_write_deferred", error=str(exc))
+                return
+            except PersistFenced as exc:
+                self._inbox[:0] = batch
+                raise exc
+        self._adopt(decision, now)
+        self._settle(batch, decision)
+
+    def _adopt(self, d: Decision, now: float) -> None:
+        self.state = d.state
+        for e in d.events:
+            self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
+                          nodes=list(e.nodes), world_size=e.world_size)
+        for member in d.joined:
+            self.live.track(member.node_id, now)
+        for node_id, member_id in d.evicted:
+            self.live.forget(node_id)
+            stream = self.streams.get(node_id)
+            if stream and stream.member_id == member_id:
+                del self.streams[node_id]
+                stream.send(wire.evicted_directive(self.state, "evicted: " + self._reason_for(node_id)))
+                stream.send(CLOSE)
+        if d.new_generation:
+            self.live.reset_progress(now)
+            reason = d.events[-1].reason if d.events else ""
+            for node_id, stream in self.streams.items():
+                if not stream.departed:
+                    stream.send(wire.assignment_for(self.state, node_id, reason))
+        for node_id, after_step in d.drains:
+            stream = self.streams.get(node_id)
+            if stream:
+                stream.send(pb.Directive(term=self.term, generation=self.state.generation,
+                                         drain=pb.Drain(after_step=after_step, reason="graceful leave")))
+
+    def _reason_for(self, node_id: str) -> str:
+        for e in reversed(self.state.history):
+            if node_id in e.nodes and e.kind != "generation":
+                return f"{e.kind}: {e.reason}"
+        return "no longer a member"
+
+    def _settle(self, batch, d: Decision) -> None:
+        rejected = dict(d.rejected)
+        for index, (event, fut) in enumerate(batch):
+            if fut is None or fut.done():
+                continue
+            if index in rejected:
+                fut.set_exception(rejected[index])
+            elif isinstance(event, Join):
+                fut.set_result(self.state.member(event.node_id))
+            elif isinstance(event, Leave):
+                rm = self.state.rank_map
+                fut.set_result((self.state.generation, rm.switch_at_step if rm and not event.immediate else 0))
+
+    # ---- requests --------------------------------------------------------------------
+
+    async def join(self, req: pb.JoinRequest, requested: JobSpec) -> pb.JoinResponse:
+        spec = self.state.spec
+        for name in ("min_nodes", "max_nodes", "world_size_multiple"):
+            want = getattr(requested, name)
+            if want and want != getattr(spec, name):
+                raise FailedPrecondition(
+                    f"job {self.job!r} exists with {name}={getattr(spec, name)}; this node asks for {want}"
+                )
+        kind = wire.node_kind(req.is_process)
+        fut = self._enqueue(Join(req.node_id, req.host, req.store_port, req.slots, kind), want_result=True)
+        member = await fut
+        return pb.JoinResponse(
+            job=self.job,
+            node_id=member.node_id,
+            member_id=member.member_id,
+            term=self.term,
+            generation=self.state.generation,
+            heartbeat_interval_ms=int(self.timing.heartbeat_interval_s * 1000),
+            heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
+        )
+
+    async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
+        self._member(req.node_id, req.member_id)
+        fut = self._enqueue(Leave(req.node_id, req.immediate, req.reason or "requested"), want_result=True)
+        generation, switch_at = await fut
+        stream = self.streams.get(req.node_id)
+        if stream:
+            stream.departed = True
+        return pb.LeaveResponse(generation=generation, switch_at_step=switch_at)
+
+    def _member(self, node_id: str, member_id: int):
+        member = self.state.member(node_id)
+        if member is None:
+            raise NotFound(f"node {node_id!r} is not a member of job {self.job!r}: join first")
+        if member.member_id != member_id:
+            raise FailedPrecondition(
+                f"member {member_id} of node {node_id!r} is stale (current member {member.member_id}); "
+                "it was evicted or replaced: rejoin"
+            )
+        return member
+
+    # ---- node streams ----------------------------------------------------------------
+
+    def attach(self, first: pb.NodeFrame) -> NodeStream:
+        """Bind a Session stream to its node; the node gets its current assignment at once."""
+        wire.check_node(first.node_id)
+        member = self._member(first.node_id, first.member_id)
+        stream = NodeStream(self.job, member.node_id, member.member_id, member.kind)
+        self.on_frame(stream, first)
+        previous = self.streams.get(member.node_id)
+        if previous is not None:
+            previous.send(FailedPrecondition(f"node {member.node_id!r} opened a newer session"))
+        self.streams[member.node_id] = stream
+        stream.send(wire.assignment_for(self.state, member.node_id, "current assignment"))
+        self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
+        return stream
+
+    def detach(self, stream: NodeStream) -> None:
+        if self.streams.get(stream.node_id) is not stream:
+            return  # replaced or evicted already
+        del self.streams[stream.node_id]
+        if stream.kind is NodeKind.PROCESS and not stream.departed and self.lost_reason is None:
+            self._enqueue(NodeLost(stream.node_id, "process_exited", "its session closed without leaving"))
+
+    def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None:
+        """Validate one frame completely, then record it. Exit reports wake the tally at once."""
+        if stream.departed:
+            return
+        if frame.job != stream.job or frame.node_id != stream.node_id or frame.member_id != stream.member_id:
+            raise InvalidArgument("every frame of a session must carry the job, node_id and member_id of its first")
+        member = self._member(frame.node_id, frame.member_id)
+        reports = wire.check_frame_ranks(frame, member)
+        if frame.term > self.term:
+            self._lose(f"node {frame.node_id!r} has seen term {frame.term}")
+            raise NotLeader(self.job, "")
+        if frame.generation > self.state.generation:
+            raise FailedPrecondition(
+                f"frame generation {frame.generation} is ahead of the job's generation {self.state.generation}"
+            )
+        now = self._clock()
+        recovered = self.live.observe(member.node_id, frame.generation, reports, now)
+        for e in frame.exits:
+            how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
+            if member.kind is NodeKind.PROCESS:
+                self._enqueue(NodeLost(member.node_id, "process_exited", f"pid {e.pid} {how}"))
+            else:
+                self.live.mark_failed(member.node_id, e.local_rank, e.pid)
+                self._enqueue(SlotDown(member.node_id, e.local_rank, "rank_exited", f"pid {e.pid} {how}"))
+        if recovered:
+            self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
+
+    def status(self) -> pb.JobStatus:
+        return wire.job_status(self.state, self.address, self.term, self.live)

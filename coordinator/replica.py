@@ -1,0 +1,304 @@
+"""One coordinator replica: its etcd session, a campaign per job, and the jobs it leads.
+
+Leadership is per job, so jobs spread over replicas (a replica that already leads jobs
+campaigns a little later). A replica that does not lead a job answers its traffic with
+NotLeader naming the leader. Losing the session ends every leadership of this replica;
+it then starts a fresh session and campaigns again as a standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from dataclasses import dataclass, replace
+
+import structlog
+
+from muster.coordinator import wire
+from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Timing
+from muster.coordinator.core.state import JobState, decode, encode
+from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, Unavailable
+from muster.coordinator.etcd_backend import Election, EtcdUnavailable, Fenced, JobStore, Leadership, Session
+from muster.coordinator.leader import JobLeader, PersistFenced, PersistUnavailable
+from muster.v1 import muster_pb2 as pb
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    address: str = ""  # advertised to workers and other replicas; may be set once bound
+    timing: Timing = Timing()
+    default_spec: JobSpec = JobSpec()
+    tick_s: float = 0.05
+    session_ttl_s: int = 3
+    renew_deadline_s: float | None = None  # default 2/3 of the TTL
+    balance_delay_s: float = 0.2  # per job already led, before campaigning for another
+    leader_wait_s: float = 3.0  # a Join for a new job waits this long for its election
+
+
+@dataclass
+class _Campaign:
+    election: Election
+    stop: threading.Event
+    thread: threading.Thread
+
+
+class Replica:
+    def __init__(self, client, config: ReplicaConfig):
+        self.client = client
+        self.config = config
+        self.address = config.address
+        self.store = JobStore(client)
+        self.jobs: set[str] = set()
+        self.leaders: dict[str, JobLeader] = {}
+        self._campaigns: dict[str, _Campaign] = {}
+        self._session: Session | None = None
+        self._cancel_watch = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._renewing: asyncio.Task | None = None
+        self.log = log
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self.address:
+            raise ValueError("the replica needs its advertise address before it starts")
+        self.log = log.bind(replica=self.address)
+        self._loop = asyncio.get_running_loop()
+        await self._new_session()
+        self._cancel_watch = self.store.watch_jobs(
+            lambda job: self._loop.call_soon_threadsafe(self._discovered, job)
+        )
+        for job in await asyncio.to_thread(self.store.list_jobs):
+            self._discovered(job)
+        self.log.info("replica_started", jobs=len(self.jobs))
+
+    async def close(self) -> None:
+        """Stop leading (resigning, so a standby takes over at once) and end the session."""
+        self._closing = True
+        if self._cancel_watch:
+            self._cancel_watch()
+        for job in list(self.leaders):
+            await self.leaders.pop(job).stop("replica shutting down")
+        campaigns, self._campaigns = self._campaigns, {}
+        for c in campaigns.values():
+            c.stop.set()
+        for c in campaigns.values():
+            await asyncio.to_thread(c.thread.join, 5.0)
+        if self._session:
+            await asyncio.to_thread(self._session.close, True)
+        self.log.info("replica_stopped")
+
+    async def _new_session(self) -> None:
+        delay = 0.1
+        while not self._closing:
+            session = Session(self.client, self.config.session_ttl_s, renew_deadline_s=self.config.renew_deadline_s)
+            try:
+                await asyncio.to_thread(session.start)
+            except EtcdUnavailable as exc:
+                self.log.warning("session_start_failed", error=str(exc), retry_in_s=round(delay, 2))
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 2.0)
+                continue
+            self._session = session
+            session.add_listener(lambda: self._loop.call_soon_threadsafe(self._session_lost, session))
+            return
+
+    def _session_lost(self, session: Session) -> None:
+        if session is not self._session or self._closing or self._renewing:
+            return
+        self._renewing = asyncio.create_task(self._renew_session(session.lost_reason or "lost"))
+
+    async def _renew_session(self, reason: str) -> None:
+        """Every leadership of the old session is void: drop them, then campaign again."""
+        try:
+            self.log.warning("session_replaced", reason=reason, led=sorted(self.leaders))
+            for job in list(self.leaders):
+                await self.leaders.pop(job).stop(reason)
+            campaigns, self._campaigns = self._campaigns, {}
+            for c in campaigns.values():
+                c.stop.set()
+            old = self._session
+            await asyncio.to_thread(old.close, True)  # best effort: lets a standby lead sooner
+            await self._new_session()
+            for job in sorted(self.jobs):
+                self._campaign(job)
+        finally:
+            self._renewing = None
+
+    # ---- campaigns -------------------------------------------------------------------
+
+    def _discovered(self, job: str) -> None:
+        if job not in self.jobs:
+            self.jobs.add(job)
+            self.log.info("job_discovered", job=job)
+        self._campaign(job)
+
+    def _campaign(self, job: str) -> None:
+        if self._closing or job in self._campaigns or self._session is None:
+            return
+        election = Election(self.client, self._session, job, self.address)
+        stop = threading.Event()
+        delay = self.config.balance_delay_s * len(self.leaders)
+        thread = threading.Thread(target=self._campaign_thread, args=(job, election, stop, delay),
+                                  name=f"campaign:{job}", daemon=True)
+        self._campaigns[job] = _Campaign(election, stop, thread)
+        thread.start()
+
+    def _campaign_thread(self, job: str, election: Election, stop: threading.Event, delay: float) -> None:
+        if stop.wait(delay):
+            return
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                leadership = election.campaign(stop)
+            except EtcdUnavailable as exc:
+                self.log.warning("campaign_failed", job=job, error=str(exc))
+                stop.wait(backoff * (1 + random.random()))
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if leadership is not None and not stop.is_set():
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._lead(leadership, stop)))
+            return
+
+    async def _lead(self, leadership: Leadership, stop: threading.Event) -> None:
+        job = leadership.job
+        try:
+            data, spec = await asyncio.to_thread(lambda: (self.store.load_state(job), self.store.get_spec(job)))
+        except EtcdUnavailable as exc:
+            self._leadership_lost(job, f"could not load job state: {exc}")
+            return
+        if stop.is_set() or self._closing:
+            return
+        state = decode(data) if data else JobState(job, JobSpec(**json.loads(spec)))
+        leader = JobLeader(
+            replace(state, term=leadership.term),
+            term=leadership.term,
+            address=self.address,
+            timing=self.config.timing,
+            tick_s=self.config.tick_s,
+            persist=lambda s: self._persist(leadership, s),
+            session_alive=self._session.alive,
+            on_lost=lambda reason: self._leadership_lost(job, reason),
+        )
+        self.leaders[job] = leader
+        leader.start()
+        self.log.info("leadership_acquired", job=job, term=leadership.term, generation=state.generation,
+                      members=len(state.members))
+
+    async def _persist(self, leadership: Leadership, state: JobState) -> None:
+        try:
+            await asyncio.to_thread(self.store.write_state, leadership, encode(state))
+        except Fenced as exc:
+            raise PersistFenced(str(exc)) from exc
+        except EtcdUnavailable as exc:
+            raise PersistUnavailable(str(exc)) from exc
+
+    def _leadership_lost(self, job: str, reason: str) -> None:
+        """One job's leadership is void; the session may be too, so renew it (campaigns restart)."""
+        leader = self.leaders.pop(job, None)
+        if leader is not None:
+            asyncio.ensure_future(leader.stop(reason))
+        if not self._closing and not self._renewing:
+            self._renewing = asyncio.ensure_future(self._renew_session(reason))
+
+    # ---- routing ---------------------------------------------------------------------
+
+    async def leader_for(self, job: str) -> JobLeader:
+        wire.check_job(job)
+        leader = self.leaders.get(job)
+        if leader is not None:
+            return leader
+        if job not in self.jobs:
+            raise NotFound(f"job {job!r} is unknown to this deployment")
+        raise NotLeader(job, await self._leader_address(job))
+
+    async def _leader_address(self, job: str) -> str:
+        campaign = self._campaigns.get(job)
+        if campaign is None:
+            return ""
+        try:
+            found = await asyncio.to_thread(campaign.election.leader)
+        except EtcdUnavailable:
+            return ""
+        return found[0] if found and found[0] != self.address else ""
+
+    async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
+        wire.check_join(req)
+        requested = wire.spec_of(req.spec)
+        if req.job not in self.leaders:
+            if req.job not in self.jobs:
+                try:
+                    spec = requested.merged_over(self.config.default_spec).validate()
+                except InvalidPolicy as exc:
+                    raise InvalidArgument(str(exc)) from exc
+                try:
+                    await asyncio.to_thread(self.store.create_spec, req.job, json.dumps(vars(spec)).encode())
+                except EtcdUnavailable as exc:
+                    raise Unavailable(f"etcd is unavailable: {exc}") from exc
+                self._discovered(req.job)
+            await self._await_election(req.job)
+        return await (await self.leader_for(req.job)).join(req, requested)
+
+    async def _await_election(self, job: str) -> None:
+        """A new job's election takes a moment: wait for it rather than bounce the caller."""
+        deadline = self._loop.time() + self.config.leader_wait_s
+        while job not in self.leaders and self._loop.time() < deadline:
+            address = await self._leader_address(job)
+            if address:
+                raise NotLeader(job, address)
+            await asyncio.sleep(0.02)
+
+    async def status(self, job: str) -> pb.StatusResponse:
+        names = [wire.check_job(job)] if job else sorted(self.jobs)
+        if job and job not in self.jobs:
+            raise NotFound(f"job {job!r} is unknown to this deployment")
+        resp = pb.StatusResponse(replica=self.address)
+        for name in names:
+            leader = self.leaders.get(name)
+            if leader is not None:
+                resp.jobs.append(leader.status())
+                continue
+            state, term_leader = await self._persisted(name)
+            address, term = term_leader
+            resp.jobs.append(wire.job_status(state, address, term, None))
+        return resp
+
+    async def events(self, job: str) -> pb.EventsResponse:
+        wire.check_job(job)
+        leader = self.leaders.get(job)
+        if leader is not None:
+            state = leader.state
+        elif job in self.jobs:
+            state, _ = await self._persisted(job)
+        else:
+            raise NotFound(f"job {job!r} is unknown to this deployment")
+        return pb.EventsResponse(job=job, events=[wire.event_pb(e) for e in state.history])
+
+    async def _persisted(self, job: str) -> tuple[JobState, tuple[str, int]]:
+        campaign = self._campaigns.get(job)
+
+        def read():
+            data, spec = self.store.load_state(job), self.store.get_spec(job)
+            found = campaign.election.leader() if campaign else None
+            return data, spec, found
+
+        try:
+            data, spec, found = await asyncio.to_thread(read)
+        except EtcdUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        if data:
+            state = decode(data)
+        elif spec:
+            state = JobState(job, JobSpec(**json.loads(spec)))
+        else:
+            raise NotFound(f"job {job!r} is unknown to this deployment")
+        return state, found or ("", 0)

@@ -1,0 +1,132 @@
+"""The gRPC edge: a thin servicer over the Replica and the one table from errors to status codes.
+
+`create_server` binds (port 0 in tests) and returns (server, port). Standbys answer job
+traffic with UNAVAILABLE plus trailing metadata `muster-leader: HOST:PORT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import grpc
+import structlog
+
+from muster.coordinator import errors, wire
+from muster.coordinator.client import LEADER_METADATA
+from muster.coordinator.leader import CLOSE
+from muster.coordinator.replica import Replica
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+
+STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.NotLeader: grpc.StatusCode.UNAVAILABLE,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: errors.MusterError):
+    if isinstance(exc, errors.NotLeader) and exc.leader:
+        context.set_trailing_metadata(((LEADER_METADATA, exc.leader),))
+    await context.abort(STATUS_OF[type(exc)], str(exc))
+
+
+def _refusals(method):
+    """Map the error tree at the boundary; the leader keeps serving."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except errors.MusterError as exc:
+            log.info("request_refused", method=method.__name__, code=STATUS_OF[type(exc)].name, error=str(exc))
+            await _abort(context, exc)
+
+    return wrapper
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, replica: Replica):
+        self.replica = replica
+
+    @_refusals
+    async def Join(self, request, context):
+        return await self.replica.join(request)
+
+    @_refusals
+    async def Leave(self, request, context):
+        wire.check_node(request.node_id)
+        return await (await self.replica.leader_for(request.job)).leave(request)
+
+    @_refusals
+    async def Status(self, request, context):
+        return await self.replica.status(request.job)
+
+    @_refusals
+    async def Events(self, request, context):
+        return await self.replica.events(request.job)
+
+    async def Session(self, request_iterator, context):
+        stream = leader = reader = None
+        try:
+            first = await anext(request_iterator, None)
+            if first is None:
+                raise errors.InvalidArgument("a session starts with a frame naming its job and node")
+            leader = await self.replica.leader_for(first.job)
+            stream = leader.attach(first)
+            reader = asyncio.create_task(self._read(leader, stream, request_iterator))
+            while True:
+                item = await stream.queue.get()
+                if item is CLOSE:
+                    return
+                if isinstance(item, errors.MusterError):
+                    raise item
+                yield item
+        except errors.MusterError as exc:
+            log.info("session_refused", code=STATUS_OF[type(exc)].name, error=str(exc))
+            await _abort(context, exc)
+        finally:
+            if reader:
+                reader.cancel()
+            if stream:
+                leader.detach(stream)
+
+    @staticmethod
+    async def _read(leader, stream, request_iterator) -> None:
+        try:
+            async for frame in request_iterator:
+                leader.on_frame(stream, frame)
+        except errors.MusterError as exc:
+            stream.send(exc)
+            return
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        stream.send(CLOSE)
+
+
+async def create_server(
+    replica: Replica, listen: str = "127.0.0.1:0", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+    )
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(replica), server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not listen on {listen}")
+    return server, port

@@ -1,0 +1,68 @@
+"""`muster serve`: assemble etcd (external or embedded), a replica and its gRPC server, and run
+until SIGINT/SIGTERM, then resign (so a standby takes over at once) and stop what it started."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from muster.coordinator.etcd_backend import connect
+from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.replica import Replica, ReplicaConfig
+from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    listen: str = "127.0.0.1:7600"
+    advertise: str | None = None  # default: the listen address (with the bound port)
+    etcd: tuple[str, ...] = ()  # empty: start a private etcd
+    data_dir: Path = Path(".muster")
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
+
+
+async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
+    embedded = None
+    endpoints = list(config.etcd)
+    if not endpoints:
+        embedded = EtcdServer(config.data_dir / "etcd")
+        await asyncio.to_thread(embedded.start)
+        endpoints = [embedded.endpoint]
+        log.info("embedded_etcd_started", endpoint=embedded.endpoint, pid=embedded.pid,
+                 data_dir=str(config.data_dir / "etcd"))
+    client = server = replica = None
+    try:
+        client = connect(endpoints)
+        replica = Replica(client, ReplicaConfig(**config.replica))
+        server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes)
+        host = config.listen.rpartition(":")[0]
+        address = config.advertise or f"{host}:{port}"
+        replica.address = address  # known once bound (port 0 picks one)
+        await server.start()
+        await replica.start()
+        log.info("coordinator_serving", listen=f"{host}:{port}", advertise=address, etcd=endpoints)
+        if ready is not None:
+            ready.set()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("coordinator_stopping")
+    finally:
+        if replica is not None and replica.started:
+            await replica.close()
+        if server is not None:
+            await server.stop(grace=1.0)
+        if client is not None:
+            client.close()
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)
+            log.info("embedded_etcd_stopped")

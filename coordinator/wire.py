@@ -1,0 +1,141 @@
+"""Translation between the wire (muster.v1 protobuf) and the core, with validation.
+
+Every request is checked here before anything touches state: bad values become
+InvalidArgument with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from muster.coordinator.core.liveness import Liveness, RankReport
+from muster.coordinator.core.policy import JOB_NAME, MAX_SLOTS, NODE_ID, JobSpec
+from muster.coordinator.core.state import Event, JobState, Member, NodeKind, RankMap
+from muster.coordinator.errors import InvalidArgument
+from muster.v1 import muster_pb2 as pb
+
+MAX_DIGEST_BYTES = 64
+RANK_STATES = {
+    pb.RANK_STATE_STARTING: "starting",
+    pb.RANK_STATE_RUNNING: "running",
+    pb.RANK_STATE_LONG_PHASE: "long_phase",
+    pb.RANK_STATE_EXITED: "exited",
+}
+
+
+def check_job(job: str) -> str:
+    if not JOB_NAME.match(job):
+        raise InvalidArgument(f"job name {job!r} is invalid: use 1-63 of [a-z0-9._-], starting with a letter or digit")
+    return job
+
+
+def check_node(node_id: str) -> str:
+    if not NODE_ID.match(node_id):
+        raise InvalidArgument(f"node_id {node_id!r} is invalid: use 1-128 of [A-Za-z0-9._:@-]")
+    return node_id
+
+
+def check_join(req: pb.JoinRequest) -> None:
+    check_job(req.job)
+    check_node(req.node_id)
+    if not 1 <= req.slots <= MAX_SLOTS:
+        raise InvalidArgument(f"slots must be in 1..{MAX_SLOTS}, got {req.slots}")
+    if not req.host or len(req.host) > 253 or any(c.isspace() for c in req.host):
+        raise InvalidArgument(f"host {req.host!r} is invalid: give the address other nodes reach this node at")
+    if not 1 <= req.store_port <= 65535:
+        raise InvalidArgument(f"store_port must be in 1..65535, got {req.store_port}")
+
+
+def spec_of(msg: pb.JobSpec) -> JobSpec:
+    return JobSpec(msg.min_nodes, msg.max_nodes, msg.world_size_multiple)
+
+
+def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
+    if len(frame.ranks) > member.slots:
+        raise InvalidArgument(f"frame reports {len(frame.ranks)} ranks but node {member.node_id!r} has {member.slots} slots")
+    reports = []
+    for r in frame.ranks:
+        if r.local_rank >= member.slots:
+            raise InvalidArgument(f"local_rank {r.local_rank} is out of range for {member.slots} slots")
+        if len(r.digest) > MAX_DIGEST_BYTES:
+            raise InvalidArgument(f"digest of local_rank {r.local_rank} is {len(r.digest)} bytes; at most {MAX_DIGEST_BYTES}")
+        state = RANK_STATES.get(r.state)
+        if state is None:
+            raise InvalidArgument(f"state of local_rank {r.local_rank} is unspecified or unknown ({r.state})")
+        reports.append(RankReport(r.local_rank, r.pid, r.step, r.step_time_us / 1e6, state, r.heard_ms_ago, r.phase))
+    for e in frame.exits:
+        if e.local_rank >= member.slots:
+            raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")
+    return reports
+
+
+def assignment_for(state: JobState, node_id: str, reason: str) -> pb.Directive:
+    """This node's part of the current map: O(1) in the job size."""
+    rm: RankMap | None = state.rank_map
+    a = pb.Assignment(generation=state.generation, reason=reason)
+    placement = rm.placement(node_id) if rm else None
+    if rm is not None:
+        a.abort_previous = rm.abort_previous
+        a.switch_at_step = rm.switch_at_step
+        a.world_size = rm.world_size
+        a.num_nodes = len(rm.placements)
+        a.store_address = rm.store_address
+        a.store_prefix = f"muster/{state.job}/g{state.generation}"
+    if placement is not None:
+        a.role = pb.ROLE_ACTIVE
+        a.node_rank = placement.node_rank
+        a.rank_offset = placement.rank_offset
+        a.local_world_size = len(placement.slots)
+        a.local_ranks.extend(placement.slots)
+    elif rm is None or rm.world_size == 0:
+        a.role = pb.ROLE_WAITING
+    else:
+        a.role = pb.ROLE_SPARE
+    return pb.Directive(term=state.term, generation=state.generation, assignment=a)
+
+
+def evicted_directive(state: JobState, reason: str) -> pb.Directive:
+    return pb.Directive(
+        term=state.term,
+        generation=state.generation,
+        assignment=pb.Assignment(generation=state.generation, role=pb.ROLE_EVICTED, reason=reason),
+    )
+
+
+def event_pb(e: Event) -> pb.Event:
+    return pb.Event(generation=e.generation, term=e.term, time_unix_ms=e.time_unix_ms, kind=e.kind,
+                    reason=e.reason, nodes=list(e.nodes), world_size=e.world_size)
+
+
+def job_status(state: JobState, leader: str, term: int, live: Liveness | None) -> pb.JobStatus:
+    """Persisted map always; pids, steps and rank states only when `live` (the leader) is given."""
+    rm = state.rank_map
+    js = pb.JobStatus(
+        name=state.job,
+        leader=leader,
+        term=term,
+        generation=state.generation,
+        world_size=rm.world_size if rm else 0,
+        spares=list(state.spares),
+        phase=state.phase.value,
+        live=live is not None,
+        nodes=[m.node_id for m in state.members],
+    )
+    for p in rm.placements if rm else ():
+        node = live.nodes.get(p.node_id) if live else None
+        for slot in p.slots:
+            r = node.ranks.get(slot) if node else None
+            js.ranks.append(
+                pb.RankStatus(
+                    rank=p.rank_of(slot),
+                    local_rank=slot,
+                    node=p.node_id,
+                    node_rank=p.node_rank,
+                    pid=r.pid if r else 0,
+                    step=r.step if r else 0,
+                    state=(r.state if r else "unknown") if live else "persisted",
+                )
+            )
+    return js
+
+
+def node_kind(is_process: bool) -> NodeKind:
+    return NodeKind.PROCESS if is_process else NodeKind.AGENT

@@ -1,0 +1,166 @@
+"""The `muster` command: serve (coordinator), status and events (queries)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from muster import logs
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Timing
+    from muster.coordinator.service import ServeConfig, serve
+
+    try:
+        timing = Timing(
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            progress_timeout_s=args.progress_timeout,
+            progress_floor_s=args.progress_floor,
+            progress_factor=args.progress_factor,
+            grace_s=args.grace,
+            last_call_s=args.last_call,
+        ).validate()
+        spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
+    except InvalidPolicy as exc:
+        print(f"muster serve: {exc}", file=sys.stderr)
+        return 2
+    config = ServeConfig(
+        listen=args.listen,
+        advertise=args.advertise,
+        etcd=tuple(e.strip().removeprefix("http://") for e in args.etcd.split(",") if e.strip()) if args.etcd else (),
+        data_dir=Path(args.data_dir),
+        max_message_bytes=args.max_message_bytes,
+        replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl),
+    )
+    try:
+        asyncio.run(serve(config))
+    except Exception as exc:  # a clear line for the operator, the traceback in the log
+        print(f"muster serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ask(args, rpc: str, request):
+    from muster.coordinator.client import Coordinators
+
+    with Coordinators(args.coordinator, timeout_s=args.timeout) as coordinators:
+        response = coordinators.call(rpc, request)
+        if rpc == "Status":  # ranks and steps are live only at each job's leader
+            for i, job in enumerate(response.jobs):
+                if not job.live and job.leader and job.leader != response.replica:
+                    from muster.v1 import muster_pb2 as pb
+
+                    try:
+                        live = coordinators.stub(job.leader).Status(pb.StatusRequest(job=job.name), timeout=args.timeout)
+                        response.jobs[i].CopyFrom(live.jobs[0])
+                    except grpc.RpcError:
+                        pass  # keep the persisted view
+        return response
+
+
+def _status(args: argparse.Namespace) -> int:
+    from muster.v1 import muster_pb2 as pb
+
+    response = _ask(args, "Status", pb.StatusRequest(job=args.job or ""))
+    jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            for j in response.jobs]
+    for j in jobs:
+        j["term"] = int(j["term"])
+        j["generation"] = int(j["generation"])
+        for r in j["ranks"]:
+            r["step"] = int(r["step"])
+    if args.json:
+        named = next((j for j in jobs if j["name"] == args.job), None)
+        print(json.dumps({
+            "replica": response.replica,
+            "leader": named["leader"] if named else None,
+            "term": named["term"] if named else None,
+            "jobs": jobs,
+        }, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs")
+    for j in jobs:
+        print(f"job {j['name']}  leader {j['leader'] or '-'}  term {j['term']}  generation {j['generation']}  "
+              f"world_size {j['world_size']}  phase {j['phase']}")
+        print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10}  STATE")
+        for r in sorted(j["ranks"], key=lambda r: r["rank"]):
+            print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
+                  f"{r['step']:>10}  {r['state']}")
+        print(f"  spares: {', '.join(j['spares']) or '-'}")
+    return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    from muster.v1 import muster_pb2 as pb
+
+    response = _ask(args, "Events", pb.EventsRequest(job=args.job))
+    if args.json:
+        print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+        return 0
+    for e in response.events:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time_unix_ms / 1000))
+        print(f"{when}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} {e.reason}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="muster", description="Elastic rendezvous and heartbeat coordinator for PyTorch.")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON logs even on a terminal")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a coordinator replica")
+    s.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]; default: start a private etcd")
+    s.add_argument("--listen", default="127.0.0.1:7600", help="gRPC listen address (default %(default)s)")
+    s.add_argument("--advertise", help="address workers use to reach this replica (default: the listen address)")
+    s.add_argument("--data-dir", default=".muster", help="data directory of the private etcd (default %(default)s)")
+    s.add_argument("--min-nodes", type=int, default=1, help="default min_nodes of new jobs")
+    s.add_argument("--max-nodes", type=int, default=100_000, help="default max_nodes of new jobs")
+    s.add_argument("--world-size-multiple", type=int, default=1, help="default world_size_multiple of new jobs")
+    s.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between node frames")
+    s.add_argument("--heartbeat-timeout", type=float, default=2.0, help="silence before a node is lost")
+    s.add_argument("--progress-timeout", type=float, default=None, help="fixed stall timeout (default: calibrated)")
+    s.add_argument("--progress-floor", type=float, default=10.0, help="lowest calibrated stall timeout")
+    s.add_argument("--progress-factor", type=float, default=10.0, help="stall timeout = factor x p99 step time")
+    s.add_argument("--grace", type=float, default=5.0, help="after a leader change, seconds before evicting")
+    s.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
+    s.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
+    s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    s.set_defaults(func=_serve)
+
+    for name, func, helptext in (("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history")):
+        q = sub.add_parser(name, help=helptext)
+        q.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
+        q.add_argument("--job", required=(name == "events"))
+        q.add_argument("--json", action="store_true")
+        q.add_argument("--timeout", type=float, default=5.0)
+        q.set_defaults(func=func)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logs.configure(args.log_level, json=args.log_json)
+    try:
+        return args.func(args)
+    except grpc.RpcError as exc:
+        print(f"muster {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"muster {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
