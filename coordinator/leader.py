@@ -99,10 +99,14 @@ class JobLeader:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"leader:{self.job}")
 
-    async def stop(self, reason: str) -> None:
+    async def stop(self, reason: str, *, resigned: bool = False) -> None:
         """Give up the job: refuse queued requests and end every stream with a leader hint."""
         if self.lost_reason is None:
             self.lost_reason = reason
+            if resigned:
+                self.log.info("leadership_resigned", reason=reason)
+            else:
+                self.log.warning("leadership_lost", reason=reason)
         if self._task and self._task is not asyncio.current_task():
             self._task.cancel()
             try:
@@ -125,6 +129,8 @@ class JobLeader:
             self._on_lost(reason)
 
     async def _run(self) -> None:
+        pulse_every = self.timing.heartbeat_timeout_s / 4
+        next_pulse = self._clock()
         while self.lost_reason is None:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.tick_s)
@@ -139,6 +145,15 @@ class JobLeader:
             except PersistFenced as exc:
                 self._lose(f"fenced write refused: {exc}")
                 return
+            if self._clock() >= next_pulse:
+                next_pulse = self._clock() + pulse_every
+                self._pulse()
+
+    def _pulse(self) -> None:
+        """An empty directive: a node that hears nothing for heartbeat_timeout looks for the leader."""
+        pulse = pb.Directive(term=self.term, generation=self.state.generation)
+        for stream in self.streams.values():
+            stream.send(pulse)
 
     # ---- the tally -------------------------------------------------------------------
 

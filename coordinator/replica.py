@@ -87,7 +87,7 @@ class Replica:
         if self._cancel_watch:
             self._cancel_watch()
         for job in list(self.leaders):
-            await self.leaders.pop(job).stop("replica shutting down")
+            await self.leaders.pop(job).stop("replica shutting down", resigned=True)
         campaigns, self._campaigns = self._campaigns, {}
         for c in campaigns.values():
             c.stop.set()
@@ -115,7 +115,7 @@ class Replica:
     def _session_lost(self, session: Session) -> None:
         if session is not self._session or self._closing or self._renewing:
             return
-        self._renewing = asyncio.create_task(self._renew_session(session.lost_reason or "lost"))
+        self._renewing = asyncio.create_task(self._renew_session(f"session lost: {session.lost_reason}"))
 
     async def _renew_session(self, reason: str) -> None:
         """Every leadership of the old session is void: drop them, then campaign again."""

@@ -94,6 +94,10 @@ class CoordinatorProcess:
         self._log.close()
 
 
+class LeaderSilent(Exception):
+    """No directive or pulse from the leader for heartbeat_timeout."""
+
+
 class FakeAgent:
     """A scripted node agent: joins, streams frames for its slots, follows the leader, records directives."""
 
@@ -145,6 +149,7 @@ class FakeAgent:
             job=self.job, node_id=self.node_id, slots=self.slots, host="127.0.0.1", store_port=self.store_port,
             spec=self.spec, agent_pid=os.getpid(), is_process=self.is_process))
         self.member_id = resp.member_id
+        self.leader_timeout_s = resp.heartbeat_timeout_ms / 1000
         return resp
 
     def frame(self) -> pb.NodeFrame:
@@ -179,7 +184,17 @@ class FakeAgent:
             try:
                 async with grpc.aio.insecure_channel(address) as channel:
                     call = pb_grpc.CoordinatorStub(channel).Session(self._frames())
-                    async for d in call:
+                    while True:
+                        try:  # the leader pulses; silence means it is frozen or gone
+                            d = await asyncio.wait_for(call.read(), self.leader_timeout_s)
+                        except TimeoutError:
+                            call.cancel()
+                            raise LeaderSilent()
+                        if d is grpc.aio.EOF:
+                            return
+                        if not d.HasField("assignment") and not d.HasField("drain"):
+                            self.term = max(self.term, d.term)
+                            continue
                         self.directives.append(d)
                         self.term = max(self.term, d.term)
                         if d.HasField("assignment"):
@@ -187,12 +202,13 @@ class FakeAgent:
                             if d.assignment.role == pb.ROLE_EVICTED:
                                 return
                         self._changed.set()
-                    return
-            except grpc.aio.AioRpcError as exc:
-                self.errors.append(exc)
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    return
-                hint = leader_hint(exc)
+            except (grpc.aio.AioRpcError, LeaderSilent) as exc:
+                hint = ""
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    self.errors.append(exc)
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        return
+                    hint = leader_hint(exc)
                 others = [a for a in self.addresses if a != address]
                 self.leader = hint or (others[0] if others else address)
                 await asyncio.sleep(0.05)

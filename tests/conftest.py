@@ -1,0 +1,52 @@
+"""Shared pytest fixtures: a real etcd server per test and a client for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator["EtcdServer"]:
+    """A started single-member etcd in tmp_path, stopped (and reaped) afterwards."""
+    # Imported here so unit tests never pay for (or depend on) etcd.
+    from muster.coordinator.etcd_server import EtcdServer
+
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_client(etcd):
+    """A client for the `etcd` fixture's server, closed afterwards."""
+    from muster.coordinator.etcd_backend import connect
+
+    client = connect([etcd.endpoint])
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def coordinators(etcd, tmp_path):
+    """Start coordinator replicas against the `etcd` fixture; all are stopped afterwards."""
+    from harness import CoordinatorProcess
+
+    started = []
+
+    def start(n: int = 1, extra: list[str] | None = None):
+        new = [CoordinatorProcess([etcd.endpoint], tmp_path / f"coordinator-{len(started) + i}.log", extra).start()
+               for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for c in started:
+        c.stop()

@@ -1,0 +1,110 @@
+"""Bad input gets a precise gRPC status and message; the leader keeps serving; nothing changes."""
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+from harness import FakeAgent
+
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+
+def join_request(**over):
+    req = dict(job="bad", node_id="n9", slots=1, host="127.0.0.1", store_port=29500)
+    req.update(over)
+    return pb.JoinRequest(**req)
+
+
+CASES = [
+    ("Join", join_request(job="Bad Name!"), "INVALID_ARGUMENT", "job name"),
+    ("Join", join_request(node_id=""), "INVALID_ARGUMENT", "node_id"),
+    ("Join", join_request(slots=0), "INVALID_ARGUMENT", "slots must be in 1..1024"),
+    ("Join", join_request(slots=5000), "INVALID_ARGUMENT", "slots must be in 1..1024"),
+    ("Join", join_request(host=""), "INVALID_ARGUMENT", "host"),
+    ("Join", join_request(store_port=0), "INVALID_ARGUMENT", "store_port"),
+    ("Join", join_request(job="fresh", spec=pb.JobSpec(min_nodes=3, max_nodes=2)), "INVALID_ARGUMENT", "max_nodes"),
+    ("Join", join_request(node_id="a"), "ALREADY_EXISTS", "already a member"),
+    ("Join", join_request(spec=pb.JobSpec(min_nodes=5)), "FAILED_PRECONDITION", "exists with min_nodes=1"),
+    ("Leave", pb.LeaveRequest(job="nojob", node_id="a"), "NOT_FOUND", "unknown"),
+    ("Leave", pb.LeaveRequest(job="bad", node_id="zz", member_id=1), "NOT_FOUND", "not a member"),
+    ("Leave", pb.LeaveRequest(job="bad", node_id="a", member_id=999), "FAILED_PRECONDITION", "stale"),
+    ("Status", pb.StatusRequest(job="nojob"), "NOT_FOUND", "unknown"),
+    ("Events", pb.EventsRequest(job="nojob"), "NOT_FOUND", "unknown"),
+    ("Events", pb.EventsRequest(job="UPPER"), "INVALID_ARGUMENT", "job name"),
+]
+
+
+async def session_error(stub, frames):
+    async def gen():
+        for f in frames:
+            yield f
+        await asyncio.sleep(5)
+
+    call = stub.Session(gen())
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for d in call:
+            if len(frames) == 1 and d.HasField("assignment") and d.assignment.role == pb.ROLE_ACTIVE:
+                continue
+    return err.value
+
+
+@pytest.mark.timeout(90)
+def test_bad_requests_get_precise_statuses_and_change_nothing(coordinators):
+    (leader,) = coordinators(1)
+
+    async def scenario():
+        agent = FakeAgent([leader.address], "bad", "a", slots=2, spec=pb.JobSpec(min_nodes=1, max_nodes=1))
+        await agent.join()
+        agent.start()
+        await agent.wait_for(lambda a: a.assignment().role == pb.ROLE_ACTIVE, 10, "map")
+        async with grpc.aio.insecure_channel(leader.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            before = (await stub.Status(pb.StatusRequest(job="bad"))).jobs[0]
+            for rpc, request, code, text in CASES:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await getattr(stub, rpc)(request, timeout=5)
+                assert err.value.code().name == code, (rpc, request, err.value.details())
+                assert text in err.value.details(), (rpc, err.value.details())
+
+            good = dict(job="bad", node_id="a", member_id=agent.member_id, term=agent.term, generation=agent.generation)
+            frame_cases = [
+                ([pb.NodeFrame(job="nojob", node_id="a")], "NOT_FOUND", "unknown"),
+                ([pb.NodeFrame(job="bad", node_id="ghost", member_id=1)], "NOT_FOUND", "not a member"),
+                ([pb.NodeFrame(**{**good, "member_id": 12345})], "FAILED_PRECONDITION", "stale"),
+                ([pb.NodeFrame(**{**good, "generation": 99})], "FAILED_PRECONDITION", "ahead of the job's generation"),
+                ([pb.NodeFrame(**good, ranks=[pb.RankReport(local_rank=7, state=pb.RANK_STATE_RUNNING)])],
+                 "INVALID_ARGUMENT", "out of range"),
+                ([pb.NodeFrame(**good, ranks=[pb.RankReport(local_rank=0)])], "INVALID_ARGUMENT", "unspecified"),
+                ([pb.NodeFrame(**good, ranks=[pb.RankReport(local_rank=0, state=pb.RANK_STATE_RUNNING,
+                                                            digest=b"x" * 65)])], "INVALID_ARGUMENT", "digest"),
+                ([pb.NodeFrame(**good), pb.NodeFrame(**{**good, "node_id": "b"})], "INVALID_ARGUMENT", "every frame"),
+            ]
+            for frames, code, text in frame_cases:
+                err = await session_error(stub, frames)
+                assert err.code().name == code, (frames, err.details())
+                assert text in err.details(), err.details()
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Join(join_request(host="h" * 200 + "." + "x" * (2 << 20)), timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            after = (await stub.Status(pb.StatusRequest(job="bad"))).jobs[0]
+            assert (after.generation, list(after.nodes), after.term) == (before.generation, list(before.nodes), before.term)
+            assert after.live
+        await agent.stop()
+
+    asyncio.run(scenario())
+    # garbage on the port: the server drops the connection and keeps serving
+    host, port = leader.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 4)
+        s.settimeout(5)
+        try:
+            s.recv(1024)
+        except OSError:
+            pass
+    with grpc.insecure_channel(leader.address) as channel:
+        status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(job="bad"), timeout=5)
+    assert status.jobs[0].live

@@ -1,0 +1,93 @@
+"""The `muster` command as users run it: serve (embedded etcd), status, events."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from harness import CoordinatorProcess, FakeAgent, wait_until
+
+from muster.coordinator.etcd_server import free_port
+from muster.v1 import muster_pb2 as pb
+
+
+def muster(*args, timeout=30):
+    return subprocess.run([sys.executable, "-m", "muster.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(90)
+def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(coordinators):
+    replicas = coordinators(2)
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        agents = [FakeAgent([replicas[0].address], "cli", f"n{i}", slots=2, spec=pb.JobSpec(min_nodes=2, max_nodes=2))
+                  for i in range(3)]
+        for a in agents:
+            await a.join()
+            a.start()
+        for a in agents[:2]:
+            await a.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 10, "map")
+        await agents[0].wait_for(lambda x: x.step > 3, 5, "steps")
+        for replica in replicas:
+            out = await asyncio.to_thread(
+                muster, "status", "--coordinator", f"{dead},{replica.address}", "--job", "cli", "--json")
+            assert out.returncode == 0, out.stderr
+            doc = json.loads(out.stdout)
+            assert doc["leader"] == agents[0].leader and doc["term"] > 0
+            (job,) = doc["jobs"]
+            assert (job["name"], job["generation"], job["world_size"], job["spares"]) == ("cli", 1, 4, ["n2"])
+            assert sorted(r["rank"] for r in job["ranks"]) == [0, 1, 2, 3]
+            r0 = next(r for r in job["ranks"] if r["rank"] == 0)
+            assert (r0["node"], r0["local_rank"], r0["node_rank"], r0["pid"], r0["state"]) == ("n0", 0, 0, 10000, "running")
+            assert r0["step"] > 0
+        table = await asyncio.to_thread(muster, "status", "--coordinator", replicas[1].address)
+        assert table.returncode == 0 and "job cli" in table.stdout and "spares: n2" in table.stdout
+        events = await asyncio.to_thread(muster, "events", "--coordinator", replicas[1].address, "--job", "cli", "--json")
+        kinds = [e["kind"] for e in json.loads(events.stdout)["events"]]
+        assert kinds == ["node_joined", "node_joined", "formed", "node_joined"]
+        text = await asyncio.to_thread(muster, "events", "--coordinator", replicas[0].address, "--job", "cli")
+        assert "formed" in text.stdout and "world_size=4 on 2 node(s)" in text.stdout
+        for a in agents:
+            await a.stop()
+
+    asyncio.run(scenario())
+
+
+def test_cli_errors_are_one_clear_line_and_a_nonzero_exit():
+    out = muster("status", "--coordinator", "nonsense")
+    assert out.returncode == 2 and "not HOST:PORT" in out.stderr
+    out = muster("status", "--coordinator", f"127.0.0.1:{free_port()}", "--timeout", "0.5")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+    out = muster("serve", "--heartbeat-interval", "5", "--heartbeat-timeout", "1")
+    assert out.returncode == 2 and "heartbeat_interval_s" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_serve_without_etcd_runs_a_private_etcd_and_stops_it_on_exit(tmp_path):
+    serve = CoordinatorProcess([], tmp_path / "serve.log")
+    serve.args = [a for a in serve.args if a not in ("--etcd", "")] + ["--data-dir", str(tmp_path / "data")]
+    serve.start()
+    try:
+        etcd_pid = serve.find("embedded_etcd_started")[0]["pid"]
+        assert alive(etcd_pid)
+        out = muster("status", "--coordinator", serve.address, "--json")
+        assert out.returncode == 0 and json.loads(out.stdout)["jobs"] == []
+        serve.signal(signal.SIGTERM)
+        serve.proc.wait(15)
+        assert serve.proc.returncode == 0
+        wait_until(lambda: not alive(etcd_pid), 5, "embedded etcd to stop")
+        assert (tmp_path / "data" / "etcd").is_dir()
+    finally:
+        serve.stop()
