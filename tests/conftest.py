@@ -37,7 +37,7 @@ def etcd_client(etcd):
 @pytest.fixture
 def coordinators(etcd, tmp_path):
     """Start coordinator replicas against the `etcd` fixture; all are stopped afterwards."""
-    from harness import CoordinatorProcess
+    from muster.testing import CoordinatorProcess
 
     started = []
 

@@ -5,7 +5,7 @@ import socket
 
 import grpc
 import pytest
-from harness import FakeAgent
+from muster.testing import SimulatedNode
 
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -55,7 +55,7 @@ def test_bad_requests_get_precise_statuses_and_change_nothing(coordinators):
     (leader,) = coordinators(1)
 
     async def scenario():
-        agent = FakeAgent([leader.address], "bad", "a", slots=2, spec=pb.JobSpec(min_nodes=1, max_nodes=1))
+        agent = SimulatedNode([leader.address], "bad", "a", slots=2, spec=pb.JobSpec(min_nodes=1, max_nodes=1))
         await agent.join()
         agent.start()
         await agent.wait_for(lambda a: a.assignment().role == pb.ROLE_ACTIVE, 10, "map")

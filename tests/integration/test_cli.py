@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import CoordinatorProcess, FakeAgent, wait_until
+from muster.testing import CoordinatorProcess, SimulatedNode, wait_until
 
 from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
@@ -32,7 +32,7 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
     dead = f"127.0.0.1:{free_port()}"
 
     async def scenario():
-        agents = [FakeAgent([replicas[0].address], "cli", f"n{i}", slots=2, spec=pb.JobSpec(min_nodes=2, max_nodes=2))
+        agents = [SimulatedNode([replicas[0].address], "cli", f"n{i}", slots=2, spec=pb.JobSpec(min_nodes=2, max_nodes=2))
                   for i in range(3)]
         for a in agents:
             await a.join()

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from harness import FakeAgent
+from muster.testing import SimulatedNode
 
 from muster.v1 import muster_pb2 as pb
 
@@ -23,7 +23,7 @@ def test_agents_join_stream_and_a_silent_one_is_replaced_by_the_next_generation(
 
     async def scenario():
         spec = pb.JobSpec(min_nodes=2, max_nodes=3)
-        agents = [FakeAgent([leader.address], "train", f"node-{i}", slots=2, spec=spec) for i in range(3)]
+        agents = [SimulatedNode([leader.address], "train", f"node-{i}", slots=2, spec=spec) for i in range(3)]
         for a in agents:
             await a.join()
             a.start()
@@ -55,11 +55,11 @@ def test_a_node_joining_a_running_job_receives_its_map_at_a_planned_step(coordin
 
     async def scenario():
         spec = pb.JobSpec(min_nodes=1, max_nodes=4)
-        first = FakeAgent([leader.address], "grow", "a", slots=2, spec=spec)
+        first = SimulatedNode([leader.address], "grow", "a", slots=2, spec=spec)
         await first.join()
         first.start()
         await first.wait_for(active, 10, "first map")
-        late = FakeAgent([leader.address], "grow", "b", slots=2, spec=spec)
+        late = SimulatedNode([leader.address], "grow", "b", slots=2, spec=spec)
         await late.join()
         late.start()
         asg = await late.wait_for(lambda x: active(x) and x.assignment().world_size == 4, 5, "map with b")
@@ -78,7 +78,7 @@ def test_a_standby_points_callers_at_the_leader(coordinators):
     first, second = coordinators(2)
 
     async def scenario():
-        agent = FakeAgent([first.address], "ha", "a", slots=1)
+        agent = SimulatedNode([first.address], "ha", "a", slots=1)
         await agent.join()
         leader = agent.leader
         standby = second.address if leader == first.address else first.address
@@ -91,7 +91,7 @@ def test_a_standby_points_callers_at_the_leader(coordinators):
             assert leader in err.value.details()
             status = await stub.Status(pb.StatusRequest(job="ha"))
             assert status.jobs[0].leader == leader and not status.jobs[0].live
-        follower = FakeAgent([standby], "ha", "b", slots=1)
+        follower = SimulatedNode([standby], "ha", "b", slots=1)
         await follower.join()  # follows the hint
         assert follower.leader == leader
 

@@ -5,7 +5,7 @@ import signal
 import time
 
 import pytest
-from harness import FakeAgent, wait_until
+from muster.testing import SimulatedNode, wait_until
 
 from muster.coordinator.client import Coordinators
 from muster.coordinator.core.state import decode
@@ -31,7 +31,7 @@ def stored_state(etcd_client, job):
 
 
 async def running_agents(addresses, job, n):
-    agents = [FakeAgent(addresses, job, f"node-{i}", slots=1, spec=pb.JobSpec(min_nodes=n, max_nodes=n))
+    agents = [SimulatedNode(addresses, job, f"node-{i}", slots=1, spec=pb.JobSpec(min_nodes=n, max_nodes=n))
               for i in range(n)]
     for a in agents:
         await a.join()

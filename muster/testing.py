@@ -1,4 +1,5 @@
-"""Test harness: coordinator replicas as real processes, and scripted node agents over real gRPC."""
+"""Testing helpers shipped with Muster: coordinator replicas as real processes and simulated node
+agents over real gRPC. Used by the tests, the demo and the benchmarks."""
 
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ class LeaderSilent(Exception):
     """No directive or pulse from the leader for heartbeat_timeout."""
 
 
-class FakeAgent:
-    """A scripted node agent: joins, streams frames for its slots, follows the leader, records directives."""
+class SimulatedNode:
+    """A simulated node agent: joins, streams frames for its slots (one step per frame), follows the
+    leader (hints and pulses), records directives. `silent = True` makes it hang."""
 
     def __init__(self, addresses: list[str], job: str, node_id: str, *, slots: int = 2, spec: pb.JobSpec | None = None,
                  is_process: bool = False, interval_s: float = 0.05, store_port: int = 29500):
