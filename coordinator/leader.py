@@ -310,8 +310,9 @@ class JobLeader:
         member = self._member(frame.node_id, frame.member_id)
         reports = wire.check_frame_ranks(frame, member)
         if frame.term > self.term:
-            self._lose(f"node {frame.node_id!r} has seen term {frame.term}")
-            raise NotLeader(self.job, "")
+            # Not trusted blindly (a bad client could depose the leader): were this leader stale,
+            # its session and fenced writes would tell it.
+            raise FailedPrecondition(f"frame term {frame.term} is ahead of this leader's term {self.term}")
         if frame.generation > self.state.generation:
             raise FailedPrecondition(
                 f"frame generation {frame.generation} is ahead of the job's generation {self.state.generation}"

