@@ -35,11 +35,13 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
 
 
 class CoordinatorProcess:
-    """`muster serve` on 127.0.0.1:0 against the given etcd; its address is read from its log."""
+    """`muster serve` on 127.0.0.1:0 against the given etcd (none: its private etcd); its address is
+    read from its log."""
 
     def __init__(self, etcd_endpoints: list[str], log_path: Path, extra: list[str] | None = None):
         self.log_path = log_path
-        self.args = [sys.executable, "-m", "muster.cli", "--log-json", "serve", "--etcd", ",".join(etcd_endpoints),
+        etcd = ["--etcd", ",".join(etcd_endpoints)] if etcd_endpoints else []
+        self.args = [sys.executable, "-m", "muster.cli", "--log-json", "serve", *etcd,
                      "--listen", "127.0.0.1:0", *FAST, *(extra or [])]
         self.proc: subprocess.Popen | None = None
         self.address = ""

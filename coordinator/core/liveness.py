@@ -185,6 +185,11 @@ class Liveness:
                                 f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
                             )
                         )
+                elif live.state == "starting" and now - live.progress_at > max(stall_after, t.startup_progress_timeout_s):
+                    found.append(
+                        Failure("rank_stalled", member.node_id, slot,
+                                f"no step completed for {now - live.progress_at:.2f}s since it started")
+                    )
                 elif live.state == "running" and now - live.progress_at > stall_after:
                     found.append(
                         Failure(

@@ -76,9 +76,7 @@ def test_cli_errors_are_one_clear_line_and_a_nonzero_exit():
 
 @pytest.mark.timeout(60)
 def test_serve_without_etcd_runs_a_private_etcd_and_stops_it_on_exit(tmp_path):
-    serve = CoordinatorProcess([], tmp_path / "serve.log")
-    serve.args = [a for a in serve.args if a not in ("--etcd", "")] + ["--data-dir", str(tmp_path / "data")]
-    serve.start()
+    serve = CoordinatorProcess([], tmp_path / "serve.log", ["--data-dir", str(tmp_path / "data")]).start()
     try:
         etcd_pid = serve.find("embedded_etcd_started")[0]["pid"]
         assert alive(etcd_pid)

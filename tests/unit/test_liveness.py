@@ -105,3 +105,17 @@ def test_new_generation_resets_progress_so_reforming_is_not_a_stall():
     live.observe("n1", 1, report(20), now + 1.5)
     assert live.failures(state, now + 1.5) == []
     assert live.max_step(decide(state, [Tick()], Context(now=9, wall_ms=0, term=1, timing=TIMING)).state) == 20
+
+
+def test_a_rank_that_never_completes_a_step_is_stalled_after_the_startup_timeout():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    for t in range(0, 31, 5):
+        live.observe("n0", 1, report(0, state="starting"), t)
+        live.observe("n1", 1, report(t), t)
+    assert live.failures(state, 30) == []
+    live.observe("n0", 1, report(0, state="starting"), 30.5)
+    live.observe("n1", 1, report(31), 30.5)
+    failures = live.failures(state, 30.5)
+    assert [(f.kind, f.node_id) for f in failures] == [("rank_stalled", "n0")]
+    assert "since it started" in failures[0].reason
