@@ -1,0 +1,202 @@
+"""The client side of the Muster protocol for one node: join, keep one Session stream to the
+job's leader, follow leader changes, leave.
+
+The leader pulses every stream; a stream that stays silent for the heartbeat timeout is ended
+and another replica is tried (a frozen or partitioned leader). Standbys answer UNAVAILABLE with
+a `muster-leader` hint, which is followed. Used by the worker library, the node agent and the
+simulated nodes of `muster.testing`. Runs on one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from muster.coordinator.client import leader_hint, parse_addresses
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+
+class Evicted(Exception):
+    """The coordinator fenced this node out (or it never was a member): rejoin as a new member."""
+
+
+@dataclass
+class NodeIdentity:
+    job: str
+    node_id: str
+    slots: int
+    host: str
+    store_port: int
+    spec: pb.JobSpec = field(default_factory=pb.JobSpec)
+    is_process: bool = False
+    agent_pid: int = 0
+
+
+class NodeSession:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        identity: NodeIdentity,
+        *,
+        reports: Callable[[], Sequence[pb.RankReport]],
+        on_directive: Callable[[pb.Directive], None],
+        rpc_timeout_s: float = 5.0,
+    ):
+        self.addresses = parse_addresses(addresses)
+        self.identity = identity
+        self._reports = reports
+        self._on_directive = on_directive
+        self.rpc_timeout_s = rpc_timeout_s
+        self.member_id = 0
+        self.term = 0  # highest term seen
+        self.generation = 0  # the generation this node runs: set by the owner
+        self.leader = ""
+        self.heartbeat_interval_s = 0.1
+        self.heartbeat_timeout_s = 2.0
+        self.exits: list[pb.RankExit] = []  # appended by the owner, sent with the next frame
+        self.paused = False  # send no frames (tests simulate a hung node with it)
+        self._call = None
+        self._stopping = False
+        self._leader_silent = False
+        self._heard_at = 0.0
+        self._wake = asyncio.Event()
+        self.log = log.bind(job=identity.job, node=identity.node_id)
+
+    # ---- unary calls -----------------------------------------------------------------
+
+    async def _unary(self, rpc: str, request, *, retry_for_s: float):
+        """Call the job's leader, following hints; retry UNAVAILABLE with backoff and jitter."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + retry_for_s
+        delay = 0.05
+        while True:
+            order = ([self.leader] if self.leader else []) + self.addresses
+            last: grpc.aio.AioRpcError | None = None
+            for _ in range(len(self.addresses) + 3):
+                if not order:
+                    break
+                address = order.pop(0)
+                async with grpc.aio.insecure_channel(address) as channel:
+                    try:
+                        response = await getattr(pb_grpc.CoordinatorStub(channel), rpc)(
+                            request, timeout=self.rpc_timeout_s)
+                        self.leader = address
+                        return response
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                            raise
+                        last = exc
+                        hint = leader_hint(exc)
+                        if hint and hint != address:
+                            order.insert(0, hint)
+            if loop.time() >= deadline:
+                raise last or TimeoutError(f"{rpc}: no coordinator answered")
+            await asyncio.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+
+    async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
+        i = self.identity
+        response = await self._unary("Join", pb.JoinRequest(
+            job=i.job, node_id=i.node_id, slots=i.slots, host=i.host, store_port=i.store_port, spec=i.spec,
+            agent_pid=i.agent_pid, is_process=i.is_process), retry_for_s=retry_for_s)
+        self.member_id = response.member_id
+        self.term = max(self.term, response.term)
+        self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
+        self.heartbeat_timeout_s = response.heartbeat_timeout_ms / 1000
+        self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term)
+        return response
+
+    async def leave(self, *, immediate: bool = False, reason: str = "", retry_for_s: float = 10.0) -> pb.LeaveResponse:
+        i = self.identity
+        return await self._unary("Leave", pb.LeaveRequest(
+            job=i.job, node_id=i.node_id, member_id=self.member_id, immediate=immediate, reason=reason),
+            retry_for_s=retry_for_s)
+
+    # ---- the stream ------------------------------------------------------------------
+
+    def frame(self) -> pb.NodeFrame:
+        exits, self.exits = self.exits, []
+        i = self.identity
+        return pb.NodeFrame(job=i.job, node_id=i.node_id, member_id=self.member_id, term=self.term,
+                            generation=self.generation, ranks=self._reports(), exits=exits)
+
+    def send_now(self) -> None:
+        """Send a frame at once (an exit report must not wait for the interval)."""
+        self._wake.set()
+
+    async def _frames(self):
+        while True:
+            if not self.paused:
+                yield self.frame()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
+            except TimeoutError:
+                pass
+
+    async def run(self) -> None:
+        """Stream until stopped. Raises Evicted when fenced out, AioRpcError on a refusal."""
+        while not self._stopping:
+            address = self.leader or self.addresses[0]
+            self._leader_silent = False
+            hint = ""
+            try:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames())
+                    watchdog = asyncio.create_task(self._watch(call))
+                    try:
+                        async for directive in call:
+                            self._heard_at = asyncio.get_running_loop().time()
+                            self._directive(directive)
+                        return
+                    finally:
+                        watchdog.cancel()
+            except asyncio.CancelledError:
+                if self._stopping:
+                    return
+                if not self._leader_silent:
+                    raise
+                self.log.warning("leader_silent", leader=address, timeout_s=self.heartbeat_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if self._stopping:
+                    return
+                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    raise Evicted(exc.details()) from exc
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                hint = leader_hint(exc)
+            others = [a for a in self.addresses if a != address]
+            self.leader = hint or (random.choice(others) if others else address)
+            await asyncio.sleep(0.02 + random.random() * 0.05)
+
+    def _directive(self, d: pb.Directive) -> None:
+        self.term = max(self.term, d.term)
+        if not d.HasField("assignment") and not d.HasField("drain"):
+            return  # the leader's pulse
+        self._on_directive(d)
+        if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
+            raise Evicted(d.assignment.reason)
+
+    async def _watch(self, call) -> None:
+        loop = asyncio.get_running_loop()
+        self._heard_at = loop.time()
+        while True:
+            await asyncio.sleep(self.heartbeat_timeout_s / 4)
+            if loop.time() - self._heard_at > self.heartbeat_timeout_s:
+                self._leader_silent = True
+                call.cancel()
+                return
+
+    async def stop(self) -> None:
+        """End the stream the gRPC way: cancelling a pending read from asyncio can wedge it."""
+        self._stopping = True
+        if self._call is not None:
+            self._call.cancel()
