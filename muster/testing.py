@@ -96,6 +96,63 @@ class CoordinatorProcess:
         self._log.close()
 
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+
+
+class TrainingProcess:
+    """One rank of `examples/train_ddp.py` under the worker library (no agent), logging JSON lines."""
+
+    def __init__(self, coordinators: list[str], job: str, log_path: Path, *, steps: int, step_sleep_s: float = 0.05,
+                 min_nodes: int = 1, max_nodes: int = 0, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self.env = {**os.environ, "MUSTER_COORDINATOR": ",".join(coordinators), "MUSTER_JOB": job,
+                    "MUSTER_MIN_NODES": str(min_nodes), "MUSTER_MAX_NODES": str(max_nodes), **(env or {})}
+        self.args = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-sleep", str(step_sleep_s)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> TrainingProcess:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def records(self, event: str | None = None) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if event is None or record.get("event") == event:
+                    out.append(record)
+        return out
+
+    def steps(self) -> list[dict]:
+        return self.records("step")
+
+    @property
+    def last_step(self) -> int:
+        steps = self.steps()
+        return steps[-1]["step"] if steps else 0
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 class SimulatedNode:
     """A simulated node agent over the real protocol (`NodeSession`): its active ranks complete one
     step per frame. `silent = True` makes it hang (frames stop, the stream stays open)."""

@@ -50,3 +50,21 @@ def coordinators(etcd, tmp_path):
     yield start
     for c in started:
         c.stop()
+
+
+@pytest.fixture
+def training(tmp_path):
+    """Start ranks of examples/train_ddp.py; all are killed (by PID) afterwards if still running."""
+    from muster.testing import TrainingProcess
+
+    started = []
+
+    def start(coordinators, job: str, n: int = 1, **kwargs):
+        new = [TrainingProcess(coordinators, job, tmp_path / f"rank-{len(started) + i}.log", **kwargs).start()
+               for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for p in started:
+        p.stop()

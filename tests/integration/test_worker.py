@@ -1,0 +1,103 @@
+"""The worker library with real gloo process groups, a real coordinator and a real etcd: ranks
+are killed, hung and added, and the survivors keep training in-process."""
+
+import signal
+from collections import defaultdict
+
+import pytest
+
+from muster.testing import wait_until
+
+STEPS = 70
+
+
+def step_records(ranks):
+    return {p.pid: p.steps() for p in ranks}
+
+
+def assert_contiguous_and_identical(survivors, after_generation):
+    """Steps go up by one with no gap (nothing completed is lost or redone), and every rank of a
+    generation holds the same parameters at every step."""
+    by_step = defaultdict(set)
+    for p in survivors:
+        steps = [r["step"] for r in p.steps()]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), f"pid {p.pid}: steps {steps}"
+        for r in p.steps():
+            if r["generation"] > after_generation:
+                by_step[r["step"]].add(r["digest"])
+    assert by_step, "no step completed in the new generation"
+    diverged = {step: d for step, d in by_step.items() if len(d) != 1}
+    assert not diverged, f"replicas differ at steps {sorted(diverged)[:5]}"
+
+
+def rank_of(p):
+    return p.steps()[-1]["rank"]
+
+
+def running(ranks, at_least=8):
+    wait_until(lambda: all(p.last_step >= at_least for p in ranks), 60, f"all ranks past step {at_least}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim_rank", [2, 0], ids=["rank2", "rank0_store_moves"])
+def test_survivors_of_a_killed_rank_continue_in_process(coordinators, training, victim_rank):
+    (leader,) = coordinators(1)
+    ranks = training([leader.address], "kill", 4, steps=STEPS, min_nodes=3, max_nodes=4)
+    running(ranks)
+    victim = next(p for p in ranks if rank_of(p) == victim_rank)
+    survivors = [p for p in ranks if p is not victim]
+    generation = victim.steps()[-1]["generation"]
+    store_before = {r["store"] for p in ranks for r in p.records("group_formed") if r["generation"] == generation}
+    victim.signal(signal.SIGKILL)
+    for p in survivors:
+        assert p.wait(90) == 0, p.log_path.read_text()[-2000:]  # same process, trained to the end
+        assert p.last_step == STEPS
+    assert_contiguous_and_identical(survivors, generation)
+    new_worlds = {r["world_size"] for p in survivors for r in p.steps() if r["generation"] > generation}
+    assert 3 in new_worlds
+    reformed = [r for p in survivors for r in p.records("group_formed") if r["generation"] > generation]
+    assert {r["world_size"] for r in reformed} >= {3}
+    if victim_rank == 0:
+        store_after = {r["store"] for r in reformed}
+        assert store_after and store_after.isdisjoint(store_before), "the store moved with rank 0"
+    kinds = [r["kind"] for r in leader.find("membership_changed")]
+    assert "process_exited" in kinds
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, training):
+    (leader,) = coordinators(1)
+    ranks = training([leader.address], "hang", 4, steps=STEPS, min_nodes=3, max_nodes=4)
+    running(ranks)
+    victim = next(p for p in ranks if rank_of(p) == 1)
+    survivors = [p for p in ranks if p is not victim]
+    generation = victim.steps()[-1]["generation"]
+    victim.signal(signal.SIGSTOP)
+    wait_until(lambda: all(p.steps()[-1]["generation"] > generation for p in survivors), 30, "survivors reform")
+    steps_when_resumed = {p.pid: p.last_step for p in survivors}
+    victim.signal(signal.SIGCONT)
+    assert victim.wait(30) == 3  # FencedOut: it stops instead of training on stale state
+    assert "fenced out" in victim.records("training_stopped")[0]["error"]
+    for p in survivors:
+        assert p.wait(90) == 0
+        assert p.last_step == STEPS > steps_when_resumed[p.pid]
+    assert_contiguous_and_identical(survivors, generation)
+    evicted = [r for r in leader.find("membership_changed") if r["kind"] in ("node_silent", "rank_stalled")]
+    assert evicted and evicted[0]["nodes"] == [victim.records("node_joined")[0]["node"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_rank_joins_at_a_step_boundary_with_identical_state(coordinators, training):
+    (leader,) = coordinators(1)
+    first = training([leader.address], "grow", 3, steps=STEPS, min_nodes=3, max_nodes=4)
+    running(first)
+    generation = first[0].steps()[-1]["generation"]
+    (joiner,) = training([leader.address], "grow", 1, steps=STEPS, min_nodes=3, max_nodes=4)
+    everyone = first + [joiner]
+    for p in everyone:
+        assert p.wait(90) == 0, p.log_path.read_text()[-2000:]
+    assert all(not p.records("step_discarded") for p in first), "a planned join aborts nothing"
+    joined_at = joiner.steps()[0]["step"]
+    assert joined_at > 1 and joiner.steps()[0]["world_size"] == 4
+    assert_contiguous_and_identical(everyone, generation)
+    assert joiner.last_step == STEPS

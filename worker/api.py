@@ -1,0 +1,335 @@
+"""The in-process library a training script uses to survive the loss of ranks without restarting.
+
+    worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=opt, data=loader_state)
+    worker.start()
+    while worker.step < steps:
+        with worker.step_scope() as step:  # a step lost to a membership change is discarded...
+            loss = worker.ddp(model)(batch(worker.step)).sum()
+            loss.backward(); opt.step(); opt.zero_grad()
+        if step.completed:                 # ...and redone by the next iteration
+            log_progress(worker.step, loss)
+    worker.close()
+
+The training thread only records progress (a tuple assignment) and checks one flag per step;
+a background thread with its own asyncio loop talks to the coordinator. A new generation with
+"abort" makes that thread abort the old group at once (so a collective blocked on a dead or
+hung peer fails), and the training thread reforms at the step boundary; a planned one is
+switched to after `switch_at_step`. Errors of the background thread surface at the next boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from muster.v1 import muster_pb2 as pb
+from muster.worker.comm import Comm, GroupSpec, Superseded
+from muster.worker.errors import CoordinatorLost, FencedOut, WorkerError
+from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
+from muster.worker.state import TrainingState
+
+log = structlog.get_logger(__name__)
+
+_STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
+           "long_phase": pb.RANK_STATE_LONG_PHASE}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinators: tuple[str, ...]
+    job: str
+    node_id: str
+    backend: str = "gloo"
+    host: str = "127.0.0.1"  # the address other ranks reach this process's store at
+    local_rank: int = 0  # the device index (NCCL)
+    min_nodes: int = 0  # job size, used when this rank creates the job (0: the coordinator's default)
+    max_nodes: int = 0
+    world_size_multiple: int = 0
+    digest_every: int = 0  # steps between parameter digests sent to the coordinator (0: never)
+    abort_wait_s: float = 5.0  # after a collective error, how long to wait for the membership change
+    form_timeout_s: float = 300.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
+        """MUSTER_COORDINATOR (HOST:PORT[,...]) and MUSTER_JOB are required; see the README."""
+        env = dict(os.environ if env is None else env)
+        missing = [k for k in ("MUSTER_COORDINATOR", "MUSTER_JOB") if not env.get(k)]
+        if missing:
+            raise WorkerError(f"set {' and '.join(missing)} (or run under `muster run`)")
+        cuda = torch.cuda.is_available()
+        return cls(
+            coordinators=tuple(a.strip() for a in env["MUSTER_COORDINATOR"].split(",") if a.strip()),
+            job=env["MUSTER_JOB"],
+            node_id=env.get("MUSTER_NODE_ID") or f"{os.uname().nodename}-{os.getpid()}",
+            backend=env.get("MUSTER_BACKEND") or ("nccl" if cuda else "gloo"),
+            host=env.get("MUSTER_HOST", "127.0.0.1"),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            min_nodes=int(env.get("MUSTER_MIN_NODES", "0")),
+            max_nodes=int(env.get("MUSTER_MAX_NODES", "0")),
+            world_size_multiple=int(env.get("MUSTER_WORLD_SIZE_MULTIPLE", "0")),
+            digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
+        )
+
+
+class _StepScope:
+    """`with worker.step_scope() as step:` around one training step; `step.completed` tells
+    afterwards whether it counted (False: discarded by a membership change, to be redone).
+    Reusable; allocation-free on success."""
+
+    __slots__ = ("worker", "started", "completed")
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.started = 0.0
+        self.completed = False
+
+    def __enter__(self) -> _StepScope:
+        self.started = time.perf_counter()
+        self.completed = False
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        w = self.worker
+        if exc_type is None:
+            w.step += 1
+            self.completed = True
+            w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "")
+            if w._digest_every and w.step % w._digest_every == 0:
+                w._digest = (w.step, w.state.digest())
+            if w._changed.is_set():
+                w._boundary()
+            return False
+        if not issubclass(exc_type, Exception) or issubclass(exc_type, WorkerError):
+            return False
+        if not w._membership_changed(w.config.abort_wait_s):
+            return False  # not ours: the script's own error
+        log.info("step_discarded", step=w.step + 1, generation=w.generation, error=str(exc)[:200])
+        w._reform(discard=True)
+        return True  # swallowed: the loop redoes the step
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.state = TrainingState()
+        self.step = 0  # completed steps
+        self.rank = -1
+        self.world_size = 0
+        self.generation = 0  # of the group this rank is in
+        self.comm: Comm | None = None
+        self.session: NodeSession | None = None
+        self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
+        self._digest_every = config.digest_every
+        self._lock = threading.Lock()
+        self._latest: pb.Assignment | None = None
+        self._changed = threading.Event()  # the background thread has news for the step boundary
+        self._error: WorkerError | None = None
+        self._progress: tuple[int, int, str, str] = (0, 0, "starting", "")
+        self._digest: tuple[int, bytes] = (0, b"")
+        self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
+        self._scope = _StepScope(self)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._device = torch.device("cuda", config.local_rank) if config.backend == "nccl" else torch.device("cpu")
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def register(self, *, model: torch.nn.Module | None = None, optimizer=None, **extras) -> Worker:
+        """The state kept identical on every rank: the model's parameters and buffers, the
+        optimizer, and any extras with state_dict()/load_state_dict() (e.g. a data position)."""
+        for name, obj in extras.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
+        self.state = TrainingState(model, optimizer, dict(extras))
+        return self
+
+    def start(self) -> Worker:
+        """Join the job, wait for this rank's place in a generation, form the group, get the state."""
+        self.comm = Comm(self.config.backend, host=self.config.host, timeout_s=self.config.form_timeout_s)
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._link_thread, args=(ready,), name="muster-link", daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._reform(discard=False)
+        return self
+
+    def close(self, *, leave: bool = True) -> None:
+        """Leave the job (a planned change for the others) and stop the background thread."""
+        if self._loop is not None and self.session is not None:
+            if leave and self._error is None:
+                try:
+                    asyncio.run_coroutine_threadsafe(
+                        self.session.leave(reason="training finished"), self._loop).result(10)
+                except Exception as exc:  # leaving is a courtesy: the stream closing says the same
+                    log.warning("leave_failed", error=str(exc))
+            asyncio.run_coroutine_threadsafe(self.session.stop(), self._loop).result(5)
+            self._thread.join(5)
+        self._ddp.clear()
+        if self.comm is not None:
+            self.comm.destroy()
+
+    # ---- the training thread's API ---------------------------------------------------
+
+    def step_scope(self) -> _StepScope:
+        return self._scope
+
+    @contextmanager
+    def long_phase(self, name: str) -> Iterator[None]:
+        """Declare a long phase (checkpoint save, evaluation): no stall is detected meanwhile."""
+        step, us, _, _ = self._progress
+        self._progress = (step, us, "long_phase", name)
+        try:
+            yield
+        finally:
+            step, us, _, _ = self._progress
+            self._progress = (step, us, "running", "")
+
+    def ddp(self, module: torch.nn.Module | None = None, **kwargs) -> torch.nn.Module:
+        """A DistributedDataParallel wrapper over the current group, rebuilt after every reform
+        (the old wrapper is dropped, so nothing keeps the old group alive)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = module if module is not None else self.state.model
+        cached = self._ddp.get(id(module))
+        if cached is None or cached[0] != self.generation:
+            kwargs.setdefault("init_sync", False)  # the state sync already made replicas identical
+            if self.config.backend == "nccl":
+                kwargs.setdefault("device_ids", [self.config.local_rank])
+            cached = self._ddp[id(module)] = (self.generation, DistributedDataParallel(module, **kwargs))
+        return cached[1]
+
+    # ---- step boundary ---------------------------------------------------------------
+
+    def _boundary(self) -> None:
+        self._changed.clear()
+        if self._error is not None:
+            raise self._error
+        latest = self._latest
+        if latest is None or latest.generation <= self.generation:
+            return
+        if latest.abort_previous or self.step >= latest.switch_at_step or latest.role != pb.ROLE_ACTIVE:
+            self._reform(discard=False)
+        else:
+            self._changed.set()  # a planned switch ahead: look again at the next boundary
+
+    def _membership_changed(self, wait_s: float) -> bool:
+        """After a collective failed: is (or does, within wait_s) an abort of this generation come?"""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._error is not None:
+                raise self._error
+            latest = self._latest
+            if latest is not None and latest.generation > self.generation and latest.abort_previous:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.wait(min(remaining, 0.05))
+            self._changed.clear()
+
+    def _wait_for_place(self) -> pb.Assignment:
+        """Block until the newest assignment gives this rank a place (spares and waiting jobs wait)."""
+        while True:
+            self._changed.clear()
+            if self._error is not None:
+                raise self._error
+            latest = self._latest
+            if latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > self.generation:
+                return latest
+            self._changed.wait(0.1)
+
+    def _reform(self, *, discard: bool) -> None:
+        started = time.perf_counter()
+        if discard:
+            self.state.discard_step()
+        self._ddp.clear()
+        self.comm.destroy()
+        while True:
+            a = self._wait_for_place()
+            spec = GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(0), a.world_size, 0,
+                             a.store_address, a.store_prefix)
+            try:
+                formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation: self._newer_than(g))
+                source, step = self.state.sync(self.step, spec.rank, spec.world_size, self._device)
+                break
+            except Superseded:
+                pass
+            except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself
+                if not self._membership_changed(self.config.abort_wait_s):
+                    raise
+                log.info("reform_interrupted", generation=spec.generation, error=str(exc)[:200])
+            self.comm.destroy()
+        lost = self.step - step if step < self.step else 0
+        self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
+        self.session.generation = spec.generation
+        self._progress = (step, self._progress[1], self._progress[2], self._progress[3])
+        took = time.perf_counter() - started
+        self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
+        log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
+                 step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4), steps_behind=lost)
+
+    def _newer_than(self, generation: int) -> bool:
+        latest = self._latest
+        return self._error is not None or (latest is not None and latest.generation > generation)
+
+    # ---- background thread -----------------------------------------------------------
+
+    def _link_thread(self, ready: threading.Event) -> None:
+        try:
+            asyncio.run(self._link(ready))  # cancels and awaits what is left (gRPC's request pump)
+        finally:
+            ready.set()
+
+    async def _link(self, ready: threading.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        c = self.config
+        identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
+                                pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
+                                           world_size_multiple=c.world_size_multiple),
+                                is_process=True, agent_pid=os.getpid())
+        self.session = NodeSession(c.coordinators, identity, reports=self._reports, on_directive=self._on_directive)
+        ready.set()
+        try:
+            await self.session.join()
+            await self.session.run()
+        except Evicted as exc:
+            self._fail(FencedOut(f"fenced out by the coordinator: {exc}"))
+        except Exception as exc:
+            self._fail(CoordinatorLost(f"lost the coordinator: {exc}"), exc)
+
+    def _fail(self, error: WorkerError, cause: BaseException | None = None) -> None:
+        error.__cause__ = cause
+        self._error = error
+        log.error("worker_link_failed", error=str(error))
+        self.comm.abort(1 << 62)  # leave any collective: the training thread raises at the boundary
+        self._changed.set()
+
+    def _on_directive(self, d: pb.Directive) -> None:
+        if d.HasField("assignment"):
+            a = d.assignment
+            with self._lock:
+                if self._latest is None or a.generation >= self._latest.generation:
+                    self._latest = a
+            if a.role == pb.ROLE_EVICTED:
+                self._fail(FencedOut(f"fenced out by the coordinator: {a.reason}"))
+                return
+            if a.abort_previous:
+                self.comm.abort(a.generation)
+            log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
+                     abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
+        self._changed.set()
+
+    def _reports(self) -> list[pb.RankReport]:
+        step, step_time_us, state, phase = self._progress
+        digest_step, digest = self._digest
+        return [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=step_time_us,
+                              state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest)]

@@ -1,0 +1,162 @@
+"""Process groups, one per generation: form, abort, destroy. The only module of the worker that
+touches torch.distributed's process-group machinery.
+
+Every process hosts a TCPStore from the start, so whichever process is rank 0 of a generation
+already serves that generation's store (under a fresh prefix). Forming starts with an arrival
+barrier polled with short waits, so a newer generation can abandon a half-formed one.
+Abort: NCCL has `abort()`; gloo has none, so the sockets the generation's group opened are shut
+down, which makes a collective blocked on a hung or dead peer fail at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+log = structlog.get_logger(__name__)
+
+
+class Superseded(Exception):
+    """A newer generation arrived while this one was forming."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    generation: int
+    rank: int
+    world_size: int
+    local_rank: int
+    store_address: str  # host:port of rank 0's store
+    store_prefix: str
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue
+    return fds
+
+
+def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
+    """Shut down connected sockets among `fds` (never listeners: gloo's accept loop dies on those)."""
+    done = 0
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue  # closed already
+        try:
+            if s.type != socket.SOCK_STREAM:
+                continue
+            peer, local = s.getpeername(), s.getsockname()
+            if peer[1] in keep_ports or local[1] in keep_ports:
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            done += 1
+        except OSError:
+            pass  # not connected (a listener) or already shut
+        finally:
+            s.detach()  # the fd stays gloo's
+    return done
+
+
+class Comm:
+    def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0):
+        self.backend = backend
+        self.host = host
+        self.timeout = timedelta(seconds=timeout_s)
+        self.server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self.store_port = self.server.port
+        self.spec: GroupSpec | None = None
+        self._lock = threading.Lock()
+        self._sockets: set[int] = set()
+        self._abort_below = 0  # generations below this are to be aborted
+        self._client: dist.Store | None = None
+
+    @property
+    def formed(self) -> bool:
+        return self.spec is not None
+
+    def _store(self, address: str) -> dist.Store:
+        host, _, port = address.rpartition(":")
+        if int(port) == self.store_port and host.strip("[]") in (self.host, "127.0.0.1", "localhost"):
+            return self.server
+        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=self.timeout)
+
+    def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
+        """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
+        started = time.monotonic()
+        client = self._store(spec.store_address)
+        store = dist.PrefixStore(spec.store_prefix + "/", client)
+        store.add(f"arrived/{spec.rank}", 1)
+        keys = [f"arrived/{r}" for r in range(spec.world_size)]
+        delay = 0.001
+        while True:  # a barrier that a newer generation can abandon
+            if abandoned():
+                raise Superseded(f"generation {spec.generation} abandoned while forming")
+            try:
+                store.wait(keys, timedelta(milliseconds=50))
+                break
+            except (dist.DistStoreError, RuntimeError):
+                if time.monotonic() - started > self.timeout.total_seconds():
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        before = _socket_fds()
+        options = {}
+        if self.backend == "nccl":
+            options["device_id"] = torch.device("cuda", spec.local_rank)
+        dist.init_process_group(self.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                timeout=self.timeout, **options)
+        with self._lock:
+            self._sockets = _socket_fds() - before
+            self._client = client
+            self.spec = spec
+            late_abort = spec.generation < self._abort_below
+        if late_abort:
+            self.abort(spec.generation + 1)
+        return time.monotonic() - started
+
+    def abort(self, below_generation: int) -> bool:
+        """Make the current group's collectives fail now if its generation is below the given one.
+        Safe from any thread; the training thread then sees an error and reforms."""
+        with self._lock:
+            self._abort_below = max(self._abort_below, below_generation)
+            spec = self.spec
+            if spec is None or spec.generation >= below_generation:
+                return False
+            if self.backend == "nccl":
+                dist.distributed_c10d._abort_process_group()
+                n = -1
+            else:
+                n = _shutdown_peer_sockets(self._sockets, {self.store_port, _port(spec.store_address)})
+                self._sockets = set()
+        log.info("group_aborted", generation=spec.generation, sockets=n)
+        return True
+
+    def destroy(self) -> None:
+        """Leave the current group (after an abort, or at a planned switch)."""
+        with self._lock:
+            self.spec = None
+            self._sockets = set()
+            client, self._client = self._client, None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        del client  # the generation's store connection closes with its last reference
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])

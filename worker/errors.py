@@ -1,0 +1,18 @@
+"""The worker's error tree: what a training script may see at a step boundary."""
+
+from muster.worker.node_session import Evicted
+
+
+class WorkerError(Exception):
+    """Base of the errors the worker library raises into the training thread."""
+
+
+class FencedOut(WorkerError):
+    """The coordinator evicted this rank (it hung, or was cut off): its state is stale. Exit."""
+
+
+class CoordinatorLost(WorkerError):
+    """The background link to the coordinator failed for good; the cause is chained."""
+
+
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "Evicted"]
