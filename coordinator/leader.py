@@ -16,8 +16,8 @@ import structlog
 
 from muster.coordinator import wire
 from muster.coordinator.core.liveness import Failure, Liveness
-from muster.coordinator.core.machine import (Context, Decision, Join, Leave, MembershipEvent, NodeLost, SlotDown,
-                                             SlotsUp, Tick, decide)
+from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
+                                             SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader
@@ -170,6 +170,10 @@ class JobLeader:
         for failure in self.live.failures(self.state, now):
             member = self.state.member(failure.node_id)
             events.append(_failure_event(failure, member.kind if member else NodeKind.AGENT))
+        diverged = self.live.divergence(self.state)
+        if diverged is not None:
+            self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
+            events.append(Diverged(diverged.nodes, diverged.reason))
         if self.state.phase is Phase.FORMING:
             events.append(Tick())
         if not events:

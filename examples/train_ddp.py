@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of simulated compute per step")
+    p.add_argument("--perturb-at-step", type=int, default=0,
+                   help="fault injection: nudge this rank's parameters after that step (divergence detection)")
     args = p.parse_args(argv)
     logs.configure("info", json=True)
     log = structlog.get_logger("train_ddp")
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.zero_grad()
             if not step.completed:
                 continue  # discarded by a membership change: redo it in the new group
+            if worker.step == args.perturb_at_step:
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-3)
             log.info("step", step=worker.step, rank=worker.rank, world_size=worker.world_size,
                      generation=worker.generation, digest=worker.state.digest().hex(), loss=round(loss.item(), 6))
         worker.close()

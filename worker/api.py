@@ -163,7 +163,14 @@ class Worker:
         return self
 
     def close(self, *, leave: bool = True) -> None:
-        """Leave the job (a planned change for the others) and stop the background thread."""
+        """Wait for the other ranks to finish their last step, leave the job and stop the
+        background thread. (Without the barrier, the first rank to go would close its sockets
+        while the others still receive the tail of the last collective.)"""
+        if self.comm is not None and self.comm.formed and self._error is None:
+            try:
+                dist.barrier()
+            except (RuntimeError, dist.DistError) as exc:
+                log.warning("final_barrier_failed", error=str(exc)[:200])
         if self._loop is not None and self.session is not None:
             if leave and self._error is None:
                 try:

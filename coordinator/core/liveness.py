@@ -9,7 +9,7 @@ phases). Mutable for the hot path, but no clock reads and no I/O: `now` is an ar
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from muster.coordinator.core.policy import Timing
@@ -28,6 +28,8 @@ class RankLive:
     heard_ms_ago: int = 0
     progress_at: float = 0.0  # when the step last advanced (or the generation changed)
     phase_since: float | None = None
+    digest_step: int = 0
+    digest: bytes = b""
 
 
 @dataclass
@@ -54,6 +56,16 @@ class RankReport:
     state: str
     heard_ms_ago: int = 0
     phase: str = ""
+    digest_step: int = 0
+    digest: bytes = b""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    step: int
+    ranks: tuple[int, ...]  # ranks whose parameters differ from the majority (all, without one)
+    nodes: tuple[str, ...]
+    reason: str
 
 
 class Liveness:
@@ -63,6 +75,8 @@ class Liveness:
         self.step_times: deque[float] = deque(maxlen=256)
         self.grace_until = now
         self.failed_pids: dict[tuple[str, int], int] = {}
+        self.digests_checked_step = 0
+        self.diverged_ranks: tuple[int, ...] = ()  # the last ranks flagged: not flagged again while unchanged
 
     def start_grace(self, node_ids, now: float) -> None:
         """A new leader: every known node gets grace_s to reconnect before silence counts."""
@@ -103,6 +117,8 @@ class Liveness:
                 live.phase_since = None
             live.pid, live.step, live.step_time_s = r.pid, r.step, r.step_time_s
             live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
+            if r.digest_step:
+                live.digest_step, live.digest = r.digest_step, r.digest
             failed_pid = self.failed_pids.get((node_id, r.local_rank))
             if failed_pid is not None and r.pid and r.pid != failed_pid and r.state != "exited":
                 del self.failed_pids[(node_id, r.local_rank)]
@@ -201,3 +217,38 @@ class Liveness:
                         )
                     )
         return found
+
+    def divergence(self, state: JobState) -> Divergence | None:
+        """Once every rank of the map has sent a parameter digest of the same step, compare them.
+        Each step is judged once; the same odd ranks are flagged once until the set changes."""
+        rm = state.rank_map
+        if rm is None or rm.world_size < 2:
+            return None
+        seen: list[tuple[int, str, int, bytes]] = []
+        for p in rm.placements:
+            node = self.nodes.get(p.node_id)
+            for slot in p.slots:
+                r = node.ranks.get(slot) if node else None
+                if r is None or not r.digest_step:
+                    return None
+                seen.append((p.rank_of(slot), p.node_id, r.digest_step, r.digest))
+        steps = {step for _, _, step, _ in seen}
+        step = steps.pop()
+        if steps or step <= self.digests_checked_step:
+            return None
+        self.digests_checked_step = step
+        counts = Counter(digest for _, _, _, digest in seen).most_common()
+        majority = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
+        odd = [(rank, node) for rank, node, _, digest in seen if digest != majority]
+        ranks = tuple(rank for rank, _ in odd)
+        if ranks == self.diverged_ranks:
+            return None
+        self.diverged_ranks = ranks
+        if not ranks:
+            return None
+        nodes = tuple(dict.fromkeys(node for _, node in odd))
+        if majority is None:
+            reason = f"step {step}: no majority among {len(seen)} ranks ({len(counts)} distinct digests)"
+        else:
+            reason = f"step {step}: ranks {list(ranks)} differ from the majority ({counts[0][1]} of {len(seen)})"
+        return Divergence(step, ranks, nodes, reason)

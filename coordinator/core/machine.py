@@ -59,11 +59,19 @@ class SlotsUp:
 
 
 @dataclass(frozen=True)
+class Diverged:
+    """Replicas hold different parameters: recorded in the history (no membership change)."""
+
+    nodes: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened but time passed (forming deadline)."""
 
 
-MembershipEvent = Join | Leave | NodeLost | SlotDown | SlotsUp | Tick
+MembershipEvent = Join | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Tick
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,9 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             members[ev.node_id] = replace(member, down_slots=member.down_slots - back)
             note("rank_recovered", f"local rank(s) {sorted(back)} running again", ev.node_id)
             planned = changed = True
+        elif isinstance(ev, Diverged):
+            note("replicas_diverged", ev.reason, *ev.nodes)
+            changed = True
 
     nxt = state.with_members(tuple(members.values()))
     nxt = replace(nxt, next_seq=next_seq)

@@ -101,3 +101,17 @@ def test_a_new_rank_joins_at_a_step_boundary_with_identical_state(coordinators, 
     assert joined_at > 1 and joiner.steps()[0]["world_size"] == 4
     assert_contiguous_and_identical(everyone, generation)
     assert joiner.last_step == STEPS
+
+
+@pytest.mark.timeout(120)
+def test_the_leader_flags_a_rank_whose_parameters_diverge(coordinators, training):
+    (leader,) = coordinators(1)
+    digests = {"MUSTER_DIGEST_EVERY": "5"}
+    honest = training([leader.address], "diverge", 2, steps=40, min_nodes=3, max_nodes=3, env=digests)
+    (odd,) = training([leader.address], "diverge", 1, steps=40, min_nodes=3, max_nodes=3, env=digests,
+                      args=("--perturb-at-step", "12"))
+    for p in honest + [odd]:
+        assert p.wait(90) == 0
+    flagged = wait_until(lambda: leader.find("membership_changed", kind="replicas_diverged"), 10, "divergence event")
+    assert flagged[0]["nodes"] == [odd.records("node_joined")[0]["node"]]
+    assert "step 15" in flagged[0]["reason"] and "differ from the majority (2 of 3)" in flagged[0]["reason"]

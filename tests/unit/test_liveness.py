@@ -119,3 +119,39 @@ def test_a_rank_that_never_completes_a_step_is_stalled_after_the_startup_timeout
     failures = live.failures(state, 30.5)
     assert [(f.kind, f.node_id) for f in failures] == [("rank_stalled", "n0")]
     assert "since it started" in failures[0].reason
+
+
+def digest_report(step, digest):
+    return [RankReport(0, 100, step, 0.05, "running", 0, "", step, digest)]
+
+
+def test_a_rank_whose_digest_differs_from_the_majority_is_flagged_once():
+    c = Context(now=0, wall_ms=0, term=1, timing=TIMING)
+    state = decide(JobState("job", JobSpec(1, 3, 1)), [Join(f"n{i}", "h", 1, 1) for i in range(3)], c).state
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, digest_report(10, b"a"), 1)
+    live.observe("n1", 1, digest_report(10, b"a"), 1)
+    assert live.divergence(state) is None  # n2 has not reported yet
+    live.observe("n2", 1, digest_report(10, b"b"), 1)
+    d = live.divergence(state)
+    assert (d.step, d.ranks, d.nodes) == (10, (2,), ("n2",)) and "differ from the majority (2 of 3)" in d.reason
+    assert live.divergence(state) is None  # judged once
+    for node, digest in (("n0", b"c"), ("n1", b"c"), ("n2", b"d")):
+        live.observe(node, 1, digest_report(15, digest), 2)
+    assert live.divergence(state) is None  # the same rank again: already flagged
+    for node in ("n0", "n1", "n2"):
+        live.observe(node, 1, digest_report(20, b"e"), 3)
+    assert live.divergence(state) is None
+    live.observe("n1", 1, digest_report(25, b"x"), 4)
+    live.observe("n0", 1, digest_report(25, b"f"), 4)
+    live.observe("n2", 1, digest_report(25, b"f"), 4)
+    assert live.divergence(state).ranks == (1,)
+
+
+def test_without_a_majority_every_rank_is_flagged():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, digest_report(5, b"a"), 1)
+    live.observe("n1", 1, digest_report(5, b"b"), 1)
+    d = live.divergence(state)
+    assert d.ranks == (0, 1) and "no majority" in d.reason

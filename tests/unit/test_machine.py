@@ -1,6 +1,6 @@
 """The generation state machine: forming, unplanned and planned changes, spares, history."""
 
-from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
+from muster.coordinator.core.machine import Context, Diverged, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
 from muster.coordinator.errors import AlreadyExists, NotFound
@@ -147,3 +147,10 @@ def test_state_round_trips_through_its_encoding():
     state = decide(running(), [SlotDown("n2", 0, "rank_exited", "exit"), Join("p", "h", 1, 1, NodeKind.PROCESS)],
                    ctx(now=5)).state
     assert decode(encode(state)) == state
+
+
+def test_divergence_is_recorded_without_a_new_generation():
+    state = running()
+    d = decide(state, [Diverged(("n2",), "step 10: ranks [2] differ")], ctx(now=5))
+    assert d.persist and not d.new_generation
+    assert d.events[0].kind == "replicas_diverged" and d.events[0].nodes == ("n2",)
