@@ -1,0 +1,69 @@
+"""The worker's training-thread contract, without a coordinator: configuration from the
+environment, what a step scope counts, and which errors it lets through."""
+
+import pytest
+import torch
+
+from muster.v1 import muster_pb2 as pb
+from muster.worker import Worker, WorkerConfig, WorkerError
+
+
+def worker(**over) -> Worker:
+    return Worker(WorkerConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", abort_wait_s=0.05, **over))
+
+
+def test_config_from_env_needs_the_coordinator_and_the_job():
+    with pytest.raises(WorkerError, match="MUSTER_COORDINATOR and MUSTER_JOB"):
+        WorkerConfig.from_env({})
+    c = WorkerConfig.from_env({"MUSTER_COORDINATOR": "a:1, b:2", "MUSTER_JOB": "j", "MUSTER_MIN_NODES": "2",
+                               "MUSTER_DIGEST_EVERY": "10", "LOCAL_RANK": "3"})
+    assert (c.coordinators, c.min_nodes, c.digest_every, c.local_rank) == (("a:1", "b:2"), 2, 10, 3)
+    assert c.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_a_completed_step_counts_and_reports_its_duration():
+    w = worker()
+    with w.step_scope() as step:
+        pass
+    assert step.completed and w.step == 1
+    assert w._progress[0] == 1 and w._progress[2] == "running"
+
+
+def test_an_error_without_a_membership_change_is_the_scripts_own_and_propagates():
+    w = worker()
+    with pytest.raises(ValueError):
+        with w.step_scope() as step:
+            raise ValueError("a bug in the training step")
+    assert not step.completed and w.step == 0
+
+
+def test_a_failure_of_the_background_link_surfaces_at_the_step_boundary():
+    w = worker()
+    w._error = WorkerError("lost the coordinator")
+    w._changed.set()
+    with pytest.raises(WorkerError, match="lost the coordinator"):
+        with w.step_scope():
+            pass
+
+
+def test_a_planned_switch_waits_for_its_step():
+    w = worker()
+    w._latest = pb.Assignment(generation=2, role=pb.ROLE_ACTIVE, switch_at_step=5)
+    w.generation = 1
+    w._changed.set()
+    with w.step_scope():
+        pass  # step 1 < 5: no switch yet, and the flag stays up to look again
+    assert w.generation == 1 and w._changed.is_set()
+
+
+def test_long_phase_is_reported_and_ends():
+    w = worker()
+    with w.long_phase("checkpoint"):
+        assert w._progress[2:] == ("long_phase", "checkpoint")
+        assert w._reports()[0].state == pb.RANK_STATE_LONG_PHASE
+    assert w._progress[2:] == ("running", "")
+
+
+def test_register_refuses_extras_without_state_dict():
+    with pytest.raises(TypeError, match="state_dict"):
+        worker().register(loader=object())
