@@ -54,7 +54,7 @@ def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
 
 def kill_cycles(workdir: Path, ranks: int, kills: int, step_sleep_s: float) -> dict:
     etcd = EtcdServer(workdir / "etcd").start()
-    coordinator = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log").start()
+    coordinator = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", ["--heartbeat-timeout", "2.0"]).start()
     procs: list[TrainingProcess] = []
 
     def launch(n: int) -> list[TrainingProcess]:
@@ -72,6 +72,7 @@ def kill_cycles(workdir: Path, ranks: int, kills: int, step_sleep_s: float) -> d
         return (s[-1]["generation"], s[-1]["world_size"]) if s else (0, 0)
 
     recoveries, lost, reform_s = [], [], []
+    fenced = 0  # survivors that did not make it into the new group (should be 0)
     try:
         launch(ranks)
         wait_until(lambda: all(world(p)[1] == ranks and p.last_step > 5 for p in alive()), 120, "all ranks stepping")
@@ -89,19 +90,21 @@ def kill_cycles(workdir: Path, ranks: int, kills: int, step_sleep_s: float) -> d
                 firsts = []
                 for p in survivors:
                     new = [r for r in p.steps() if r["generation"] > generation]
-                    if not new:
-                        return None
-                    firsts.append(new[0])
+                    if new:
+                        firsts.append(new[0])
+                    elif p.proc.poll() is None:
+                        return None  # still reforming
                 return firsts
 
             firsts = wait_until(first_new_steps, 60, "survivors stepping in the new group")
+            fenced += sum(1 for p in survivors if p.proc.poll() is not None)
             recoveries.append(max(ts(r) for r in firsts) - killed_at)
             lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
             reform_s += [r["seconds"] for p in survivors for r in p.records("group_formed")
                          if r["generation"] > generation][: len(survivors)]
-            (replacement,) = launch(1)
-            wait_until(lambda: world(replacement)[1] == ranks
-                       and all(world(p)[1] == ranks for p in alive()), 120, "replacement joined")
+            launch(ranks - len(alive()))
+            wait_until(lambda: len(alive()) == ranks and all(world(p)[1] == ranks for p in alive()),
+                       120, "replacements joined")
         return {
             "ranks": ranks,
             "kills": kills,
@@ -110,6 +113,7 @@ def kill_cycles(workdir: Path, ranks: int, kills: int, step_sleep_s: float) -> d
                                "max": round(max(recoveries), 4), "all": [round(r, 4) for r in recoveries]},
             "reform_s_median": round(statistics.median(reform_s), 4),
             "steps_lost": {"max": max(lost), "total": sum(lost)},
+            "survivors_lost": fenced,
         }
     finally:
         for p in procs:
@@ -123,11 +127,14 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--kills", type=int, default=8)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
     with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
+        workdir = args.workdir or Path(d)
+        workdir.mkdir(parents=True, exist_ok=True)
         result = {"benchmark": "recovery", "step_api": step_api_cost_us(),
-                  **kill_cycles(Path(d), args.ranks, args.kills, args.step_sleep)}
+                  **kill_cycles(workdir, args.ranks, args.kills, args.step_sleep)}
     print(json.dumps(result, indent=2))
     return 0
 

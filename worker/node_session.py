@@ -67,6 +67,7 @@ class NodeSession:
         self._stopping = False
         self._leader_silent = False
         self._heard_at = 0.0
+        self._suspect: dict[str, float] = {}  # address -> until when it is not trusted (it went silent)
         self._wake = asyncio.Event()
         self.log = log.bind(job=identity.job, node=identity.node_id)
 
@@ -151,7 +152,7 @@ class NodeSession:
             try:
                 async with grpc.aio.insecure_channel(address) as channel:
                     self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames())
-                    watchdog = asyncio.create_task(self._watch(call))
+                    watchdog = asyncio.create_task(self._watch(call, channel, address))
                     try:
                         async for directive in call:
                             self._heard_at = asyncio.get_running_loop().time()
@@ -165,6 +166,8 @@ class NodeSession:
                 if not self._leader_silent:
                     raise
                 self.log.warning("leader_silent", leader=address, timeout_s=self.heartbeat_timeout_s)
+                # Standbys name it as leader until its lease expires: do not go straight back.
+                self._suspect[address] = asyncio.get_running_loop().time() + 2 * self.heartbeat_timeout_s
             except grpc.aio.AioRpcError as exc:
                 if self._stopping:
                     return
@@ -173,8 +176,10 @@ class NodeSession:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 hint = leader_hint(exc)
-            others = [a for a in self.addresses if a != address]
-            self.leader = hint or (random.choice(others) if others else address)
+            now = asyncio.get_running_loop().time()
+            trusted = [a for a in self.addresses if self._suspect.get(a, 0) <= now]
+            others = [a for a in trusted if a != address] or trusted or self.addresses
+            self.leader = hint if hint and self._suspect.get(hint, 0) <= now else random.choice(others)
             await asyncio.sleep(0.02 + random.random() * 0.05)
 
     def _directive(self, d: pb.Directive) -> None:
@@ -185,15 +190,29 @@ class NodeSession:
         if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
             raise Evicted(d.assignment.reason)
 
-    async def _watch(self, call) -> None:
+    async def _watch(self, call, channel, address: str) -> None:
+        """End a stream whose leader went silent, but only once a probe confirms it is not
+        serving: for a process node, closing its stream reads as its exit."""
         loop = asyncio.get_running_loop()
         self._heard_at = loop.time()
         while True:
             await asyncio.sleep(self.heartbeat_timeout_s / 4)
-            if loop.time() - self._heard_at > self.heartbeat_timeout_s:
-                self._leader_silent = True
-                call.cancel()
-                return
+            if loop.time() - self._heard_at <= self.heartbeat_timeout_s:
+                continue
+            if await self._leads(channel, address):
+                self._heard_at = loop.time()  # slow, not gone
+                continue
+            self._leader_silent = True
+            call.cancel()
+            return
+
+    async def _leads(self, channel, address: str) -> bool:
+        try:
+            status = await pb_grpc.CoordinatorStub(channel).Status(
+                pb.StatusRequest(job=self.identity.job), timeout=self.heartbeat_timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(status.jobs) and status.jobs[0].live and status.jobs[0].leader == address
 
     async def stop(self) -> None:
         """End the stream the gRPC way: cancelling a pending read from asyncio can wedge it."""

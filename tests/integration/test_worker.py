@@ -9,6 +9,7 @@ import pytest
 from muster.testing import wait_until
 
 STEPS = 70
+PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]  # the default: fewer false evictions on a loaded box
 
 
 def step_records(ranks):
@@ -41,7 +42,7 @@ def running(ranks, at_least=8):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim_rank", [2, 0], ids=["rank2", "rank0_store_moves"])
 def test_survivors_of_a_killed_rank_continue_in_process(coordinators, training, victim_rank):
-    (leader,) = coordinators(1)
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
     ranks = training([leader.address], "kill", 4, steps=STEPS, min_nodes=3, max_nodes=4)
     running(ranks)
     victim = next(p for p in ranks if rank_of(p) == victim_rank)
@@ -66,7 +67,7 @@ def test_survivors_of_a_killed_rank_continue_in_process(coordinators, training, 
 
 @pytest.mark.timeout(120)
 def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, training):
-    (leader,) = coordinators(1)
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
     ranks = training([leader.address], "hang", 4, steps=STEPS, min_nodes=3, max_nodes=4)
     running(ranks)
     victim = next(p for p in ranks if rank_of(p) == 1)
@@ -88,7 +89,7 @@ def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, tra
 
 @pytest.mark.timeout(120)
 def test_a_new_rank_joins_at_a_step_boundary_with_identical_state(coordinators, training):
-    (leader,) = coordinators(1)
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
     first = training([leader.address], "grow", 3, steps=STEPS, min_nodes=3, max_nodes=4)
     running(first)
     generation = first[0].steps()[-1]["generation"]
@@ -105,7 +106,7 @@ def test_a_new_rank_joins_at_a_step_boundary_with_identical_state(coordinators, 
 
 @pytest.mark.timeout(120)
 def test_the_leader_flags_a_rank_whose_parameters_diverge(coordinators, training):
-    (leader,) = coordinators(1)
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
     digests = {"MUSTER_DIGEST_EVERY": "5"}
     honest = training([leader.address], "diverge", 2, steps=40, min_nodes=3, max_nodes=3, env=digests)
     (odd,) = training([leader.address], "diverge", 1, steps=40, min_nodes=3, max_nodes=3, env=digests,
