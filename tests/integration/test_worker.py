@@ -116,3 +116,22 @@ def test_the_leader_flags_a_rank_whose_parameters_diverge(coordinators, training
     flagged = wait_until(lambda: leader.find("membership_changed", kind="replicas_diverged"), 10, "divergence event")
     assert flagged[0]["nodes"] == [odd.records("node_joined")[0]["node"]]
     assert "step 15" in flagged[0]["reason"] and "differ from the majority (2 of 3)" in flagged[0]["reason"]
+
+
+@pytest.mark.timeout(120)
+def test_training_does_not_notice_a_leader_failover(coordinators, training):
+    replicas = coordinators(2, extra=PRODUCTION_TIMEOUT)
+    ranks = training([r.address for r in replicas], "failover", 3, steps=STEPS, min_nodes=3, max_nodes=3)
+    running(ranks)
+    leader = next(r for r in replicas if r.find("leadership_acquired", job="failover"))
+    standby = next(r for r in replicas if r is not leader)
+    leader.kill()
+    wait_until(lambda: standby.find("leadership_acquired", job="failover"), 10, "the standby leads")
+    for p in ranks:
+        assert p.wait(90) == 0, p.log_path.read_text()[-2000:]
+        assert p.last_step == STEPS
+        assert not p.records("step_discarded")
+        assert {r["generation"] for r in p.steps()} == {1}
+    assert_contiguous_and_identical(ranks, 0)
+    evictions = {"node_silent", "process_exited", "rank_exited", "rank_silent", "rank_stalled"}
+    assert not [r for r in standby.find("membership_changed") if r["kind"] in evictions]
