@@ -250,7 +250,8 @@ class JobLeader:
                     f"job {self.job!r} exists with {name}={getattr(spec, name)}; this node asks for {want}"
                 )
         kind = wire.node_kind(req.is_process)
-        fut = self._enqueue(Join(req.node_id, req.host, req.store_port, req.slots, kind), want_result=True)
+        fut = self._enqueue(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port),
+                            want_result=True)
         member = await fut
         return pb.JoinResponse(
             job=self.job,
@@ -329,7 +330,8 @@ class JobLeader:
                 self._enqueue(NodeLost(member.node_id, "process_exited", f"pid {e.pid} {how}"))
             else:
                 self.live.mark_failed(member.node_id, e.local_rank, e.pid)
-                self._enqueue(SlotDown(member.node_id, e.local_rank, "rank_exited", f"pid {e.pid} {how}"))
+                kind = "rank_finished" if e.exit_code == 0 else "rank_exited"
+                self._enqueue(SlotDown(member.node_id, e.local_rank, kind, f"pid {e.pid} {how}"))
         if recovered:
             self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 

@@ -18,6 +18,7 @@ RANK_STATES = {
     pb.RANK_STATE_RUNNING: "running",
     pb.RANK_STATE_LONG_PHASE: "long_phase",
     pb.RANK_STATE_EXITED: "exited",
+    pb.RANK_STATE_UNMONITORED: "unmonitored",
 }
 
 
@@ -42,6 +43,8 @@ def check_join(req: pb.JoinRequest) -> None:
         raise InvalidArgument(f"host {req.host!r} is invalid: give the address other nodes reach this node at")
     if not 1 <= req.store_port <= 65535:
         raise InvalidArgument(f"store_port must be in 1..65535, got {req.store_port}")
+    if req.master_port > 65535:
+        raise InvalidArgument(f"master_port must be in 0..65535, got {req.master_port}")
 
 
 def spec_of(msg: pb.JobSpec) -> JobSpec:
@@ -79,6 +82,7 @@ def assignment_for(state: JobState, node_id: str, reason: str) -> pb.Directive:
         a.world_size = rm.world_size
         a.num_nodes = len(rm.placements)
         a.store_address = rm.store_address
+        a.master_address = rm.master_address
         a.store_prefix = f"muster/{state.job}/g{state.generation}"
     if placement is not None:
         a.role = pb.ROLE_ACTIVE

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from muster import logs
-from muster.worker import Worker, WorkerConfig, WorkerError
+from muster.worker import Drained, Worker, WorkerConfig, WorkerError
 
 
 class DataPosition:
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("step", step=worker.step, rank=worker.rank, world_size=worker.world_size,
                      generation=worker.generation, digest=worker.state.digest().hex(), loss=round(loss.item(), 6))
         worker.close()
+    except Drained as exc:  # this node leaves the job (graceful drain): a clean end here
+        log.info("training_drained", step=worker.step, reason=str(exc))
+        worker.close(leave=False)
+        return 0
     except WorkerError as exc:
         log.error("training_stopped", error=str(exc))
         return 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,40 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from muster.worker.agent import AgentConfig, NodeAgent
+    from muster.worker.launch import LaunchError, parse_nodes, plan
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        launch = plan(command)
+        nodes = parse_nodes(args.nodes) if args.nodes else None
+        if launch.nodes and nodes and launch.nodes != nodes:
+            raise LaunchError(f"torchrun --nnodes {launch.nodes[0]}:{launch.nodes[1]} contradicts --nodes "
+                              f"{args.nodes}: the coordinator owns the node count, give it once")
+        if launch.slots and args.slots and launch.slots != args.slots:
+            raise LaunchError(f"torchrun --nproc-per-node {launch.slots} contradicts --slots {args.slots}")
+    except LaunchError as exc:
+        print(f"muster run: {exc}", file=sys.stderr)
+        return 2
+    for note in launch.notes:
+        print(f"muster run: {note}", file=sys.stderr)
+    config = AgentConfig(
+        coordinators=tuple(a.strip() for a in args.coordinator.split(",") if a.strip()),
+        job=args.job,
+        node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+        slots=launch.slots or args.slots or 1,
+        argv=tuple(launch.argv),
+        host=args.host,
+        nodes=nodes or launch.nodes,
+        world_size_multiple=args.world_size_multiple,
+        max_restarts=args.max_restarts,
+        restart_backoff_s=args.restart_backoff,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    return asyncio.run(NodeAgent(config).run())
 
 
 def _ask(args, rpc: str, request):
@@ -138,6 +174,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.set_defaults(func=_serve)
+
+    r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",
+                       description="muster run --coordinator HOST:PORT --job NAME [--nodes MIN:MAX] [--slots N] "
+                                   "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])")
+    r.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
+    r.add_argument("--job", required=True)
+    r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
+    r.add_argument("--slots", type=int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
+    r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")
+    r.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
+    r.add_argument("--world-size-multiple", type=int, default=0)
+    r.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed rank before its slot is given up")
+    r.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before the first restart (doubles)")
+    r.add_argument("--log-dir", help="write each rank's output to a file here")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    r.set_defaults(func=_run)
 
     for name, func, helptext in (("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history")):
         q = sub.add_parser(name, help=helptext)

@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.comm import Comm, GroupSpec, Superseded
-from muster.worker.errors import CoordinatorLost, FencedOut, WorkerError
+from muster.worker.errors import CoordinatorLost, Drained, FencedOut, WorkerError
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
+from muster.worker.rank_link import RankLink
 from muster.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
@@ -50,7 +51,8 @@ class WorkerConfig:
     node_id: str
     backend: str = "gloo"
     host: str = "127.0.0.1"  # the address other ranks reach this process's store at
-    local_rank: int = 0  # the device index (NCCL)
+    local_rank: int = 0  # the slot: the device index (NCCL), and this rank's place under an agent
+    agent_socket: str = ""  # set by `muster run`: talk to the node agent instead of the coordinator
     min_nodes: int = 0  # job size, used when this rank creates the job (0: the coordinator's default)
     max_nodes: int = 0
     world_size_multiple: int = 0
@@ -62,12 +64,13 @@ class WorkerConfig:
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
         """MUSTER_COORDINATOR (HOST:PORT[,...]) and MUSTER_JOB are required; see the README."""
         env = dict(os.environ if env is None else env)
-        missing = [k for k in ("MUSTER_COORDINATOR", "MUSTER_JOB") if not env.get(k)]
+        required = ("MUSTER_JOB",) if env.get("MUSTER_AGENT_SOCKET") else ("MUSTER_COORDINATOR", "MUSTER_JOB")
+        missing = [k for k in required if not env.get(k)]
         if missing:
             raise WorkerError(f"set {' and '.join(missing)} (or run under `muster run`)")
         cuda = torch.cuda.is_available()
         return cls(
-            coordinators=tuple(a.strip() for a in env["MUSTER_COORDINATOR"].split(",") if a.strip()),
+            coordinators=tuple(a.strip() for a in env.get("MUSTER_COORDINATOR", "").split(",") if a.strip()),
             job=env["MUSTER_JOB"],
             node_id=env.get("MUSTER_NODE_ID") or f"{os.uname().nodename}-{os.getpid()}",
             backend=env.get("MUSTER_BACKEND") or ("nccl" if cuda else "gloo"),
@@ -77,6 +80,7 @@ class WorkerConfig:
             max_nodes=int(env.get("MUSTER_MAX_NODES", "0")),
             world_size_multiple=int(env.get("MUSTER_WORLD_SIZE_MULTIPLE", "0")),
             digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
+            agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
         )
 
 
@@ -126,7 +130,10 @@ class Worker:
         self.world_size = 0
         self.generation = 0  # of the group this rank is in
         self.comm: Comm | None = None
-        self.session: NodeSession | None = None
+        self.session: NodeSession | RankLink | None = None
+        self._drain_after: int | None = None
+        # Under an agent this rank is one of its node's slots; alone, it is a one-slot node.
+        self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
         self._digest_every = config.digest_every
         self._lock = threading.Lock()
@@ -154,7 +161,8 @@ class Worker:
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
-        self.comm = Comm(self.config.backend, host=self.config.host, timeout_s=self.config.form_timeout_s)
+        self.comm = Comm(self.config.backend, host=self.config.host, timeout_s=self.config.form_timeout_s,
+                         host_store=not self.config.agent_socket)
         ready = threading.Event()
         self._thread = threading.Thread(target=self._link_thread, args=(ready,), name="muster-link", daemon=True)
         self._thread.start()
@@ -166,7 +174,7 @@ class Worker:
         """Wait for the other ranks to finish their last step, leave the job and stop the
         background thread. (Without the barrier, the first rank to go would close its sockets
         while the others still receive the tail of the last collective.)"""
-        if self.comm is not None and self.comm.formed and self._error is None:
+        if self.comm is not None and self.comm.formed and self._error is None and self._drain_after is None:
             try:
                 dist.barrier()
             except (RuntimeError, dist.DistError) as exc:
@@ -220,8 +228,12 @@ class Worker:
         self._changed.clear()
         if self._error is not None:
             raise self._error
+        if self._drain_after is not None and self.step >= self._drain_after:
+            raise Drained(f"the node leaves the job after step {self._drain_after}")
         latest = self._latest
         if latest is None or latest.generation <= self.generation:
+            if self._drain_after is not None:
+                self._changed.set()  # the drain step is ahead: look again at the next boundary
             return
         if latest.abort_previous or self.step >= latest.switch_at_step or latest.role != pb.ROLE_ACTIVE:
             self._reform(discard=False)
@@ -250,7 +262,8 @@ class Worker:
             if self._error is not None:
                 raise self._error
             latest = self._latest
-            if latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > self.generation:
+            if (latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > self.generation
+                    and self._slot in latest.local_ranks):
                 return latest
             self._changed.wait(0.1)
 
@@ -262,8 +275,8 @@ class Worker:
         self.comm.destroy()
         while True:
             a = self._wait_for_place()
-            spec = GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(0), a.world_size, 0,
-                             a.store_address, a.store_prefix)
+            spec = GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(self._slot), a.world_size,
+                             self.config.local_rank, a.store_address, a.store_prefix)
             try:
                 formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation: self._newer_than(g))
                 source, step = self.state.sync(self.step, spec.rank, spec.world_size, self._device)
@@ -299,14 +312,20 @@ class Worker:
     async def _link(self, ready: threading.Event) -> None:
         self._loop = asyncio.get_running_loop()
         c = self.config
-        identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
-                                pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
-                                           world_size_multiple=c.world_size_multiple),
-                                is_process=True, agent_pid=os.getpid())
-        self.session = NodeSession(c.coordinators, identity, reports=self._reports, on_directive=self._on_directive)
+        if c.agent_socket:
+            self.session = RankLink(c.agent_socket, self._slot, report=lambda: self._reports()[0],
+                                    on_directive=self._on_directive)
+        else:
+            identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
+                                    pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
+                                               world_size_multiple=c.world_size_multiple),
+                                    is_process=True, agent_pid=os.getpid())
+            self.session = NodeSession(c.coordinators, identity, reports=self._reports,
+                                       on_directive=self._on_directive)
         ready.set()
         try:
-            await self.session.join()
+            if isinstance(self.session, NodeSession):
+                await self.session.join()
             await self.session.run()
         except Evicted as exc:
             self._fail(FencedOut(f"fenced out by the coordinator: {exc}"))
@@ -333,10 +352,13 @@ class Worker:
                 self.comm.abort(a.generation)
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
+        elif d.HasField("drain"):
+            self._drain_after = d.drain.after_step
+            log.info("drain_received", after_step=d.drain.after_step, reason=d.drain.reason)
         self._changed.set()
 
     def _reports(self) -> list[pb.RankReport]:
         step, step_time_us, state, phase = self._progress
         digest_step, digest = self._digest
-        return [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=step_time_us,
+        return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest)]

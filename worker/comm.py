@@ -74,12 +74,14 @@ def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
 
 
 class Comm:
-    def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0):
+    def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True):
         self.backend = backend
         self.host = host
         self.timeout = timedelta(seconds=timeout_s)
-        self.server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self.store_port = self.server.port
+        # Under a node agent the agent hosts the store (it outlives its ranks); alone, each process does.
+        self.server = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+                       if host_store else None)
+        self.store_port = self.server.port if self.server is not None else 0
         self.spec: GroupSpec | None = None
         self._lock = threading.Lock()
         self._sockets: set[int] = set()
@@ -92,7 +94,8 @@ class Comm:
 
     def _store(self, address: str) -> dist.Store:
         host, _, port = address.rpartition(":")
-        if int(port) == self.store_port and host.strip("[]") in (self.host, "127.0.0.1", "localhost"):
+        if self.server is not None and int(port) == self.store_port and host.strip("[]") in (
+                self.host, "127.0.0.1", "localhost"):
             return self.server
         return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=self.timeout)
 

@@ -15,4 +15,8 @@ class CoordinatorLost(WorkerError):
     """The background link to the coordinator failed for good; the cause is chained."""
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "Evicted"]
+class Drained(WorkerError):
+    """This rank's node leaves the job (graceful drain): training here ends after `after_step`."""
+
+
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "Drained", "Evicted"]

@@ -38,6 +38,7 @@ class NodeIdentity:
     spec: pb.JobSpec = field(default_factory=pb.JobSpec)
     is_process: bool = False
     agent_pid: int = 0
+    master_port: int = 0
 
 
 class NodeSession:
@@ -107,7 +108,7 @@ class NodeSession:
         i = self.identity
         response = await self._unary("Join", pb.JoinRequest(
             job=i.job, node_id=i.node_id, slots=i.slots, host=i.host, store_port=i.store_port, spec=i.spec,
-            agent_pid=i.agent_pid, is_process=i.is_process), retry_for_s=retry_for_s)
+            agent_pid=i.agent_pid, is_process=i.is_process, master_port=i.master_port), retry_for_s=retry_for_s)
         self.member_id = response.member_id
         self.term = max(self.term, response.term)
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000

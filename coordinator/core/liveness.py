@@ -23,7 +23,7 @@ class RankLive:
     pid: int = 0
     step: int = 0
     step_time_s: float = 0.0
-    state: str = "starting"  # starting | running | long_phase | exited
+    state: str = "starting"  # starting | running | long_phase | exited | unmonitored
     phase: str = ""
     heard_ms_ago: int = 0
     progress_at: float = 0.0  # when the step last advanced (or the generation changed)
@@ -185,8 +185,8 @@ class Liveness:
                 continue
             for slot in placement.slots:
                 live = node.ranks.get(slot)
-                if live is None or live.state == "exited":
-                    continue
+                if live is None or live.state in ("exited", "unmonitored"):
+                    continue  # unmonitored: a script without the library, its exit is the signal
                 if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
                     found.append(
                         Failure("rank_silent", member.node_id, slot, f"agent has not heard from it for {live.heard_ms_ago}ms")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from muster.coordinator.core.policy import Timing
-from muster.coordinator.core.rankmap import assign_ranks, store_address
+from muster.coordinator.core.rankmap import assign_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
 from muster.coordinator.errors import AlreadyExists, MusterError, NotFound
 
@@ -24,6 +24,7 @@ class Join:
     store_port: int
     slots: int
     kind: NodeKind = NodeKind.AGENT
+    master_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                     f"(member {members[ev.node_id].member_id}); leave first or use another node id"
                 )))
                 continue
-            members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind)
+            members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind,
+                                         master_port=ev.master_port)
             joined.append(members[ev.node_id])
             next_seq += 1
             note("node_joined", f"{ev.slots} slot(s) at {ev.host}", ev.node_id)
@@ -246,7 +248,8 @@ def _publish(state: JobState, placements, world_size: int, *, abort: bool, switc
         generation=generation,
         world_size=world_size,
         placements=tuple(placements),
-        store_address=store_address(state.members, placements),
+        store_address=rank0_address(state.members, placements),
+        master_address=rank0_address(state.members, placements, master=True),
         abort_previous=abort,
         switch_at_step=switch_at,
     )

@@ -58,10 +58,14 @@ def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobS
     )
 
 
-def store_address(members: Sequence[Member], placements: Sequence[Placement]) -> str:
-    """The store of a generation lives on the node holding its rank 0."""
+def rank0_address(members: Sequence[Member], placements: Sequence[Placement], *, master: bool = False) -> str:
+    """The store of a generation lives on the node holding its rank 0 (`master`: the port its
+    rank 0 hosts a plain env:// store on, "" when the node offers none)."""
     if not placements:
         return ""
     node = next(m for m in members if m.node_id == placements[0].node_id)
+    port = node.master_port if master else node.store_port
+    if not port:
+        return ""
     host = f"[{node.host}]" if ":" in node.host else node.host
-    return f"{host}:{node.store_port}"
+    return f"{host}:{port}"

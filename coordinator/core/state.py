@@ -36,6 +36,7 @@ class Member:
     seq: int  # join order: lower is older
     kind: NodeKind = NodeKind.AGENT
     down_slots: frozenset[int] = frozenset()  # slots whose rank failed and has not come back
+    master_port: int = 0  # where its rank 0 would host a plain env:// store (0: none)
 
     @property
     def usable_slots(self) -> tuple[int, ...]:
@@ -63,6 +64,7 @@ class RankMap:
     store_address: str
     abort_previous: bool
     switch_at_step: int  # planned: switch after this step; 0 with abort
+    master_address: str = ""  # rank 0's node host:master_port, for scripts without the library
 
     def placement(self, node_id: str) -> Placement | None:
         for p in self.placements:
@@ -138,6 +140,7 @@ def encode(state: JobState) -> bytes:
                 "seq": m.seq,
                 "kind": m.kind.value,
                 "down_slots": sorted(m.down_slots),
+                "master_port": m.master_port,
             }
             for m in state.members
         ],
@@ -149,6 +152,7 @@ def encode(state: JobState) -> bytes:
             "store_address": rm.store_address,
             "abort_previous": rm.abort_previous,
             "switch_at_step": rm.switch_at_step,
+            "master_address": rm.master_address,
             "placements": [
                 {"node_id": p.node_id, "node_rank": p.node_rank, "rank_offset": p.rank_offset, "slots": list(p.slots)}
                 for p in rm.placements
@@ -194,6 +198,7 @@ def decode(data: bytes) -> JobState:
             store_address=rm["store_address"],
             abort_previous=rm["abort_previous"],
             switch_at_step=rm["switch_at_step"],
+            master_address=rm.get("master_address", ""),
             placements=tuple(
                 Placement(p["node_id"], p["node_rank"], p["rank_offset"], tuple(p["slots"])) for p in rm["placements"]
             ),

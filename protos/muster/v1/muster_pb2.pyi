@@ -14,6 +14,7 @@ class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_STATE_RUNNING: _ClassVar[RankState]
     RANK_STATE_LONG_PHASE: _ClassVar[RankState]
     RANK_STATE_EXITED: _ClassVar[RankState]
+    RANK_STATE_UNMONITORED: _ClassVar[RankState]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ RANK_STATE_STARTING: RankState
 RANK_STATE_RUNNING: RankState
 RANK_STATE_LONG_PHASE: RankState
 RANK_STATE_EXITED: RankState
+RANK_STATE_UNMONITORED: RankState
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -44,7 +46,7 @@ class JobSpec(_message.Message):
     def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process")
+    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process", "master_port")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,7 @@ class JoinRequest(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     IS_PROCESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     slots: int
@@ -61,7 +64,8 @@ class JoinRequest(_message.Message):
     spec: JobSpec
     agent_pid: int
     is_process: bool
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ...) -> None: ...
+    master_port: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ..., master_port: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms")
@@ -154,7 +158,7 @@ class NodeFrame(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks")
+    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ABORT_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +172,7 @@ class Assignment(_message.Message):
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     role: Role
     abort_previous: bool
@@ -181,7 +186,8 @@ class Assignment(_message.Message):
     store_prefix: str
     reason: str
     local_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    master_address: str
+    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., master_address: _Optional[str] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("term", "generation", "assignment", "drain")

@@ -272,3 +272,81 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NodeAgentStub:
+    """Served by a node agent on a Unix socket to its local ranks: each rank streams its own
+    RankReport (local_rank set) and receives its node's directives.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RankSession = channel.stream_stream(
+                '/muster.v1.NodeAgent/RankSession',
+                request_serializer=muster_dot_v1_dot_muster__pb2.RankReport.SerializeToString,
+                response_deserializer=muster_dot_v1_dot_muster__pb2.Directive.FromString,
+                _registered_method=True)
+
+
+class NodeAgentServicer:
+    """Served by a node agent on a Unix socket to its local ranks: each rank streams its own
+    RankReport (local_rank set) and receives its node's directives.
+    """
+
+    def RankSession(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeAgentServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RankSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.RankSession,
+                    request_deserializer=muster_dot_v1_dot_muster__pb2.RankReport.FromString,
+                    response_serializer=muster_dot_v1_dot_muster__pb2.Directive.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'muster.v1.NodeAgent', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('muster.v1.NodeAgent', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeAgent:
+    """Served by a node agent on a Unix socket to its local ranks: each rank streams its own
+    RankReport (local_rank set) and receives its node's directives.
+    """
+
+    @staticmethod
+    def RankSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/muster.v1.NodeAgent/RankSession',
+            muster_dot_v1_dot_muster__pb2.RankReport.SerializeToString,
+            muster_dot_v1_dot_muster__pb2.Directive.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

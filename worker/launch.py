@@ -1,0 +1,105 @@
+"""What `muster run` starts on each slot: the user's command, or, for `torchrun …`, the script
+torchrun would run, with torchrun's own options translated. The agent supervises every rank
+itself instead of torchrun's local agent, which stops all local workers when one exits."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+# torchrun options the coordinator owns now: superseded, with a note.
+OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
+         "--master-addr", "--master-port", "--max-restarts", "--standalone", "--rdzv-timeout",
+         "--monitor-interval", "--start-method", "--role", "--log-dir", "--redirects", "--tee", "--local-addr",
+         "--run-path", "--local-ranks-filter", "--logs-specs", "--event-log-handler", "--numa-binding",
+         "--signals-to-handle", "--virtual-local-rank", "--node_rank", "--master_addr", "--master_port",
+         "--max_restarts", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--rdzv_conf", "--monitor_interval",
+         "--start_method", "--log_dir", "--local_addr", "--run_path"}
+FLAGS = {"--standalone", "--run-path", "--run_path", "--no-python", "--no_python", "-m", "--module",
+         "--virtual-local-rank"}
+
+
+class LaunchError(ValueError):
+    """The command cannot be run as asked; the message says why."""
+
+
+@dataclass
+class Launch:
+    argv: list[str]  # what runs on each slot
+    slots: int | None = None  # from --nproc-per-node
+    nodes: tuple[int, int] | None = None  # from --nnodes
+    notes: list[str] = field(default_factory=list)  # options the coordinator now owns
+
+
+def is_torchrun(command: list[str]) -> bool:
+    return bool(command) and (os.path.basename(command[0]) == "torchrun"
+                              or command[1:3] == ["-m", "torch.distributed.run"])
+
+
+def parse_nodes(value: str) -> tuple[int, int]:
+    lo, _, hi = value.partition(":")
+    try:
+        nodes = (int(lo), int(hi or lo))
+    except ValueError:
+        raise LaunchError(f"node count {value!r} is not MIN:MAX or N") from None
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise LaunchError(f"node count {value!r} needs 1 <= MIN <= MAX")
+    return nodes
+
+
+def _nproc(value: str) -> int:
+    if value in ("gpu", "auto"):
+        import torch
+
+        return torch.cuda.device_count() or (os.cpu_count() or 1 if value == "auto" else 0) or 1
+    if value == "cpu":
+        return os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise LaunchError(f"--nproc-per-node {value!r} is not a number, gpu, cpu or auto") from None
+    if n < 1:
+        raise LaunchError("--nproc-per-node must be at least 1")
+    return n
+
+
+def plan(command: list[str]) -> Launch:
+    if not command:
+        raise LaunchError("give the command to run after --, e.g. -- torchrun --nproc-per-node 4 train.py")
+    if not is_torchrun(command):
+        return Launch(list(command))
+    args = command[1:] if os.path.basename(command[0]) == "torchrun" else command[3:]
+    launch = Launch([])
+    module = no_python = False
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-"):
+            break
+        name, eq, inline = arg.partition("=")
+        takes_value = name not in FLAGS
+        value = inline if eq else (args[i + 1] if takes_value and i + 1 < len(args) else "")
+        i += 1 if eq or not takes_value else 2
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            launch.slots = _nproc(value)
+        elif name == "--nnodes":
+            launch.nodes = parse_nodes(value)
+        elif name in ("-m", "--module"):
+            module = True
+        elif name in ("--no-python", "--no_python"):
+            no_python = True
+        elif name in OWNED:
+            launch.notes.append(f"torchrun {name} is ignored: muster's coordinator sets it")
+        else:
+            raise LaunchError(f"torchrun option {name} is not understood by muster run")
+    if i >= len(args):
+        raise LaunchError("torchrun: no training script given")
+    script, script_args = args[i], args[i + 1:]
+    if no_python:
+        launch.argv = [script, *script_args]
+    elif module:
+        launch.argv = [sys.executable, "-u", "-m", script, *script_args]
+    else:
+        launch.argv = [sys.executable, "-u", script, *script_args]
+    return launch

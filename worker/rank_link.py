@@ -1,0 +1,68 @@
+"""A library rank's link to its node agent: one NodeAgent.RankSession stream over the agent's
+Unix socket, this rank's reports up, its node's directives down. The agent speaks for the node
+to the coordinator; if the agent dies, PR_SET_PDEATHSIG ends this process too."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+from muster.worker.node_session import Evicted
+
+log = structlog.get_logger(__name__)
+
+
+class RankLink:
+    def __init__(self, socket_path: str, local_rank: int, *, report: Callable[[], pb.RankReport],
+                 on_directive: Callable[[pb.Directive], None], interval_s: float = 0.05,
+                 connect_for_s: float = 30.0):
+        self.socket_path = socket_path
+        self.local_rank = local_rank
+        self._report = report
+        self._on_directive = on_directive
+        self.interval_s = interval_s
+        self.connect_for_s = connect_for_s
+        self.generation = 0  # not sent: the agent reports the node's generation
+        self._call = None
+        self._stopping = False
+
+    async def _frames(self):
+        while True:
+            yield self._report()
+            await asyncio.sleep(self.interval_s)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_for_s
+        while not self._stopping:
+            try:
+                async with grpc.aio.insecure_channel(f"unix:{self.socket_path}") as channel:
+                    self._call = call = pb_grpc.NodeAgentStub(channel).RankSession(self._frames())
+                    async for d in call:
+                        self._on_directive(d)
+                        if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
+                            raise Evicted(d.assignment.reason)
+                    return
+            except asyncio.CancelledError:
+                if self._stopping:
+                    return
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if self._stopping:
+                    return
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)  # the agent's socket is not up yet
+
+    async def leave(self, **_) -> None:
+        """Membership is the agent's business: a rank just exits."""
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._call is not None:
+            self._call.cancel()
