@@ -33,6 +33,15 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs; an exited process waiting to be reaped (a zombie) has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 class CoordinatorProcess:
     """`muster serve` on 127.0.0.1:0 against the given etcd (none: its private etcd); its address is
     read from its log."""
@@ -58,14 +67,7 @@ class CoordinatorProcess:
         return None
 
     def records(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return _json_lines(self.log_path, None)
 
     def find(self, event: str, **fields) -> list[dict]:
         return [r for r in self.records() if r.get("event") == event and all(r.get(k) == v for k, v in fields.items())]
@@ -121,16 +123,7 @@ class TrainingProcess:
         return self.proc.pid
 
     def records(self, event: str | None = None) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if event is None or record.get("event") == event:
-                    out.append(record)
-        return out
+        return _json_lines(self.log_path, event)
 
     def steps(self) -> list[dict]:
         return self.records("step")
@@ -151,6 +144,66 @@ class TrainingProcess:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(5)
+
+
+class AgentProcess:
+    """`muster run` for one node, running examples/train_ddp.py (or `command`) on its slots;
+    each rank's output goes to log_dir/<node>-slot<K>-<start>.log."""
+
+    def __init__(self, coordinators: list[str], job: str, node_id: str, log_dir: Path, *, slots: int = 2,
+                 nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05,
+                 command: list[str] | None = None, extra: list[str] | None = None):
+        self.node_id = node_id
+        self.log_dir = log_dir
+        self.log_path = log_dir / f"agent-{node_id}.log"
+        command = command or [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-sleep", str(step_sleep_s)]
+        self.args = [sys.executable, "-m", "muster.cli", "--log-json", "run", "--coordinator", ",".join(coordinators),
+                     "--job", job, "--nodes", nodes, "--slots", str(slots), "--node-id", node_id,
+                     "--log-dir", str(log_dir), "--restart-backoff", "0.2", *(extra or []), "--", *command]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> AgentProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def records(self, event: str | None = None) -> list[dict]:
+        return _json_lines(self.log_path, event)
+
+    def rank_logs(self, slot: int) -> list[Path]:
+        return sorted(self.log_dir.glob(f"{self.node_id}-slot{slot}-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+    def steps(self, slot: int, start: int = -1) -> list[dict]:
+        logs = self.rank_logs(slot)
+        return _json_lines(logs[start], "step") if logs else []
+
+    def rank_pids(self, slot: int) -> list[int]:
+        return [r["pid"] for r in self.records("rank_started") if r["slot"] == slot]
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # its ranks follow (PR_SET_PDEATHSIG)
+            self.proc.wait(5)
+
+
+def _json_lines(path: Path, event: str | None) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if event is None or record.get("event") == event:
+                out.append(record)
+    return out
 
 
 class SimulatedNode:

@@ -68,3 +68,20 @@ def training(tmp_path):
     yield start
     for p in started:
         p.stop()
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """Start node agents (`muster run`); all are killed afterwards, their ranks with them."""
+    from muster.testing import AgentProcess
+
+    started = []
+
+    def start(coordinators, job: str, node_ids, **kwargs):
+        new = [AgentProcess(coordinators, job, node_id, tmp_path / "ranks", **kwargs).start() for node_id in node_ids]
+        started.extend(new)
+        return new
+
+    yield start
+    for a in started:
+        a.stop()

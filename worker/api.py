@@ -97,6 +97,8 @@ class _StepScope:
         self.completed = False
 
     def __enter__(self) -> _StepScope:
+        if self.worker._changed.is_set():
+            self.worker._check_drain()  # raised here, so the script saw the last step complete
         self.started = time.perf_counter()
         self.completed = False
         return self
@@ -229,16 +231,21 @@ class Worker:
         if self._error is not None:
             raise self._error
         if self._drain_after is not None and self.step >= self._drain_after:
-            raise Drained(f"the node leaves the job after step {self._drain_after}")
+            self._changed.set()  # Drained is raised as the next step begins
+            return
         latest = self._latest
         if latest is None or latest.generation <= self.generation:
             if self._drain_after is not None:
                 self._changed.set()  # the drain step is ahead: look again at the next boundary
             return
-        if latest.abort_previous or self.step >= latest.switch_at_step or latest.role != pb.ROLE_ACTIVE:
+        if latest.abort_previous or self.step >= latest.switch_at_step:
             self._reform(discard=False)
         else:
             self._changed.set()  # a planned switch ahead: look again at the next boundary
+
+    def _check_drain(self) -> None:
+        if self._drain_after is not None and self.step >= self._drain_after:
+            raise Drained(f"the node leaves the job after step {self._drain_after}")
 
     def _membership_changed(self, wait_s: float) -> bool:
         """After a collective failed: is (or does, within wait_s) an abort of this generation come?"""
@@ -261,6 +268,7 @@ class Worker:
             self._changed.clear()
             if self._error is not None:
                 raise self._error
+            self._check_drain()
             latest = self._latest
             if (latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > self.generation
                     and self._slot in latest.local_ranks):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from muster.testing import CoordinatorProcess, SimulatedNode, wait_until
+from muster.testing import CoordinatorProcess, SimulatedNode, process_alive, wait_until
 
 from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
@@ -16,14 +16,6 @@ from muster.v1 import muster_pb2 as pb
 
 def muster(*args, timeout=30):
     return subprocess.run([sys.executable, "-m", "muster.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.timeout(90)
@@ -79,13 +71,13 @@ def test_serve_without_etcd_runs_a_private_etcd_and_stops_it_on_exit(tmp_path):
     serve = CoordinatorProcess([], tmp_path / "serve.log", ["--data-dir", str(tmp_path / "data")]).start()
     try:
         etcd_pid = serve.find("embedded_etcd_started")[0]["pid"]
-        assert alive(etcd_pid)
+        assert process_alive(etcd_pid)
         out = muster("status", "--coordinator", serve.address, "--json")
         assert out.returncode == 0 and json.loads(out.stdout)["jobs"] == []
         serve.signal(signal.SIGTERM)
         serve.proc.wait(15)
         assert serve.proc.returncode == 0
-        wait_until(lambda: not alive(etcd_pid), 5, "embedded etcd to stop")
+        wait_until(lambda: not process_alive(etcd_pid), 5, "embedded etcd to stop")
         assert (tmp_path / "data" / "etcd").is_dir()
     finally:
         serve.stop()

@@ -67,3 +67,17 @@ def test_long_phase_is_reported_and_ends():
 def test_register_refuses_extras_without_state_dict():
     with pytest.raises(TypeError, match="state_dict"):
         worker().register(loader=object())
+
+
+def test_a_drain_ends_training_as_the_step_after_the_agreed_one_begins():
+    from muster.worker import Drained
+
+    w = worker()
+    w._drain_after = 1
+    w._changed.set()
+    with w.step_scope() as step:
+        pass
+    assert step.completed and w.step == 1  # the agreed step completes and counts
+    with pytest.raises(Drained):
+        with w.step_scope():
+            pass
