@@ -265,7 +265,8 @@ class JobLeader:
 
     async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
         self._member(req.node_id, req.member_id)
-        fut = self._enqueue(Leave(req.node_id, req.immediate, req.reason or "requested"), want_result=True)
+        fut = self._enqueue(Leave(req.node_id, req.immediate, req.reason or "requested", req.finished),
+                            want_result=True)
         generation, switch_at = await fut
         stream = self.streams.get(req.node_id)
         if stream:
@@ -330,8 +331,7 @@ class JobLeader:
                 self._enqueue(NodeLost(member.node_id, "process_exited", f"pid {e.pid} {how}"))
             else:
                 self.live.mark_failed(member.node_id, e.local_rank, e.pid)
-                kind = "rank_finished" if e.exit_code == 0 else "rank_exited"
-                self._enqueue(SlotDown(member.node_id, e.local_rank, kind, f"pid {e.pid} {how}"))
+                self._enqueue(SlotDown(member.node_id, e.local_rank, "rank_exited", f"pid {e.pid} {how}"))
         if recovered:
             self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 

@@ -41,6 +41,7 @@ class AgentConfig:
     restart_backoff_s: float = 1.0  # doubled on each restart of a slot
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
     drain_timeout_s: float = 120.0
+    connect_grace_s: float = 10.0  # a rank not yet on the socket may still be importing the library
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -56,6 +57,7 @@ class Slot:
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
     restart_pending: bool = False  # crashed; its replacement starts after the backoff
+    started_at: float = 0.0
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
@@ -165,10 +167,15 @@ class NodeAgent:
         async with self._reconciling:
             a = self.assignment
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set()
+            loop = asyncio.get_running_loop()
             for slot in self.slots:
                 if slot.finished or slot.given_up:
                     continue
                 if slot.alive and not self.library and slot.generation != a.generation:
+                    wait = slot.started_at + self.config.connect_grace_s - loop.time()
+                    if wait > 0:  # it may yet connect: decide then
+                        loop.call_later(wait, lambda: asyncio.ensure_future(self._reconcile()))
+                        continue
                     # restart semantics for scripts without the library: the new map means new ranks
                     await self._stop_rank(slot)
                 if not slot.alive and slot.index in wanted and not slot.restart_pending:
@@ -208,6 +215,7 @@ class NodeAgent:
         if out is not None:
             out.close()
         slot.generation = self.assignment.generation
+        slot.started_at = asyncio.get_running_loop().time()
         slot.stopping = False
         slot.connected = False
         slot.report = None
@@ -222,20 +230,20 @@ class NodeAgent:
         self.log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
         slot.failed_pid = proc.pid
         slot.connected = False
-        self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code))
-        self.session.send_now()  # the leader hears of it within milliseconds
-        if code == 0:
+        if code == 0:  # finished: the job is ending (the ranks of a job finish together)
             slot.finished = True
             if all(s.finished or s.given_up for s in self.slots):
-                await self._leave("all local ranks finished")
+                await self._leave("all local ranks finished", finished=True)
             return
+        self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code))
+        self.session.send_now()  # the leader hears of it within milliseconds
         if self.draining:
             return
         if slot.restarts >= self.config.max_restarts:
             slot.given_up = True
             self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, last_code=code)
             if all(s.finished or s.given_up for s in self.slots):
-                await self._leave("every local slot finished or was given up")
+                await self._leave("every local slot finished or was given up", finished=False)
             return
         slot.restarts += 1
         slot.restart_pending = True
@@ -280,9 +288,9 @@ class NodeAgent:
 
     # ---- leaving ---------------------------------------------------------------------
 
-    async def _leave(self, reason: str) -> None:
+    async def _leave(self, reason: str, *, finished: bool) -> None:
         try:
-            await self.session.leave(reason=reason)
+            await self.session.leave(reason=reason, finished=finished)
         except Exception as exc:  # the coordinator will see the node go silent instead
             self.log.warning("leave_failed", error=str(exc))
         self._finish(0)

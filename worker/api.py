@@ -185,7 +185,7 @@ class Worker:
             if leave and self._error is None:
                 try:
                     asyncio.run_coroutine_threadsafe(
-                        self.session.leave(reason="training finished"), self._loop).result(10)
+                        self.session.leave(finished=True, reason="training finished"), self._loop).result(10)
                 except Exception as exc:  # leaving is a courtesy: the stream closing says the same
                     log.warning("leave_failed", error=str(exc))
             asyncio.run_coroutine_threadsafe(self.session.stop(), self._loop).result(5)

@@ -116,11 +116,12 @@ class NodeSession:
         self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term)
         return response
 
-    async def leave(self, *, immediate: bool = False, reason: str = "", retry_for_s: float = 10.0) -> pb.LeaveResponse:
+    async def leave(self, *, immediate: bool = False, finished: bool = False, reason: str = "",
+                    retry_for_s: float = 10.0) -> pb.LeaveResponse:
         i = self.identity
         return await self._unary("Leave", pb.LeaveRequest(
-            job=i.job, node_id=i.node_id, member_id=self.member_id, immediate=immediate, reason=reason),
-            retry_for_s=retry_for_s)
+            job=i.job, node_id=i.node_id, member_id=self.member_id, immediate=immediate, finished=finished,
+            reason=reason), retry_for_s=retry_for_s)
 
     # ---- the stream ------------------------------------------------------------------
 

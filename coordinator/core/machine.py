@@ -32,6 +32,7 @@ class Leave:
     node_id: str
     immediate: bool
     reason: str
+    finished: bool = False  # the job is ending: the others finish too, nothing to reform
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                 rejected.append((index, NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}")))
                 continue
             del members[ev.node_id]
+            changed = True
+            if ev.finished:
+                note("node_finished", ev.reason, ev.node_id)
+                continue
             graceful = not ev.immediate and ev.node_id in in_map
             note("node_left", ("graceful: " if graceful else "immediate: ") + ev.reason, ev.node_id)
             if ev.node_id in in_map:

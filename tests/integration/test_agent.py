@@ -3,11 +3,14 @@ gloo: ranks and agents are killed or drained, the rest keep training."""
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 
-from muster.testing import process_alive, wait_until
+from muster.testing import EXAMPLE, process_alive, wait_until
+
+EXAMPLES = EXAMPLE.parent
 
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
 
@@ -31,16 +34,17 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
     a, b = agents([leader.address], "agents", ["a", "b"], steps=300)
     stepping([a, b])
-    first_pids = {(n.node_id, s): n.rank_pids(s)[0] for n in (a, b) for s in (0, 1)}
+    pids = {(n, s): n.rank_pids(s) for n in (a, b) for s in (0, 1)}
     generation = b.steps(0)[-1]["generation"]
-    os.kill(first_pids[("b", 0)], signal.SIGKILL)
-    wait_until(lambda: len(b.rank_pids(0)) == 2, 20, "the agent starts a replacement")
+    os.kill(pids[(b, 0)][-1], signal.SIGKILL)
+    wait_until(lambda: len(b.rank_pids(0)) == len(pids[(b, 0)]) + 1, 20, "the agent starts a replacement")
     for n in (a, b):
         assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
-    for (node, slot), pid in first_pids.items():
-        if (node, slot) != ("b", 0):
-            run = (a if node == "a" else b).steps(slot, start=0)
-            assert run[-1]["step"] == 300, f"{node}/{slot} (pid {pid}) did not train to the end"
+    for (n, slot), before in pids.items():
+        if (n, slot) != (b, 0):
+            assert n.rank_pids(slot) == before, f"{n.node_id}/{slot} was restarted"
+            run = n.steps(slot)
+            assert run[-1]["step"] == 300, f"{n.node_id}/{slot} did not train to the end"
             steps = [r["step"] for r in run]
             assert steps == list(range(steps[0], steps[0] + len(steps)))
     replacement = b.steps(0, start=-1)
@@ -90,3 +94,21 @@ def test_sigterm_drains_an_agent_at_a_step_boundary_without_aborting_a_step(coor
         assert steps[-1]["step"] == 200 and steps[-1]["world_size"] == 2
         after = [r for r in steps if r["step"] == planned + 1]
         assert after and after[0]["world_size"] == 2
+
+
+@pytest.mark.timeout(150)
+def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, tmp_path):
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    plain = [sys.executable, str(EXAMPLES / "train_plain.py"), "--steps", "150", "--step-sleep", "0.05",
+             "--checkpoint-dir", str(tmp_path / "checkpoint")]
+    a, b = agents([leader.address], "plain", ["a", "b"], command=plain)
+    stepping([a, b])
+    os.kill(b.rank_pids(1)[-1], signal.SIGKILL)
+    for n in (a, b):
+        assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
+    for n in (a, b):
+        for slot in (0, 1):
+            final = n.steps(slot, start=-1)
+            assert final[-1]["step"] == 150 and final[-1]["world_size"] == 4
+            assert final[0]["resumed_from"] > 0, "the restarted ranks resumed from the checkpoint"
+    assert len(a.rank_pids(0)) >= 2, "restart semantics: the other node's ranks were restarted too"

@@ -154,3 +154,9 @@ def test_divergence_is_recorded_without_a_new_generation():
     d = decide(state, [Diverged(("n2",), "step 10: ranks [2] differ")], ctx(now=5))
     assert d.persist and not d.new_generation
     assert d.events[0].kind == "replicas_diverged" and d.events[0].nodes == ("n2",)
+
+
+def test_a_finished_node_leaves_without_a_new_generation():
+    d = decide(running(), [Leave("n3", immediate=False, reason="done", finished=True)], ctx(now=5))
+    assert d.persist and not d.new_generation and d.state.member("n3") is None
+    assert d.events[0].kind == "node_finished"

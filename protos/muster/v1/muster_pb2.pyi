@@ -86,18 +86,20 @@ class JoinResponse(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "immediate", "reason")
+    __slots__ = ("job", "node_id", "member_id", "immediate", "reason", "finished")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
     immediate: bool
     reason: str
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., immediate: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    finished: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., immediate: _Optional[bool] = ..., reason: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("generation", "switch_at_step")
