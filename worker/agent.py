@@ -41,7 +41,6 @@ class AgentConfig:
     restart_backoff_s: float = 1.0  # doubled on each restart of a slot
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
     drain_timeout_s: float = 120.0
-    connect_grace_s: float = 10.0  # a rank not yet on the socket may still be importing the library
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -57,7 +56,6 @@ class Slot:
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
     restart_pending: bool = False  # crashed; its replacement starts after the backoff
-    started_at: float = 0.0
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
@@ -167,16 +165,14 @@ class NodeAgent:
         async with self._reconciling:
             a = self.assignment
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set()
-            loop = asyncio.get_running_loop()
             for slot in self.slots:
                 if slot.finished or slot.given_up:
                     continue
                 if slot.alive and not self.library and slot.generation != a.generation:
-                    wait = slot.started_at + self.config.connect_grace_s - loop.time()
-                    if wait > 0:  # it may yet connect: decide then
-                        loop.call_later(wait, lambda: asyncio.ensure_future(self._reconcile()))
-                        continue
-                    # restart semantics for scripts without the library: the new map means new ranks
+                    # Restart semantics for scripts without the library: the new map means new ranks,
+                    # at once (a stale rank 0 would serve an outdated env:// store). Until one of its
+                    # ranks reaches the socket the node cannot tell a library rank that is still
+                    # importing, so that one is restarted too: it costs a start, never correctness.
                     await self._stop_rank(slot)
                 if not slot.alive and slot.index in wanted and not slot.restart_pending:
                     await self._start_rank(slot)
@@ -215,7 +211,6 @@ class NodeAgent:
         if out is not None:
             out.close()
         slot.generation = self.assignment.generation
-        slot.started_at = asyncio.get_running_loop().time()
         slot.stopping = False
         slot.connected = False
         slot.report = None

@@ -90,10 +90,10 @@ def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, tra
 @pytest.mark.timeout(120)
 def test_a_new_rank_joins_at_a_step_boundary_with_identical_state(coordinators, training):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    first = training([leader.address], "grow", 3, steps=STEPS, min_nodes=3, max_nodes=4)
+    first = training([leader.address], "grow", 3, steps=3 * STEPS, min_nodes=3, max_nodes=4)  # time to join
     running(first)
     generation = first[0].steps()[-1]["generation"]
-    (joiner,) = training([leader.address], "grow", 1, steps=STEPS, min_nodes=3, max_nodes=4)
+    (joiner,) = training([leader.address], "grow", 1, steps=3 * STEPS, min_nodes=3, max_nodes=4)
     everyone = first + [joiner]
     for p in everyone:
         assert p.wait(90) == 0, p.log_path.read_text()[-2000:]
@@ -101,7 +101,7 @@ def test_a_new_rank_joins_at_a_step_boundary_with_identical_state(coordinators, 
     joined_at = joiner.steps()[0]["step"]
     assert joined_at > 1 and joiner.steps()[0]["world_size"] == 4
     assert_contiguous_and_identical(everyone, generation)
-    assert joiner.last_step == STEPS
+    assert joiner.last_step == 3 * STEPS
 
 
 @pytest.mark.timeout(120)
