@@ -265,12 +265,12 @@ class JobLeader:
 
     async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
         self._member(req.node_id, req.member_id)
+        stream = self.streams.get(req.node_id)
+        if stream:  # from now on its frames are ignored: it is no member once the leave is applied
+            stream.departed = True
         fut = self._enqueue(Leave(req.node_id, req.immediate, req.reason or "requested", req.finished),
                             want_result=True)
         generation, switch_at = await fut
-        stream = self.streams.get(req.node_id)
-        if stream:
-            stream.departed = True
         return pb.LeaveResponse(generation=generation, switch_at_step=switch_at)
 
     def _member(self, node_id: str, member_id: int):

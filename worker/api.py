@@ -134,6 +134,7 @@ class Worker:
         self.comm: Comm | None = None
         self.session: NodeSession | RankLink | None = None
         self._drain_after: int | None = None
+        self._closing = False
         # Under an agent this rank is one of its node's slots; alone, it is a one-slot node.
         self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
@@ -176,6 +177,7 @@ class Worker:
         """Wait for the other ranks to finish their last step, leave the job and stop the
         background thread. (Without the barrier, the first rank to go would close its sockets
         while the others still receive the tail of the last collective.)"""
+        self._closing = True
         if self.comm is not None and self.comm.formed and self._error is None and self._drain_after is None:
             try:
                 dist.barrier()
@@ -341,6 +343,8 @@ class Worker:
             self._fail(CoordinatorLost(f"lost the coordinator: {exc}"), exc)
 
     def _fail(self, error: WorkerError, cause: BaseException | None = None) -> None:
+        if self._closing:
+            return  # leaving anyway: nothing to abort
         error.__cause__ = cause
         self._error = error
         log.error("worker_link_failed", error=str(error))
