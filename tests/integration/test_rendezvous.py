@@ -1,0 +1,65 @@
+"""Unmodified torchrun with `--rdzv-backend=muster`: two torchrun nodes train together; one node
+is killed (its whole process group) and the other continues with plain restart semantics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from muster.testing import EXAMPLE, wait_until
+
+PLAIN = EXAMPLE.parent / "train_plain.py"
+
+
+class TorchrunNode:
+    def __init__(self, coordinator: str, job: str, log_path, checkpoints, steps: int):
+        self.log_path = log_path
+        args = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=muster",
+                f"--rdzv-endpoint={coordinator}", f"--rdzv-id={job}", "--nnodes=1:2", "--nproc-per-node=2",
+                "--max-restarts=5", "--monitor-interval=0.5", "--local-addr=127.0.0.1",
+                str(PLAIN), "--steps", str(steps), "--step-sleep", "0.05", "--checkpoint-dir", str(checkpoints)]
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def steps(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith('{"event": "step"'):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass  # two workers share torchrun's stdout: a line may be cut by the other
+        return out
+
+    def kill_node(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)  # the torchrun agent and its workers
+        self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill_node()
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_with_the_muster_backend_survives_the_loss_of_a_node(coordinators, tmp_path):
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    nodes = [TorchrunNode(leader.address, "trdzv", tmp_path / f"node-{i}.log", tmp_path / "ckpt", 250)
+             for i in range(2)]
+    try:
+        wait_until(lambda: all(any(r["world_size"] == 4 and r["step"] > 30 for r in n.steps()) for n in nodes),
+                   90, "both nodes training together")
+        victim, survivor = nodes
+        victim.kill_node()
+        assert survivor.proc.wait(100) == 0, survivor.log_path.read_text()[-3000:]
+        final = [r for r in survivor.steps() if r["step"] == 250]
+        assert {r["world_size"] for r in final} == {2} and {r["rank"] for r in final} == {0, 1}
+        resumed = [r for r in survivor.steps() if r["world_size"] == 2]
+        assert resumed[0]["resumed_from"] > 0, "the restarted workers resumed from the checkpoint"
+        kinds = [r["kind"] for r in leader.find("membership_changed")]
+        assert "node_silent" in kinds
+    finally:
+        for n in nodes:
+            n.stop()

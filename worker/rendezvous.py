@@ -1,0 +1,158 @@
+"""torchrun's rendezvous backend `muster`: unmodified scripts, plain torchrun restart semantics,
+membership from the Muster coordinator (etcd-backed, no single point of failure).
+
+    torchrun --rdzv-backend=muster --rdzv-endpoint=HOST:PORT[,HOST:PORT] --rdzv-id=JOB \\
+             --nnodes=1:4 --nproc-per-node=8 --max-restarts=10 train.py
+
+Each torchrun agent is one node of the job. A rendezvous round is a generation: the node's rank
+and the number of nodes come from the rank map, the round's store is a fresh prefix on the store
+of the node holding rank 0, and the workers' MASTER_ADDR/MASTER_PORT are published inside that
+prefix with use_agent_store=False: restarted workers never read the previous round's keys (the
+shared agent store of torch 2.13 hands them stale addresses). A new round that the coordinator
+has not started yet (this node's own workers failed) is asked for by leaving and joining again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import structlog
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousHandler, RendezvousInfo,
+                                                  RendezvousParameters, RendezvousStoreInfo,
+                                                  RendezvousTimeoutError)
+
+from muster.v1 import muster_pb2 as pb
+from muster.worker.node_session import NodeIdentity, NodeSession
+
+log = structlog.get_logger(__name__)
+
+
+class MusterRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters):
+        self._run_id = params.run_id
+        self._addresses = params.endpoint
+        self._host = params.local_addr or socket.getfqdn()
+        self._spec = pb.JobSpec(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
+        self._join_timeout_s = float(params.get("join_timeout", 600))
+        self._rejoin_after_s = float(params.get("rejoin_after", 3.0))
+        self._server = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False,
+                                     timeout=timedelta(seconds=self._join_timeout_s))
+        self._generation = 0
+        self._rounds = 0
+        self._closed = False
+        self._latest: pb.Assignment | None = None
+        self._changed = threading.Event()
+        self._session: NodeSession | None = None
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="muster-rdzv", daemon=True).start()
+        self._call(self._join())
+
+    # ---- the link --------------------------------------------------------------------
+
+    def _call(self, coroutine, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    async def _join(self) -> None:
+        """A new membership (a new member id): the coordinator makes a new generation with it."""
+        if self._session is not None:
+            try:
+                await self._session.leave(immediate=True, reason="this node's workers need a new round")
+            except Exception as exc:  # it may be evicted already
+                log.info("rdzv_leave_failed", error=str(exc))
+            await self._session.stop()
+        self._latest = None
+        self._session = NodeSession(
+            self._addresses,
+            NodeIdentity(self._run_id, f"{socket.gethostname()}-{os.getpid()}", 1, self._host, self._server.port,
+                         self._spec, agent_pid=os.getpid()),
+            reports=lambda: [pb.RankReport(local_rank=0, pid=os.getpid(), state=pb.RANK_STATE_UNMONITORED)],
+            on_directive=self._on_directive,
+        )
+        await self._session.join()
+        asyncio.ensure_future(self._session.run())
+
+    def _on_directive(self, d: pb.Directive) -> None:
+        if d.HasField("assignment") and (self._latest is None or d.generation >= self._latest.generation):
+            self._latest = d.assignment
+            self._session.generation = d.generation
+            self._changed.set()
+
+    # ---- RendezvousHandler -----------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "muster"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # each round publishes its own MASTER_ADDR/PORT: no stale keys after a restart
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError()
+        if self._rounds and not self._wait(lambda: self._newer(), self._rejoin_after_s):
+            self._call(self._join())  # our own workers failed: ask for a new round
+        self._rounds += 1
+        if not self._wait(lambda: self._newer() and self._latest.role == pb.ROLE_ACTIVE, self._join_timeout_s):
+            raise RendezvousTimeoutError(f"no place in job {self._run_id!r} within {self._join_timeout_s:.0f}s")
+        a = self._latest
+        self._generation = a.generation
+        host, _, port = a.store_address.rpartition(":")
+        own = int(port) == self._server.port and host in (self._host, "127.0.0.1")
+        client = self._server if own else dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                                        timeout=timedelta(seconds=self._join_timeout_s))
+        store = dist.PrefixStore(a.store_prefix + "/", client)
+        bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._host)
+        log.info("rdzv_round", job=self._run_id, generation=a.generation, node_rank=a.node_rank, nodes=a.num_nodes)
+        return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
+
+    def _newer(self) -> bool:
+        return self._latest is not None and self._latest.generation > self._generation
+
+    def _wait(self, predicate, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.wait(min(remaining, 0.1))
+            self._changed.clear()
+        return True
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        """A newer generation than the workers run (a node joined or left): restart into it."""
+        return 1 if self._newer() else 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        try:
+            self._call(self._session.leave(finished=True, reason="torchrun finished"), 15)
+            self._call(self._session.stop(), 5)
+        except Exception as exc:
+            log.warning("rdzv_shutdown_failed", error=str(exc))
+            return False
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        return True
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return MusterRendezvousHandler(params)
+
+
+def handler_creator():
+    """The `torchrun.handlers` entry point: torch calls it and registers what it returns."""
+    return create_handler
