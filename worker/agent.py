@@ -55,7 +55,6 @@ class Slot:
     generation: int = 0  # the generation its process was started for
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
-    restart_pending: bool = False  # crashed; its replacement starts after the backoff
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
@@ -174,7 +173,9 @@ class NodeAgent:
                     # ranks reaches the socket the node cannot tell a library rank that is still
                     # importing, so that one is restarted too: it costs a start, never correctness.
                     await self._stop_rank(slot)
-                if not slot.alive and slot.index in wanted and not slot.restart_pending:
+                # A first start, or one the agent stopped itself; crashes restart in _watch_rank,
+                # with backoff and within the budget.
+                if not slot.alive and slot.index in wanted and (slot.starts == 0 or slot.stopping):
                     await self._start_rank(slot)
 
     # ---- ranks -----------------------------------------------------------------------
@@ -238,14 +239,12 @@ class NodeAgent:
             slot.given_up = True
             self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, last_code=code)
             if all(s.finished or s.given_up for s in self.slots):
-                await self._leave("every local slot finished or was given up", finished=False)
+                await self._leave("every local slot finished or was given up", finished=False)  # exits 1
             return
         slot.restarts += 1
-        slot.restart_pending = True
         delay = self.config.restart_backoff_s * 2 ** (slot.restarts - 1)
         self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts)
         await asyncio.sleep(delay)
-        slot.restart_pending = False
         if not self.draining and not self._done.done() and not slot.alive:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self._reconciling:
@@ -288,7 +287,7 @@ class NodeAgent:
             await self.session.leave(reason=reason, finished=finished)
         except Exception as exc:  # the coordinator will see the node go silent instead
             self.log.warning("leave_failed", error=str(exc))
-        self._finish(0)
+        self._finish(1 if any(s.given_up for s in self.slots) else 0)
 
     async def _drain_node(self) -> None:
         """SIGTERM: leave at a step boundary. Library ranks get the Drain directive and stop

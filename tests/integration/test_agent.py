@@ -112,3 +112,18 @@ def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, 
             assert final[-1]["step"] == 150 and final[-1]["world_size"] == 4
             assert final[0]["resumed_from"] > 0, "the restarted ranks resumed from the checkpoint"
     assert len(a.rank_pids(0)) >= 2, "restart semantics: the other node's ranks were restarted too"
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_looping_slot_is_given_up_after_its_restart_budget(coordinators, agents):
+    (leader,) = coordinators(1)
+    crash = [sys.executable, "-c", "import sys; sys.exit(7)"]
+    (node,) = agents([leader.address], "crashloop", ["c"], slots=1, nodes="1:1", command=crash,
+                     extra=["--max-restarts", "2"])
+    assert node.wait(40) == 1  # not a success: the operator must see it
+    crashes = [r for r in node.records("rank_exited") if r["code"] == 7]
+    assert len(crashes) == 3  # the first run and two restarts (plain-script restarts with a new map are not crashes)
+    (given_up,) = node.records("slot_given_up")
+    assert given_up["restarts"] == 2 and given_up["last_code"] == 7
+    exits = [r for r in leader.find("membership_changed") if r["kind"] == "rank_exited"]
+    assert exits and "exit code 7" in exits[0]["reason"]
