@@ -36,6 +36,17 @@ def leader_hint(error: grpc.RpcError) -> str:
     return ""
 
 
+def redirect(error: grpc.RpcError, address: str, order: list[str]) -> bool:
+    """After a call to `address` failed: False when the error is final; otherwise True, with the
+    leader it names (if any) put first in `order`. Used by the sync and the async clients."""
+    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return False
+    hint = leader_hint(error)
+    if hint and hint != address:
+        order.insert(0, hint)
+    return True
+
+
 class Coordinators:
     def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0):
         self.addresses = parse_addresses(addresses)
@@ -63,12 +74,9 @@ class Coordinators:
                 try:
                     return getattr(self.stub(address), rpc)(request, timeout=self.timeout_s)
                 except grpc.RpcError as exc:
-                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    if not redirect(exc, address, order):
                         raise
                     last = exc
-                    hint = leader_hint(exc)
-                    if hint and hint != address:
-                        order.insert(0, hint)
             if time.monotonic() >= deadline:
                 raise last
             time.sleep(delay * (1 + random.random()))

@@ -101,7 +101,29 @@ class CoordinatorProcess:
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 
 
-class TrainingProcess:
+class _Child:
+    """A process a test started: signalled, awaited and ended by its PID only."""
+
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process must run to die
+            self.proc.kill()  # an agent's ranks follow it (PR_SET_PDEATHSIG)
+            self.proc.wait(5)
+
+
+class TrainingProcess(_Child):
     """One rank of `examples/train_ddp.py` under the worker library (no agent), logging JSON lines."""
 
     def __init__(self, coordinators: list[str], job: str, log_path: Path, *, steps: int, step_sleep_s: float = 0.05,
@@ -118,10 +140,6 @@ class TrainingProcess:
                                          start_new_session=True)
         return self
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def records(self, event: str | None = None) -> list[dict]:
         return _json_lines(self.log_path, event)
 
@@ -133,20 +151,8 @@ class TrainingProcess:
         steps = self.steps()
         return steps[-1]["step"] if steps else 0
 
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
 
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-class AgentProcess:
+class AgentProcess(_Child):
     """`muster run` for one node, running examples/train_ddp.py (or `command`) on its slots;
     each rank's output goes to log_dir/<node>-slot<K>-<start>.log."""
 
@@ -180,17 +186,6 @@ class AgentProcess:
 
     def rank_pids(self, slot: int) -> list[int]:
         return [r["pid"] for r in self.records("rank_started") if r["slot"] == slot]
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # its ranks follow (PR_SET_PDEATHSIG)
-            self.proc.wait(5)
 
 
 def _json_lines(path: Path, event: str | None) -> list[dict]:

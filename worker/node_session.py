@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from muster.coordinator.client import leader_hint, parse_addresses
+from muster.coordinator.client import leader_hint, parse_addresses, redirect
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -93,12 +93,9 @@ class NodeSession:
                         self.leader = address
                         return response
                     except grpc.aio.AioRpcError as exc:
-                        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        if not redirect(exc, address, order):
                             raise
                         last = exc
-                        hint = leader_hint(exc)
-                        if hint and hint != address:
-                            order.insert(0, hint)
             if loop.time() >= deadline:
                 raise last or TimeoutError(f"{rpc}: no coordinator answered")
             await asyncio.sleep(delay * (1 + random.random()))
