@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/python examples/coordinator_demo.py
+	$(BIN)/muster --log-level warning demo --duration 45
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \

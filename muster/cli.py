@@ -85,6 +85,12 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(NodeAgent(config).run())
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from muster import demo
+
+    return demo.run(args.duration, args.nodes, args.slots, Path(args.timeline))
+
+
 def _ask(args, rpc: str, request):
     from muster.coordinator.client import Coordinators
 
@@ -190,6 +196,13 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--log-dir", help="write each rank's output to a file here")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     r.set_defaults(func=_run)
+
+    d = sub.add_parser("demo", help="etcd, two coordinators and agents training on CPU; faults on a schedule")
+    d.add_argument("--duration", type=float, default=60.0, help="seconds of training after start-up")
+    d.add_argument("--nodes", type=int, default=3)
+    d.add_argument("--slots", type=int, default=2)
+    d.add_argument("--timeline", default="muster-demo.png", help="where to write the PNG timeline")
+    d.set_defaults(func=_demo)
 
     for name, func, helptext in (("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history")):
         q = sub.add_parser(name, help=helptext)

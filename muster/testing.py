@@ -67,7 +67,7 @@ class CoordinatorProcess:
         return None
 
     def records(self) -> list[dict]:
-        return _json_lines(self.log_path, None)
+        return json_lines(self.log_path, None)
 
     def find(self, event: str, **fields) -> list[dict]:
         return [r for r in self.records() if r.get("event") == event and all(r.get(k) == v for k, v in fields.items())]
@@ -141,7 +141,7 @@ class TrainingProcess(_Child):
         return self
 
     def records(self, event: str | None = None) -> list[dict]:
-        return _json_lines(self.log_path, event)
+        return json_lines(self.log_path, event)
 
     def steps(self) -> list[dict]:
         return self.records("step")
@@ -175,20 +175,21 @@ class AgentProcess(_Child):
         return self
 
     def records(self, event: str | None = None) -> list[dict]:
-        return _json_lines(self.log_path, event)
+        return json_lines(self.log_path, event)
 
     def rank_logs(self, slot: int) -> list[Path]:
         return sorted(self.log_dir.glob(f"{self.node_id}-slot{slot}-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
 
     def steps(self, slot: int, start: int = -1) -> list[dict]:
         logs = self.rank_logs(slot)
-        return _json_lines(logs[start], "step") if logs else []
+        return json_lines(logs[start], "step") if logs else []
 
     def rank_pids(self, slot: int) -> list[int]:
         return [r["pid"] for r in self.records("rank_started") if r["slot"] == slot]
 
 
-def _json_lines(path: Path, event: str | None) -> list[dict]:
+def json_lines(path: Path, event: str | None = None) -> list[dict]:
+    """The JSON records of a log file (other lines skipped), optionally of one event."""
     out = []
     for line in path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
