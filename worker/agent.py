@@ -224,13 +224,13 @@ class NodeAgent:
         if slot.stopping or proc is not slot.proc:
             return
         self.log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
-        slot.failed_pid = proc.pid
         slot.connected = False
-        if code == 0:  # finished: the job is ending (the ranks of a job finish together)
+        if code == 0:  # finished: the job is ending (the ranks of a job finish together); not a failure
             slot.finished = True
             if all(s.finished or s.given_up for s in self.slots):
                 await self._leave("all local ranks finished", finished=True)
             return
+        slot.failed_pid = proc.pid  # reported exited until a replacement speaks for the slot
         self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code))
         self.session.send_now()  # the leader hears of it within milliseconds
         if self.draining:
@@ -276,7 +276,7 @@ class NodeAgent:
             elif slot.alive and not self.library:
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid,
                                              state=pb.RANK_STATE_UNMONITORED))
-            elif slot.failed_pid:  # dead, or its replacement has not connected yet
+            elif slot.failed_pid and not slot.stopping:  # crashed, or its replacement is not connected yet
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
         return reports
 

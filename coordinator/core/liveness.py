@@ -164,12 +164,28 @@ class Liveness:
         ]
         return max(steps, default=0)
 
+    def exited_in_map(self, state: JobState) -> list[Failure]:
+        """Slots of the map whose rank a node reports as exited: an exit report that went to a
+        previous leader is not lost. Acted on even during the grace, like any exit; the pid is
+        remembered so that a new process in the slot counts as its recovery."""
+        rm = state.rank_map
+        found = []
+        for p in rm.placements if rm else ():
+            node = self.nodes.get(p.node_id)
+            for slot in p.slots:
+                r = node.ranks.get(slot) if node else None
+                if r is not None and r.state == "exited":
+                    self.mark_failed(p.node_id, slot, r.pid)
+                    found.append(Failure("rank_exited", p.node_id, slot, f"reported exited (pid {r.pid})"))
+        return found
+
     def failures(self, state: JobState, now: float) -> list[Failure]:
-        """Silence and stalls among the members; nothing while the leader's grace lasts."""
+        """Exited ranks of the map; silence and stalls among the members, except during the grace."""
+        exited = self.exited_in_map(state)
         if self.in_grace(now):
-            return []
+            return exited
         t = self.timing
-        found: list[Failure] = []
+        found: list[Failure] = exited
         stall_after = self.progress_timeout()
         rm = state.rank_map
         for member in state.members:
@@ -186,7 +202,7 @@ class Liveness:
             for slot in placement.slots:
                 live = node.ranks.get(slot)
                 if live is None or live.state in ("exited", "unmonitored"):
-                    continue  # unmonitored: a script without the library, its exit is the signal
+                    continue  # exited: found above; unmonitored: no library, its exit is the signal
                 if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
                     found.append(
                         Failure("rank_silent", member.node_id, slot, f"agent has not heard from it for {live.heard_ms_ago}ms")

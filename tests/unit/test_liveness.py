@@ -155,3 +155,17 @@ def test_without_a_majority_every_rank_is_flagged():
     live.observe("n1", 1, digest_report(5, b"b"), 1)
     d = live.divergence(state)
     assert d.ranks == (0, 1) and "no majority" in d.reason
+
+
+def test_a_rank_reported_exited_in_the_map_fails_even_during_the_grace():
+    """Its exit report went to the previous leader: the new one learns it from the frames."""
+    c = Context(now=0, wall_ms=0, term=1, timing=TIMING)
+    state = decide(JobState("job", JobSpec(1, 2, 1)), [Join("n0", "h", 1, 2)], c).state
+    state = decide(state, [Tick()], Context(now=5, wall_ms=0, term=1, timing=TIMING)).state
+    live = Liveness(TIMING, now=10)
+    live.start_grace(["n0"], now=10)
+    live.observe("n0", 1, [RankReport(0, 100, 7, 0.05, "running"), RankReport(1, 101, 7, 0.05, "exited")], 10.1)
+    failures = live.failures(state, 10.2)
+    assert [(f.kind, f.local_rank) for f in failures] == [("rank_exited", 1)]
+    assert "reported exited (pid 101)" in failures[0].reason
+    assert live.observe("n0", 1, [RankReport(1, 102, 0, 0.0, "starting")], 11) == [1]  # its replacement
