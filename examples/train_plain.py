@@ -45,8 +45,10 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        print(json.dumps({"event": "step", "step": step, "rank": rank, "world_size": world,
-                          "generation": restart, "resumed_from": start}), flush=True)
+        # one write per record: ranks may share a stdout (torchrun), and print() may write twice
+        sys.stdout.write(json.dumps({"event": "step", "step": step, "rank": rank, "world_size": world,
+                                     "generation": restart, "resumed_from": start}) + "\n")
+        sys.stdout.flush()
         if rank == 0 and step % args.checkpoint_every == 0:
             args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             tmp = checkpoint.with_suffix(".tmp")

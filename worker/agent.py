@@ -268,6 +268,8 @@ class NodeAgent:
         now = asyncio.get_running_loop().time()
         reports = []
         for slot in self.slots:
+            if slot.finished:
+                continue  # done: neither a failure nor a rank to watch
             if slot.connected and slot.report is not None:
                 r = pb.RankReport()
                 r.CopyFrom(slot.report)
@@ -328,6 +330,7 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
                                 f"pid {first.pid} is not the process of slot {first.local_rank}")
         loop = asyncio.get_running_loop()
         slot.report, slot.heard_at, slot.connected = first, loop.time(), True
+        slot.failed_pid = 0  # the replacement speaks for the slot now
         agent.library = True
         queue: asyncio.Queue = asyncio.Queue()
         if agent.assignment is not None:

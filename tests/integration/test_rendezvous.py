@@ -3,6 +3,7 @@ is killed (its whole process group) and the other continues with plain restart s
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from muster.testing import EXAMPLE, wait_until
 
 PLAIN = EXAMPLE.parent / "train_plain.py"
+STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share torchrun's stdout: lines may interleave
 
 
 class TorchrunNode:
@@ -25,14 +27,7 @@ class TorchrunNode:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def steps(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith('{"event": "step"'):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass  # two workers share torchrun's stdout: a line may be cut by the other
-        return out
+        return [json.loads(m) for m in STEP_RECORD.findall(self.log_path.read_text(errors="replace"))]
 
     def kill_node(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)  # the torchrun agent and its workers
