@@ -18,7 +18,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
 
 import structlog
 
@@ -336,9 +335,6 @@ class EtcdCluster:
         member = self.members[index]
         member.kill()
         return member
-
-    def running_endpoints(self) -> Sequence[str]:
-        return [m.endpoint for m in self.members if m.running()]
 
     def __enter__(self) -> "EtcdCluster":
         return self.start()

@@ -16,7 +16,6 @@ from muster.coordinator import errors, wire
 from muster.coordinator.client import LEADER_METADATA
 from muster.coordinator.leader import CLOSE
 from muster.coordinator.replica import Replica
-from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)

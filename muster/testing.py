@@ -42,7 +42,29 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-class CoordinatorProcess:
+class _Child:
+    """A process a test started: signalled, awaited and ended by its PID only."""
+
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process must run to die
+            self.proc.kill()  # an agent's ranks follow it (PR_SET_PDEATHSIG)
+            self.proc.wait(5)
+
+
+class CoordinatorProcess(_Child):
     """`muster serve` on 127.0.0.1:0 against the given etcd (none: its private etcd); its address is
     read from its log."""
 
@@ -72,14 +94,8 @@ class CoordinatorProcess:
     def find(self, event: str, **fields) -> list[dict]:
         return [r for r in self.records() if r.get("event") == event and all(r.get(k) == v for k, v in fields.items())]
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Gracefully (SIGTERM: it resigns), unlike other children."""
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -99,28 +115,6 @@ class CoordinatorProcess:
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
-
-
-class _Child:
-    """A process a test started: signalled, awaited and ended by its PID only."""
-
-    proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process must run to die
-            self.proc.kill()  # an agent's ranks follow it (PR_SET_PDEATHSIG)
-            self.proc.wait(5)
 
 
 class TrainingProcess(_Child):
