@@ -15,17 +15,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from muster import logs
 from muster.coordinator.etcd_server import EtcdServer
-from muster.testing import CoordinatorProcess, TrainingProcess, wait_until
+from muster.testing import CoordinatorProcess, TrainingProcess, record_time, wait_until
 from muster.worker import Worker, WorkerConfig
-
-
-def ts(record: dict) -> float:
-    return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,7 +93,7 @@ def kill_cycles(workdir: Path, ranks: int, kills: int, step_sleep_s: float) -> d
 
             firsts = wait_until(first_new_steps, 60, "survivors stepping in the new group")
             fenced += sum(1 for p in survivors if p.proc.poll() is not None)
-            recoveries.append(max(ts(r) for r in firsts) - killed_at)
+            recoveries.append(max(record_time(r) for r in firsts) - killed_at)
             lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
             reform_s += [r["seconds"] for p in survivors for r in p.records("group_formed")
                          if r["generation"] > generation][: len(survivors)]

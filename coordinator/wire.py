@@ -19,6 +19,7 @@ RANK_STATES = {
     pb.RANK_STATE_LONG_PHASE: "long_phase",
     pb.RANK_STATE_EXITED: "exited",
     pb.RANK_STATE_UNMONITORED: "unmonitored",
+    pb.RANK_STATE_FORMING: "forming",
 }
 
 
@@ -94,6 +95,9 @@ def assignment_for(state: JobState, node_id: str, reason: str) -> pb.Directive:
         a.role = pb.ROLE_WAITING
     else:
         a.role = pb.ROLE_SPARE
+    member = state.member(node_id)
+    if member is not None:
+        a.down_local_ranks.extend(sorted(member.down_slots))
     return pb.Directive(term=state.term, generation=state.generation, assignment=a)
 
 

@@ -14,12 +14,11 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from muster.coordinator.client import Coordinators
 from muster.coordinator.etcd_server import EtcdServer
-from muster.testing import AgentProcess, CoordinatorProcess, json_lines, wait_until
+from muster.testing import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 
 JOB = "demo"
@@ -31,10 +30,6 @@ class Fault:
     at: float  # wall clock
     recovered_s: float | None = None
     detail: str = ""
-
-
-def _ts(record: dict) -> float:
-    return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def _rank_runs(agents: list[AgentProcess]) -> dict[str, list[dict]]:
@@ -66,12 +61,12 @@ def _recovered_after(agents, fault: Fault, generation_before: int) -> float | No
     """Seconds from the fault until every rank still alive stepped in a newer generation."""
     firsts = []
     for steps in _rank_runs(agents).values():
-        if _ts(steps[-1]) < fault.at:
+        if record_time(steps[-1]) < fault.at:
             continue  # a run that ended before the fault
-        newer = [r for r in steps if r["generation"] > generation_before and _ts(r) >= fault.at]
+        newer = [r for r in steps if r["generation"] > generation_before and record_time(r) >= fault.at]
         if not newer:
             return None
-        firsts.append(_ts(newer[0]))
+        firsts.append(record_time(newer[0]))
     return max(firsts) - fault.at if firsts else None
 
 
@@ -84,9 +79,9 @@ def _timeline(agents, faults: list[Fault], started: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 5))
     generations = {}
     for name, steps in sorted(_rank_runs(agents).items()):
-        ax.plot([_ts(r) - started for r in steps], [r["step"] for r in steps], lw=1.2, label=name)
+        ax.plot([record_time(r) - started for r in steps], [r["step"] for r in steps], lw=1.2, label=name)
         for r in steps:
-            generations.setdefault(r["generation"], _ts(r) - started)
+            generations.setdefault(r["generation"], record_time(r) - started)
     for g, t in sorted(generations.items()):
         ax.axvline(t, color="grey", ls=":", lw=0.8)
         ax.text(t, ax.get_ylim()[1] * 0.02, f"g{g}", color="grey", fontsize=8)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -68,11 +69,12 @@ class CoordinatorProcess(_Child):
     """`muster serve` on 127.0.0.1:0 against the given etcd (none: its private etcd); its address is
     read from its log."""
 
-    def __init__(self, etcd_endpoints: list[str], log_path: Path, extra: list[str] | None = None):
+    def __init__(self, etcd_endpoints: list[str], log_path: Path, extra: list[str] | None = None,
+                 host: str = "127.0.0.1"):
         self.log_path = log_path
         etcd = ["--etcd", ",".join(etcd_endpoints)] if etcd_endpoints else []
         self.args = [sys.executable, "-m", "muster.cli", "--log-json", "serve", *etcd,
-                     "--listen", "127.0.0.1:0", *FAST, *(extra or [])]
+                     "--listen", f"{host}:0", *FAST, *(extra or [])]
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
@@ -148,17 +150,19 @@ class TrainingProcess(_Child):
 
 class AgentProcess(_Child):
     """`muster run` for one node, running examples/train_ddp.py (or `command`) on its slots;
-    each rank's output goes to log_dir/<node>-slot<K>-<start>.log."""
+    each rank's output goes to log_dir/<node>-slot<K>-<start>.log. `wrap` prefixes the command line
+    (e.g. `ip netns exec NS`, which execs: the PID stays the agent's)."""
 
     def __init__(self, coordinators: list[str], job: str, node_id: str, log_dir: Path, *, slots: int = 2,
-                 nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05,
-                 command: list[str] | None = None, extra: list[str] | None = None):
+                 nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05, host: str = "127.0.0.1",
+                 command: list[str] | None = None, extra: list[str] | None = None, wrap: list[str] | None = None):
         self.node_id = node_id
         self.log_dir = log_dir
         self.log_path = log_dir / f"agent-{node_id}.log"
         command = command or [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-sleep", str(step_sleep_s)]
-        self.args = [sys.executable, "-m", "muster.cli", "--log-json", "run", "--coordinator", ",".join(coordinators),
-                     "--job", job, "--nodes", nodes, "--slots", str(slots), "--node-id", node_id,
+        self.args = [*(wrap or []), sys.executable, "-m", "muster.cli", "--log-json", "run",
+                     "--coordinator", ",".join(coordinators), "--job", job, "--nodes", nodes, "--slots", str(slots),
+                     "--node-id", node_id, "--host", host,
                      "--log-dir", str(log_dir), "--restart-backoff", "0.2", *(extra or []), "--", *command]
         self.proc: subprocess.Popen | None = None
 
@@ -180,6 +184,11 @@ class AgentProcess(_Child):
 
     def rank_pids(self, slot: int) -> list[int]:
         return [r["pid"] for r in self.records("rank_started") if r["slot"] == slot]
+
+
+def record_time(record: dict) -> float:
+    """The wall-clock time (Unix seconds) of a JSON log record."""
+    return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def json_lines(path: Path, event: str | None = None) -> list[dict]:

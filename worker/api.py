@@ -41,7 +41,7 @@ from muster.worker.state import TrainingState
 log = structlog.get_logger(__name__)
 
 _STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
-           "long_phase": pb.RANK_STATE_LONG_PHASE}
+           "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING}
 
 
 @dataclass(frozen=True)
@@ -279,6 +279,8 @@ class Worker:
 
     def _reform(self, *, discard: bool) -> None:
         started = time.perf_counter()
+        step, us, state, phase = self._progress
+        self._progress = (step, us, "forming", "")  # waiting for the others is not a stall
         if discard:
             self.state.discard_step()
         self._ddp.clear()
@@ -301,7 +303,7 @@ class Worker:
         lost = self.step - step if step < self.step else 0
         self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
         self.session.generation = spec.generation
-        self._progress = (step, self._progress[1], self._progress[2], self._progress[3])
+        self._progress = (step, us, state, phase)
         took = time.perf_counter() - started
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
@@ -359,6 +361,11 @@ class Worker:
                     self._latest = a
             if a.role == pb.ROLE_EVICTED:
                 self._fail(FencedOut(f"fenced out by the coordinator: {a.reason}"))
+                return
+            if self.generation and self._slot in a.down_local_ranks:
+                # This process held a place and was declared failed (it hung): its state is stale.
+                # A fresh process (the agent restarts this one) takes the slot back.
+                self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
             if a.abort_previous:
                 self.comm.abort(a.generation)

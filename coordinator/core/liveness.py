@@ -23,7 +23,7 @@ class RankLive:
     pid: int = 0
     step: int = 0
     step_time_s: float = 0.0
-    state: str = "starting"  # starting | running | long_phase | exited | unmonitored
+    state: str = "starting"  # starting | running | long_phase | forming | exited | unmonitored
     phase: str = ""
     heard_ms_ago: int = 0
     progress_at: float = 0.0  # when the step last advanced (or the generation changed)
@@ -111,10 +111,10 @@ class Liveness:
                 if r.step > live.step and r.pid == live.pid and r.step_time_s > 0:
                     self.step_times.append(r.step_time_s)
                 live.progress_at = now
-            if r.state == "long_phase" and live.state != "long_phase":
-                live.phase_since = now
-            elif r.state != "long_phase":
-                live.phase_since = None
+            if r.state != live.state:
+                # Entering or leaving a phase is progress: a rank back from a long reform is not stalled.
+                live.progress_at = now
+                live.phase_since = now if r.state in ("long_phase", "forming") else None
             live.pid, live.step, live.step_time_s = r.pid, r.step, r.step_time_s
             live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
             if r.digest_step:
@@ -217,6 +217,13 @@ class Liveness:
                                 f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
                             )
                         )
+                elif live.state == "forming":
+                    # Waiting for the others at a reform: whoever is missing is to blame, not the waiting;
+                    # bounded like a start, in case the group never forms.
+                    waited = now - (live.phase_since or now)
+                    if waited > max(stall_after, t.startup_progress_timeout_s):
+                        found.append(Failure("rank_stalled", member.node_id, slot,
+                                             f"waited {waited:.2f}s for its group to form"))
                 elif live.state == "starting" and now - live.progress_at > max(stall_after, t.startup_progress_timeout_s):
                     found.append(
                         Failure("rank_stalled", member.node_id, slot,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from enum import Enum
 
 from muster.coordinator.core.policy import JobSpec
@@ -66,11 +67,12 @@ class RankMap:
     switch_at_step: int  # planned: switch after this step; 0 with abort
     master_address: str = ""  # rank 0's node host:master_port, for scripts without the library
 
+    @cached_property
+    def _by_node(self) -> dict[str, Placement]:
+        return {p.node_id: p for p in self.placements}
+
     def placement(self, node_id: str) -> Placement | None:
-        for p in self.placements:
-            if p.node_id == node_id:
-                return p
-        return None
+        return self._by_node.get(node_id)
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -103,11 +105,12 @@ class JobState:
     next_seq: int = 1
     forming_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
 
+    @cached_property
+    def _by_node(self) -> dict[str, Member]:
+        return {m.node_id: m for m in self.members}
+
     def member(self, node_id: str) -> Member | None:
-        for m in self.members:
-            if m.node_id == node_id:
-                return m
-        return None
+        return self._by_node.get(node_id)
 
     @property
     def spares(self) -> tuple[str, ...]:

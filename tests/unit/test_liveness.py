@@ -169,3 +169,24 @@ def test_a_rank_reported_exited_in_the_map_fails_even_during_the_grace():
     assert [(f.kind, f.local_rank) for f in failures] == [("rank_exited", 1)]
     assert "reported exited (pid 101)" in failures[0].reason
     assert live.observe("n0", 1, [RankReport(1, 102, 0, 0.0, "starting")], 11) == [1]  # its replacement
+
+
+def test_a_rank_waiting_for_its_group_to_form_is_not_stalled_until_the_startup_bound():
+    """Survivors waiting at a planned switch for a joiner that is still starting are not to blame."""
+    state = job()
+    live = Liveness(TIMING, now=0)
+    now = steady(live, "n0", 1, 20, 0)
+    steady(live, "n1", 1, 20, 0)
+    for t in (now, now + 10, now + 20):
+        for node in ("n0", "n1"):
+            live.observe(node, 1, report(20, state="forming"), t)
+    assert live.failures(state, now + 20) == []  # far past the 1 s progress timeout
+    for node in ("n0", "n1"):
+        live.observe(node, 1, report(20), now + 25)  # formed: back to running, same step
+    assert live.failures(state, now + 25.5) == []  # leaving the phase counts as progress
+    for t in (now + 26, now + 60):
+        live.observe("n0", 1, report(20, state="forming"), t)
+        live.observe("n1", 1, report(int(t * 100)), t)
+    failures = live.failures(state, now + 60)
+    assert [(f.kind, f.node_id) for f in failures] == [("rank_stalled", "n0")]
+    assert "for its group to form" in failures[0].reason

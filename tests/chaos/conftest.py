@@ -1,0 +1,42 @@
+"""Chaos fixtures: one cluster shared by the fault sequence of a module, and the soak option."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the harness sits beside the tests
+
+from harness import Chaos  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", type=float, default=0.0, metavar="MINUTES",
+                     help="run the chaos soak (a random fault every 15 s) for MINUTES; off in CI")
+
+
+def pytest_collection_modifyitems(config, items):
+    minutes = config.getoption("--soak")
+    for item in items:
+        if "soak" in item.keywords:
+            if minutes:
+                item.add_marker(pytest.mark.timeout(minutes * 60 + 300))
+            else:
+                item.add_marker(pytest.mark.skip(reason="soak mode: pytest tests/chaos --soak MINUTES -s"))
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory, request):
+    """A started cluster (3-member etcd, 2 coordinators, 3 agents x 2 ranks) for a module's faults,
+    stopped afterwards with the orphan check."""
+    cluster = Chaos(tmp_path_factory.mktemp("chaos"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        report = cluster.report()
+        leftovers = cluster.stop()
+        request.config._chaos_reports = getattr(request.config, "_chaos_reports", []) + [report]
+        assert not leftovers, f"processes left behind: {leftovers}"
