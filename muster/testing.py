@@ -66,15 +66,15 @@ class _Child:
 
 
 class CoordinatorProcess(_Child):
-    """`muster serve` on 127.0.0.1:0 against the given etcd (none: its private etcd); its address is
-    read from its log."""
+    """`muster serve` on `listen` (default 127.0.0.1:0) against the given etcd (none: its private
+    etcd); its address is read from its log."""
 
     def __init__(self, etcd_endpoints: list[str], log_path: Path, extra: list[str] | None = None,
-                 host: str = "127.0.0.1"):
+                 listen: str = "127.0.0.1:0"):
         self.log_path = log_path
         etcd = ["--etcd", ",".join(etcd_endpoints)] if etcd_endpoints else []
         self.args = [sys.executable, "-m", "muster.cli", "--log-json", "serve", *etcd,
-                     "--listen", f"{host}:0", *FAST, *(extra or [])]
+                     "--listen", listen, *FAST, *(extra or [])]
         self.proc: subprocess.Popen | None = None
         self.address = ""
 

@@ -170,10 +170,12 @@ class Chaos:
         return sorted(pid for pid in self.pids if process_alive(pid))
 
     def restart_coordinator(self) -> CoordinatorProcess:
-        i = len(self.replicas)
-        replica = CoordinatorProcess(self.etcd.endpoints, self.workdir / f"coordinator-{i}.log",
-                                     self.coordinator_flags, host=self.host).start()
-        self.replicas.append(replica)
+        """A new replica; in place of a dead one (same address, as a StatefulSet pod comes back), if any."""
+        live = set(self.addresses)
+        dead = next((r.address for r in self.replicas if r.proc.poll() is not None and r.address not in live), None)
+        replica = CoordinatorProcess(self.etcd.endpoints, self.workdir / f"coordinator-{len(self.replicas)}.log",
+                                     self.coordinator_flags, listen=dead or f"{self.host}:0").start()
+        self.replicas.append(replica)  # every replica ever started: their logs hold the decisions
         self.pids.add(replica.pid)
         return replica
 
