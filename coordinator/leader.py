@@ -145,6 +145,10 @@ class JobLeader:
             except PersistFenced as exc:
                 self._lose(f"fenced write refused: {exc}")
                 return
+            except Exception as exc:  # a bug must not leave a leader that silently stops tallying
+                self.log.exception("tally_failed")
+                self._lose(f"tally failed: {exc!r}")
+                return
             if self._clock() >= next_pulse:
                 next_pulse = self._clock() + pulse_every
                 self._pulse()
@@ -335,5 +339,5 @@ class JobLeader:
         if recovered:
             self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 
-    def status(self) -> pb.JobStatus:
-        return wire.job_status(self.state, self.address, self.term, self.live)
+    def status(self, brief: bool = False) -> pb.JobStatus:
+        return wire.job_status(self.state, self.address, self.term, self.live, brief)

@@ -20,8 +20,8 @@ from muster.coordinator import wire
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode, encode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, Unavailable
-from muster.coordinator.etcd_backend import (Election, EtcdUnavailable, Fenced, JobStore, Leadership, Session,
-                                              current_leader)
+from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, Fenced, JobStore, Leadership,
+                                              Session, current_leader)
 from muster.coordinator.leader import JobLeader, PersistFenced, PersistUnavailable
 from muster.v1 import muster_pb2 as pb
 
@@ -198,10 +198,11 @@ class Replica:
 
     async def _persist(self, leadership: Leadership, state: JobState) -> None:
         try:
-            await asyncio.to_thread(self.store.write_state, leadership, encode(state))
+            # Encoding a large job's state takes a while: off the event loop, with the write.
+            await asyncio.to_thread(lambda: self.store.write_state(leadership, encode(state)))
         except Fenced as exc:
             raise PersistFenced(str(exc)) from exc
-        except EtcdUnavailable as exc:
+        except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
             raise PersistUnavailable(str(exc)) from exc
 
     def _leadership_lost(self, job: str, reason: str) -> None:
@@ -256,7 +257,7 @@ class Replica:
                 raise NotLeader(job, address)
             await asyncio.sleep(0.02)
 
-    async def status(self, job: str) -> pb.StatusResponse:
+    async def status(self, job: str, brief: bool = False) -> pb.StatusResponse:
         names = [wire.check_job(job)] if job else sorted(self.jobs)
         if job and job not in self.jobs:
             raise NotFound(f"job {job!r} is unknown to this deployment")
@@ -264,11 +265,11 @@ class Replica:
         for name in names:
             leader = self.leaders.get(name)
             if leader is not None:
-                resp.jobs.append(leader.status())
+                resp.jobs.append(leader.status(brief))
                 continue
             state, term_leader = await self._persisted(name)
             address, term = term_leader
-            resp.jobs.append(wire.job_status(state, address, term, None))
+            resp.jobs.append(wire.job_status(state, address, term, None, brief))
         return resp
 
     async def events(self, job: str) -> pb.EventsResponse:

@@ -68,7 +68,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals
     async def Status(self, request, context):
-        return await self.replica.status(request.job)
+        return await self.replica.status(request.job, request.brief)
 
     @_refusals
     async def Events(self, request, context):

@@ -114,8 +114,9 @@ def event_pb(e: Event) -> pb.Event:
                     reason=e.reason, nodes=list(e.nodes), world_size=e.world_size)
 
 
-def job_status(state: JobState, leader: str, term: int, live: Liveness | None) -> pb.JobStatus:
-    """Persisted map always; pids, steps and rank states only when `live` (the leader) is given."""
+def job_status(state: JobState, leader: str, term: int, live: Liveness | None, brief: bool = False) -> pb.JobStatus:
+    """Persisted map always; pids, steps and rank states only when `live` (the leader) is given;
+    `brief`: neither ranks nor nodes (O(1) in the job size)."""
     rm = state.rank_map
     js = pb.JobStatus(
         name=state.job,
@@ -123,11 +124,13 @@ def job_status(state: JobState, leader: str, term: int, live: Liveness | None) -
         term=term,
         generation=state.generation,
         world_size=rm.world_size if rm else 0,
-        spares=list(state.spares),
         phase=state.phase.value,
         live=live is not None,
-        nodes=[m.node_id for m in state.members],
     )
+    if brief:
+        return js
+    js.nodes.extend(m.node_id for m in state.members)
+    js.spares.extend(state.spares)
     for p in rm.placements if rm else ():
         node = live.nodes.get(p.node_id) if live else None
         for slot in p.slots:

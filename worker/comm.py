@@ -10,8 +10,10 @@ down, which makes a collective blocked on a hung or dead peer fail at once.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +39,23 @@ class GroupSpec:
     local_rank: int
     store_address: str  # host:port of rank 0's store
     store_prefix: str
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding an IPv4 address, or None (a name, IPv6, not local)."""
+    try:
+        wanted = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                info = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on it
+            if info[20:24] == wanted:
+                return name
+    return None
 
 
 def _socket_fds() -> set[int]:
@@ -77,6 +96,11 @@ class Comm:
     def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True):
         self.backend = backend
         self.host = host
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # Gloo picks its address from the hostname; peers must reach it where they reach us.
+            interface = interface_of(host)
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         self.timeout = timedelta(seconds=timeout_s)
         # Under a node agent the agent hosts the store (it outlives its ranks); alone, each process does.
         self.server = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)

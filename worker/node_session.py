@@ -208,7 +208,7 @@ class NodeSession:
     async def _leads(self, channel, address: str) -> bool:
         try:
             status = await pb_grpc.CoordinatorStub(channel).Status(
-                pb.StatusRequest(job=self.identity.job), timeout=self.heartbeat_timeout_s)
+                pb.StatusRequest(job=self.identity.job, brief=True), timeout=self.heartbeat_timeout_s)
         except grpc.aio.AioRpcError:
             return False
         return bool(status.jobs) and status.jobs[0].live and status.jobs[0].leader == address

@@ -17,6 +17,9 @@ from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Pha
 from muster.coordinator.errors import AlreadyExists, MusterError, NotFound
 
 
+EVENT_NODES_MAX = 32  # nodes named in a generation event
+
+
 @dataclass(frozen=True)
 class Join:
     node_id: str
@@ -201,7 +204,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             mode = "abort" if abort else f"switch after step {switch_at}"
             log.append(
                 Event(nxt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
-                      nxt.rank_map.node_ids, assignment.world_size)
+                      _named(nxt.rank_map.node_ids), assignment.world_size)
             )
             drains = tuple((node_id, switch_at) for node_id in leaving if not abort)
             new_generation = True
@@ -234,7 +237,7 @@ def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobSta
     formed = _publish(state, assignment.placements, assignment.world_size, abort=False, switch_at=0)
     formed = replace(formed, phase=Phase.RUNNING, forming_deadline=None)
     log.append(Event(formed.generation, ctx.term, ctx.wall_ms, "formed", assignment.reason,
-                     formed.rank_map.node_ids, assignment.world_size))
+                     _named(formed.rank_map.node_ids), assignment.world_size))
     return formed, True
 
 
@@ -259,3 +262,9 @@ def _publish(state: JobState, placements, world_size: int, *, abort: bool, switc
         switch_at_step=switch_at,
     )
     return replace(state, generation=generation, rank_map=rank_map)
+
+
+def _named(node_ids: tuple[str, ...]) -> tuple[str, ...]:
+    """The nodes a generation event lists: all of a small job's; none of a large one's, whose
+    history (persisted with the state) would otherwise outgrow etcd's request limit."""
+    return node_ids if len(node_ids) <= EVENT_NODES_MAX else ()

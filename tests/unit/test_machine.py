@@ -160,3 +160,11 @@ def test_a_finished_node_leaves_without_a_new_generation():
     d = decide(running(), [Leave("n3", immediate=False, reason="done", finished=True)], ctx(now=5))
     assert d.persist and not d.new_generation and d.state.member("n3") is None
     assert d.events[0].kind == "node_finished"
+
+
+def test_generation_events_of_a_large_job_name_no_nodes_so_the_persisted_history_stays_small():
+    small = running(3)
+    assert decide(small, [NodeLost("n1", "node_silent", "x")], ctx()).events[-1].nodes == ("n2", "n3")
+    big = running(40, JobSpec(2, 40, 1))
+    event = decide(big, [NodeLost("n1", "node_silent", "x")], ctx()).events[-1]
+    assert event.kind == "generation" and event.nodes == () and event.world_size == 78

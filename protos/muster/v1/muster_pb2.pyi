@@ -216,10 +216,12 @@ class Drain(_message.Message):
     def __init__(self, after_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "brief")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    brief: bool
+    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state")
