@@ -1,8 +1,19 @@
-"""Kill -9 one rank of N (repeatedly; a replacement joins in between) and measure, from the kill,
-until every survivor has completed a step in the new group. Also: completed steps lost, and the
-per-step cost of the worker API on the training thread. Prints one JSON object.
+"""What a fault costs a job under Muster: N ranks of examples/train_ddp.py (worker library, gloo on
+CPU) against a real etcd and two coordinator replicas. Prints one JSON object.
 
-    python bench/recovery.py --ranks 8 --kills 8
+  kill       SIGKILL one rank (repeatedly; a replacement joins in between):
+             detection_s     kill -> the leader's decision (its log)
+             kill_to_step_s  kill -> every survivor has completed a step in the new group
+             steps_lost      completed steps the survivors redo (the new group's first step vs the
+                             highest completed before); survivors_lost: survivors not in the new group
+             rejoin_s        replacement started -> its first step in the group (process start,
+                             torch import, join, planned switch, state transfer)
+  hang       SIGSTOP one rank: detection by the heartbeat timeout, then as above (hang_to_step_s)
+  failover   SIGKILL the coordinator leader while training: time until the standby serves, steps
+             discarded, evictions, generation changes (all should be 0)
+  step_api   the training thread's cost of `with worker.step_scope():`
+
+    python bench/recovery.py --ranks 4,8,16 --kills 5
 """
 
 from __future__ import annotations
@@ -18,14 +29,23 @@ import time
 from pathlib import Path
 
 from muster import logs
+from muster.coordinator.client import Coordinators
 from muster.coordinator.etcd_server import EtcdServer
 from muster.testing import CoordinatorProcess, TrainingProcess, record_time, wait_until
+from muster.v1 import muster_pb2 as pb
 from muster.worker import Worker, WorkerConfig
+
+JOB = "bench"
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(values: list[float]) -> dict:
+    return {"p50": round(statistics.median(values), 4), "p99": round(percentile(values, 0.99), 4),
+            "max": round(max(values), 4), "all": [round(v, 4) for v in values]}
 
 
 def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
@@ -47,89 +67,160 @@ def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
             "iterations": iterations * batches}
 
 
-def kill_cycles(workdir: Path, ranks: int, kills: int, step_sleep_s: float) -> dict:
-    etcd = EtcdServer(workdir / "etcd").start()
-    coordinator = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", ["--heartbeat-timeout", "2.0"]).start()
-    procs: list[TrainingProcess] = []
+class Fleet:
+    """etcd, two coordinator replicas and N library ranks (each its own node) of one job."""
 
-    def launch(n: int) -> list[TrainingProcess]:
-        new = [TrainingProcess([coordinator.address], "bench", workdir / f"rank-{len(procs) + i}.log",
-                               steps=10**9, step_sleep_s=step_sleep_s, min_nodes=ranks - 1, max_nodes=ranks).start()
-               for i in range(n)]
-        procs.extend(new)
+    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float):
+        self.workdir, self.ranks, self.step_sleep_s = workdir, ranks, step_sleep_s
+        self.etcd = EtcdServer(workdir / "etcd").start()
+        self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",
+                                            ["--heartbeat-timeout", "2.0"]).start() for i in range(2)]
+        self.addresses = [r.address for r in self.replicas]
+        self.procs: list[TrainingProcess] = []
+
+    def launch(self, n: int) -> list[TrainingProcess]:
+        new = [TrainingProcess(self.addresses, JOB, self.workdir / f"rank-{len(self.procs) + i}.log",
+                               steps=10**9, step_sleep_s=self.step_sleep_s, min_nodes=self.ranks - 1,
+                               max_nodes=self.ranks).start() for i in range(n)]
+        self.procs.extend(new)
         return new
 
-    def alive() -> list[TrainingProcess]:
-        return [p for p in procs if p.proc.poll() is None]
+    def alive(self) -> list[TrainingProcess]:
+        return [p for p in self.procs if p.proc.poll() is None]
 
-    def world(p: TrainingProcess) -> tuple[int, int]:
-        s = p.steps()
-        return (s[-1]["generation"], s[-1]["world_size"]) if s else (0, 0)
+    def full(self, timeout_s: float = 180.0) -> None:
+        def world(p):
+            s = p.steps()
+            return s[-1]["world_size"] if s else 0
+        wait_until(lambda: len(self.alive()) == self.ranks and all(world(p) == self.ranks and p.last_step > 3
+                                                                   for p in self.alive()),
+                   timeout_s, "all ranks stepping together", interval_s=0.1)
 
-    recoveries, lost, reform_s = [], [], []
-    fenced = 0  # survivors that did not make it into the new group (should be 0)
-    try:
-        launch(ranks)
-        wait_until(lambda: all(world(p)[1] == ranks and p.last_step > 5 for p in alive()), 120, "all ranks stepping")
-        for _ in range(kills):
-            live = alive()
-            victim = random.choice(live)
-            survivors = [p for p in live if p is not victim]
-            generation = max(world(p)[0] for p in live)
-            completed_before = max(p.last_step for p in live)
-            killed_at = time.time()
-            victim.signal(signal.SIGKILL)
-            victim.wait(10)
+    def generation(self) -> int:
+        return max(p.steps()[-1]["generation"] for p in self.alive() if p.steps())
 
-            def first_new_steps():
-                firsts = []
-                for p in survivors:
-                    new = [r for r in p.steps() if r["generation"] > generation]
-                    if new:
-                        firsts.append(new[0])
-                    elif p.proc.poll() is None:
-                        return None  # still reforming
-                return firsts
+    def decisions(self, since: float, kinds: set[str]) -> list[float]:
+        return [record_time(r) for rep in self.replicas for r in rep.find("membership_changed")
+                if r["kind"] in kinds and record_time(r) >= since]
 
-            firsts = wait_until(first_new_steps, 60, "survivors stepping in the new group")
-            fenced += sum(1 for p in survivors if p.proc.poll() is not None)
-            recoveries.append(max(record_time(r) for r in firsts) - killed_at)
-            lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
-            reform_s += [r["seconds"] for p in survivors for r in p.records("group_formed")
-                         if r["generation"] > generation][: len(survivors)]
-            launch(ranks - len(alive()))
-            wait_until(lambda: len(alive()) == ranks and all(world(p)[1] == ranks for p in alive()),
-                       120, "replacements joined")
-        return {
-            "ranks": ranks,
-            "kills": kills,
-            "kill_to_step_s": {"p50": round(statistics.median(recoveries), 4),
-                               "p99": round(percentile(recoveries, 0.99), 4),
-                               "max": round(max(recoveries), 4), "all": [round(r, 4) for r in recoveries]},
-            "reform_s_median": round(statistics.median(reform_s), 4),
-            "steps_lost": {"max": max(lost), "total": sum(lost)},
-            "survivors_lost": fenced,
-        }
-    finally:
-        for p in procs:
+    def leader(self) -> CoordinatorProcess:
+        for r in self.replicas:
+            if r.proc.poll() is None and _leads(r.address):
+                return r
+        raise RuntimeError("no replica leads")
+
+    def stop(self) -> None:
+        for p in self.procs:
             p.stop()
-        coordinator.stop()
-        etcd.stop()
+        for r in self.replicas:
+            r.stop()
+        self.etcd.stop()
+
+
+def _leads(address: str) -> bool:
+    try:
+        with Coordinators([address], timeout_s=1) as c:
+            job = c.call("Status", pb.StatusRequest(job=JOB, brief=True)).jobs[0]
+    except Exception:
+        return False
+    return job.live and job.leader == address
+
+
+def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
+    """SIGKILL (how="kill") or SIGSTOP ("hang") one rank at a time; time the answer; refill."""
+    sig, kinds = {"kill": (signal.SIGKILL, {"process_exited"}),
+                  "hang": (signal.SIGSTOP, {"node_silent", "rank_stalled"})}[how]
+    recoveries, detections, lost, rejoins = [], [], [], []
+    survivors_lost = 0
+    for _ in range(faults):
+        live = fleet.alive()
+        victim = random.choice(live)
+        survivors = [p for p in live if p is not victim]
+        generation = fleet.generation()
+        completed_before = max(p.last_step for p in live)
+        at = time.time()
+        victim.signal(sig)
+
+        def first_new_steps():
+            firsts = []
+            for p in survivors:
+                new = [r for r in p.steps() if r["generation"] > generation]
+                if new:
+                    firsts.append(new[0])
+                elif p.proc.poll() is None:
+                    return None  # still reforming
+            return firsts
+
+        firsts = wait_until(first_new_steps, 60, "survivors stepping in the new group")
+        survivors_lost += sum(1 for p in survivors if p.proc.poll() is not None)
+        recoveries.append(max(record_time(r) for r in firsts) - at)
+        lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
+        detections += [min(fleet.decisions(at, kinds)) - at] if fleet.decisions(at, kinds) else []
+        victim.stop()  # a hung one is fenced out when it wakes; end it now
+        started = time.time()
+        (joiner,) = fleet.launch(1)
+        fleet.full()
+        rejoins.append(record_time(joiner.steps()[0]) - started)
+    return {"detection_s": summary(detections), f"{how}_to_step_s": summary(recoveries),
+            "steps_lost": {"max": max(lost), "total": sum(lost)}, "survivors_lost": survivors_lost,
+            "rejoin_s": summary(rejoins)}
+
+
+def failover_cycles(fleet: Fleet, kills: int) -> dict:
+    """SIGKILL the coordinator leader (restarted at once as the next standby); training must not notice."""
+    served, discarded, evictions, generation_changes = [], 0, 0, 0
+    for _ in range(kills):
+        leader = fleet.leader()
+        standby = next(r for r in fleet.replicas if r is not leader and r.proc.poll() is None)
+        generation = fleet.generation()
+        steps = {id(p): p.last_step for p in fleet.alive()}
+        at = time.time()
+        leader.kill()
+        wait_until(lambda: _leads(standby.address), 30, "the standby leading", interval_s=0.01)
+        served.append(time.time() - at)
+        wait_until(lambda: all(p.last_step >= steps[id(p)] + 20 for p in fleet.alive()), 60, "training on")
+        discarded += sum(1 for p in fleet.alive() for r in p.records("step_discarded") if record_time(r) >= at)
+        evictions += len(fleet.decisions(at, {"process_exited", "node_silent", "rank_stalled"}))
+        generation_changes += fleet.generation() != generation
+        # the dead replica comes back at its address, as a standby
+        i = fleet.replicas.index(leader)
+        fleet.replicas[i] = CoordinatorProcess([fleet.etcd.endpoint], fleet.workdir / f"coordinator-{i}-{len(served)}.log",
+                                               ["--heartbeat-timeout", "2.0"], listen=leader.address).start()
+    return {"kills": kills, "standby_serves_s": summary(served), "steps_discarded": discarded,
+            "evictions": evictions, "generation_changes": generation_changes}
+
+
+def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_sleep_s: float) -> dict:
+    fleet = Fleet(workdir, ranks, step_sleep_s)
+    try:
+        fleet.launch(ranks)
+        fleet.full()
+        out = {"ranks": ranks, "kill": fault_cycles(fleet, kills, "kill")}
+        if hangs:
+            out["hang"] = fault_cycles(fleet, hangs, "hang")
+        if failovers:
+            out["failover"] = failover_cycles(fleet, failovers)
+        return out
+    finally:
+        fleet.stop()
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--kills", type=int, default=8)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="8", help="rank counts, comma-separated (default 8)")
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--hangs", type=int, default=2)
+    p.add_argument("--failovers", type=int, default=2)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
+    result = {"benchmark": "recovery", "step_sleep_s": args.step_sleep, "step_api": step_api_cost_us(), "runs": []}
     with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
-        workdir = args.workdir or Path(d)
-        workdir.mkdir(parents=True, exist_ok=True)
-        result = {"benchmark": "recovery", "step_api": step_api_cost_us(),
-                  **kill_cycles(workdir, args.ranks, args.kills, args.step_sleep)}
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            workdir = (args.workdir or Path(d)) / f"ranks-{ranks}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, args.step_sleep))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -47,7 +47,8 @@ def main() -> int:
         optimizer.zero_grad()
         # one write per record: ranks may share a stdout (torchrun), and print() may write twice
         sys.stdout.write(json.dumps({"event": "step", "step": step, "rank": rank, "world_size": world,
-                                     "generation": restart, "resumed_from": start}) + "\n")
+                                     "generation": restart, "resumed_from": start,
+                                     "pid": os.getpid(), "time": time.time()}) + "\n")
         sys.stdout.flush()
         if rank == 0 and step % args.checkpoint_every == 0:
             args.checkpoint_dir.mkdir(parents=True, exist_ok=True)

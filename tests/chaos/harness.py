@@ -472,14 +472,15 @@ class Chaos:
 
 def _check_progress(fault: str, run: RankRun) -> None:
     """A rank's completed steps follow each other, except that a reform may bring it forward to
-    the step another rank completed (state sync from the highest); never backwards."""
-    done = None  # the step this process's state is at
+    the step another rank completed (state sync from the highest); never backwards. A planned
+    switch forms the new group inside the step's end, so its record follows the group's."""
+    done, switched = None, False  # the step this process's state is at
     for r in json_lines(run.log) if run.log.exists() else []:
         if r.get("event") == "group_formed":
             assert done is None or r["step"] >= done, \
                 f"{fault}: {run.node}/{run.slot} pid {run.pid} went back from step {done} to {r['step']}"
-            done = r["step"]
+            done, switched = r["step"], True
         elif r.get("event") == "step":
-            assert done is None or r["step"] == done + 1, \
+            assert done is None or r["step"] == done + 1 or (switched and r["step"] == done), \
                 f"{fault}: {run.node}/{run.slot} pid {run.pid} completed step {r['step']} after step {done}"
-            done = r["step"]
+            done, switched = r["step"], False

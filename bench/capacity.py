@@ -1,0 +1,529 @@
+"""How much one leader carries. Prints one JSON object.
+
+1. Heartbeat capacity: a real etcd and one coordinator process, driven by simulated nodes
+   (`muster.testing.SimulatedNode`: Join, then the bidi Session stream of NodeFrames) in a few
+   client processes, at several load points (node streams x frames/s). Per point: frames/s
+   offered, sent by the clients and seen by the leader (rank steps in `Status`), the leader's
+   CPU, the latency of a frame until the leader's `Status` reflects it, and whether any node
+   was evicted (membership_changed events in the coordinator log).
+2. A membership change at 16k and 100k ranks, in-process with no network: the pure core
+   (`decide`, `encode`) and the leader's own per-tick and per-change path (`JobLeader._tally`
+   with an in-memory persist), plus the per-frame and `Status` costs at that size.
+
+    python bench/capacity.py            # 50..1000 nodes x 8 ranks at 10 frames/s; 16k and 100k ranks
+    python bench/capacity.py --quick    # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+
+from muster import logs
+from muster.coordinator import wire
+from muster.coordinator.core.liveness import RankReport
+from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
+from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
+from muster.coordinator.core.state import JobState, decode, encode
+from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.leader import JobLeader, NodeStream
+from muster.testing import CoordinatorProcess, SimulatedNode
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from recovery import percentile  # noqa: E402
+
+JOB = "capacity"
+PROBE_JOB = "probe"  # a one-node job on the same leader process: its Status is O(1) to poll
+EVICTION_KINDS = {"node_silent", "rank_silent", "rank_stalled", "process_exited", "node_left"}
+HEARTBEAT_TIMEOUT_S = 5.0  # FAST's 1 s would evict nodes of a loaded 2-core host; the grace matches it
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# ---- part 1: heartbeat capacity ------------------------------------------------------------------
+
+
+def _client_main(conn) -> None:
+    """A client process: simulated nodes on one asyncio loop, one load point after another
+    (long-lived: importing the worker package, torch included, takes seconds)."""
+    logs.configure("warning")
+    asyncio.run(_client(conn))
+
+
+async def _client(conn) -> None:
+    nodes: list[SimulatedNode] = []
+    joining = asyncio.Semaphore(32)
+
+    async def bring_up(node: SimulatedNode) -> None:
+        # Stream right after joining: a joined node silent for the heartbeat timeout is evicted.
+        async with joining:
+            await node.join()
+        node.start()
+
+    try:
+        while True:
+            command, *rest = await asyncio.to_thread(conn.recv)
+            if command == "start":
+                address, names, slots, interval_s, spec = rest
+                nodes = [SimulatedNode([address], JOB, name, slots=slots, spec=pb.JobSpec(**spec),
+                                       interval_s=interval_s) for name in names]
+                try:
+                    await asyncio.gather(*(bring_up(n) for n in nodes))
+                    conn.send("joined")
+                except (grpc.RpcError, TimeoutError) as exc:  # the parent raises it
+                    conn.send(f"join failed: {exc!r}")
+            elif command == "count":
+                conn.send((time.monotonic(), sum(n.step for n in nodes), sum(len(n.errors) for n in nodes)))
+            elif command == "stop":
+                await asyncio.gather(*(n.stop() for n in nodes))
+                nodes = []
+                conn.send("stopped")
+            else:
+                return
+    finally:
+        await asyncio.gather(*(n.stop() for n in nodes))
+
+
+class Clients:
+    """Client processes (spawned: grpc does not survive a fork), each owning a share of the nodes."""
+
+    def __init__(self, processes: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.procs, self.conns = [], []
+        for _ in range(processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_client_main, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def _ask(self, command: tuple, timeout_s: float, what: str) -> list:
+        for conn in self.conns:
+            conn.send(command)
+        replies = []
+        for conn in self.conns:
+            if not conn.poll(timeout_s):
+                raise AssertionError(f"client processes: no answer within {timeout_s}s ({what})")
+            replies.append(conn.recv())
+        return replies
+
+    def start(self, address: str, nodes: int, slots: int, interval_s: float) -> None:
+        """Join and stream `nodes` nodes, split over the processes. The job is --nodes N:N: it forms
+        once, when the last joins (joining one by one into a running job, every join is a new
+        generation sent to every stream: a join storm, not the steady state measured here)."""
+        names = [f"node-{i:05d}" for i in range(nodes)]
+        spec = {"min_nodes": nodes, "max_nodes": nodes}
+        for k, conn in enumerate(self.conns):
+            conn.send(("start", address, names[k::len(self.conns)], slots, interval_s, spec))
+        for conn in self.conns:
+            if not conn.poll(90):
+                raise AssertionError("client nodes did not join within 90s")
+            reply = conn.recv()
+            if reply != "joined":
+                raise AssertionError(reply)
+
+    def count(self) -> tuple[float, int, int]:
+        """(when, frames with rank reports sent so far, node errors), over all processes."""
+        replies = self._ask(("count",), 10, "count")
+        return max(r[0] for r in replies), sum(r[1] for r in replies), sum(r[2] for r in replies)
+
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(p.pid) for p in self.procs)
+
+    def stop_nodes(self) -> None:
+        self._ask(("stop",), 20, "stop")
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("exit",))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()  # by its own pid
+                proc.join(5)
+
+
+async def _steps(stub, job: str) -> tuple[float, dict[str, int], int]:
+    """(when, step of each node as the leader sees it, world size)."""
+    asked = time.monotonic()
+    status = await stub.Status(pb.StatusRequest(job=job), timeout=10)
+    when = (asked + time.monotonic()) / 2  # a large Status takes a while to build and return
+    js = status.jobs[0]
+    return when, {r.node: r.step for r in js.ranks if r.local_rank == 0}, js.world_size
+
+
+async def _wait_stepping(stub, coordinator: CoordinatorProcess, nodes: int, slots: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if coordinator.proc.poll() is not None:
+            raise AssertionError(f"coordinator exited with {coordinator.proc.returncode}: "
+                                 f"{coordinator.log_path.read_text(errors='replace')[-2000:]}")
+        try:
+            _, steps, world = await _steps(stub, JOB)
+            if world == nodes * slots and len(steps) == nodes and all(steps.values()):
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        if time.monotonic() > deadline:
+            attached = len(coordinator.find("node_attached", job=JOB))
+            raise AssertionError(f"{nodes} nodes not all stepping within {timeout_s}s ({attached} streams attached)")
+        await asyncio.sleep(0.5)
+
+
+async def _probe(stub, seconds: float) -> list[tuple[float, int]]:
+    """Frame -> leader-visible latency (an upper bound): write a frame with a new step on a real
+    Session, then poll `Status` back to back until that step shows; (response that shows it -
+    write, polls needed)."""
+    joined = await stub.Join(pb.JoinRequest(job=PROBE_JOB, node_id="probe", slots=1, host="127.0.0.1",
+                                            store_port=29400), timeout=10)
+    call = stub.Session()
+    generation = 0
+    step = 0
+
+    def frame() -> pb.NodeFrame:
+        ranks = [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=1000,
+                               state=pb.RANK_STATE_RUNNING)] if step else []
+        return pb.NodeFrame(job=PROBE_JOB, node_id="probe", member_id=joined.member_id, term=joined.term,
+                            generation=generation, ranks=ranks)
+
+    async def read() -> None:
+        nonlocal generation
+        while (d := await call.read()) is not grpc.aio.EOF:
+            if d.HasField("assignment"):
+                generation = d.assignment.generation
+
+    reader = asyncio.create_task(read())
+    samples: list[tuple[float, int]] = []
+    try:
+        await call.write(frame())
+        while not generation:  # the probe job forms after its last call
+            await asyncio.sleep(0.05)
+            await call.write(frame())
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            step += 1
+            written = time.monotonic()
+            await call.write(frame())
+            polls = 0
+            while True:
+                polls += 1
+                status = await stub.Status(pb.StatusRequest(job=PROBE_JOB), timeout=10)
+                ranks = status.jobs[0].ranks
+                if ranks and ranks[0].step >= step:
+                    samples.append((time.monotonic() - written, polls))
+                    break
+            # Spaced and jittered: a sample, not a load of its own.
+            await asyncio.sleep(random.uniform(0.02, 0.05))
+    finally:
+        call.cancel()
+        reader.cancel()
+    return samples
+
+
+def _ms(values: list[float]) -> dict:
+    return {"p50": round(statistics.median(values) * 1e3, 2), "p99": round(percentile(values, 0.99) * 1e3, 2),
+            "max": round(max(values) * 1e3, 2)}
+
+
+def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: int, window_s: float,
+               warmup_s: float) -> dict:
+    """One fresh etcd + coordinator per point: no job or eviction of an earlier point leaks in."""
+    etcd = EtcdServer(workdir / "etcd").start()
+    coordinator = None
+    streaming = False
+    try:
+        coordinator = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", [
+            "--heartbeat-interval", str(1 / rate), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            "--grace", str(HEARTBEAT_TIMEOUT_S)]).start()
+        streaming = True
+        started = time.monotonic()
+        clients.start(coordinator.address, nodes, slots, 1 / rate)
+        return asyncio.run(_measure(coordinator, clients, nodes, rate, slots, window_s, warmup_s, started))
+    finally:
+        if streaming:
+            clients.stop_nodes()
+        if coordinator is not None:
+            coordinator.stop()
+        etcd.stop()
+
+
+async def _measure(coordinator: CoordinatorProcess, clients: Clients, nodes: int, rate: float, slots: int,
+                   window_s: float, warmup_s: float, started: float) -> dict:
+    async with grpc.aio.insecure_channel(coordinator.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        await _wait_stepping(stub, coordinator, nodes, slots, 30)
+        ramp_s = time.monotonic() - started
+        changes_before = len(coordinator.find("membership_changed", job=JOB))
+        probing = asyncio.create_task(_probe(stub, warmup_s + window_s))
+        await asyncio.sleep(warmup_s)  # the probe job forms meanwhile; the nodes settle
+        # Both ends counted at once: the leader's view (Status) and what the clients sent.
+        (t0, seen0, _), (c0, sent0, _) = await asyncio.gather(_steps(stub, JOB), asyncio.to_thread(clients.count))
+        leader_cpu0, client_cpu0 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
+        await asyncio.sleep(window_s)
+        (t1, seen1, world), (c1, sent1, errors) = await asyncio.gather(_steps(stub, JOB),
+                                                                      asyncio.to_thread(clients.count))
+        leader_cpu1, client_cpu1 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
+        samples = await probing
+    delivered = {n: seen1.get(n, 0) - seen0.get(n, 0) for n in seen0}
+    changes = coordinator.find("membership_changed", job=JOB)[changes_before:]
+    warnings = Counter(r["event"] for r in coordinator.records() if r.get("level") in ("warning", "error"))
+    evictions = [r for r in coordinator.find("membership_changed") if r.get("kind") in EVICTION_KINDS]
+    return {
+        "nodes": nodes,
+        "ranks_per_node": slots,
+        "ramp_s": round(ramp_s, 2),
+        "offered_frames_per_s": round(nodes * rate, 1),
+        "sent_frames_per_s": round((sent1 - sent0) / (c1 - c0), 1),
+        "delivered_frames_per_s": round(sum(delivered.values()) / (t1 - t0), 1),
+        "nodes_not_advancing": sum(1 for d in delivered.values() if d <= 0),
+        "frame_latency_ms": {**_ms([latency for latency, _ in samples]), "samples": len(samples),
+                             "not_visible_at_first_poll": sum(1 for _, polls in samples if polls > 1)},
+        "leader_cpu_cores": round((leader_cpu1 - leader_cpu0) / (t1 - t0), 3),
+        "client_cpu_cores": round((client_cpu1 - client_cpu0) / (c1 - c0), 3),
+        "healthy": not evictions and not errors and world == nodes * slots and not changes,
+        "evictions": len(evictions),
+        "membership_changes_in_window": len(changes),
+        "client_node_errors": errors,
+        "leader_warnings": dict(warnings),
+    }
+
+
+def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int, processes: int,
+                       window_s: float, warmup_s: float) -> dict:
+    results = []
+    clients = Clients(processes)
+    try:
+        for i, nodes in enumerate(points):
+            point_dir = workdir / f"{i}-n{nodes}"
+            point_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                results.append(load_point(point_dir, clients, nodes, rate, slots, window_s, warmup_s))
+            except AssertionError as exc:  # reported; the sweep goes on
+                results.append({"nodes": nodes, "error": str(exc)[-1000:]})
+    finally:
+        clients.close()
+    return {
+        "latency_definition": (
+            "frame_latency_ms, frame -> leader-visible, an upper bound: a probe node (a one-node job on the same "
+            "leader process, so its Status is O(1)) writes a NodeFrame with a new step on its Session stream, then "
+            "polls Status back to back on the same connection until that step shows; latency = that response - "
+            "the write, so it includes one Status round trip through the same event loop. One probe every "
+            "20-50 ms over warm-up + window; not_visible_at_first_poll counts probes the leader had not "
+            "processed by the time it answered the first poll."),
+        "delivered_definition": "sum over nodes of the rank step advance in the leader's Status over the window "
+                                "(each frame advances the step by one) / window",
+        "window_s": window_s,
+        "frame_interval_s": 1 / rate,
+        "client_processes": processes,
+        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "setup": "per point: a fresh etcd and coordinator; one job of N nodes (--nodes N:N, formed once)",
+        "points": results,
+    }
+
+
+# ---- part 2: one membership change at scale (pure core, no network) ------------------------------
+
+TIMING = Timing(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)  # otherwise the `muster serve` defaults
+
+
+def context(now: float, term: int = 1) -> Context:
+    return Context(now, int(time.time() * 1000), term, TIMING, max_step=1000, step_time_s=0.05)
+
+
+def running_state(nodes: int, slots: int) -> JobState:
+    """A formed job: `nodes` joined (one tally) and the last call passed."""
+    joins = [Join(f"node-{i:05d}", f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 29500, slots) for i in range(nodes)]
+    state = decide(JobState(JOB, JobSpec(1, MAX_NODES, 1)), joins, context(0.0)).state
+    state = decide(state, [Tick()], context(TIMING.last_call_s + 1)).state
+    assert state.rank_map.world_size == nodes * slots
+    return state
+
+
+def rank_reports(slots: int, step: int) -> list[RankReport]:
+    return [RankReport(s, 10_000 + s, step, 0.05, "running") for s in range(slots)]
+
+
+def median_ms(fn, reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def membership_at(ranks: int, slots: int, reps: int) -> dict:
+    nodes = ranks // slots
+    reps = max(1, min(reps, nodes - 2))  # a distinct victim node per change
+    t0 = time.perf_counter()
+    state = running_state(nodes, slots)
+    build_s = time.perf_counter() - t0
+    victims = random.Random(1).sample([m.node_id for m in state.members], 2 + reps)
+    ctx = context(100.0)
+    decided = {}
+
+    def run(name, event):
+        def fn():
+            decided[name] = decide(state, [event], ctx)
+        return median_ms(fn, reps)
+
+    decide_ms = {
+        "node_lost": run("node_lost", NodeLost(victims[0], "node_silent", "no frame for 5.1s")),
+        "slot_down": run("slot_down", SlotDown(victims[1], slots - 1, "rank_exited", "exit code -9")),
+        "join": run("join", Join("node-new", "10.255.255.254", 29500, slots)),
+    }
+    assert all(d.new_generation for d in decided.values())
+    lost = decided["node_lost"].state
+    blob = encode(lost)
+    # A long-running job's history is full: history_limit events, every other one a generation
+    # event, which lists every node of its map (so the history grows with the job size).
+    silent, generation = decided["node_lost"].events
+    aged = replace(lost, history=(silent, generation) * (TIMING.history_limit // 2))
+    aged_blob = encode(aged)
+
+    # The leader itself: every node streaming, every rank reporting, out of its takeover grace.
+    clock = [0.0]
+
+    async def persist(s: JobState) -> None:
+        encode(s)  # Replica._persist encodes on the loop, then writes to etcd in a thread (not measured)
+
+    leader = JobLeader(state, term=1, address="127.0.0.1:7600", timing=TIMING, tick_s=0.05, persist=persist,
+                       session_alive=lambda: True, on_lost=lambda reason: None, clock=lambda: clock[0])
+    clock[0] = 100.0
+    for m in state.members:
+        leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind)
+        leader.live.observe(m.node_id, state.generation, rank_reports(slots, 1000), clock[0])
+
+    # One frame as JobLeader.on_frame handles it (validation, member lookup, liveness).
+    members = {m.node_id: m for m in state.members}
+    sample = random.Random(2).choices(list(members), k=500)
+    frames = [pb.NodeFrame(job=JOB, node_id=n, member_id=members[n].member_id, term=1, generation=state.generation,
+                           ranks=[pb.RankReport(local_rank=s, pid=10_000 + s, step=1001, step_time_us=50_000,
+                                                state=pb.RANK_STATE_RUNNING) for s in range(slots)]) for n in sample]
+    t0 = time.perf_counter()
+    for f in frames:
+        leader.on_frame(leader.streams[f.node_id], f)
+    frame_us = (time.perf_counter() - t0) / len(frames) * 1e6
+
+    async def leader_path() -> tuple[float, float]:
+        tick = []
+        for _ in range(reps):  # a tally with nothing queued: what every tick costs
+            t = time.perf_counter()
+            await leader._tally()
+            tick.append(time.perf_counter() - t)
+        change = []
+        for victim in victims[2:2 + reps]:  # failures, decide, persist (encode), adopt (every node's directive)
+            leader._inbox.append((NodeLost(victim, "node_silent", "bench"), None))
+            t = time.perf_counter()
+            await leader._tally()
+            change.append(time.perf_counter() - t)
+            for stream in leader.streams.values():
+                stream.queue = asyncio.Queue()  # drop the directives nobody reads
+        return statistics.median(tick), statistics.median(change)
+
+    tick_s, change_s = asyncio.run(leader_path())
+    node_ids = [m.node_id for m in lost.members]
+    return {
+        "ranks": nodes * slots,
+        "nodes": nodes,
+        "repetitions": reps,
+        "build_s": round(build_s, 2),
+        "decide_ms": decide_ms,
+        "encode_ms": median_ms(lambda: encode(lost), reps),
+        "state_bytes": len(blob),
+        "decode_ms": median_ms(lambda: decode(blob), reps),
+        "encode_full_history_ms": median_ms(lambda: encode(aged), reps),
+        "state_bytes_full_history": len(aged_blob),
+        "tick_ms": round(tick_s * 1e3, 3),
+        "leader_change_ms": round(change_s * 1e3, 3),
+        "assignments_ms": median_ms(lambda: [wire.assignment_for(lost, n, "bench") for n in node_ids], reps),
+        "frame_us": round(frame_us, 2),
+        "status_ms": median_ms(leader.status, reps),
+        "status_bytes": leader.status().ByteSize(),
+    }
+
+
+def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
+    return {
+        "definitions": {
+            "decide_ms": "machine.decide(state, [event], ctx) on a running job with every node in the map",
+            "encode_ms": "state.encode of the state after the node-lost decision (what is written to etcd); a new "
+                         "job's history",
+            "state_bytes_full_history": f"the same once the history is full ({TIMING.history_limit} events, half "
+                                        "of them generation events listing every node); etcd refuses requests over "
+                                        "1.5 MiB by default (--max-request-bytes)",
+            "tick_ms": "JobLeader._tally with nothing queued, every node streaming: Liveness.failures + divergence, "
+                       "which the leader runs every --tick (0.05 s)",
+            "leader_change_ms": "JobLeader._tally with one NodeLost queued: liveness, decide, encode, adopt "
+                                "(one assignment directive per streaming node); the etcd write is left out",
+            "assignments_ms": "wire.assignment_for for every node (the fan-out inside leader_change_ms)",
+            "frame_us": "JobLeader.on_frame of one frame of `slots` rank reports (the protobuf already parsed)",
+            "status_ms": "JobLeader.status (one Status RPC, before serialization)",
+        },
+        "sizes": [membership_at(ranks, slots, reps if ranks <= 20_000 else max(3, reps // 2)) for ranks in sizes],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small sweep and small sizes (a smoke test)")
+    p.add_argument("--nodes", help="load points: node streams, comma-separated (default 50,200,500,1000)")
+    p.add_argument("--rate", type=float, default=10.0, help="frames/s per node stream")
+    p.add_argument("--slots", type=int, default=8, help="ranks per node")
+    p.add_argument("--clients", type=int, default=2, help="client processes driving the nodes")
+    p.add_argument("--window", type=float, help="seconds measured per load point (default 8)")
+    p.add_argument("--ranks", help="sizes of part 2, comma-separated (default 16000,100000)")
+    p.add_argument("--reps", type=int, default=7, help="repetitions per measure in part 2 (halved above 20k ranks)")
+    p.add_argument("--skip-network", action="store_true", help="part 2 only")
+    p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
+    args = p.parse_args()
+    logs.configure("warning")
+    points = [int(n) for n in (args.nodes or ("10,40" if args.quick else "50,200,500,1000")).split(",")]
+    sizes = [int(n) for n in (args.ranks or ("800,4000" if args.quick else "16000,100000")).split(",")]
+    window = args.window or (3.0 if args.quick else 8.0)
+    result = {
+        "benchmark": "capacity",
+        "host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "note": ("one machine: the coordinator, etcd and the client processes that simulate the nodes share its "
+                 f"{os.cpu_count()} cores (and whatever else runs there), so the clients' CPU is taken from the "
+                 "leader; delivered < offered can be the clients' limit as much as the leader's (see the cpu fields)"),
+    }
+    with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
+        workdir = args.workdir or Path(d)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if not args.skip_network:
+            result["heartbeat"] = heartbeat_capacity(workdir, points, args.rate, args.slots, args.clients, window,
+                                                     1.0 if args.quick else 2.0)
+        result["membership"] = membership_at_scale(sizes, args.slots, 3 if args.quick else args.reps)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The baseline for bench/recovery.py: the same small model trained under plain torchrun (c10d
+rendezvous on 127.0.0.1, --max-restarts), one worker kill -9'd repeatedly. torchrun's answer to a
+dead rank is to stop every worker on every node, re-rendezvous and start them all again, so the
+script resumes from its last checkpoint. This measures what that costs, with the same keys as
+recovery.py so the two compare as ratios:
+
+  kill_to_step_s   from just before the SIGKILL until every rank has completed a step in the
+                   restarted group (its first step record from a new process)
+  steps_lost       (highest step completed before the kill) - (first step after the restart) + 1:
+                   work redone because of the rollback to the checkpoint
+  survivors_lost   survivors that are not in the new group: under torchrun all of them (restarted)
+  workers_restarted  processes replaced per kill (the victim and every survivor)
+  phases_s         where the time goes, from the agents' log: detect (kill -> an agent reacts),
+                   stop (-> re-rendezvous begins; stopping the survivors, and any failed rounds),
+                   rendezvous (-> new workers spawned), worker_start (-> every rank has stepped:
+                   interpreter + torch import, init_process_group, checkpoint load, first step)
+
+Each kill lands at a random phase of the checkpoint cycle (the group first completes one to two
+checkpoint intervals). torchrun's default of sharing the agent's TCPStore with the workers is turned
+off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with it, a restarted gloo group reads the previous
+attempt's addresses from the store and fails (pytorch/pytorch#135712); --share-store keeps it on.
+
+    python bench/torchrun_baseline.py --ranks 8 --kills 5 [--nodes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from recovery import summary
+
+from muster.coordinator.etcd_server import free_port
+from muster.testing import process_alive, wait_until
+
+TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train_plain.py"
+STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"
+# the agents' glog-style lines: "I1121 13:01:25.529000 14013 torch/.../api.py:942] message"
+AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +(\d+) \S+\] (.*)$")
+REACTIONS = ("closing signal", "failed (exitcode", "Worker group FAILED", "new nodes from group_rank")
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes carrying this run's environment marker: our agents' workers, and only those."""
+    found, needle = [], f"MUSTER_BENCH_RUN={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and process_alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+class Agent:
+    """One torchrun agent (a 'node'): its output is read live into step records and agent events."""
+
+    def __init__(self, index: int, argv: list[str], env: dict, log_path: Path):
+        self.index, self.log_path = index, log_path
+        self.steps: list[dict] = []
+        self.events: list[tuple[float, str]] = []  # (wall time from the agent's own line, message)
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        year = time.localtime().tm_year
+        with open(self.log_path, "w") as log:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                log.write(line + "\n")
+                steps = [json.loads(m) for m in STEP_RECORD.findall(line)]
+                m = AGENT_LINE.match(line)
+                event = None
+                if m and int(m[7]) == self.proc.pid:
+                    month, day, hour, minute, second, micro = (int(m[i]) for i in range(1, 7))
+                    event = (datetime(year, month, day, hour, minute, second, micro).timestamp(), m[8])
+                with self.lock:
+                    self.steps += steps
+                    if event:
+                        self.events.append(event)
+
+    def snapshot_events(self) -> list[tuple[float, str]]:
+        with self.lock:
+            return list(self.events)
+
+    def workers(self) -> set[int]:
+        return {pid for pid in self._children() if process_alive(pid)}
+
+    def _children(self) -> list[int]:
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                pids += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                continue
+        return pids
+
+    def stop(self) -> None:
+        """SIGTERM the agent (it stops its workers), then SIGKILL its process group if it lingers."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.reader.join(5)
+
+
+def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s: float, checkpoint_every: int,
+                max_restarts: int, share_store: bool, result: dict) -> None:
+    """Fills `result` as it goes, so a run that fails midway still reports what it measured."""
+    if ranks % nodes:
+        raise SystemExit("--ranks must be a multiple of --nodes")
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "MUSTER_BENCH_RUN": tag, "LOGLEVEL": "INFO"}  # INFO: the agents' restart phases
+    if not share_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [str(torchrun), "--nnodes", str(nodes), "--nproc-per-node", str(ranks // nodes),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port('127.0.0.1')}", "--rdzv-id", tag[:12],
+            "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts),
+            str(TRAIN), "--steps", str(10**9), "--step-sleep", str(step_sleep_s),
+            "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
+    agents: list[Agent] = []
+
+    def check_agents() -> None:
+        for a in agents:
+            if a.proc.poll() is not None:
+                raise RuntimeError(f"torchrun agent {a.index} exited ({a.proc.returncode}): see {a.log_path}")
+
+    def marks() -> list[int]:
+        return [len(a.steps) for a in agents]
+
+    def records_since(mark: list[int]) -> list[dict]:
+        """Step records that arrived after `mark` (in arrival order: each rank's in its own order)."""
+        check_agents()
+        out = []
+        for a, m in zip(agents, mark):
+            with a.lock:
+                out += a.steps[m:]
+        return out
+
+    def latest(mark: list[int]) -> dict[int, dict]:
+        return {r["rank"]: r for r in records_since(mark)}
+
+    def stepping_past(target: int, mark: list[int]):
+        def check():
+            current = latest(mark)
+            return len(current) == ranks and min(r["step"] for r in current.values()) >= target and current
+        return check
+
+    recoveries, lost, restarted, rounds, victims = [], [], [], [], []
+    phases: dict[str, list[float]] = {"detect": [], "stop": [], "rendezvous": [], "worker_start": []}
+    result.update(ranks=ranks, nodes=nodes, kills=kills, share_store=share_store, max_restarts=max_restarts,
+                  step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
+    try:
+        agents += [Agent(i, argv, env, workdir / f"torchrun-{i}.log") for i in range(nodes)]
+        group = marks()  # where the current group's records begin
+        wait_until(stepping_past(checkpoint_every + 1, group), 120, "all ranks stepping", 0.1)
+        for _ in range(kills):
+            # land the kill at a random phase of the checkpoint cycle
+            first = min(r["step"] for r in latest(group).values())
+            current = wait_until(stepping_past(first + checkpoint_every + random.randrange(checkpoint_every), group),
+                                 120, "the group stepping before the kill", 0.1)
+            workers = set().union(*(a.workers() for a in agents))
+            victim_rank = random.randrange(ranks)
+            victim = current[victim_rank]["pid"]
+            if victim not in workers:  # only ever signal a worker of our own agents
+                raise RuntimeError(f"rank {victim_rank} (pid {victim}) is not a live worker of our agents")
+            old_pids = {r["pid"] for r in records_since(group)} | workers
+            mark = marks()
+            killed_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+            victims.append(victim_rank)
+
+            def recovered(mark=mark, old_pids=old_pids):
+                new = {}
+                for r in records_since(mark):
+                    if r["pid"] not in old_pids and r["rank"] not in new:
+                        new[r["rank"]] = r
+                return len(new) == ranks and new
+
+            firsts = wait_until(recovered, 60, "every rank stepping after the restart")
+            recovered_at = max(r["time"] for r in firsts.values())
+            group_pids = {r["pid"] for r in current.values()}
+            completed_before = max(r["step"] for r in records_since(group)
+                                   if r["pid"] in group_pids and r["time"] <= killed_at)
+            group = mark
+            events = sorted((a.index, t, msg) for a in agents for t, msg in a.snapshot_events())
+            recoveries.append(recovered_at - killed_at)
+            lost.append(max(0, completed_before - min(r["step"] for r in firsts.values()) + 1))
+            restarted.append(sum(1 for pid in workers if not process_alive(pid)))
+            # the agents' view of the same interval: reaction, (failed rounds,) rendezvous, spawn
+            window = [(i, t, msg) for i, t, msg in events if killed_at <= t <= recovered_at]
+            reacted = min((t for _, t, msg in window if any(k in msg for k in REACTIONS)), default=None)
+            starts = {i: t for i, t, msg in window if "Starting worker group" in msg}  # each agent's last
+            rdzv = {i: t for i, t, msg in window if "Rendezvous'ing worker group" in msg and t <= starts.get(i, 0)}
+            rounds.append(max((sum(1 for j, _, msg in window if j == i and "Starting worker group" in msg)
+                               for i in range(nodes)), default=0))
+            if reacted is not None and starts and rdzv:
+                spawned, rdzv_began = max(starts.values()), min(rdzv.values())
+                phases["detect"].append(reacted - killed_at)
+                phases["stop"].append(rdzv_began - reacted)
+                phases["rendezvous"].append(spawned - rdzv_began)
+                phases["worker_start"].append(recovered_at - spawned)
+            result.update(
+                victim_ranks=victims,
+                kill_to_step_s=summary(recoveries),
+                steps_lost={"max": max(lost), "total": sum(lost)},
+                survivors_lost=sum(n - 1 for n in restarted),
+                workers_restarted={"per_kill": restarted, "total": sum(restarted)},
+                restart_rounds=rounds,  # restarts each kill took (1 = the first restart worked)
+                phases_s={k: summary(v) for k, v in phases.items() if v},
+            )
+    finally:
+        for a in agents:
+            a.stop()
+        leftovers = tagged_pids(tag)
+        for pid in leftovers:  # workers that outlived their agent: ours by the marker in their environment
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not tagged_pids(tag), 10, "no worker processes left")
+        result["workers_left_after_stop"] = len(leftovers)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1, help="torchrun agents on this machine, ranks/nodes workers each")
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--max-restarts", type=int, help="torchrun --max-restarts (default: 3 per kill)")
+    p.add_argument("--share-store", action="store_true",
+                   help="keep torchrun's default TCPStore sharing (restarted gloo groups fail with it)")
+    p.add_argument("--workdir", type=Path, help="keep the logs and checkpoints here (default: a temporary directory)")
+    args = p.parse_args()
+    result: dict = {"benchmark": "torchrun_baseline", "torch": torch.__version__}
+    rc = 0
+    with tempfile.TemporaryDirectory(prefix="muster-bench-torchrun-") as d:
+        workdir = args.workdir or Path(d)
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            kill_cycles(workdir, args.ranks, args.nodes, args.kills, args.step_sleep, args.checkpoint_every,
+                        args.max_restarts or 3 * args.kills, args.share_store, result)
+        except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
+            result["error"] = str(exc)
+            rc = 1
+    print(json.dumps(result, indent=2))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
