@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo protos clean
+.PHONY: venv test demo bench protos clean
 
 # torch is pinned first: a plain `torch` requirement would pull the CUDA build.
 $(STAMP): pyproject.toml
@@ -21,6 +21,13 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/muster --log-level warning demo --duration 45
+
+# Minutes, on an otherwise idle machine: the numbers are timings.
+bench: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python bench/side_by_side.py --ranks 4,8,16 --kills 5 > bench/results/side_by_side.json
+	$(BIN)/python bench/recovery.py --ranks 8 --kills 5 --hangs 3 --failovers 3 > bench/results/recovery.json
+	$(BIN)/python bench/capacity.py > bench/results/capacity.json
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \

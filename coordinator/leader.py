@@ -87,6 +87,8 @@ class JobLeader:
         self.live = Liveness(timing, now)
         if state.members:  # taken over: agents get a grace period to reconnect
             self.live.start_grace([m.node_id for m in state.members], now)
+        for m in state.members:  # the failed pids died with the previous leader: any process is new
+            self.live.awaiting(m.node_id, m.down_slots)
         self.streams: dict[str, NodeStream] = {}
         self._inbox: list[tuple[MembershipEvent, asyncio.Future | None]] = []
         self._wake = asyncio.Event()
@@ -182,8 +184,8 @@ class JobLeader:
             events.append(Tick())
         if not events:
             return
-        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
-                      self.live.max_step(self.state), self.live.median_step_time())
+        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
+                      self.live.median_step_time(), prestart=self.live.runs_library(self.state))
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:
@@ -205,6 +207,7 @@ class JobLeader:
                           nodes=list(e.nodes), world_size=e.world_size)
         for member in d.joined:
             self.live.track(member.node_id, now)
+            self.live.awaiting(member.node_id, member.down_slots)
         for node_id, member_id in d.evicted:
             self.live.forget(node_id)
             stream = self.streams.get(node_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from muster.coordinator.core.liveness import Liveness, RankReport
 from muster.coordinator.core.policy import JOB_NAME, MAX_SLOTS, NODE_ID, JobSpec
-from muster.coordinator.core.state import Event, JobState, Member, NodeKind, RankMap
+from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
 from muster.coordinator.errors import InvalidArgument
 from muster.v1 import muster_pb2 as pb
 
@@ -98,6 +98,8 @@ def assignment_for(state: JobState, node_id: str, reason: str) -> pb.Directive:
     member = state.member(node_id)
     if member is not None:
         a.down_local_ranks.extend(sorted(member.down_slots))
+        # Not in the map with slots awaited: start them now, they take a place once they report.
+        a.start_ranks = placement is None and bool(member.down_slots) and state.phase is Phase.RUNNING
     return pb.Directive(term=state.term, generation=state.generation, assignment=a)
 
 

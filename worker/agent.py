@@ -152,6 +152,8 @@ class NodeAgent:
             return
         self.assignment = a
         self.session.generation = a.generation
+        if a.start_ranks:
+            self.library = True  # the leader asks for it only when the job's ranks use the library
         if a.role == pb.ROLE_EVICTED:
             self.log.error("node_evicted", reason=a.reason)
             self._finish(1)
@@ -163,7 +165,8 @@ class NodeAgent:
         """Bring the local ranks in line with the newest assignment."""
         async with self._reconciling:
             a = self.assignment
-            wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set()
+            # A node joining a running job starts its ranks before it has a place (start_ranks).
+            wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set(a.down_local_ranks) if a.start_ranks else set()
             for slot in self.slots:
                 if slot.finished or slot.given_up:
                     continue
@@ -266,6 +269,10 @@ class NodeAgent:
 
     def _reports(self) -> list[pb.RankReport]:
         now = asyncio.get_running_loop().time()
+        a = self.assignment
+        if a is not None and a.start_ranks and not all(
+                self.slots[s].connected for s in a.down_local_ranks if not (self.slots[s].given_up or self.slots[s].finished)):
+            return []  # starting: report the node's ranks together, so they enter the map in one generation
         reports = []
         for slot in self.slots:
             if slot.finished:

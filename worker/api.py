@@ -307,7 +307,8 @@ class Worker:
         took = time.perf_counter() - started
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
-                 step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4), steps_behind=lost)
+                 step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
+                 barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
 
     def _newer_than(self, generation: int) -> bool:
         latest = self._latest

@@ -111,6 +111,7 @@ class Comm:
         self._sockets: set[int] = set()
         self._abort_below = 0  # generations below this are to be aborted
         self._client: dist.Store | None = None
+        self.barrier_s = 0.0  # of the last form(): waiting for every rank to arrive
 
     @property
     def formed(self) -> bool:
@@ -142,6 +143,7 @@ class Comm:
                     raise
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
+        self.barrier_s = time.monotonic() - started  # the rest of forming is the backend's connect
         before = _socket_fds()
         options = {}
         if self.backend == "nccl":

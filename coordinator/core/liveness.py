@@ -164,6 +164,20 @@ class Liveness:
         ]
         return max(steps, default=0)
 
+    def runs_library(self, state: JobState) -> bool:
+        """Some rank of the map reports library progress (scripts without it are unmonitored)."""
+        rm = state.rank_map
+        for p in rm.placements if rm else ():
+            node = self.nodes.get(p.node_id)
+            if node is not None and any(r.state not in ("unmonitored", "exited") for r in node.ranks.values()):
+                return True
+        return False
+
+    def awaiting(self, node_id: str, slots) -> None:
+        """Slots with no process yet (a node starting its ranks): any process there is their recovery."""
+        for slot in slots:
+            self.mark_failed(node_id, slot, -1)
+
     def exited_in_map(self, state: JobState) -> list[Failure]:
         """Slots of the map whose rank a node reports as exited: an exit report that went to a
         previous leader is not lost. Acted on even during the grace, like any exit; the pid is

@@ -87,6 +87,9 @@ class Context:
     timing: Timing
     max_step: int = 0  # highest completed step in the current generation
     step_time_s: float | None = None  # median step time, to turn switch_lead_s into steps
+    # The running ranks use the worker library: an agent node joining the running job starts its
+    # ranks first and takes a place once they report, so the others never wait for its start-up.
+    prestart: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,11 +126,14 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                     f"(member {members[ev.node_id].member_id}); leave first or use another node id"
                 )))
                 continue
+            prestart = ctx.prestart and ev.kind is NodeKind.AGENT and state.phase is Phase.RUNNING
             members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind,
-                                         master_port=ev.master_port)
+                                         master_port=ev.master_port,
+                                         down_slots=frozenset(range(ev.slots)) if prestart else frozenset())
             joined.append(members[ev.node_id])
             next_seq += 1
-            note("node_joined", f"{ev.slots} slot(s) at {ev.host}", ev.node_id)
+            note("node_joined", f"{ev.slots} slot(s) at {ev.host}" + ("; starting its ranks first" if prestart else ""),
+                 ev.node_id)
             planned = changed = True
         elif isinstance(ev, Leave):
             if ev.node_id not in members:

@@ -168,3 +168,20 @@ def test_generation_events_of_a_large_job_name_no_nodes_so_the_persisted_history
     big = running(40, JobSpec(2, 40, 1))
     event = decide(big, [NodeLost("n1", "node_silent", "x")], ctx()).events[-1]
     assert event.kind == "generation" and event.nodes == () and event.world_size == 78
+
+
+def test_an_agent_joining_a_library_job_starts_its_ranks_first_and_enters_the_map_once_they_report():
+    state = running(2, JobSpec(1, 3, 1))
+    c = Context(now=5, wall_ms=0, term=7, timing=TIMING, max_step=50, step_time_s=0.1, prestart=True)
+    d = decide(state, [join(3)], c)
+    assert not d.new_generation and d.state.member("n3").down_slots == {0, 1}  # not in the map yet
+    assert "starting its ranks first" in d.events[0].reason
+    d = decide(d.state, [SlotsUp("n3", (0, 1))], ctx(now=9, max_step=90, step_time_s=0.1))
+    rm = d.state.rank_map
+    assert d.new_generation and not rm.abort_previous and rm.switch_at_step > 90
+    assert rm.placement("n3").slots == (0, 1) and rm.world_size == 6
+
+
+def test_without_the_library_a_joining_agent_enters_the_map_at_once():
+    d = decide(running(2, JobSpec(1, 3, 1)), [join(3)], ctx(now=5, max_step=50, step_time_s=0.1))
+    assert d.new_generation and d.state.rank_map.placement("n3").slots == (0, 1)

@@ -1,0 +1,37 @@
+"""The benchmarks stay runnable: each runs briefly and its JSON says what it must (no survivor or
+completed step lost, no eviction for a leader failover, a healthy leader under load). Their
+timings are not asserted: this machine is shared and noisy."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def bench(*args: str, timeout_s: float) -> dict:
+    done = subprocess.run([sys.executable, str(BENCH / args[0]), *args[1:]], capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.timeout(150)
+def test_recovery_bench_kill_hang_and_failover():
+    (run,) = bench("recovery.py", "--ranks", "3", "--kills", "1", "--hangs", "1", "--failovers", "1",
+                   timeout_s=140)["runs"]
+    for fault in ("kill", "hang"):
+        assert run[fault]["survivors_lost"] == 0 and run[fault]["steps_lost"]["max"] == 0
+        assert run[fault]["detection_s"]["all"] and run[fault]["rejoin_s"]["all"]
+    assert run["failover"] | {"standby_serves_s": None} == {
+        "kills": 1, "standby_serves_s": None, "steps_discarded": 0, "evictions": 0, "generation_changes": 0}
+
+
+@pytest.mark.timeout(150)
+def test_capacity_bench_quick():
+    result = bench("capacity.py", "--quick", timeout_s=140)
+    assert all(p["healthy"] and p["evictions"] == 0 for p in result["heartbeat"]["points"])
+    assert [s["ranks"] for s in result["membership"]["sizes"]] == [800, 4000]
