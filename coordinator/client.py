@@ -15,6 +15,10 @@ import grpc
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 LEADER_METADATA = "muster-leader"
+# Worth another try (another replica, or the same later). A replica killed mid-call can surface as
+# INTERNAL ("Internal error from Core") or UNKNOWN rather than UNAVAILABLE; refusals use other codes.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 def parse_addresses(value: str | Sequence[str]) -> list[str]:
@@ -39,7 +43,7 @@ def leader_hint(error: grpc.RpcError) -> str:
 def redirect(error: grpc.RpcError, address: str, order: list[str]) -> bool:
     """After a call to `address` failed: False when the error is final; otherwise True, with the
     leader it names (if any) put first in `order`. Used by the sync and the async clients."""
-    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if error.code() not in TRANSIENT:
         return False
     hint = leader_hint(error)
     if hint and hint != address:

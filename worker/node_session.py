@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from muster.coordinator.client import leader_hint, parse_addresses, redirect
+from muster.coordinator.client import TRANSIENT, leader_hint, parse_addresses, redirect
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -172,7 +172,7 @@ class NodeSession:
                     return
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     raise Evicted(exc.details()) from exc
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if exc.code() not in TRANSIENT:
                     raise
                 hint = leader_hint(exc)
             now = asyncio.get_running_loop().time()
