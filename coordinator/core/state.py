@@ -7,6 +7,7 @@ leader's term, before any directive about it leaves the leader. Values are immut
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from enum import Enum
@@ -14,6 +15,7 @@ from enum import Enum
 from muster.coordinator.core.policy import JobSpec
 
 SCHEMA = 1
+COMPRESS_ABOVE = 256 * 1024  # bytes of JSON; smaller states stay readable with etcdctl
 
 
 class NodeKind(str, Enum):
@@ -123,7 +125,8 @@ class JobState:
 
 
 def encode(state: JobState) -> bytes:
-    """JSON, so `etcdctl get` shows something an operator can read."""
+    """JSON, so `etcdctl get` shows something an operator can read; zlib-compressed past
+    COMPRESS_ABOVE bytes, so a 100k-rank job stays under etcd's request limit (1.5 MiB)."""
     rm = state.rank_map
     doc = {
         "schema": SCHEMA,
@@ -174,11 +177,12 @@ def encode(state: JobState) -> bytes:
             for e in state.history
         ],
     }
-    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    return zlib.compress(data, 1) if len(data) > COMPRESS_ABOVE else data
 
 
 def decode(data: bytes) -> JobState:
-    doc = json.loads(data)
+    doc = json.loads(data if data[:1] == b"{" else zlib.decompress(data))
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"unsupported job state schema {doc.get('schema')!r} (this build reads {SCHEMA})")
     rm = doc["rank_map"]

@@ -185,3 +185,12 @@ def test_an_agent_joining_a_library_job_starts_its_ranks_first_and_enters_the_ma
 def test_without_the_library_a_joining_agent_enters_the_map_at_once():
     d = decide(running(2, JobSpec(1, 3, 1)), [join(3)], ctx(now=5, max_step=50, step_time_s=0.1))
     assert d.new_generation and d.state.rank_map.placement("n3").slots == (0, 1)
+
+
+def test_a_large_state_is_stored_compressed_and_reads_back():
+    big = running(2000, JobSpec(2, 2000, 1))
+    data = encode(big)
+    assert data[:1] != b"{" and len(data) < 256 * 1024
+    assert decode(data) == big
+    small = running()
+    assert encode(small)[:1] == b"{" and decode(encode(small)) == small
