@@ -21,11 +21,13 @@ from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, 
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader
+from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
 
 CLOSE = object()  # queued on a NodeStream to end it
+EVICTIONS = frozenset({"node_silent", "rank_silent", "rank_stalled", "rank_exited", "process_exited"})
 
 
 class PersistUnavailable(Exception):
@@ -71,6 +73,7 @@ class JobLeader:
         on_lost: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ):
         self.job = state.job
         self.term = term
@@ -95,6 +98,13 @@ class JobLeader:
         self._task: asyncio.Task | None = None
         self.lost_reason: str | None = None
         self.log = log.bind(job=self.job, term=term)
+        self.metrics = metrics or Metrics()
+        self._frames = self.metrics.frames.labels(self.job)
+        self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0
+        self._signals: list[float] = []  # first signals of failures not decided yet
+        self._recovering: tuple[int, float, int] | None = None  # generation, decided at, step then
+        self.evictions = 0
+        self.last_detection_s = self.last_recovery_s = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -171,11 +181,14 @@ class JobLeader:
 
     async def _tally(self) -> None:
         now = self._clock()
+        self._measure(now)
         batch, self._inbox = self._inbox, []
         events = [event for event, _ in batch]
         for failure in self.live.failures(self.state, now):
             member = self.state.member(failure.node_id)
             events.append(_failure_event(failure, member.kind if member else NodeKind.AGENT))
+            if failure.since is not None:
+                self._signals.append(failure.since)
         diverged = self.live.divergence(self.state)
         if diverged is not None:
             self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
@@ -200,11 +213,55 @@ class JobLeader:
         self._adopt(decision, now)
         self._settle(batch, decision)
 
+    def _measure(self, now: float) -> None:
+        """Frames/s (smoothed), and the end of a recovery: every node of the new map reported the
+        generation and a step past the one at the decision."""
+        if now - self._rate_at >= 1.0:
+            rate = self._frame_count / (now - self._rate_at)
+            self.frames_per_s = rate if not self.frames_per_s else 0.7 * self.frames_per_s + 0.3 * rate
+            self._frame_count, self._rate_at = 0, now
+        if self._recovering is None:
+            return
+        generation, decided_at, step = self._recovering
+        rm = self.state.rank_map
+        if rm is None or rm.generation != generation:
+            self._recovering = None  # superseded, or nothing to run
+            return
+        for p in rm.placements:
+            node = self.live.nodes.get(p.node_id)
+            if node is None or node.generation < generation or not any(
+                    r.step > step for s, r in node.ranks.items() if s in p.slots):
+                return
+        self.last_recovery_s = now - decided_at
+        self.metrics.recovery.labels(self.job).observe(self.last_recovery_s)
+        self._recovering = None
+
+    def live_ranks(self) -> int:
+        """Ranks of the map on nodes heard from within the heartbeat timeout."""
+        rm, now = self.state.rank_map, self._clock()
+        if rm is None:
+            return 0
+        return sum(len(p.slots) for p in rm.placements if (node := self.live.nodes.get(p.node_id))
+                   and now - node.last_frame_at <= self.timing.heartbeat_timeout_s)
+
     def _adopt(self, d: Decision, now: float) -> None:
+        step_before = self.live.max_step(self.state)
         self.state = d.state
         for e in d.events:
             self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
                           nodes=list(e.nodes), world_size=e.world_size)
+            if e.kind in EVICTIONS:
+                self.evictions += 1
+                self.metrics.evictions.labels(self.job, e.kind).inc()
+        if d.new_generation:
+            self.metrics.generations.labels(self.job).inc()
+            if self._signals:
+                self.last_detection_s = now - min(self._signals)
+                self.metrics.detection.labels(self.job).observe(self.last_detection_s)
+            if self.state.rank_map is not None and self.state.rank_map.world_size:
+                self._recovering = (self.state.generation, now, step_before)
+        if d.persist:
+            self._signals.clear()
         for member in d.joined:
             self.live.track(member.node_id, now)
             self.live.awaiting(member.node_id, member.down_slots)
@@ -331,6 +388,10 @@ class JobLeader:
                 f"frame generation {frame.generation} is ahead of the job's generation {self.state.generation}"
             )
         now = self._clock()
+        self._frames.inc()
+        self._frame_count += 1
+        if frame.exits:
+            self._signals.append(now)
         recovered = self.live.observe(member.node_id, frame.generation, reports, now)
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
@@ -343,4 +404,8 @@ class JobLeader:
             self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 
     def status(self, brief: bool = False) -> pb.JobStatus:
-        return wire.job_status(self.state, self.address, self.term, self.live, brief)
+        js = wire.job_status(self.state, self.address, self.term, self.live, brief)
+        js.health.CopyFrom(pb.JobHealth(frames_per_second=round(self.frames_per_s, 1), live_ranks=self.live_ranks(),
+                                        evictions=self.evictions, last_detection_s=round(self.last_detection_s, 4),
+                                        last_recovery_s=round(self.last_recovery_s, 4)))
+        return js

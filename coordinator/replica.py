@@ -23,6 +23,7 @@ from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, Unav
 from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, Fenced, JobStore, Leadership,
                                               Session, current_leader)
 from muster.coordinator.leader import JobLeader, PersistFenced, PersistUnavailable
+from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -62,10 +63,16 @@ class Replica:
         self._closing = False
         self._renewing: asyncio.Task | None = None
         self.log = log
+        self.metrics = Metrics()
+        self.metrics.watch(self)
 
     @property
     def started(self) -> bool:
         return self._loop is not None
+
+    def ready(self) -> bool:
+        """Serving with a live etcd session: a leader, or a standby able to take over."""
+        return self.started and not self._closing and self._session is not None and self._session.alive()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -190,6 +197,7 @@ class Replica:
             persist=lambda s: self._persist(leadership, s),
             session_alive=self._session.alive,
             on_lost=lambda reason: self._leadership_lost(job, reason),
+            metrics=self.metrics,
         )
         self.leaders[job] = leader
         leader.start()
@@ -199,7 +207,8 @@ class Replica:
     async def _persist(self, leadership: Leadership, state: JobState) -> None:
         try:
             # Encoding a large job's state takes a while: off the event loop, with the write.
-            await asyncio.to_thread(lambda: self.store.write_state(leadership, encode(state)))
+            with self.metrics.etcd_write.time():
+                await asyncio.to_thread(lambda: self.store.write_state(leadership, encode(state)))
         except Fenced as exc:
             raise PersistFenced(str(exc)) from exc
         except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried

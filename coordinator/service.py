@@ -12,6 +12,7 @@ import structlog
 
 from muster.coordinator.etcd_backend import connect
 from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.metrics import HealthServer
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
 
@@ -25,6 +26,7 @@ class ServeConfig:
     etcd: tuple[str, ...] = ()  # empty: start a private etcd
     data_dir: Path = Path(".muster")
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
     replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
 
 
@@ -37,7 +39,7 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         endpoints = [embedded.endpoint]
         log.info("embedded_etcd_started", endpoint=embedded.endpoint, pid=embedded.pid,
                  data_dir=str(config.data_dir / "etcd"))
-    client = server = replica = None
+    client = server = replica = health = None
     try:
         client = connect(endpoints)
         replica = Replica(client, ReplicaConfig(**config.replica))
@@ -47,7 +49,10 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         replica.address = address  # known once bound (port 0 picks one)
         await server.start()
         await replica.start()
-        log.info("coordinator_serving", listen=f"{host}:{port}", advertise=address, etcd=endpoints)
+        if config.metrics_listen:
+            health = HealthServer(replica.metrics, replica, config.metrics_listen).start()
+        log.info("coordinator_serving", listen=f"{host}:{port}", advertise=address, etcd=endpoints,
+                 metrics=health.address if health else None)
         if ready is not None:
             ready.set()
         stop = asyncio.Event()
@@ -57,6 +62,8 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         await stop.wait()
         log.info("coordinator_stopping")
     finally:
+        if health is not None:
+            health.stop()
         if replica is not None and replica.started:
             await replica.close()
         if server is not None:

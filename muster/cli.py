@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
         etcd=tuple(e.strip().removeprefix("http://") for e in args.etcd.split(",") if e.strip()) if args.etcd else (),
         data_dir=Path(args.data_dir),
         max_message_bytes=args.max_message_bytes,
+        metrics_listen=args.metrics_listen,
         replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl),
     )
     try:
@@ -134,6 +135,10 @@ def _status(args: argparse.Namespace) -> int:
     for j in jobs:
         print(f"job {j['name']}  leader {j['leader'] or '-'}  term {j['term']}  generation {j['generation']}  "
               f"world_size {j['world_size']}  phase {j['phase']}")
+        if j["live"]:
+            h = j["health"]
+            print(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions {int(h['evictions'])}"
+                  f"  last detection {h['last_detection_s']:.3f}s  last recovery {h['last_recovery_s']:.3f}s")
         print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10}  STATE")
         for r in sorted(j["ranks"], key=lambda r: r["rank"]):
             print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
@@ -179,6 +184,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
     s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    s.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
     s.set_defaults(func=_serve)
 
     r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",

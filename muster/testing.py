@@ -258,7 +258,9 @@ class SimulatedNode:
     def _reports(self) -> list[pb.RankReport]:
         asg = self.assignment()
         if asg.role != pb.ROLE_ACTIVE:
-            return []
+            # joining a running job: like an agent, start the ranks first; they report, then get a place
+            return [pb.RankReport(local_rank=s, pid=10_000 + s, state=pb.RANK_STATE_STARTING)
+                    for s in asg.down_local_ranks] if asg.start_ranks else []
         self.step += 1
         return [pb.RankReport(local_rank=s, pid=10_000 + s, step=self.step, step_time_us=50_000,
                               state=pb.RANK_STATE_RUNNING) for s in asg.local_ranks]

@@ -45,6 +45,7 @@ class Failure:
     node_id: str
     local_rank: int | None
     reason: str
+    since: float | None = None  # when its first signal came: the last frame, report or progress
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,8 @@ class Liveness:
                 continue
             silent_s = now - node.last_frame_at
             if silent_s > t.heartbeat_timeout_s:
-                found.append(Failure("node_silent", member.node_id, None, f"no frame for {silent_s:.2f}s"))
+                found.append(Failure("node_silent", member.node_id, None, f"no frame for {silent_s:.2f}s",
+                                     node.last_frame_at))
                 continue
             placement = rm.placement(member.node_id) if rm else None
             if placement is None:
@@ -219,7 +221,8 @@ class Liveness:
                     continue  # exited: found above; unmonitored: no library, its exit is the signal
                 if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
                     found.append(
-                        Failure("rank_silent", member.node_id, slot, f"agent has not heard from it for {live.heard_ms_ago}ms")
+                        Failure("rank_silent", member.node_id, slot, f"agent has not heard from it for {live.heard_ms_ago}ms",
+                                node.last_frame_at - live.heard_ms_ago / 1000)
                     )
                 elif live.state == "long_phase":
                     if live.phase_since is not None and now - live.phase_since > t.long_phase_timeout_s:
@@ -229,6 +232,7 @@ class Liveness:
                                 member.node_id,
                                 slot,
                                 f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
+                                live.phase_since,
                             )
                         )
                 elif live.state == "forming":
@@ -237,11 +241,11 @@ class Liveness:
                     waited = now - (live.phase_since or now)
                     if waited > max(stall_after, t.startup_progress_timeout_s):
                         found.append(Failure("rank_stalled", member.node_id, slot,
-                                             f"waited {waited:.2f}s for its group to form"))
+                                             f"waited {waited:.2f}s for its group to form", live.phase_since))
                 elif live.state == "starting" and now - live.progress_at > max(stall_after, t.startup_progress_timeout_s):
                     found.append(
                         Failure("rank_stalled", member.node_id, slot,
-                                f"no step completed for {now - live.progress_at:.2f}s since it started")
+                                f"no step completed for {now - live.progress_at:.2f}s since it started", live.progress_at)
                     )
                 elif live.state == "running" and now - live.progress_at > stall_after:
                     found.append(
@@ -251,6 +255,7 @@ class Liveness:
                             slot,
                             f"step {live.step} has not advanced for {now - live.progress_at:.2f}s "
                             f"(progress timeout {stall_after:.2f}s)",
+                            live.progress_at,
                         )
                     )
         return found

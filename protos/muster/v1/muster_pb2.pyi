@@ -244,7 +244,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes")
+    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class JobStatus(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     leader: str
     term: int
@@ -265,7 +266,22 @@ class JobStatus(_message.Message):
     phase: str
     live: bool
     nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    health: JobHealth
+    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[JobHealth, _Mapping]] = ...) -> None: ...
+
+class JobHealth(_message.Message):
+    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s")
+    FRAMES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_DETECTION_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    frames_per_second: float
+    live_ranks: int
+    evictions: int
+    last_detection_s: float
+    last_recovery_s: float
+    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("replica", "jobs")

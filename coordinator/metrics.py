@@ -1,0 +1,127 @@
+"""Prometheus metrics of one replica, and its HTTP edge: /metrics, /healthz, /readyz.
+
+Per-job gauges (leader flag, term, generation, live ranks, spares) are read from the replica at
+scrape time, so nothing has to be kept in sync; counters and histograms are fed by the leaders
+as things happen. Each replica owns its registry (tests run several in one process).
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from muster.coordinator.replica import Replica
+
+# failure signal -> decision: exits take milliseconds, silence the heartbeat timeout
+DETECTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
+RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.frames = Counter("muster_frames", "Node frames (heartbeats) received by the job's leader", ["job"],
+                              registry=r)
+        self.evictions = Counter("muster_evictions", "Nodes or ranks taken out of a job, by reason", ["job", "reason"],
+                                 registry=r)
+        self.generations = Counter("muster_generations", "Rank maps published", ["job"], registry=r)
+        self.detection = Histogram("muster_detection_seconds", "A failure's first signal (exit report, last frame, "
+                                   "last progress) to the leader's decision", ["job"], buckets=DETECTION_BUCKETS,
+                                   registry=r)
+        self.recovery = Histogram("muster_recovery_seconds", "A new generation's decision until every node of its "
+                                  "map reported it and a step past the one at the decision", ["job"],
+                                  buckets=RECOVERY_BUCKETS, registry=r)
+        self.etcd_write = Histogram("muster_etcd_write_seconds", "Fenced job state writes to etcd",
+                                    buckets=WRITE_BUCKETS, registry=r)
+
+    def watch(self, replica: Replica) -> None:
+        self.registry.register(_ReplicaCollector(replica))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ReplicaCollector:
+    def __init__(self, replica: Replica):
+        self.replica = replica
+
+    def collect(self):
+        rep = self.replica
+        families = {
+            "leader": GaugeMetricFamily("muster_leader", "1 where this replica leads the job", labels=["job"]),
+            "term": GaugeMetricFamily("muster_term", "Term of the job's leadership held here", labels=["job"]),
+            "generation": GaugeMetricFamily("muster_generation", "Current generation of the job", labels=["job"]),
+            "live_ranks": GaugeMetricFamily("muster_live_ranks", "Ranks of the map on nodes heard from",
+                                            labels=["job"]),
+            "world_size": GaugeMetricFamily("muster_world_size", "Ranks in the current map", labels=["job"]),
+            "spares": GaugeMetricFamily("muster_spare_nodes", "Member nodes the map does not use", labels=["job"]),
+        }
+        for job in sorted(rep.jobs):
+            leader = rep.leaders.get(job)
+            families["leader"].add_metric([job], 1 if leader else 0)
+            if leader is None:
+                continue
+            s = leader.state
+            families["term"].add_metric([job], leader.term)
+            families["generation"].add_metric([job], s.generation)
+            families["live_ranks"].add_metric([job], leader.live_ranks())
+            families["world_size"].add_metric([job], s.rank_map.world_size if s.rank_map else 0)
+            families["spares"].add_metric([job], len(s.spares))
+        ready = GaugeMetricFamily("muster_ready", "1 while this replica holds a live etcd session")
+        ready.add_metric([], 1 if rep.ready() else 0)
+        yield from families.values()
+        yield ready
+
+
+class HealthServer:
+    """/metrics (Prometheus), /healthz (the process serves), /readyz (leader or healthy standby:
+    a live etcd session). One daemon thread; stopped with the replica."""
+
+    def __init__(self, metrics: Metrics, replica: Replica, listen: str):
+        host, _, port = listen.rpartition(":")
+        handler = _handler(metrics, replica)
+        self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
+        self.httpd.daemon_threads = True
+        self.address = f"{host}:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="muster-metrics", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _handler(metrics: Metrics, replica: Replica):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            if self.path == "/metrics":
+                self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST)
+            elif self.path == "/healthz":
+                self._send(200, b"ok\n")
+            elif self.path == "/readyz":
+                ok = replica.ready()
+                self._send(200 if ok else 503, b"ready\n" if ok else b"no etcd session\n")
+            else:
+                self._send(404, b"not found: /metrics, /healthz, /readyz\n")
+
+        def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8"):
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # scrapes are not worth a log line each
+            pass
+
+    return Handler
