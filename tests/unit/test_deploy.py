@@ -1,0 +1,75 @@
+"""deploy/kubernetes: the manifests parse, and what they run is what Muster accepts. The commands
+go through muster's own CLI parser and torchrun translation; probes, ports and addresses agree
+between the coordinator, etcd and the training job."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from muster.cli import parser  # noqa: E402
+from muster.worker.launch import plan  # noqa: E402
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+
+
+def manifests() -> dict[tuple[str, str], dict]:
+    docs = [d for f in sorted(DEPLOY.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def expand(args: list[str], **env: str) -> list[str]:
+    """Kubernetes' $(VAR) substitution in args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+
+
+def container(workload: dict) -> dict:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def port_named(c: dict, name: str) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+def test_three_coordinators_with_probes_on_their_metrics_port_against_the_etcd_cluster():
+    m = manifests()
+    etcd, coord = m[("StatefulSet", "muster-etcd")], m[("StatefulSet", "muster-coordinator")]
+    assert coord["spec"]["replicas"] == 3 and etcd["spec"]["replicas"] == 3
+    c = container(coord)
+    args = parser().parse_args(expand(c["args"], POD_NAME="muster-coordinator-1"))
+    assert args.command == "serve"
+    members = [f"muster-etcd-{i}.{etcd['spec']['serviceName']}:2379" for i in range(etcd["spec"]["replicas"])]
+    assert args.etcd.split(",") == members
+    assert args.advertise == f"muster-coordinator-1.{coord['spec']['serviceName']}:{port_named(c, 'grpc')}"
+    assert args.listen.endswith(f":{port_named(c, 'grpc')}")
+    assert args.metrics_listen.endswith(f":{port_named(c, 'metrics')}")
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    service = m[("Service", "muster-coordinator")]
+    assert service["spec"]["selector"] == coord["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["clusterIP"] == "None"  # stable per-pod names
+
+
+def test_etcd_members_name_each_other():
+    etcd = manifests()[("StatefulSet", "muster-etcd")]
+    command = expand(container(etcd)["command"], POD_NAME="muster-etcd-0")
+    cluster = next(a for a in command if a.startswith("--initial-cluster=")).split("=", 1)[1]
+    assert [entry.split("=")[0] for entry in cluster.split(",")] == [f"muster-etcd-{i}" for i in range(3)]
+
+
+def test_the_training_pod_runs_the_agent_wrapping_torchrun_at_the_coordinators():
+    m = manifests()
+    job, coord = m[("Job", "llm-train")], m[("StatefulSet", "muster-coordinator")]
+    c = container(job)
+    assert c["command"] == ["muster"]
+    args = parser().parse_args(expand(c["args"], POD_NAME="llm-train-0-x", POD_IP="10.0.0.5"))
+    assert args.node_id == "llm-train-0-x" and args.host == "10.0.0.5" and args.command[0] == "--"  # muster run
+    port = port_named(container(coord), "grpc")
+    assert args.coordinator.split(",") == [f"muster-coordinator-{i}.muster-coordinator:{port}" for i in range(3)]
+    launch = plan(args.command[1:])
+    assert launch.slots == c["resources"]["limits"]["nvidia.com/gpu"]
+    low, high = (int(n) for n in args.nodes.split(":"))
+    assert low <= job["spec"]["parallelism"] == high
