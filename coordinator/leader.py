@@ -18,7 +18,7 @@ from muster.coordinator import wire
 from muster.coordinator.core.liveness import Failure, Liveness
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
                                              SlotDown, SlotsUp, Tick, decide)
-from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader
 from muster.coordinator.metrics import Metrics
@@ -68,6 +68,7 @@ class JobLeader:
         address: str,
         timing: Timing,
         tick_s: float,
+        limits: Limits = Limits(),
         persist: Callable[[JobState], Awaitable[None]],
         session_alive: Callable[[], bool],
         on_lost: Callable[[str], None],
@@ -80,6 +81,7 @@ class JobLeader:
         self.address = address
         self.timing = timing
         self.tick_s = tick_s
+        self.limits = limits
         self.state = state
         self._persist = persist
         self._session_alive = session_alive
@@ -198,7 +200,8 @@ class JobLeader:
         if not events:
             return
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
-                      self.live.median_step_time(), prestart=self.live.runs_library(self.state))
+                      self.live.median_step_time(), prestart=self.live.runs_library(self.state),
+                      max_members=self.limits.max_members)
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 import structlog
 
 from muster.coordinator import wire
-from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Timing
+from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, encode
-from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, Unavailable
+from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
 from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, Fenced, JobStore, Leadership,
                                               Session, current_leader)
 from muster.coordinator.leader import JobLeader, PersistFenced, PersistUnavailable
@@ -39,6 +39,7 @@ class ReplicaConfig:
     renew_deadline_s: float | None = None  # default 2/3 of the TTL
     balance_delay_s: float = 0.1  # per job already led (up to 5), before campaigning for another
     leader_wait_s: float = 3.0  # a Join for a new job waits this long for its election
+    limits: Limits = Limits()
 
 
 @dataclass
@@ -194,6 +195,7 @@ class Replica:
             address=self.address,
             timing=self.config.timing,
             tick_s=self.config.tick_s,
+            limits=self.config.limits,
             persist=lambda s: self._persist(leadership, s),
             session_alive=self._session.alive,
             on_lost=lambda reason: self._leadership_lost(job, reason),
@@ -245,6 +247,9 @@ class Replica:
         requested = wire.spec_of(req.spec)
         if req.job not in self.leaders:
             if req.job not in self.jobs:
+                if len(self.jobs) >= self.config.limits.max_jobs:
+                    raise ResourceExhausted(f"this deployment holds {len(self.jobs)} jobs, the most it takes "
+                                            f"(--max-jobs {self.config.limits.max_jobs}); job {req.job!r} is refused")
                 try:
                     spec = requested.merged_over(self.config.default_spec).validate()
                 except InvalidPolicy as exc:

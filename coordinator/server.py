@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import grpc
 import structlog
@@ -82,7 +83,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise errors.InvalidArgument("a session starts with a frame naming its job and node")
             leader = await self.replica.leader_for(first.job)
             stream = leader.attach(first)
-            reader = asyncio.create_task(self._read(leader, stream, request_iterator))
+            budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
+            reader = asyncio.create_task(self._read(leader, stream, request_iterator, budget))
             while True:
                 item = await stream.queue.get()
                 if item is CLOSE:
@@ -100,9 +102,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 leader.detach(stream)
 
     @staticmethod
-    async def _read(leader, stream, request_iterator) -> None:
+    async def _read(leader, stream, request_iterator, budget: FrameBudget) -> None:
         try:
             async for frame in request_iterator:
+                budget.spend()
                 leader.on_frame(stream, frame)
         except errors.MusterError as exc:
             stream.send(exc)
@@ -110,6 +113,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except (asyncio.CancelledError, grpc.RpcError):
             pass
         stream.send(CLOSE)
+
+
+class FrameBudget:
+    """A token bucket per Session stream: `rate` frames/s sustained, bursts of 2 s worth. A node
+    sends one frame per heartbeat interval (plus one per exit); one that floods is cut off."""
+
+    def __init__(self, rate: float, clock=time.monotonic):
+        self.rate, self.capacity = rate, max(2.0 * rate, 10.0)
+        self.tokens, self._clock = self.capacity, clock
+        self._at = clock()
+
+    def spend(self) -> None:
+        now = self._clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self.tokens < 1.0:
+            raise errors.ResourceExhausted(f"more than {self.rate:g} frames/s on this session "
+                                           f"(--max-frames-per-second); the stream is closed")
+        self.tokens -= 1.0
 
 
 async def create_server(

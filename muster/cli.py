@@ -18,7 +18,7 @@ from muster import logs
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Timing
+    from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
     from muster.coordinator.service import ServeConfig, serve
 
     try:
@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
             last_call_s=args.last_call,
         ).validate()
         spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
+        limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
     except InvalidPolicy as exc:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 2
@@ -42,7 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         max_message_bytes=args.max_message_bytes,
         metrics_listen=args.metrics_listen,
-        replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl),
+        replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl,
+                     limits=limits),
     )
     try:
         asyncio.run(serve(config))
@@ -183,7 +185,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
     s.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
     s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
-    s.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
+    s.add_argument("--max-jobs", type=int, default=1_000, help="jobs this deployment accepts")
+    s.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
+    s.add_argument("--max-frames-per-second", type=float, default=50.0,
+                   help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
     s.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
     s.set_defaults(func=_serve)

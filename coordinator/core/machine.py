@@ -11,10 +11,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from muster.coordinator.core.policy import Timing
+from muster.coordinator.core.policy import MAX_NODES, Timing
 from muster.coordinator.core.rankmap import assign_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
-from muster.coordinator.errors import AlreadyExists, MusterError, NotFound
+from muster.coordinator.errors import AlreadyExists, MusterError, NotFound, ResourceExhausted
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
@@ -90,6 +90,7 @@ class Context:
     # The running ranks use the worker library: an agent node joining the running job starts its
     # ranks first and takes a place once they report, so the others never wait for its start-up.
     prestart: bool = False
+    max_members: int = MAX_NODES  # the deployment's limit of nodes per job, spares included
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,11 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                     f"node {ev.node_id!r} is already a member of job {state.job!r} "
                     f"(member {members[ev.node_id].member_id}); leave first or use another node id"
                 )))
+                continue
+            if len(members) >= ctx.max_members:
+                rejected.append((index, ResourceExhausted(
+                    f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per job "
+                    f"(--max-nodes-per-job {ctx.max_members})")))
                 continue
             prestart = ctx.prestart and ev.kind is NodeKind.AGENT and state.phase is Phase.RUNNING
             members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind,

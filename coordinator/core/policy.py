@@ -75,3 +75,19 @@ class Timing:
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s})"
             )
         return self
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one deployment accepts, so that no client can make it use unbounded memory; past a
+    limit a request gets RESOURCE_EXHAUSTED naming it (`muster serve` flags)."""
+
+    max_jobs: int = 1_000  # jobs known to the deployment
+    max_members: int = MAX_NODES  # nodes per job, spares included
+    max_frames_per_s: float = 50.0  # per Session stream, sustained (bursts up to 2 s worth)
+
+    def validate(self) -> Limits:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) <= 0:
+                raise InvalidPolicy(f"{field.name} must be positive, got {getattr(self, field.name)}")
+        return self
