@@ -1,0 +1,51 @@
+"""The generation state machine under random sequences of membership events (hypothesis): every
+decision keeps the core's invariants, and the persisted form reads back to the same state."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
+
+TIMING = Timing(last_call_s=0.5, switch_lead_s=0.5)
+NODES = [f"n{i}" for i in range(6)]
+
+events = st.one_of(
+    st.builds(Join, st.sampled_from(NODES), st.just("10.0.0.1"), st.integers(1, 65535), st.integers(1, 4),
+              st.sampled_from(list(NodeKind))),
+    st.builds(Leave, st.sampled_from(NODES), immediate=st.booleans(), finished=st.booleans()),
+    st.builds(NodeLost, st.sampled_from(NODES), st.sampled_from(["node_silent", "process_exited"]), st.just("x")),
+    st.builds(SlotDown, st.sampled_from(NODES), st.integers(0, 4), st.just("rank_exited"), st.just("x")),
+    st.builds(SlotsUp, st.sampled_from(NODES), st.lists(st.integers(0, 4), max_size=3).map(tuple)),
+    st.just(Tick()),
+)
+specs = st.builds(lambda lo, extra, mult: JobSpec(lo, lo + extra, mult), st.integers(1, 3), st.integers(0, 3),
+                  st.sampled_from([1, 2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs, st.lists(st.lists(events, max_size=4), max_size=25), st.booleans(), st.integers(1, 8))
+def test_any_sequence_of_events_keeps_the_invariants(spec, batches, prestart, max_members):
+    state = JobState("fuzz", spec)
+    for i, batch in enumerate(batches):
+        ctx = Context(now=i * 0.3, wall_ms=i, term=1, timing=TIMING, max_step=i * 10, step_time_s=0.1,
+                      prestart=prestart, max_members=max_members)
+        d = decide(state, batch, ctx)
+        nxt = d.state
+        assert nxt.generation >= state.generation and (nxt.generation > state.generation) == d.new_generation
+        assert len(nxt.members) <= max(max_members, len(state.members))
+        assert len({m.node_id for m in nxt.members}) == len(nxt.members)
+        rm = nxt.rank_map
+        if rm is not None and nxt.phase is Phase.RUNNING:
+            members = {m.node_id: m for m in nxt.members}
+            ranks = []
+            for p in rm.placements:
+                m = members[p.node_id]  # every node of the map is a member
+                assert set(p.slots) <= set(m.usable_slots), "a down or missing slot is never placed"
+                ranks += [p.rank_of(s) for s in p.slots]
+            assert sorted(ranks) == list(range(rm.world_size)) and rm.world_size % spec.world_size_multiple == 0
+            assert spec.min_nodes <= len(rm.placements) <= spec.max_nodes
+        if d.persist:
+            assert decode(encode(nxt)) == nxt
+        state = nxt
