@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from muster.coordinator.auth import ClientSecurity
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 LEADER_METADATA = "muster-leader"
@@ -52,8 +53,10 @@ def redirect(error: grpc.RpcError, address: str, order: list[str]) -> bool:
 
 
 class Coordinators:
-    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0):
+    def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0,
+                 security: ClientSecurity | None = None):
         self.addresses = parse_addresses(addresses)
+        self.security = security or ClientSecurity.from_env()
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s  # keep trying (with backoff) while no leader answers
         self._channels: dict[str, grpc.Channel] = {}
@@ -61,7 +64,7 @@ class Coordinators:
     def stub(self, address: str) -> pb_grpc.CoordinatorStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address)
+            channel = self._channels[address] = self.security.channel(address)
         return pb_grpc.CoordinatorStub(channel)
 
     def call(self, rpc: str, request, *, prefer: str | None = None):
@@ -76,7 +79,8 @@ class Coordinators:
                 address = order.pop(0)
                 hops += 1
                 try:
-                    return getattr(self.stub(address), rpc)(request, timeout=self.timeout_s)
+                    return getattr(self.stub(address), rpc)(request, timeout=self.timeout_s,
+                                                            metadata=self.security.metadata)
                 except grpc.RpcError as exc:
                     if not redirect(exc, address, order):
                         raise

@@ -38,3 +38,11 @@ class NotLeader(MusterError):
 
 class Unavailable(MusterError):
     pass
+
+
+class Unauthenticated(MusterError):
+    """No token, or one the deployment does not know."""
+
+
+class PermissionDenied(MusterError):
+    """A valid token, for another job."""

@@ -14,6 +14,7 @@ import grpc
 import structlog
 
 from muster.coordinator import errors, wire
+from muster.coordinator.auth import Tokens
 from muster.coordinator.client import LEADER_METADATA
 from muster.coordinator.leader import CLOSE
 from muster.coordinator.replica import Replica
@@ -31,6 +32,8 @@ STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotLeader: grpc.StatusCode.UNAVAILABLE,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -46,6 +49,7 @@ def _refusals(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            self.authorize(context, request.job)
             return await method(self, request, context)
         except errors.MusterError as exc:
             log.info("request_refused", method=method.__name__, code=STATUS_OF[type(exc)].name, error=str(exc))
@@ -55,8 +59,13 @@ def _refusals(method):
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, replica: Replica):
+    def __init__(self, replica: Replica, tokens: Tokens | None = None):
         self.replica = replica
+        self.tokens = tokens  # None: no tokens required
+
+    def authorize(self, context, job: str) -> None:
+        if self.tokens is not None:
+            self.tokens.check(context.invocation_metadata(), job)
 
     @_refusals
     async def Join(self, request, context):
@@ -81,6 +90,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             first = await anext(request_iterator, None)
             if first is None:
                 raise errors.InvalidArgument("a session starts with a frame naming its job and node")
+            self.authorize(context, first.job)
             leader = await self.replica.leader_for(first.job)
             stream = leader.attach(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
@@ -135,7 +145,8 @@ class FrameBudget:
 
 
 async def create_server(
-    replica: Replica, listen: str = "127.0.0.1:0", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    replica: Replica, listen: str = "127.0.0.1:0", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tokens: Tokens | None = None, credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(
         options=[
@@ -146,8 +157,8 @@ async def create_server(
             ("grpc.keepalive_permit_without_calls", 1),
         ]
     )
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(replica), server)
-    port = server.add_insecure_port(listen)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(replica, tokens), server)
+    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not listen on {listen}")
     return server, port

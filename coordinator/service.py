@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 
+from muster.coordinator.auth import Tokens, server_credentials
 from muster.coordinator.etcd_backend import connect
 from muster.coordinator.etcd_server import EtcdServer
 from muster.coordinator.metrics import HealthServer
@@ -27,6 +28,8 @@ class ServeConfig:
     data_dir: Path = Path(".muster")
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
+    tokens_file: str = ""  # per-job tokens required when set
+    tls: tuple[str, str, str | None] | None = None  # (cert, key, client CA for mTLS or None)
     replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
 
 
@@ -43,7 +46,10 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
     try:
         client = connect(endpoints)
         replica = Replica(client, ReplicaConfig(**config.replica))
-        server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes)
+        tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
+        credentials = server_credentials(*config.tls) if config.tls else None
+        server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes,
+                                           tokens=tokens, credentials=credentials)
         host = config.listen.rpartition(":")[0]
         address = config.advertise or f"{host}:{port}"
         replica.address = address  # known once bound (port 0 picks one)
@@ -52,7 +58,8 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         if config.metrics_listen:
             health = HealthServer(replica.metrics, replica, config.metrics_listen).start()
         log.info("coordinator_serving", listen=f"{host}:{port}", advertise=address, etcd=endpoints,
-                 metrics=health.address if health else None)
+                 metrics=health.address if health else None, tls="mtls" if config.tls and config.tls[2] else
+                 "tls" if config.tls else "off", tokens=tokens is not None)
         if ready is not None:
             ready.set()
         stop = asyncio.Event()

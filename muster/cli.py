@@ -43,6 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         max_message_bytes=args.max_message_bytes,
         metrics_listen=args.metrics_listen,
+        tokens_file=args.tokens or "",
+        tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl,
                      limits=limits),
     )
@@ -84,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         restart_backoff_s=args.restart_backoff,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        security=_security(args),
     )
     return asyncio.run(NodeAgent(config).run())
 
@@ -94,10 +97,16 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(args.duration, args.nodes, args.slots, Path(args.timeline))
 
 
+def _security(args: argparse.Namespace):
+    from muster.coordinator.auth import ClientSecurity
+
+    return ClientSecurity(args.token, args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def _ask(args, rpc: str, request):
     from muster.coordinator.client import Coordinators
 
-    with Coordinators(args.coordinator, timeout_s=args.timeout) as coordinators:
+    with Coordinators(args.coordinator, timeout_s=args.timeout, security=_security(args)) as coordinators:
         response = coordinators.call(rpc, request)
         if rpc == "Status":  # ranks and steps are live only at each job's leader
             for i, job in enumerate(response.jobs):
@@ -105,7 +114,8 @@ def _ask(args, rpc: str, request):
                     from muster.v1 import muster_pb2 as pb
 
                     try:
-                        live = coordinators.stub(job.leader).Status(pb.StatusRequest(job=job.name), timeout=args.timeout)
+                        live = coordinators.stub(job.leader).Status(pb.StatusRequest(job=job.name), timeout=args.timeout,
+                                                                    metadata=coordinators.security.metadata)
                         response.jobs[i].CopyFrom(live.jobs[0])
                     except grpc.RpcError:
                         pass  # keep the persisted view
@@ -190,6 +200,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
     s.add_argument("--max-frames-per-second", type=float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
+    s.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job)")
+    s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    s.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    s.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
     s.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
     s.set_defaults(func=_serve)
@@ -208,6 +222,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before the first restart (doubles)")
     r.add_argument("--log-dir", help="write each rank's output to a file here")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    _client_security_flags(r)
     r.set_defaults(func=_run)
 
     d = sub.add_parser("demo", help="etcd, two coordinators and agents training on CPU; faults on a schedule")
@@ -223,8 +238,18 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--job", required=(name == "events"))
         q.add_argument("--json", action="store_true")
         q.add_argument("--timeout", type=float, default=5.0)
+        _client_security_flags(q)
         q.set_defaults(func=func)
     return p
+
+
+def _client_security_flags(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--token", default=env("MUSTER_TOKEN", ""), help="the job's token (default $MUSTER_TOKEN)")
+    p.add_argument("--tls-ca", default=env("MUSTER_TLS_CA", ""), help="trust this CA for the coordinators' TLS "
+                   "(default $MUSTER_TLS_CA)")
+    p.add_argument("--tls-cert", default=env("MUSTER_TLS_CERT", ""), help="mTLS client certificate ($MUSTER_TLS_CERT)")
+    p.add_argument("--tls-key", default=env("MUSTER_TLS_KEY", ""), help="its private key ($MUSTER_TLS_KEY)")
 
 
 def main(argv: list[str] | None = None) -> int:

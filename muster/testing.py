@@ -210,12 +210,14 @@ class SimulatedNode:
     step per frame. `silent = True` makes it hang (frames stop, the stream stays open)."""
 
     def __init__(self, addresses: list[str], job: str, node_id: str, *, slots: int = 2, spec: pb.JobSpec | None = None,
-                 is_process: bool = False, interval_s: float | None = None, store_port: int = 29500):
+                 is_process: bool = False, interval_s: float | None = None, store_port: int = 29500,
+                 security=None):
         self.session = NodeSession(
             addresses,
             NodeIdentity(job, node_id, slots, "127.0.0.1", store_port, spec or pb.JobSpec(), is_process, os.getpid()),
             reports=self._reports,
             on_directive=self._directive,
+            security=security,
         )
         self.node_id = node_id
         self.interval_s = interval_s

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from muster.coordinator.auth import ClientSecurity
 from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -42,6 +43,7 @@ class AgentConfig:
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
     drain_timeout_s: float = 120.0
     env: dict[str, str] = field(default_factory=dict)
+    security: ClientSecurity = field(default_factory=ClientSecurity.from_env)  # token, TLS
 
 
 @dataclass(eq=False)
@@ -103,6 +105,7 @@ class NodeAgent:
                          master_port=master_port),
             reports=self._reports,
             on_directive=self._on_directive,
+            security=c.security,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._drain_node()))

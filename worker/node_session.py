@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from muster.coordinator.auth import ClientSecurity
 from muster.coordinator.client import TRANSIENT, leader_hint, parse_addresses, redirect
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -50,8 +51,10 @@ class NodeSession:
         reports: Callable[[], Sequence[pb.RankReport]],
         on_directive: Callable[[pb.Directive], None],
         rpc_timeout_s: float = 5.0,
+        security: ClientSecurity | None = None,
     ):
         self.addresses = parse_addresses(addresses)
+        self.security = security or ClientSecurity.from_env()  # token and TLS (MUSTER_TOKEN, MUSTER_TLS_*)
         self.identity = identity
         self._reports = reports
         self._on_directive = on_directive
@@ -86,10 +89,10 @@ class NodeSession:
                 if not order:
                     break
                 address = order.pop(0)
-                async with grpc.aio.insecure_channel(address) as channel:
+                async with self.security.aio_channel(address) as channel:
                     try:
                         response = await getattr(pb_grpc.CoordinatorStub(channel), rpc)(
-                            request, timeout=self.rpc_timeout_s)
+                            request, timeout=self.rpc_timeout_s, metadata=self.security.metadata)
                         self.leader = address
                         return response
                     except grpc.aio.AioRpcError as exc:
@@ -149,8 +152,9 @@ class NodeSession:
             self._leader_silent = False
             hint = ""
             try:
-                async with grpc.aio.insecure_channel(address) as channel:
-                    self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames())
+                async with self.security.aio_channel(address) as channel:
+                    self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames(),
+                                                                                 metadata=self.security.metadata)
                     watchdog = asyncio.create_task(self._watch(call, channel, address))
                     try:
                         async for directive in call:
@@ -208,7 +212,8 @@ class NodeSession:
     async def _leads(self, channel, address: str) -> bool:
         try:
             status = await pb_grpc.CoordinatorStub(channel).Status(
-                pb.StatusRequest(job=self.identity.job, brief=True), timeout=self.heartbeat_timeout_s)
+                pb.StatusRequest(job=self.identity.job, brief=True), timeout=self.heartbeat_timeout_s,
+                metadata=self.security.metadata)
         except grpc.aio.AioRpcError:
             return False
         return bool(status.jobs) and status.jobs[0].live and status.jobs[0].leader == address

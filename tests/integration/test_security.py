@@ -1,0 +1,133 @@
+"""TLS on the coordinator's port (and mTLS), per-job tokens: certificates are made on the fly
+(`cryptography`), a real coordinator serves them, real clients (CLI, SimulatedNode) call it."""
+
+import asyncio
+import datetime
+import ipaddress
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+from muster.coordinator.auth import ClientSecurity  # noqa: E402
+from muster.testing import SimulatedNode  # noqa: E402
+from muster.v1 import muster_pb2 as pb  # noqa: E402
+from muster.v1 import muster_pb2_grpc as pb_grpc  # noqa: E402
+
+TOKEN_A, TOKEN_B, OPERATOR = "a" * 24, "b" * 24, "o" * 24
+
+
+def _cert(name: str, issuer_key, issuer_name, *, ca: bool = False, ip: str | None = None):
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name or subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ip:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+                                        critical=False)
+    cert = builder.sign(issuer_key or key, hashes.SHA256())
+    return key, cert
+
+
+def _write(path, key, cert):
+    path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(path.with_suffix(".pem")), str(path.with_suffix(".key"))
+
+
+@pytest.fixture
+def pki(tmp_path):
+    ca_key, ca = _cert("muster-test-ca", None, None, ca=True)
+    ca_pem, _ = _write(tmp_path / "ca", ca_key, ca)
+    server = _write(tmp_path / "server", *_cert("coordinator", ca_key, ca.subject, ip="127.0.0.1"))
+    client = _write(tmp_path / "client", *_cert("agent", ca_key, ca.subject))
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# job token\njob-a {TOKEN_A}\njob-b {TOKEN_B}\n* {OPERATOR}\n")
+    return {"ca": ca_pem, "server": server, "client": client, "tokens": str(tokens)}
+
+
+def join(stub, job: str, node: str, token: str = ""):
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    return stub.Join(pb.JoinRequest(job=job, node_id=node, slots=1, host="127.0.0.1", store_port=1,
+                                    spec=pb.JobSpec(min_nodes=1, max_nodes=2)), timeout=10, metadata=metadata)
+
+
+def code_of(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code()
+
+
+@pytest.mark.timeout(90)
+def test_mtls_and_job_tokens(coordinators, pki):
+    cert, key = pki["server"]
+    (leader,) = coordinators(1, extra=["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                                       "--tokens", pki["tokens"]])
+    assert leader.find("coordinator_serving")[0]["tls"] == "mtls"
+    client_cert, client_key = pki["client"]
+    good = ClientSecurity(TOKEN_A, pki["ca"], client_cert, client_key)
+
+    # plaintext and TLS without a client certificate do not get through the handshake
+    with grpc.insecure_channel(leader.address) as ch:
+        assert code_of(lambda: join(pb_grpc.CoordinatorStub(ch), "job-a", "n", TOKEN_A)) == grpc.StatusCode.UNAVAILABLE
+    with ClientSecurity(TOKEN_A, pki["ca"]).channel(leader.address) as ch:
+        assert code_of(lambda: join(pb_grpc.CoordinatorStub(ch), "job-a", "n", TOKEN_A)) == grpc.StatusCode.UNAVAILABLE
+
+    with good.channel(leader.address) as ch:
+        stub = pb_grpc.CoordinatorStub(ch)
+        assert code_of(lambda: join(stub, "job-a", "n")) == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(lambda: join(stub, "job-a", "n", "x" * 24)) == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(lambda: join(stub, "job-b", "n", TOKEN_A)) == grpc.StatusCode.PERMISSION_DENIED
+        assert join(stub, "job-a", "n", TOKEN_A).member_id
+        md = (("authorization", f"Bearer {TOKEN_A}"),)
+        assert code_of(lambda: stub.Status(pb.StatusRequest(), timeout=5, metadata=md)) == \
+            grpc.StatusCode.PERMISSION_DENIED  # listing every job needs an operator token
+        assert stub.Status(pb.StatusRequest(job="job-a"), timeout=5, metadata=md).jobs[0].name == "job-a"
+        assert code_of(lambda: stub.Events(pb.EventsRequest(job="job-b"), timeout=5, metadata=md)) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        frames = iter([pb.NodeFrame(job="job-b", node_id="n", member_id=1)])
+        assert code_of(lambda: list(stub.Session(frames, timeout=5, metadata=md))) == grpc.StatusCode.PERMISSION_DENIED
+
+    async def a_node_with_credentials_gets_its_place():
+        node = SimulatedNode([leader.address], "job-a", "m", slots=1, security=good,
+                             spec=pb.JobSpec(min_nodes=1, max_nodes=2))
+        await node.join()
+        node.start()
+        asg = await node.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 10, "a place over mTLS")
+        await node.stop()
+        return asg
+    assert asyncio.run(a_node_with_credentials_gets_its_place()).world_size >= 1
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address,
+                               "--tls-ca", pki["ca"], "--tls-cert", client_cert, "--tls-key", client_key, *args],
+                              capture_output=True, text=True, timeout=30)
+    shown = cli("--job", "job-a", "--token", OPERATOR)
+    assert shown.returncode == 0 and "job job-a" in shown.stdout
+    refused = cli("--job", "job-a", "--token", TOKEN_B)
+    assert refused.returncode != 0 and "PERMISSION_DENIED" in refused.stderr
+
+
+@pytest.mark.timeout(60)
+def test_tls_without_client_certificates_and_a_bad_tokens_file(coordinators, pki, tmp_path):
+    cert, key = pki["server"]
+    (leader,) = coordinators(1, extra=["--tls-cert", cert, "--tls-key", key])
+    assert leader.find("coordinator_serving")[0]["tls"] == "tls"
+    with ClientSecurity("", pki["ca"]).channel(leader.address) as ch:  # no token needed: none configured
+        assert join(pb_grpc.CoordinatorStub(ch), "open", "n").member_id
+    bad = tmp_path / "bad-tokens"
+    bad.write_text("job-a short\n")
+    out = subprocess.run([sys.executable, "-m", "muster.cli", "serve", "--listen", "127.0.0.1:0", "--etcd",
+                          "127.0.0.1:1", "--tokens", str(bad)], capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "16+ characters" in out.stderr
