@@ -12,6 +12,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 import etcd3
@@ -128,11 +129,28 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     return match["host"], port
 
 
-def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0) -> Client:
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach a secured etcd: TLS (a CA; a client certificate) and a user for its auth."""
+
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not (self.cacert or self.cert):
+            return None
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.cacert), read(self.key), read(self.cert))
+
+
+def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAccess = EtcdAccess()) -> Client:
     """Build a client over all endpoints; a dead member is skipped by failover.
 
     No request is made here: unreachable clusters surface as EtcdUnavailable
-    from the first real call.
+    from the first real call (with auth, the first authentication happens here).
     """
     if isinstance(endpoints, (str, bytes)):
         raise ValueError(f"endpoints must be a list of 'host:port' strings, got {endpoints!r}")
@@ -141,12 +159,16 @@ def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0) -> Client:
         raise ValueError("at least one etcd endpoint is required")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    creds = access.credentials()
     client = etcd3.MultiEndpointEtcd3Client(
-        [etcd3.Endpoint(h, p, secure=False, time_retry=_ENDPOINT_RETRY_S) for h, p in parsed],
+        [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S) for h, p in parsed],
         timeout=timeout_s,
         failover=True,
+        user=access.user or None,
+        password=access.password or None,
     )
-    log.info("etcd_client_created", endpoints=[f"{h}:{p}" for h, p in parsed], timeout_s=timeout_s)
+    log.info("etcd_client_created", endpoints=[f"{h}:{p}" for h, p in parsed], timeout_s=timeout_s,
+             tls=creds is not None, user=access.user or None)
     return client
 
 

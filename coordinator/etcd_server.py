@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import threading
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -125,8 +126,10 @@ class EtcdServer:
         initial_cluster_state: str = "new",
         binary: str | None = None,
         log_path: Path | None = None,
+        tls: tuple[str, str, str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.tls = tls  # (cert, key, client CA): clients speak TLS and present a certificate it signed
         self.name = name
         self.host = host
         # Ports are fixed at construction so peer URLs can be shared with the
@@ -145,7 +148,7 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -170,6 +173,8 @@ class EtcdServer:
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.initial_cluster,
             "--initial-cluster-state", self.initial_cluster_state,
+            *(["--cert-file", self.tls[0], "--key-file", self.tls[1], "--trusted-ca-file", self.tls[2],
+                "--client-cert-auth"] if self.tls else []),
         ]
 
     def launch(self) -> None:
@@ -257,7 +262,11 @@ class EtcdServer:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0) as resp:
+            context = None
+            if self.tls:  # its own certificate is signed by the client CA in tests; present it
+                context = ssl.create_default_context(cafile=self.tls[2])
+                context.load_cert_chain(self.tls[0], self.tls[1])
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
                 body = json.loads(resp.read() or b"{}")
         except (urllib.error.URLError, OSError, ValueError):
             # Not listening yet, or 503 while no leader is elected.

@@ -11,7 +11,7 @@ from pathlib import Path
 import structlog
 
 from muster.coordinator.auth import Tokens, server_credentials
-from muster.coordinator.etcd_backend import connect
+from muster.coordinator.etcd_backend import EtcdAccess, connect
 from muster.coordinator.etcd_server import EtcdServer
 from muster.coordinator.metrics import HealthServer
 from muster.coordinator.replica import Replica, ReplicaConfig
@@ -30,6 +30,7 @@ class ServeConfig:
     metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
     tokens_file: str = ""  # per-job tokens required when set
     tls: tuple[str, str, str | None] | None = None  # (cert, key, client CA for mTLS or None)
+    etcd_access: EtcdAccess = EtcdAccess()  # TLS and user of an external etcd
     replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
 
 
@@ -44,7 +45,7 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
                  data_dir=str(config.data_dir / "etcd"))
     client = server = replica = health = None
     try:
-        client = connect(endpoints)
+        client = connect(endpoints, access=config.etcd_access if embedded is None else EtcdAccess())
         replica = Replica(client, ReplicaConfig(**config.replica))
         tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
         credentials = server_credentials(*config.tls) if config.tls else None

@@ -33,7 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
         ).validate()
         spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
         limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
-    except InvalidPolicy as exc:
+        etcd_access = _etcd_access(args)
+    except (InvalidPolicy, OSError, ValueError) as exc:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 2
     config = ServeConfig(
@@ -45,6 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
         tokens_file=args.tokens or "",
         tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        etcd_access=etcd_access,
         replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl,
                      limits=limits),
     )
@@ -54,6 +56,23 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _etcd_access(args: argparse.Namespace):
+    """etcd TLS and auth from the flags; the password from a file or $MUSTER_ETCD_PASSWORD, never argv."""
+    from muster.coordinator.etcd_backend import EtcdAccess
+
+    password = ""
+    if args.etcd_user:
+        if args.etcd_password_file:
+            password = Path(args.etcd_password_file).read_text().strip()
+        else:
+            password = os.environ.get("MUSTER_ETCD_PASSWORD", "")
+        if not password:
+            raise ValueError("--etcd-user needs a password: --etcd-password-file FILE or $MUSTER_ETCD_PASSWORD")
+    if bool(args.etcd_cert) != bool(args.etcd_key):
+        raise ValueError("--etcd-cert and --etcd-key go together")
+    return EtcdAccess(args.etcd_cacert or "", args.etcd_cert or "", args.etcd_key or "", args.etcd_user or "", password)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -200,6 +219,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
     s.add_argument("--max-frames-per-second", type=float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
+    s.add_argument("--etcd-cacert", help="trust this CA for etcd's TLS (PEM)")
+    s.add_argument("--etcd-cert", help="client certificate for etcd (PEM)")
+    s.add_argument("--etcd-key", help="its private key (PEM)")
+    s.add_argument("--etcd-user", help="etcd user (auth enabled); password from --etcd-password-file or "
+                   "$MUSTER_ETCD_PASSWORD")
+    s.add_argument("--etcd-password-file", help="a file holding the etcd user's password")
     s.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job)")
     s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     s.add_argument("--tls-key", help="the certificate's private key (PEM)")
