@@ -131,3 +131,29 @@ def test_tls_without_client_certificates_and_a_bad_tokens_file(coordinators, pki
     out = subprocess.run([sys.executable, "-m", "muster.cli", "serve", "--listen", "127.0.0.1:0", "--etcd",
                           "127.0.0.1:1", "--tokens", str(bad)], capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and "16+ characters" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_trains_over_mtls_with_its_job_token(coordinators, pki, agents, tmp_path):
+    from muster.testing import TrainingProcess
+
+    cert, key = pki["server"]
+    (leader,) = coordinators(1, extra=["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                                       "--tokens", pki["tokens"]])
+    client_cert, client_key = pki["client"]
+    flags = ["--tls-ca", pki["ca"], "--tls-cert", client_cert, "--tls-key", client_key]
+    (agent,) = agents([leader.address], "job-a", ["a"], steps=20, nodes="2:2", extra=[*flags, "--token", TOKEN_A])
+    # the library without an agent reads the same credentials from the environment
+    env = {"MUSTER_TOKEN": TOKEN_A, "MUSTER_TLS_CA": pki["ca"], "MUSTER_TLS_CERT": client_cert,
+           "MUSTER_TLS_KEY": client_key}
+    rank = TrainingProcess([leader.address], "job-a", tmp_path / "process-rank.log", steps=20, min_nodes=2,
+                           max_nodes=2, env=env).start()
+    try:
+        assert agent.wait(90) == 0, agent.log_path.read_text()[-2000:]
+        assert rank.wait(30) == 0, rank.log_path.read_text()[-2000:]
+        assert agent.steps(0)[-1]["step"] == 20 and rank.steps()[-1]["world_size"] == 3
+    finally:
+        rank.stop()
+    (wrong,) = agents([leader.address], "job-b", ["b"], steps=5, extra=[*flags, "--token", TOKEN_A])
+    assert wrong.wait(60) != 0
+    assert "PERMISSION_DENIED" in wrong.log_path.read_text()
