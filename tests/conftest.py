@@ -6,7 +6,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# CI runs the same examples every time; HYPOTHESIS_PROFILE=explore searches further (and anew).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", max_examples=3000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 if TYPE_CHECKING:
     from muster.coordinator.etcd_server import EtcdServer

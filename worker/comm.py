@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 log = structlog.get_logger(__name__)
 
+CONNECT_TIMEOUT = timedelta(seconds=30)  # the backend's store reads while a group connects
+
 
 class Superseded(Exception):
     """A newer generation arrived while this one was forming."""
@@ -67,6 +69,37 @@ def _socket_fds() -> set[int]:
         except OSError:
             continue
     return fds
+
+
+def _store_connections(fds: set[int], store_port: int) -> set[int]:
+    """Among new sockets (other threads open some too), those connected to the store's port."""
+    found = set()
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == store_port:
+                found.add(fd)
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return found
+
+
+def _shutdown(fd: int) -> None:
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.detach()
 
 
 def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
@@ -112,6 +145,7 @@ class Comm:
         self._abort_below = 0  # generations below this are to be aborted
         self._client: dist.Store | None = None
         self.barrier_s = 0.0  # of the last form(): waiting for every rank to arrive
+        self._forming: tuple[int, set[int]] | None = None  # generation being formed, its store connections
 
     @property
     def formed(self) -> bool:
@@ -127,29 +161,43 @@ class Comm:
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
         started = time.monotonic()
-        client = self._store(spec.store_address)
-        store = dist.PrefixStore(spec.store_prefix + "/", client)
-        store.add(f"arrived/{spec.rank}", 1)
-        keys = [f"arrived/{r}" for r in range(spec.world_size)]
-        delay = 0.001
-        while True:  # a barrier that a newer generation can abandon
-            if abandoned():
-                raise Superseded(f"generation {spec.generation} abandoned while forming")
-            try:
-                store.wait(keys, timedelta(milliseconds=50))
-                break
-            except (dist.DistStoreError, RuntimeError):
-                if time.monotonic() - started > self.timeout.total_seconds():
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        self.barrier_s = time.monotonic() - started  # the rest of forming is the backend's connect
         before = _socket_fds()
-        options = {}
-        if self.backend == "nccl":
-            options["device_id"] = torch.device("cuda", spec.local_rank)
-        dist.init_process_group(self.backend, store=store, rank=spec.rank, world_size=spec.world_size,
-                                timeout=self.timeout, **options)
+        client = self._store(spec.store_address)
+        with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
+            self._forming = (spec.generation, _store_connections(_socket_fds() - before, _port(spec.store_address)))
+        try:
+            store = dist.PrefixStore(spec.store_prefix + "/", client)
+            store.add(f"arrived/{spec.rank}", 1)
+            keys = [f"arrived/{r}" for r in range(spec.world_size)]
+            delay = 0.001
+            while True:  # a barrier that a newer generation can abandon
+                if abandoned():
+                    raise Superseded(f"generation {spec.generation} abandoned while forming")
+                try:
+                    store.wait(keys, timedelta(milliseconds=50))
+                    break
+                except (dist.DistStoreError, RuntimeError):
+                    if time.monotonic() - started > self.timeout.total_seconds():
+                        raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+            self.barrier_s = time.monotonic() - started  # the rest of forming is the backend's connect
+            before = _socket_fds()
+            options = {}
+            if self.backend == "nccl":
+                options["device_id"] = torch.device("cuda", spec.local_rank)
+            # A rank that dies between the barrier and publishing its address would hold every other
+            # in the backend's store reads for the whole timeout: bound them (the host of the store
+            # cannot cut its own connection).
+            store.set_timeout(min(self.timeout, CONNECT_TIMEOUT))
+            try:
+                dist.init_process_group(self.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                        timeout=self.timeout, **options)
+            finally:
+                store.set_timeout(self.timeout)
+        finally:
+            with self._lock:
+                self._forming = None  # its fds may be reused once the client goes
         with self._lock:
             self._sockets = _socket_fds() - before
             self._client = client
@@ -164,6 +212,11 @@ class Comm:
         Safe from any thread; the training thread then sees an error and reforms."""
         with self._lock:
             self._abort_below = max(self._abort_below, below_generation)
+            forming = self._forming
+            if forming is not None and forming[0] < below_generation:
+                self._forming = None
+                for fd in forming[1]:
+                    _shutdown(fd)  # the forming attempt's store reads fail now
             spec = self.spec
             if spec is None or spec.generation >= below_generation:
                 return False
