@@ -59,6 +59,14 @@ def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path 
                                        root_certificates=root, require_client_auth=root is not None)
 
 
+def channel_credentials(ca: str, cert: str, key: str) -> grpc.ChannelCredentials | None:
+    """TLS from PEM files (a CA to trust; a client certificate for mTLS); None: plaintext."""
+    if not (ca or cert):
+        return None
+    read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
 @dataclass(frozen=True)
 class ClientSecurity:
     """A caller's credentials: a token for its job, and TLS (a CA to trust; a certificate for mTLS)."""
@@ -77,16 +85,10 @@ class ClientSecurity:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((TOKEN_METADATA, f"Bearer {self.token}"),) if self.token else ()
 
-    def _credentials(self) -> grpc.ChannelCredentials | None:
-        if not (self.tls_ca or self.tls_cert):
-            return None
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        return grpc.ssl_channel_credentials(read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
-
     def channel(self, address: str) -> grpc.Channel:
-        creds = self._credentials()
+        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
         return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
-        creds = self._credentials()
+        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
         return grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)

@@ -12,7 +12,6 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 import etcd3
@@ -21,6 +20,8 @@ import etcd3.exceptions
 import etcd3.watch
 import grpc
 import structlog
+
+from muster.coordinator.auth import channel_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -140,10 +141,7 @@ class EtcdAccess:
     password: str = ""
 
     def credentials(self) -> grpc.ChannelCredentials | None:
-        if not (self.cacert or self.cert):
-            return None
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        return grpc.ssl_channel_credentials(read(self.cacert), read(self.key), read(self.cert))
+        return channel_credentials(self.cacert, self.cert, self.key)
 
 
 def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAccess = EtcdAccess()) -> Client:
