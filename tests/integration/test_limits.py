@@ -50,8 +50,9 @@ def test_jobs_nodes_and_frames_are_limited(coordinators):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Session(frames()):
                     pass
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "frames/s" in err.value.details()
+            # gRPC aio may report the write it was still making when the server ended the call
+            # (INTERNAL, "Failed execute_batch") instead of the server's status: that is in its log
+            assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
             status = await stub.Status(pb.StatusRequest(job="two"))  # still serving
         step = calm.step
         await asyncio.sleep(0.5)
@@ -60,5 +61,6 @@ def test_jobs_nodes_and_frames_are_limited(coordinators):
         return status
 
     status = asyncio.run(flood_and_a_well_behaved_node())
+    assert [r for r in leader.find("session_refused", code="RESOURCE_EXHAUSTED") if "frames/s" in r["error"]]
     assert status.jobs[0].live
     assert leader.proc.poll() is None
