@@ -29,8 +29,10 @@ Client = etcd3.MultiEndpointEtcd3Client
 
 DEFAULT_PREFIX = "/muster/v1"
 # After a failure an endpoint is skipped for this long; etcd3's default (300 s)
-# would turn one blip of a single-member cluster into five minutes of outage.
-_ENDPOINT_RETRY_S = 2.0
+# would turn one blip of a single-member cluster into five minutes of outage. During
+# an etcd leader election every member fails requests for a moment: all endpoints are
+# marked failed at once, and a session must not miss its renew deadline waiting.
+_ENDPOINT_RETRY_S = 0.5
 # Upper bound on any blocking wait, so stop flags and session loss are seen promptly.
 _POLL_S = 0.5
 

@@ -236,11 +236,10 @@ class Chaos:
     def generation(self) -> int:
         return max((r["generation"] for r in self.last_steps().values()), default=0)
 
-    def leader(self) -> CoordinatorProcess:
-        for r in self.replicas:
-            if r.proc.poll() is None and self._leads(r.address):
-                return r
-        raise AssertionError("no coordinator leads the job")
+    def leader(self, timeout_s: float = 15.0) -> CoordinatorProcess:
+        """The replica leading the job (after an etcd fault a new election may still be running)."""
+        return wait_until(lambda: next((r for r in self.replicas if r.proc.poll() is None and self._leads(r.address)),
+                                       None), timeout_s, "a coordinator leading the job", interval_s=0.1)
 
     def _leads(self, address: str) -> bool:
         try:
