@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 from muster import logs
-from muster.coordinator.client import Coordinators
 from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.leader import EVICTIONS
 from muster.testing import CoordinatorProcess, TrainingProcess, record_time, wait_until
-from muster.v1 import muster_pb2 as pb
 from muster.worker import Worker, WorkerConfig
 
 JOB = "bench"
@@ -105,7 +104,7 @@ class Fleet:
 
     def leader(self) -> CoordinatorProcess:
         for r in self.replicas:
-            if r.proc.poll() is None and _leads(r.address):
+            if r.leads(JOB):
                 return r
         raise RuntimeError("no replica leads")
 
@@ -115,15 +114,6 @@ class Fleet:
         for r in self.replicas:
             r.stop()
         self.etcd.stop()
-
-
-def _leads(address: str) -> bool:
-    try:
-        with Coordinators([address], timeout_s=1) as c:
-            job = c.call("Status", pb.StatusRequest(job=JOB, brief=True)).jobs[0]
-    except Exception:
-        return False
-    return job.live and job.leader == address
 
 
 def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
@@ -176,11 +166,11 @@ def failover_cycles(fleet: Fleet, kills: int) -> dict:
         steps = {id(p): p.last_step for p in fleet.alive()}
         at = time.time()
         leader.kill()
-        wait_until(lambda: _leads(standby.address), 30, "the standby leading", interval_s=0.01)
+        wait_until(lambda: standby.leads(JOB), 30, "the standby leading", interval_s=0.01)
         served.append(time.time() - at)
         wait_until(lambda: all(p.last_step >= steps[id(p)] + 20 for p in fleet.alive()), 60, "training on")
         discarded += sum(1 for p in fleet.alive() for r in p.records("step_discarded") if record_time(r) >= at)
-        evictions += len(fleet.decisions(at, {"process_exited", "node_silent", "rank_stalled"}))
+        evictions += len(fleet.decisions(at, EVICTIONS))
         generation_changes += fleet.generation() != generation
         # the dead replica comes back at its address, as a standby
         i = fleet.replicas.index(leader)

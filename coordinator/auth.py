@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import grpc
@@ -85,10 +86,15 @@ class ClientSecurity:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((TOKEN_METADATA, f"Bearer {self.token}"),) if self.token else ()
 
+    @cached_property
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        """Read once: nodes open a channel per reconnect and per unary call."""
+        return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+
     def channel(self, address: str) -> grpc.Channel:
-        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        creds = self._credentials
         return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
-        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        creds = self._credentials
         return grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)

@@ -13,8 +13,8 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request

@@ -136,15 +136,14 @@ def run(duration_s: float = 60.0, nodes: int = 3, slots: int = 2, out: Path = Pa
                     faults.append(Fault(name, time.time(), detail=f"SIGKILL the agent of {victim.node_id}"))
                     victim.signal(signal.SIGKILL)
                 else:
-                    leader = next(r for r in replicas if r.find("leadership_acquired", job=JOB)
-                                  and r.proc.poll() is None and _leads(r.address))
+                    leader = next(r for r in replicas if r.find("leadership_acquired", job=JOB) and r.leads(JOB))
                     faults.append(Fault(name, time.time(), detail=f"SIGKILL coordinator {leader.address}"))
                     leader.kill()
                 print(f"\n>>> {faults[-1].name}: {faults[-1].detail}\n", flush=True)
                 fault = faults[-1]
                 if name == "kill the leader":
                     standby = next(r for r in replicas if r is not leader)
-                    wait_until(lambda: _leads(standby.address), 15, "a new leader")
+                    wait_until(lambda: standby.leads(JOB), 15, "a new leader")
                     fault.recovered_s = time.time() - fault.at
                     fault.detail += f"; steps went on in generation {generation}"
                 else:
@@ -177,11 +176,3 @@ def run(duration_s: float = 60.0, nodes: int = 3, slots: int = 2, out: Path = Pa
                 r.stop()
             etcd.stop()
 
-
-def _leads(address: str) -> bool:
-    try:
-        with Coordinators([address], timeout_s=1) as c:
-            job = c.call("Status", pb.StatusRequest(job=JOB)).jobs[0]
-    except Exception:
-        return False
-    return job.live and job.leader == address

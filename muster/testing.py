@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from muster.coordinator.client import Coordinators
 from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
 
@@ -114,6 +115,17 @@ class CoordinatorProcess(_Child):
         self.proc.kill()
         self.proc.wait(5)
         self._log.close()
+
+    def leads(self, job: str) -> bool:
+        """Running, and answering as the job's live leader."""
+        if self.proc.poll() is not None:
+            return False
+        try:
+            with Coordinators([self.address], timeout_s=1) as c:
+                status = c.call("Status", pb.StatusRequest(job=job, brief=True)).jobs[0]
+        except Exception:  # down, starting, or between lives: not leading
+            return False
+        return status.live and status.leader == self.address
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"

@@ -89,19 +89,6 @@ def _store_connections(fds: set[int], store_port: int) -> set[int]:
     return found
 
 
-def _shutdown(fd: int) -> None:
-    try:
-        s = socket.socket(fileno=fd)
-    except OSError:
-        return
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        s.detach()
-
-
 def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
     """Shut down connected sockets among `fds` (never listeners: gloo's accept loop dies on those)."""
     done = 0
@@ -215,8 +202,7 @@ class Comm:
             forming = self._forming
             if forming is not None and forming[0] < below_generation:
                 self._forming = None
-                for fd in forming[1]:
-                    _shutdown(fd)  # the forming attempt's store reads fail now
+                _shutdown_peer_sockets(forming[1], set())  # the forming attempt's store reads fail now
             spec = self.spec
             if spec is None or spec.generation >= below_generation:
                 return False

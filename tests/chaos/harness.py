@@ -24,10 +24,10 @@ from pathlib import Path
 from muster.coordinator.client import Coordinators
 from muster.coordinator.etcd_backend import connect
 from muster.coordinator.etcd_server import EtcdCluster
+from muster.coordinator.leader import EVICTIONS
 from muster.testing import AgentProcess, CoordinatorProcess, json_lines, process_alive, record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 
-EVICTIONS = {"node_silent", "rank_exited", "rank_silent", "rank_stalled", "process_exited"}
 Slot = tuple[str, int]  # (node id, local rank)
 
 
@@ -238,16 +238,8 @@ class Chaos:
 
     def leader(self, timeout_s: float = 15.0) -> CoordinatorProcess:
         """The replica leading the job (after an etcd fault a new election may still be running)."""
-        return wait_until(lambda: next((r for r in self.replicas if r.proc.poll() is None and self._leads(r.address)),
-                                       None), timeout_s, "a coordinator leading the job", interval_s=0.1)
-
-    def _leads(self, address: str) -> bool:
-        try:
-            with Coordinators([address], timeout_s=1) as c:
-                job = c.call("Status", pb.StatusRequest(job=self.job)).jobs[0]
-        except Exception:
-            return False
-        return job.live and job.leader == address
+        return wait_until(lambda: next((r for r in self.replicas if r.leads(self.job)), None), timeout_s,
+                          "a coordinator leading the job", interval_s=0.1)
 
     def events(self) -> list[pb.Event]:
         with Coordinators(self.addresses, timeout_s=5) as c:
@@ -422,7 +414,7 @@ class Chaos:
             fault.detected_s = round(min(decisions) - fault.at, 3) if decisions else None
         else:
             survivors = [r for r in self.replicas if r.proc.poll() is None]
-            wait_until(lambda: any(self._leads(r.address) for r in survivors), timeout_s, "a serving leader")
+            wait_until(lambda: any(r.leads(self.job) for r in survivors), timeout_s, "a serving leader")
             fault.recovered_s = round(time.time() - fault.at, 3)
             steps = {k: r["step"] for k, r in self.last_steps().items()}
             wait_until(lambda: all(self.last_steps().get(k, {}).get("step", 0) >= s + 5 for k, s in steps.items()),
