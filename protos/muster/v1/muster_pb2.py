@@ -24,57 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16muster/v1/muster.proto\x12\tmuster.v1\"L\n\x07JobSpec\x12\x11\n\tmin_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x1b\n\x13world_size_multiple\x18\x03 \x01(\r\"\xba\x01\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\r\x12 \n\x04spec\x18\x06 \x01(\x0b\x32\x12.muster.v1.JobSpec\x12\x11\n\tagent_pid\x18\x07 \x01(\r\x12\x12\n\nis_process\x18\x08 \x01(\x08\x12\x13\n\x0bmaster_port\x18\t \x01(\r\"\x9e\x01\n\x0cJoinResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tmember_id\x18\x03 \x01(\x04\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x06 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x07 \x01(\r\"t\n\x0cLeaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tmember_id\x18\x03 \x01(\x04\x12\x11\n\timmediate\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\";\n\rLeaveResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x16\n\x0eswitch_at_step\x18\x02 \x01(\x04\"\xc0\x01\n\nRankReport\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x14\n\x0cstep_time_us\x18\x04 \x01(\r\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.muster.v1.RankState\x12\x14\n\x0cheard_ms_ago\x18\x06 \x01(\r\x12\r\n\x05phase\x18\x07 \x01(\t\x12\x13\n\x0b\x64igest_step\x18\x08 \x01(\x04\x12\x0e\n\x06\x64igest\x18\t \x01(\x0c\">\n\x08RankExit\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x11\n\texit_code\x18\x03 \x01(\x11\"\xa8\x01\n\tNodeFrame\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tmember_id\x18\x03 \x01(\x04\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12$\n\x05ranks\x18\x06 \x03(\x0b\x32\x15.muster.v1.RankReport\x12\"\n\x05\x65xits\x18\x07 \x03(\x0b\x32\x13.muster.v1.RankExit\"\xf1\x02\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.muster.v1.Role\x12\x16\n\x0e\x61\x62ort_previous\x18\x03 \x01(\x08\x12\x16\n\x0eswitch_at_step\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x11\n\tnode_rank\x18\x06 \x01(\r\x12\x13\n\x0brank_offset\x18\x07 \x01(\r\x12\x18\n\x10local_world_size\x18\x08 \x01(\r\x12\x11\n\tnum_nodes\x18\t \x01(\r\x12\x15\n\rstore_address\x18\n \x01(\t\x12\x14\n\x0cstore_prefix\x18\x0b \x01(\t\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x13\n\x0blocal_ranks\x18\r \x03(\r\x12\x16\n\x0emaster_address\x18\x0e \x01(\t\x12\x18\n\x10\x64own_local_ranks\x18\x0f \x03(\r\x12\x13\n\x0bstart_ranks\x18\x10 \x01(\x08\"\x85\x01\n\tDirective\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12+\n\nassignment\x18\x03 \x01(\x0b\x32\x15.muster.v1.AssignmentH\x00\x12!\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x10.muster.v1.DrainH\x00\x42\x06\n\x04kind\"+\n\x05\x44rain\x12\x12\n\nafter_step\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x62rief\x18\x02 \x01(\x08\"y\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\"\xe7\x01\n\tJobStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06leader\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12$\n\x05ranks\x18\x06 \x03(\x0b\x32\x15.muster.v1.RankStatus\x12\x0e\n\x06spares\x18\x07 \x03(\t\x12\r\n\x05phase\x18\x08 \x01(\t\x12\x0c\n\x04live\x18\t \x01(\x08\x12\r\n\x05nodes\x18\n \x03(\t\x12$\n\x06health\x18\x0b \x01(\x0b\x32\x14.muster.v1.JobHealth\"\x80\x01\n\tJobHealth\x12\x19\n\x11\x66rames_per_second\x18\x01 \x01(\x01\x12\x12\n\nlive_ranks\x18\x02 \x01(\r\x12\x11\n\tevictions\x18\x03 \x01(\x04\x12\x18\n\x10last_detection_s\x18\x04 \x01(\x01\x12\x17\n\x0flast_recovery_s\x18\x05 \x01(\x01\"E\n\x0eStatusResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\"\n\x04jobs\x18\x02 \x03(\x0b\x32\x14.muster.v1.JobStatus\"\x1c\n\rEventsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x80\x01\n\x05\x45vent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x14\n\x0ctime_unix_ms\x18\x03 \x01(\x04\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05nodes\x18\x06 \x03(\t\x12\x12\n\nworld_size\x18\x07 \x01(\r\"?\n\x0e\x45ventsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12 \n\x06\x65vents\x18\x02 \x03(\x0b\x32\x10.muster.v1.Event*\xbe\x01\n\tRankState\x12\x1a\n\x16RANK_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13RANK_STATE_STARTING\x10\x01\x12\x16\n\x12RANK_STATE_RUNNING\x10\x02\x12\x19\n\x15RANK_STATE_LONG_PHASE\x10\x03\x12\x15\n\x11RANK_STATE_EXITED\x10\x04\x12\x1a\n\x16RANK_STATE_UNMONITORED\x10\x05\x12\x16\n\x12RANK_STATE_FORMING\x10\x06*a\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ACTIVE\x10\x01\x12\x0e\n\nROLE_SPARE\x10\x02\x12\x10\n\x0cROLE_WAITING\x10\x03\x12\x10\n\x0cROLE_EVICTED\x10\x04\x32\xbb\x02\n\x0b\x43oordinator\x12\x37\n\x04Join\x12\x16.muster.v1.JoinRequest\x1a\x17.muster.v1.JoinResponse\x12:\n\x05Leave\x12\x17.muster.v1.LeaveRequest\x1a\x18.muster.v1.LeaveResponse\x12\x39\n\x07Session\x12\x14.muster.v1.NodeFrame\x1a\x14.muster.v1.Directive(\x01\x30\x01\x12=\n\x06Status\x12\x18.muster.v1.StatusRequest\x1a\x19.muster.v1.StatusResponse\x12=\n\x06\x45vents\x12\x18.muster.v1.EventsRequest\x1a\x19.muster.v1.EventsResponse2K\n\tNodeAgent\x12>\n\x0bRankSession\x12\x15.muster.v1.RankReport\x1a\x14.muster.v1.Directive(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16muster/v1/muster.proto\x12\tmuster.v1\"L\n\x07JobSpec\x12\x11\n\tmin_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x1b\n\x13world_size_multiple\x18\x03 \x01(\r\"\xba\x01\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\r\x12 \n\x04spec\x18\x06 \x01(\x0b\x32\x12.muster.v1.JobSpec\x12\x11\n\tagent_pid\x18\x07 \x01(\r\x12\x12\n\nis_process\x18\x08 \x01(\x08\x12\x13\n\x0bmaster_port\x18\t \x01(\r\"\xb6\x01\n\x0cJoinResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tmember_id\x18\x03 \x01(\x04\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x06 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x07 \x01(\r\x12\x16\n\x0esession_secret\x18\x08 \x01(\x0c\"\x8c\x01\n\x0cLeaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tmember_id\x18\x03 \x01(\x04\x12\x11\n\timmediate\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x16\n\x0esession_secret\x18\x07 \x01(\x0c\";\n\rLeaveResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x16\n\x0eswitch_at_step\x18\x02 \x01(\x04\"\xd4\x01\n\nRankReport\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x14\n\x0cstep_time_us\x18\x04 \x01(\r\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.muster.v1.RankState\x12\x14\n\x0cheard_ms_ago\x18\x06 \x01(\r\x12\r\n\x05phase\x18\x07 \x01(\t\x12\x13\n\x0b\x64igest_step\x18\x08 \x01(\x04\x12\x0e\n\x06\x64igest\x18\t \x01(\x0c\x12\x12\n\ngeneration\x18\n \x01(\x04\">\n\x08RankExit\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x11\n\texit_code\x18\x03 \x01(\x11\"\xe8\x01\n\tNodeFrame\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tmember_id\x18\x03 \x01(\x04\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12$\n\x05ranks\x18\x06 \x03(\x0b\x32\x15.muster.v1.RankReport\x12\"\n\x05\x65xits\x18\x07 \x03(\x0b\x32\x13.muster.v1.RankExit\x12\x16\n\x0esession_secret\x18\x08 \x01(\x0c\x12&\n\x06rejoin\x18\t \x01(\x0b\x32\x16.muster.v1.JoinRequest\"\xf1\x02\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.muster.v1.Role\x12\x16\n\x0e\x61\x62ort_previous\x18\x03 \x01(\x08\x12\x16\n\x0eswitch_at_step\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x11\n\tnode_rank\x18\x06 \x01(\r\x12\x13\n\x0brank_offset\x18\x07 \x01(\r\x12\x18\n\x10local_world_size\x18\x08 \x01(\r\x12\x11\n\tnum_nodes\x18\t \x01(\r\x12\x15\n\rstore_address\x18\n \x01(\t\x12\x14\n\x0cstore_prefix\x18\x0b \x01(\t\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x13\n\x0blocal_ranks\x18\r \x03(\r\x12\x16\n\x0emaster_address\x18\x0e \x01(\t\x12\x18\n\x10\x64own_local_ranks\x18\x0f \x03(\r\x12\x13\n\x0bstart_ranks\x18\x10 \x01(\x08\"\x85\x01\n\tDirective\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12+\n\nassignment\x18\x03 \x01(\x0b\x32\x15.muster.v1.AssignmentH\x00\x12!\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x10.muster.v1.DrainH\x00\x42\x06\n\x04kind\"+\n\x05\x44rain\x12\x12\n\nafter_step\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x62rief\x18\x02 \x01(\x08\"y\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\"\xe7\x01\n\tJobStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06leader\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12$\n\x05ranks\x18\x06 \x03(\x0b\x32\x15.muster.v1.RankStatus\x12\x0e\n\x06spares\x18\x07 \x03(\t\x12\r\n\x05phase\x18\x08 \x01(\t\x12\x0c\n\x04live\x18\t \x01(\x08\x12\r\n\x05nodes\x18\n \x03(\t\x12$\n\x06health\x18\x0b \x01(\x0b\x32\x14.muster.v1.JobHealth\"\x80\x01\n\tJobHealth\x12\x19\n\x11\x66rames_per_second\x18\x01 \x01(\x01\x12\x12\n\nlive_ranks\x18\x02 \x01(\r\x12\x11\n\tevictions\x18\x03 \x01(\x04\x12\x18\n\x10last_detection_s\x18\x04 \x01(\x01\x12\x17\n\x0flast_recovery_s\x18\x05 \x01(\x01\"E\n\x0eStatusResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\"\n\x04jobs\x18\x02 \x03(\x0b\x32\x14.muster.v1.JobStatus\"\x1c\n\rEventsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x80\x01\n\x05\x45vent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x14\n\x0ctime_unix_ms\x18\x03 \x01(\x04\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05nodes\x18\x06 \x03(\t\x12\x12\n\nworld_size\x18\x07 \x01(\r\"?\n\x0e\x45ventsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12 \n\x06\x65vents\x18\x02 \x03(\x0b\x32\x10.muster.v1.Event*\xd6\x01\n\tRankState\x12\x1a\n\x16RANK_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13RANK_STATE_STARTING\x10\x01\x12\x16\n\x12RANK_STATE_RUNNING\x10\x02\x12\x19\n\x15RANK_STATE_LONG_PHASE\x10\x03\x12\x15\n\x11RANK_STATE_EXITED\x10\x04\x12\x1a\n\x16RANK_STATE_UNMONITORED\x10\x05\x12\x16\n\x12RANK_STATE_FORMING\x10\x06\x12\x16\n\x12RANK_STATE_HOLDING\x10\x07*a\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ACTIVE\x10\x01\x12\x0e\n\nROLE_SPARE\x10\x02\x12\x10\n\x0cROLE_WAITING\x10\x03\x12\x10\n\x0cROLE_EVICTED\x10\x04\x32\xbb\x02\n\x0b\x43oordinator\x12\x37\n\x04Join\x12\x16.muster.v1.JoinRequest\x1a\x17.muster.v1.JoinResponse\x12:\n\x05Leave\x12\x17.muster.v1.LeaveRequest\x1a\x18.muster.v1.LeaveResponse\x12\x39\n\x07Session\x12\x14.muster.v1.NodeFrame\x1a\x14.muster.v1.Directive(\x01\x30\x01\x12=\n\x06Status\x12\x18.muster.v1.StatusRequest\x1a\x19.muster.v1.StatusResponse\x12=\n\x06\x45vents\x12\x18.muster.v1.EventsRequest\x1a\x19.muster.v1.EventsResponse2K\n\tNodeAgent\x12>\n\x0bRankSession\x12\x15.muster.v1.RankReport\x1a\x14.muster.v1.Directive(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'muster.v1.muster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RANKSTATE']._serialized_start=2458
-  _globals['_RANKSTATE']._serialized_end=2648
-  _globals['_ROLE']._serialized_start=2650
-  _globals['_ROLE']._serialized_end=2747
+  _globals['_RANKSTATE']._serialized_start=2591
+  _globals['_RANKSTATE']._serialized_end=2805
+  _globals['_ROLE']._serialized_start=2807
+  _globals['_ROLE']._serialized_end=2904
   _globals['_JOBSPEC']._serialized_start=37
   _globals['_JOBSPEC']._serialized_end=113
   _globals['_JOINREQUEST']._serialized_start=116
   _globals['_JOINREQUEST']._serialized_end=302
   _globals['_JOINRESPONSE']._serialized_start=305
-  _globals['_JOINRESPONSE']._serialized_end=463
-  _globals['_LEAVEREQUEST']._serialized_start=465
-  _globals['_LEAVEREQUEST']._serialized_end=581
-  _globals['_LEAVERESPONSE']._serialized_start=583
-  _globals['_LEAVERESPONSE']._serialized_end=642
-  _globals['_RANKREPORT']._serialized_start=645
-  _globals['_RANKREPORT']._serialized_end=837
-  _globals['_RANKEXIT']._serialized_start=839
-  _globals['_RANKEXIT']._serialized_end=901
-  _globals['_NODEFRAME']._serialized_start=904
-  _globals['_NODEFRAME']._serialized_end=1072
-  _globals['_ASSIGNMENT']._serialized_start=1075
-  _globals['_ASSIGNMENT']._serialized_end=1444
-  _globals['_DIRECTIVE']._serialized_start=1447
-  _globals['_DIRECTIVE']._serialized_end=1580
-  _globals['_DRAIN']._serialized_start=1582
-  _globals['_DRAIN']._serialized_end=1625
-  _globals['_STATUSREQUEST']._serialized_start=1627
-  _globals['_STATUSREQUEST']._serialized_end=1670
-  _globals['_RANKSTATUS']._serialized_start=1672
-  _globals['_RANKSTATUS']._serialized_end=1793
-  _globals['_JOBSTATUS']._serialized_start=1796
-  _globals['_JOBSTATUS']._serialized_end=2027
-  _globals['_JOBHEALTH']._serialized_start=2030
-  _globals['_JOBHEALTH']._serialized_end=2158
-  _globals['_STATUSRESPONSE']._serialized_start=2160
-  _globals['_STATUSRESPONSE']._serialized_end=2229
-  _globals['_EVENTSREQUEST']._serialized_start=2231
-  _globals['_EVENTSREQUEST']._serialized_end=2259
-  _globals['_EVENT']._serialized_start=2262
-  _globals['_EVENT']._serialized_end=2390
-  _globals['_EVENTSRESPONSE']._serialized_start=2392
-  _globals['_EVENTSRESPONSE']._serialized_end=2455
-  _globals['_COORDINATOR']._serialized_start=2750
-  _globals['_COORDINATOR']._serialized_end=3065
-  _globals['_NODEAGENT']._serialized_start=3067
-  _globals['_NODEAGENT']._serialized_end=3142
+  _globals['_JOINRESPONSE']._serialized_end=487
+  _globals['_LEAVEREQUEST']._serialized_start=490
+  _globals['_LEAVEREQUEST']._serialized_end=630
+  _globals['_LEAVERESPONSE']._serialized_start=632
+  _globals['_LEAVERESPONSE']._serialized_end=691
+  _globals['_RANKREPORT']._serialized_start=694
+  _globals['_RANKREPORT']._serialized_end=906
+  _globals['_RANKEXIT']._serialized_start=908
+  _globals['_RANKEXIT']._serialized_end=970
+  _globals['_NODEFRAME']._serialized_start=973
+  _globals['_NODEFRAME']._serialized_end=1205
+  _globals['_ASSIGNMENT']._serialized_start=1208
+  _globals['_ASSIGNMENT']._serialized_end=1577
+  _globals['_DIRECTIVE']._serialized_start=1580
+  _globals['_DIRECTIVE']._serialized_end=1713
+  _globals['_DRAIN']._serialized_start=1715
+  _globals['_DRAIN']._serialized_end=1758
+  _globals['_STATUSREQUEST']._serialized_start=1760
+  _globals['_STATUSREQUEST']._serialized_end=1803
+  _globals['_RANKSTATUS']._serialized_start=1805
+  _globals['_RANKSTATUS']._serialized_end=1926
+  _globals['_JOBSTATUS']._serialized_start=1929
+  _globals['_JOBSTATUS']._serialized_end=2160
+  _globals['_JOBHEALTH']._serialized_start=2163
+  _globals['_JOBHEALTH']._serialized_end=2291
+  _globals['_STATUSRESPONSE']._serialized_start=2293
+  _globals['_STATUSRESPONSE']._serialized_end=2362
+  _globals['_EVENTSREQUEST']._serialized_start=2364
+  _globals['_EVENTSREQUEST']._serialized_end=2392
+  _globals['_EVENT']._serialized_start=2395
+  _globals['_EVENT']._serialized_end=2523
+  _globals['_EVENTSRESPONSE']._serialized_start=2525
+  _globals['_EVENTSRESPONSE']._serialized_end=2588
+  _globals['_COORDINATOR']._serialized_start=2907
+  _globals['_COORDINATOR']._serialized_end=3222
+  _globals['_NODEAGENT']._serialized_start=3224
+  _globals['_NODEAGENT']._serialized_end=3299
 # @@protoc_insertion_point(module_scope)

@@ -16,6 +16,7 @@ class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_STATE_EXITED: _ClassVar[RankState]
     RANK_STATE_UNMONITORED: _ClassVar[RankState]
     RANK_STATE_FORMING: _ClassVar[RankState]
+    RANK_STATE_HOLDING: _ClassVar[RankState]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ RANK_STATE_LONG_PHASE: RankState
 RANK_STATE_EXITED: RankState
 RANK_STATE_UNMONITORED: RankState
 RANK_STATE_FORMING: RankState
+RANK_STATE_HOLDING: RankState
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -70,7 +72,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ..., master_port: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms", "session_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class JoinResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
@@ -85,23 +88,26 @@ class JoinResponse(_message.Message):
     generation: int
     heartbeat_interval_ms: int
     heartbeat_timeout_ms: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "immediate", "reason", "finished")
+    __slots__ = ("job", "node_id", "member_id", "immediate", "reason", "finished", "session_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
     immediate: bool
     reason: str
     finished: bool
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., immediate: _Optional[bool] = ..., reason: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., immediate: _Optional[bool] = ..., reason: _Optional[str] = ..., finished: _Optional[bool] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("generation", "switch_at_step")
@@ -112,7 +118,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., switch_at_step: _Optional[int] = ...) -> None: ...
 
 class RankReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest")
+    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +128,7 @@ class RankReport(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     step: int
@@ -131,7 +138,8 @@ class RankReport(_message.Message):
     phase: str
     digest_step: int
     digest: bytes
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
     __slots__ = ("local_rank", "pid", "exit_code")
@@ -144,7 +152,7 @@ class RankExit(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +160,8 @@ class NodeFrame(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     EXITS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
@@ -159,7 +169,9 @@ class NodeFrame(_message.Message):
     generation: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankReport]
     exits: _containers.RepeatedCompositeFieldContainer[RankExit]
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ...) -> None: ...
+    session_secret: bytes
+    rejoin: JoinRequest
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks")
