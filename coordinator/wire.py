@@ -20,6 +20,7 @@ RANK_STATES = {
     pb.RANK_STATE_EXITED: "exited",
     pb.RANK_STATE_UNMONITORED: "unmonitored",
     pb.RANK_STATE_FORMING: "forming",
+    pb.RANK_STATE_HOLDING: "holding",
 }
 
 
@@ -65,7 +66,7 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
         if state is None:
             raise InvalidArgument(f"state of local_rank {r.local_rank} is unspecified or unknown ({r.state})")
         reports.append(RankReport(r.local_rank, r.pid, r.step, r.step_time_us / 1e6, state, r.heard_ms_ago, r.phase,
-                                  r.digest_step, r.digest))
+                                  r.digest_step, r.digest, r.generation))
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")

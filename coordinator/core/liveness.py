@@ -59,6 +59,7 @@ class RankReport:
     phase: str = ""
     digest_step: int = 0
     digest: bytes = b""
+    generation: int = 0  # of the group the rank is in or forming (0: none yet)
 
 
 @dataclass(frozen=True)
