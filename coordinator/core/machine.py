@@ -72,11 +72,21 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """The running group is broken though nobody is found failed (its ranks hold after a failed
+    collective, or it did not form in time): the same members re-form in an abort generation."""
+
+    kind: str  # group_broken | group_not_formed
+    reason: str
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened but time passed (forming deadline)."""
 
 
-MembershipEvent = Join | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Tick
+MembershipEvent = Join | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Regroup | Tick
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
     leaving: list[str] = []
     joined: list[Member] = []
     rejected: list[tuple[int, MusterError]] = []
-    unplanned = planned = changed = False
+    unplanned = planned = changed = regroup = False
 
     def note(kind: str, reason: str, *nodes: str) -> None:
         log.append(Event(state.generation, ctx.term, ctx.wall_ms, kind, reason, tuple(nodes)))
@@ -187,6 +197,11 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         elif isinstance(ev, Diverged):
             note("replicas_diverged", ev.reason, *ev.nodes)
             changed = True
+        elif isinstance(ev, Regroup):
+            if state.phase is not Phase.RUNNING:
+                continue
+            note(ev.kind, ev.reason, *ev.nodes[:EVENT_NODES_MAX])
+            regroup = unplanned = changed = True
 
     nxt = state.with_members(tuple(members.values()))
     nxt = replace(nxt, next_seq=next_seq)
@@ -200,7 +215,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
     else:
         previous = state.rank_map if state.phase is Phase.RUNNING else None
         assignment = assign_ranks(nxt.members, previous, nxt.spec)
-        if state.phase is Phase.RUNNING and assignment.placements == state.rank_map.placements:
+        if state.phase is Phase.RUNNING and assignment.placements == state.rank_map.placements and not regroup:
             new_generation = False  # e.g. a spare joined or a spare left
         elif not assignment.runnable:
             new_generation = state.phase is Phase.RUNNING
