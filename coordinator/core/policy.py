@@ -10,10 +10,16 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+# Names become etcd keys and log fields: match them with `fullmatch` (a `$` would let a
+# trailing newline through).
+JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 MAX_SLOTS = 1024
 MAX_NODES = 100_000
+# Steps and generations far beyond any real run (2**48 steps at 1 µs each are 9 years) but far
+# below 2**64: arithmetic on them (a switch step ahead, a generation plus one) stays in uint64.
+MAX_STEP = 2**48
+MAX_GENERATION = 2**48
 
 
 class InvalidPolicy(ValueError):
@@ -61,6 +67,7 @@ class Timing:
     long_phase_timeout_s: float = 3600.0  # a declared long phase may last this long
     grace_s: float = 5.0  # after a leader change, before silence/stall evict anyone
     last_call_s: float = 0.5  # once min_nodes joined, wait this long for more before forming
+    form_timeout_s: float = 60.0  # a generation not formed by then is decided again, the missing named
     switch_lead_s: float = 0.5  # planned changes switch this far ahead (as steps)
     history_limit: int = 200
 
