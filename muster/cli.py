@@ -30,6 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
             progress_factor=args.progress_factor,
             grace_s=args.grace,
             last_call_s=args.last_call,
+            form_timeout_s=args.form_timeout,
         ).validate()
         spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
         limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
@@ -212,6 +213,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--progress-factor", type=float, default=10.0, help="stall timeout = factor x p99 step time")
     s.add_argument("--grace", type=float, default=5.0, help="after a leader change, seconds before evicting")
     s.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
+    s.add_argument("--form-timeout", type=float, default=60.0,
+                   help="a generation not formed by then is decided again, naming the ranks that are missing")
     s.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
     s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")

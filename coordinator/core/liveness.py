@@ -3,7 +3,9 @@
 Three signals: a process exit (reported by the node, acted on at once elsewhere), silence
 (no frame for heartbeat_timeout) and a stall (frames arrive but the step does not advance
 for the progress timeout, calibrated from observed step times, suspended in declared long
-phases). Mutable for the hot path, but no clock reads and no I/O: `now` is an argument.
+phases). A generation is also watched as a whole: ranks that hold after a failed collective
+with nobody found failed, or a map that does not form within the form timeout, are decided
+again. Mutable for the hot path, but no clock reads and no I/O: `now` is an argument.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ class RankLive:
     pid: int = 0
     step: int = 0
     step_time_s: float = 0.0
-    state: str = "starting"  # starting | running | long_phase | forming | exited | unmonitored
+    state: str = "starting"  # starting | running | long_phase | forming | holding | exited | unmonitored
     phase: str = ""
     heard_ms_ago: int = 0
     progress_at: float = 0.0  # when the step last advanced (or the generation changed)
     phase_since: float | None = None
     digest_step: int = 0
     digest: bytes = b""
+    generation: int = 0  # of the group it is in, or forming
 
 
 @dataclass
@@ -41,11 +44,14 @@ class NodeLive:
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # node_silent | rank_silent | rank_stalled
-    node_id: str
+    kind: str  # node_silent | rank_silent | rank_stalled | rank_not_formed | group_broken | group_not_formed
+    node_id: str  # "" for the group kinds
     local_rank: int | None
     reason: str
     since: float | None = None  # when its first signal came: the last frame, report or progress
+
+
+GROUP_KINDS = frozenset({"group_broken", "group_not_formed"})  # the same members re-form
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Liveness:
         self.failed_pids: dict[tuple[str, int], int] = {}
         self.digests_checked_step = 0
         self.diverged_ranks: tuple[int, ...] = ()  # the last ranks flagged: not flagged again while unchanged
+        self.published: tuple[int, float] = (0, now)  # the current map's generation, and since when it is due
 
     def start_grace(self, node_ids, now: float) -> None:
         """A new leader: every known node gets grace_s to reconnect before silence counts."""
@@ -116,8 +123,8 @@ class Liveness:
             if r.state != live.state:
                 # Entering or leaving a phase is progress: a rank back from a long reform is not stalled.
                 live.progress_at = now
-                live.phase_since = now if r.state in ("long_phase", "forming") else None
-            live.pid, live.step, live.step_time_s = r.pid, r.step, r.step_time_s
+                live.phase_since = now if r.state in ("long_phase", "forming", "holding") else None
+            live.pid, live.step, live.step_time_s, live.generation = r.pid, r.step, r.step_time_s, r.generation
             live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
             if r.digest_step:
                 live.digest_step, live.digest = r.digest_step, r.digest
@@ -131,8 +138,10 @@ class Liveness:
         """The slot's process failed; a different pid in that slot later means it came back."""
         self.failed_pids[(node_id, local_rank)] = pid or -1
 
-    def reset_progress(self, now: float) -> None:
-        """A new generation: reforming is not a stall."""
+    def generation_published(self, generation: int, now: float) -> None:
+        """A new map (or a new leader's first view of the current one): reforming is not a stall,
+        and the form timeout counts from now."""
+        self.published = (generation, now)
         for node in self.nodes.values():
             for live in node.ranks.values():
                 live.progress_at = now
@@ -236,13 +245,8 @@ class Liveness:
                                 live.phase_since,
                             )
                         )
-                elif live.state == "forming":
-                    # Waiting for the others at a reform: whoever is missing is to blame, not the waiting;
-                    # bounded like a start, in case the group never forms.
-                    waited = now - (live.phase_since or now)
-                    if waited > max(stall_after, t.startup_progress_timeout_s):
-                        found.append(Failure("rank_stalled", member.node_id, slot,
-                                             f"waited {waited:.2f}s for its group to form", live.phase_since))
+                elif live.state in ("forming", "holding"):
+                    continue  # waiting for the others: judged with the whole generation (group_failures)
                 elif live.state == "starting" and now - live.progress_at > max(stall_after, t.startup_progress_timeout_s):
                     found.append(
                         Failure("rank_stalled", member.node_id, slot,
@@ -259,7 +263,48 @@ class Liveness:
                             live.progress_at,
                         )
                     )
+        if not found and rm is not None:
+            found = self.group_failures(rm, now)
         return found
+
+    def group_failures(self, rm, now: float) -> list[Failure]:
+        """The current generation as a whole. Ranks holding in it for the heartbeat timeout (a
+        collective failed; had a node died, silence would have found it by now) break the group.
+        Past the form timeout, ranks of the map that never reached it are to blame (the waiting
+        are not); when every rank arrived and it still did not form, it is decided again."""
+        t = self.timing
+        holding, waiting, missing = [], [], []
+        for p in rm.placements:
+            node = self.nodes.get(p.node_id)
+            for slot in p.slots:
+                r = node.ranks.get(slot) if node else None
+                if r is None or r.state in ("unmonitored", "exited"):
+                    continue  # no report yet (silence covers it), no library, or found above
+                if r.state == "starting" and r.generation == 0:
+                    return []  # a process still starting: the start-up timeout judges it, and the others wait
+                if r.generation >= rm.generation and r.state in ("running", "long_phase"):
+                    continue  # formed
+                if r.generation == rm.generation and r.state in ("forming", "holding"):
+                    waiting.append((p, slot))
+                    if r.state == "holding" and r.phase_since is not None and now - r.phase_since > t.heartbeat_timeout_s:
+                        holding.append(p.rank_of(slot))
+                elif r.state in ("running", "long_phase") and not rm.abort_previous:
+                    continue  # a planned switch ahead: it switches at its step (a stall is found above)
+                else:
+                    missing.append((p, slot, r))
+        if holding:
+            return [Failure("group_broken", "", None, f"ranks {_few(holding)} of generation {rm.generation} hold "
+                            f"after a failed collective and nobody was found failed")]
+        generation, since = self.published
+        if generation != rm.generation or now - since <= t.form_timeout_s or not (missing or waiting):
+            return []
+        if missing:
+            return [Failure("rank_not_formed", p.node_id, slot,
+                            f"did not reach generation {rm.generation} within {t.form_timeout_s:g}s "
+                            f"(it reports {r.state} in generation {r.generation})", since)
+                    for p, slot, r in missing]
+        return [Failure("group_not_formed", "", None, f"every rank of generation {rm.generation} arrived but the "
+                        f"group did not form within {t.form_timeout_s:g}s ({len(waiting)} waiting)", since)]
 
     def divergence(self, state: JobState) -> Divergence | None:
         """Once every rank of the map has sent a parameter digest of the same step, compare them.
@@ -295,3 +340,8 @@ class Liveness:
         else:
             reason = f"step {step}: ranks {list(ranks)} differ from the majority ({counts[0][1]} of {len(seen)})"
         return Divergence(step, ranks, nodes, reason)
+
+
+def _few(ranks: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:limit]))
+    return f"[{shown}{', ...' if len(ranks) > limit else ''}]"

@@ -100,7 +100,7 @@ def test_new_generation_resets_progress_so_reforming_is_not_a_stall():
     live = Liveness(TIMING, now=0)
     now = steady(live, "n0", 1, 20, 0)
     steady(live, "n1", 1, 20, 0)
-    live.reset_progress(now + 0.9)
+    live.generation_published(1, now + 0.9)
     live.observe("n0", 1, report(20), now + 1.5)
     live.observe("n1", 1, report(20), now + 1.5)
     assert live.failures(state, now + 1.5) == []
@@ -171,22 +171,65 @@ def test_a_rank_reported_exited_in_the_map_fails_even_during_the_grace():
     assert live.observe("n0", 1, [RankReport(1, 102, 0, 0.0, "starting")], 11) == [1]  # its replacement
 
 
-def test_a_rank_waiting_for_its_group_to_form_is_not_stalled_until_the_startup_bound():
-    """Survivors waiting at a planned switch for a joiner that is still starting are not to blame."""
+def ranks(state="running", step=20, generation=1, pid=100):
+    return [RankReport(0, pid, step, 0.05, state, 0, "", 0, b"", generation)]
+
+
+def test_a_rank_waiting_for_its_group_to_form_is_not_stalled_before_the_form_timeout():
+    """Survivors waiting at a reform for a joiner that is still starting are not to blame."""
     state = job()
     live = Liveness(TIMING, now=0)
-    now = steady(live, "n0", 1, 20, 0)
-    steady(live, "n1", 1, 20, 0)
-    for t in (now, now + 10, now + 20):
-        for node in ("n0", "n1"):
-            live.observe(node, 1, report(20, state="forming"), t)
-    assert live.failures(state, now + 20) == []  # far past the 1 s progress timeout
+    live.generation_published(1, 0)
+    for t in (1, 10, 20, 30):
+        live.observe("n0", 1, ranks("forming", generation=1), t)
+        live.observe("n1", 1, ranks("starting", step=0, generation=0), t)
+        assert live.failures(state, t) == []  # far past the 1 s progress timeout
+    # The starting one is judged by the start-up bound (30 s here), not the waiting one.
+    live.observe("n0", 1, ranks("forming", generation=1), 31.5)
+    live.observe("n1", 1, ranks("starting", step=0, generation=0), 31.5)
+    assert [(f.kind, f.node_id) for f in live.failures(state, 31.5)] == [("rank_stalled", "n1")]
+
+
+def test_a_generation_not_formed_in_time_names_the_ranks_that_never_reached_it():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.generation_published(1, 0)
+    late = TIMING.form_timeout_s + 1
+    for t in (1, late):
+        live.observe("n0", 1, ranks("forming", generation=1), t)
+        live.observe("n1", 1, ranks("holding", generation=0), t)  # stuck on an older group
+    assert live.failures(state, TIMING.form_timeout_s - 1) == []
+    failures = live.failures(state, late)
+    assert [(f.kind, f.node_id, f.local_rank) for f in failures] == [("rank_not_formed", "n1", 0)]
+    assert "did not reach generation 1" in failures[0].reason
+
+
+def test_a_generation_every_rank_reached_but_that_did_not_form_is_decided_again():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.generation_published(1, 0)
+    late = TIMING.form_timeout_s + 1
     for node in ("n0", "n1"):
-        live.observe(node, 1, report(20), now + 25)  # formed: back to running, same step
-    assert live.failures(state, now + 25.5) == []  # leaving the phase counts as progress
-    for t in (now + 26, now + 60):
-        live.observe("n0", 1, report(20, state="forming"), t)
-        live.observe("n1", 1, report(int(t * 100)), t)
-    failures = live.failures(state, now + 60)
-    assert [(f.kind, f.node_id) for f in failures] == [("rank_stalled", "n0")]
-    assert "for its group to form" in failures[0].reason
+        live.observe(node, 1, ranks("forming", generation=1), late)
+    assert [f.kind for f in live.failures(state, late)] == ["group_not_formed"]
+    for node in ("n0", "n1"):
+        live.observe(node, 1, ranks("running", generation=1, step=21), late + 1)
+    assert live.failures(state, late + 1) == []  # formed
+
+
+def test_ranks_holding_after_a_failed_collective_break_the_group_after_the_heartbeat_timeout():
+    """Nobody was found failed (an exit report lost with the leader, a transient fault): the same
+    members re-form rather than wait forever."""
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.generation_published(1, 0)
+    live.observe("n0", 1, ranks("running", generation=1), 1)
+    live.observe("n1", 1, ranks("running", generation=1), 1)
+    live.observe("n0", 1, ranks("holding", generation=1), 2)
+    live.observe("n1", 1, ranks("running", generation=1), 2)
+    assert live.failures(state, 2 + TIMING.heartbeat_timeout_s - 0.1) == []
+    for node in ("n0", "n1"):
+        live.observe(node, 1, ranks("holding" if node == "n0" else "running", generation=1), 4)
+    failures = live.failures(state, 2 + TIMING.heartbeat_timeout_s + 0.1)
+    assert [f.kind for f in failures] == ["group_broken"]
+    assert "ranks [0] of generation 1 hold" in failures[0].reason
