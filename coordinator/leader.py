@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from muster.coordinator import wire
-from muster.coordinator.core.liveness import Failure, Liveness
+from muster.coordinator.core.liveness import GROUP_KINDS, Failure, Liveness
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
-                                             SlotDown, SlotsUp, Tick, decide)
+                                             Regroup, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader
@@ -27,7 +27,8 @@ from muster.v1 import muster_pb2 as pb
 log = structlog.get_logger(__name__)
 
 CLOSE = object()  # queued on a NodeStream to end it
-EVICTIONS = frozenset({"node_silent", "rank_silent", "rank_stalled", "rank_exited", "process_exited"})
+EVICTIONS = frozenset({"node_silent", "rank_silent", "rank_stalled", "rank_exited", "process_exited",
+                       "rank_not_formed"})
 
 
 class PersistUnavailable(Exception):
@@ -54,6 +55,8 @@ class NodeStream:
 
 
 def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
+    if f.kind in GROUP_KINDS:
+        return Regroup(f.kind, f.reason)
     if f.local_rank is None or kind is NodeKind.PROCESS:
         return NodeLost(f.node_id, f.kind, f.reason)
     return SlotDown(f.node_id, f.local_rank, f.kind, f.reason)
@@ -90,6 +93,7 @@ class JobLeader:
         self._wall = wall
         now = clock()
         self.live = Liveness(timing, now)
+        self.live.generation_published(state.generation, now)
         if state.members:  # taken over: agents get a grace period to reconnect
             self.live.start_grace([m.node_id for m in state.members], now)
         for m in state.members:  # the failed pids died with the previous leader: any process is new
@@ -276,7 +280,7 @@ class JobLeader:
                 stream.send(wire.evicted_directive(self.state, "evicted: " + self._reason_for(node_id)))
                 stream.send(CLOSE)
         if d.new_generation:
-            self.live.reset_progress(now)
+            self.live.generation_published(self.state.generation, now)
             reason = d.events[-1].reason if d.events else ""
             for node_id, stream in self.streams.items():
                 if not stream.departed:
