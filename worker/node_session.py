@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ class NodeSession:
         self._stopping = False
         self._leader_silent = False
         self._heard_at = 0.0
+        self._heard_from_leader = time.monotonic()  # wall of the hold timeout: starts counting at creation
         self._suspect: dict[str, float] = {}  # address -> until when it is not trusted (it went silent)
         self._wake = asyncio.Event()
         self.log = log.bind(job=identity.job, node=identity.node_id)
@@ -94,6 +96,7 @@ class NodeSession:
                         response = await getattr(pb_grpc.CoordinatorStub(channel), rpc)(
                             request, timeout=self.rpc_timeout_s, metadata=self.security.metadata)
                         self.leader = address
+                        self._heard_from_leader = time.monotonic()
                         return response
                     except grpc.aio.AioRpcError as exc:
                         if not redirect(exc, address, order):
@@ -185,7 +188,12 @@ class NodeSession:
             self.leader = hint if hint and self._suspect.get(hint, 0) <= now else random.choice(others)
             await asyncio.sleep(0.02 + random.random() * 0.05)
 
+    def silent_s(self) -> float:
+        """Seconds since the coordinator was last heard (a directive, a pulse, an answer)."""
+        return time.monotonic() - self._heard_from_leader
+
     def _directive(self, d: pb.Directive) -> None:
+        self._heard_from_leader = time.monotonic()
         self.term = max(self.term, d.term)
         if not d.HasField("assignment") and not d.HasField("drain"):
             return  # the leader's pulse
