@@ -106,6 +106,7 @@ def _run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         restart_backoff_s=args.restart_backoff,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        hold_timeout_s=args.hold_timeout,
         security=_security(args),
     )
     return asyncio.run(NodeAgent(config).run())
@@ -249,6 +250,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed rank before its slot is given up")
     r.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before the first restart (doubles)")
     r.add_argument("--log-dir", help="write each rank's output to a file here")
+    r.add_argument("--hold-timeout", type=float, default=300.0,
+                   help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     _client_security_flags(r)
     r.set_defaults(func=_run)

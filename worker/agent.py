@@ -5,12 +5,15 @@ stops every local worker when one exits; this agent replaces it). Ranks using th
 stream their progress over a Unix socket and reform in-process; other scripts are restarted with
 the new map on every membership change. A crashed rank is restarted with backoff within a budget.
 The ranks die with the agent (PR_SET_PDEATHSIG). SIGTERM drains the node at a step boundary.
+While no coordinator answers the agent keeps its ranks (they hold, see the worker library) for up
+to its hold timeout, then exits with a message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -42,6 +45,7 @@ class AgentConfig:
     restart_backoff_s: float = 1.0  # doubled on each restart of a slot
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
     drain_timeout_s: float = 120.0
+    hold_timeout_s: float = 300.0  # no coordinator heard for this long: give up (the ranks with the agent)
     env: dict[str, str] = field(default_factory=dict)
     security: ClientSecurity = field(default_factory=ClientSecurity.from_env)  # token, TLS
 
@@ -57,6 +61,7 @@ class Slot:
     generation: int = 0  # the generation its process was started for
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
+    crashed_in: int = 0  # the generation its last process crashed in: a replacement is no member of it
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
@@ -76,7 +81,7 @@ class NodeAgent:
         self.draining = False
         self.session: NodeSession | None = None
         self.socket_path = ""
-        self._queues: set[asyncio.Queue] = set()
+        self._queues: dict[asyncio.Queue, Slot] = {}  # each connected library rank's directives
         self._done: asyncio.Future | None = None
         self._reconciling = asyncio.Lock()
         self.log = log.bind(job=config.job, node=config.node_id)
@@ -91,7 +96,8 @@ class NodeAgent:
         c = self.config
         store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
         master_port = free_port(c.host)
-        sockets = tempfile.mkdtemp(prefix="muster-agent-")
+        _remove_stale_socket_dirs()
+        sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self.socket_path = os.path.join(sockets, "ranks.sock")
         server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(_RankSessions(self), server)
@@ -109,12 +115,15 @@ class NodeAgent:
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._drain_node()))
-        streaming = None
+        streaming = watchdog = None
         try:
             await self.session.join()
             streaming = asyncio.create_task(self._stream())
+            watchdog = asyncio.create_task(self._watch_coordinator())
             return await self._done
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             for slot in self.slots:
                 await self._stop_rank(slot, grace_s=2.0)
             await self.session.stop()
@@ -138,6 +147,25 @@ class NodeAgent:
             self.log.error("coordinator_refused", code=exc.code().name, details=exc.details())
             self._finish(1)
 
+    async def _watch_coordinator(self) -> None:
+        """Hold while no coordinator answers (an etcd or coordinator outage must not cost the ranks),
+        but not forever: past the hold timeout the agent exits, and its ranks with it."""
+        warned = False
+        while not self._done.done():
+            await asyncio.sleep(1.0)
+            silent_s = self.session.silent_s()
+            if silent_s > 2 * self.session.heartbeat_timeout_s and not warned:
+                warned = True
+                self.log.warning("coordinator_unreachable", silent_s=round(silent_s, 1),
+                                 hold_timeout_s=self.config.hold_timeout_s, coordinators=list(self.config.coordinators))
+            elif silent_s <= self.session.heartbeat_timeout_s and warned:
+                warned = False
+                self.log.info("coordinator_reachable")
+            if silent_s > self.config.hold_timeout_s:
+                self.log.error("hold_expired", silent_s=round(silent_s, 1), hold_timeout_s=self.config.hold_timeout_s,
+                               message=f"no coordinator answered for {silent_s:.0f}s; giving up with the ranks")
+                self._finish(1)
+
     def _finish(self, code: int) -> None:
         if not self._done.done():
             self._done.set_result(code)
@@ -145,8 +173,9 @@ class NodeAgent:
     # ---- directives ------------------------------------------------------------------
 
     def _on_directive(self, d: pb.Directive) -> None:
-        for q in self._queues:
-            q.put_nowait(d)
+        for q, slot in self._queues.items():
+            if _for_rank(d, slot):
+                q.put_nowait(d)
         if d.HasField("drain"):
             self.drain = d.drain
             return
@@ -192,6 +221,7 @@ class NodeAgent:
         env = {**os.environ, **c.env, "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path,
                "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
                "MUSTER_GENERATION": str(a.generation), "TORCHELASTIC_RUN_ID": c.job,
+               "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
                "TORCHELASTIC_RESTART_COUNT": str(a.generation), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
                "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
                "GROUP_RANK": str(a.node_rank), "GROUP_WORLD_SIZE": str(a.num_nodes),
@@ -237,6 +267,7 @@ class NodeAgent:
                 await self._leave("all local ranks finished", finished=True)
             return
         slot.failed_pid = proc.pid  # reported exited until a replacement speaks for the slot
+        slot.crashed_in = self.assignment.generation if self.assignment else 0
         self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code))
         self.session.send_now()  # the leader hears of it within milliseconds
         if self.draining:
@@ -344,11 +375,13 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
         agent.library = True
         queue: asyncio.Queue = asyncio.Queue()
         if agent.assignment is not None:
-            queue.put_nowait(pb.Directive(term=agent.session.term, generation=agent.assignment.generation,
-                                          assignment=agent.assignment))
+            current = pb.Directive(term=agent.session.term, generation=agent.assignment.generation,
+                                   assignment=agent.assignment)
+            if _for_rank(current, slot):
+                queue.put_nowait(current)
         if agent.drain is not None:
             queue.put_nowait(pb.Directive(term=agent.session.term, drain=agent.drain))
-        agent._queues.add(queue)
+        agent._queues[queue] = slot
 
         async def read():
             async for report in request_iterator:
@@ -365,6 +398,44 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
                     getter.cancel()
         finally:
             reader.cancel()
-            agent._queues.discard(queue)
+            agent._queues.pop(queue, None)
             if slot.report is not None and slot.report.pid == first.pid:
                 slot.connected = False
+
+
+def _for_rank(d: pb.Directive, slot: Slot) -> bool:
+    """A replacement process is no member of the generation its predecessor crashed in (nor of an
+    older one): while no coordinator has answered the crash (an outage), it waits for a newer one
+    instead of trying to join a group whose others have long formed."""
+    return not d.HasField("assignment") or d.assignment.generation > slot.crashed_in
+
+
+SOCKET_DIR_PREFIX = "muster-agent-"
+
+
+def _remove_stale_socket_dirs() -> None:
+    """The socket directories of agents that were SIGKILLed (their pid is in the name): nothing
+    else removes them."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(SOCKET_DIR_PREFIX):
+            continue
+        pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("stale_socket_dir_removed", path=path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True

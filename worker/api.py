@@ -15,6 +15,11 @@ a background thread with its own asyncio loop talks to the coordinator. A new ge
 "abort" makes that thread abort the old group at once (so a collective blocked on a dead or
 hung peer fails), and the training thread reforms at the step boundary; a planned one is
 switched to after `switch_at_step`. Errors of the background thread surface at the next boundary.
+
+A collective that fails with no abort in sight (no leader reachable, or the leader has not
+noticed yet) does not reach the script either: the rank discards the step, leaves its group so
+that its peers fail fast too, and holds — process and state kept, reporting `holding` — until a
+new generation gives it a place, or gives up after `hold_timeout_s` with HoldExpired.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.comm import Comm, GroupSpec, Superseded
-from muster.worker.errors import CoordinatorLost, Drained, FencedOut, WorkerError
+from muster.worker.comm import Comm, GroupSpec, Superseded, is_comm_failure
+from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, WorkerError
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
 from muster.worker.rank_link import RankLink
 from muster.worker.state import TrainingState
@@ -41,7 +46,7 @@ from muster.worker.state import TrainingState
 log = structlog.get_logger(__name__)
 
 _STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
-           "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING}
+           "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING, "holding": pb.RANK_STATE_HOLDING}
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,12 @@ class WorkerConfig:
     max_nodes: int = 0
     world_size_multiple: int = 0
     digest_every: int = 0  # steps between parameter digests sent to the coordinator (0: never)
-    abort_wait_s: float = 5.0  # after a collective error, how long to wait for the membership change
+    abort_wait_s: float = 5.0  # after an error of the script's own, how long to wait for an abort anyway
     form_timeout_s: float = 300.0
+    # After a failure outside this rank (a collective failed, a reform failed): how long to hold for
+    # a new generation before giving up. Generous: a coordinator or etcd outage must not kill ranks.
+    hold_timeout_s: float = 300.0
+    max_redos: int = 5  # the same step failing in this many fresh groups in a row is the script's error
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -81,6 +90,7 @@ class WorkerConfig:
             world_size_multiple=int(env.get("MUSTER_WORLD_SIZE_MULTIPLE", "0")),
             digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
             agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
+            hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
         )
 
 
@@ -108,7 +118,8 @@ class _StepScope:
         if exc_type is None:
             w.step += 1
             self.completed = True
-            w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "")
+            w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "", w.generation)
+            w._redos = 0
             if w._digest_every and w.step % w._digest_every == 0:
                 w._digest = (w.step, w.state.digest())
             if w._changed.is_set():
@@ -116,10 +127,15 @@ class _StepScope:
             return False
         if not issubclass(exc_type, Exception) or issubclass(exc_type, WorkerError):
             return False
-        if not w._membership_changed(w.config.abort_wait_s):
+        outside = is_comm_failure(exc)
+        if not outside and not w._membership_changed(w.config.abort_wait_s):
             return False  # not ours: the script's own error
+        w._redos += 1
+        if w._redos > w.config.max_redos:
+            log.error("step_failed_repeatedly", step=w.step + 1, attempts=w._redos, error=str(exc)[:200])
+            return False  # the same step failed in every fresh group: the script's error after all
         log.info("step_discarded", step=w.step + 1, generation=w.generation, error=str(exc)[:200])
-        w._reform(discard=True)
+        w._reform(discard=True, hold=f"a collective of generation {w.generation} failed: {str(exc)[:200]}")
         return True  # swallowed: the loop redoes the step
 
 
@@ -143,7 +159,8 @@ class Worker:
         self._latest: pb.Assignment | None = None
         self._changed = threading.Event()  # the background thread has news for the step boundary
         self._error: WorkerError | None = None
-        self._progress: tuple[int, int, str, str] = (0, 0, "starting", "")
+        self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
+        self._redos = 0  # attempts of the current step discarded in a row
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
@@ -204,13 +221,13 @@ class Worker:
     @contextmanager
     def long_phase(self, name: str) -> Iterator[None]:
         """Declare a long phase (checkpoint save, evaluation): no stall is detected meanwhile."""
-        step, us, _, _ = self._progress
-        self._progress = (step, us, "long_phase", name)
+        step, us, _, _, generation = self._progress
+        self._progress = (step, us, "long_phase", name, generation)
         try:
             yield
         finally:
-            step, us, _, _ = self._progress
-            self._progress = (step, us, "running", "")
+            step, us, _, _, generation = self._progress
+            self._progress = (step, us, "running", "", generation)
 
     def ddp(self, module: torch.nn.Module | None = None, **kwargs) -> torch.nn.Module:
         """A DistributedDataParallel wrapper over the current group, rebuilt after every reform
@@ -264,46 +281,68 @@ class Worker:
             self._changed.wait(min(remaining, 0.05))
             self._changed.clear()
 
-    def _wait_for_place(self) -> pb.Assignment:
-        """Block until the newest assignment gives this rank a place (spares and waiting jobs wait)."""
+    def _wait_for_place(self, after: int, hold: str, deadline: float) -> pb.Assignment:
+        """Block until an assignment newer than generation `after` gives this rank a place (spares
+        and waiting jobs wait). Holding (`hold` says why), no longer than `deadline`; otherwise
+        bounded by the link: a coordinator not heard from for the hold timeout ends the wait."""
         while True:
             self._changed.clear()
             if self._error is not None:
                 raise self._error
             self._check_drain()
             latest = self._latest
-            if (latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > self.generation
+            if (latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > after
                     and self._slot in latest.local_ranks):
                 return latest
+            if hold and time.monotonic() > deadline:
+                log.error("hold_expired", generation=after, held_s=self.config.hold_timeout_s, cause=hold)
+                raise HoldExpired(f"held {self.config.hold_timeout_s:g}s for a new generation after {hold}; none came "
+                                  "(no coordinator reachable, or the job could not re-form): giving up")
+            silent_s = self.session.silent_s()
+            if silent_s > self.config.hold_timeout_s:
+                raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
+                                      f"in generation > {after} (hold timeout {self.config.hold_timeout_s:g}s)")
             self._changed.wait(0.1)
 
-    def _reform(self, *, discard: bool) -> None:
+    def _reform(self, *, discard: bool, hold: str = "") -> None:
+        """Leave the current group and join the next one this rank has a place in. `hold`: why the
+        group broke with no new generation in sight; the wait for one is then bounded by the hold
+        timeout, and a failure while forming holds the same way."""
         started = time.perf_counter()
-        step, us, state, phase = self._progress
-        self._progress = (step, us, "forming", "")  # waiting for the others is not a stall
+        step, us, state, phase, _ = self._progress
         if discard:
             self.state.discard_step()
         self._ddp.clear()
+        after = self.generation
+        if hold:
+            self.comm.abort(after + 1)  # peers blocked on this rank fail now instead of at the timeout
+            latest = self._latest
+            if latest is None or latest.generation <= after:
+                log.warning("rank_holding", generation=after, step=self.step, cause=hold,
+                            hold_timeout_s=self.config.hold_timeout_s)
         self.comm.destroy()
+        deadline = time.monotonic() + self.config.hold_timeout_s
         while True:
-            a = self._wait_for_place()
+            # Waiting for the others is not a stall; holding says that this generation broke.
+            self._progress = (step, us, "holding" if hold else "forming", "", after)
+            a = self._wait_for_place(after, hold, deadline)
             spec = GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(self._slot), a.world_size,
                              self.config.local_rank, a.store_address, a.store_prefix)
+            self._progress = (step, us, "forming", "", spec.generation)
             try:
                 formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation: self._newer_than(g))
                 source, step = self.state.sync(self.step, spec.rank, spec.world_size, self._device)
                 break
             except Superseded:
                 pass
-            except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself
-                if not self._membership_changed(self.config.abort_wait_s):
-                    raise
-                log.info("reform_interrupted", generation=spec.generation, error=str(exc)[:200])
+            except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself: hold for the next
+                log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200])
+                after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
             self.comm.destroy()
         lost = self.step - step if step < self.step else 0
         self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
         self.session.generation = spec.generation
-        self._progress = (step, us, state, phase)
+        self._progress = (step, us, state, phase, spec.generation)
         took = time.perf_counter() - started
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
@@ -378,7 +417,8 @@ class Worker:
         self._changed.set()
 
     def _reports(self) -> list[pb.RankReport]:
-        step, step_time_us, state, phase = self._progress
+        step, step_time_us, state, phase, generation = self._progress
         digest_step, digest = self._digest
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
-                              state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest)]
+                              state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
+                              generation=generation)]

@@ -33,6 +33,19 @@ class Superseded(Exception):
     """A newer generation arrived while this one was forming."""
 
 
+# How a broken group shows itself: gloo raises a plain RuntimeError from its transport (a peer
+# closed or reset the connection), NCCL its own errors; torch's c10d raises DistError subclasses.
+_COMM_MARKERS = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL", "nccl",
+                 "ProcessGroup", "Socket Timeout", "timed out", "Timed out")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """An error of the process group (a peer died, hung or was aborted), not of the script."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     generation: int

@@ -15,8 +15,13 @@ class CoordinatorLost(WorkerError):
     """The background link to the coordinator failed for good; the cause is chained."""
 
 
+class HoldExpired(WorkerError):
+    """A collective failed for a reason outside this rank and no new generation came within the
+    hold timeout (no coordinator reachable, or the group never re-formed): the rank gives up."""
+
+
 class Drained(WorkerError):
     """This rank's node leaves the job (graceful drain): training here ends after `after_step`."""
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "Drained", "Evicted"]
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "Evicted"]

@@ -5,6 +5,7 @@ to the coordinator; if the agent dies, PR_SET_PDEATHSIG ends this process too.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import grpc
@@ -28,6 +29,7 @@ class RankLink:
         self.interval_s = interval_s
         self.connect_for_s = connect_for_s
         self.generation = 0  # not sent: the agent reports the node's generation
+        self._lost_at: float | None = time.monotonic()  # since when the agent's stream is down (None: up)
         self._call = None
         self._stopping = False
 
@@ -43,6 +45,7 @@ class RankLink:
             try:
                 async with grpc.aio.insecure_channel(f"unix:{self.socket_path}") as channel:
                     self._call = call = pb_grpc.NodeAgentStub(channel).RankSession(self._frames())
+                    self._lost_at = None
                     async for d in call:
                         self._on_directive(d)
                         if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
@@ -58,6 +61,11 @@ class RankLink:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.05)  # the agent's socket is not up yet
+
+    def silent_s(self) -> float:
+        """The agent answers for the coordinator (it gives up on it after its own hold timeout, and
+        its ranks die with it): silent only while the agent's stream is down."""
+        return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
 
     async def leave(self, **_) -> None:
         """Membership is the agent's business: a rank just exits."""

@@ -274,6 +274,7 @@ class Liveness:
         are not); when every rank arrived and it still did not form, it is decided again."""
         t = self.timing
         holding, waiting, missing = [], [], []
+        starting = False
         for p in rm.placements:
             node = self.nodes.get(p.node_id)
             for slot in p.slots:
@@ -281,9 +282,10 @@ class Liveness:
                 if r is None or r.state in ("unmonitored", "exited"):
                     continue  # no report yet (silence covers it), no library, or found above
                 if r.state == "starting" and r.generation == 0:
-                    return []  # a process still starting: the start-up timeout judges it, and the others wait
-                if r.generation >= rm.generation and r.state in ("running", "long_phase"):
-                    continue  # formed
+                    starting = True  # in no group yet: the start-up timeout judges it, and the others wait
+                    continue
+                if r.generation >= rm.generation and r.state in ("running", "long_phase", "starting"):
+                    continue  # formed (starting: no step completed yet in this process)
                 if r.generation == rm.generation and r.state in ("forming", "holding"):
                     waiting.append((p, slot))
                     if r.state == "holding" and r.phase_since is not None and now - r.phase_since > t.heartbeat_timeout_s:
@@ -296,7 +298,7 @@ class Liveness:
             return [Failure("group_broken", "", None, f"ranks {_few(holding)} of generation {rm.generation} hold "
                             f"after a failed collective and nobody was found failed")]
         generation, since = self.published
-        if generation != rm.generation or now - since <= t.form_timeout_s or not (missing or waiting):
+        if starting or generation != rm.generation or now - since <= t.form_timeout_s or not (missing or waiting):
             return []
         if missing:
             return [Failure("rank_not_formed", p.node_id, slot,

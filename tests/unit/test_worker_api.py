@@ -59,9 +59,9 @@ def test_a_planned_switch_waits_for_its_step():
 def test_long_phase_is_reported_and_ends():
     w = worker()
     with w.long_phase("checkpoint"):
-        assert w._progress[2:] == ("long_phase", "checkpoint")
+        assert w._progress[2:4] == ("long_phase", "checkpoint")
         assert w._reports()[0].state == pb.RANK_STATE_LONG_PHASE
-    assert w._progress[2:] == ("running", "")
+    assert w._progress[2:4] == ("running", "")
 
 
 def test_register_refuses_extras_without_state_dict():
