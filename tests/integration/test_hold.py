@@ -1,0 +1,61 @@
+"""Hold, don't crash: a rank lost while no coordinator answers costs that rank only. The survivors'
+collectives fail, they discard the step and hold (process and state kept) until a leader is back,
+then the job re-forms from their state; nothing reaches the training script."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from muster.testing import CoordinatorProcess, json_lines, process_alive, wait_until
+
+PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
+
+
+def last_steps(agents):
+    """(node, slot) -> the newest step record of the newest process of that slot."""
+    out = {}
+    for a in agents:
+        for slot in (0, 1):
+            steps = a.steps(slot)
+            if steps:
+                out[(a.node_id, slot)] = steps[-1]
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, coordinators, agents, tmp_path):
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    a, b = agents([leader.address], "hold", ["a", "b"], steps=10**6, step_sleep_s=0.05)
+    wait_until(lambda: len(last_steps([a, b])) == 4 and min(r["step"] for r in last_steps([a, b]).values()) >= 10,
+               90, "every rank past step 10")
+    survivors = {(n, s): n.rank_pids(s)[-1] for n in (a, b) for s in (0, 1) if (n, s) != (b, 1)}
+    generation = max(r["generation"] for r in last_steps([a, b]).values())
+
+    leader.kill()  # no coordinator answers from now on
+    victim = b.rank_pids(1)[-1]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: all(any(r.get("event") == "rank_holding" for r in json_lines(n.rank_logs(s)[-1]))
+                           for (n, s) in survivors), 30, "every survivor holding")
+    top = max(r["step"] for r in last_steps([a, b]).values())
+
+    replacement = CoordinatorProcess([etcd.endpoint], tmp_path / "coordinator-back.log", PRODUCTION_TIMEOUT,
+                                     listen=leader.address)
+    try:
+        time.sleep(8)  # the outage lasts longer than the 5 s after which the error used to reach the script
+        for (n, s), pid in survivors.items():
+            assert process_alive(pid), f"survivor {n.node_id}/{s} died during the outage"
+        replacement.start()
+        wait_until(lambda: len(last_steps([a, b])) == 4 and all(
+            r["generation"] > generation and r["step"] > top + 5 for r in last_steps([a, b]).values()),
+            60, "all four slots training again in a new generation")
+        for (n, s), pid in survivors.items():
+            assert n.rank_pids(s)[-1] == pid and process_alive(pid), f"survivor {n.node_id}/{s} lost its process"
+            steps = [r["step"] for r in n.steps(s)]
+            assert all(later >= earlier for earlier, later in zip(steps, steps[1:])), \
+                f"{n.node_id}/{s} went back: {steps}"
+        kinds = {r["kind"] for r in replacement.find("membership_changed")}
+        assert kinds & {"rank_exited", "group_broken"}, kinds
+    finally:
+        replacement.stop()
