@@ -3,7 +3,7 @@ touches torch.distributed's process-group machinery.
 
 Every process hosts a TCPStore from the start, so whichever process is rank 0 of a generation
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
-barrier polled with short waits, so a newer generation can abandon a half-formed one.
+barrier polled without blocking, so a newer generation can abandon a half-formed one.
 Abort: NCCL has `abort()`; gloo has none, so the sockets the generation's group opened are shut
 down, which makes a collective blocked on a hung or dead peer fail at once.
 """
@@ -170,15 +170,15 @@ class Comm:
             store.add(f"arrived/{spec.rank}", 1)
             keys = [f"arrived/{r}" for r in range(spec.world_size)]
             delay = 0.001
-            while True:  # a barrier that a newer generation can abandon
+            # A barrier that a newer generation can abandon; polled with check() (store.wait with a
+            # short timeout logs a c10d warning on every miss).
+            while not store.check(keys):
                 if abandoned():
                     raise Superseded(f"generation {spec.generation} abandoned while forming")
-                try:
-                    store.wait(keys, timedelta(milliseconds=50))
-                    break
-                except (dist.DistStoreError, RuntimeError):
-                    if time.monotonic() - started > self.timeout.total_seconds():
-                        raise
+                if time.monotonic() - started > self.timeout.total_seconds():
+                    missing = [k for k in keys if not store.check([k])]
+                    raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not arrive "
+                                              f"within {self.timeout.total_seconds():g}s ({', '.join(missing[:8])})")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.01)
             self.barrier_s = time.monotonic() - started  # the rest of forming is the backend's connect
