@@ -297,8 +297,8 @@ class Worker:
             if hold and time.monotonic() > deadline:
                 log.error("hold_expired", generation=after, held_s=self.config.hold_timeout_s, cause=hold)
                 raise HoldExpired(f"held {self.config.hold_timeout_s:g}s for a new generation after {hold}; none came "
-                                  "(no coordinator reachable, or the job could not re-form): giving up")
-            silent_s = self.session.silent_s()
+                                  f"(the coordinator was last heard {self.session.silent_s():.0f}s ago): giving up")
+            silent_s = 0.0 if hold else self.session.silent_s()
             if silent_s > self.config.hold_timeout_s:
                 raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
                                       f"in generation > {after} (hold timeout {self.config.hold_timeout_s:g}s)")

@@ -59,3 +59,18 @@ def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, c
         assert kinds & {"rank_exited", "group_broken"}, kinds
     finally:
         replacement.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_hold_ends_with_a_clear_message_once_the_hold_timeout_passes(coordinators, training):
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    ranks = training([leader.address], "expire", n=2, steps=10**6, min_nodes=2, max_nodes=2,
+                     env={"MUSTER_HOLD_TIMEOUT": "4"})
+    wait_until(lambda: all(r.last_step >= 5 for r in ranks), 60, "both ranks past step 5")
+    leader.kill()
+    ranks[1].proc.kill()
+    code = ranks[0].wait(60)
+    stopped = ranks[0].records("training_stopped")
+    assert code == 3 and stopped, ranks[0].log_path.read_text()[-2000:]
+    assert "held 4s for a new generation" in stopped[-1]["error"]
+    assert ranks[0].records("rank_holding"), "the survivor did not hold first"
