@@ -318,7 +318,7 @@ class Worker:
             self.comm.abort(after + 1)  # peers blocked on this rank fail now instead of at the timeout
             latest = self._latest
             if latest is None or latest.generation <= after:
-                log.warning("rank_holding", generation=after, step=self.step, cause=hold,
+                log.info("rank_holding", generation=after, step=self.step, cause=hold,
                             hold_timeout_s=self.config.hold_timeout_s)
         self.comm.destroy()
         deadline = time.monotonic() + self.config.hold_timeout_s
