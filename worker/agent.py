@@ -314,6 +314,10 @@ class NodeAgent:
             if slot.connected and slot.report is not None:
                 r = pb.RankReport()
                 r.CopyFrom(slot.report)
+                if _runnable(slot.proc.pid):
+                    # Its process runs: a rank whose Python thread is held off the GIL by a long C++
+                    # call (NCCL init or abort, a long kernel) is not silent; a deadlock shows as a stall.
+                    slot.heard_at = now
                 r.heard_ms_ago = int((now - slot.heard_at) * 1000)
                 reports.append(r)
             elif slot.alive and not self.library:
@@ -408,6 +412,16 @@ def _for_rank(d: pb.Directive, slot: Slot) -> bool:
     older one): while no coordinator has answered the crash (an outage), it waits for a newer one
     instead of trying to join a group whose others have long formed."""
     return not d.HasField("assignment") or d.assignment.generation > slot.crashed_in
+
+
+def _runnable(pid: int) -> bool:
+    """The process exists and is neither stopped (SIGSTOP, a debugger) nor a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("T", "t", "Z", "X")
 
 
 SOCKET_DIR_PREFIX = "muster-agent-"
