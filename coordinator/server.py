@@ -1,7 +1,8 @@
 """The gRPC edge: a thin servicer over the Replica and the one table from errors to status codes.
 
 `create_server` binds (port 0 in tests) and returns (server, port). Standbys answer job
-traffic with UNAVAILABLE plus trailing metadata `muster-leader: HOST:PORT`.
+traffic with UNAVAILABLE plus trailing metadata `muster-leader: HOST:PORT`. Every refusal is one
+of the error tree, so a caller sees a precise code (never UNKNOWN) and a bounded message.
 """
 
 from __future__ import annotations
@@ -12,17 +13,26 @@ import time
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens
 from muster.coordinator.client import LEADER_METADATA
 from muster.coordinator.leader import CLOSE
 from muster.coordinator.replica import Replica
+from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
+# (client streaming, server streaming) -> handler; a method of another kind fails at startup.
+HANDLER_OF = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -49,7 +59,7 @@ def _refusals(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
-            self.authorize(context, request.job)
+            self.admit(context, request)
             return await method(self, request, context)
         except errors.MusterError as exc:
             log.info("request_refused", method=method.__name__, code=STATUS_OF[type(exc)].name, error=str(exc))
@@ -63,9 +73,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.replica = replica
         self.tokens = tokens  # None: no tokens required
 
-    def authorize(self, context, job: str) -> None:
+    def admit(self, context, request) -> None:
+        """Refuse a request that did not decode, or whose job is no job name (checked before the
+        token, whose refusal quotes the name); then the caller's token must cover the job."""
+        if isinstance(request, errors.MusterError):
+            raise request
+        if request.job:  # "" asks Status for every job; the other methods refuse it themselves
+            wire.check_job(request.job)
         if self.tokens is not None:
-            self.tokens.check(context.invocation_metadata(), job)
+            self.tokens.check(context.invocation_metadata(), request.job)
 
     @_refusals
     async def Join(self, request, context):
@@ -73,7 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals
     async def Leave(self, request, context):
-        wire.check_node(request.node_id)
+        wire.check_leave(request)
         return await (await self.replica.leader_for(request.job)).leave(request)
 
     @_refusals
@@ -90,7 +106,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             first = await anext(request_iterator, None)
             if first is None:
                 raise errors.InvalidArgument("a session starts with a frame naming its job and node")
-            self.authorize(context, first.job)
+            self.admit(context, first)
             leader = await self.replica.leader_for(first.job)
             stream = leader.attach(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
@@ -116,6 +132,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             async for frame in request_iterator:
                 budget.spend()
+                if isinstance(frame, errors.MusterError):  # it did not decode: the stream ends with it
+                    raise frame
                 leader.on_frame(stream, frame)
         except errors.MusterError as exc:
             stream.send(exc)
@@ -144,6 +162,34 @@ class FrameBudget:
         self.tokens -= 1.0
 
 
+def _decoder(message_type):
+    """Parse a request of `message_type`, or return the refusal for bytes that are none (a string
+    field that is not UTF-8, a truncated field): grpc.aio answers a deserializer that raises with
+    UNKNOWN, so the servicer raises the refusal instead (`admit`, `_read`)."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def decode(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return errors.InvalidArgument(f"request is not valid {name}: {exc}")
+
+    return decode
+
+
+def _handlers(servicer: CoordinatorServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The service's methods as the generated `add_CoordinatorServicer_to_server` has them, with
+    request deserializers that refuse undecodable bytes (`_decoder`)."""
+    return {
+        method.name: HANDLER_OF[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=_decoder(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+        for method in SERVICE.methods
+    }
+
+
 async def create_server(
     replica: Replica, listen: str = "127.0.0.1:0", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tokens: Tokens | None = None, credentials: grpc.ServerCredentials | None = None,
@@ -157,7 +203,9 @@ async def create_server(
             ("grpc.keepalive_permit_without_calls", 1),
         ]
     )
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(replica, tokens), server)
+    handlers = _handlers(CoordinatorServicer(replica, tokens))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
     port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not listen on {listen}")

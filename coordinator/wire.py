@@ -1,18 +1,26 @@
 """Translation between the wire (muster.v1 protobuf) and the core, with validation.
 
 Every request is checked here before anything touches state: bad values become
-InvalidArgument with a message naming the field.
+InvalidArgument with a message naming the field and quoting client input bounded (`shown`).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
+
 from muster.coordinator.core.liveness import Liveness, RankReport
-from muster.coordinator.core.policy import JOB_NAME, MAX_SLOTS, NODE_ID, JobSpec
+from muster.coordinator.core.policy import JOB_NAME, MAX_GENERATION, MAX_SLOTS, MAX_STEP, NODE_ID, JobSpec
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
 from muster.coordinator.errors import InvalidArgument
 from muster.v1 import muster_pb2 as pb
 
 MAX_DIGEST_BYTES = 64
+MAX_SECRET_BYTES = 64
+MAX_HOST_CHARS = 253
+MAX_PHASE_CHARS = 128
+MAX_REASON_CHARS = 256  # a Leave's reason is kept in the job's persisted history
+HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # RFC 1123
 RANK_STATES = {
     pb.RANK_STATE_STARTING: "starting",
     pb.RANK_STATE_RUNNING: "running",
@@ -24,16 +32,43 @@ RANK_STATES = {
 }
 
 
+def shown(value: str, limit: int = 64) -> str:
+    """`value` quoted in a message: its repr, cut to `limit` characters. A refusal travels in the
+    grpc-message header, whose size the peer bounds; echoing 10k characters would turn it into
+    RESOURCE_EXHAUSTED."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} chars)"
+
+
 def check_job(job: str) -> str:
-    if not JOB_NAME.match(job):
-        raise InvalidArgument(f"job name {job!r} is invalid: use 1-63 of [a-z0-9._-], starting with a letter or digit")
+    if not JOB_NAME.fullmatch(job):
+        raise InvalidArgument(f"job name {shown(job)} is invalid: use 1-63 of [a-z0-9._-], "
+                              "starting with a letter or digit")
     return job
 
 
 def check_node(node_id: str) -> str:
-    if not NODE_ID.match(node_id):
-        raise InvalidArgument(f"node_id {node_id!r} is invalid: use 1-128 of [A-Za-z0-9._:@-]")
+    if not NODE_ID.fullmatch(node_id):
+        raise InvalidArgument(f"node_id {shown(node_id)} is invalid: use 1-128 of [A-Za-z0-9._:@-]")
     return node_id
+
+
+def is_host(host: str) -> bool:
+    """A hostname (RFC 1123) or an IP literal. The host ends up in every node's store address and
+    MASTER_ADDR, so nothing else passes: no option ("-o…"), space, bracket or NUL."""
+    if "%" in host:  # an IPv6 scope id names an interface of the joining node, meaningless to others
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return len(host) <= MAX_HOST_CHARS and all(HOST_LABEL.fullmatch(label) for label in host.split("."))
+
+
+def check_secret(secret: bytes) -> None:
+    if len(secret) > MAX_SECRET_BYTES:
+        raise InvalidArgument(f"session_secret is {len(secret)} bytes; at most {MAX_SECRET_BYTES}")
 
 
 def check_join(req: pb.JoinRequest) -> None:
@@ -41,12 +76,35 @@ def check_join(req: pb.JoinRequest) -> None:
     check_node(req.node_id)
     if not 1 <= req.slots <= MAX_SLOTS:
         raise InvalidArgument(f"slots must be in 1..{MAX_SLOTS}, got {req.slots}")
-    if not req.host or len(req.host) > 253 or any(c.isspace() for c in req.host):
-        raise InvalidArgument(f"host {req.host!r} is invalid: give the address other nodes reach this node at")
+    if not is_host(req.host):
+        raise InvalidArgument(f"host {shown(req.host)} is invalid: give the hostname (RFC 1123) or IP address "
+                              "other nodes reach this node at")
     if not 1 <= req.store_port <= 65535:
         raise InvalidArgument(f"store_port must be in 1..65535, got {req.store_port}")
     if req.master_port > 65535:
         raise InvalidArgument(f"master_port must be in 0..65535, got {req.master_port}")
+
+
+def check_leave(req: pb.LeaveRequest) -> None:
+    check_job(req.job)
+    check_node(req.node_id)
+    if len(req.reason) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"reason is {len(req.reason)} characters; at most {MAX_REASON_CHARS}")
+    check_secret(req.session_secret)
+
+
+def check_rejoin(first: pb.NodeFrame) -> None:
+    """What a stream's first frame carries besides its address: the session secret, and the node's
+    own JoinRequest (by Join's rules, naming the frame's job and node) to rebuild a lost job from."""
+    check_secret(first.session_secret)
+    if not first.HasField("rejoin"):
+        return
+    try:
+        check_join(first.rejoin)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"rejoin: {exc}") from exc
+    if (first.rejoin.job, first.rejoin.node_id) != (first.job, first.node_id):
+        raise InvalidArgument("rejoin must name the job and node_id of its frame")
 
 
 def spec_of(msg: pb.JobSpec) -> JobSpec:
@@ -60,6 +118,15 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
     for r in frame.ranks:
         if r.local_rank >= member.slots:
             raise InvalidArgument(f"local_rank {r.local_rank} is out of range for {member.slots} slots")
+        for name in ("step", "digest_step"):
+            if getattr(r, name) > MAX_STEP:
+                raise InvalidArgument(f"{name} of local_rank {r.local_rank} is {getattr(r, name)}; at most {MAX_STEP}")
+        if r.generation > MAX_GENERATION:
+            raise InvalidArgument(f"generation of local_rank {r.local_rank} is {r.generation}; "
+                                  f"at most {MAX_GENERATION}")
+        if len(r.phase) > MAX_PHASE_CHARS:
+            raise InvalidArgument(f"phase of local_rank {r.local_rank} is {len(r.phase)} characters; "
+                                  f"at most {MAX_PHASE_CHARS}")
         if len(r.digest) > MAX_DIGEST_BYTES:
             raise InvalidArgument(f"digest of local_rank {r.local_rank} is {len(r.digest)} bytes; at most {MAX_DIGEST_BYTES}")
         state = RANK_STATES.get(r.state)
