@@ -390,8 +390,12 @@ class Worker:
         error.__cause__ = cause
         self._error = error
         log.error("worker_link_failed", error=str(error))
-        self.comm.abort(1 << 62)  # leave any collective: the training thread raises at the boundary
+        self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
         self._changed.set()
+
+    def _abort(self, below_generation: int) -> None:
+        """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming."""
+        threading.Thread(target=self.comm.abort, args=(below_generation,), name="muster-abort", daemon=True).start()
 
     def _on_directive(self, d: pb.Directive) -> None:
         if d.HasField("assignment"):
@@ -408,7 +412,7 @@ class Worker:
                 self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
             if a.abort_previous:
-                self.comm.abort(a.generation)
+                self._abort(a.generation)
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
         elif d.HasField("drain"):
