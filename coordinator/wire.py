@@ -20,7 +20,8 @@ MAX_SECRET_BYTES = 64
 MAX_HOST_CHARS = 253
 MAX_PHASE_CHARS = 128
 MAX_REASON_CHARS = 256  # a Leave's reason is kept in the job's persisted history
-HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # RFC 1123
+# RFC 1123, plus "_": container runtimes (Docker Compose) name hosts with it and resolvers accept it.
+HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 RANK_STATES = {
     pb.RANK_STATE_STARTING: "starting",
     pb.RANK_STATE_RUNNING: "running",

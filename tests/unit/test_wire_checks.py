@@ -53,13 +53,13 @@ def test_node_ids_refused_fully(node):
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "2001:db8::1", "localhost", "node-1.cluster.local",
-                                  "A" * 63 + ".b", ".".join(["h" * 63] * 4)[:253]])
+                                  "A" * 63 + ".b", "web_1.compose_default", ".".join(["h" * 63] * 4)[:253]])
 def test_hosts_accepted(host):
     wire.check_join(join_request(host=host))
 
 
 @pytest.mark.parametrize("host", ["", "\x00", "[::1", "[::1]", "-oProxyCommand=x", "a b", "host\n", "a..b", ".a",
-                                  "a-.b", "a_b", "h" * 64, ".".join(["h" * 63] * 4), "fe80::1%eth0",
+                                  "a-.b", "h" * 64, ".".join(["h" * 63] * 4), "fe80::1%eth0",
                                   "127.0.0.1:80", "h" * 10_000])
 def test_hosts_refused(host):
     assert "host" in refusal(wire.check_join, join_request(host=host))
