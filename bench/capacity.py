@@ -209,7 +209,7 @@ async def _probe(stub, seconds: float) -> list[tuple[float, int]]:
         ranks = [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=1000,
                                state=pb.RANK_STATE_RUNNING)] if step else []
         return pb.NodeFrame(job=PROBE_JOB, node_id="probe", member_id=joined.member_id, term=joined.term,
-                            generation=generation, ranks=ranks)
+                            generation=generation, ranks=ranks, session_secret=joined.session_secret)
 
     async def read() -> None:
         nonlocal generation

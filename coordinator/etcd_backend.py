@@ -608,19 +608,21 @@ class JobStore:
         value, _ = _call(self._client, lambda: self._client.get(key), "state get")
         return value
 
-    def write_state(self, leadership: Leadership, state: bytes) -> int:
+    def write_state(self, leadership: Leadership, state: bytes, *, spec: bytes | None = None) -> int:
         """Write state iff our election key still has the term's create revision.
 
         The compare is the fencing token: once our lease expired (key deleted)
         or a new key was created, the write fails even if we still think we lead.
+        `spec`, given when etcd lost it, is restored by the same fenced write.
         """
         key = self._state_key(leadership.job)
         tx = self._client.transactions
+        puts = [tx.put(key, state)] + ([tx.put(self._spec_key(leadership.job), spec)] if spec is not None else [])
         ok, responses = _call(
             self._client,
             lambda: self._client.transaction(
                 compare=[tx.create(leadership.key) == leadership.term],
-                success=[tx.put(key, state)],
+                success=puts,
                 failure=[],
             ),
             "state write",

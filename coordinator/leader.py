@@ -8,6 +8,8 @@ then adopts it and pushes each node its part of the new map. Frames only update 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,10 +19,10 @@ import structlog
 from muster.coordinator import wire
 from muster.coordinator.core.liveness import GROUP_KINDS, Failure, Liveness
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
-                                             Regroup, SlotDown, SlotsUp, Tick, decide)
+                                             Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
-from muster.coordinator.core.state import JobState, NodeKind, Phase
-from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader
+from muster.coordinator.core.state import JobState, Member, NodeKind, Phase
+from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader, PermissionDenied
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
@@ -49,9 +51,19 @@ class NodeStream:
     kind: NodeKind
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     departed: bool = False  # the node left: its frames are ignored until it hangs up
+    pending: bool = False  # the node is being taken back (a rebuild): its frames wait for the decision
+    closed: bool = False  # the node hung up
+    # A node taken back after etcd lost everything may have seen higher terms than this leader's
+    # (etcd's revisions restarted): its frames up to that term are no sign of a newer leader.
+    term_ahead: int = 0
 
     def send(self, item) -> None:
         self.queue.put_nowait(item)
+
+
+def secret_hash(secret: bytes) -> str:
+    """What the state keeps of a session secret: its SHA-256, never the secret."""
+    return hashlib.sha256(secret).hexdigest()
 
 
 def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
@@ -304,7 +316,7 @@ class JobLeader:
                 continue
             if index in rejected:
                 fut.set_exception(rejected[index])
-            elif isinstance(event, Join):
+            elif isinstance(event, (Join, Rejoin)):
                 fut.set_result(self.state.member(event.node_id))
             elif isinstance(event, Leave):
                 rm = self.state.rank_map
@@ -316,13 +328,16 @@ class JobLeader:
         spec = self.state.spec
         for name in ("min_nodes", "max_nodes", "world_size_multiple"):
             want = getattr(requested, name)
-            if want and want != getattr(spec, name):
+            if want and want != getattr(spec, name) and not self.state.spec_lost:
                 raise FailedPrecondition(
                     f"job {self.job!r} exists with {name}={getattr(spec, name)}; this node asks for {want}"
                 )
+        # The member's proof from now on: made here at the edge (the core stays deterministic),
+        # kept by the state only as a hash, never logged.
+        secret = secrets.token_bytes(32)
         kind = wire.node_kind(req.is_process)
-        fut = self._enqueue(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port),
-                            want_result=True)
+        fut = self._enqueue(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
+                                 secret_hash(secret), requested), want_result=True)
         member = await fut
         return pb.JoinResponse(
             job=self.job,
@@ -332,10 +347,11 @@ class JobLeader:
             generation=self.state.generation,
             heartbeat_interval_ms=int(self.timing.heartbeat_interval_s * 1000),
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
+            session_secret=secret,
         )
 
     async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
-        self._member(req.node_id, req.member_id)
+        self._authenticate(self._member(req.node_id, req.member_id), req.session_secret)
         stream = self.streams.get(req.node_id)
         if stream:  # from now on its frames are ignored: it is no member once the leave is applied
             stream.departed = True
@@ -357,21 +373,65 @@ class JobLeader:
 
     # ---- node streams ----------------------------------------------------------------
 
+    def _authenticate(self, member: Member, secret: bytes) -> None:
+        """Only the node that joined as this member holds its secret: a stranger who guessed the
+        member_id may not replace its stream or make it leave."""
+        if not member.admits(secret_hash(secret)):
+            raise PermissionDenied(f"node {member.node_id!r} did not present the session secret of member "
+                                   f"{member.member_id}; only the node that joined as it may use it")
+
     def attach(self, first: pb.NodeFrame) -> NodeStream:
-        """Bind a Session stream to its node; the node gets its current assignment at once."""
+        """Bind a Session stream to its node; the node gets its current assignment at once. While
+        a lost state is rebuilt, a node that is no member but says who it was is taken back."""
         wire.check_node(first.node_id)
+        wire.check_rejoin(first)
+        if self.state.rebuilding and first.HasField("rejoin") and self.state.member(first.node_id) is None:
+            return self._take_back(first)
         member = self._member(first.node_id, first.member_id)
-        stream = NodeStream(self.job, member.node_id, member.member_id, member.kind)
+        self._authenticate(member, first.session_secret)
+        stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
+                            term_ahead=first.term if self.state.rebuilding else 0)
         self.on_frame(stream, first)
-        previous = self.streams.get(member.node_id)
-        if previous is not None:
-            previous.send(FailedPrecondition(f"node {member.node_id!r} opened a newer session"))
-        self.streams[member.node_id] = stream
-        stream.send(wire.assignment_for(self.state, member.node_id, "current assignment"))
+        self._bind(stream)
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
 
+    def _take_back(self, first: pb.NodeFrame) -> NodeStream:
+        """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
+        r = first.rejoin
+        stream = NodeStream(self.job, first.node_id, first.member_id, wire.node_kind(r.is_process), pending=True,
+                            term_ahead=first.term)
+        fut = self._enqueue(Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret),
+                                   r.host, r.store_port, r.slots, stream.kind, r.master_port, wire.spec_of(r.spec)),
+                            want_result=True)
+        fut.add_done_callback(lambda decided: self._taken_back(stream, decided, first.generation))
+        return stream
+
+    def _taken_back(self, stream: NodeStream, decided: asyncio.Future, generation: int) -> None:
+        if decided.exception() is not None:
+            stream.send(decided.exception())
+            return
+        stream.pending = False
+        if self.lost_reason is not None:
+            stream.send(NotLeader(self.job, ""))
+        elif not stream.closed:
+            self._bind(stream)
+            self.log.info("node_taken_back", node=stream.node_id, member=stream.member_id, generation=generation)
+
+    def _bind(self, stream: NodeStream) -> None:
+        previous = self.streams.get(stream.node_id)
+        if previous is not None:
+            previous.send(FailedPrecondition(f"node {stream.node_id!r} opened a newer session"))
+        self.streams[stream.node_id] = stream
+        if self.state.rebuilt_members:
+            # The nodes run on in their old groups until the rebuild ends: no assignment (a
+            # generation nobody published), only this leader's term.
+            stream.send(pb.Directive(term=self.term, generation=self.state.generation))
+        else:
+            stream.send(wire.assignment_for(self.state, stream.node_id, "current assignment"))
+
     def detach(self, stream: NodeStream) -> None:
+        stream.closed = True
         if self.streams.get(stream.node_id) is not stream:
             return  # replaced or evicted already
         del self.streams[stream.node_id]
@@ -380,13 +440,13 @@ class JobLeader:
 
     def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None:
         """Validate one frame completely, then record it. Exit reports wake the tally at once."""
-        if stream.departed:
+        if stream.departed or stream.pending:
             return
         if frame.job != stream.job or frame.node_id != stream.node_id or frame.member_id != stream.member_id:
             raise InvalidArgument("every frame of a session must carry the job, node_id and member_id of its first")
         member = self._member(frame.node_id, frame.member_id)
         reports = wire.check_frame_ranks(frame, member)
-        if frame.term > self.term:
+        if frame.term > max(self.term, stream.term_ahead):
             # Not trusted blindly (a bad client could depose the leader): were this leader stale,
             # its session and fenced writes would tell it.
             raise FailedPrecondition(f"frame term {frame.term} is ahead of this leader's term {self.term}")

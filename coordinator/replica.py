@@ -3,7 +3,9 @@
 Leadership is per job, so jobs spread over replicas (a replica that already leads jobs
 campaigns a little later). A replica that does not lead a job answers its traffic with
 NotLeader naming the leader. Losing the session ends every leadership of this replica;
-it then starts a fresh session and campaigns again as a standby.
+it then starts a fresh session and campaigns again as a standby. A fault in leading one job
+(its state, a fenced write, a bug) ends only that job's leadership: its key is resigned and
+the job is campaigned for again after a backoff.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
+
+# Campaigning again for a job whose leadership failed: the delay doubles from the first to the
+# most, with jitter, and starts over once the job was led without a fault for RETRY_RESET_S.
+RETRY_FIRST_S, RETRY_MOST_S, RETRY_RESET_S = 0.2, 5.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class Replica:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._renewing: asyncio.Task | None = None
+        self._retries: dict[str, tuple[float, float]] = {}  # job -> (its last retry delay, when)
+        self._spec_lost: set[str] = set()  # jobs led without a spec in etcd: written with the next state
         self.log = log
         self.metrics = Metrics()
         self.metrics.watch(self)
@@ -151,27 +159,39 @@ class Replica:
             self.log.info("job_discovered", job=job)
         self._campaign(job)
 
-    def _campaign(self, job: str) -> None:
+    def _campaign(self, job: str, delay: float | None = None, resign: Election | None = None) -> None:
+        """Campaign for `job` after `delay` (default: the balance delay), first resigning the key
+        of a leadership that failed, so that the new campaign does not find it and lead at once."""
         if self._closing or job in self._campaigns or self._session is None:
             return
         election = Election(self.client, self._session, job, self.address)
         stop = threading.Event()
-        # A replica that already leads jobs lets the others go first (capped: alone, it still leads soon).
-        delay = self.config.balance_delay_s * min(len(self.leaders), 5)
-        thread = threading.Thread(target=self._campaign_thread, args=(job, election, stop, delay),
+        if delay is None:
+            # A replica that already leads jobs lets the others go first (capped: alone, it still leads soon).
+            delay = self.config.balance_delay_s * min(len(self.leaders), 5)
+        thread = threading.Thread(target=self._campaign_thread, args=(job, election, stop, delay, resign),
                                   name=f"campaign:{job}", daemon=True)
         self._campaigns[job] = _Campaign(election, stop, thread)
         thread.start()
 
-    def _campaign_thread(self, job: str, election: Election, stop: threading.Event, delay: float) -> None:
+    def _campaign_thread(self, job: str, election: Election, stop: threading.Event, delay: float,
+                         resign: Election | None) -> None:
+        if resign is not None:
+            try:  # lets a standby lead at once; else the key goes with the session
+                resign.resign()
+            except EtcdError as exc:
+                self.log.warning("resign_failed", job=job, error=str(exc))
         if stop.wait(delay):
             return
         backoff = 0.1
         while not stop.is_set():
             try:
                 leadership = election.campaign(stop)
-            except EtcdUnavailable as exc:
-                self.log.warning("campaign_failed", job=job, error=str(exc))
+            except Exception as exc:  # etcd unreachable, or a fault: this job's campaign must go on
+                if isinstance(exc, EtcdUnavailable):
+                    self.log.warning("campaign_failed", job=job, error=str(exc))
+                else:
+                    self.log.exception("campaign_failed", job=job)
                 stop.wait(backoff * (1 + random.random()))
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -183,13 +203,36 @@ class Replica:
         job = leadership.job
         try:
             data, spec = await asyncio.to_thread(lambda: (self.store.load_state(job), self.store.get_spec(job)))
+            if stop.is_set() or self._closing:
+                return
+            leader = self._leader(leadership, data, spec)
         except EtcdUnavailable as exc:
+            self.log.warning("job_state_unreadable", job=job, error=str(exc))
             self._leadership_lost(job, f"could not load job state: {exc}")
             return
-        if stop.is_set() or self._closing:
+        except Exception as exc:  # a fault in one job (its state, a bug) must not leave its key held by nobody
+            self.log.exception("leadership_failed", job=job, term=leadership.term)
+            self._leadership_lost(job, f"could not lead: {exc!r}")
             return
-        state = decode(data) if data else JobState(job, JobSpec(**json.loads(spec)))
-        leader = JobLeader(
+        self.leaders[job] = leader
+        leader.start()
+        self.log.info("leadership_acquired", job=job, term=leadership.term, generation=leader.state.generation,
+                      members=len(leader.state.members))
+
+    def _leader(self, leadership: Leadership, data: bytes | None, spec: bytes | None) -> JobLeader:
+        job = leadership.job
+        if data:
+            state = decode(data)
+        else:
+            # No state: a new job, or one etcd lost. Nodes that were members say so as they
+            # reconnect, and are taken back (a new job has none); without a spec either, the
+            # first of them brings it.
+            state = JobState(job, JobSpec(**json.loads(spec)) if spec else self.config.default_spec, rebuilding=True,
+                             spec_lost=spec is None)
+            if spec is None:
+                self.log.warning("job_spec_missing", job=job)
+                self._spec_lost.add(job)
+        return JobLeader(
             replace(state, term=leadership.term),
             term=leadership.term,
             address=self.address,
@@ -201,28 +244,39 @@ class Replica:
             on_lost=lambda reason: self._leadership_lost(job, reason),
             metrics=self.metrics,
         )
-        self.leaders[job] = leader
-        leader.start()
-        self.log.info("leadership_acquired", job=job, term=leadership.term, generation=state.generation,
-                      members=len(state.members))
 
     async def _persist(self, leadership: Leadership, state: JobState) -> None:
+        job = leadership.job
+        spec = json.dumps(vars(state.spec)).encode() if job in self._spec_lost else None
         try:
             # Encoding a large job's state takes a while: off the event loop, with the write.
             with self.metrics.etcd_write.time():
-                await asyncio.to_thread(lambda: self.store.write_state(leadership, encode(state)))
+                await asyncio.to_thread(lambda: self.store.write_state(leadership, encode(state), spec=spec))
         except Fenced as exc:
             raise PersistFenced(str(exc)) from exc
         except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
             raise PersistUnavailable(str(exc)) from exc
+        self._spec_lost.discard(job)
 
     def _leadership_lost(self, job: str, reason: str) -> None:
-        """One job's leadership is void; the session may be too, so renew it (campaigns restart)."""
+        """One job's leadership is void: drop it, resign its key and campaign for it again after a
+        backoff; the other jobs are untouched. A lost session is the session listener's to handle
+        (it ends every leadership of this replica)."""
         leader = self.leaders.pop(job, None)
         if leader is not None:
             asyncio.ensure_future(leader.stop(reason))
-        if not self._closing and not self._renewing:
-            self._renewing = asyncio.ensure_future(self._renew_session(reason))
+        if self._closing or self._renewing or not self._session.alive():
+            return
+        campaign = self._campaigns.pop(job, None)
+        if campaign is not None:
+            campaign.stop.set()
+        now = self._loop.time()
+        last, at = self._retries.get(job, (0.0, -RETRY_RESET_S))
+        base = RETRY_FIRST_S if now - at > RETRY_RESET_S else min(last * 2, RETRY_MOST_S)
+        self._retries[job] = (base, now)
+        delay = base * (1 + random.random())
+        self.log.warning("job_leadership_dropped", job=job, reason=reason, campaign_in_s=round(delay, 2))
+        self._campaign(job, delay, resign=campaign.election if campaign else None)
 
     # ---- routing ---------------------------------------------------------------------
 
@@ -242,25 +296,40 @@ class Replica:
             return ""
         return found[0] if found and found[0] != self.address else ""
 
+    async def session_leader(self, first: pb.NodeFrame) -> JobLeader:
+        """The leader for a Session stream. A node of a job this replica never heard of (etcd lost
+        the job, and this replica started since) says on its first frame who it is: the job is
+        created from that as its Join did and its election awaited, so that the node is taken
+        back rather than told it is no member (which ends its agent)."""
+        wire.check_job(first.job)
+        if first.job not in self.jobs and first.HasField("rejoin"):
+            wire.check_rejoin(first)
+            await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
+            await self._await_election(first.job)
+        return await self.leader_for(first.job)
+
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         wire.check_join(req)
         requested = wire.spec_of(req.spec)
         if req.job not in self.leaders:
             if req.job not in self.jobs:
-                if len(self.jobs) >= self.config.limits.max_jobs:
-                    raise ResourceExhausted(f"this deployment holds {len(self.jobs)} jobs, the most it takes "
-                                            f"(--max-jobs {self.config.limits.max_jobs}); job {req.job!r} is refused")
-                try:
-                    spec = requested.merged_over(self.config.default_spec).validate()
-                except InvalidPolicy as exc:
-                    raise InvalidArgument(str(exc)) from exc
-                try:
-                    await asyncio.to_thread(self.store.create_spec, req.job, json.dumps(vars(spec)).encode())
-                except EtcdUnavailable as exc:
-                    raise Unavailable(f"etcd is unavailable: {exc}") from exc
-                self._discovered(req.job)
+                await self._create_job(req.job, requested)
             await self._await_election(req.job)
         return await (await self.leader_for(req.job)).join(req, requested)
+
+    async def _create_job(self, job: str, requested: JobSpec) -> None:
+        if len(self.jobs) >= self.config.limits.max_jobs:
+            raise ResourceExhausted(f"this deployment holds {len(self.jobs)} jobs, the most it takes "
+                                    f"(--max-jobs {self.config.limits.max_jobs}); job {job!r} is refused")
+        try:
+            spec = requested.merged_over(self.config.default_spec).validate()
+        except InvalidPolicy as exc:
+            raise InvalidArgument(str(exc)) from exc
+        try:
+            await asyncio.to_thread(self.store.create_spec, job, json.dumps(vars(spec)).encode())
+        except EtcdUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        self._discovered(job)
 
     async def _await_election(self, job: str) -> None:
         """A new job's election takes a moment: wait for it rather than bounce the caller."""

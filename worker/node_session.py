@@ -61,7 +61,8 @@ class NodeSession:
         self._on_directive = on_directive
         self.rpc_timeout_s = rpc_timeout_s
         self.member_id = 0
-        self.term = 0  # highest term seen
+        self.secret = b""  # from Join: proves on each stream and on Leave that this node is the member
+        self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
         self.leader = ""
         self.heartbeat_interval_s = 0.1
@@ -107,13 +108,16 @@ class NodeSession:
             await asyncio.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
 
-    async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
+    def _join_request(self) -> pb.JoinRequest:
         i = self.identity
-        response = await self._unary("Join", pb.JoinRequest(
-            job=i.job, node_id=i.node_id, slots=i.slots, host=i.host, store_port=i.store_port, spec=i.spec,
-            agent_pid=i.agent_pid, is_process=i.is_process, master_port=i.master_port), retry_for_s=retry_for_s)
+        return pb.JoinRequest(job=i.job, node_id=i.node_id, slots=i.slots, host=i.host, store_port=i.store_port,
+                              spec=i.spec, agent_pid=i.agent_pid, is_process=i.is_process, master_port=i.master_port)
+
+    async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
+        response = await self._unary("Join", self._join_request(), retry_for_s=retry_for_s)
         self.member_id = response.member_id
-        self.term = max(self.term, response.term)
+        self.secret = response.session_secret
+        self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
         self.heartbeat_timeout_s = response.heartbeat_timeout_ms / 1000
         self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term)
@@ -124,7 +128,7 @@ class NodeSession:
         i = self.identity
         return await self._unary("Leave", pb.LeaveRequest(
             job=i.job, node_id=i.node_id, member_id=self.member_id, immediate=immediate, finished=finished,
-            reason=reason), retry_for_s=retry_for_s)
+            reason=reason, session_secret=self.secret), retry_for_s=retry_for_s)
 
     # ---- the stream ------------------------------------------------------------------
 
@@ -139,9 +143,17 @@ class NodeSession:
         self._wake.set()
 
     async def _frames(self):
+        first = True
         while True:
             if not self.paused:
-                yield self.frame()
+                frame = self.frame()
+                if first:
+                    # Who this node is, on every new stream: its secret, and its Join, from which a
+                    # leader that lost the job's state (etcd lost its data) takes it back.
+                    frame.session_secret = self.secret
+                    frame.rejoin.CopyFrom(self._join_request())
+                    first = False
+                yield frame
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
@@ -194,7 +206,9 @@ class NodeSession:
 
     def _directive(self, d: pb.Directive) -> None:
         self._heard_from_leader = time.monotonic()
-        self.term = max(self.term, d.term)
+        # The leader's, even when lower than one seen before: after etcd lost its data, terms
+        # (etcd revisions) start again, and a frame ahead of its leader's term is refused.
+        self.term = d.term
         if not d.HasField("assignment") and not d.HasField("drain"):
             return  # the leader's pulse
         self._on_directive(d)

@@ -2,7 +2,9 @@
 
 Events of one tally are folded into at most one new generation. Unplanned changes (a rank
 or node lost) publish g+1 marked "abort g"; planned ones (join, graceful leave, a slot
-coming back) publish g+1 with a future `switch_at_step`. No I/O, no clock reads.
+coming back) publish g+1 with a future `switch_at_step`. A leader that found no state (etcd
+lost it) takes back the nodes that say they were members, then re-forms them all in one abort
+generation above theirs. No I/O, no clock reads.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from muster.coordinator.core.policy import MAX_NODES, Timing
+from muster.coordinator.core.policy import MAX_GENERATION, MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.rankmap import assign_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
-from muster.coordinator.errors import AlreadyExists, MusterError, NotFound, ResourceExhausted
+from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, MusterError, NotFound,
+                                       PermissionDenied, ResourceExhausted)
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
+MAX_MEMBER_ID = MAX_GENERATION  # member ids count joins: a node claiming more is no node of ours
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,26 @@ class Join:
     slots: int
     kind: NodeKind = NodeKind.AGENT
     master_port: int = 0
+    secret_hash: str = ""  # of the session secret the edge made for this member (never the secret)
+    spec: JobSpec | None = None  # what the node asks for: adopted only while the job's spec is lost
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A node that is no member streams as the member it was (etcd lost the job's state): while
+    the leader rebuilds, it is taken back with its member_id (its seniority), the hash of the
+    secret it presents and the generation it runs."""
+
+    node_id: str
+    member_id: int
+    generation: int
+    secret_hash: str
+    host: str
+    store_port: int
+    slots: int
+    kind: NodeKind = NodeKind.AGENT
+    master_port: int = 0
+    spec: JobSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +110,7 @@ class Tick:
     """Nothing happened but time passed (forming deadline)."""
 
 
-MembershipEvent = Join | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Regroup | Tick
+MembershipEvent = Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Regroup | Tick
 
 
 @dataclass(frozen=True)
@@ -118,7 +142,7 @@ class Decision:
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
     members = {m.node_id: m for m in state.members}
     in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
-    next_seq = state.next_seq
+    next_seq, generation, spec, spec_lost = state.next_seq, state.generation, state.spec, state.spec_lost
     log: list[Event] = []
     evicted: list[tuple[str, int]] = []
     leaving: list[str] = []
@@ -130,7 +154,22 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         log.append(Event(state.generation, ctx.term, ctx.wall_ms, kind, reason, tuple(nodes)))
 
     for index, ev in enumerate(events):
-        if isinstance(ev, Join):
+        if isinstance(ev, Rejoin):
+            refusal = _rejoin_refusal(state, members.get(ev.node_id), ev, len(members), ctx)
+            if refusal is None and ev.node_id not in members:
+                spec, spec_lost, refusal = _restored_spec(spec, spec_lost, ev.spec)
+            if refusal is not None:
+                rejected.append((index, refusal))
+                continue
+            if ev.node_id in members:
+                continue  # the same incarnation again, from a second stream: nothing new
+            members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, ev.member_id,
+                                         ev.kind, master_port=ev.master_port, secret_hash=ev.secret_hash)
+            joined.append(members[ev.node_id])
+            next_seq = max(next_seq, ev.member_id + 1)
+            generation = max(generation, ev.generation)
+            changed = True
+        elif isinstance(ev, Join):
             if ev.node_id in members:
                 rejected.append((index, AlreadyExists(
                     f"node {ev.node_id!r} is already a member of job {state.job!r} "
@@ -142,10 +181,15 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                     f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per job "
                     f"(--max-nodes-per-job {ctx.max_members})")))
                 continue
+            spec, spec_lost, refusal = _restored_spec(spec, spec_lost, ev.spec)
+            if refusal is not None:
+                rejected.append((index, refusal))
+                continue
             prestart = ctx.prestart and ev.kind is NodeKind.AGENT and state.phase is Phase.RUNNING
             members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind,
                                          master_port=ev.master_port,
-                                         down_slots=frozenset(range(ev.slots)) if prestart else frozenset())
+                                         down_slots=frozenset(range(ev.slots)) if prestart else frozenset(),
+                                         secret_hash=ev.secret_hash)
             joined.append(members[ev.node_id])
             next_seq += 1
             note("node_joined", f"{ev.slots} slot(s) at {ev.host}" + ("; starting its ranks first" if prestart else ""),
@@ -204,10 +248,12 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             regroup = unplanned = changed = True
 
     nxt = state.with_members(tuple(members.values()))
-    nxt = replace(nxt, next_seq=next_seq)
+    nxt = replace(nxt, next_seq=next_seq, generation=generation, spec=spec, spec_lost=spec_lost)
     drains: tuple[tuple[str, int], ...] = ()
 
-    if state.phase is Phase.FORMING:
+    if nxt.rebuilding:
+        nxt, new_generation = _rebuild(nxt, ctx, log)
+    elif state.phase is Phase.FORMING:
         nxt, formed = _maybe_form(nxt, ctx, log)
         new_generation = formed
     elif not (planned or unplanned):
@@ -252,6 +298,70 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
     )
 
 
+def _rejoin_refusal(state: JobState, member: Member | None, ev: Rejoin, members: int,
+                    ctx: Context) -> MusterError | None:
+    """Why a node claiming membership is not taken back (None: it is, or already was)."""
+    if not state.rebuilding or not ev.generation or not ev.member_id:
+        return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first")
+    if member is not None:  # taken back already, from another stream
+        if member.member_id != ev.member_id:
+            return FailedPrecondition(f"member {ev.member_id} of node {ev.node_id!r} is stale (current member "
+                                      f"{member.member_id}); it was evicted or replaced: rejoin")
+        if not member.admits(ev.secret_hash):
+            return PermissionDenied(f"node {ev.node_id!r} did not present the session secret of member "
+                                    f"{member.member_id}")
+        return None
+    if ev.generation > MAX_GENERATION or ev.member_id > MAX_MEMBER_ID:
+        return InvalidArgument(f"generation {ev.generation} and member_id {ev.member_id} must be at most "
+                               f"{MAX_GENERATION} and {MAX_MEMBER_ID}")
+    if members >= ctx.max_members:
+        return ResourceExhausted(f"job {state.job!r} has {members} nodes, the most this deployment takes per job "
+                                 f"(--max-nodes-per-job {ctx.max_members})")
+    return None
+
+
+def _restored_spec(spec: JobSpec, lost: bool, asked: JobSpec | None) -> tuple[JobSpec, bool, MusterError | None]:
+    """While the job's spec is lost (`spec` holds the coordinator's default), the first node taken
+    in restores it with what it asks for, as its Join created the job."""
+    if not lost or asked is None:
+        return spec, lost, None
+    try:
+        return asked.merged_over(spec).validate(), False, None
+    except InvalidPolicy as exc:
+        return spec, lost, InvalidArgument(str(exc))
+
+
+def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState, bool]:
+    """Nodes are taken back until the deadline (the new leader's grace), then one abort generation
+    above every generation they ran re-forms them all: a generation every node accepts, after
+    which the state sync brings all ranks to the highest completed step. A job that nobody
+    claims (a new one) forms as usual, which ends the rebuild as well."""
+    deadline = state.rebuild_deadline if state.rebuild_deadline is not None else ctx.now + ctx.timing.grace_s
+    if not state.rebuilt_members:
+        state, formed = _maybe_form(state, ctx, log)
+        if formed or ctx.now >= deadline:
+            return replace(state, rebuilding=False, rebuild_deadline=None), formed
+        return replace(state, rebuild_deadline=deadline), False
+    if ctx.now < deadline:
+        return replace(state, rebuild_deadline=deadline), False
+    rebuilt = replace(state, rebuilding=False, rebuild_deadline=None)
+    node_ids = tuple(m.node_id for m in state.members)
+    log.append(Event(state.generation, ctx.term, ctx.wall_ms, "state_rebuilt",
+                     f"the job's state was lost in etcd: rebuilt from the {len(node_ids)} node(s) that reconnected "
+                     f"within {ctx.timing.grace_s:g}s, above the highest generation they ran ({state.generation})",
+                     _named(node_ids)))
+    assignment = assign_ranks(state.members, None, state.spec)
+    if not assignment.runnable:
+        rebuilt = replace(_publish(rebuilt, (), 0, abort=True, switch_at=0), phase=Phase.WAITING)
+        log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "waiting", assignment.reason, (), 0))
+        return rebuilt, True
+    rebuilt = _publish(rebuilt, assignment.placements, assignment.world_size, abort=True, switch_at=0)
+    rebuilt = replace(rebuilt, phase=Phase.RUNNING)
+    log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "generation", f"abort; {assignment.reason}",
+                     _named(rebuilt.rank_map.node_ids), assignment.world_size))
+    return rebuilt, True
+
+
 def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState, bool]:
     """Form generation 1 when max_nodes are here, or once the last call after min_nodes ends."""
     assignment = assign_ranks(state.members, None, state.spec)
@@ -274,7 +384,8 @@ def _switch_at(state: JobState, ctx: Context) -> int:
     if ctx.step_time_s:
         lead = max(lead, math.ceil(ctx.timing.switch_lead_s / ctx.step_time_s) + 1)
     pending = state.rank_map.switch_at_step if state.rank_map and not state.rank_map.abort_previous else 0
-    return max(ctx.max_step + lead, pending)
+    # Capped: steps come from the nodes, and the step must stay in the wire's uint64.
+    return min(max(ctx.max_step + lead, pending), MAX_STEP)
 
 
 def _publish(state: JobState, placements, world_size: int, *, abort: bool, switch_at: int) -> JobState:

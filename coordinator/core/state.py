@@ -6,6 +6,7 @@ leader's term, before any directive about it leaves the leader. Values are immut
 
 from __future__ import annotations
 
+import hmac
 import json
 import zlib
 from dataclasses import dataclass, field, replace
@@ -40,10 +41,17 @@ class Member:
     kind: NodeKind = NodeKind.AGENT
     down_slots: frozenset[int] = frozenset()  # slots whose rank failed and has not come back
     master_port: int = 0  # where its rank 0 would host a plain env:// store (0: none)
+    # SHA-256 (hex) of the session secret handed to the node at Join: its Session and Leave present
+    # the secret (member_id alone is guessable). "": a member of a state written before secrets.
+    secret_hash: str = ""
 
     @property
     def usable_slots(self) -> tuple[int, ...]:
         return tuple(s for s in range(self.slots) if s not in self.down_slots)
+
+    def admits(self, secret_hash: str) -> bool:
+        """The presented secret (by its hash) is this member's; in constant time."""
+        return not self.secret_hash or hmac.compare_digest(self.secret_hash, secret_hash)
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,14 @@ class JobState:
     rank_map: RankMap | None = None
     history: tuple[Event, ...] = ()
     next_seq: int = 1
+    # The leader found no state (etcd lost it): nodes that were members are taken back as they
+    # reconnect, until rebuild_deadline; then one abort generation re-forms them.
+    rebuilding: bool = False
+    # ...and no spec either: `spec` is the coordinator's default until the first node taken back
+    # (or joining) brings its own. Not persisted: any state written has a node's spec.
+    spec_lost: bool = field(default=False, compare=False)
     forming_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
+    rebuild_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
 
     @cached_property
     def _by_node(self) -> dict[str, Member]:
@@ -113,6 +128,12 @@ class JobState:
 
     def member(self, node_id: str) -> Member | None:
         return self._by_node.get(node_id)
+
+    @property
+    def rebuilt_members(self) -> bool:
+        """Rebuilding, and nodes were taken back (they claim generations > 0): the job runs on
+        in their old groups until the rebuild ends; nothing is published before."""
+        return self.rebuilding and self.generation > 0
 
     @property
     def spares(self) -> tuple[str, ...]:
@@ -136,6 +157,7 @@ def encode(state: JobState) -> bytes:
         "generation": state.generation,
         "phase": state.phase.value,
         "next_seq": state.next_seq,
+        "rebuilding": state.rebuilding,
         "members": [
             {
                 "node_id": m.node_id,
@@ -147,6 +169,7 @@ def encode(state: JobState) -> bytes:
                 "kind": m.kind.value,
                 "down_slots": sorted(m.down_slots),
                 "master_port": m.master_port,
+                "secret_hash": m.secret_hash,
             }
             for m in state.members
         ],
@@ -193,6 +216,7 @@ def decode(data: bytes) -> JobState:
         generation=doc["generation"],
         phase=Phase(doc["phase"]),
         next_seq=doc["next_seq"],
+        rebuilding=doc.get("rebuilding", False),
         members=tuple(
             Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"])})
             for m in doc["members"]

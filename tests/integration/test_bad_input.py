@@ -99,7 +99,8 @@ def test_bad_requests_get_precise_statuses_and_change_nothing(coordinators):
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
                 assert "request is not valid muster.v1.JoinRequest" in err.value.details()
 
-            good = dict(job="bad", node_id="a", member_id=agent.member_id, term=agent.term, generation=agent.generation)
+            good = dict(job="bad", node_id="a", member_id=agent.member_id, term=agent.term, generation=agent.generation,
+                        session_secret=agent.session.secret)
             frame_cases = [
                 ([pb.NodeFrame(job="nojob", node_id="a")], "NOT_FOUND", "unknown"),
                 ([pb.NodeFrame(job="bad", node_id="ghost", member_id=1)], "NOT_FOUND", "not a member"),

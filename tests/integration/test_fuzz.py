@@ -16,7 +16,8 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-            grpc.StatusCode.UNAVAILABLE}  # UNAVAILABLE: a new job's election is not done yet
+            grpc.StatusCode.UNAVAILABLE,  # a new job's election is not done yet
+            grpc.StatusCode.PERMISSION_DENIED}  # a Leave or Session of a member without its session secret
 
 names = st.one_of(st.sampled_from(["fz", "fz2", "control"]), st.text(max_size=80),
                   st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True))

@@ -46,7 +46,8 @@ def test_jobs_nodes_and_frames_are_limited(coordinators):
 
             async def frames():
                 for _ in range(500):
-                    yield pb.NodeFrame(job="two", node_id="flood", member_id=response.member_id)
+                    yield pb.NodeFrame(job="two", node_id="flood", member_id=response.member_id,
+                                       session_secret=response.session_secret)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Session(frames()):
                     pass

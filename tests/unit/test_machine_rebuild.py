@@ -1,0 +1,167 @@
+"""Rebuilding a job whose state etcd lost, from the nodes that reconnect (the Rejoin event); the
+session secret's hash kept per member; the planned switch step bounded."""
+
+import pytest
+
+from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, Rejoin, Tick, decide
+from muster.coordinator.core.policy import MAX_GENERATION, MAX_STEP, JobSpec, Timing
+from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
+from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
+    ResourceExhausted
+
+TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5, grace_s=5.0)
+
+
+def ctx(now=0.0, max_step=0, step_time_s=None, max_members=100):
+    return Context(now=now, wall_ms=1_700_000_000_000 + int(now * 1000), term=9, timing=TIMING,
+                   max_step=max_step, step_time_s=step_time_s, max_members=max_members)
+
+
+def rejoin(i, member_id, generation, secret="s", slots=2, spec=None):
+    return Rejoin(f"n{i}", member_id, generation, f"hash-{secret}-{i}", f"10.0.0.{i}", 29500 + i, slots,
+                  NodeKind.AGENT, spec=spec)
+
+
+def lost(spec=JobSpec(2, 3, 1), spec_lost=False):
+    """What a leader starts from when etcd has no state of the job."""
+    return JobState("job", spec, rebuilding=True, spec_lost=spec_lost)
+
+
+def rejected(d, index=0):
+    return dict(d.rejected)[index]
+
+
+def test_nodes_are_taken_back_as_they_were_and_one_abort_generation_above_theirs_reforms_them_after_the_grace():
+    d = decide(lost(), [rejoin(2, member_id=5, generation=7), rejoin(1, member_id=3, generation=6)], ctx(now=0.0))
+    assert d.persist and not d.new_generation and not d.events
+    s = d.state
+    assert [(m.node_id, m.member_id, m.seq, m.secret_hash) for m in s.members] == \
+        [("n1", 3, 3, "hash-s-1"), ("n2", 5, 5, "hash-s-2")]
+    assert (s.generation, s.next_seq, s.rank_map, s.rebuilding) == (7, 6, None, True)
+    assert [m.node_id for m in d.joined] == ["n2", "n1"]
+
+    d = decide(s, [Tick()], ctx(now=4.9))  # the nodes run on in their old groups until the grace ends
+    assert not d.new_generation and not d.persist and d.state.rank_map is None
+
+    d = decide(d.state, [Tick()], ctx(now=5.0))
+    assert d.new_generation and d.persist and not d.state.rebuilding
+    rm = d.state.rank_map
+    assert (rm.generation, rm.abort_previous, rm.switch_at_step, rm.world_size) == (8, True, 0, 4)
+    assert rm.node_ids == ("n1", "n2"), "the oldest member (lowest member_id) keeps rank 0"
+    assert d.state.phase is Phase.RUNNING
+    assert [e.kind for e in d.events] == ["state_rebuilt", "generation"]
+    rebuilt = d.events[0]
+    assert "rebuilt from the 2 node(s)" in rebuilt.reason and "lost in etcd" in rebuilt.reason
+    assert rebuilt.nodes == ("n1", "n2") and all(e.generation == 8 and e.term == 9 for e in d.events)
+    assert decode(encode(d.state)) == d.state
+
+
+def test_a_rebuild_below_min_nodes_publishes_a_waiting_generation():
+    s = decide(lost(JobSpec(3, 3, 1)), [rejoin(1, 1, 4), rejoin(2, 2, 4)], ctx()).state
+    d = decide(s, [Tick()], ctx(now=5.0))
+    assert d.new_generation and d.state.phase is Phase.WAITING and d.state.generation == 5
+    assert d.state.rank_map.abort_previous and d.state.rank_map.world_size == 0
+    assert [e.kind for e in d.events] == ["state_rebuilt", "waiting"]
+
+
+def test_outside_a_rebuild_a_node_that_is_no_member_is_refused_and_nothing_changes():
+    state = decide(JobState("job", JobSpec(1, 3, 1)), [Join("n1", "10.0.0.1", 29501, 2, secret_hash="h")],
+                   ctx()).state
+    state = decide(state, [Tick()], ctx(now=2.0)).state
+    d = decide(state, [rejoin(2, 1, 3)], ctx(now=3.0))
+    assert isinstance(rejected(d), NotFound) and "not a member" in str(rejected(d))
+    assert d.state.members == state.members and not d.persist and d.state.generation == state.generation
+
+
+@pytest.mark.parametrize("member_id, generation", [(0, 3), (4, 0)])
+def test_a_claim_without_a_member_id_or_a_generation_is_refused(member_id, generation):
+    d = decide(lost(), [rejoin(1, member_id, generation)], ctx())
+    assert isinstance(rejected(d), NotFound) and not d.state.members and not d.persist
+
+
+def test_claims_beyond_any_real_run_and_past_the_member_limit_are_refused():
+    d = decide(lost(), [rejoin(1, 1, MAX_GENERATION + 1), rejoin(2, MAX_GENERATION + 1, 1)], ctx())
+    assert all(isinstance(e, InvalidArgument) for _, e in d.rejected) and len(d.rejected) == 2
+    d = decide(lost(), [rejoin(1, 1, 2), rejoin(2, 2, 2)], ctx(max_members=1))
+    assert isinstance(rejected(d, 1), ResourceExhausted) and [m.node_id for m in d.state.members] == ["n1"]
+
+
+def test_the_same_member_from_a_second_stream_is_taken_back_once_and_a_stranger_is_refused():
+    d = decide(lost(), [rejoin(1, 3, 5), rejoin(1, 3, 5)], ctx())
+    assert not d.rejected and len(d.state.members) == 1 and len(d.joined) == 1
+    d = decide(d.state, [rejoin(1, 3, 5, secret="forged"), rejoin(1, 4, 5)], ctx(now=1.0))
+    assert isinstance(rejected(d, 0), PermissionDenied) and isinstance(rejected(d, 1), FailedPrecondition)
+    assert d.state.members[0].secret_hash == "hash-s-1" and not d.persist
+
+
+def test_a_lost_spec_is_restored_from_the_first_node_taken_back():
+    default = JobSpec(1, 100_000, 1)
+    d = decide(lost(default, spec_lost=True), [rejoin(1, 1, 2, spec=JobSpec(2, 2, 0)),
+                                              rejoin(2, 2, 2, spec=JobSpec(1, 8, 1))], ctx())
+    assert d.state.spec == JobSpec(2, 2, 1) and not d.state.spec_lost
+    d = decide(lost(default, spec_lost=True), [rejoin(1, 1, 2, spec=JobSpec(3, 2, 1))], ctx())
+    assert isinstance(rejected(d), InvalidArgument) and "max_nodes" in str(rejected(d))
+    assert d.state.spec_lost and not d.state.members
+
+
+def test_a_join_while_rebuilding_gets_a_member_id_above_every_claimed_one_and_may_restore_the_spec():
+    s = decide(lost(JobSpec(1, 100_000, 1), spec_lost=True), [rejoin(1, 9, 3, spec=JobSpec(1, 2, 0))], ctx()).state
+    d = decide(s, [Join("n7", "10.0.0.7", 29507, 1, secret_hash="h7", spec=JobSpec(1, 4, 0))], ctx(now=1.0))
+    assert d.state.member("n7").member_id == 10 and d.state.member("n7").secret_hash == "h7"
+    assert d.state.spec == JobSpec(1, 2, 1), "the first node taken back restored it already"
+    d = decide(d.state, [Tick()], ctx(now=5.0))
+    assert d.state.rank_map.node_ids == ("n1", "n7") and d.state.generation == 4
+    d = decide(lost(JobSpec(1, 100_000, 1), spec_lost=True),
+               [Join("n7", "10.0.0.7", 29507, 1, spec=JobSpec(2, 4, 0))], ctx())
+    assert d.state.spec == JobSpec(2, 4, 1) and not d.state.spec_lost
+
+
+def test_members_lost_or_leaving_during_a_rebuild_are_not_rebuilt():
+    s = decide(lost(JobSpec(1, 3, 1)), [rejoin(1, 1, 2), rejoin(2, 2, 2), rejoin(3, 3, 2)], ctx()).state
+    d = decide(s, [NodeLost("n2", "node_silent", "no frame"), Leave("n3", immediate=False, reason="drain")],
+               ctx(now=1.0))
+    assert d.evicted == (("n2", 2),) and not d.new_generation
+    d = decide(d.state, [Tick()], ctx(now=5.0))
+    assert d.state.rank_map.node_ids == ("n1",) and "from the 1 node(s)" in d.events[0].reason
+
+
+def test_a_new_job_nobody_claims_forms_as_usual_and_is_no_longer_rebuilt():
+    d = decide(lost(JobSpec(1, 2, 1)), [Join("n1", "10.0.0.1", 29501, 1), Join("n2", "10.0.0.2", 29502, 1)], ctx())
+    assert d.new_generation and [e.kind for e in d.events] == ["node_joined", "node_joined", "formed"]
+    assert not d.state.rebuilding and d.state.generation == 1
+    d = decide(d.state, [rejoin(3, 1, 1)], ctx(now=0.1))
+    assert isinstance(rejected(d), NotFound)
+
+
+def test_a_rebuild_nobody_claims_ends_with_the_grace_and_writes_nothing():
+    d = decide(lost(), [Tick()], ctx(now=0.0))
+    assert d.state.rebuilding and not d.persist
+    d = decide(d.state, [Tick()], ctx(now=5.0))
+    assert not d.state.rebuilding and not d.persist and not d.new_generation
+    assert isinstance(rejected(decide(d.state, [rejoin(1, 1, 1)], ctx(now=5.1))), NotFound)
+
+
+def test_a_state_written_mid_rebuild_is_rebuilt_on_by_the_next_leader():
+    s = decide(lost(), [rejoin(1, 1, 3)], ctx(now=0.0)).state
+    loaded = decode(encode(s))
+    assert loaded.rebuilding and loaded.rebuild_deadline is None and loaded.members == s.members
+    d = decide(loaded, [rejoin(2, 2, 4)], ctx(now=100.0))  # a new leader's clock: a new grace
+    assert not d.new_generation and d.state.rebuild_deadline == 105.0
+    assert decide(d.state, [Tick()], ctx(now=105.0)).state.generation == 5
+
+
+def test_old_states_read_without_secrets_and_admit_any_secret():
+    s = decide(JobState("job", JobSpec(1, 3, 1)), [Join("n1", "10.0.0.1", 29501, 2, secret_hash="ab")], ctx()).state
+    assert decode(encode(s)).members[0].secret_hash == "ab"
+    old = encode(s).replace(b',"secret_hash":"ab"', b"").replace(b',"rebuilding":false', b"")
+    assert b"secret_hash" not in old and b"rebuilding" not in old
+    member = decode(old).members[0]
+    assert member.secret_hash == "" and member.admits("anything") and not decode(old).rebuilding
+    assert s.members[0].admits("ab") and not s.members[0].admits("ac") and not s.members[0].admits("")
+
+
+def test_the_planned_switch_step_stays_below_max_step():
+    state = decide(JobState("job", JobSpec(1, 3, 1)), [Join("n1", "10.0.0.1", 29501, 1)], ctx()).state
+    state = decide(state, [Tick()], ctx(now=2.0)).state
+    d = decide(state, [Join("n2", "10.0.0.2", 29502, 1)], ctx(now=3.0, max_step=MAX_STEP, step_time_s=1e-9))
+    assert d.new_generation and d.state.rank_map.switch_at_step == MAX_STEP
