@@ -107,7 +107,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if first is None:
                 raise errors.InvalidArgument("a session starts with a frame naming its job and node")
             self.admit(context, first)
-            leader = await self.replica.leader_for(first.job)
+            leader = await self.replica.session_leader(first)
             stream = leader.attach(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
             reader = asyncio.create_task(self._read(leader, stream, request_iterator, budget))

@@ -4,15 +4,17 @@ them in one abort generation above theirs; the job keeps its nodes, its member i
 failure detection."""
 
 import asyncio
+import json
 import shutil
 import time
 
 import pytest
-from muster.testing import SimulatedNode, wait_until
+from muster.testing import CoordinatorProcess, SimulatedNode, wait_until
 
 from muster.coordinator.client import Coordinators
 from muster.coordinator.core.state import decode
 from muster.coordinator.etcd_backend import JobStore
+from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
 
 JOB = "lost"
@@ -109,3 +111,41 @@ def test_etcd_coming_back_empty_is_rebuilt_from_the_nodes_though_its_terms_start
             await n.stop()
 
     asyncio.run(scenario())
+
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_started_after_etcd_lost_the_job_creates_it_from_the_nodes_that_reconnect(etcd, etcd_client,
+                                                                                              tmp_path):
+    first = CoordinatorProcess([etcd.endpoint], tmp_path / "first.log").start()
+    late = CoordinatorProcess([etcd.endpoint], tmp_path / "late.log", listen=f"127.0.0.1:{free_port()}")
+    late_address = late.args[late.args.index("--listen") + 1]
+
+    async def scenario():
+        spec = pb.JobSpec(min_nodes=2, max_nodes=2)
+        nodes = [SimulatedNode([first.address, late_address], JOB, f"node-{i}", slots=1, spec=spec) for i in range(2)]
+        for n in nodes:
+            await n.join()
+            n.start()
+        for n in nodes:
+            await n.wait_for(lambda x: x.assignment().world_size == 2, 10, "the first map")
+        generation = nodes[0].generation
+
+        await asyncio.to_thread(etcd_client.delete_prefix, "/muster/")
+        await asyncio.to_thread(late.start)  # it has never heard of the job
+        first.kill()
+        for n in nodes:
+            asg = await n.wait_for(lambda x: x.generation > generation, 15, "the rebuilt generation")
+            assert asg.abort_previous and asg.role == pb.ROLE_ACTIVE and not n.errors and n.leader == late_address
+        assert "state_rebuilt" in [e.kind for e in events(late_address)]
+        store = JobStore(etcd_client)  # the job's spec came with its nodes
+        assert json.loads(store.get_spec(JOB)) == {"min_nodes": 2, "max_nodes": 2, "world_size_multiple": 1}
+        assert len(decode(store.load_state(JOB)).members) == 2
+        for n in nodes:
+            await n.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        first.stop()
+        late.stop()
