@@ -141,6 +141,7 @@ class EtcdServer:
         self._binary = binary
         self.log_path = Path(log_path) if log_path else self.data_dir / f"{name}.etcd.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self.frozen = False  # SIGSTOPped by freeze(), until thaw()
 
     @property
     def endpoint(self) -> str:
@@ -166,7 +167,7 @@ class EtcdServer:
         return [
             binary,
             "--name", self.name,
-            "--data-dir", str(self.data_dir / f"{self.name}.etcd"),
+            "--data-dir", str(self.member_dir),
             "--listen-client-urls", self.client_url,
             "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url,
@@ -177,14 +178,18 @@ class EtcdServer:
                 "--client-cert-auth"] if self.tls else []),
         ]
 
-    def launch(self) -> None:
+    def launch(self, port_wait_s: float = 0.0) -> None:
         """Spawn the process without waiting; cluster members must all launch first."""
         if self.running():
             return
-        # Otherwise a server already on our port would answer /health for us.
+        # Otherwise a server already on our port would answer /health for us. A member restarted
+        # at its ports (same data, or wiped) may find one still held for a moment: wait briefly.
         for port in (self.client_port, self.peer_port):
-            if not _port_free(self.host, port):
-                raise EtcdStartError(f"port {self.host}:{port} is already in use; cannot start etcd {self.name!r}")
+            deadline = time.monotonic() + port_wait_s
+            while not _port_free(self.host, port):
+                if time.monotonic() >= deadline:
+                    raise EtcdStartError(f"port {self.host}:{port} is already in use; cannot start etcd {self.name!r}")
+                time.sleep(0.1)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # A file, not a pipe: nobody drains a pipe, and a full one blocks etcd.
@@ -221,10 +226,41 @@ class EtcdServer:
                 self._fail(f"etcd not healthy within {timeout_s}s")
             time.sleep(0.05)
 
-    def start(self, timeout_s: float = 15.0) -> "EtcdServer":
-        self.launch()
+    def start(self, timeout_s: float = 15.0, port_wait_s: float = 0.0) -> "EtcdServer":
+        self.launch(port_wait_s)
         self.wait_ready(timeout_s)
         return self
+
+    def healthy(self) -> bool:
+        """Running, and /health reports a leader (quorum)."""
+        return self.running() and not self.frozen and self._healthy()
+
+    def freeze(self) -> None:
+        """SIGSTOP: the member hangs (connections stay open, nothing is answered), as in a VM pause."""
+        if self.running():
+            os.kill(self._proc.pid, signal.SIGSTOP)
+            self.frozen = True
+            log.info("etcd_frozen", pid=self._proc.pid, name=self.name)
+
+    def thaw(self) -> None:
+        """SIGCONT after freeze()."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+            log.info("etcd_thawed", pid=self._proc.pid, name=self.name)
+        self.frozen = False
+
+    @property
+    def member_dir(self) -> Path:
+        """The member's etcd data (raft log, snapshots, keys); its log file lives beside it."""
+        return self.data_dir / f"{self.name}.etcd"
+
+    def wipe(self) -> None:
+        """Delete the member's data (a lost disk); it must not be running. Started again, it
+        bootstraps from `initial_cluster` as a new member of a new cluster."""
+        if self.running():
+            raise RuntimeError(f"etcd {self.name!r} (pid {self.pid}) is running: stop it before wiping its data")
+        shutil.rmtree(self.member_dir, ignore_errors=True)
+        log.info("etcd_wiped", name=self.name, data_dir=str(self.member_dir))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after timeout_s; always reaps the child."""
@@ -241,12 +277,15 @@ class EtcdServer:
         if proc.poll() is None:
             # Signal only the PID we spawned, never the group or a name match.
             proc.send_signal(sig)
+            if sig != signal.SIGKILL:  # a frozen member must run to act on SIGTERM
+                proc.send_signal(signal.SIGCONT)
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("etcd_stop_timed_out", pid=proc.pid, timeout_s=timeout_s)
                 proc.kill()
                 proc.wait()
+        self.frozen = False
         with _registry_lock:
             _running.discard(self)
         log.info("etcd_stopped", pid=proc.pid, signal=sig.name, returncode=proc.returncode)
@@ -344,6 +383,43 @@ class EtcdCluster:
         member = self.members[index]
         member.kill()
         return member
+
+    # ---- whole-cluster faults (the chaos suite) ----------------------------------------
+
+    def kill_all(self) -> None:
+        """SIGKILL every member: a total outage (power loss); `restart` brings it back with its data."""
+        for member in self.members:
+            member.kill()
+
+    def freeze_all(self) -> None:
+        """SIGSTOP every member: a total outage where connections hang instead of being refused."""
+        for member in self.members:
+            member.freeze()
+
+    def thaw_all(self) -> None:
+        for member in self.members:
+            member.thaw()
+
+    def restart(self, timeout_s: float = 30.0, port_wait_s: float = 10.0) -> "EtcdCluster":
+        """Start every member that is not running, with the data it has (none after `wipe`: a
+        fresh cluster at the same endpoints), and wait until all are healthy. All launch before
+        any is awaited: a lone member never gets quorum."""
+        for member in self.members:
+            if not member.running():
+                member.launch(port_wait_s)
+        deadline = time.monotonic() + timeout_s
+        for member in self.members:
+            member.wait_ready(max(0.1, deadline - time.monotonic()))
+        return self
+
+    def wipe(self) -> None:
+        """Delete every member's data (all disks lost); every member must be stopped first."""
+        for member in self.members:
+            member.wipe()
+
+    def healthy(self) -> bool:
+        """Every member runs, is not frozen, and reports a leader."""
+        return all(m.healthy() for m in self.members)
 
     def __enter__(self) -> "EtcdCluster":
         return self.start()

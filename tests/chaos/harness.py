@@ -5,7 +5,12 @@ each recovery. Used by the chaos tests and by their soak mode.
 Invariants (see `check`): survivors keep their PIDs; every rank process completes contiguous
 steps (never backwards, none lost); all ranks hold identical state at every step of a
 generation; the event history explains every generation and every fault; no process is left
-behind (`stop`). Recovery times are recorded per fault and written to `report.json`.
+behind (`stop`). Liveness (see `liveness`): once a fault heals, every surviving slot steps again
+within LIVENESS_BOUND_S. Recovery times are recorded per fault and written to `report.json`.
+
+Compound faults (the soak and tests/chaos/test_compound.py) add whole-deployment outages: every
+etcd member killed or frozen, every coordinator killed, etcd's data lost, a rank killed during an
+outage, the leader frozen as it publishes a reform, and a hostile client on the gRPC port.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import hostile
 from muster.coordinator.client import Coordinators
 from muster.coordinator.etcd_backend import connect
 from muster.coordinator.etcd_server import EtcdCluster
@@ -29,6 +35,30 @@ from muster.testing import AgentProcess, CoordinatorProcess, json_lines, process
 from muster.v1 import muster_pb2 as pb
 
 Slot = tuple[str, int]  # (node id, local rank)
+
+# The coordinators' timing in the harness (flags below; --grace comes from muster.testing.FAST).
+HEARTBEAT_TIMEOUT_S = 2.0
+SESSION_TTL_S = 3
+GRACE_S = 2.0
+# A fault heals (etcd back, coordinators serving again, the fault itself for instant ones) -> every
+# surviving slot has completed a step again (in a new generation when one is the answer). The
+# slowest legitimate path is a rank killed during an etcd outage: the replicas' session and campaign
+# retries back off up to 2 s with jitter x2 (4 s); a campaign key of the old session outlives the
+# outage by its lease TTL (3 s); the new leader's grace (2 s) — exit reports act at once, but a death
+# it only learns from frames may wait for it —; a silent rank is found after the heartbeat timeout
+# (2 s); the survivors then re-form on two loaded cores (about 1 s). 4 + 3 + 2 + 2 + 1 = 12, plus a 3 s margin.
+LIVENESS_BOUND_S = 15.0
+ETCD_OUTAGE_S = 10.0  # every etcd member down (killed or frozen), then back with its data
+COORDINATORS_DOWN_S = 20.0  # every coordinator killed, then restarted at its address
+# A rank killed during an outage dies this far into it: past the leader's renew deadline (2/3 of the
+# TTL), so no leader is left to hear of it.
+KILL_INTO_OUTAGE_S = 4.0
+STEP_DOWN_BOUND_S = 5.0  # a resumed, frozen leader logs that it lost the job within this
+HOSTILE_SETTLE_S = HEARTBEAT_TIMEOUT_S + 1.0  # after the hostile client: time for an eviction to show
+# What explains a rank killed during an outage: its agent's exit report reaching the new leader, or,
+# when that report was lost with the refused streams of the outage, the survivors found holding in a
+# broken group (after the heartbeat timeout).
+OUTAGE_KILL_EXPECT = frozenset({"rank_exited", "group_broken"})
 
 
 @dataclass
@@ -58,10 +88,22 @@ class Fault:
     recovered_s: float | None = None  # fault -> every survivor stepped in a new group / a new leader serves
     generation_after: int = 0
     notes: list[str] = field(default_factory=list)
+    kind: str = ""  # the scenario's name in the table (`Chaos.scenario`)
+    rebuild: bool = False  # etcd's data was lost: exactly one state_rebuilt generation is the answer
+    healed_at: float | None = None  # wall clock: the cause removed (etcd back, coordinators serving, leader resumed)
+    resumed_s: float | None = None  # the heal (else the fault) -> every surviving slot stepped again
+    wedged: str | None = None  # why the job did not step again within LIVENESS_BOUND_S
+    lost: list[str] = field(default_factory=list)  # survivors whose process changed (lost to a fault outside them)
+    problems: list[str] = field(default_factory=list)  # other broken invariants, each a precise message
+    stall_s: float | None = None  # longest gap between two steps of the job from this fault to the next
+    frozen: tuple[CoordinatorProcess, int] | None = field(default=None, repr=False)  # (leader, its term)
+
+    @property
+    def since(self) -> float:
+        return self.healed_at or self.at
 
     def summary(self) -> dict:
-        d = asdict(self)
-        d.pop("pids_before")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pids_before", "frozen")}
         d["victims"] = [f"{n}/{s}" for n, s in self.victims]
         d["expect"] = sorted(self.expect)
         return d
@@ -127,15 +169,20 @@ class Chaos:
 
     def __init__(self, workdir: Path, *, nodes: int = 3, slots: int = 2, replicas: int = 2, etcd_members: int = 3,
                  job: str = "chaos", step_sleep_s: float = 0.1, heartbeat_timeout_s: float = 2.0,
-                 host: str = "127.0.0.1", netns: dict[str, NetNamespace] | None = None):
+                 host: str = "127.0.0.1", netns: dict[str, NetNamespace] | None = None, seed: int | None = None,
+                 strict: bool = True):
         self.workdir = workdir
+        self.rng = random.Random(seed)  # every random choice of the harness: a seed replays the victims
+        # strict: any broken invariant raises at once. Otherwise (the soak) a wedge or a rank lost to
+        # a fault outside it is recorded on the fault and the sequence goes on; the rest still raises.
+        self.strict = strict
         self.nodes = [f"node{i}" for i in range(nodes)]
         self.slots = slots
         self.job = job
         self.step_sleep_s = step_sleep_s
         self.host = host  # what the coordinators and the nodes outside a namespace listen on
         self.netns = netns or {}
-        self.coordinator_flags = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--session-ttl", "3"]
+        self.coordinator_flags = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--session-ttl", str(SESSION_TTL_S)]
         self.etcd = EtcdCluster(workdir / "etcd", etcd_members)
         self.replicas: list[CoordinatorProcess] = []
         self.agents: dict[str, AgentProcess] = {}
@@ -143,7 +190,9 @@ class Chaos:
         self.faults: list[Fault] = []
         self.pids: set[int] = set()  # every process started, for the orphan check
         self.started_at = 0.0
+        self.full_at = 0.0  # first time at full strength: stalls are counted from here
         self._n_replicas = replicas
+        self._frozen: set[int] = set()  # PIDs of coordinators held by SIGSTOP
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -156,6 +205,7 @@ class Chaos:
         for node in self.nodes:
             self.restart_agent(node)
         self.full_strength(timeout_s)
+        self.full_at = time.time()
         return self
 
     def stop(self) -> list[int]:
@@ -196,8 +246,21 @@ class Chaos:
     def restart_etcd(self) -> None:
         for member in self.etcd.members:
             if not member.running():
-                member.start()
+                member.start(port_wait_s=10.0)
                 self.pids.add(member.pid)
+
+    def revive(self) -> list[str]:
+        """Bring back what died without being the fault's victim (an agent that exited, a replica
+        short): a soak goes on at full strength after a recorded failure. What it did, as notes."""
+        notes = []
+        for node, agent in list(self.agents.items()):
+            if agent.proc.poll() is not None:
+                notes.append(f"{node}'s agent (pid {agent.pid}) had exited with {agent.proc.returncode}: restarted; "
+                             f"its log: {agent.log_path}")
+                self.restart_agent(node)
+        while len(self.addresses) < self._n_replicas:
+            notes.append(f"restarted coordinator {self.restart_coordinator().address}")
+        return notes
 
     # ---- views -----------------------------------------------------------------------
 
@@ -238,12 +301,39 @@ class Chaos:
 
     def leader(self, timeout_s: float = 15.0) -> CoordinatorProcess:
         """The replica leading the job (after an etcd fault a new election may still be running)."""
-        return wait_until(lambda: next((r for r in self.replicas if r.leads(self.job)), None), timeout_s,
-                          "a coordinator leading the job", interval_s=0.1)
+        return wait_until(self.serving_leader, timeout_s, "a coordinator leading the job", interval_s=0.1)
+
+    def serving_leader(self) -> CoordinatorProcess | None:
+        """The replica answering as the job's live leader now, if any (frozen ones are not asked)."""
+        return next((r for r in self.replicas if r.pid not in self._frozen and r.leads(self.job)), None)
+
+    def status(self) -> pb.JobStatus | None:
+        """The job as the serving leader sees it (generation, term), or None."""
+        leader = self.serving_leader()
+        if leader is None:
+            return None
+        try:
+            with Coordinators([leader.address], timeout_s=2) as c:
+                return c.call("Status", pb.StatusRequest(job=self.job, brief=True)).jobs[0]
+        except Exception:  # between lives
+            return None
 
     def events(self) -> list[pb.Event]:
-        with Coordinators(self.addresses, timeout_s=5) as c:
+        live = [r.address for r in self.replicas if r.proc.poll() is None and r.pid not in self._frozen]
+        with Coordinators(live or self.addresses, timeout_s=5) as c:
             return list(c.call("Events", pb.EventsRequest(job=self.job)).events)
+
+    def step_times(self) -> list[float]:
+        """When the job completed a step: every step record of every rank process, sorted."""
+        return sorted(record_time(r) for run in self.runs() for r in run.steps())
+
+    def stall(self, start: float, end: float, step_times: list[float] | None = None) -> float:
+        """The longest time in [start, end] with no step completed by any rank."""
+        times = [start, *(t for t in (self.step_times() if step_times is None else step_times) if start < t < end), end]
+        return round(max(b - a for a, b in zip(times, times[1:])), 3)
+
+    def coordinator_logs(self) -> str:
+        return ", ".join(str(r.log_path) for r in self.replicas if r.proc.poll() is None) or "(none running)"
 
     def full_strength(self, timeout_s: float = 90.0) -> None:
         """Wait until every slot of every live node trains in one group of full size."""
@@ -272,7 +362,7 @@ class Chaos:
     def rank_slot(self, rank: int | None = None) -> Slot:
         """The slot holding `rank`; None: a random rank other than 0."""
         by_rank = {r["rank"]: k for k, r in self.last_steps().items()}
-        return by_rank[rank] if rank is not None else by_rank[random.choice([r for r in by_rank if r != 0])]
+        return by_rank[rank] if rank is not None else by_rank[self.rng.choice(sorted(r for r in by_rank if r != 0))]
 
     def kill_rank(self, rank: int | None = None) -> Fault:
         slot = self.rank_slot(rank)
@@ -292,7 +382,7 @@ class Chaos:
         os.kill(fault.pids_before[fault.victims[0]], signal.SIGCONT)
 
     def kill_agent(self, node: str | None = None) -> Fault:
-        node = node or random.choice([n for n in self.agents if n != self.rank_slot(0)[0]])
+        node = node or self.rng.choice(sorted(n for n in self.agents if n != self.rank_slot(0)[0]))
         agent = self.agents[node]
         return self._inject("SIGKILL agent", f"agent pid {agent.pid} of {node} (and so its ranks)",
                             [(node, s) for s in range(self.slots)], membership=True, expect={"node_silent"},
@@ -344,7 +434,7 @@ class Chaos:
         wait_until(lambda: [r for r in leader.find("membership_changed", kind="generation")
                             if record_time(r) >= first.at], 15, "the first fault's new generation", interval_s=0.005)
         survivors = [k for k in self.current() if k not in first.victims and k != self.rank_slot(0)]
-        second = random.choice(survivors)
+        second = self.rng.choice(sorted(survivors))
         pid = self.current()[second].pid
         stepped = any(r["generation"] > first.generation_before for r in self.last_steps().values())
         os.kill(pid, signal.SIGKILL)
@@ -368,8 +458,219 @@ class Chaos:
         fault.notes.append(f"{node}'s agent exited with {cut_off.proc.returncode} once the network healed")
         self.restart_agent(node)
 
+    # ---- compound faults: whole-deployment outages, a frozen leader, a hostile client ----
+
+    def _sleep_until(self, at: float) -> None:
+        time.sleep(max(0.0, at - time.time()))
+
+    def _outage_victim(self, kill_rank: bool) -> tuple[list[Slot], int | None]:
+        if not kill_rank:
+            return [], None
+        slot = self.rank_slot()
+        return [slot], self.current()[slot].pid
+
+    def _kill_during(self, fault: Fault, what: str, pid: int | None) -> None:
+        """The rank of an outage fault dies KILL_INTO_OUTAGE_S into it; its agent replaces it while
+        no leader can hear of it, and the survivors must hold (no crash) until one can."""
+        if pid is None:
+            return
+        self._sleep_until(fault.at + KILL_INTO_OUTAGE_S)
+        os.kill(pid, signal.SIGKILL)
+        fault.notes.append(f"rank pid {pid} killed {round(time.time() - fault.at, 1)} s into the {what}")
+
+    def etcd_outage(self, *, freeze: bool = False, kill_rank: bool = False) -> Fault:
+        """Every etcd member killed (or frozen: connections hang instead of being refused) for
+        ETCD_OUTAGE_S, then restarted with its data (or resumed). The leader steps down (its lease
+        cannot be renewed); training goes on in its groups; once etcd is back a leader loads the
+        state, gives the nodes their grace, and nothing changes. With `kill_rank`, a rank dies
+        during the outage: its agent restarts it, the survivors hold, and they re-form once a leader
+        is back (the exit report reaches it with the node's next frame)."""
+        victims, pid = self._outage_victim(kill_rank)
+        how = "SIGSTOP" if freeze else "SIGKILL"
+        fault = self._inject(f"etcd total outage ({how}){' + SIGKILL rank' if kill_rank else ''}",
+                             f"every etcd member ({', '.join(str(m.pid) for m in self.etcd.members)}) {how} for "
+                             f"{ETCD_OUTAGE_S:g} s" + (f"; rank pid {pid} at {victims[0][0]}/{victims[0][1]}"
+                                                       if pid else ""),
+                             victims, membership=kill_rank, expect=OUTAGE_KILL_EXPECT if kill_rank else set(),
+                             action=self.etcd.freeze_all if freeze else self.etcd.kill_all)
+        self._kill_during(fault, "etcd outage", pid)
+        self._sleep_until(fault.at + ETCD_OUTAGE_S)
+        if freeze:
+            self.etcd.thaw_all()
+            wait_until(self.etcd.healthy, 30, "every etcd member healthy after SIGCONT", interval_s=0.1)
+        else:
+            self.etcd.restart()
+            self.pids.update(m.pid for m in self.etcd.members)
+        fault.healed_at = time.time()
+        return fault
+
+    def coordinators_down(self, *, kill_rank: bool = False) -> Fault:
+        """Every coordinator SIGKILLed for COORDINATORS_DOWN_S, then restarted at its address.
+        Training goes on in its groups; the agents keep retrying; nobody is evicted (the new leader
+        gives the nodes their grace). With `kill_rank`, a rank dies meanwhile (as in `etcd_outage`)."""
+        victims, pid = self._outage_victim(kill_rank)
+        down = [r for r in self.replicas if r.proc.poll() is None]
+
+        def kill_all():
+            for r in down:
+                r.kill()
+        fault = self._inject(f"every coordinator down{' + SIGKILL rank' if kill_rank else ''}",
+                             f"coordinators {', '.join(f'{r.address} pid {r.pid}' for r in down)} SIGKILLed for "
+                             f"{COORDINATORS_DOWN_S:g} s" + (f"; rank pid {pid} at {victims[0][0]}/{victims[0][1]}"
+                                                             if pid else ""),
+                             victims, membership=kill_rank, expect=OUTAGE_KILL_EXPECT if kill_rank else set(),
+                             action=kill_all)
+        self._kill_during(fault, "coordinator outage", pid)
+        self._sleep_until(fault.at + COORDINATORS_DOWN_S)
+        for _ in down:
+            self.restart_coordinator()
+        fault.healed_at = time.time()
+        return fault
+
+    def etcd_data_loss(self) -> Fault:
+        """Every etcd member killed, its data deleted, and a fresh cluster started at the same
+        endpoints: the job's state, spec and elections are gone. The coordinators must rebuild the
+        job from its nodes (their rejoin identity): exactly one state_rebuilt generation, nobody
+        evicted, the survivors keep their processes and their steps."""
+        def wipe():
+            self.etcd.kill_all()
+            self.etcd.wipe()
+            self.etcd.restart()
+        fault = self._inject("etcd data loss", f"every etcd member ({', '.join(str(m.pid) for m in self.etcd.members)}) "
+                             "SIGKILLed, its data deleted, a fresh cluster started at the same endpoints", [],
+                             membership=False, expect={"state_rebuilt"}, action=wipe)
+        self.pids.update(m.pid for m in self.etcd.members)
+        fault.rebuild = True
+        fault.healed_at = time.time()
+        return fault
+
+    def freeze_leader_at_reform(self) -> Fault:
+        """Kill a rank; the moment the leader logs the new generation, SIGSTOP the leader. A standby
+        takes over once its lease expires and the survivors re-form; resumed (`resume_leader`), the
+        old leader must find itself stepped down (fenced) and publish nothing."""
+        leader = self.leader()
+        fault = self.kill_rank()
+        published = wait_until(lambda: [r for r in leader.find("membership_changed", kind="generation")
+                                        if record_time(r) >= fault.at], 15,
+                               f"the leader's membership_changed kind=generation record (log {leader.log_path})",
+                               interval_s=0.005)
+        leader.signal(signal.SIGSTOP)
+        self._frozen.add(leader.pid)
+        term = published[0].get("term", 0)
+        fault.frozen = (leader, term)
+        fault.name = "SIGSTOP the leader as it publishes a reform"
+        fault.detail += (f"; then coordinator {leader.address} pid {leader.pid} (term {term}) SIGSTOPped "
+                         f"{round(time.time() - record_time(published[0]), 3)} s after it logged generation "
+                         f"{published[0].get('generation')}")
+        return fault
+
+    def resume_leader(self, fault: Fault) -> None:
+        """SIGCONT the frozen leader: within STEP_DOWN_BOUND_S it must log that it lost the job
+        (its session expired, or its fenced write was refused) and publish nothing as the old term."""
+        leader, term = fault.frozen
+        try:  # resumed only once a standby leads: what it must find is that it was replaced
+            successor = self.leader(LIVENESS_BOUND_S)
+            took = [record_time(r) - fault.at for r in successor.find("leadership_acquired", job=self.job)
+                    if record_time(r) >= fault.at]
+            fault.notes.append(f"{successor.address} led {round(took[0], 3) if took else '?'} s after the kill; "
+                               f"the survivors had stepped in the new group {fault.recovered_s} s after it"
+                               + (" (the frozen leader's directives had gone out)"
+                                  if fault.recovered_s is not None and took and fault.recovered_s < took[0] else ""))
+        except AssertionError:
+            fault.notes.append(f"no standby led within {LIVENESS_BOUND_S:g} s: resumed anyway")
+        os.kill(leader.pid, signal.SIGCONT)
+        self._frozen.discard(leader.pid)
+        resumed = fault.healed_at = time.time()
+
+        def after(event: str) -> list[dict]:
+            return [r for r in leader.find(event, job=self.job) if r.get("term") == term and record_time(r) >= resumed]
+        try:
+            lost = wait_until(lambda: after("leadership_lost"), STEP_DOWN_BOUND_S, "leadership_lost", interval_s=0.05)
+            fault.notes.append(f"resumed leader stepped down {round(record_time(lost[0]) - resumed, 3)} s after SIGCONT: "
+                               f"{lost[0].get('reason')}")
+        except AssertionError:
+            fault.problems.append(
+                f"{fault.name}: the resumed leader {leader.address} pid {leader.pid} logged no leadership_lost for "
+                f"term {term} within {STEP_DOWN_BOUND_S:g} s of SIGCONT (expected: it steps down, fenced); "
+                f"read {leader.log_path}")
+        published = after("membership_changed")
+        if published:
+            fault.problems.append(
+                f"{fault.name}: the resumed leader published as term {term} after SIGCONT (it should be fenced): "
+                f"{[(r.get('kind'), r.get('generation'), r.get('reason')) for r in published][:5]}; read {leader.log_path}")
+        status = self.status()
+        if status is not None and status.term <= term:
+            fault.problems.append(f"{fault.name}: the job is led with term {status.term} by {status.leader} after the "
+                                  f"frozen leader (term {term}) resumed; a standby should have taken over with a "
+                                  "higher term")
+
+    def hostile_client(self) -> Fault:
+        """A hostile client on the wire while training runs: garbage bytes to every replica's port;
+        oversized names; a Join as an existing node; Sessions and immediate Leaves of a node with
+        guessed member_ids (the real one among them) and no session secret. Every RPC must be
+        refused with a precise status, the same leader keeps serving with the same term, and
+        nothing changes: no generation, no eviction, no process."""
+        leader = self.leader()
+        before = self.status()
+        node = self.rng.choice(sorted(n for n in self.agents if n != self.rank_slot(0)[0]))
+        joined = self.agents[node].records("node_joined")
+        member_id = joined[-1]["member"] if joined else 1
+        agents = {n: a.pid for n, a in self.agents.items()}
+        outcomes: list[hostile.Outcome] = []
+        changes: list[str] = []
+
+        def look(probe: str) -> None:
+            deaf = [r.address for r in self.replicas if r.proc.poll() is None and not _answers(r.address, self.job)]
+            if deaf:
+                changes.append(f"after {probe}: replica(s) {deaf} no longer answer Status "
+                               f"(read {self.coordinator_logs()})")
+            now = self.status()
+            gone = [f"{n}'s agent (pid {pid}) exited with {self.agents[n].proc.returncode}, its log: "
+                    f"{self.agents[n].log_path}" for n, pid in agents.items() if self.agents[n].proc.poll() is not None]
+            if now is None:
+                changes.append(f"after {probe}: no leader serves the job any more (read {self.coordinator_logs()})")
+            elif before is not None and (now.generation, now.term, now.leader) != (before.generation, before.term,
+                                                                                     before.leader):
+                changes.append(f"after {probe}: (generation, term, leader) went from "
+                               f"{(before.generation, before.term, before.leader)} to "
+                               f"{(now.generation, now.term, now.leader)}")
+            for g in gone:
+                if not any(g in c for c in changes):
+                    changes.append(f"after {probe}: {g}")
+
+        def attack():
+            outcomes.extend(hostile.attack(leader.address, self.addresses, self.job, node, member_id, self.slots,
+                                           between=look))
+        fault = self._inject("hostile client", f"garbage, oversized names and an impostor of {node} (member "
+                             f"{member_id}) against leader {leader.address}", [], membership=False, expect=set(),
+                             action=attack)
+        time.sleep(HOSTILE_SETTLE_S)  # an evicted node or a broken stream shows by now
+        look("the settle time")
+        fault.notes.extend(str(o) for o in outcomes)
+        for o in outcomes:
+            if o.accepted:
+                fault.problems.append(f"hostile client: {o.probe} was accepted (expected a refusal); read {leader.log_path}")
+            elif o.imprecise:
+                fault.problems.append(f"hostile client: {o.probe} got {o.result} (expected a precise refusal, one of "
+                                      f"{sorted(hostile.PRECISE_REFUSALS)}): {o.detail[:200]}; read {leader.log_path}")
+        fault.problems.extend(f"hostile client: {c}" for c in dict.fromkeys(changes))
+        if leader.proc.poll() is not None:
+            fault.problems.append(f"hostile client: the leader {leader.address} exited with {leader.proc.returncode}; "
+                                  f"read {leader.log_path}")
+        return fault
+
+    SCENARIOS = {
+        # the table of single faults (test_faults.SEQUENCE) ...
+        "rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform",
+        "partition",
+        # ... and the compound ones
+        "etcd_outage", "etcd_freeze", "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage",
+        "rank_in_coordinators_down", "leader_frozen_at_reform", "hostile_client",
+    }
+
     def scenario(self, name: str) -> Fault:
-        """One named fault: inject it, time the answer, repair what it broke, wait for full strength,
+        """One named fault: inject it (an outage also heals inside), check that the job steps again
+        within LIVENESS_BOUND_S, time the answer, repair what it broke, wait for full strength,
         check the invariants."""
         inject, repair = {
             "rank": (self.kill_rank, None),
@@ -382,24 +683,118 @@ class Chaos:
             "rank_and_leader": (self.kill_rank_and_leader, lambda f: self.restart_coordinator()),
             "during_reform": (self.kill_during_reform, None),
             "partition": (lambda: self.partition(next(iter(self.netns))), self.heal),
+            "etcd_outage": (self.etcd_outage, None),
+            "etcd_freeze": (lambda: self.etcd_outage(freeze=True), None),
+            "coordinators_down": (self.coordinators_down, None),
+            "etcd_data_loss": (self.etcd_data_loss, None),
+            "rank_in_etcd_outage": (lambda: self.etcd_outage(kill_rank=True), None),
+            "rank_in_coordinators_down": (lambda: self.coordinators_down(kill_rank=True), None),
+            "leader_frozen_at_reform": (self.freeze_leader_at_reform, self.resume_leader),
+            "hostile_client": (self.hostile_client, None),
         }[name]
-        fault = self.recover(inject())
+        fault = inject()
+        fault.kind = name
+        self.liveness(fault)
+        fault.lost = self.find_lost(fault)
+        if self.strict and (fault.wedged or fault.lost or fault.problems):  # fail fast, with the cause first
+            self.verdict(fault)
+        self.recover(fault)
         if repair is not None:
             repair(fault)
+        fault.notes.extend(self.revive())
         self.full_strength()
         self.check(fault)
         return fault
 
     # ---- recovery and invariants -----------------------------------------------------
 
+    def _rebuilt(self, fault: Fault) -> list[pb.Event]:
+        try:
+            events = self.events()
+        except Exception:  # no leader yet, or the job not known again yet
+            return []
+        return [e for e in events if e.kind == "state_rebuilt" and e.time_unix_ms >= fault.at * 1000 - 5]
+
+    def liveness(self, fault: Fault) -> None:
+        """After the fault healed (or was injected), within LIVENESS_BOUND_S: a leader serves and
+        every slot it did not target has completed a step again (in a new generation when one is
+        the answer; after the state_rebuilt event for a data loss). A slot whose process was lost
+        counts through its replacement (the loss itself is reported by `check`). Sets resumed_s,
+        or records the wedge with what each slot last did."""
+        since = fault.since
+
+        def stepped():
+            if self.serving_leader() is None:
+                return None
+            start = since
+            if fault.rebuild:
+                rebuilt = self._rebuilt(fault)
+                if not rebuilt:
+                    return None
+                start = max(since, rebuilt[0].time_unix_ms / 1000)
+            firsts = []
+            for key, run in self.current().items():
+                if key in fault.victims:
+                    continue
+                new = [r for r in run.steps() if record_time(r) >= start
+                       and (not fault.membership or r["generation"] > fault.generation_before)]
+                if not new:
+                    return None
+                firsts.append(record_time(new[0]))
+            return firsts or None
+        try:
+            firsts = wait_until(stepped, LIVENESS_BOUND_S + 1.0, "the job stepping again", interval_s=0.1)
+        except AssertionError:
+            firsts = None
+        if firsts is not None:
+            fault.resumed_s = round(max(firsts) - since, 3)
+            if fault.resumed_s <= LIVENESS_BOUND_S:
+                return
+        fault.wedged = self._wedge_report(fault)
+
+    def find_lost(self, fault: Fault) -> list[str]:
+        """Slots the fault did not target whose process changed: each with the log of the one lost."""
+        current = self.current()
+        lost = []
+        for key, pid in fault.pids_before.items():
+            if key in fault.victims or (key in current and current[key].pid == pid):
+                continue
+            old = next((run for run in self.runs() if run.pid == pid), None)
+            now = f"now pid {current[key].pid}" if key in current else "the slot runs nothing now"
+            lost.append(f"{fault.name}: survivor {key[0]}/{key[1]} lost its process (pid {pid}; {now}); "
+                        + (f"its log {old.log} ends: {_tail(old.log, 3)}" if old else "no log found"))
+        return lost
+
+    def _wedge_report(self, fault: Fault) -> str:
+        start = "it healed" if fault.healed_at else "the fault"
+        lines = [f"WEDGE: {fault.name} ({fault.detail}): the job did not step again within {LIVENESS_BOUND_S:g} s of "
+                 f"{start} (expected: a leader serving and every surviving slot stepping"
+                 f"{' in a new generation' if fault.membership else ''}"
+                 f"{' after the state_rebuilt event' if fault.rebuild else ''})."]
+        leader = self.serving_leader()
+        lines.append(f"  leader: {leader.address + ' ' + str(leader.log_path) if leader else 'none serving'}; "
+                     f"coordinator logs: {self.coordinator_logs()}")
+        if fault.rebuild:
+            lines.append(f"  state_rebuilt events since the fault: {len(self._rebuilt(fault))}")
+        for key, run in sorted(self.current().items()):
+            if key in fault.victims:
+                continue
+            steps = run.steps()
+            last = steps[-1] if steps else None
+            tail = _tail(run.log, 2)
+            lines.append(f"  {key[0]}/{key[1]} pid {run.pid}: last step "
+                         f"{(last['step'], 'generation', last['generation'], round(time.time() - record_time(last), 1), 's ago') if last else None}; "
+                         f"log {run.log} ends: {tail}")
+        return "\n".join(lines)
+
     def recover(self, fault: Fault, timeout_s: float = 60.0) -> Fault:
         """Wait for the answer to `fault` and time it."""
         if fault.membership:
             def stepped_in_new_group():
                 firsts = []
-                for key, run in self.current().items():
-                    if key in fault.victims or fault.pids_before.get(key) != run.pid:
-                        continue
+                current = {k: run for k, run in self.current().items() if k not in fault.victims}
+                kept = {k: run for k, run in current.items() if fault.pids_before.get(k) == run.pid}
+                for key, run in (kept or current).items():  # survivors all lost (`check` says so): their replacements
                     new = [r for r in run.steps() if r["generation"] > fault.generation_before
                            and record_time(r) >= fault.at]
                     if not new:
@@ -413,9 +808,13 @@ class Chaos:
                          if r["kind"] in fault.expect and record_time(r) >= fault.at]
             fault.detected_s = round(min(decisions) - fault.at, 3) if decisions else None
         else:
-            survivors = [r for r in self.replicas if r.proc.poll() is None]
+            survivors = [r for r in self.replicas if r.proc.poll() is None and r.pid not in self._frozen]
             wait_until(lambda: any(r.leads(self.job) for r in survivors), timeout_s, "a serving leader")
             fault.recovered_s = round(time.time() - fault.at, 3)
+            if fault.rebuild:
+                wait_until(lambda: self._rebuilt(fault), timeout_s,
+                           f"a state_rebuilt event after {fault.name} (coordinator logs: {self.coordinator_logs()})",
+                           interval_s=0.2)
             steps = {k: r["step"] for k, r in self.last_steps().items()}
             wait_until(lambda: all(self.last_steps().get(k, {}).get("step", 0) >= s + 5 for k, s in steps.items()),
                        timeout_s, "every rank stepping on", interval_s=0.1)
@@ -423,42 +822,99 @@ class Chaos:
         return fault
 
     def check(self, fault: Fault) -> None:
-        """The invariants, over everything logged so far; raises AssertionError naming the broken one."""
-        current = self.current()
-        for key, pid in fault.pids_before.items():
-            if key not in fault.victims:
-                assert key in current and current[key].pid == pid, \
-                    f"{fault.name}: survivor {key} lost its process (pid {pid})"
+        """The invariants, over everything logged so far. Strict: raises AssertionError naming every
+        broken one. Otherwise lost ranks and the wedge stay recorded on the fault and only the
+        other problems raise."""
+        seen = {line.split(" lost its process")[0] for line in fault.lost}  # one line per slot (found after liveness)
+        fault.lost += [line for line in self.find_lost(fault) if line.split(" lost its process")[0] not in seen]
         by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
         for run in self.runs():
-            _check_progress(fault.name, run)
+            try:
+                _check_progress(fault.name, run)
+            except AssertionError as exc:
+                fault.problems.append(f"{exc} (log {run.log})")
             for r in run.steps():
                 by_step[(r["generation"], r["step"])].add(r["digest"])
         split = {k: v for k, v in by_step.items() if len(v) > 1}
-        assert not split, f"{fault.name}: ranks differ at (generation, step) {sorted(split)[:5]}"
+        if split:
+            fault.problems.append(f"{fault.name}: ranks differ at (generation, step) {sorted(split)[:5]}")
         events = self.events()
         explained = {e.generation for e in events}
         seen = {g for (g, _) in by_step if g > min(explained, default=0)}
-        assert seen <= explained, f"{fault.name}: generations {sorted(seen - explained)} have no event"
+        if not seen <= explained:
+            fault.problems.append(f"{fault.name}: generations {sorted(seen - explained)} have no event")
         after = [e for e in events if e.time_unix_ms >= fault.at * 1000 - 5]
-        if fault.membership:
-            assert fault.generation_after > fault.generation_before, f"{fault.name}: no new generation"
-            assert any(e.kind in fault.expect for e in after), \
-                f"{fault.name}: no {sorted(fault.expect)} event; got {[(e.kind, e.reason) for e in after]}"
+        evictions = [(e.kind, e.reason) for e in after if e.kind in EVICTIONS]
+        if fault.rebuild:
+            rebuilt = [e for e in after if e.kind == "state_rebuilt"]
+            fault.notes.extend(f"state_rebuilt (generation {e.generation}): {e.reason}" for e in rebuilt)
+            if len(rebuilt) != 1:
+                fault.problems.append(f"{fault.name}: expected exactly one state_rebuilt event, got {len(rebuilt)}: "
+                                      f"{[(e.kind, e.generation, e.reason) for e in after]}; "
+                                      f"read {self.coordinator_logs()}")
+            if evictions:
+                fault.problems.append(f"{fault.name}: nobody may be evicted, got {evictions}")
+            stepped = {r["generation"] for run in self.runs() for r in run.steps()
+                       if r["generation"] > fault.generation_before and record_time(r) >= fault.at}
+            generations = {e.generation for e in after if e.kind == "generation"}
+            if len(stepped) > 1 or len(generations) > 1:
+                fault.problems.append(f"{fault.name}: expected one rebuild generation; ranks stepped in generations "
+                                      f"{sorted(stepped)} after it, events name {sorted(generations)}: "
+                                      f"{[(e.kind, e.generation, e.reason) for e in after]}")
+        elif fault.membership:
+            if not fault.generation_after > fault.generation_before:
+                fault.problems.append(f"{fault.name}: no new generation (still {fault.generation_before})")
+            explained_by = [f"{e.kind} (generation {e.generation}): {e.reason}" for e in after if e.kind in fault.expect]
+            if explained_by:
+                fault.notes.append(f"explained by {explained_by[0]}")
+            else:
+                fault.problems.append(f"{fault.name}: no {sorted(fault.expect)} event; "
+                                      f"got {[(e.kind, e.reason) for e in after]}")
         else:
-            evictions = [(e.kind, e.reason) for e in after if e.kind in EVICTIONS]
-            assert not evictions, f"{fault.name}: nobody may be evicted, got {evictions}"
-            assert fault.generation_after == fault.generation_before, \
-                f"{fault.name}: generation {fault.generation_before} -> {fault.generation_after}"
+            if evictions:
+                fault.problems.append(f"{fault.name}: nobody may be evicted, got {evictions}")
+            if fault.generation_after != fault.generation_before:
+                fault.problems.append(f"{fault.name}: generation {fault.generation_before} -> {fault.generation_after} "
+                                      f"(expected none): {[(e.kind, e.generation, e.reason) for e in after]}")
+        self.verdict(fault)
+
+    def verdict(self, fault: Fault) -> None:
+        broken = (fault.lost + ([fault.wedged] if fault.wedged else []) if self.strict else []) + fault.problems
+        if broken:
+            raise AssertionError("\n".join(dict.fromkeys(broken)))
 
     def report(self) -> dict:
         runs = self.runs()
         top = max((r["step"] for run in runs for r in run.steps()[-1:]), default=0)
+        now, times = time.time(), self.step_times()
+        for fault, following in zip(self.faults, [*self.faults[1:], None]):
+            fault.stall_s = self.stall(fault.at, following.at if following else now, times)
         out = {"job": self.job, "nodes": len(self.nodes), "slots": self.slots,
-               "seconds": round(time.time() - self.started_at, 1), "highest_step": top,
-               "rank_processes": len(runs), "faults": [f.summary() for f in self.faults]}
-        (self.workdir / "report.json").write_text(json.dumps(out, indent=2))
+               "seconds": round(now - self.started_at, 1), "highest_step": top,
+               "rank_processes": len(runs), "liveness_bound_s": LIVENESS_BOUND_S,
+               "longest_stall_s": self.stall(self.full_at, now, times) if self.full_at else None,
+               "faults": [f.summary() for f in self.faults]}
+        (self.workdir / "report.json").write_text(json.dumps(out, indent=2, default=str))
         return out
+
+
+def _answers(address: str, job: str) -> bool:
+    """The replica at `address` answers a Status call (as leader or standby)."""
+    try:
+        with Coordinators([address], timeout_s=2) as c:
+            c.call("Status", pb.StatusRequest(job=job, brief=True))
+        return True
+    except Exception:
+        return False
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    """The last lines of a log, shortened, for a failure message."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[:300] for line in text[-lines:]]
 
 
 def _check_progress(fault: str, run: RankRun) -> None:

@@ -1,17 +1,20 @@
 """Soak mode, outside CI: `pytest tests/chaos/test_soak.py --soak MINUTES -s`. A random fault every
-15 s (a partition too when network namespaces can be made) on one cluster; the invariants are
-checked after each. Prints progress made and recoveries as JSON, and writes it to report.json."""
+15 s — the chaos table's single faults, the compound ones (etcd total outage, every coordinator
+down, etcd data loss, a rank killed during an outage, the leader frozen as it publishes a reform,
+a hostile client) and a partition when network namespaces can be made — on one cluster, drawn
+from MUSTER_SOAK_SEED (printed; set it to replay a sequence); MUSTER_SOAK_FAULTS=a,b,... draws
+from those kinds only. The invariants are checked after each fault; a wedge (the job not stepping
+again within the liveness bound) or a rank lost to a fault outside it is recorded and the soak
+goes on; any other broken invariant stops it. Prints JSON (seed, faults by kind, recoveries,
+longest stall, ranks lost, wedges) and writes it with every fault to report.json."""
 
 import json
 import os
 import random
-import statistics
 import time
-from collections import defaultdict
 
+from compound import COMPOUND, TABLE, draw, run, summary
 from harness import Chaos, NetNamespace
-
-from test_faults import SEQUENCE
 
 PERIOD_S = 15.0
 
@@ -21,31 +24,31 @@ def test_soak(request, tmp_path):
     seed = int(os.environ.get("MUSTER_SOAK_SEED", time.time()))
     rng = random.Random(seed)
     ns = None if NetNamespace.unavailable() else NetNamespace("msoak", 2).create()
-    chaos = Chaos(tmp_path, job="soak", host=ns.host_ip if ns else "127.0.0.1", netns={"node2": ns} if ns else {})
-    names = SEQUENCE + (["partition"] if ns else [])
+    names = TABLE + COMPOUND + (["partition"] if ns else [])
+    only = [n.strip() for n in os.environ.get("MUSTER_SOAK_FAULTS", "").split(",") if n.strip()]
+    unknown = sorted(set(only) - set(names))
+    assert not unknown, f"MUSTER_SOAK_FAULTS names unknown kinds {unknown}; known: {names}"
+    names = only or names
+    print(json.dumps({"seed": seed, "minutes": minutes, "kinds": names}), flush=True)
+    chaos = Chaos(tmp_path, job="soak", host=ns.host_ip if ns else "127.0.0.1", netns={"node2": ns} if ns else {},
+                  seed=seed, strict=False)
+    stopped_by, report, first_step, began = None, None, 0, time.time()
     try:
         chaos.start()
         first_step = max(r["step"] for r in chaos.last_steps().values())
         began = time.time()
-        while time.time() - began < minutes * 60:
-            time.sleep(max(0.0, PERIOD_S - (time.time() - began) % PERIOD_S))
-            chaos.scenario(rng.choice(names))
-        report = chaos.report()
+        sequence = draw(rng, names, int(minutes * 60 / PERIOD_S) + 1)
+        stopped_by = run(chaos, sequence, until=began + minutes * 60, period_s=PERIOD_S)
     finally:
+        report = chaos.report()
         leftovers = chaos.stop()
         if ns is not None:
             ns.delete()
-    by_kind = defaultdict(list)
-    for f in report["faults"]:
-        by_kind[f["name"]].append(f["recovered_s"])
-    summary = {
-        "seed": seed, "minutes": minutes, "faults": len(report["faults"]),
-        "steps_made": report["highest_step"] - first_step,
-        "steps_per_s": round((report["highest_step"] - first_step) / (time.time() - began), 2),
-        "rank_processes": report["rank_processes"],
-        "recovered_s": {k: {"n": len(v), "median": round(statistics.median(v), 3), "max": max(v)}
-                        for k, v in sorted(by_kind.items())},
-        "report": str(tmp_path / "report.json"),
-    }
-    print(json.dumps(summary, indent=2))
+    out = summary(chaos, report, seed=seed, began=began, first_step=first_step, stopped_by=stopped_by)
+    (tmp_path / "report.json").write_text(json.dumps({"summary": out, **report}, indent=2, default=str))
+    print(json.dumps(out, indent=2))
     assert not leftovers, f"processes left behind: {leftovers}"
+    assert stopped_by is None, f"the soak stopped (seed {seed}): {stopped_by}"
+    assert not out["wedges"] and not out["ranks_lost_to_outside_faults"], \
+        f"seed {seed}: {out['wedges']} wedge(s), {out['ranks_lost_to_outside_faults']} rank(s) lost to faults " \
+        f"outside them; see {tmp_path / 'report.json'}"

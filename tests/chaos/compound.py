@@ -1,0 +1,86 @@
+"""Compound-fault sequences: the chaos table's single faults and the whole-deployment ones, drawn
+from a seeded RNG (MUSTER_SOAK_SEED replays a sequence, victims included), and the summary of a
+run that the soak prints (seed, faults by kind, recoveries, the longest stall, ranks lost to
+faults outside them, wedges)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections import Counter, defaultdict
+
+from harness import LIVENESS_BOUND_S, Chaos
+
+# The single faults of test_faults.py, each answered by the job (see the README's table).
+TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform"]
+# Whole-deployment faults, each a scenario of the harness with its repair.
+COMPOUND = [
+    "etcd_outage",  # every etcd member SIGKILLed ~10 s, restarted with its data: nothing changes
+    "etcd_freeze",  # every etcd member SIGSTOPped ~10 s, then SIGCONT: nothing changes
+    "coordinators_down",  # every coordinator SIGKILLed ~20 s, restarted at its address: nothing changes
+    "etcd_data_loss",  # etcd wiped and started fresh: exactly one state_rebuilt generation
+    "rank_in_etcd_outage",  # a rank killed during an etcd outage: survivors hold, re-form once a leader is back
+    "rank_in_coordinators_down",  # the same with every coordinator down
+    "leader_frozen_at_reform",  # the leader SIGSTOPped as it publishes a reform; resumed, it is fenced
+    "hostile_client",  # garbage, oversized names, guessed member_ids without the secret: nothing changes
+]
+
+
+def draw(rng: random.Random, names: list[str], n: int) -> list[str]:
+    return [rng.choice(names) for _ in range(n)]
+
+
+def run(chaos: Chaos, names: list[str], *, until: float | None = None, period_s: float = 0.0) -> str | None:
+    """Inject `names` one after another (each `period_s` after the previous one began, and none
+    after `until`); returns why the sequence stopped early (the first failure), or None."""
+    for name in names:
+        if until is not None and time.time() >= until:
+            break
+        began = time.time()
+        try:
+            chaos.scenario(name)
+        except AssertionError as exc:
+            return f"{name}: {exc}"
+        time.sleep(max(0.0, began + period_s - time.time()))
+    return None
+
+
+def _spread(values: list[float]) -> dict:
+    return {"n": len(values), "median": round(statistics.median(values), 3), "max": max(values)} if values else {"n": 0}
+
+
+def summary(chaos: Chaos, report: dict, *, seed: int, began: float, first_step: int, stopped_by: str | None) -> dict:
+    faults = report["faults"]
+    recovered, resumed = defaultdict(list), defaultdict(list)
+    for f in faults:
+        if f["recovered_s"] is not None:
+            recovered[f["kind"]].append(f["recovered_s"])
+        if f["resumed_s"] is not None:
+            resumed[f["kind"]].append(f["resumed_s"])
+    lost = [line for f in faults for line in f["lost"]]
+    wedges = [{"fault": i, "kind": f["kind"], "detail": f["detail"], "why": f["wedged"]}
+              for i, f in enumerate(faults) if f["wedged"]]
+    seconds = max(time.time() - began, 1e-9)
+    return {
+        "seed": seed,
+        "replay": f"MUSTER_SOAK_SEED={seed}",
+        "seconds": round(seconds, 1),
+        "faults": len(faults),
+        "injected": dict(sorted(Counter(f["kind"] for f in faults).items())),
+        "recovered_s": {k: _spread(v) for k, v in sorted(recovered.items())},  # fault -> the answer
+        "resumed_s": {k: _spread(v) for k, v in sorted(resumed.items())},  # heal -> every slot stepping again
+        "liveness_bound_s": LIVENESS_BOUND_S,
+        "longest_stall_s": report["longest_stall_s"],  # max gap between two steps of the job
+        "longest_stall_by_kind": {k: max(f["stall_s"] for f in faults if f["kind"] == k)
+                                  for k in sorted({f["kind"] for f in faults})},
+        "ranks_lost_to_outside_faults": len(lost),
+        "lost": lost,
+        "wedges": len(wedges),
+        "wedged": wedges,
+        "steps_made": report["highest_step"] - first_step,
+        "steps_per_s": round((report["highest_step"] - first_step) / seconds, 2),
+        "rank_processes": report["rank_processes"],
+        "stopped_by": stopped_by,
+        "report": str(chaos.workdir / "report.json"),
+    }
