@@ -10,7 +10,7 @@ import statistics
 import time
 from collections import Counter, defaultdict
 
-from harness import LIVENESS_BOUND_S, Chaos
+from harness import AFTERMATH_S, LIVENESS_BOUND_S, Chaos
 
 # The single faults of test_faults.py, each answered by the job (see the README's table).
 TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform"]
@@ -43,6 +43,10 @@ def run(chaos: Chaos, names: list[str], *, until: float | None = None, period_s:
         except AssertionError as exc:
             return f"{name}: {exc}"
         time.sleep(max(0.0, began + period_s - time.time()))
+    try:
+        chaos.between(AFTERMATH_S)  # the last fault's late consequences
+    except AssertionError as exc:
+        return f"after the last fault: {exc}"
     return None
 
 

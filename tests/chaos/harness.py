@@ -55,6 +55,13 @@ COORDINATORS_DOWN_S = 20.0  # every coordinator killed, then restarted at its ad
 KILL_INTO_OUTAGE_S = 4.0
 STEP_DOWN_BOUND_S = 5.0  # a resumed, frozen leader logs that it lost the job within this
 HOSTILE_SETTLE_S = HEARTBEAT_TIMEOUT_S + 1.0  # after the hostile client: time for an eviction to show
+AFTERMATH_S = HEARTBEAT_TIMEOUT_S + 3.0  # after the last fault of a sequence: time for a late consequence to show
+# Faults after which a new leader may lead. Its grace (nodes reconnect before anyone is evicted
+# for silence) and then a heartbeat timeout must pass before the invariants are checked: an
+# eviction for a silence that began in the outage shows only then.
+NEW_LEADER = frozenset({"leader", "rank_and_leader", "etcd_member", "etcd_leader", "etcd_outage", "etcd_freeze",
+                        "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage", "rank_in_coordinators_down",
+                        "leader_frozen_at_reform"})
 # What explains a rank killed during an outage: its agent's exit report reaching the new leader, or,
 # when that report was lost with the refused streams of the outage, the survivors found holding in a
 # broken group (after the heartbeat timeout).
@@ -193,6 +200,7 @@ class Chaos:
         self.full_at = 0.0  # first time at full strength: stalls are counted from here
         self._n_replicas = replicas
         self._frozen: set[int] = set()  # PIDs of coordinators held by SIGSTOP
+        self._checked: dict[Slot, int] = {}  # every slot's process when the last fault passed its checks
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -578,9 +586,9 @@ class Chaos:
                                   if fault.recovered_s is not None and took and fault.recovered_s < took[0] else ""))
         except AssertionError:
             fault.notes.append(f"no standby led within {LIVENESS_BOUND_S:g} s: resumed anyway")
+        resumed = fault.healed_at = time.time()  # taken first: the resumed process may log before we read the clock
         os.kill(leader.pid, signal.SIGCONT)
         self._frozen.discard(leader.pid)
-        resumed = fault.healed_at = time.time()
 
         def after(event: str) -> list[dict]:
             return [r for r in leader.find(event, job=self.job) if r.get("term") == term and record_time(r) >= resumed]
@@ -692,6 +700,7 @@ class Chaos:
             "leader_frozen_at_reform": (self.freeze_leader_at_reform, self.resume_leader),
             "hostile_client": (self.hostile_client, None),
         }[name]
+        self.between()
         fault = inject()
         fault.kind = name
         self.liveness(fault)
@@ -703,10 +712,48 @@ class Chaos:
             repair(fault)
         fault.notes.extend(self.revive())
         self.full_strength()
+        if name in NEW_LEADER:
+            self.past_grace(fault)
         self.check(fault)
         return fault
 
+    def past_grace(self, fault: Fault) -> None:
+        """Wait until the serving leader's grace and a heartbeat timeout after it have passed."""
+        leader = self.serving_leader()
+        took = [record_time(r) for r in leader.find("leadership_acquired", job=self.job)] if leader else []
+        if took and took[-1] >= fault.at:
+            self._sleep_until(took[-1] + GRACE_S + HEARTBEAT_TIMEOUT_S + 0.5)
+
     # ---- recovery and invariants -----------------------------------------------------
+
+    def between(self, wait_s: float = 0.0) -> None:
+        """What broke after the last fault passed its checks and before the next one (or the end,
+        after `wait_s`): an agent that exited (its ranks with it), a rank process that changed.
+        Each is a rank lost to a fault outside it, charged to the last fault. Strict: raises.
+        Otherwise the deployment is brought back to full strength and the sequence goes on."""
+        time.sleep(wait_s)
+        if not self.faults:
+            return
+        last = self.faults[-1]
+        broken = [f"{node}'s agent (pid {agent.pid}) exited with {agent.proc.returncode}; its log {agent.log_path} "
+                  f"ends: {_tail(agent.log_path, 2)}" for node, agent in self.agents.items()
+                  if agent.proc.poll() is not None]
+        current = self.current()
+        for key, pid in self._checked.items():
+            if key[0] in self.agents and self.agents[key[0]].proc.poll() is None and (
+                    key not in current or current[key].pid != pid):
+                old = next((run for run in self.runs() if run.pid == pid), None)
+                broken.append(f"rank {key[0]}/{key[1]} (pid {pid}) was replaced" +
+                              (f"; its log {old.log} ends: {_tail(old.log, 2)}" if old else ""))
+        if not broken:
+            return
+        lines = [f"after {last.name} ({last.detail}) had passed its checks, before the next fault: {b}" for b in broken]
+        last.lost += lines
+        if self.strict:
+            raise AssertionError("\n".join(lines))
+        last.notes.extend(self.revive())
+        self.full_strength()
+        self._checked = {k: r.pid for k, r in self.current().items()}
 
     def _rebuilt(self, fault: Fault) -> list[pb.Event]:
         try:
@@ -761,7 +808,12 @@ class Chaos:
                 continue
             old = next((run for run in self.runs() if run.pid == pid), None)
             now = f"now pid {current[key].pid}" if key in current else "the slot runs nothing now"
-            lost.append(f"{fault.name}: survivor {key[0]}/{key[1]} lost its process (pid {pid}; {now}); "
+            agent = next((a for a in self.incarnations[key[0]] if old is not None and old.log.parent == a.log_dir), None)
+            why = ""
+            if agent is not None and (agent.proc.poll() is not None or key not in current):
+                state = f"exited with {agent.proc.returncode}" if agent.proc.poll() is not None else "running"
+                why = f"; its agent (pid {agent.pid}) {state}, its log {agent.log_path} ends: {_tail(agent.log_path, 2)}"
+            lost.append(f"{fault.name}: survivor {key[0]}/{key[1]} lost its process (pid {pid}; {now}){why}; "
                         + (f"its log {old.log} ends: {_tail(old.log, 3)}" if old else "no log found"))
         return lost
 
@@ -825,6 +877,7 @@ class Chaos:
         """The invariants, over everything logged so far. Strict: raises AssertionError naming every
         broken one. Otherwise lost ranks and the wedge stay recorded on the fault and only the
         other problems raise."""
+        current_runs = self.current()
         seen = {line.split(" lost its process")[0] for line in fault.lost}  # one line per slot (found after liveness)
         fault.lost += [line for line in self.find_lost(fault) if line.split(" lost its process")[0] not in seen]
         by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
@@ -877,6 +930,7 @@ class Chaos:
                 fault.problems.append(f"{fault.name}: generation {fault.generation_before} -> {fault.generation_after} "
                                       f"(expected none): {[(e.kind, e.generation, e.reason) for e in after]}")
         self.verdict(fault)
+        self._checked = {k: r.pid for k, r in current_runs.items()}
 
     def verdict(self, fault: Fault) -> None:
         broken = (fault.lost + ([fault.wedged] if fault.wedged else []) if self.strict else []) + fault.problems

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from compound import TABLE, summary
-from harness import Chaos
+from harness import AFTERMATH_S, Chaos
 
 pytestmark = pytest.mark.timeout(330)
 
@@ -41,6 +41,11 @@ def test_compound_sequence(tmp_path):
             except AssertionError as exc:
                 stopped_by = f"fault {i}/{len(names)} {name!r} of sequence {names} (seed {SEED}, {tmp_path}):\n{exc}"
                 raise AssertionError(stopped_by) from exc
+        try:
+            chaos.between(AFTERMATH_S)  # the last fault's late consequences
+        except AssertionError as exc:
+            stopped_by = f"after the sequence {names} (seed {SEED}, {tmp_path}):\n{exc}"
+            raise AssertionError(stopped_by) from exc
     finally:
         report = chaos.report()
         leftovers = chaos.stop()
