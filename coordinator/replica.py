@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 # Campaigning again for a job whose leadership failed: the delay doubles from the first to the
 # most, with jitter, and starts over once the job was led without a fault for RETRY_RESET_S.
 RETRY_FIRST_S, RETRY_MOST_S, RETRY_RESET_S = 0.2, 5.0, 60.0
+LEADER_LOOKUP_S = 0.5  # a NotLeader hint is worth this much wait, no more
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,8 @@ class Replica:
     def _campaign(self, job: str, delay: float | None = None, resign: Election | None = None) -> None:
         """Campaign for `job` after `delay` (default: the balance delay), first resigning the key
         of a leadership that failed, so that the new campaign does not find it and lead at once."""
-        if self._closing or job in self._campaigns or self._session is None:
-            return
+        if self._closing or job in self._campaigns or self._session is None or not self._session.alive():
+            return  # a lost session's renewal campaigns for every known job once the new one is up
         election = Election(self.client, self._session, job, self.address)
         stop = threading.Event()
         if delay is None:
@@ -290,9 +291,11 @@ class Replica:
         raise NotLeader(job, await self._leader_address(job))
 
     async def _leader_address(self, job: str) -> str:
+        """Where the job's leader is, for a NotLeader hint; quickly, or "" (with etcd unreachable
+        a read waits for the client's timeout, and a node waiting on an answer thinks us silent)."""
         try:
-            found = await asyncio.to_thread(current_leader, self.client, job)
-        except EtcdUnavailable:
+            found = await asyncio.wait_for(asyncio.to_thread(current_leader, self.client, job), LEADER_LOOKUP_S)
+        except (EtcdUnavailable, TimeoutError):
             return ""
         return found[0] if found and found[0] != self.address else ""
 

@@ -195,10 +195,19 @@ class NodeSession:
                     raise
                 hint = leader_hint(exc)
             now = asyncio.get_running_loop().time()
+            if hint and self._suspect.get(hint, 0) > now and await self._probe(hint):
+                # It went silent before but leads now (it lost etcd and won again): a new leader's
+                # grace is short, so going back must not wait for the suspicion to end.
+                del self._suspect[hint]
             trusted = [a for a in self.addresses if self._suspect.get(a, 0) <= now]
             others = [a for a in trusted if a != address] or trusted or self.addresses
             self.leader = hint if hint and self._suspect.get(hint, 0) <= now else random.choice(others)
             await asyncio.sleep(0.02 + random.random() * 0.05)
+
+    async def _probe(self, address: str) -> bool:
+        """Does `address` lead the job and answer? (A frozen leader does not.)"""
+        async with self.security.aio_channel(address) as channel:
+            return await self._leads(channel, address)
 
     def silent_s(self) -> float:
         """Seconds since the coordinator was last heard (a directive, a pulse, an answer)."""
