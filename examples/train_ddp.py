@@ -1,86 +1,11 @@
-"""A tiny DDP model trained with the Muster worker library: gloo on CPU (NCCL with CUDA).
-
-Each rank logs one JSON line per completed step (rank, step, generation, world size, pid,
-parameter digest) to stdout, which the chaos tests, the demo and the benchmarks read.
+"""A tiny DDP model trained with the Muster worker library: the script `muster demo` runs, shipped in
+the package as `muster.examples.train_ddp` (this file runs that one, for checkouts and the docs).
     MUSTER_COORDINATOR=127.0.0.1:7600 MUSTER_JOB=demo python examples/train_ddp.py --steps 100
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-import time
 
-import structlog
-import torch
-
-from muster import logs
-from muster.worker import Drained, Worker, WorkerConfig, WorkerError
-
-
-class DataPosition:
-    """The data loader's position: part of the state, so a joiner resumes where the others are."""
-
-    def __init__(self):
-        self.epoch = 0
-
-    def state_dict(self):
-        return {"epoch": self.epoch}
-
-    def load_state_dict(self, state):
-        self.epoch = state["epoch"]
-
-
-def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic per (step, rank, world size): a redone step sees the same data."""
-    g = torch.Generator().manual_seed(step * 1_000_003 + rank * 7919 + world_size)
-    x = torch.randn(16, 32, generator=g)
-    return x, x.sum(dim=1, keepdim=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of simulated compute per step")
-    p.add_argument("--perturb-at-step", type=int, default=0,
-                   help="fault injection: nudge this rank's parameters after that step (divergence detection)")
-    args = p.parse_args(argv)
-    logs.configure("info", json=True)
-    log = structlog.get_logger("train_ddp")
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    data = DataPosition()
-    try:
-        worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer, data=data)
-        worker.start()
-        while worker.step < args.steps:
-            with worker.step_scope() as step:
-                time.sleep(args.step_sleep)
-                x, y = batch(worker.step, worker.rank, worker.world_size)
-                loss = torch.nn.functional.mse_loss(worker.ddp(model)(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            if not step.completed:
-                continue  # discarded by a membership change: redo it in the new group
-            if worker.step == args.perturb_at_step:
-                with torch.no_grad():
-                    next(model.parameters()).add_(1e-3)
-            log.info("step", step=worker.step, rank=worker.rank, world_size=worker.world_size,
-                     generation=worker.generation, digest=worker.state.digest().hex(), loss=round(loss.item(), 6))
-        worker.close()
-    except Drained as exc:  # this node leaves the job (graceful drain): a clean end here
-        log.info("training_drained", step=worker.step, reason=str(exc))
-        worker.close(leave=False)
-        return 0
-    except WorkerError as exc:
-        log.error("training_stopped", error=str(exc))
-        return 3
-    log.info("training_finished", steps=worker.step)
-    return 0
-
+from muster.examples.train_ddp import DataPosition, batch, main  # noqa: F401  (importable as before)
 
 if __name__ == "__main__":
     sys.exit(main())

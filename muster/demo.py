@@ -1,9 +1,9 @@
 """`muster demo`: the whole system on this machine. An embedded etcd, two coordinator replicas and
-N node agents, each training examples/train_ddp.py on K slots (gloo on CPU). A live table shows
-ranks, steps, generation and leader; on a schedule a rank is SIGKILLed, then a whole node (its
-agent), then the coordinator leader. At the end it prints the recovery times, writes a PNG
-timeline (steps per rank over time, faults and generations marked) and exits 0 only if every
-fault was recovered from.
+N node agents, each training muster/examples/train_ddp.py (shipped in the package) on K slots
+(gloo on CPU). A live table shows ranks, steps, generation and leader; on a schedule a rank is
+SIGKILLed (the next fault waits for its replacement to rejoin), then a whole node (its agent), then
+the coordinator leader. At the end it prints the recovery times, writes a PNG timeline (steps per
+rank over time, faults and generations marked) and exits 0 only if every fault was recovered from.
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ def _recovered_after(agents, fault: Fault, generation_before: int) -> float | No
             return None
         firsts.append(record_time(newer[0]))
     return max(firsts) - fault.at if firsts else None
+
+
+def _rejoined(agent: AgentProcess, slot: int, world_size: int, since: float) -> float | None:
+    """When the slot's newest process first stepped in a whole job (None: not yet)."""
+    logs = agent.rank_logs(slot)
+    steps = json_lines(logs[-1], "step") if logs else []
+    return next((record_time(r) for r in steps if r["world_size"] == world_size and record_time(r) >= since), None)
 
 
 def _timeline(agents, faults: list[Fault], started: float, path: Path) -> None:
@@ -152,6 +159,14 @@ def run(duration_s: float = 60.0, nodes: int = 3, slots: int = 2, out: Path = Pa
                         fault.recovered_s = _recovered_after(agents, fault, generation)
                     except AssertionError:
                         pass
+                    if name == "kill a rank":
+                        # The next fault hits a whole job: the killed rank's replacement has rejoined.
+                        try:
+                            back = wait_until(lambda: _rejoined(agents[0], slots - 1, nodes * slots, fault.at), 60,
+                                              "the replacement rank")
+                            fault.detail += f"; its replacement rejoined after {back - fault.at:.1f}s"
+                        except AssertionError:
+                            fault.detail += "; its replacement did not rejoin within 60s"
             while time.time() < t0 + duration_s:
                 print(_table([r.address for r in replicas if r.proc.poll() is None]), flush=True)
                 time.sleep(1.0)

@@ -161,9 +161,12 @@ class TrainingProcess(_Child):
 
 
 class AgentProcess(_Child):
-    """`muster run` for one node, running examples/train_ddp.py (or `command`) on its slots;
-    each rank's output goes to log_dir/<node>-slot<K>-<start>.log. `wrap` prefixes the command line
-    (e.g. `ip netns exec NS`, which execs: the PID stays the agent's)."""
+    """`muster run` for one node, running the packaged muster/examples/train_ddp.py (or `command`) on
+    its slots; each rank's output goes to log_dir/<node>-slot<K>-<start>.log. `wrap` prefixes the
+    command line (e.g. `ip netns exec NS`, which execs: the PID stays the agent's)."""
+
+    # Shipped in the package (not read from a checkout): `muster demo` works after a pip install.
+    SCRIPT = Path(__file__).resolve().parent / "examples" / "train_ddp.py"
 
     def __init__(self, coordinators: list[str], job: str, node_id: str, log_dir: Path, *, slots: int = 2,
                  nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05, host: str = "127.0.0.1",
@@ -171,7 +174,8 @@ class AgentProcess(_Child):
         self.node_id = node_id
         self.log_dir = log_dir
         self.log_path = log_dir / f"agent-{node_id}.log"
-        command = command or [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-sleep", str(step_sleep_s)]
+        command = command or [sys.executable, str(self.SCRIPT), "--steps", str(steps), "--step-sleep",
+                              str(step_sleep_s)]
         self.args = [*(wrap or []), sys.executable, "-m", "muster.cli", "--log-json", "run",
                      "--coordinator", ",".join(coordinators), "--job", job, "--nodes", nodes, "--slots", str(slots),
                      "--node-id", node_id, "--host", host,
