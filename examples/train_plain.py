@@ -47,7 +47,8 @@ def main() -> int:
         optimizer.zero_grad()
         # one write per record: ranks may share a stdout (torchrun), and print() may write twice
         sys.stdout.write(json.dumps({"event": "step", "step": step, "rank": rank, "world_size": world,
-                                     "generation": restart, "resumed_from": start,
+                                     "generation": restart, "resumed_from": start, "restart_count": restart,
+                                     "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                                      "pid": os.getpid(), "time": time.time()}) + "\n")
         sys.stdout.flush()
         if rank == 0 and step % args.checkpoint_every == 0:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -77,8 +78,9 @@ def _etcd_access(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    from muster.coordinator.client import parse_addresses
     from muster.worker.agent import AgentConfig, NodeAgent
-    from muster.worker.launch import LaunchError, parse_nodes, plan
+    from muster.worker.launch import LaunchError, job_name, parse_nodes, plan
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
@@ -89,27 +91,48 @@ def _run(args: argparse.Namespace) -> int:
                               f"{args.nodes}: the coordinator owns the node count, give it once")
         if launch.slots and args.slots and launch.slots != args.slots:
             raise LaunchError(f"torchrun --nproc-per-node {launch.slots} contradicts --slots {args.slots}")
-    except LaunchError as exc:
+        if launch.max_restarts is not None and args.max_restarts is not None and launch.max_restarts != args.max_restarts:
+            raise LaunchError(f"torchrun --max-restarts {launch.max_restarts} contradicts --max-restarts "
+                              f"{args.max_restarts}")
+        for flag in ("join_timeout", "form_timeout", "hold_timeout", "restart_backoff", "wait_report"):
+            if not getattr(args, flag) >= 0:
+                raise LaunchError(f"--{flag.replace('_', '-')} must be at least 0")
+        if args.max_restarts is not None and args.max_restarts < 0:
+            raise LaunchError("--max-restarts must be at least 0")
+        coordinators = parse_addresses(args.coordinator)
+        job = job_name(args.job)
+    except ValueError as exc:  # LaunchError, a bad coordinator address
         print(f"muster run: {exc}", file=sys.stderr)
         return 2
     for note in launch.notes:
         print(f"muster run: {note}", file=sys.stderr)
+    if job != args.job:
+        print(f"muster run: job id {args.job!r} is job {job!r} at the coordinator (its names are 1-63 of "
+              "[a-z0-9._-]; `muster status --job` takes either)", file=sys.stderr)
+    max_restarts = args.max_restarts if args.max_restarts is not None else launch.max_restarts
     config = AgentConfig(
-        coordinators=tuple(a.strip() for a in args.coordinator.split(",") if a.strip()),
-        job=args.job,
+        coordinators=tuple(coordinators),
+        job=job,
+        job_id=args.job,
         node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
         slots=launch.slots or args.slots or 1,
         argv=tuple(launch.argv),
         host=args.host,
         nodes=nodes or launch.nodes,
         world_size_multiple=args.world_size_multiple,
-        max_restarts=args.max_restarts,
+        max_restarts=3 if max_restarts is None else max_restarts,
         restart_backoff_s=args.restart_backoff,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         hold_timeout_s=args.hold_timeout,
+        join_timeout_s=args.join_timeout,
+        form_timeout_s=args.form_timeout,
+        wait_report_s=args.wait_report,
         security=_security(args),
     )
-    return asyncio.run(NodeAgent(config).run())
+    try:
+        return asyncio.run(NodeAgent(config).run())
+    except KeyboardInterrupt:  # before the agent's own handler was in place
+        return 128 + signal.SIGINT
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -122,6 +145,13 @@ def _security(args: argparse.Namespace):
     from muster.coordinator.auth import ClientSecurity
 
     return ClientSecurity(args.token, args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def _job(args: argparse.Namespace) -> str:
+    """--job as given, or as the coordinator names it (`muster run` maps ids such as `MyRun`)."""
+    from muster.worker.launch import job_name
+
+    return job_name(args.job) if args.job else ""
 
 
 def _ask(args, rpc: str, request):
@@ -146,7 +176,8 @@ def _ask(args, rpc: str, request):
 def _status(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
-    response = _ask(args, "Status", pb.StatusRequest(job=args.job or ""))
+    job = _job(args)
+    response = _ask(args, "Status", pb.StatusRequest(job=job))
     jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
             for j in response.jobs]
     for j in jobs:
@@ -155,7 +186,7 @@ def _status(args: argparse.Namespace) -> int:
         for r in j["ranks"]:
             r["step"] = int(r["step"])
     if args.json:
-        named = next((j for j in jobs if j["name"] == args.job), None)
+        named = next((j for j in jobs if j["name"] == job), None)
         print(json.dumps({
             "replica": response.replica,
             "leader": named["leader"] if named else None,
@@ -183,7 +214,7 @@ def _status(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
-    response = _ask(args, "Events", pb.EventsRequest(job=args.job))
+    response = _ask(args, "Events", pb.EventsRequest(job=_job(args)))
     if args.json:
         print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
         return 0
@@ -235,33 +266,44 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
     s.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, verb="serve")
 
     r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",
                        description="muster run --coordinator HOST:PORT --job NAME [--nodes MIN:MAX] [--slots N] "
                                    "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])")
     r.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
-    r.add_argument("--job", required=True)
+    r.add_argument("--job", required=True, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no "
+                   "coordinator job name, e.g. MyRun, becomes myrun-HASH)")
     r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
     r.add_argument("--slots", type=int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
     r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")
     r.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
     r.add_argument("--world-size-multiple", type=int, default=0)
-    r.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed rank before its slot is given up")
-    r.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before the first restart (doubles)")
-    r.add_argument("--log-dir", help="write each rank's output to a file here")
+    r.add_argument("--max-restarts", type=int, help="restarts of a slot, whatever the cause (its crash, a new map "
+                   "for a script without the library), before it is given up and reported (default: torchrun's "
+                   "--max-restarts, else 3)")
+    r.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before restarting a crashed rank (doubles with each crash)")
+    r.add_argument("--log-dir", help="write each rank's output to a file here (default: the agent's stdout/stderr)")
     r.add_argument("--hold-timeout", type=float, default=300.0,
                    help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")
+    r.add_argument("--join-timeout", type=float, default=300.0,
+                   help="exit 1 when no coordinator accepts the join within this long (default %(default)s s)")
+    r.add_argument("--form-timeout", type=float, default=600.0,
+                   help="exit 1 when this node has no place in a generation within this long, e.g. too few nodes "
+                        "(default %(default)s s; a hot spare waits on)")
+    r.add_argument("--wait-report", type=float, default=10.0,
+                   help="while this node has no place, say what it waits for this often (default %(default)s s)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     _client_security_flags(r)
-    r.set_defaults(func=_run)
+    r.set_defaults(func=_run, verb="run")
 
     d = sub.add_parser("demo", help="etcd, two coordinators and agents training on CPU; faults on a schedule")
     d.add_argument("--duration", type=float, default=60.0, help="seconds of training after start-up")
     d.add_argument("--nodes", type=int, default=3)
     d.add_argument("--slots", type=int, default=2)
     d.add_argument("--timeline", default="muster-demo.png", help="where to write the PNG timeline")
-    d.set_defaults(func=_demo)
+    d.set_defaults(func=_demo, verb="demo")
 
     for name, func, helptext in (("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history")):
         q = sub.add_parser(name, help=helptext)
@@ -270,7 +312,7 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--json", action="store_true")
         q.add_argument("--timeout", type=float, default=5.0)
         _client_security_flags(q)
-        q.set_defaults(func=func)
+        q.set_defaults(func=func, verb=name)
     return p
 
 
@@ -289,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except grpc.RpcError as exc:
-        print(f"muster {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"muster {args.verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except ValueError as exc:
-        print(f"muster {args.command}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # a bad address, job name, ...
+        print(f"muster {args.verb}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -4,26 +4,39 @@ own: one rank's death is reported at once and does not stop the others (torchrun
 stops every local worker when one exits; this agent replaces it). Ranks using the worker library
 stream their progress over a Unix socket and reform in-process; other scripts are restarted with
 the new map on every membership change. A crashed rank is restarted with backoff within a budget.
-The ranks die with the agent (PR_SET_PDEATHSIG). SIGTERM drains the node at a step boundary.
-While no coordinator answers the agent keeps its ranks (they hold, see the worker library) for up
-to its hold timeout, then exits with a message.
+The ranks die with the agent (PR_SET_PDEATHSIG). SIGTERM (or Ctrl-C) drains the node at a step
+boundary. While no coordinator answers the agent keeps its ranks (they hold, see the worker library)
+for up to its hold timeout, then exits with a message.
+
+Nothing ends in silence: every restart of a slot counts against its budget, and a slot given up is
+reported with its exit code and the last lines of its stderr (kept even without --log-dir); an agent
+without a place says what it waits for and gives up after --join-timeout/--form-timeout; one that
+joins a finished job says so and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import structlog
 
 from muster.coordinator.auth import ClientSecurity
+from muster.coordinator.client import TRANSIENT, Coordinators
 from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -41,13 +54,30 @@ class AgentConfig:
     host: str = "127.0.0.1"  # the address other nodes reach this node at
     nodes: tuple[int, int] | None = None  # (min, max) nodes when this agent creates the job
     world_size_multiple: int = 0
-    max_restarts: int = 3  # per slot; beyond it the slot is given up
-    restart_backoff_s: float = 1.0  # doubled on each restart of a slot
+    max_restarts: int = 3  # per slot, whatever the cause (a crash, a new map); beyond it the slot is given up
+    restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
     drain_timeout_s: float = 120.0
     hold_timeout_s: float = 300.0  # no coordinator heard for this long: give up (the ranks with the agent)
+    join_timeout_s: float = 300.0  # no coordinator accepted the Join within this long: exit 1
+    form_timeout_s: float = 600.0  # no place in a generation within this long (a hot spare waits on): exit 1
+    wait_report_s: float = 10.0  # while waiting for a place, say what for this often
+    job_id: str = ""  # the job as the user named it (torchrun's --rdzv-id); `job` is the coordinator's name
     env: dict[str, str] = field(default_factory=dict)
     security: ClientSecurity = field(default_factory=ClientSecurity.from_env)  # token, TLS
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A rank process that exited non-zero, as the failure report shows it."""
+
+    code: int
+    pid: int
+    rank: int | None
+    generation: int
+    at: float  # wall clock
+    tail: tuple[str, ...]  # the last lines of its stderr (or log)
+    error: str = ""  # from its TORCHELASTIC_ERROR_FILE
 
 
 @dataclass(eq=False)
@@ -62,9 +92,15 @@ class Slot:
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
     crashed_in: int = 0  # the generation its last process crashed in: a replacement is no member of it
+    crashes: int = 0
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
+    rank: int | None = None  # the global rank its process was started as (None: no place yet)
+    log_path: Path | None = None  # with --log-dir: its process's output
+    stderr: StderrTail | None = None  # without --log-dir: its process's stderr, passed through
+    error_file: str = ""  # TORCHELASTIC_ERROR_FILE of its process (scripts using torch's @record)
+    last_crash: Crash | None = None
 
     @property
     def alive(self) -> bool:
@@ -81,9 +117,14 @@ class NodeAgent:
         self.draining = False
         self.session: NodeSession | None = None
         self.socket_path = ""
+        self._sockets = ""  # the agent's private directory: the socket, the ranks' error files
         self._queues: dict[asyncio.Queue, Slot] = {}  # each connected library rank's directives
         self._done: asyncio.Future | None = None
         self._reconciling = asyncio.Lock()
+        self._signal = 0  # the signal that ends the agent (SIGTERM, SIGINT): exit 128 + it
+        self._store = None  # this node's TCPStore (it serves the generations whose rank 0 is here)
+        self._store_clients: dict[str, object] = {}  # other nodes' stores, by address
+        self._master: tuple[int, str, str] | None = None  # (generation, MASTER_ADDR, MASTER_PORT)
         self.log = log.bind(job=config.job, node=config.node_id)
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -94,10 +135,10 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         c = self.config
-        store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
+        store = self._store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
         master_port = free_port(c.host)
         _remove_stale_socket_dirs()
-        sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+        sockets = self._sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self.socket_path = os.path.join(sockets, "ranks.sock")
         server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(_RankSessions(self), server)
@@ -114,28 +155,86 @@ class NodeAgent:
             security=c.security,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._drain_node()))
-        streaming = watchdog = None
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        if c.job_id and c.job_id != c.job:
+            self.log.info("job_name_mapped", job_id=c.job_id, message=f"job id {c.job_id!r} is job {c.job!r} at "
+                          "the coordinator (its job names are 1-63 of [a-z0-9._-])")
+        streaming = watchdogs = None
         try:
-            await self.session.join()
-            streaming = asyncio.create_task(self._stream())
-            watchdog = asyncio.create_task(self._watch_coordinator())
+            joining = asyncio.ensure_future(self._join())
+            await asyncio.wait([joining, self._done], return_when=asyncio.FIRST_COMPLETED)
+            if not joining.done():
+                joining.cancel()  # a signal while joining
+            elif joining.result():
+                streaming = asyncio.create_task(self._stream())
+                watchdogs = [asyncio.create_task(self._watch_coordinator()), asyncio.create_task(self._watch_place())]
             return await self._done
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            for task in watchdogs or ():
+                task.cancel()
             for slot in self.slots:
                 await self._stop_rank(slot, grace_s=2.0)
             await self.session.stop()
             if streaming is not None:
                 await asyncio.wait([streaming], timeout=5)
             await server.stop(grace=0.5)
-            for path in (self.socket_path, sockets):
-                try:
-                    os.remove(path) if path == self.socket_path else os.rmdir(path)
-                except OSError:
-                    pass
-            self.log.info("agent_stopped")
+            shutil.rmtree(sockets, ignore_errors=True)
+            self.log.info("agent_stopped", code=self._done.result() if self._done.done() else None)
+
+    def _on_signal(self, sig: int) -> None:
+        """The first SIGTERM/SIGINT drains the node (a planned leave); a second one stops it now.
+        Either way the agent exits 128 + the signal (130 after Ctrl-C, 143 after SIGTERM), as a shell
+        reports a process ended by it: non-zero like torchrun's exit, so a scheduler never counts a
+        drained node as done."""
+        name = signal.Signals(sig).name
+        if self._signal or not self.session.member_id or self._done.done():
+            self._signal = self._signal or sig
+            _say(f"{name}: stopping node {self.config.node_id!r} now")
+            self._finish(128 + self._signal)
+            return
+        self._signal = sig
+        _say(f"{name}: draining node {self.config.node_id!r} at a step boundary ({name} again stops it at once)")
+        asyncio.ensure_future(self._drain_node())
+
+    async def _join(self) -> bool:
+        """Join within --join-timeout, saying what is awaited. False: the agent is done (a finished
+        job, a refusal, the timeout), its exit code set."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + c.join_timeout_s
+        addresses = ",".join(c.coordinators)
+        attempts = 0
+        while True:
+            remaining = max(0.0, deadline - loop.time())
+            attempts += 1
+            try:
+                finished = await self._finished_job()
+                if finished is not None:
+                    self._job_has_finished(finished, joined=False)
+                    return False
+                # the first answer is awaited briefly: a coordinator that is not up yet is said at once
+                await self.session.join(retry_for_s=min(remaining, c.wait_report_s if attempts > 1 else 2.0))
+                return True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in TRANSIENT:
+                    self.log.error("join_refused", code=exc.code().name, details=exc.details())
+                    _say(f"the coordinator refused node {c.node_id!r} in job {c.job!r}: "
+                         f"{exc.code().name}: {exc.details()}")
+                    self._finish(1)
+                    return False
+                error = f"{exc.code().name}: {exc.details()}"
+            except TimeoutError as exc:
+                error = str(exc)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                self.log.error("join_timeout", join_timeout_s=c.join_timeout_s, error=error)
+                _say(f"no coordinator at {addresses} accepted node {c.node_id!r} in job {c.job!r} within "
+                     f"{c.join_timeout_s:g}s (--join-timeout); last error: {error}")
+                self._finish(1)
+                return False
+            self.log.warning("join_waiting", coordinators=list(c.coordinators), error=error,
+                             message=f"waiting for a coordinator to accept the join ({error}); "
+                                     f"giving up in {remaining:.0f}s")
 
     async def _stream(self) -> None:
         try:
@@ -165,6 +264,146 @@ class NodeAgent:
                 self.log.error("hold_expired", silent_s=round(silent_s, 1), hold_timeout_s=self.config.hold_timeout_s,
                                message=f"no coordinator answered for {silent_s:.0f}s; giving up with the ranks")
                 self._finish(1)
+
+    async def _watch_place(self) -> None:
+        """Nobody waits in silence: while the node has no place in a generation, say what it waits
+        for (after a second, then every wait_report_s); past --form-timeout give up. A hot spare
+        waits on (a failure elsewhere promotes it). A node left alone in a finished job (it joined as
+        the others were finishing) ends with it."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        idle: float | None = None  # without a place in a generation since
+        since: float | None = None  # ...and not a spare either: the form timeout counts from here
+        reported_at: float | None = None
+        spare_said = False
+        while not self._done.done():
+            await asyncio.sleep(0.25)
+            a = self.assignment
+            now = loop.time()
+            if self.draining or (a is not None and a.role == pb.ROLE_ACTIVE):
+                idle = since = reported_at = None
+                spare_said = False
+                continue
+            # A node whose ranks started before it had a place (start_ranks) and all report waits like
+            # a spare: it enters at the next switch, or stays a spare when the map is full.
+            ready = a is not None and a.start_ranks and all(
+                self.slots[i].connected or self.slots[i].finished or self.slots[i].given_up for i in a.down_local_ranks)
+            spare = a is not None and ((a.role == pb.ROLE_SPARE and not a.start_ranks) or ready)
+            idle = now if idle is None else idle
+            since = None if spare else now if since is None else since  # a spare has its place
+            due = now - idle >= 1.0 if reported_at is None else now - reported_at >= c.wait_report_s
+            if due and spare:
+                reported_at = now
+                finished = await self._finished_job()
+                if finished is not None:
+                    await self._end_with_finished_job(finished)
+                    return
+                if not spare_said:
+                    spare_said = True
+                    self.log.info("waiting", role="spare", message=f"hot spare: waiting for a place (generation "
+                                  f"{a.generation} has world size {a.world_size}; a failure or the next switch "
+                                  "promotes this node)")
+            elif due:
+                reported_at = now
+                what, finished = await self._waiting_for()
+                if finished is not None:
+                    await self._end_with_finished_job(finished)
+                    return
+                self.log.info("waiting", message=what, waited_s=round(now - since, 1), form_timeout_s=c.form_timeout_s)
+            if since is not None and now - since > c.form_timeout_s:
+                what, _ = await self._waiting_for()
+                self.log.error("form_timeout", form_timeout_s=c.form_timeout_s, message=what)
+                _say(f"no place in job {c.job!r} for node {c.node_id!r} within {c.form_timeout_s:g}s "
+                     f"(--form-timeout): {what}")
+                try:
+                    await self.session.leave(immediate=True, reason="no place within --form-timeout", retry_for_s=5)
+                except Exception as exc:
+                    self.log.warning("leave_failed", error=str(exc))
+                self._finish(1)
+                return
+
+    async def _end_with_finished_job(self, event: pb.Event) -> None:
+        try:
+            await self.session.leave(finished=True, reason="the job had finished", retry_for_s=5)
+        except Exception as exc:
+            self.log.warning("leave_failed", error=str(exc))
+        self._job_has_finished(event, joined=True)
+
+    async def _waiting_for(self) -> tuple[str, pb.Event | None]:
+        """What this node waits for, in words (from the job's Status and history), and the event that
+        ended the job if it has finished."""
+        c = self.config
+        a = self.assignment
+        if a is not None and a.start_ranks:
+            return (f"starting ranks {list(a.down_local_ranks)}: they take a place in the running job once "
+                    "they report", await self._finished_job())
+        try:
+            status, events = await asyncio.wait_for(asyncio.to_thread(self._query, True), QUERY_WAIT_S)
+        except Exception as exc:  # the coordinator is between leaders: say what is known
+            error = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else type(exc).__name__
+            return f"waiting for a place in job {c.job!r} (no answer to a status query: {error})", None
+        finished = finished_job(events, status.nodes if status else (), c.node_id)
+        if finished is not None:
+            return "", finished
+        joined = len(status.nodes) if status else 0
+        minimum = c.nodes[0] if c.nodes else None
+        reason = ""
+        for e in reversed(events):
+            if e.kind == "waiting":
+                reason = e.reason
+                found = re.search(r"min_nodes=(\d+)", e.reason)
+                if minimum is None and found:
+                    minimum = int(found.group(1))
+                break
+        phase = f"job {c.job!r} {status.phase if status else 'unknown'}"
+        if a is None:
+            return f"waiting for the leader's first assignment ({phase}, {joined} node(s) joined)", None
+        if minimum is not None and joined < minimum:
+            more = minimum - joined
+            return f"waiting for {more} more node{'s' if more != 1 else ''} ({joined} joined, min {minimum}; {phase})", None
+        if minimum is None:
+            return f"waiting for more nodes ({joined} joined, below the job's min_nodes; {phase})", None
+        return (f"waiting for the job to form ({joined} joined, min {minimum}; {phase}"
+                + (f"; {reason}" if reason else "") + ")", None)
+
+    def _query(self, with_status: bool) -> tuple[pb.JobStatus | None, Sequence[pb.Event]]:
+        """The job's Status (None: unknown job) and history, from any replica (blocking: a thread)."""
+        c = self.config
+        with Coordinators(c.coordinators, timeout_s=2.0, security=c.security) as coordinators:
+            try:
+                events = coordinators.call("Events", pb.EventsRequest(job=c.job)).events
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None, ()
+                raise
+            if not with_status:
+                return None, events
+            jobs = coordinators.call("Status", pb.StatusRequest(job=c.job)).jobs
+            return (jobs[0] if jobs else None), events
+
+    async def _finished_job(self) -> pb.Event | None:
+        """The job ran and every other node left it as finished (None: it did not, or no coordinator
+        answered). Asked before joining, and by a spare."""
+        def check() -> pb.Event | None:
+            _, events = self._query(False)
+            if finished_job(events, (), self.config.node_id) is None:
+                return None  # the common case, without the Status of a possibly large job
+            status, events = self._query(True)
+            return finished_job(events, status.nodes if status else (), self.config.node_id)
+
+        try:  # bounded: a frozen replica must not hold the join up
+            return await asyncio.wait_for(asyncio.to_thread(check), QUERY_WAIT_S)
+        except Exception:
+            return None
+
+    def _job_has_finished(self, event: pb.Event, *, joined: bool) -> None:
+        c = self.config
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time_unix_ms / 1000))
+        nodes = ", ".join(repr(n) for n in event.nodes) or "its last node"
+        self.log.info("job_finished", generation=event.generation, last=list(event.nodes), joined=joined)
+        _say(f"job {c.job!r} has finished: {nodes} left it as finished at {when} (generation {event.generation})"
+             f"; nothing to run here. A new run needs a new --job name.")
+        self._finish(0)
 
     def _finish(self, code: int) -> None:
         if not self._done.done():
@@ -199,6 +438,8 @@ class NodeAgent:
             a = self.assignment
             # A node joining a running job starts its ranks before it has a place (start_ranks).
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set(a.down_local_ranks) if a.start_ranks else set()
+            # Before stopping anything: the node of rank 0 publishes the generation's port at once.
+            master = await self._master_address(a) if wanted else None
             for slot in self.slots:
                 if slot.finished or slot.given_up:
                     continue
@@ -209,50 +450,121 @@ class NodeAgent:
                     # importing, so that one is restarted too: it costs a start, never correctness.
                     await self._stop_rank(slot)
                 # A first start, or one the agent stopped itself; crashes restart in _watch_rank,
-                # with backoff and within the budget.
+                # with backoff. Every restart counts against the slot's budget, whatever its cause.
                 if not slot.alive and slot.index in wanted and (slot.starts == 0 or slot.stopping):
-                    await self._start_rank(slot)
+                    if self.assignment is not a:
+                        return  # a newer map came meanwhile: its own reconcile starts the ranks
+                    if slot.starts and not await self._restart_allowed(slot, f"generation {a.generation} needs it "
+                                                                                   "restarted"):
+                        continue
+                    await self._start_rank(slot, master)
 
     # ---- ranks -----------------------------------------------------------------------
 
-    def _rank_env(self, slot: Slot) -> dict[str, str]:
+    async def _master_address(self, a: pb.Assignment) -> tuple[str, str] | None:
+        """MASTER_ADDR/MASTER_PORT of generation `a`, for scripts without the library: as torchrun's
+        rendezvous does, the node of rank 0 picks a fresh port for each generation and publishes it
+        in its store under the generation's prefix, so a new rank 0 never binds its predecessor's
+        port and no rank reaches the store of an older generation. Library ranks need none of it."""
+        if a.role != pb.ROLE_ACTIVE or not a.master_address:
+            return None
+        if self._master is not None and self._master[0] == a.generation:
+            return self._master[1:]
+        host, _, port = a.master_address.rpartition(":")
+        host = host.strip("[]")
+        if not self.library:
+            key = f"{a.store_prefix}/muster-agent/master-port"
+            try:
+                if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
+                    port = str(free_port(self.config.host))
+                    await asyncio.to_thread(self._store.set, key, port)
+                else:
+                    port = (await asyncio.to_thread(self._store_get, a.store_address, key)).decode()
+            except Exception as exc:  # the node of rank 0 is gone: a newer map comes
+                self.log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
+                                 error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                port = a.master_address.rpartition(":")[2]
+        self._master = (a.generation, host, port)
+        return host, port
+
+    def _store_get(self, address: str, key: str) -> bytes:
+        """A key of another node's store, waiting for it a bounded time (blocking: a thread)."""
+        import torch.distributed as dist
+
+        client = self._store_clients.get(address)
+        try:
+            if client is None:
+                host, _, port = address.rpartition(":")
+                client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=MASTER_PORT_WAIT_S))
+                self._store_clients[address] = client
+            return client.get(key)
+        except Exception:
+            self._store_clients.pop(address, None)
+            raise
+
+    def _rank_env(self, slot: Slot, master: tuple[str, str] | None) -> dict[str, str]:
+        """torchrun's environment for the slot's process, from the current map only: what torchrun
+        sets is never inherited from the agent's own environment, and a rank without a place (one
+        started before its node enters the map) gets no RANK or MASTER_* at all."""
         a = self.assignment
         c = self.config
-        env = {**os.environ, **c.env, "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path,
-               "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
-               "MUSTER_GENERATION": str(a.generation), "TORCHELASTIC_RUN_ID": c.job,
-               "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
-               "TORCHELASTIC_RESTART_COUNT": str(a.generation), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
-               "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
-               "GROUP_RANK": str(a.node_rank), "GROUP_WORLD_SIZE": str(a.num_nodes),
-               "ROLE_WORLD_SIZE": str(a.world_size), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        if slot.index in a.local_ranks:
+        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+        env.update(c.env)
+        env.update({
+            "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path,
+            "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
+            "MUSTER_GENERATION": str(a.generation), "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
+            "TORCHELASTIC_RUN_ID": c.job_id or c.job,
+            "TORCHELASTIC_RESTART_COUNT": str(slot.restarts), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
+            "TORCHELASTIC_USE_AGENT_STORE": "False", "ROLE_NAME": "default",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
+            "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        })
+        if slot.error_file:
+            env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
+        if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
             rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
             env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
-        if a.master_address:
-            host, _, port = a.master_address.rpartition(":")
-            env.update(MASTER_ADDR=host.strip("[]"), MASTER_PORT=port)
+            if master is not None:
+                env.update(MASTER_ADDR=master[0], MASTER_PORT=master[1])
         return env
 
-    async def _start_rank(self, slot: Slot) -> None:
+    async def _start_rank(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
         c = self.config
         slot.starts += 1
-        out = None
+        slot.error_file = os.path.join(self._sockets, f"error-slot{slot.index}-{slot.starts}.json")
+        env = self._rank_env(slot, master)
+        slot.rank = int(env["RANK"]) if "RANK" in env else None
+        out = err = None
+        slot.log_path = slot.stderr = None
         if c.log_dir is not None:
             c.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(c.log_dir / f"{c.node_id}-slot{slot.index}-{slot.starts}.log", "ab")
+            slot.log_path = c.log_dir / f"{c.node_id}-slot{slot.index}-{slot.starts}.log"
+            out = open(slot.log_path, "ab")
+        else:
+            # stdout stays the agent's; stderr passes through the agent, which keeps its last lines
+            # for the report should the slot be given up.
+            read_end, err = os.pipe()
+            slot.stderr = StderrTail(read_end)
         # Ranks die with the agent, even on SIGKILL (see orphan_guard).
         guard = [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
-        slot.proc = await asyncio.create_subprocess_exec(
-            *guard, *c.argv, env=self._rank_env(slot), stdout=out, stderr=asyncio.subprocess.STDOUT if out else None)
-        if out is not None:
-            out.close()
+        try:
+            slot.proc = await asyncio.create_subprocess_exec(
+                *guard, *c.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
+        finally:
+            if out is not None:
+                out.close()
+            if err is not None:
+                os.close(err)
         slot.generation = self.assignment.generation
         slot.stopping = False
         slot.connected = False
         slot.report = None
         self.log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
-                      start=slot.starts)
+                      start=slot.starts, rank=slot.rank, restart_count=slot.restarts)
         asyncio.ensure_future(self._watch_rank(slot, slot.proc))
 
     async def _watch_rank(self, slot: Slot, proc: asyncio.subprocess.Process) -> None:
@@ -263,29 +575,76 @@ class NodeAgent:
         slot.connected = False
         if code == 0:  # finished: the job is ending (the ranks of a job finish together); not a failure
             slot.finished = True
-            if all(s.finished or s.given_up for s in self.slots):
+            if not self.draining and all(s.finished or s.given_up for s in self.slots):  # a drain left already
                 await self._leave("all local ranks finished", finished=True)
             return
         slot.failed_pid = proc.pid  # reported exited until a replacement speaks for the slot
         slot.crashed_in = self.assignment.generation if self.assignment else 0
+        slot.crashes += 1
         self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code))
         self.session.send_now()  # the leader hears of it within milliseconds
+        slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
+                                await asyncio.to_thread(self._tail, slot), _error_message(slot.error_file))
         if self.draining:
             return
-        if slot.restarts >= self.config.max_restarts:
-            slot.given_up = True
-            self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, last_code=code)
-            if all(s.finished or s.given_up for s in self.slots):
-                await self._leave("every local slot finished or was given up", finished=False)  # exits 1
+        if not await self._restart_allowed(slot, f"its process ended ({_exit_words(code)})"):
             return
-        slot.restarts += 1
-        delay = self.config.restart_backoff_s * 2 ** (slot.restarts - 1)
+        delay = self.config.restart_backoff_s * 2 ** (slot.crashes - 1)
         self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts)
         await asyncio.sleep(delay)
-        if not self.draining and not self._done.done() and not slot.alive:
+        if not self.draining and not self._done.done() and not slot.alive and not slot.given_up:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self._reconciling:
-                await self._start_rank(slot)
+                if not slot.alive:
+                    await self._start_rank(slot, await self._master_address(self.assignment))
+
+    async def _restart_allowed(self, slot: Slot, cause: str) -> bool:
+        """Count a restart of the slot (any cause: its crash, or a new map for a script without the
+        library), or give the slot up when its budget is spent: a crash loop ends with a verdict."""
+        if slot.restarts < self.config.max_restarts:
+            slot.restarts += 1
+            return True
+        await self._give_up(slot, cause)
+        return False
+
+    async def _give_up(self, slot: Slot, cause: str) -> None:
+        c = self.config
+        slot.given_up = True
+        slot.stopping = False
+        crash = slot.last_crash
+        last_pid = slot.proc.pid if slot.proc is not None else 0
+        if crash is None or crash.pid != last_pid:  # its last process did not crash (the agent stopped it)
+            slot.failed_pid = last_pid
+            if slot.proc is not None and slot.proc.returncode is not None:
+                self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=last_pid,
+                                                      exit_code=slot.proc.returncode))
+                self.session.send_now()
+        self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
+                       last_code=crash.code if crash else None, rank=crash.rank if crash else slot.rank, cause=cause)
+        tail = crash.tail if crash else await asyncio.to_thread(self._tail, slot)
+        elsewhere = None
+        if crash is None:  # restarted for new maps only: the failures are elsewhere in the job
+            try:
+                _, events = await asyncio.wait_for(asyncio.to_thread(self._query, False), QUERY_WAIT_S)
+                elsewhere = last_failure(events, c.node_id)
+            except Exception:
+                pass
+        _say(failure_report(c, slot, cause, crash, tail, elsewhere))
+        if all(s.finished or s.given_up for s in self.slots):
+            await self._leave("every local slot finished or was given up", finished=False)  # exits 1
+
+    def _tail(self, slot: Slot) -> tuple[str, ...]:
+        """The last lines its current process wrote to stderr (or its log) (blocking: a thread)."""
+        if slot.stderr is not None:
+            return slot.stderr.lines(TAIL_LINES)
+        if slot.log_path is not None:
+            try:
+                with open(slot.log_path, "rb") as f:
+                    f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+                    return _last_lines(f.read(), TAIL_LINES)
+            except OSError:
+                pass
+        return ()
 
     async def _stop_rank(self, slot: Slot, grace_s: float = 5.0) -> None:
         proc = slot.proc
@@ -334,17 +693,23 @@ class NodeAgent:
             await self.session.leave(reason=reason, finished=finished)
         except Exception as exc:  # the coordinator will see the node go silent instead
             self.log.warning("leave_failed", error=str(exc))
-        self._finish(1 if any(s.given_up for s in self.slots) else 0)
+        given_up = [s for s in self.slots if s.given_up]
+        if given_up:
+            _say(f"node {self.config.node_id!r} of job {self.config.job!r} gives up: "
+                 + ", ".join(f"slot {s.index} ({_exit_words(s.last_crash.code) + ', ' if s.last_crash else ''}"
+                             f"{s.restarts} restart(s))" for s in given_up)
+                 + "; the report of each is above")
+        self._finish(1 if given_up else 0)
 
     async def _drain_node(self) -> None:
-        """SIGTERM: leave at a step boundary. Library ranks get the Drain directive and stop
-        after its step; other ranks are terminated now."""
+        """SIGTERM or SIGINT: leave at a step boundary. Library ranks get the Drain directive and stop
+        after its step; other ranks are terminated now. Exits 128 + the signal."""
         if self.draining or self._done.done():
             return
         self.draining = True
         self.log.info("drain_started")
         try:
-            response = await self.session.leave(reason="drain (SIGTERM)")
+            response = await self.session.leave(reason=f"drain ({signal.Signals(self._signal).name})")
             self.log.info("drain_planned", after_step=response.switch_at_step, generation=response.generation)
         except Exception as exc:
             self.log.warning("leave_failed", error=str(exc))
@@ -355,7 +720,8 @@ class NodeAgent:
         deadline = loop.time() + self.config.drain_timeout_s
         while any(s.alive for s in self.slots) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        self._finish(0)
+        self.log.info("drained", code=128 + self._signal)
+        self._finish(128 + self._signal)
 
 
 class _RankSessions(pb_grpc.NodeAgentServicer):
@@ -453,3 +819,151 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's
     return True
+
+
+# What torchrun sets for its workers: taken from the current map, never from the agent's own
+# environment (an agent started inside another job's environment must not leak its RANK).
+RANK_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID",
+})
+MASTER_PORT_WAIT_S = 5.0  # for the node of rank 0 to publish a generation's MASTER_PORT
+QUERY_WAIT_S = 3.0  # for the job's history or status (what a node waits for, whether the job finished)
+TAIL_LINES = 20  # of a given-up slot's stderr, in its report
+TAIL_BYTES = 64 * 1024
+
+
+class StderrTail:
+    """A rank's stderr without --log-dir: a thread passes it through to the agent's stderr (never
+    the agent's loop: a slow reader of the agent's output must not stall its frames) and keeps its
+    last bytes for the report of a slot given up."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, name="muster-rank-stderr", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            while chunk := os.read(self._fd, 65536):
+                with self._lock:
+                    self._tail += chunk
+                    if len(self._tail) > 2 * TAIL_BYTES:
+                        del self._tail[:-TAIL_BYTES]
+                try:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(2, view):]
+                except OSError:
+                    pass  # the agent's stderr is gone: keep draining, the rank must not block
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+
+    def lines(self, n: int, wait_s: float = 1.0) -> tuple[str, ...]:
+        """Its last n lines, once its process has exited and the pipe is drained (bounded wait: a
+        child of the rank may hold the pipe open)."""
+        self._thread.join(wait_s)
+        with self._lock:
+            return _last_lines(bytes(self._tail[-TAIL_BYTES:]), n)
+
+
+def _last_lines(data: bytes, n: int) -> tuple[str, ...]:
+    lines = data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return tuple(line.rstrip() for line in lines[-n:])
+
+
+def _error_message(path: str) -> str:
+    """The first line of what torch's @record wrote to TORCHELASTIC_ERROR_FILE ('' when nothing)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    message = doc.get("message", "") if isinstance(doc, dict) else ""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[0] if str(message).strip() else ""
+
+
+def _exit_words(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def failure_report(config: AgentConfig, slot: Slot, cause: str, crash: Crash | None, tail: Sequence[str],
+                   elsewhere: pb.Event | None = None) -> str:
+    """The plain report of a slot given up, in the manner of torchrun's root-cause summary: which
+    rank, how it ended, what it said last."""
+    c = config
+    rank = crash.rank if crash is not None else slot.rank
+    lines = [
+        "=" * 72,
+        f"slot {slot.index} of node {c.node_id!r} in job {c.job!r} is given up: {cause}, and its "
+        f"{slot.restarts} restart(s) (--max-restarts {c.max_restarts}) are spent",
+        f"  rank      : {rank if rank is not None else '-'} (local rank {slot.index})",
+    ]
+    if crash is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(crash.at))
+        lines.append(f"  last crash: {_exit_words(crash.code)} (pid {crash.pid}, generation {crash.generation}, {when})")
+        if crash.error:
+            lines.append(f"  error     : {crash.error}")
+    else:
+        lines.append("  last crash: none here (restarted for new maps only: the job kept changing)")
+    if elsewhere is not None:
+        lines.append(f"  job's last failure: {elsewhere.kind} on {', '.join(repr(n) for n in elsewhere.nodes)} "
+                     f"(generation {elsewhere.generation}): {elsewhere.reason}  [muster events --job {c.job}]")
+    lines.append(f"  command   : {shlex.join(c.argv)}")
+    where = "its log" if slot.log_path is not None else "its stderr"
+    if tail:
+        lines.append(f"  last {len(tail)} line(s) of {where}" + (f" ({slot.log_path})" if slot.log_path else "") + ":")
+        lines.extend(f"    {line}" for line in tail)
+    else:
+        lines.append(f"  {where}: nothing written")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+FAILURES = frozenset({"rank_exited", "rank_silent", "rank_stalled", "node_silent", "process_exited",
+                      "group_broken", "group_not_formed"})
+
+
+def last_failure(events: Sequence[pb.Event], node_id: str) -> pb.Event | None:
+    """The job's last failure on another node (else on this one): a root cause seen from a node whose
+    own ranks only restarted for the maps it caused."""
+    failures = [e for e in events if e.kind in FAILURES]
+    elsewhere = [e for e in failures if any(n != node_id for n in e.nodes)]
+    return (elsewhere or failures or [None])[-1]
+
+
+# Events that are no membership change of another node (a generation, a job waiting for nodes).
+_NOT_A_DEPARTURE = frozenset({"generation", "formed", "waiting", "state_rebuilt", "replicas_diverged"})
+
+
+def finished_job(events: Sequence[pb.Event], members: Sequence[str], node_id: str) -> pb.Event | None:
+    """The event that finished the job, if it has: no node but `node_id` is a member, and the last
+    change of another node was leaving as finished (the ranks of a job finish together)."""
+    if any(m != node_id for m in members):
+        return None
+    for e in reversed(events):
+        if e.kind in _NOT_A_DEPARTURE or (e.nodes and set(e.nodes) <= {node_id}):
+            continue
+        return e if e.kind == "node_finished" else None
+    return None
+
+
+def _say(message: str) -> None:
+    """A plain line (or block) for the person at the terminal, beside the structured log."""
+    prefix = "muster run: "
+    print("\n".join(prefix + line for line in message.split("\n")), file=sys.stderr, flush=True)

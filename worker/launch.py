@@ -4,9 +4,13 @@ itself instead of torchrun's local agent, which stops all local workers when one
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
+
+from muster.coordinator.core.policy import JOB_NAME
 
 # torchrun options the coordinator owns now: superseded, with a note.
 OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
@@ -29,6 +33,7 @@ class Launch:
     argv: list[str]  # what runs on each slot
     slots: int | None = None  # from --nproc-per-node
     nodes: tuple[int, int] | None = None  # from --nnodes
+    max_restarts: int | None = None  # from --max-restarts: the agent's budget per slot unless muster run sets one
     notes: list[str] = field(default_factory=list)  # options the coordinator now owns
 
 
@@ -85,6 +90,13 @@ def plan(command: list[str]) -> Launch:
             launch.slots = _nproc(value)
         elif name == "--nnodes":
             launch.nodes = parse_nodes(value)
+        elif name in ("--max-restarts", "--max_restarts"):
+            try:
+                launch.max_restarts = int(value)
+            except ValueError:
+                raise LaunchError(f"torchrun --max-restarts {value!r} is not a number") from None
+            if launch.max_restarts < 0:
+                raise LaunchError("torchrun --max-restarts must be at least 0")
         elif name in ("-m", "--module"):
             module = True
         elif name in ("--no-python", "--no_python"):
@@ -103,3 +115,21 @@ def plan(command: list[str]) -> Launch:
     else:
         launch.argv = [sys.executable, "-u", script, *script_args]
     return launch
+
+
+_HASH_CHARS = 10
+
+
+def job_name(job_id: str) -> str:
+    """The coordinator's name for a job id as torchrun's --rdzv-id accepts it (any string, e.g.
+    `MyRun` or a scheduler's id). A valid name is itself; any other id becomes its lowercase form,
+    with other characters as '-', plus a hash of the id as given: deterministic (every node of the
+    job maps it alike) and distinct (`Run` and `RUN` are two jobs, as for torchrun)."""
+    if JOB_NAME.fullmatch(job_id):  # the coordinator's rule (its names are etcd keys)
+        return job_id
+    if not job_id:
+        raise LaunchError("the job id is empty")
+    digest = hashlib.sha256(job_id.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
+    base = re.sub(r"[^a-z0-9._-]+", "-", job_id.lower()).strip("-._")
+    base = base[:62 - _HASH_CHARS]  # 63 in all.rstrip("-._")
+    return f"{base}-{digest}" if base else digest

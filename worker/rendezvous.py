@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousTimeoutError)
 
 from muster.v1 import muster_pb2 as pb
+from muster.worker.launch import job_name
 from muster.worker.node_session import NodeIdentity, NodeSession
 
 log = structlog.get_logger(__name__)
@@ -35,7 +36,10 @@ log = structlog.get_logger(__name__)
 
 class MusterRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters):
-        self._run_id = params.run_id
+        self._run_id = params.run_id  # torchrun's --rdzv-id, as given (TORCHELASTIC_RUN_ID)
+        self._job = job_name(params.run_id)  # the coordinator's name for it (lowercase [a-z0-9._-])
+        if self._job != self._run_id:
+            log.info("rdzv_job_name_mapped", rdzv_id=self._run_id, job=self._job)
         self._addresses = params.endpoint
         self._host = params.local_addr or socket.getfqdn()
         self._spec = pb.JobSpec(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
@@ -69,7 +73,7 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._latest = None
         self._session = NodeSession(
             self._addresses,
-            NodeIdentity(self._run_id, f"{socket.gethostname()}-{os.getpid()}", 1, self._host, self._server.port,
+            NodeIdentity(self._job, f"{socket.gethostname()}-{os.getpid()}", 1, self._host, self._server.port,
                          self._spec, agent_pid=os.getpid()),
             reports=lambda: [pb.RankReport(local_rank=0, pid=os.getpid(), state=pb.RANK_STATE_UNMONITORED)],
             on_directive=self._on_directive,
@@ -99,7 +103,7 @@ class MusterRendezvousHandler(RendezvousHandler):
             self._call(self._join())  # our own workers failed: ask for a new round
         self._rounds += 1
         if not self._wait(lambda: self._newer() and self._latest.role == pb.ROLE_ACTIVE, self._join_timeout_s):
-            raise RendezvousTimeoutError(f"no place in job {self._run_id!r} within {self._join_timeout_s:.0f}s")
+            raise RendezvousTimeoutError(f"no place in job {self._job!r} within {self._join_timeout_s:.0f}s")
         a = self._latest
         self._generation = a.generation
         host, _, port = a.store_address.rpartition(":")
@@ -108,7 +112,7 @@ class MusterRendezvousHandler(RendezvousHandler):
                                                         timeout=timedelta(seconds=self._join_timeout_s))
         store = dist.PrefixStore(a.store_prefix + "/", client)
         bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._host)
-        log.info("rdzv_round", job=self._run_id, generation=a.generation, node_rank=a.node_rank, nodes=a.num_nodes)
+        log.info("rdzv_round", job=self._job, generation=a.generation, node_rank=a.node_rank, nodes=a.num_nodes)
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
 
     def _newer(self) -> bool:

@@ -1,14 +1,16 @@
 """`muster run` node agents over a real coordinator and etcd, running examples/train_ddp.py with
 gloo: ranks and agents are killed or drained, the rest keep training."""
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from muster.testing import EXAMPLE, process_alive, wait_until
+from muster.testing import EXAMPLE, AgentProcess, process_alive, wait_until
 
 EXAMPLES = EXAMPLE.parent
 
@@ -82,7 +84,7 @@ def test_sigterm_drains_an_agent_at_a_step_boundary_without_aborting_a_step(coor
     a, b = agents([leader.address], "drain", ["a", "b"], steps=200)
     stepping([a, b])
     a.signal(signal.SIGTERM)
-    assert a.wait(60) == 0, a.log_path.read_text()[-3000:]
+    assert a.wait(60) == 128 + signal.SIGTERM, a.log_path.read_text()[-3000:]  # drained, not done: non-zero
     planned = a.records("drain_planned")[0]["after_step"]
     for slot in (0, 1):
         assert a.steps(slot)[-1]["step"] == planned  # it stopped exactly at the agreed step
@@ -111,19 +113,128 @@ def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, 
             final = n.steps(slot, start=-1)
             assert final[-1]["step"] == 150 and final[-1]["world_size"] == 4
             assert final[0]["resumed_from"] > 0, "the restarted ranks resumed from the checkpoint"
+            # torchrun's environment: 0 on the first run, one more per restart of the slot, and a
+            # MASTER_PORT of the new generation's own (never the store of an older one)
+            first = n.steps(slot, start=0)
+            assert first[0]["restart_count"] == 0
+            assert final[0]["restart_count"] == len(n.rank_pids(slot)) - 1 >= 1
+            assert final[0]["master"] != first[0]["master"]
     assert len(a.rank_pids(0)) >= 2, "restart semantics: the other node's ranks were restarted too"
 
 
 @pytest.mark.timeout(60)
 def test_a_crash_looping_slot_is_given_up_after_its_restart_budget(coordinators, agents):
     (leader,) = coordinators(1)
-    crash = [sys.executable, "-c", "import sys; sys.exit(7)"]
+    crash = [sys.executable, "-c", "import sys; print('bad value for --lr', file=sys.stderr); sys.exit(7)"]
     (node,) = agents([leader.address], "crashloop", ["c"], slots=1, nodes="1:1", command=crash,
                      extra=["--max-restarts", "2"])
     assert node.wait(40) == 1  # not a success: the operator must see it
-    crashes = [r for r in node.records("rank_exited") if r["code"] == 7]
-    assert len(crashes) == 3  # the first run and two restarts (plain-script restarts with a new map are not crashes)
+    assert len(node.rank_pids(0)) == 3  # the first run and two restarts, whatever restarted it
     (given_up,) = node.records("slot_given_up")
     assert given_up["restarts"] == 2 and given_up["last_code"] == 7
+    report = node.log_path.read_text()
+    assert "muster run: slot 0 of node 'c' in job 'crashloop' is given up" in report
+    assert "exit code 7" in report and "bad value for --lr" in report  # the last lines of its log
     exits = [r for r in leader.find("membership_changed") if r["kind"] == "rank_exited"]
     assert exits and "exit code 7" in exits[0]["reason"]
+
+
+def muster_run(coordinator: str, job: str, node_id: str, out_dir, *args: str, command=(), env=None):
+    """`muster run` as a user starts it (no --log-dir): its stdout and stderr to files."""
+    stdout, stderr = open(out_dir / f"{node_id}.out", "wb"), open(out_dir / f"{node_id}.err", "wb")
+    with stdout, stderr:
+        return subprocess.Popen([sys.executable, "-m", "muster.cli", "--log-json", "run", "--coordinator", coordinator,
+                                 "--job", job, "--node-id", node_id, *args, "--", *command], stdout=stdout,
+                                stderr=stderr, env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+@pytest.fixture
+def started():
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()  # its ranks follow it (PR_SET_PDEATHSIG)
+            p.wait(5)
+
+
+@pytest.mark.timeout(90)
+def test_a_script_failing_at_start_on_every_rank_ends_with_a_report_on_every_node(coordinators, started, tmp_path):
+    """Restarts for a new map count as well: the crash loop of a bad argument ends, on every node,
+    with the failing rank, its exit code and the last lines of its stderr (no --log-dir)."""
+    (leader,) = coordinators(1)
+    script = ("import os, sys, time; print('restart', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True); "
+              "time.sleep(0.3); print('train.py: error: argument --lr: invalid float value', file=sys.stderr); "
+              "sys.exit(2)")
+    for node in ("a", "b"):
+        started.append(muster_run(leader.address, "BadArg", node, tmp_path, "--nodes", "1:2", "--slots", "2",
+                                  "--max-restarts", "2", "--restart-backoff", "0.2",
+                                  command=[sys.executable, "-c", script]))
+    for p in started:
+        assert p.wait(60) == 1
+    errs = {node: (tmp_path / f"{node}.err").read_text() for node in ("a", "b")}
+    for node, err in errs.items():
+        assert "muster run: job id 'BadArg' is job 'badarg-" in err  # mapped onto the coordinator's names
+        starts = [json.loads(line) for line in err.splitlines() if '"rank_started"' in line]
+        assert 2 <= len(starts) <= 6, "at most 1 + --max-restarts starts per slot"
+        for slot in (0, 1):
+            assert [r["restart_count"] for r in starts if r["slot"] == slot] == list(range(len(
+                [r for r in starts if r["slot"] == slot])))
+            assert f"muster run: slot {slot} of node '{node}' in job 'badarg-" in err
+        assert f"muster run: node '{node}' of job 'badarg-" in err and "gives up" in err
+        # A slot that crashed shows its exit code and the last lines of its stderr; one that was only
+        # restarted for the maps others' crashes made points at the job's last failure.
+        if "last crash: none here" in err:
+            assert "job's last failure: rank_exited" in err
+    root = "".join(errs.values())
+    assert "last crash: exit code 2" in root and "muster run:     train.py: error: argument --lr: invalid float" in root
+    assert "restart 0" in (tmp_path / "a.out").read_text() + (tmp_path / "b.out").read_text()  # stdout: the agent's
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_agent_says_what_it_waits_for_and_gives_up_after_the_form_timeout(coordinators, started, tmp_path):
+    (leader,) = coordinators(1)
+    began = time.monotonic()
+    started.append(muster_run(leader.address, "Lone", "n0", tmp_path, "--nodes", "2", "--form-timeout", "4",
+                              "--wait-report", "1", command=[sys.executable, "-c", "pass"]))
+    assert started[0].wait(30) == 1
+    assert time.monotonic() - began < 20
+    err = (tmp_path / "n0.err").read_text()
+    waiting = [json.loads(line) for line in err.splitlines() if '"event": "waiting"' in line]
+    assert len(waiting) >= 2, err  # at start and periodically
+    assert all("waiting for 1 more node (1 joined, min 2" in w["message"] for w in waiting)
+    assert "muster run: no place in job 'lone-" in err and "within 4s (--form-timeout)" in err
+    assert "rank_started" not in err
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_joining_a_finished_job_is_told_so_and_exits_0(coordinators, agents, started, tmp_path):
+    (leader,) = coordinators(1)
+    # A spare near the end (the map holds one node) is left alone when the job finishes: it ends too.
+    (a,) = agents([leader.address], "done", ["a"], slots=1, nodes="1:1", steps=300)
+    wait_until(lambda: a.steps(0), 60, "training")
+    train = [sys.executable, str(AgentProcess.SCRIPT), "--steps", "300", "--step-sleep", "0.05"]
+    started.append(muster_run(leader.address, "done", "spare", tmp_path, "--nodes", "1:1", "--wait-report", "0.5",
+                              command=train))
+    wait_until(lambda: "hot spare" in (tmp_path / "spare.err").read_text(), 40, "a spare")
+    assert a.wait(60) == 0
+    assert started[0].wait(30) == 0
+    err = (tmp_path / "spare.err").read_text()
+    assert "muster run: job 'done' has finished: 'a' left it as finished" in err
+    assert '"joined": true' in err
+    # One that comes later is told before it joins.
+    started.append(muster_run(leader.address, "done", "late", tmp_path, "--nodes", "1:1", command=train))
+    assert started[1].wait(30) == 0
+    err = (tmp_path / "late.err").read_text()
+    assert "muster run: job 'done' has finished" in err and "node_joined" not in err and "rank_started" not in err
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_drains_the_node_and_exits_130(coordinators, started, tmp_path):
+    (leader,) = coordinators(1)
+    started.append(muster_run(leader.address, "sigint", "n0", tmp_path,
+                              command=[sys.executable, "-c", "import time; time.sleep(60)"]))
+    wait_until(lambda: "rank_started" in (tmp_path / "n0.err").read_text(), 30, "the rank")
+    started[0].send_signal(signal.SIGINT)
+    assert started[0].wait(30) == 130
+    assert "muster run: SIGINT: draining node 'n0'" in (tmp_path / "n0.err").read_text()

@@ -11,6 +11,7 @@ from muster.testing import CoordinatorProcess, SimulatedNode, process_alive, wai
 
 from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
+from muster.worker.launch import job_name
 
 
 def muster(*args, timeout=30):
@@ -80,3 +81,43 @@ def test_serve_without_etcd_runs_a_private_etcd_and_stops_it_on_exit(tmp_path):
         assert (tmp_path / "data" / "etcd").is_dir()
     finally:
         serve.stop()
+
+
+def test_muster_run_errors_name_the_command_not_its_arguments():
+    out = muster("run", "--coordinator", "nonsense", "--job", "j", "--", "torchrun", "train.py")
+    assert out.returncode == 2 and out.stderr.startswith("muster run: coordinator address 'nonsense' is not HOST:PORT")
+    out = muster("run", "--coordinator", "127.0.0.1:1", "--job", "j", "--nodes", "2", "--", "torchrun",
+                 "--nnodes", "3", "train.py")
+    assert out.returncode == 2 and out.stderr.startswith("muster run: torchrun --nnodes 3:3 contradicts --nodes 2")
+    out = muster("run", "--coordinator", "127.0.0.1:1", "--job", "", "--", "python", "t.py")
+    assert out.returncode == 2 and out.stderr.startswith("muster run: the job id is empty")
+    assert "['--'" not in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_no_coordinator_accepts_gives_up_after_its_join_timeout():
+    out = muster("run", "--coordinator", f"127.0.0.1:{free_port()}", "--job", "$SLURM_JOB_ID", "--join-timeout", "4",
+                 "--", sys.executable, "-c", "pass", timeout=50)
+    assert out.returncode == 1
+    assert "join_waiting" in out.stderr  # said while waiting, not only at the end
+    assert "muster run: no coordinator at 127.0.0.1:" in out.stderr and "within 4s (--join-timeout)" in out.stderr
+    assert "job 'slurm_job_id-" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_status_and_events_take_a_job_id_as_muster_run_does(coordinators):
+    (replica,) = coordinators(1)
+
+    async def scenario():
+        node = SimulatedNode([replica.address], job_name("MyRun"), "n0", slots=1)
+        await node.join()
+        node.start()
+        await node.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 10, "map")
+        out = await asyncio.to_thread(muster, "status", "--coordinator", replica.address, "--job", "MyRun", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["jobs"][0]["name"] == job_name("MyRun")
+        out = await asyncio.to_thread(muster, "events", "--coordinator", replica.address, "--job", "MyRun")
+        assert out.returncode == 0 and "node_joined" in out.stdout
+        await node.stop()
+
+    asyncio.run(scenario())

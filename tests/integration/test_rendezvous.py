@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from muster.testing import EXAMPLE, wait_until
+from muster.worker.launch import job_name
 
 PLAIN = EXAMPLE.parent / "train_plain.py"
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share torchrun's stdout: lines may interleave
@@ -41,7 +42,8 @@ class TorchrunNode:
 @pytest.mark.timeout(150)
 def test_torchrun_with_the_muster_backend_survives_the_loss_of_a_node(coordinators, tmp_path):
     (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
-    nodes = [TorchrunNode(leader.address, "trdzv", tmp_path / f"node-{i}.log", tmp_path / "ckpt", 250)
+    # An id as torchrun takes it (uppercase): the backend maps it onto the coordinator's job names.
+    nodes = [TorchrunNode(leader.address, "TRdzv", tmp_path / f"node-{i}.log", tmp_path / "ckpt", 250)
              for i in range(2)]
     try:
         wait_until(lambda: all(any(r["world_size"] == 4 and r["step"] > 30 for r in n.steps()) for n in nodes),
@@ -53,8 +55,8 @@ def test_torchrun_with_the_muster_backend_survives_the_loss_of_a_node(coordinato
         assert {r["world_size"] for r in final} == {2} and {r["rank"] for r in final} == {0, 1}
         resumed = [r for r in survivor.steps() if r["world_size"] == 2]
         assert resumed[0]["resumed_from"] > 0, "the restarted workers resumed from the checkpoint"
-        kinds = [r["kind"] for r in leader.find("membership_changed")]
-        assert "node_silent" in kinds
+        kinds = [r["kind"] for r in leader.find("membership_changed", job=job_name("TRdzv"))]
+        assert "node_silent" in kinds and job_name("TRdzv").startswith("trdzv-")
     finally:
         for n in nodes:
             n.stop()

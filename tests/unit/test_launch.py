@@ -1,0 +1,76 @@
+"""What `muster run` decides before it runs anything: job names, torchrun's options, the verdicts
+it prints (pure: no processes)."""
+
+import re
+
+import pytest
+
+from muster.coordinator.core.policy import JOB_NAME
+from muster.v1 import muster_pb2 as pb
+from muster.worker.agent import AgentConfig, Crash, Slot, failure_report, finished_job, last_failure
+from muster.worker.launch import LaunchError, job_name, plan
+
+
+def test_valid_job_names_are_kept_and_any_other_id_is_mapped_deterministically_without_collisions():
+    assert job_name("llm-train.v2_1") == "llm-train.v2_1"
+    assert job_name("12345") == "12345"  # a Slurm job id
+    ids = ["MyRun", "myRun", "MYRUN", "run 1", "run/1", "$SLURM_JOB_ID", "Ünïcode", "-lead", "_", "a" * 63 + "b",
+           "A" * 200, "x" * 64, "job\n", "日本"]
+    names = [job_name(i) for i in ids]
+    assert all(JOB_NAME.fullmatch(n) for n in names), names
+    assert len(set(names) | {"myrun", "run-1"}) == len(ids) + 2  # distinct, and never a valid id's own name
+    assert names == [job_name(i) for i in ids]  # every node maps alike
+    assert re.fullmatch(r"myrun-[0-9a-f]{10}", job_name("MyRun"))
+    assert job_name("$SLURM_JOB_ID").startswith("slurm_job_id-")
+    with pytest.raises(LaunchError):
+        job_name("")
+
+
+def test_torchrun_max_restarts_is_the_agents_budget_and_checked():
+    assert plan(["torchrun", "--max-restarts=5", "--nproc-per-node", "2", "t.py"]).max_restarts == 5
+    assert plan(["torchrun", "--max_restarts", "0", "t.py"]).max_restarts == 0
+    assert plan(["torchrun", "t.py"]).max_restarts is None
+    with pytest.raises(LaunchError, match="not a number"):
+        plan(["torchrun", "--max-restarts=many", "t.py"])
+
+
+def event(kind, *nodes, generation=1, reason=""):
+    return pb.Event(kind=kind, nodes=nodes, generation=generation, reason=reason, time_unix_ms=1)
+
+
+def test_a_job_has_finished_when_its_other_nodes_left_as_finished_and_nobody_else_is_a_member():
+    done = [event("node_joined", "a"), event("node_joined", "b"), event("formed", "a", "b"),
+            event("node_finished", "a"), event("node_finished", "b")]
+    assert finished_job(done, [], "late") is done[-1]
+    # joined as it ended: its own join, the waiting generation it caused and its ranks do not count
+    late = done + [event("node_joined", "late"), event("waiting"), event("rank_exited", "late")]
+    assert finished_job(late, ["late"], "late") is done[-1]
+    assert finished_job(done[:-1], ["b"], "late") is None  # b still trains
+    assert finished_job(done + [event("node_left", "c")], [], "late") is None  # the job fell apart: not finished
+    assert finished_job([event("node_joined", "a"), event("formed", "a")], [], "late") is None
+    assert finished_job([], [], "late") is None  # a new job
+
+
+def test_last_failure_points_at_another_node_first():
+    events = [event("rank_exited", "b", reason="local rank 0: pid 7 exit code 2"), event("generation", "a", "b"),
+              event("rank_exited", "a", reason="local rank 1: pid 8 killed by signal 15")]
+    assert last_failure(events, "a") is events[0]
+    assert last_failure(events[2:], "a") is events[2]
+    assert last_failure([event("formed", "a")], "a") is None
+
+
+def test_the_report_of_a_slot_given_up_names_rank_exit_code_and_its_last_lines():
+    config = AgentConfig(("127.0.0.1:1",), "job", "node-a", 2, ("python", "train.py", "--lr", "x y"), max_restarts=2)
+    slot = Slot(1, restarts=2, rank=3)
+    crash = Crash(code=-9, pid=42, rank=3, generation=4, at=0.0, tail=("Traceback (most recent call last):",
+                                                                     "ValueError: bad --lr"), error="ValueError: bad --lr")
+    text = failure_report(config, slot, "its process ended (killed by SIGKILL)", crash, crash.tail)
+    assert "slot 1 of node 'node-a' in job 'job' is given up: its process ended (killed by SIGKILL), and its 2 " \
+           "restart(s) (--max-restarts 2) are spent" in text
+    assert "rank      : 3 (local rank 1)" in text and "killed by SIGKILL (pid 42, generation 4" in text
+    assert "error     : ValueError: bad --lr" in text and "command   : python train.py --lr 'x y'" in text
+    assert text.splitlines()[-2] == "    ValueError: bad --lr"
+    elsewhere = event("rank_exited", "node-b", generation=5, reason="local rank 0: pid 7 exit code 2")
+    text = failure_report(config, Slot(0, restarts=2), "generation 6 needs it restarted", None, (), elsewhere)
+    assert "last crash: none here" in text and "its stderr: nothing written" in text
+    assert "job's last failure: rank_exited on 'node-b' (generation 5): local rank 0: pid 7 exit code 2" in text
