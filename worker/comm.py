@@ -3,7 +3,8 @@ touches torch.distributed's process-group machinery.
 
 Every process hosts a TCPStore from the start, so whichever process is rank 0 of a generation
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
-barrier polled without blocking, so a newer generation can abandon a half-formed one.
+barrier polled without blocking, so a newer generation can abandon a half-formed one, or one whose
+store does not answer (its host died as the map was published).
 Abort: NCCL has `abort()`; gloo has none, so the sockets the generation's group opened are shut
 down, which makes a collective blocked on a hung or dead peer fail at once.
 """
@@ -27,6 +28,8 @@ import torch.distributed as dist
 log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT = timedelta(seconds=30)  # the backend's store reads while a group connects
+CONNECT_ATTEMPT_S = 1.0  # first attempt of a store client's connect (doubled after each failure, up to the max)
+CONNECT_ATTEMPT_MAX_S = 4.0
 
 
 class Superseded(Exception):
@@ -151,18 +154,45 @@ class Comm:
     def formed(self) -> bool:
         return self.spec is not None
 
-    def _store(self, address: str) -> dist.Store:
-        host, _, port = address.rpartition(":")
-        if self.server is not None and int(port) == self.store_port and host.strip("[]") in (
-                self.host, "127.0.0.1", "localhost"):
+    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool], started: float) -> dist.Store:
+        """A client of the generation's store. Its host may have died (a node lost as the map was
+        published): c10d's TCPStore constructor retries a refused connect for the whole timeout and
+        nothing can cut it, so a cheap probe comes first and the constructor only gets short
+        attempts; between them a newer generation abandons this one (Superseded)."""
+        host, _, port = spec.store_address.rpartition(":")
+        host, port = host.strip("[]"), int(port)
+        if self.server is not None and port == self.store_port and host in (self.host, "127.0.0.1", "localhost"):
             return self.server
-        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=self.timeout)
+        attempt_s, delay, error = CONNECT_ATTEMPT_S, 0.005, "no answer"
+        while True:
+            if abandoned():
+                raise Superseded(f"generation {spec.generation} abandoned while connecting to its store")
+            remaining = self.timeout.total_seconds() - (time.monotonic() - started)
+            if remaining <= 0:
+                raise dist.DistNetworkError(f"generation {spec.generation}: its store at {spec.store_address} did "
+                                            f"not answer within {self.timeout.total_seconds():g}s ({error})")
+            try:
+                socket.create_connection((host, port), timeout=min(remaining, CONNECT_ATTEMPT_S)).close()
+            except OSError as exc:  # refused (its host is gone) or no answer: look again, abandonable
+                error = str(exc) or type(exc).__name__
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.1)
+                continue
+            try:
+                client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=min(remaining, attempt_s)))
+            except RuntimeError as exc:  # it went between the probe and the connect, or answers slowly
+                error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                attempt_s = min(attempt_s * 2, CONNECT_ATTEMPT_MAX_S)
+                continue
+            client.set_timeout(self.timeout)
+            return client
 
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
         started = time.monotonic()
         before = _socket_fds()
-        client = self._store(spec.store_address)
+        client = self._store(spec, abandoned, started)
         with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
             self._forming = (spec.generation, _store_connections(_socket_fds() - before, _port(spec.store_address)))
         try:
