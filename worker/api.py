@@ -157,6 +157,7 @@ class Worker:
         self._digest_every = config.digest_every
         self._lock = threading.Lock()
         self._latest: pb.Assignment | None = None
+        self._base: pb.Assignment | None = None  # the latest formed at once (not at a planned step)
         self._changed = threading.Event()  # the background thread has news for the step boundary
         self._error: WorkerError | None = None
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
@@ -257,8 +258,10 @@ class Worker:
             if self._drain_after is not None:
                 self._changed.set()  # the drain step is ahead: look again at the next boundary
             return
-        if latest.abort_previous or self.step >= latest.switch_at_step:
-            self._reform(discard=False)
+        base = self._base
+        if latest.abort_previous or self.step >= latest.switch_at_step or (
+                base is not None and base.generation > self.generation and self._placed(base)):
+            self._reform(discard=False)  # (an abort came with a planned switch after it: form the abort's group)
         else:
             self._changed.set()  # a planned switch ahead: look again at the next boundary
 
@@ -290,10 +293,9 @@ class Worker:
             if self._error is not None:
                 raise self._error
             self._check_drain()
-            latest = self._latest
-            if (latest is not None and latest.role == pb.ROLE_ACTIVE and latest.generation > after
-                    and self._slot in latest.local_ranks):
-                return latest
+            target = self._target(after)
+            if target is not None:
+                return target
             if hold and time.monotonic() > deadline:
                 log.error("hold_expired", generation=after, held_s=self.config.hold_timeout_s, cause=hold)
                 raise HoldExpired(f"held {self.config.hold_timeout_s:g}s for a new generation after {hold}; none came "
@@ -330,7 +332,8 @@ class Worker:
                              self.config.local_rank, a.store_address, a.store_prefix)
             self._progress = (step, us, "forming", "", spec.generation)
             try:
-                formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation: self._newer_than(g))
+                formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=_immediate(a):
+                                          self._superseded(g, i))
                 source, step = self.state.sync(self.step, spec.rank, spec.world_size, self._device)
                 break
             except Superseded:
@@ -349,9 +352,29 @@ class Worker:
                  step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
                  barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
 
-    def _newer_than(self, generation: int) -> bool:
+    def _target(self, after: int) -> pb.Assignment | None:
+        """The generation to form, newer than `after`: the latest, unless that is a planned switch
+        away from a group this rank has a place in but has not formed yet (an abort just before it):
+        then that group first; its ranks train in it up to the switch. A rank that is new in the
+        planned one forms it at once and waits there for the others."""
+        latest, base = self._latest, self._base
+        if not self._placed(latest) or latest.generation <= after:
+            return None
+        if _immediate(latest) or base is None or base.generation <= after or not self._placed(base):
+            return latest
+        return base
+
+    def _placed(self, a: pb.Assignment | None) -> bool:
+        return a is not None and a.role == pb.ROLE_ACTIVE and self._slot in a.local_ranks
+
+    def _superseded(self, generation: int, immediate: bool) -> bool:
+        """Abandon the group being formed? For a newer one formed at once, yes; a group formed at
+        once is not abandoned for a planned switch away from it (its ranks must train to the
+        switch in it); one formed for a planned switch is, for any newer one (the others skip
+        to the newest at its step)."""
         latest = self._latest
-        return self._error is not None or (latest is not None and latest.generation > generation)
+        return self._error is not None or (latest is not None and latest.generation > generation
+                                           and (_immediate(latest) or not immediate))
 
     # ---- background thread -----------------------------------------------------------
 
@@ -403,6 +426,8 @@ class Worker:
             with self._lock:
                 if self._latest is None or a.generation >= self._latest.generation:
                     self._latest = a
+                    if _immediate(a):
+                        self._base = a
             if a.role == pb.ROLE_EVICTED:
                 self._fail(FencedOut(f"fenced out by the coordinator: {a.reason}"))
                 return
@@ -426,3 +451,8 @@ class Worker:
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation)]
+
+
+def _immediate(a: pb.Assignment) -> bool:
+    """Formed at once (an abort, the first map, a rebuild), not at a planned step boundary."""
+    return a.abort_previous or a.switch_at_step == 0
