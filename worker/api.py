@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ from muster.worker.rank_link import RankLink
 from muster.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
+
+STUCK_EXIT_S = 10.0  # a fenced rank whose training thread does not raise within this long exits
 
 _STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
            "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING, "holding": pb.RANK_STATE_HOLDING}
@@ -160,6 +163,8 @@ class Worker:
         self._base: pb.Assignment | None = None  # the latest formed at once (not at a planned step)
         self._changed = threading.Event()  # the background thread has news for the step boundary
         self._error: WorkerError | None = None
+        self._error_seen = threading.Event()  # the training thread has raised it
+        self._forming = False  # the training thread is inside Comm.form
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
         self._redos = 0  # attempts of the current step discarded in a row
         self._digest: tuple[int, bytes] = (0, b"")
@@ -249,7 +254,7 @@ class Worker:
     def _boundary(self) -> None:
         self._changed.clear()
         if self._error is not None:
-            raise self._error
+            self._raise_error()
         if self._drain_after is not None and self.step >= self._drain_after:
             self._changed.set()  # Drained is raised as the next step begins
             return
@@ -274,7 +279,7 @@ class Worker:
         deadline = time.monotonic() + wait_s
         while True:
             if self._error is not None:
-                raise self._error
+                self._raise_error()
             latest = self._latest
             if latest is not None and latest.generation > self.generation and latest.abort_previous:
                 return True
@@ -291,7 +296,7 @@ class Worker:
         while True:
             self._changed.clear()
             if self._error is not None:
-                raise self._error
+                self._raise_error()
             self._check_drain()
             target = self._target(after)
             if target is not None:
@@ -331,6 +336,7 @@ class Worker:
             spec = GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(self._slot), a.world_size,
                              self.config.local_rank, a.store_address, a.store_prefix)
             self._progress = (step, us, "forming", "", spec.generation)
+            self._forming = True
             try:
                 formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=_immediate(a):
                                           self._superseded(g, i))
@@ -341,6 +347,8 @@ class Worker:
             except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself: hold for the next
                 log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200])
                 after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
+            finally:
+                self._forming = False
             self.comm.destroy()
         lost = self.step - step if step < self.step else 0
         self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
@@ -415,6 +423,20 @@ class Worker:
         log.error("worker_link_failed", error=str(error))
         self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
         self._changed.set()
+        threading.Thread(target=self._exit_unless_raised, args=(error,), name="muster-fence", daemon=True).start()
+
+    def _raise_error(self) -> NoReturn:
+        self._error_seen.set()
+        raise self._error
+
+    def _exit_unless_raised(self, error: WorkerError) -> None:
+        """A rank whose training thread cannot get to its error (stuck in a C++ call that no abort
+        reaches, e.g. gloo connecting to a peer that died mid-init) would hold its slot forever: it
+        exits, and its agent starts a fresh process for the slot."""
+        if self._error_seen.wait(STUCK_EXIT_S) or self._closing:
+            return
+        log.error("rank_exited_stuck", error=str(error), waited_s=STUCK_EXIT_S)
+        os._exit(3)
 
     def _abort(self, below_generation: int) -> None:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming."""
@@ -431,9 +453,10 @@ class Worker:
             if a.role == pb.ROLE_EVICTED:
                 self._fail(FencedOut(f"fenced out by the coordinator: {a.reason}"))
                 return
-            if self.generation and self._slot in a.down_local_ranks:
-                # This process held a place and was declared failed (it hung): its state is stale.
-                # A fresh process (the agent restarts this one) takes the slot back.
+            if (self.generation or self._forming) and self._slot in a.down_local_ranks:
+                # This process held a place, or was forming one, and was declared failed (it hung, or
+                # never formed): its state is stale. A fresh process (the agent restarts this one)
+                # takes the slot back.
                 self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
             if a.abort_previous:
