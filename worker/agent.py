@@ -423,6 +423,9 @@ class NodeAgent:
             return
         self.assignment = a
         self.session.generation = a.generation
+        for slot in self.slots:
+            if slot.failed_pid and slot.connected and self._crash_answered(slot):
+                slot.failed_pid = 0  # its replacement speaks for the slot from now on
         if a.start_ranks:
             self.library = True  # the leader asks for it only when the job's ranks use the library
         if a.role == pb.ROLE_EVICTED:
@@ -670,7 +673,12 @@ class NodeAgent:
         for slot in self.slots:
             if slot.finished:
                 continue  # done: neither a failure nor a rank to watch
-            if slot.connected and slot.report is not None:
+            if slot.failed_pid and slot.connected and not slot.stopping:
+                # Its replacement is up, but no leader has answered the crash yet (an outage, a
+                # failover): the slot still speaks of the dead process, so that the next leader
+                # learns of the exit even if the report went down with the old one.
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
+            elif slot.connected and slot.report is not None:
                 r = pb.RankReport()
                 r.CopyFrom(slot.report)
                 if _runnable(slot.proc.pid):
@@ -687,6 +695,13 @@ class NodeAgent:
         return reports
 
     # ---- leaving ---------------------------------------------------------------------
+
+    def _crash_answered(self, slot: Slot) -> bool:
+        """The leader has acted on the slot's last crash: a generation after the one it crashed in,
+        or the slot listed as down; or the slot was in no map, so its crash changed nothing."""
+        a = self.assignment
+        return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
+                or slot.index not in a.local_ranks)
 
     async def _leave(self, reason: str, *, finished: bool) -> None:
         try:
@@ -741,7 +756,8 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
                                 f"pid {first.pid} is not the process of slot {first.local_rank}")
         loop = asyncio.get_running_loop()
         slot.report, slot.heard_at, slot.connected = first, loop.time(), True
-        slot.failed_pid = 0  # the replacement speaks for the slot now
+        if agent._crash_answered(slot):
+            slot.failed_pid = 0  # the replacement speaks for the slot now
         agent.library = True
         queue: asyncio.Queue = asyncio.Queue()
         if agent.assignment is not None:
