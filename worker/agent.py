@@ -796,14 +796,18 @@ def _for_rank(d: pb.Directive, slot: Slot) -> bool:
     return not d.HasField("assignment") or d.assignment.generation > slot.crashed_in
 
 
-def _runnable(pid: int) -> bool:
-    """The process exists and is neither stopped (SIGSTOP, a debugger) nor a zombie."""
+def _process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, T, Z, ...), or None when there is none."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state not in ("T", "t", "Z", "X")
+        return None
+
+
+def _runnable(pid: int) -> bool:
+    """The process exists and is neither stopped (SIGSTOP, a debugger) nor a zombie."""
+    return _process_state(pid) not in (None, "T", "t", "Z", "X")
 
 
 SOCKET_DIR_PREFIX = "muster-agent-"
@@ -819,22 +823,12 @@ def _remove_stale_socket_dirs() -> None:
         pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
         path = os.path.join(root, name)
         try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _process_state(int(pid)) is not None:
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
         log.info("stale_socket_dir_removed", path=path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's
-    return True
 
 
 # What torchrun sets for its workers: taken from the current map, never from the agent's own
