@@ -68,7 +68,7 @@ def secret_hash(secret: bytes) -> str:
 
 def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
     if f.kind in GROUP_KINDS:
-        return Regroup(f.kind, f.reason)
+        return Regroup(f.kind, f.reason, (f.node_id,) if f.node_id else ())
     if f.local_rank is None or kind is NodeKind.PROCESS:
         return NodeLost(f.node_id, f.kind, f.reason)
     return SlotDown(f.node_id, f.local_rank, f.kind, f.reason)
@@ -460,10 +460,19 @@ class JobLeader:
         if frame.exits:
             self._signals.append(now)
         recovered = self.live.observe(member.node_id, frame.generation, reports, now)
+        rm = self.state.rank_map
+        placement = rm.placement(member.node_id) if rm else None
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             if member.kind is NodeKind.PROCESS:
                 self._enqueue(NodeLost(member.node_id, "process_exited", f"pid {e.pid} {how}"))
+            elif e.restarting and placement is not None and e.local_rank in placement.slots:
+                # Restart semantics (a script without the library): the job re-forms once, with the
+                # replacement in the same place. A node still on an older generation is restarted by
+                # the newer map already: its rank's exit is no new fault.
+                if frame.generation == self.state.generation:
+                    self._enqueue(Regroup("rank_restarted", f"local rank {e.local_rank}: pid {e.pid} {how}; its "
+                                          "agent restarts it in place", (member.node_id,)))
             else:
                 self.live.mark_failed(member.node_id, e.local_rank, e.pid)
                 self._enqueue(SlotDown(member.node_id, e.local_rank, "rank_exited", f"pid {e.pid} {how}"))

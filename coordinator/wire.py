@@ -30,6 +30,7 @@ RANK_STATES = {
     pb.RANK_STATE_UNMONITORED: "unmonitored",
     pb.RANK_STATE_FORMING: "forming",
     pb.RANK_STATE_HOLDING: "holding",
+    pb.RANK_STATE_RESTARTING: "restarting",
 }
 
 

@@ -92,7 +92,9 @@ class Slot:
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
     crashed_in: int = 0  # the generation its last process crashed in: a replacement is no member of it
-    crashes: int = 0
+    crashes: int = 0  # in a row, each within CRASH_LOOP_S of its start: the backoff grows with them
+    started_at: float = 0.0  # monotonic, its process's start
+    restarting: bool = False  # crashed, and restarted in place once the leader has re-formed the job
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
@@ -563,7 +565,11 @@ class NodeAgent:
             if err is not None:
                 os.close(err)
         slot.generation = self.assignment.generation
+        slot.started_at = time.monotonic()
         slot.stopping = False
+        if slot.restarting:  # its replacement speaks for the slot now
+            slot.restarting = False
+            slot.failed_pid = 0
         slot.connected = False
         slot.report = None
         self.log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
@@ -581,10 +587,24 @@ class NodeAgent:
             if not self.draining and all(s.finished or s.given_up for s in self.slots):  # a drain left already
                 await self._leave("all local ranks finished", finished=True)
             return
-        slot.failed_pid = proc.pid  # reported exited until a replacement speaks for the slot
-        slot.crashed_in = self.assignment.generation if self.assignment else 0
-        slot.crashes += 1
-        self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code))
+        a = self.assignment
+        if not self.library and a is not None and slot.generation < a.generation and not self.draining:
+            # A process of an older map (its peer died first): the newer map restarts it anyway, so
+            # its exit is no new fault. Restarted now, unless the reconcile already did.
+            async with self._reconciling:
+                if not slot.alive and not slot.given_up and await self._restart_allowed(
+                        slot, f"its process of generation {slot.generation} ended ({_exit_words(code)})"):
+                    await self._start_rank(slot, await self._master_address(self.assignment))
+            return
+        # Restart semantics (a script without the library) restart a crashed rank in its place: the
+        # leader re-forms the job once, with its replacement (never a map without the slot first).
+        in_place = (not self.library and not self.draining and slot.restarts < self.config.max_restarts
+                    and a is not None and a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks)
+        slot.failed_pid = proc.pid  # reported exited (or restarting) until a replacement speaks for the slot
+        slot.crashed_in = a.generation if a else 0
+        slot.restarting = in_place
+        slot.crashes = 1 if time.monotonic() - slot.started_at > CRASH_LOOP_S else slot.crashes + 1
+        self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code, restarting=in_place))
         self.session.send_now()  # the leader hears of it within milliseconds
         slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
                                 await asyncio.to_thread(self._tail, slot), _error_message(slot.error_file))
@@ -592,14 +612,30 @@ class NodeAgent:
             return
         if not await self._restart_allowed(slot, f"its process ended ({_exit_words(code)})"):
             return
-        delay = self.config.restart_backoff_s * 2 ** (slot.crashes - 1)
-        self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts)
+        # The first crash restarts at once (as torchrun does); a crash loop backs off.
+        delay = self.config.restart_backoff_s * 2 ** (slot.crashes - 2) if slot.crashes > 1 else 0.0
+        self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts, in_place=in_place)
         await asyncio.sleep(delay)
+        if in_place:
+            await self._until_crash_answered(slot)
         if not self.draining and not self._done.done() and not slot.alive and not slot.given_up:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self._reconciling:
                 if not slot.alive:
                     await self._start_rank(slot, await self._master_address(self.assignment))
+
+    async def _until_crash_answered(self, slot: Slot) -> None:
+        """Wait (bounded) for the generation that re-forms the job after the slot's crash, so that
+        its replacement starts once, into that map. A coordinator outage is the hold watchdog's."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESTART_ANSWER_WAIT_S
+        while self.assignment.generation <= slot.crashed_in and not self._done.done():
+            if loop.time() > deadline and self.session.silent_s() < self.session.heartbeat_timeout_s:
+                self.log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
+                                 waited_s=RESTART_ANSWER_WAIT_S, message="no new generation came for the crash; "
+                                 "restarting the rank in the current one")
+                return
+            await asyncio.sleep(0.01)
 
     async def _restart_allowed(self, slot: Slot, cause: str) -> bool:
         """Count a restart of the slot (any cause: its crash, or a new map for a script without the
@@ -690,6 +726,9 @@ class NodeAgent:
             elif slot.alive and not self.library:
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid,
                                              state=pb.RANK_STATE_UNMONITORED))
+            elif slot.restarting:  # until its replacement starts: the job is to re-form with the slot
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_RESTARTING,
+                                             generation=slot.crashed_in))
             elif slot.failed_pid and not slot.stopping:  # crashed, or its replacement is not connected yet
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
         return reports
@@ -841,6 +880,8 @@ RANK_ENV = frozenset({
 })
 MASTER_PORT_WAIT_S = 5.0  # for the node of rank 0 to publish a generation's MASTER_PORT
 QUERY_WAIT_S = 3.0  # for the job's history or status (what a node waits for, whether the job finished)
+RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
+CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
 TAIL_LINES = 20  # of a given-up slot's stderr, in its report
 TAIL_BYTES = 64 * 1024
 
@@ -946,7 +987,7 @@ def failure_report(config: AgentConfig, slot: Slot, cause: str, crash: Crash | N
 
 
 FAILURES = frozenset({"rank_exited", "rank_silent", "rank_stalled", "node_silent", "process_exited",
-                      "group_broken", "group_not_formed"})
+                      "rank_restarted", "rank_not_formed", "group_broken", "group_not_formed"})
 
 
 def last_failure(events: Sequence[pb.Event], node_id: str) -> pb.Event | None:
@@ -958,7 +999,8 @@ def last_failure(events: Sequence[pb.Event], node_id: str) -> pb.Event | None:
 
 
 # Events that are no membership change of another node (a generation, a job waiting for nodes).
-_NOT_A_DEPARTURE = frozenset({"generation", "formed", "waiting", "state_rebuilt", "replicas_diverged"})
+_NOT_A_DEPARTURE = frozenset({"generation", "formed", "waiting", "state_rebuilt", "replicas_diverged",
+                              "rank_restarted"})
 
 
 def finished_job(events: Sequence[pb.Event], members: Sequence[str], node_id: str) -> pb.Event | None:

@@ -25,7 +25,7 @@ class RankLive:
     pid: int = 0
     step: int = 0
     step_time_s: float = 0.0
-    state: str = "starting"  # starting | running | long_phase | forming | holding | exited | unmonitored
+    state: str = "starting"  # starting | running | long_phase | forming | holding | exited | unmonitored | restarting
     phase: str = ""
     heard_ms_ago: int = 0
     progress_at: float = 0.0  # when the step last advanced (or the generation changed)
@@ -44,14 +44,16 @@ class NodeLive:
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # node_silent | rank_silent | rank_stalled | rank_not_formed | group_broken | group_not_formed
+    kind: str  # node_silent | rank_silent | rank_stalled | rank_not_formed | rank_restarted | group_broken | ...
     node_id: str  # "" for the group kinds
     local_rank: int | None
     reason: str
     since: float | None = None  # when its first signal came: the last frame, report or progress
 
 
-GROUP_KINDS = frozenset({"group_broken", "group_not_formed"})  # the same members re-form
+# The same members re-form: a group that broke or did not form, or a rank its agent restarts in place.
+GROUP_KINDS = frozenset({"group_broken", "group_not_formed", "rank_restarted"})
+UNMONITORED = frozenset({"unmonitored", "restarting"})  # scripts without the library: no steps to judge
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ class Liveness:
         rm = state.rank_map
         for p in rm.placements if rm else ():
             node = self.nodes.get(p.node_id)
-            if node is not None and any(r.state not in ("unmonitored", "exited") for r in node.ranks.values()):
+            if node is not None and any(r.state not in UNMONITORED | {"exited"} for r in node.ranks.values()):
                 return True
         return False
 
@@ -190,18 +192,25 @@ class Liveness:
             self.mark_failed(node_id, slot, -1)
 
     def exited_in_map(self, state: JobState) -> list[Failure]:
-        """Slots of the map whose rank a node reports as exited: an exit report that went to a
-        previous leader is not lost. Acted on even during the grace, like any exit; the pid is
-        remembered so that a new process in the slot counts as its recovery."""
+        """Slots of the map whose rank a node reports as exited, or as restarting in place in the
+        current generation: an exit report that went to a previous leader is not lost. Acted on
+        even during the grace, like any exit; the pid of an exited rank is remembered so that a new
+        process in the slot counts as its recovery. A restarting slot keeps its place: the job
+        re-forms once with its replacement."""
         rm = state.rank_map
         found = []
         for p in rm.placements if rm else ():
             node = self.nodes.get(p.node_id)
             for slot in p.slots:
                 r = node.ranks.get(slot) if node else None
-                if r is not None and r.state == "exited":
+                if r is None:
+                    continue
+                if r.state == "exited":
                     self.mark_failed(p.node_id, slot, r.pid)
                     found.append(Failure("rank_exited", p.node_id, slot, f"reported exited (pid {r.pid})"))
+                elif r.state == "restarting" and r.generation == rm.generation:
+                    found.append(Failure("rank_restarted", p.node_id, slot,
+                                         f"local rank {slot} (pid {r.pid}) exited; its agent restarts it in place"))
         return found
 
     def failures(self, state: JobState, now: float) -> list[Failure]:
@@ -227,7 +236,7 @@ class Liveness:
                 continue
             for slot in placement.slots:
                 live = node.ranks.get(slot)
-                if live is None or live.state in ("exited", "unmonitored"):
+                if live is None or live.state == "exited" or live.state in UNMONITORED:
                     continue  # exited: found above; unmonitored: no library, its exit is the signal
                 if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
                     found.append(
@@ -279,7 +288,7 @@ class Liveness:
             node = self.nodes.get(p.node_id)
             for slot in p.slots:
                 r = node.ranks.get(slot) if node else None
-                if r is None or r.state in ("unmonitored", "exited"):
+                if r is None or r.state == "exited" or r.state in UNMONITORED:
                     continue  # no report yet (silence covers it), no library, or found above
                 if r.state == "starting" and r.generation == 0:
                     starting = True  # in no group yet: the start-up timeout judges it, and the others wait

@@ -98,9 +98,10 @@ class Diverged:
 @dataclass(frozen=True)
 class Regroup:
     """The running group is broken though nobody is found failed (its ranks hold after a failed
-    collective, or it did not form in time): the same members re-form in an abort generation."""
+    collective, or it did not form in time), or a rank of a script without the library is being
+    restarted in place by its agent: the same members re-form in an abort generation."""
 
-    kind: str  # group_broken | group_not_formed
+    kind: str  # group_broken | group_not_formed | rank_restarted
     reason: str
     nodes: tuple[str, ...] = ()
 
@@ -244,7 +245,8 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         elif isinstance(ev, Regroup):
             if state.phase is not Phase.RUNNING:
                 continue
-            note(ev.kind, ev.reason, *ev.nodes[:EVENT_NODES_MAX])
+            if not any(e.kind == ev.kind and e.nodes == ev.nodes[:EVENT_NODES_MAX] for e in log):
+                note(ev.kind, ev.reason, *ev.nodes[:EVENT_NODES_MAX])  # an exit and its report: one fault
             regroup = unplanned = changed = True
 
     nxt = state.with_members(tuple(members.values()))

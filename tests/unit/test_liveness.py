@@ -1,7 +1,7 @@
 """Liveness: silence, stalls with a calibrated progress timeout, long phases, grace."""
 
 from muster.coordinator.core.liveness import Liveness, RankReport
-from muster.coordinator.core.machine import Context, Join, Tick, decide
+from muster.coordinator.core.machine import Context, Join, Regroup, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState
 
@@ -233,3 +233,25 @@ def test_ranks_holding_after_a_failed_collective_break_the_group_after_the_heart
     failures = live.failures(state, 2 + TIMING.heartbeat_timeout_s + 0.1)
     assert [f.kind for f in failures] == ["group_broken"]
     assert "ranks [0] of generation 1 hold" in failures[0].reason
+
+
+def test_a_rank_restarting_in_place_re_forms_the_job_once_with_its_slot():
+    """A script without the library: its agent restarts the crashed rank in its place. The job
+    re-forms with the slot (never a map without it first), even when the exit report went to a
+    previous leader; once a newer generation is out, the report is no new fault."""
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.start_grace(["n0", "n1"], now=0)
+    live.observe("n0", 1, ranks("unmonitored", step=0, generation=0), 0.1)
+    live.observe("n1", 1, ranks("restarting", step=0, generation=1, pid=101), 0.1)
+    failures = live.failures(state, 0.2)  # during the grace too, like an exit
+    assert [(f.kind, f.node_id, f.local_rank) for f in failures] == [("rank_restarted", "n1", 0)]
+    assert "pid 101" in failures[0].reason and "restarts it in place" in failures[0].reason
+    d = decide(state, [Regroup(f.kind, f.reason, (f.node_id,)) for f in failures] * 2,
+               Context(now=1, wall_ms=0, term=1, timing=TIMING))
+    assert d.new_generation and d.state.rank_map.abort_previous
+    assert d.state.rank_map.placements == state.rank_map.placements, "the slot keeps its place"
+    assert [e.kind for e in d.events] == ["rank_restarted", "generation"], "one fault, noted once"
+    live.observe("n1", 2, ranks("restarting", step=0, generation=1, pid=101), 1.1)
+    assert live.failures(d.state, 1.2) == []  # answered: generation 2 restarts it
+    assert live.runs_library(d.state) is False

@@ -17,6 +17,7 @@ class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_STATE_UNMONITORED: _ClassVar[RankState]
     RANK_STATE_FORMING: _ClassVar[RankState]
     RANK_STATE_HOLDING: _ClassVar[RankState]
+    RANK_STATE_RESTARTING: _ClassVar[RankState]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +34,7 @@ RANK_STATE_EXITED: RankState
 RANK_STATE_UNMONITORED: RankState
 RANK_STATE_FORMING: RankState
 RANK_STATE_HOLDING: RankState
+RANK_STATE_RESTARTING: RankState
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -142,14 +144,16 @@ class RankReport(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
-    __slots__ = ("local_rank", "pid", "exit_code")
+    __slots__ = ("local_rank", "pid", "exit_code", "restarting")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTING_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     exit_code: int
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    restarting: bool
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarting: _Optional[bool] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
     __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin")
