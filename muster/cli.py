@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
+from muster.worker.zygote import PRELOAD
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -127,6 +128,8 @@ def _run(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
         form_timeout_s=args.form_timeout,
         wait_report_s=args.wait_report,
+        warm_start=args.warm_start,
+        preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
         security=_security(args),
     )
     try:
@@ -283,7 +286,14 @@ def parser() -> argparse.ArgumentParser:
                    "for a script without the library), before it is given up and reported (default: torchrun's "
                    "--max-restarts, else 3)")
     r.add_argument("--restart-backoff", type=float, default=1.0,
-                   help="seconds before restarting a crashed rank (doubles with each crash)")
+                   help="a rank crashing again soon after its restart waits this long before the next one (doubled "
+                        "with each crash in a row; the first restart is immediate)")
+    r.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="start every rank as a new interpreter (default: Python ranks fork from a per-node zygote "
+                        "that imported torch once, so a restart reaches the script's first line in milliseconds)")
+    r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
+                   help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
+                        "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
     r.add_argument("--log-dir", help="write each rank's output to a file here (default: the agent's stdout/stderr)")
     r.add_argument("--hold-timeout", type=float, default=300.0,
                    help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")

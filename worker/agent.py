@@ -41,6 +41,7 @@ from muster.coordinator.etcd_server import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
+from muster.worker.zygote import PRELOAD, WarmProcess, Zygote, ZygoteLost, warm_program
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +64,8 @@ class AgentConfig:
     form_timeout_s: float = 600.0  # no place in a generation within this long (a hot spare waits on): exit 1
     wait_report_s: float = 10.0  # while waiting for a place, say what for this often
     job_id: str = ""  # the job as the user named it (torchrun's --rdzv-id); `job` is the coordinator's name
+    warm_start: bool = True  # fork Python ranks from a zygote that imported `preload` once (see zygote)
+    preload: tuple[str, ...] = PRELOAD
     env: dict[str, str] = field(default_factory=dict)
     security: ClientSecurity = field(default_factory=ClientSecurity.from_env)  # token, TLS
 
@@ -83,7 +86,7 @@ class Crash:
 @dataclass(eq=False)
 class Slot:
     index: int
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | WarmProcess | None = None
     starts: int = 0
     restarts: int = 0
     finished: bool = False  # exited 0
@@ -127,6 +130,8 @@ class NodeAgent:
         self._store = None  # this node's TCPStore (it serves the generations whose rank 0 is here)
         self._store_clients: dict[str, object] = {}  # other nodes' stores, by address
         self._master: tuple[int, str, str] | None = None  # (generation, MASTER_ADDR, MASTER_PORT)
+        self._program = warm_program(config.argv) if config.warm_start else None
+        self._zygote: Zygote | None = None
         self.log = log.bind(job=config.job, node=config.node_id)
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -142,6 +147,8 @@ class NodeAgent:
         _remove_stale_socket_dirs()
         sockets = self._sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self.socket_path = os.path.join(sockets, "ranks.sock")
+        if self._program is not None:  # its imports run while the node joins
+            self._zygote = await Zygote.start(self._base_env(), self._guard(), c.preload)
         server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(_RankSessions(self), server)
         server.add_insecure_port(f"unix:{self.socket_path}")
@@ -176,6 +183,8 @@ class NodeAgent:
                 task.cancel()
             for slot in self.slots:
                 await self._stop_rank(slot, grace_s=2.0)
+            if self._zygote is not None:
+                self._zygote.close()
             await self.session.stop()
             if streaming is not None:
                 await asyncio.wait([streaming], timeout=5)
@@ -514,8 +523,7 @@ class NodeAgent:
         started before its node enters the map) gets no RANK or MASTER_* at all."""
         a = self.assignment
         c = self.config
-        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
-        env.update(c.env)
+        env = self._base_env()
         env.update({
             "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path,
             "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
@@ -526,7 +534,6 @@ class NodeAgent:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
             "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         })
         if slot.error_file:
             env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
@@ -536,6 +543,18 @@ class NodeAgent:
             if master is not None:
                 env.update(MASTER_ADDR=master[0], MASTER_PORT=master[1])
         return env
+
+    def _base_env(self) -> dict[str, str]:
+        """The environment every process the agent starts shares: its own without what torchrun
+        sets per rank, plus --env."""
+        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+        env.update(self.config.env)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _guard(self) -> list[str]:
+        """The exec wrapper that makes a process die with the agent, even on SIGKILL (orphan_guard)."""
+        return [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
 
     async def _start_rank(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
         c = self.config
@@ -554,11 +573,19 @@ class NodeAgent:
             # for the report should the slot be given up.
             read_end, err = os.pipe()
             slot.stderr = StderrTail(read_end)
-        # Ranks die with the agent, even on SIGKILL (see orphan_guard).
-        guard = [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
         try:
-            slot.proc = await asyncio.create_subprocess_exec(
-                *guard, *c.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
+            slot.proc = None
+            if self._zygote is not None:
+                stdio = (0, out.fileno() if out else 1, out.fileno() if out else err)  # as a child would inherit
+                try:
+                    slot.proc = await self._zygote.spawn(self._program, env, stdio)
+                except ZygoteLost as exc:
+                    self.log.warning("warm_start_off", why=str(exc), message="starting ranks cold from now on")
+                    self._zygote.close()
+                    self._zygote = None
+            if slot.proc is None:
+                slot.proc = await asyncio.create_subprocess_exec(
+                    *self._guard(), *c.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
         finally:
             if out is not None:
                 out.close()
@@ -573,7 +600,8 @@ class NodeAgent:
         slot.connected = False
         slot.report = None
         self.log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
-                      start=slot.starts, rank=slot.rank, restart_count=slot.restarts)
+                      start=slot.starts, rank=slot.rank, restart_count=slot.restarts,
+                      warm=isinstance(slot.proc, WarmProcess))
         asyncio.ensure_future(self._watch_rank(slot, slot.proc))
 
     async def _watch_rank(self, slot: Slot, proc: asyncio.subprocess.Process) -> None:

@@ -1,0 +1,339 @@
+"""Warm starts: a per-node zygote that has imported torch once and forks each rank from there.
+
+A rank restarted after a failure would otherwise pay the interpreter start and `import torch`
+again (1.3-1.5 s of CPU on the 2-core development machine) before the script's first line; forked
+from the zygote it reaches it in milliseconds. The zygote is the agent's child (through the exec
+wrapper, so it dies with the agent), holds no threads, sockets or CUDA context of its own, and
+forks before any of them exist. Each rank is its child: it dies with the zygote (PDEATHSIG) and
+the zygote reports its exit status to the agent.
+
+Only `PYTHON [-u] SCRIPT ARGS…` and `PYTHON [-u] -m MODULE ARGS…` with the agent's own interpreter
+run warm (what `muster run -- torchrun …` starts is always one); any other command is executed as
+before. The child sees what `python SCRIPT` would show it: its own environment, working directory,
+stdio, `sys.argv`, `sys.path[0]` and `__main__`; it exits through the interpreter's normal shutdown
+(atexit handlers run; an uncaught exception prints its traceback and exits 1).
+
+Protocol (a SOCK_SEQPACKET pair, one JSON message per packet): the agent sends
+{"id", "target", "module", "args", "unbuffered", "env", "cwd"} with the rank's stdin, stdout and stderr as SCM_RIGHTS
+descriptors; the zygote answers {"id", "pid"} (or {"id", "error"}), and {"exited": pid, "code": c}
+when a rank ends (c negative: killed by signal -c, as asyncio reports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import io
+import json
+import os
+import runpy
+import selectors
+import shutil
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from importlib import import_module
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+PR_SET_PDEATHSIG = 1
+# What every rank of a DDP script imports; DDP's constructor imports torch._dynamo (1.2 s of CPU alone).
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+MAX_MESSAGE = 1 << 20  # a rank's argv and environment
+READY_WAIT_S = 120.0  # for the zygote's imports: a cold import of torch on a loaded node takes seconds
+
+
+@dataclass(frozen=True)
+class Program:
+    """A command the zygote can run: a script or a module under the agent's own interpreter."""
+
+    target: str  # the script's path, or the module's name
+    module: bool
+    args: tuple[str, ...]
+    unbuffered: bool
+
+
+def warm_program(argv: tuple[str, ...] | list[str], executable: str = sys.executable) -> Program | None:
+    """`argv` as a Program the zygote can fork, or None: it must be executed (another interpreter,
+    options that change how Python starts)."""
+    if len(argv) < 2:
+        return None
+    found = shutil.which(argv[0])
+    if found is None or os.path.abspath(found) != os.path.abspath(executable):
+        return None  # another interpreter (or venv): its own imports, its own site-packages
+    unbuffered, i = False, 1
+    while i < len(argv) and argv[i] == "-u":
+        unbuffered, i = True, i + 1
+    if i < len(argv) and argv[i] == "-m" and i + 1 < len(argv):
+        return Program(argv[i + 1], True, tuple(argv[i + 2:]), unbuffered)
+    if i < len(argv) and not argv[i].startswith("-"):
+        return Program(argv[i], False, tuple(argv[i + 1:]), unbuffered)
+    return None
+
+
+# ---- the zygote process ------------------------------------------------------------------
+
+
+def main() -> None:
+    channel = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
+    for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
+        try:
+            import_module(name)
+        except Exception as exc:  # the script will meet (and report) the same error itself
+            _send(channel, {"preload_failed": name, "error": f"{type(exc).__name__}: {exc}"})
+    zygote = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the pipe
+    _send(channel, {"ready": os.getpid()})
+    with selectors.DefaultSelector() as selector:
+        selector.register(channel, selectors.EVENT_READ)
+        selector.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj == wake_r:
+                    os.read(wake_r, 4096)
+                    _reap(channel)
+                    continue
+                message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 3)
+                if not message:
+                    return  # the agent is gone (its ranks go with this process)
+                request = json.loads(message)
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    _close(fds)
+                    _send(channel, {"id": request["id"], "error": f"fork: {exc}"})
+                    continue
+                if pid == 0:
+                    selector.close()
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    _become_rank(channel, request, fds, zygote)
+                    return  # the rank ran: the interpreter exits as after `python SCRIPT`
+                _close(fds)
+                _send(channel, {"id": request["id"], "pid": pid})
+
+
+def _reap(channel: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(channel, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: int) -> None:
+    """In the forked child: take the rank's stdio, environment and directory, then run it."""
+    channel.close()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote:
+        os._exit(1)  # the zygote died before prctl took effect
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    _close([fd for fd in fds if fd > 2])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _fresh_stdio(request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
+    if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import otherwise
+    target = request["target"]
+    sys.argv = [target, *request["args"]]
+    if request["module"]:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+def _fresh_stdio(unbuffered: bool) -> None:
+    """stdio objects for the new descriptors 0-2, buffered as the interpreter would buffer them."""
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        old = getattr(sys, name)
+        if mode == "r":
+            stream = open(fd, "r", closefd=False, encoding=old.encoding, errors=old.errors)
+        elif unbuffered:
+            stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
+                                      write_through=True)
+        else:  # stderr is line-buffered; stdout too on a terminal, else block-buffered
+            stream = open(fd, "w", buffering=-1, closefd=False, encoding=old.encoding, errors=old.errors,
+                          newline=None)
+            if name == "stderr" or os.isatty(fd):
+                stream.reconfigure(line_buffering=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _send(channel: socket.socket, message: dict) -> None:
+    channel.send(json.dumps(message).encode())
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# ---- the agent's side ---------------------------------------------------------------------
+
+
+class ZygoteLost(Exception):
+    """The zygote is gone or did not start: start ranks cold."""
+
+
+class WarmProcess:
+    """A rank forked by the zygote, as the agent sees a subprocess: pid, returncode, wait(),
+    terminate(), kill()."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = asyncio.get_running_loop().create_future()
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set_result(code)
+
+
+class Zygote:
+    """The agent's handle on its node's zygote."""
+
+    def __init__(self, channel: socket.socket, process: asyncio.subprocess.Process):
+        self._channel = channel
+        self.process = process
+        self._next_id = 0
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ranks: dict[int, WarmProcess] = {}
+        self._ready = asyncio.get_running_loop().create_future()
+        self.lost = False
+        asyncio.get_running_loop().add_reader(channel.fileno(), self._on_readable)
+
+    @classmethod
+    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD) -> Zygote:
+        agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *guard, sys.executable, "-m", "muster.worker.zygote", str(zygote_end.fileno()), ",".join(preload),
+                env=env, pass_fds=(zygote_end.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            zygote_end.close()
+        agent_end.setblocking(False)
+        return cls(agent_end, process)
+
+    async def ready(self, timeout_s: float = READY_WAIT_S) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except TimeoutError:
+            self.close()
+            raise ZygoteLost(f"its imports took longer than {timeout_s:g}s") from None
+
+    async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int]) -> WarmProcess:
+        """Fork a rank running `program` with `env` and these descriptors as its stdin, stdout, stderr."""
+        await self.ready()
+        if self.lost:
+            raise ZygoteLost("it exited")
+        self._next_id += 1
+        request_id = self._next_id
+        answer = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        message = json.dumps({"id": request_id, "target": program.target, "module": program.module,
+                              "args": program.args, "unbuffered": program.unbuffered, "env": env,
+                              "cwd": os.getcwd()}).encode()
+        try:
+            socket.send_fds(self._channel, [message], list(stdio))
+        except OSError as exc:
+            self._pending.pop(request_id, None)
+            self._lose(f"send: {exc}")
+            raise ZygoteLost(str(exc)) from None
+        reply = await answer
+        if "error" in reply:
+            raise ZygoteLost(reply["error"])
+        # Answered before the zygote can reap the rank: its exit always comes after this.
+        rank = self._ranks[reply["pid"]] = WarmProcess(reply["pid"])
+        return rank
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                message = self._channel.recv(MAX_MESSAGE)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._lose(str(exc))
+                return
+            if not message:
+                self._lose("it exited")
+                return
+            m = json.loads(message)
+            if "exited" in m:
+                rank = self._ranks.pop(m["exited"], None)
+                if rank is not None:
+                    rank._ended(m["code"])
+            elif "id" in m:
+                future = self._pending.pop(m["id"], None)
+                if future is not None and not future.done():
+                    future.set_result(m)
+            elif "ready" in m:
+                if not self._ready.done():
+                    self._ready.set_result(m["ready"])
+            elif "preload_failed" in m:
+                log.warning("warm_start_preload_failed", module=m["preload_failed"], error=m["error"])
+
+    def _lose(self, why: str, *, closing: bool = False) -> None:
+        """The zygote is gone: so are its ranks (PDEATHSIG). Each is reported killed."""
+        if self.lost:
+            return
+        self.lost = True
+        if not closing:
+            log.warning("warm_start_lost", why=why, ranks=len(self._ranks))
+        asyncio.get_running_loop().remove_reader(self._channel.fileno())
+        self._channel.close()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result({"error": f"the zygote is gone ({why})"})
+        if not self._ready.done():
+            self._ready.set_exception(ZygoteLost(why))
+            self._ready.exception()  # retrieved: ready() raises its own
+        for rank in self._ranks.values():
+            rank._ended(-signal.SIGKILL)
+        self._ranks.clear()
+
+    def close(self) -> None:
+        self._lose("closed by the agent", closing=True)
+        if self.process.returncode is None:
+            self.process.kill()
+
+
+if __name__ == "__main__":
+    main()
