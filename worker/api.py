@@ -354,6 +354,11 @@ class Worker:
         self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
         self.session.generation = spec.generation
         self._progress = (step, us, state, phase, spec.generation)
+        latest = self._latest
+        if latest is not None and latest.generation > spec.generation:
+            # A planned switch that came while this group formed (the waits above cleared its
+            # signal): the step boundaries look at it from now on.
+            self._changed.set()
         took = time.perf_counter() - started
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
