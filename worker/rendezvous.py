@@ -9,7 +9,10 @@ and the number of nodes come from the rank map, the round's store is a fresh pre
 of the node holding rank 0, and the workers' MASTER_ADDR/MASTER_PORT are published inside that
 prefix with use_agent_store=False: restarted workers never read the previous round's keys (the
 shared agent store of torch 2.13 hands them stale addresses). A new round that the coordinator
-has not started yet (this node's own workers failed) is asked for by leaving and joining again.
+has not started yet (this node's own workers failed) is asked for at once by reporting the node
+as restarting in place: the leader re-forms the job once with it, however many nodes ask. Only a
+node the coordinator does not re-form that way (no place in the map) leaves and joins again,
+after `rejoin_after` seconds (rdzv-conf, default 3).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._rounds = 0
         self._closed = False
         self._latest: pb.Assignment | None = None
+        self._restarting_in = 0  # this node's workers failed in this generation: a new round is asked for
         self._changed = threading.Event()
         self._session: NodeSession | None = None
         self._loop = asyncio.new_event_loop()
@@ -75,11 +79,17 @@ class MusterRendezvousHandler(RendezvousHandler):
             self._addresses,
             NodeIdentity(self._job, f"{socket.gethostname()}-{os.getpid()}", 1, self._host, self._server.port,
                          self._spec, agent_pid=os.getpid()),
-            reports=lambda: [pb.RankReport(local_rank=0, pid=os.getpid(), state=pb.RANK_STATE_UNMONITORED)],
+            reports=self._reports,
             on_directive=self._on_directive,
         )
         await self._session.join()
         asyncio.ensure_future(self._session.run())
+
+    def _reports(self) -> list[pb.RankReport]:
+        if self._restarting_in and not self._newer():
+            return [pb.RankReport(local_rank=0, pid=os.getpid(), state=pb.RANK_STATE_RESTARTING,
+                                  generation=self._restarting_in)]
+        return [pb.RankReport(local_rank=0, pid=os.getpid(), state=pb.RANK_STATE_UNMONITORED)]
 
     def _on_directive(self, d: pb.Directive) -> None:
         if d.HasField("assignment") and (self._latest is None or d.generation >= self._latest.generation):
@@ -99,8 +109,12 @@ class MusterRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:
             raise RendezvousClosedError()
-        if self._rounds and not self._wait(lambda: self._newer(), self._rejoin_after_s):
-            self._call(self._join())  # our own workers failed: ask for a new round
+        if self._rounds and not self._newer():
+            # Our own workers failed: ask for a new round with this node in its place.
+            self._restarting_in = self._generation
+            self._loop.call_soon_threadsafe(self._session.send_now)
+            if not self._wait(self._newer, self._rejoin_after_s):
+                self._call(self._join())  # not re-formed with its place: join as a new member
         self._rounds += 1
         if not self._wait(lambda: self._newer() and self._latest.role == pb.ROLE_ACTIVE, self._join_timeout_s):
             raise RendezvousTimeoutError(f"no place in job {self._job!r} within {self._join_timeout_s:.0f}s")

@@ -210,7 +210,7 @@ class Liveness:
                     found.append(Failure("rank_exited", p.node_id, slot, f"reported exited (pid {r.pid})"))
                 elif r.state == "restarting" and r.generation == rm.generation:
                     found.append(Failure("rank_restarted", p.node_id, slot,
-                                         f"local rank {slot} (pid {r.pid}) exited; its agent restarts it in place"))
+                                         f"local rank {slot} (pid {r.pid}) is restarting in place"))
         return found
 
     def failures(self, state: JobState, now: float) -> list[Failure]:

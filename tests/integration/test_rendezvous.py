@@ -1,5 +1,6 @@
-"""Unmodified torchrun with `--rdzv-backend=muster`: two torchrun nodes train together; one node
-is killed (its whole process group) and the other continues with plain restart semantics."""
+"""Unmodified torchrun with `--rdzv-backend=muster`: two torchrun nodes train together; a worker
+is killed (one new round with every node), then a whole node (its process group), and the other
+continues with plain restart semantics."""
 
 import json
 import os
@@ -48,7 +49,16 @@ def test_torchrun_with_the_muster_backend_survives_the_loss_of_a_node(coordinato
     try:
         wait_until(lambda: all(any(r["world_size"] == 4 and r["step"] > 30 for r in n.steps()) for n in nodes),
                    90, "both nodes training together")
+        # One worker dies: its node asks for a new round at once, and the job re-forms once with
+        # that node in its place (a world of 4 again, no leave and join).
         victim, survivor = nodes
+        before = leader.find("membership_changed", job=job_name("TRdzv"))[-1]["generation"]
+        first = [{r["pid"] for r in n.steps()} for n in nodes]
+        os.kill(victim.steps()[-1]["pid"], signal.SIGKILL)
+        wait_until(lambda: all(any(r["world_size"] == 4 and r["pid"] not in old for r in n.steps())
+                               for n, old in zip(nodes, first)), 60, "both nodes training again after the kill")
+        changes = [r for r in leader.find("membership_changed", job=job_name("TRdzv")) if r["generation"] > before]
+        assert [r["kind"] for r in changes if r["kind"] != "generation"] == ["rank_restarted"], changes
         victim.kill_node()
         assert survivor.proc.wait(100) == 0, survivor.log_path.read_text()[-3000:]
         final = [r for r in survivor.steps() if r["step"] == 250]

@@ -246,7 +246,7 @@ def test_a_rank_restarting_in_place_re_forms_the_job_once_with_its_slot():
     live.observe("n1", 1, ranks("restarting", step=0, generation=1, pid=101), 0.1)
     failures = live.failures(state, 0.2)  # during the grace too, like an exit
     assert [(f.kind, f.node_id, f.local_rank) for f in failures] == [("rank_restarted", "n1", 0)]
-    assert "pid 101" in failures[0].reason and "restarts it in place" in failures[0].reason
+    assert "pid 101" in failures[0].reason and "restarting in place" in failures[0].reason
     d = decide(state, [Regroup(f.kind, f.reason, (f.node_id,)) for f in failures] * 2,
                Context(now=1, wall_ms=0, term=1, timing=TIMING))
     assert d.new_generation and d.state.rank_map.abort_previous
