@@ -25,7 +25,7 @@ demo: $(STAMP)
 # Minutes, on an otherwise idle machine: the numbers are timings.
 bench: $(STAMP)
 	mkdir -p bench/results
-	$(BIN)/python bench/side_by_side.py --ranks 4,8,16 --kills 5 > bench/results/side_by_side.json
+	$(BIN)/python bench/side_by_side.py --ranks 4,8,16 --kills 5 --unmodified-ranks 4,8 --nodes 2 > bench/results/side_by_side.json
 	$(BIN)/python bench/recovery.py --ranks 8 --kills 5 --hangs 3 --failovers 3 > bench/results/recovery.json
 	$(BIN)/python bench/capacity.py > bench/results/capacity.json
 

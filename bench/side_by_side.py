@@ -1,9 +1,11 @@
 """Muster against plain torchrun, in one run on one machine: for each rank count, the same model
 (examples/train_ddp.py under Muster, examples/train_plain.py under torchrun with c10d and restart
-semantics) loses one rank to SIGKILL several times. Prints one JSON object with both sides and
-their ratios (torchrun / Muster; above 1 means Muster is better).
+semantics) loses one rank to SIGKILL several times. Then the unmodified case: the same plain
+script, on --nodes agents, under the three launchers (torchrun c10d, `muster run -- torchrun`,
+torchrun --rdzv-backend=muster). Prints one JSON object with every side and the ratios
+(torchrun / Muster; above 1 means Muster is better).
 
-    python bench/side_by_side.py --ranks 4,8,16 --kills 5
+    python bench/side_by_side.py --ranks 4,8,16 --kills 5 [--unmodified-ranks 4 --nodes 2]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import recovery  # noqa: E402
-import torchrun_baseline  # noqa: E402
+import unmodified  # noqa: E402
 
 from muster import logs  # noqa: E402
 
@@ -33,6 +35,8 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--checkpoint-every", type=int, default=5, help="torchrun side: steps between checkpoints")
+    p.add_argument("--unmodified-ranks", default="4", help="rank counts of the unmodified case ('' skips it)")
+    p.add_argument("--nodes", type=int, default=2, help="agents (nodes) in the unmodified case")
     args = p.parse_args()
     logs.configure("warning")
     out: dict = {"benchmark": "side_by_side", "torch": torch.__version__, "step_sleep_s": args.step_sleep,
@@ -44,7 +48,7 @@ def main() -> int:
             (work / "torchrun").mkdir()
             muster = recovery.run(work / "muster", ranks, args.kills, 0, 0, args.step_sleep)["kill"]
             torchrun: dict = {}
-            torchrun_baseline.kill_cycles(work / "torchrun", ranks, 1, args.kills, args.step_sleep,
+            unmodified.kill_cycles(work / "torchrun", ranks, 1, args.kills, args.step_sleep,
                                           args.checkpoint_every, 3 * args.kills, False, torchrun)
             m, t = muster["kill_to_step_s"], torchrun["kill_to_step_s"]
             out["runs"].append({
@@ -57,8 +61,32 @@ def main() -> int:
                           "steps_lost_total": f"{torchrun['steps_lost']['total']} vs {muster['steps_lost']['total']}",
                           "processes_restarted_per_kill": f"{ranks} vs 1"},
             })
+        out["unmodified"] = [unmodified_case(Path(d) / f"unmodified-{ranks}", ranks, args)
+                             for ranks in [int(r) for r in args.unmodified_ranks.split(",") if r]]
     print(json.dumps(out, indent=2))
     return 0
+
+
+def unmodified_case(work: Path, ranks: int, args: argparse.Namespace) -> dict:
+    """The plain script under each launcher, side by side (each its own fresh job)."""
+    sides = {}
+    with unmodified.muster_coordinator(work) as coordinator:
+        for launcher in unmodified.LAUNCHERS:
+            (work / launcher).mkdir(parents=True)
+            result: dict = {}
+            try:
+                unmodified.kill_cycles(work / launcher, ranks, args.nodes, args.kills, args.step_sleep,
+                                       args.checkpoint_every, 3 * args.kills, False, result, launcher,
+                                       coordinator if launcher != "torchrun" else "")
+            except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
+                result["error"] = str(exc)
+            sides[launcher] = {k: result.get(k) for k in ("start_to_step_s", "kill_to_step_s", "steps_lost",
+                                                          "workers_restarted", "restart_rounds", "error")
+                               if k in result}
+    t = sides["torchrun"].get("kill_to_step_s")
+    return {"ranks": ranks, "nodes": args.nodes, **sides, "ratio": {
+        f"kill_to_step_p50_{name}": ratio(t["p50"], sides[name]["kill_to_step_s"]["p50"])
+        for name in ("muster-run", "muster-rdzv") if t and sides[name].get("kill_to_step_s")}}
 
 
 if __name__ == "__main__":

@@ -35,3 +35,12 @@ def test_capacity_bench_quick():
     result = bench("capacity.py", "--quick", timeout_s=140)
     assert all(p["healthy"] and p["evictions"] == 0 for p in result["heartbeat"]["points"])
     assert [s["ranks"] for s in result["membership"]["sizes"]] == [800, 4000]
+
+
+@pytest.mark.timeout(120)
+def test_unmodified_script_bench_under_muster_run():
+    result = bench("unmodified.py", "--launcher", "muster-run", "--ranks", "2", "--nodes", "1", "--kills", "1",
+                   timeout_s=110)
+    assert "error" not in result and result["start_to_step_s"] > 0
+    assert result["kill_to_step_s"]["all"] and result["workers_restarted"]["per_kill"] == [2]
+    assert result["workers_left_after_stop"] == 0

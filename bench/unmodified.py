@@ -1,9 +1,11 @@
-"""The baseline for bench/recovery.py: the same small model trained under plain torchrun (c10d
-rendezvous on 127.0.0.1, --max-restarts), one worker kill -9'd repeatedly. torchrun's answer to a
-dead rank is to stop every worker on every node, re-rendezvous and start them all again, so the
-script resumes from its last checkpoint. This measures what that costs, with the same keys as
-recovery.py so the two compare as ratios:
+"""An unmodified script (examples/train_plain.py: env:// DDP, a snapshot every few steps, resumed at
+start) under a launcher, one worker kill -9'd repeatedly. Launchers (--launcher): plain torchrun
+(c10d rendezvous on 127.0.0.1, --max-restarts), `muster run -- torchrun …`, and torchrun
+--rdzv-backend=muster, the last two against a real etcd and a coordinator. Each answers a dead rank
+by restarting every worker, so the script resumes from its last snapshot. It is also the baseline
+for bench/recovery.py: the same keys, so the two compare as ratios:
 
+  start_to_step_s  from starting the launchers until every rank has completed its first step
   kill_to_step_s   from just before the SIGKILL until every rank has completed a step in the
                    restarted group (its first step record from a new process)
   steps_lost       (highest step completed before the kill) - (first step after the restart) + 1:
@@ -20,7 +22,7 @@ checkpoint intervals). torchrun's default of sharing the agent's TCPStore with t
 off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with it, a restarted gloo group reads the previous
 attempt's addresses from the store and fails (pytorch/pytorch#135712); --share-store keeps it on.
 
-    python bench/torchrun_baseline.py --ranks 8 --kills 5 [--nodes 2]
+    python bench/unmodified.py [--launcher muster-run] --ranks 8 --kills 5 [--nodes 2]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from pathlib import Path
 
@@ -45,8 +48,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from recovery import summary
 
-from muster.coordinator.etcd_server import free_port
-from muster.testing import process_alive, wait_until
+from muster import logs
+from muster.coordinator.etcd_server import EtcdServer, free_port
+from muster.testing import CoordinatorProcess, process_alive, wait_until
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train_plain.py"
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"
@@ -112,16 +116,14 @@ class Agent:
             return list(self.events)
 
     def workers(self) -> set[int]:
-        return {pid for pid in self._children() if process_alive(pid)}
-
-    def _children(self) -> list[int]:
-        pids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
-            try:
-                pids += [int(p) for p in (task / "children").read_text().split()]
-            except OSError:
-                continue
-        return pids
+        """Its live descendants: torchrun's workers are its children, `muster run`'s are its
+        children or its zygote's."""
+        found, todo = set(), [self.proc.pid]
+        while todo:
+            children = _children(todo.pop())
+            found.update(children)
+            todo += children
+        return {pid for pid in found if process_alive(pid)}
 
     def stop(self) -> None:
         """SIGTERM the agent (it stops its workers), then SIGKILL its process group if it lingers."""
@@ -135,21 +137,48 @@ class Agent:
         self.reader.join(5)
 
 
+def _children(pid: int) -> list[int]:
+    pids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+LAUNCHERS = ("torchrun", "muster-run", "muster-rdzv")
+
+
+def launcher_argv(launcher: str, node: int, nodes: int, per_node: int, max_restarts: int, tag: str,
+                  endpoint: str, script: list[str]) -> list[str]:
+    """One node's command. torchrun: c10d rendezvous at `endpoint`; muster-run: `muster run --
+    torchrun …` against the coordinator at `endpoint`; muster-rdzv: torchrun --rdzv-backend=muster."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    if launcher == "muster-run":
+        return [str(Path(sys.executable).with_name("muster")), "--log-level", "info", "run", "--coordinator", endpoint,
+                "--job", tag[:12], "--node-id", f"node{node}", "--nodes", f"{nodes}:{nodes}",
+                "--max-restarts", str(max_restarts), "--", torchrun, "--nproc-per-node", str(per_node), *script]
+    backend = "muster" if launcher == "muster-rdzv" else "c10d"
+    return [torchrun, "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", backend,
+            "--rdzv-endpoint", endpoint, "--rdzv-id", tag[:12], "--local-addr", "127.0.0.1",
+            "--max-restarts", str(max_restarts), *script]
+
+
 def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s: float, checkpoint_every: int,
-                max_restarts: int, share_store: bool, result: dict) -> None:
-    """Fills `result` as it goes, so a run that fails midway still reports what it measured."""
+                max_restarts: int, share_store: bool, result: dict, launcher: str = "torchrun",
+                coordinator: str = "") -> None:
+    """Fills `result` as it goes, so a run that fails midway still reports what it measured.
+    `coordinator`: the Muster coordinator's address (the muster launchers)."""
     if ranks % nodes:
         raise SystemExit("--ranks must be a multiple of --nodes")
     tag = uuid.uuid4().hex
     env = {**os.environ, "MUSTER_BENCH_RUN": tag, "LOGLEVEL": "INFO"}  # INFO: the agents' restart phases
     if not share_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    argv = [str(torchrun), "--nnodes", str(nodes), "--nproc-per-node", str(ranks // nodes),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port('127.0.0.1')}", "--rdzv-id", tag[:12],
-            "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts),
-            str(TRAIN), "--steps", str(10**9), "--step-sleep", str(step_sleep_s),
-            "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
+    endpoint = coordinator or f"127.0.0.1:{free_port('127.0.0.1')}"
+    script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", str(step_sleep_s),
+              "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
     agents: list[Agent] = []
 
     def check_agents() -> None:
@@ -180,11 +209,18 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
 
     recoveries, lost, restarted, rounds, victims = [], [], [], [], []
     phases: dict[str, list[float]] = {"detect": [], "stop": [], "rendezvous": [], "worker_start": []}
-    result.update(ranks=ranks, nodes=nodes, kills=kills, share_store=share_store, max_restarts=max_restarts,
-                  step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
+    result.update(launcher=launcher, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
+                  max_restarts=max_restarts, step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
     try:
-        agents += [Agent(i, argv, env, workdir / f"torchrun-{i}.log") for i in range(nodes)]
+        started = time.time()
+        agents += [Agent(i, launcher_argv(launcher, i, nodes, ranks // nodes, max_restarts, tag, endpoint, script),
+                         env, workdir / f"{launcher}-{i}.log") for i in range(nodes)]
         group = marks()  # where the current group's records begin
+        wait_until(stepping_past(1, group), 120, "all ranks stepping", 0.05)
+        firsts: dict[int, dict] = {}
+        for r in records_since(group):
+            firsts.setdefault(r["rank"], r)
+        result["start_to_step_s"] = round(max(r["time"] for r in firsts.values()) - started, 3)
         wait_until(stepping_past(checkpoint_every + 1, group), 120, "all ranks stepping", 0.1)
         for _ in range(kills):
             # land the kill at a random phase of the checkpoint cycle
@@ -251,8 +287,23 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
         result["workers_left_after_stop"] = len(leftovers)
 
 
+@contextmanager
+def muster_coordinator(workdir: Path):
+    """A real etcd and one coordinator replica for the muster launchers: yields its address."""
+    etcd = EtcdServer(workdir / "etcd").start()
+    try:
+        replica = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", ["--heartbeat-timeout", "2.0"]).start()
+        try:
+            yield replica.address
+        finally:
+            replica.stop()
+    finally:
+        etcd.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1, help="torchrun agents on this machine, ranks/nodes workers each")
     p.add_argument("--kills", type=int, default=5)
@@ -263,14 +314,16 @@ def main() -> int:
                    help="keep torchrun's default TCPStore sharing (restarted gloo groups fail with it)")
     p.add_argument("--workdir", type=Path, help="keep the logs and checkpoints here (default: a temporary directory)")
     args = p.parse_args()
-    result: dict = {"benchmark": "torchrun_baseline", "torch": torch.__version__}
+    logs.configure("warning")
+    result: dict = {"benchmark": "unmodified", "torch": torch.__version__}
     rc = 0
-    with tempfile.TemporaryDirectory(prefix="muster-bench-torchrun-") as d:
+    with tempfile.TemporaryDirectory(prefix="muster-bench-unmodified-") as d:
         workdir = args.workdir or Path(d)
         workdir.mkdir(parents=True, exist_ok=True)
         try:
-            kill_cycles(workdir, args.ranks, args.nodes, args.kills, args.step_sleep, args.checkpoint_every,
-                        args.max_restarts or 3 * args.kills, args.share_store, result)
+            with muster_coordinator(workdir) if args.launcher != "torchrun" else nullcontext("") as coordinator:
+                kill_cycles(workdir, args.ranks, args.nodes, args.kills, args.step_sleep, args.checkpoint_every,
+                            args.max_restarts or 3 * args.kills, args.share_store, result, args.launcher, coordinator)
         except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
             result["error"] = str(exc)
             rc = 1
