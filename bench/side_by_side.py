@@ -31,7 +31,7 @@ def ratio(a: float, b: float) -> float | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", default="4,8,16", help="rank counts, comma-separated")
+    p.add_argument("--ranks", default="4,8,16", help="rank counts, comma-separated ('' skips the library case)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--checkpoint-every", type=int, default=5, help="torchrun side: steps between checkpoints")
@@ -42,7 +42,7 @@ def main() -> int:
     out: dict = {"benchmark": "side_by_side", "torch": torch.__version__, "step_sleep_s": args.step_sleep,
                  "checkpoint_every": args.checkpoint_every, "runs": []}
     with tempfile.TemporaryDirectory(prefix="muster-side-by-side-") as d:
-        for ranks in [int(r) for r in args.ranks.split(",")]:
+        for ranks in [int(r) for r in args.ranks.split(",") if r]:
             work = Path(d) / f"ranks-{ranks}"
             (work / "muster").mkdir(parents=True)
             (work / "torchrun").mkdir()
