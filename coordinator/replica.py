@@ -20,12 +20,13 @@ import structlog
 
 from muster.coordinator import wire
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
-from muster.coordinator.core.state import JobState, decode, encode
+from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
-from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, Fenced, JobStore, Leadership,
-                                              Session, current_leader)
-from muster.coordinator.leader import JobLeader, PersistFenced, PersistUnavailable
+from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, JobStore, Leadership, Session,
+                                              current_leader)
+from muster.coordinator.leader import JobLeader
 from muster.coordinator.metrics import Metrics
+from muster.coordinator.store import JobStorage, persist
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -57,11 +58,12 @@ class _Campaign:
 
 
 class Replica:
-    def __init__(self, client, config: ReplicaConfig):
+    def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None):
+        """`store` defaults to the job store in `client`'s etcd; tests give an in-memory one."""
         self.client = client
         self.config = config
         self.address = config.address
-        self.store = JobStore(client)
+        self.store = JobStore(client) if store is None else store
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
         self._campaigns: dict[str, _Campaign] = {}
@@ -249,14 +251,8 @@ class Replica:
     async def _persist(self, leadership: Leadership, state: JobState) -> None:
         job = leadership.job
         spec = json.dumps(vars(state.spec)).encode() if job in self._spec_lost else None
-        try:
-            # Encoding a large job's state takes a while: off the event loop, with the write.
-            with self.metrics.etcd_write.time():
-                await asyncio.to_thread(lambda: self.store.write_state(leadership, encode(state), spec=spec))
-        except Fenced as exc:
-            raise PersistFenced(str(exc)) from exc
-        except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
-            raise PersistUnavailable(str(exc)) from exc
+        with self.metrics.etcd_write.time():
+            await persist(self.store, leadership, state, spec=spec)
         self._spec_lost.discard(job)
 
     def _leadership_lost(self, job: str, reason: str) -> None:

@@ -1,0 +1,168 @@
+"""Job storage as a replica needs it: the seam between the coordinator and etcd.
+
+`JobStorage` is what `Replica` calls; `etcd_backend.JobStore` is the real one and
+`MemoryJobStore` its in-memory twin, which can be told to fail the way etcd fails (a fenced
+write, unavailability, lost data) so that leaders and replicas are tested in-process. One
+contract suite (tests/contract/) holds both to the same behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import structlog
+
+from muster.coordinator.core.state import JobState, encode
+from muster.coordinator.etcd_backend import EtcdError, EtcdUnavailable, Fenced, Leadership
+from muster.coordinator.leader import PersistFenced, PersistUnavailable
+
+log = structlog.get_logger(__name__)
+
+
+class JobStorage(Protocol):
+    """Job specs (immutable, create-once) and job state (written only by the fenced leader).
+
+    Unavailability raises EtcdUnavailable, a write by a term that is over raises Fenced.
+    """
+
+    def create_spec(self, job: str, spec: bytes) -> bytes:
+        """Store spec unless one exists; return the stored spec either way."""
+
+    def get_spec(self, job: str) -> bytes | None: ...
+
+    def list_jobs(self) -> list[str]: ...
+
+    def watch_jobs(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """callback(job) for each spec created after this call returns; returns cancel()."""
+
+    def load_state(self, job: str) -> bytes | None: ...
+
+    def write_state(self, leadership: Leadership, state: bytes, *, spec: bytes | None = None) -> int:
+        """Write state (and a lost spec) iff the leadership's term still holds; a revision."""
+
+
+async def persist(store: JobStorage, leadership: Leadership, state: JobState, *, spec: bytes | None = None) -> None:
+    """A leader's decision written in the terms JobLeader acts on: PersistFenced ends the
+    leadership, PersistUnavailable defers the decision to the next tick."""
+    try:
+        # Encoding a large job's state takes a while: off the event loop, with the write.
+        await asyncio.to_thread(lambda: store.write_state(leadership, encode(state), spec=spec))
+    except Fenced as exc:
+        raise PersistFenced(str(exc)) from exc
+    except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
+        raise PersistUnavailable(str(exc)) from exc
+
+
+class MemoryJobStore:
+    """`JobStorage` in memory, with fault hooks (in the manner of torch elastic's
+    FakeRendezvousBackend). A term is fenced once a later term of the same job has written, as
+    an etcd election key is gone once a later one leads; watch callbacks run on the writer's
+    thread, at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._specs: dict[str, bytes] = {}
+        self._states: dict[str, bytes] = {}
+        self._terms: dict[str, int] = {}  # job -> the latest term that wrote its state
+        self._revision = 0
+        self._watchers: list[Callable[[str], None]] = []
+        self._fence_next: set[str | None] = set()
+        self._unavailable: set[str | None] = set()
+
+    # ---- fault hooks -----------------------------------------------------------------
+
+    def fence_next_write(self, job: str | None = None) -> None:
+        """The next write of `job`'s state (of any job's with None) is refused as fenced."""
+        with self._lock:
+            self._fence_next.add(job)
+
+    def make_unavailable(self, *jobs: str) -> None:
+        """Calls about `jobs` (with none: every call) raise EtcdUnavailable until make_available()."""
+        with self._lock:
+            self._unavailable.update(jobs or (None,))
+
+    def make_available(self) -> None:
+        with self._lock:
+            self._unavailable.clear()
+
+    def lose_everything(self) -> None:
+        """As etcd losing its data: no spec, no state, and terms start over."""
+        with self._lock:
+            self._specs.clear()
+            self._states.clear()
+            self._terms.clear()
+        log.warning("memory_store_lost_everything")
+
+    # ---- JobStorage ------------------------------------------------------------------
+
+    def create_spec(self, job: str, spec: bytes) -> bytes:
+        with self._lock:
+            self._check(job)
+            created = job not in self._specs
+            stored = self._specs.setdefault(job, spec)
+            watchers = list(self._watchers) if created else []
+        for callback in watchers:
+            self._emit(callback, job)
+        return stored
+
+    def get_spec(self, job: str) -> bytes | None:
+        with self._lock:
+            self._check(job)
+            return self._specs.get(job)
+
+    def list_jobs(self) -> list[str]:
+        with self._lock:
+            self._check(None)
+            return sorted(self._specs)
+
+    def watch_jobs(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        with self._lock:
+            self._check(None)
+            self._watchers.append(callback)
+
+        def cancel() -> None:
+            with self._lock:
+                if callback in self._watchers:
+                    self._watchers.remove(callback)
+
+        return cancel
+
+    def load_state(self, job: str) -> bytes | None:
+        with self._lock:
+            self._check(job)
+            return self._states.get(job)
+
+    def write_state(self, leadership: Leadership, state: bytes, *, spec: bytes | None = None) -> int:
+        job = leadership.job
+        with self._lock:
+            self._check(job)
+            hooked = [j for j in (job, None) if j in self._fence_next][:1]
+            if hooked or leadership.term < self._terms.get(job, 0):
+                self._fence_next.difference_update(hooked)
+                log.warning("state_write_fenced", job=job, term=leadership.term)
+                raise Fenced(f"job {job!r}: leadership term {leadership.term} is over; state not written")
+            self._terms[job] = leadership.term
+            self._states[job] = state
+            created = spec is not None and job not in self._specs
+            if spec is not None:
+                self._specs[job] = spec
+            self._revision += 1
+            revision = self._revision
+            watchers = list(self._watchers) if created else []
+        for callback in watchers:
+            self._emit(callback, job)
+        return revision
+
+    def _check(self, job: str | None) -> None:
+        if None in self._unavailable or (job is not None and job in self._unavailable):
+            raise EtcdUnavailable(f"memory store made unavailable (job {job!r})")
+
+    @staticmethod
+    def _emit(callback: Callable[[str], None], job: str) -> None:
+        try:
+            callback(job)
+        except Exception:
+            log.exception("job_watch_callback_failed", job=job)

@@ -1,0 +1,147 @@
+"""The contract of job storage (`muster.coordinator.store.JobStorage`), held against the in-memory
+twin and against etcd's JobStore: what the in-process coordinator tests assume of the twin is what
+etcd does. Every wait is bounded; the etcd started here is stopped and reaped by its fixture."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+import pytest
+
+from muster.coordinator.etcd_backend import DEFAULT_PREFIX, Election, Fenced, JobStore, Leadership, Session
+from muster.coordinator.store import JobStorage, MemoryJobStore
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class MemoryBackend:
+    """The twin: terms handed out in order, as etcd's revisions."""
+
+    def __init__(self) -> None:
+        self.store: JobStorage = MemoryJobStore()
+        self._terms = itertools.count(1)
+
+    def lead(self, job: str) -> Leadership:
+        return Leadership(job, next(self._terms), f"memory/{job}", "replica")
+
+    def depose(self, leadership: Leadership) -> None:
+        """Nothing to do: the next term's write fences this one."""
+
+    def lose(self) -> None:
+        self.store.lose_everything()
+
+    def close(self) -> None:
+        pass
+
+
+class EtcdBackend:
+    """etcd's JobStore, a leadership won by a real election on its own session."""
+
+    def __init__(self, client) -> None:
+        self.store: JobStorage = JobStore(client)
+        self._client = client
+        self._held: dict[Leadership, tuple[Session, Election]] = {}
+
+    def lead(self, job: str) -> Leadership:
+        session = Session(self._client, 2).start()
+        election = Election(self._client, session, job, f"replica-{len(self._held)}")
+        leadership = election.campaign(threading.Event())
+        assert leadership is not None
+        self._held[leadership] = (session, election)
+        return leadership
+
+    def depose(self, leadership: Leadership) -> None:
+        self._held[leadership][1].resign()
+
+    def lose(self) -> None:
+        self._client.delete_prefix(f"{DEFAULT_PREFIX}/")
+
+    def close(self) -> None:
+        for session, _ in self._held.values():
+            session.close()
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def backend(request):
+    made = MemoryBackend() if request.param == "memory" else EtcdBackend(request.getfixturevalue("etcd_client"))
+    yield made
+    made.close()
+
+
+def test_a_spec_is_created_once_and_read_back(backend):
+    store = backend.store
+    assert store.get_spec("job") is None
+    assert store.create_spec("job", b"first") == b"first"
+    assert store.get_spec("job") == b"first"
+
+
+def test_a_second_create_keeps_and_returns_the_first_spec(backend):
+    store = backend.store
+    store.create_spec("job", b"first")
+    assert store.create_spec("job", b"second") == b"first"
+    assert store.get_spec("job") == b"first"
+
+
+def test_jobs_are_listed_by_name(backend):
+    store = backend.store
+    assert store.list_jobs() == []
+    for job in ("b", "a", "c"):
+        store.create_spec(job, b"spec")
+    assert store.list_jobs() == ["a", "b", "c"]
+
+
+def test_a_watch_sees_each_new_job_once_and_nothing_after_cancel(backend):
+    store = backend.store
+    store.create_spec("existing", b"1")
+    seen: queue.Queue[str] = queue.Queue()
+    cancel = store.watch_jobs(seen.put)
+    try:
+        store.create_spec("new", b"2")
+        assert seen.get(timeout=5) == "new"
+        store.create_spec("new", b"again")  # not a new job
+        store.create_spec("newer", b"3")
+        assert seen.get(timeout=5) == "newer"
+    finally:
+        cancel()
+    store.create_spec("after-cancel", b"4")
+    with pytest.raises(queue.Empty):
+        seen.get(timeout=0.3)
+
+
+def test_state_round_trips_and_each_write_has_a_later_revision(backend):
+    store = backend.store
+    leadership = backend.lead("job")
+    assert store.load_state("job") is None
+    first = store.write_state(leadership, b"v1")
+    assert store.load_state("job") == b"v1"
+    assert store.write_state(leadership, b"v2") > first
+    assert store.load_state("job") == b"v2"
+
+
+def test_a_write_restores_a_lost_spec_with_the_state(backend):
+    store = backend.store
+    store.write_state(backend.lead("job"), b"state", spec=b"spec")
+    assert (store.get_spec("job"), store.load_state("job")) == (b"spec", b"state")
+
+
+def test_a_write_by_a_term_that_is_over_is_fenced(backend):
+    store = backend.store
+    old = backend.lead("job")
+    store.write_state(old, b"from-old")
+    backend.depose(old)
+    new = backend.lead("job")
+    assert new.term > old.term
+    store.write_state(new, b"from-new")
+    with pytest.raises(Fenced, match=rf"'job'.*term {old.term}"):
+        store.write_state(old, b"stale")
+    assert store.load_state("job") == b"from-new"
+
+
+def test_nothing_is_left_after_the_store_lost_its_data(backend):
+    store = backend.store
+    store.create_spec("job", b"spec")
+    store.write_state(backend.lead("job"), b"state")
+    backend.lose()
+    assert (store.get_spec("job"), store.load_state("job"), store.list_jobs()) == (None, None, [])

@@ -1,0 +1,132 @@
+"""JobLeader in-process, on the in-memory store and a clock the test advances: a decision is adopted
+only once the store took it; a fenced write (a hook, or a term a newer leader's write superseded) ends
+the leadership with nothing adopted; a store that is unavailable defers the decision to a later tick,
+for its own job only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState, decode
+from muster.coordinator.errors import NotLeader
+from muster.coordinator.etcd_backend import Leadership
+from muster.coordinator.leader import JobLeader
+from muster.coordinator.store import MemoryJobStore, persist
+from muster.v1 import muster_pb2 as pb
+
+pytestmark = pytest.mark.timeout(5)
+
+TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0, last_call_s=0.3)
+SPEC = JobSpec(min_nodes=1, max_nodes=1)  # one join forms the job at once
+
+
+class Clock:
+    """Monotonic time that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Led:
+    """One job led on a store: its leader and every leadership loss it reported."""
+
+    def __init__(self, store: MemoryJobStore, clock: Clock, job: str = "job", term: int = 1) -> None:
+        data = store.load_state(job)
+        state = decode(data) if data else JobState(job, SPEC)
+        leadership = Leadership(job, term, f"memory/{job}", "replica")
+        self.lost: list[str] = []
+        self.leader = JobLeader(state, term=term, address="replica", timing=TIMING, tick_s=0.01,
+                                persist=lambda s: persist(store, leadership, s), session_alive=lambda: True,
+                                on_lost=self.lost.append, clock=clock)
+        self.leader.start()
+
+    def join(self, node_id: str) -> asyncio.Task:
+        request = pb.JoinRequest(job=self.leader.job, node_id=node_id, host="10.0.0.1", store_port=29500, slots=1)
+        return asyncio.ensure_future(self.leader.join(request, SPEC))
+
+
+async def until(predicate, what: str, timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def stored(store: MemoryJobStore, job: str = "job") -> JobState | None:
+    data = store.load_state(job)
+    return decode(data) if data else None
+
+
+def test_a_decision_is_adopted_once_the_store_took_it():
+    async def scenario():
+        store = MemoryJobStore()
+        led = Led(store, Clock())
+        member = await asyncio.wait_for(led.join("n1"), 2)
+        assert member.node_id == "n1" and led.leader.state.generation == 1
+        assert stored(store) == led.leader.state and stored(store).term == 1
+        await led.leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_fenced_write_ends_the_leadership_and_nothing_is_adopted():
+    async def scenario():
+        store = MemoryJobStore()
+        led = Led(store, Clock())
+        store.fence_next_write("job")
+        joining = led.join("n1")
+        await until(lambda: led.lost, "the leadership lost")
+        assert led.lost[0].startswith("fenced write refused") and len(led.lost) == 1
+        assert led.leader.state.member("n1") is None and stored(store) is None
+        await led.leader.stop(led.lost[0])  # as the replica does on_lost
+        with pytest.raises(NotLeader):
+            await joining
+
+    asyncio.run(scenario())
+
+
+def test_the_old_leader_is_fenced_once_the_new_one_wrote():
+    async def scenario():
+        store = MemoryJobStore()
+        old_clock, new_clock = Clock(), Clock()
+        old = Led(store, old_clock)
+        await asyncio.wait_for(old.join("n1"), 2)
+        new = Led(store, new_clock, term=2)  # takes over from the stored state, with a grace period
+        assert new.leader.state == stored(store)
+        new_clock.now += TIMING.grace_s + TIMING.heartbeat_timeout_s
+        await until(lambda: stored(store).member("n1") is None, "the new leader's eviction of silent n1 stored")
+        assert stored(store).term == 2
+        old_clock.now += TIMING.heartbeat_timeout_s + 0.1  # the old leader, as if resumed, decides the same
+        await until(lambda: old.lost, "the old leader fenced")
+        assert old.lost[0].startswith("fenced write refused") and not new.lost
+        assert old.leader.state.member("n1") is not None and stored(store) == new.leader.state
+        for led in (old, new):
+            await led.leader.stop("test over")
+
+    asyncio.run(scenario())
+
+
+def test_an_unavailable_store_defers_the_decision_to_a_later_tick_of_that_job_only():
+    async def scenario():
+        store = MemoryJobStore()
+        clock = Clock()
+        a, b = Led(store, clock, "a"), Led(store, clock, "b")
+        store.make_unavailable("a")
+        joining_a, joining_b = a.join("n1"), b.join("n1")
+        await asyncio.wait_for(joining_b, 2)
+        await asyncio.sleep(0.1)  # ten ticks: each decides again, and is deferred again
+        assert not joining_a.done() and a.leader.state.member("n1") is None and not a.lost
+        store.make_available()
+        member = await asyncio.wait_for(joining_a, 2)
+        assert member.node_id == "n1" and stored(store, "a") == a.leader.state
+        assert stored(store, "b") == b.leader.state and not b.lost
+        for led in (a, b):
+            await led.leader.stop("test over")
+
+    asyncio.run(scenario())
