@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousParameters, RendezvousStoreInfo,
                                                   RendezvousTimeoutError)
 
+from muster.net import split_host_port
 from muster.v1 import muster_pb2 as pb
 from muster.worker.launch import job_name
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -120,9 +121,9 @@ class MusterRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(f"no place in job {self._job!r} within {self._join_timeout_s:.0f}s")
         a = self._latest
         self._generation = a.generation
-        host, _, port = a.store_address.rpartition(":")
-        own = int(port) == self._server.port and host in (self._host, "127.0.0.1")
-        client = self._server if own else dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+        host, port = split_host_port(a.store_address)
+        own = port == self._server.port and host in (self._host, "127.0.0.1")
+        client = self._server if own else dist.TCPStore(host, port, is_master=False,
                                                         timeout=timedelta(seconds=self._join_timeout_s))
         store = dist.PrefixStore(a.store_prefix + "/", client)
         bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._host)
