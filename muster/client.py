@@ -59,7 +59,7 @@ class Coordinators:
     def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0,
                  security: ClientSecurity | None = None):
         self.addresses = parse_addresses(addresses)
-        self.security = security or ClientSecurity.from_env()
+        self.security = security or ClientSecurity()
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s  # keep trying (with backoff) while no leader answers
         self._channels: dict[str, grpc.Channel] = {}

@@ -67,7 +67,7 @@ class AgentConfig:
     warm_start: bool = True  # fork Python ranks from a zygote that imported `preload` once (see zygote)
     preload: tuple[str, ...] = PRELOAD
     env: dict[str, str] = field(default_factory=dict)
-    security: ClientSecurity = field(default_factory=ClientSecurity.from_env)  # token, TLS
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # token, TLS
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class NodeSession:
         security: ClientSecurity | None = None,
     ):
         self.addresses = parse_addresses(addresses)
-        self.security = security or ClientSecurity.from_env()  # token and TLS (MUSTER_TOKEN, MUSTER_TLS_*)
+        self.security = security or ClientSecurity()  # token and TLS
         self.identity = identity
         self._reports = reports
         self._on_directive = on_directive
