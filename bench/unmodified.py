@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from recovery import summary
 
 from muster import logs
-from muster.coordinator.etcd_server import EtcdServer, free_port
+from muster.coordinator.etcd_server import EtcdServer
+from muster.net import free_port
 from muster.testing import CoordinatorProcess, process_alive, wait_until
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train_plain.py"

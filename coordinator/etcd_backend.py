@@ -21,7 +21,7 @@ import etcd3.watch
 import grpc
 import structlog
 
-from muster.coordinator.auth import channel_credentials
+from muster.security import channel_credentials
 
 log = structlog.get_logger(__name__)
 

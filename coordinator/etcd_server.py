@@ -22,6 +22,8 @@ from pathlib import Path
 
 import structlog
 
+from muster.net import free_port
+
 log = structlog.get_logger(__name__)
 
 _SYSTEM_ETCD_PATHS = ("/usr/bin/etcd", "/usr/local/bin/etcd")
@@ -66,27 +68,6 @@ def find_etcd_binary() -> str:
     )
 
 
-# Guards the port and running-server registries below.
-_registry_lock = threading.Lock()
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Pick a currently free TCP port (racy by nature, fine for loopback tests).
-
-    Never returns the same port twice in one process, so the client and peer
-    ports of the members of one cluster cannot collide with each other.
-    """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        with _registry_lock:
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-
-
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # Same option Go's listener sets, so TIME_WAIT leftovers do not count.
@@ -101,6 +82,7 @@ def _port_free(host: str, port: int) -> bool:
 # Servers still running at interpreter exit are stopped so that a crashed test
 # run does not leave etcd processes behind (they run in their own session).
 _running: set["EtcdServer"] = set()
+_registry_lock = threading.Lock()  # guards _running
 
 
 @atexit.register

@@ -16,9 +16,9 @@ import structlog
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
+from muster.client import LEADER_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens
-from muster.coordinator.client import LEADER_METADATA
 from muster.coordinator.leader import CLOSE
 from muster.coordinator.replica import Replica
 from muster.v1 import muster_pb2 as pb

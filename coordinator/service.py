@@ -16,6 +16,7 @@ from muster.coordinator.etcd_server import EtcdServer
 from muster.coordinator.metrics import HealthServer
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from muster.net import join_host_port, split_host_port
 
 log = structlog.get_logger(__name__)
 
@@ -51,14 +52,14 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         credentials = server_credentials(*config.tls) if config.tls else None
         server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes,
                                            tokens=tokens, credentials=credentials)
-        host = config.listen.rpartition(":")[0]
-        address = config.advertise or f"{host}:{port}"
+        host, _ = split_host_port(config.listen)
+        address = config.advertise or join_host_port(host, port)
         replica.address = address  # known once bound (port 0 picks one)
         await server.start()
         await replica.start()
         if config.metrics_listen:
             health = HealthServer(replica.metrics, replica, config.metrics_listen).start()
-        log.info("coordinator_serving", listen=f"{host}:{port}", advertise=address, etcd=endpoints,
+        log.info("coordinator_serving", listen=join_host_port(host, port), advertise=address, etcd=endpoints,
                  metrics=health.address if health else None, tls="mtls" if config.tls and config.tls[2] else
                  "tls" if config.tls else "off", tokens=tokens is not None)
         if ready is not None:

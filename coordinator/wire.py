@@ -10,9 +10,10 @@ import ipaddress
 import re
 
 from muster.coordinator.core.liveness import Liveness, RankReport
-from muster.coordinator.core.policy import JOB_NAME, MAX_GENERATION, MAX_SLOTS, MAX_STEP, NODE_ID, JobSpec
+from muster.coordinator.core.policy import MAX_GENERATION, MAX_SLOTS, MAX_STEP, JobSpec
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
 from muster.coordinator.errors import InvalidArgument
+from muster.names import JOB_NAME, NODE_ID
 from muster.v1 import muster_pb2 as pb
 
 MAX_DIGEST_BYTES = 64

@@ -79,7 +79,7 @@ def _etcd_access(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from muster.coordinator.client import parse_addresses
+    from muster.client import parse_addresses
     from muster.worker.agent import AgentConfig, NodeAgent
     from muster.worker.launch import LaunchError, job_name, parse_nodes, plan
 
@@ -145,7 +145,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _security(args: argparse.Namespace):
-    from muster.coordinator.auth import ClientSecurity
+    from muster.security import ClientSecurity
 
     return ClientSecurity(args.token, args.tls_ca, args.tls_cert, args.tls_key)
 
@@ -158,7 +158,7 @@ def _job(args: argparse.Namespace) -> str:
 
 
 def _ask(args, rpc: str, request):
-    from muster.coordinator.client import Coordinators
+    from muster.client import Coordinators
 
     with Coordinators(args.coordinator, timeout_s=args.timeout, security=_security(args)) as coordinators:
         response = coordinators.call(rpc, request)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from muster.coordinator.client import Coordinators
+from muster.client import Coordinators
 from muster.coordinator.etcd_server import EtcdServer
 from muster.testing import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
 from muster.v1 import muster_pb2 as pb

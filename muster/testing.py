@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from muster.coordinator.client import Coordinators
+from muster.client import Coordinators
 from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
 

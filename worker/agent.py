@@ -35,9 +35,9 @@ from pathlib import Path
 import grpc
 import structlog
 
-from muster.coordinator.auth import ClientSecurity
-from muster.coordinator.client import TRANSIENT, Coordinators
-from muster.coordinator.etcd_server import free_port
+from muster.client import TRANSIENT, Coordinators
+from muster.net import free_port, split_host_port
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
@@ -67,7 +67,7 @@ class AgentConfig:
     warm_start: bool = True  # fork Python ranks from a zygote that imported `preload` once (see zygote)
     preload: tuple[str, ...] = PRELOAD
     env: dict[str, str] = field(default_factory=dict)
-    security: ClientSecurity = field(default_factory=ClientSecurity.from_env)  # token, TLS
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # token, TLS
 
 
 @dataclass(frozen=True)
@@ -484,8 +484,8 @@ class NodeAgent:
             return None
         if self._master is not None and self._master[0] == a.generation:
             return self._master[1:]
-        host, _, port = a.master_address.rpartition(":")
-        host = host.strip("[]")
+        host, master_port = split_host_port(a.master_address)
+        port = str(master_port)
         if not self.library:
             key = f"{a.store_prefix}/muster-agent/master-port"
             try:
@@ -497,7 +497,7 @@ class NodeAgent:
             except Exception as exc:  # the node of rank 0 is gone: a newer map comes
                 self.log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
                                  error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                port = a.master_address.rpartition(":")[2]
+                port = str(master_port)
         self._master = (a.generation, host, port)
         return host, port
 
@@ -508,8 +508,8 @@ class NodeAgent:
         client = self._store_clients.get(address)
         try:
             if client is None:
-                host, _, port = address.rpartition(":")
-                client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                host, port = split_host_port(address)
+                client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                        timeout=timedelta(seconds=MASTER_PORT_WAIT_S))
                 self._store_clients[address] = client
             return client.get(key)

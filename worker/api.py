@@ -31,12 +31,13 @@ import time
 from collections.abc import Iterator
 from typing import NoReturn
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
 import torch.distributed as dist
 
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.comm import Comm, GroupSpec, Superseded, is_comm_failure
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, WorkerError
@@ -71,6 +72,7 @@ class WorkerConfig:
     # a new generation before giving up. Generous: a coordinator or etcd outage must not kill ranks.
     hold_timeout_s: float = 300.0
     max_redos: int = 5  # the same step failing in this many fresh groups in a row is the script's error
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # token and TLS for the coordinators
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -94,6 +96,7 @@ class WorkerConfig:
             digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
             agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
+            security=ClientSecurity.from_env(env),
         )
 
 
@@ -409,7 +412,7 @@ class Worker:
                                                world_size_multiple=c.world_size_multiple),
                                     is_process=True, agent_pid=os.getpid())
             self.session = NodeSession(c.coordinators, identity, reports=self._reports,
-                                       on_directive=self._on_directive)
+                                       on_directive=self._on_directive, security=c.security)
         ready.set()
         try:
             if isinstance(self.session, NodeSession):

@@ -25,6 +25,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from muster.net import split_host_port
+
 log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT = timedelta(seconds=30)  # the backend's store reads while a group connects
@@ -159,8 +161,7 @@ class Comm:
         published): c10d's TCPStore constructor retries a refused connect for the whole timeout and
         nothing can cut it, so a cheap probe comes first and the constructor only gets short
         attempts; between them a newer generation abandons this one (Superseded)."""
-        host, _, port = spec.store_address.rpartition(":")
-        host, port = host.strip("[]"), int(port)
+        host, port = split_host_port(spec.store_address)
         if self.server is not None and port == self.store_port and host in (self.host, "127.0.0.1", "localhost"):
             return self.server
         attempt_s, delay, error = CONNECT_ATTEMPT_S, 0.005, "no answer"
@@ -194,7 +195,7 @@ class Comm:
         before = _socket_fds()
         client = self._store(spec, abandoned, started)
         with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
-            self._forming = (spec.generation, _store_connections(_socket_fds() - before, _port(spec.store_address)))
+            self._forming = (spec.generation, _store_connections(_socket_fds() - before, split_host_port(spec.store_address)[1]))
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
             store.add(f"arrived/{spec.rank}", 1)
@@ -253,7 +254,7 @@ class Comm:
                 dist.distributed_c10d._abort_process_group()
                 n = -1
             else:
-                n = _shutdown_peer_sockets(self._sockets, {self.store_port, _port(spec.store_address)})
+                n = _shutdown_peer_sockets(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]})
                 self._sockets = set()
         log.info("group_aborted", generation=spec.generation, sockets=n)
         return True
@@ -267,7 +268,3 @@ class Comm:
         if dist.is_initialized():
             dist.destroy_process_group()
         del client  # the generation's store connection closes with its last reference
-
-
-def _port(address: str) -> int:
-    return int(address.rpartition(":")[2])

@@ -10,7 +10,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from muster.coordinator.core.policy import JOB_NAME
+from muster.names import JOB_NAME
 
 # torchrun options the coordinator owns now: superseded, with a note.
 OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from muster.coordinator.auth import ClientSecurity
-from muster.coordinator.client import TRANSIENT, leader_hint, parse_addresses, redirect
+from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect
+from muster.net import Backoff
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -55,7 +56,7 @@ class NodeSession:
         security: ClientSecurity | None = None,
     ):
         self.addresses = parse_addresses(addresses)
-        self.security = security or ClientSecurity.from_env()  # token and TLS (MUSTER_TOKEN, MUSTER_TLS_*)
+        self.security = security or ClientSecurity()  # token and TLS
         self.identity = identity
         self._reports = reports
         self._on_directive = on_directive
@@ -84,7 +85,7 @@ class NodeSession:
         """Call the job's leader, following hints; retry UNAVAILABLE with backoff and jitter."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry_for_s
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             order = ([self.leader] if self.leader else []) + self.addresses
             last: grpc.aio.AioRpcError | None = None
@@ -105,8 +106,7 @@ class NodeSession:
                         last = exc
             if loop.time() >= deadline:
                 raise last or TimeoutError(f"{rpc}: no coordinator answered")
-            await asyncio.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(backoff.next())
 
     def _join_request(self) -> pb.JoinRequest:
         i = self.identity

@@ -30,6 +30,8 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousParameters, RendezvousStoreInfo,
                                                   RendezvousTimeoutError)
 
+from muster.net import split_host_port
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.launch import job_name
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -38,12 +40,13 @@ log = structlog.get_logger(__name__)
 
 
 class MusterRendezvousHandler(RendezvousHandler):
-    def __init__(self, params: RendezvousParameters):
+    def __init__(self, params: RendezvousParameters, security: ClientSecurity):
         self._run_id = params.run_id  # torchrun's --rdzv-id, as given (TORCHELASTIC_RUN_ID)
         self._job = job_name(params.run_id)  # the coordinator's name for it (lowercase [a-z0-9._-])
         if self._job != self._run_id:
             log.info("rdzv_job_name_mapped", rdzv_id=self._run_id, job=self._job)
         self._addresses = params.endpoint
+        self._security = security
         self._host = params.local_addr or socket.getfqdn()
         self._spec = pb.JobSpec(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
         self._join_timeout_s = float(params.get("join_timeout", 600))
@@ -81,6 +84,7 @@ class MusterRendezvousHandler(RendezvousHandler):
                          self._spec, agent_pid=os.getpid()),
             reports=self._reports,
             on_directive=self._on_directive,
+            security=self._security,
         )
         await self._session.join()
         asyncio.ensure_future(self._session.run())
@@ -120,9 +124,9 @@ class MusterRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(f"no place in job {self._job!r} within {self._join_timeout_s:.0f}s")
         a = self._latest
         self._generation = a.generation
-        host, _, port = a.store_address.rpartition(":")
-        own = int(port) == self._server.port and host in (self._host, "127.0.0.1")
-        client = self._server if own else dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+        host, port = split_host_port(a.store_address)
+        own = port == self._server.port and host in (self._host, "127.0.0.1")
+        client = self._server if own else dist.TCPStore(host, port, is_master=False,
                                                         timeout=timedelta(seconds=self._join_timeout_s))
         store = dist.PrefixStore(a.store_prefix + "/", client)
         bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._host)
@@ -168,7 +172,8 @@ class MusterRendezvousHandler(RendezvousHandler):
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    return MusterRendezvousHandler(params)
+    """torchrun's edge: the credentials come from the environment (MUSTER_TOKEN, MUSTER_TLS_*)."""
+    return MusterRendezvousHandler(params, ClientSecurity.from_env())
 
 
 def handler_creator():

@@ -7,13 +7,8 @@ knobs are the coordinator's (its `muster serve` flags).
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
-# Names become etcd keys and log fields: match them with `fullmatch` (a `$` would let a
-# trailing newline through).
-JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
-NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 MAX_SLOTS = 1024
 MAX_NODES = 100_000
 # Steps and generations far beyond any real run (2**48 steps at 1 µs each are 9 years) but far

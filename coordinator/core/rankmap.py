@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import Member, Placement, RankMap
+from muster.net import join_host_port
 
 
 @dataclass(frozen=True)
@@ -67,5 +68,4 @@ def rank0_address(members: Sequence[Member], placements: Sequence[Placement], *,
     port = node.master_port if master else node.store_port
     if not port:
         return ""
-    host = f"[{node.host}]" if ":" in node.host else node.host
-    return f"{host}:{port}"
+    return join_host_port(node.host, port)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import hostile
-from muster.coordinator.client import Coordinators
+from muster.client import Coordinators
 from muster.coordinator.etcd_backend import connect
 from muster.coordinator.etcd_server import EtcdCluster
 from muster.coordinator.leader import EVICTIONS

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from muster.net import split_host_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -49,9 +50,8 @@ class Outcome:
 
 
 def _raw(address: str, payload: bytes, what: str) -> Outcome:
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=2.0) as s:
+        with socket.create_connection(split_host_port(address), timeout=2.0) as s:
             s.settimeout(1.0)
             if payload:
                 s.sendall(payload)

@@ -7,6 +7,7 @@ import grpc
 import pytest
 from muster.testing import SimulatedNode
 
+from muster.net import split_host_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -147,8 +148,7 @@ def test_bad_requests_get_precise_statuses_and_change_nothing(coordinators):
 
     asyncio.run(scenario())
     # garbage on the port: the server drops the connection and keeps serving
-    host, port = leader.address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
+    with socket.create_connection(split_host_port(leader.address), timeout=5) as s:
         s.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 4)
         s.settimeout(5)
         try:

@@ -9,7 +9,7 @@ import sys
 import pytest
 from muster.testing import CoordinatorProcess, SimulatedNode, process_alive, wait_until
 
-from muster.coordinator.etcd_server import free_port
+from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.worker.launch import job_name
 

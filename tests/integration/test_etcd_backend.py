@@ -30,8 +30,8 @@ from muster.coordinator.etcd_server import (
     EtcdServer,
     EtcdStartError,
     find_etcd_binary,
-    free_port,
 )
+from muster.net import free_port
 
 TTL_S = 2
 

@@ -11,10 +11,10 @@ import time
 import pytest
 from muster.testing import CoordinatorProcess, SimulatedNode, wait_until
 
-from muster.coordinator.client import Coordinators
+from muster.client import Coordinators
 from muster.coordinator.core.state import decode
 from muster.coordinator.etcd_backend import JobStore
-from muster.coordinator.etcd_server import free_port
+from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 
 JOB = "lost"

@@ -7,7 +7,7 @@ import time
 import pytest
 from muster.testing import SimulatedNode, wait_until
 
-from muster.coordinator.client import Coordinators
+from muster.client import Coordinators
 from muster.coordinator.core.state import decode
 from muster.coordinator.etcd_backend import JobStore
 from muster.v1 import muster_pb2 as pb

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
 
-from muster.coordinator.auth import ClientSecurity  # noqa: E402
+from muster.security import ClientSecurity  # noqa: E402
 from muster.testing import SimulatedNode  # noqa: E402
 from muster.v1 import muster_pb2 as pb  # noqa: E402
 from muster.v1 import muster_pb2_grpc as pb_grpc  # noqa: E402

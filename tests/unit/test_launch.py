@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from muster.coordinator.core.policy import JOB_NAME
+from muster.names import JOB_NAME
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import AgentConfig, Crash, Slot, failure_report, finished_job, last_failure
 from muster.worker.launch import LaunchError, job_name, plan

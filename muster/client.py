@@ -6,13 +6,13 @@ that address. Used by the CLI and the tests; agents and the worker library build
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 
 import grpc
 
-from muster.coordinator.auth import ClientSecurity
+from muster.net import Backoff, split_host_port
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 LEADER_METADATA = "muster-leader"
@@ -26,8 +26,11 @@ def parse_addresses(value: str | Sequence[str]) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     addresses = [a.strip() for a in items if a.strip()]
     for a in addresses:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        try:
+            valid = split_host_port(a)[1] > 0
+        except ValueError:
+            valid = False
+        if not valid:
             raise ValueError(f"coordinator address {a!r} is not HOST:PORT")
     if not addresses:
         raise ValueError("no coordinator address given")
@@ -56,7 +59,7 @@ class Coordinators:
     def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0,
                  security: ClientSecurity | None = None):
         self.addresses = parse_addresses(addresses)
-        self.security = security or ClientSecurity.from_env()
+        self.security = security or ClientSecurity()
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s  # keep trying (with backoff) while no leader answers
         self._channels: dict[str, grpc.Channel] = {}
@@ -70,7 +73,7 @@ class Coordinators:
     def call(self, rpc: str, request, *, prefer: str | None = None):
         """Call `rpc` on the leader (for job RPCs) or the first live replica (for queries)."""
         deadline = time.monotonic() + self.retry_for_s
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0)
         last: grpc.RpcError | None = None
         while True:
             order = ([prefer] if prefer else []) + self.addresses
@@ -87,8 +90,7 @@ class Coordinators:
                     last = exc
             if time.monotonic() >= deadline:
                 raise last
-            time.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 1.0)
+            time.sleep(backoff.next())
 
     def close(self) -> None:
         for channel in self._channels.values():

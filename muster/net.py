@@ -1,0 +1,60 @@
+"""Network helpers shared by the coordinator, the agents and the worker library: one way to read
+`host:port`, to pick a free port, and to back off between retries."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`host:port` as (host, port). An IPv6 host comes bracketed (`[::1]:29500`) and is returned bare,
+    ready for `socket` and `TCPStore`; port 0 (any) passes, a missing or non-numeric one does not."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of `split_host_port`: an IPv6 host is bracketed again."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Pick a currently free TCP port (racy by nature, fine for loopback tests).
+
+    Never returns the same port twice in one process, so the client and peer
+    ports of the members of one cluster cannot collide with each other.
+    """
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+
+
+def jitter(delay: float) -> float:
+    """A wait between `delay` and twice it: clients that failed together do not retry together."""
+    return delay * (1 + random.random())
+
+
+class Backoff:
+    """Retry waits that double from `first` up to `most`, each jittered."""
+
+    def __init__(self, first: float, most: float):
+        self.delay = first
+        self.most = most
+
+    def next(self) -> float:
+        wait = jitter(self.delay)
+        self.delay = min(self.delay * 2, self.most)
+        return wait

@@ -1,0 +1,26 @@
+import pytest
+
+from muster.net import Backoff, join_host_port, split_host_port
+
+
+def test_an_address_splits_into_a_bare_host_and_an_int_port():
+    assert split_host_port("node-1:29500") == ("node-1", 29500)
+    assert split_host_port("[::1]:0") == ("::1", 0)
+
+
+@pytest.mark.parametrize("address", ["nonsense", ":80", "host:", "host:http", "host:65536"])
+def test_anything_but_host_port_is_refused(address):
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        split_host_port(address)
+
+
+def test_joining_brackets_an_ipv6_host_again():
+    assert join_host_port("::1", 80) == "[::1]:80"
+    assert join_host_port("10.0.0.1", 80) == "10.0.0.1:80"
+    assert split_host_port(join_host_port("::1", 80)) == ("::1", 80)
+
+
+def test_backoff_doubles_up_to_its_cap_with_jitter_below_twice_each_step():
+    backoff = Backoff(0.05, 0.15)
+    for step in (0.05, 0.1, 0.15, 0.15):
+        assert step <= backoff.next() < 2 * step
