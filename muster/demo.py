@@ -60,7 +60,8 @@ def _table(coordinators: list[str]) -> str:
 def _recovered_after(agents, fault: Fault, generation_before: int) -> float | None:
     """Seconds from the fault until every rank still alive stepped in a newer generation."""
     firsts = []
-    for steps in _rank_runs(agents).values():
+    live = [a for a in agents if a.proc.poll() is None]  # a killed node's ranks may step once more as they die
+    for steps in _rank_runs(live).values():
         if record_time(steps[-1]) < fault.at:
             continue  # a run that ended before the fault
         newer = [r for r in steps if r["generation"] > generation_before and record_time(r) >= fault.at]

@@ -129,7 +129,7 @@ class NodeAgent:
         self._signal = 0  # the signal that ends the agent (SIGTERM, SIGINT): exit 128 + it
         self._store = None  # this node's TCPStore (it serves the generations whose rank 0 is here)
         self._store_clients: dict[str, object] = {}  # other nodes' stores, by address
-        self._master: tuple[int, str, str] | None = None  # (generation, MASTER_ADDR, MASTER_PORT)
+        self._masters: dict[int, asyncio.Future] = {}  # generation -> its (MASTER_ADDR, MASTER_PORT)
         self._program = warm_program(config.argv) if config.warm_start else None
         self._zygote: Zygote | None = None
         self.log = log.bind(job=config.job, node=config.node_id)
@@ -444,6 +444,8 @@ class NodeAgent:
             self._finish(1)
             return
         if not self.draining:
+            if a.role == pb.ROLE_ACTIVE and not self.library:
+                asyncio.ensure_future(self._master_address(a))  # published (or fetched) at once
             asyncio.ensure_future(self._reconcile())
 
     async def _reconcile(self) -> None:
@@ -479,27 +481,50 @@ class NodeAgent:
         """MASTER_ADDR/MASTER_PORT of generation `a`, for scripts without the library: as torchrun's
         rendezvous does, the node of rank 0 picks a fresh port for each generation and publishes it
         in its store under the generation's prefix, so a new rank 0 never binds its predecessor's
-        port and no rank reaches the store of an older generation. Library ranks need none of it."""
+        port and no rank reaches the store of an older generation. Library ranks need none of it.
+        Found once per generation, from the moment its map arrives (not when the ranks' restart
+        gets its turn): a slow rank-0 node must not make the others wait out their bound. None: a
+        newer map superseded `a` before its port was known."""
         if a.role != pb.ROLE_ACTIVE or not a.master_address:
             return None
-        if self._master is not None and self._master[0] == a.generation:
-            return self._master[1:]
+        task = self._masters.get(a.generation)
+        if task is None:
+            task = self._masters[a.generation] = asyncio.ensure_future(self._find_master(a))
+            for old in [g for g in self._masters if g < a.generation - 1]:
+                del self._masters[old]
+        return await asyncio.shield(task)
+
+    async def _current_master(self) -> tuple[str, str] | None:
+        """The master address of the newest map, even if a newer one arrives meanwhile."""
+        while True:
+            a = self.assignment
+            master = await self._master_address(a)
+            if self.assignment is a:
+                return master
+
+    async def _find_master(self, a: pb.Assignment) -> tuple[str, str] | None:
         host, master_port = split_host_port(a.master_address)
-        port = str(master_port)
-        if not self.library:
-            key = f"{a.store_prefix}/muster-agent/master-port"
+        if self.library:
+            return host, str(master_port)
+        key = f"{a.store_prefix}/muster-agent/master-port"
+        if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
+            port = str(free_port(self.config.host))
+            await asyncio.to_thread(self._store.set, key, port)
+            return host, port
+        # Never a guess: ranks that disagree on the port would wait in init_process_group for good.
+        # Rank 0's node publishes within moments; if it is gone, the leader's next map says so.
+        warned = False
+        while self.assignment.generation == a.generation and not self._done.done():
             try:
-                if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
-                    port = str(free_port(self.config.host))
-                    await asyncio.to_thread(self._store.set, key, port)
-                else:
-                    port = (await asyncio.to_thread(self._store_get, a.store_address, key)).decode()
-            except Exception as exc:  # the node of rank 0 is gone: a newer map comes
-                self.log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
-                                 error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                port = str(master_port)
-        self._master = (a.generation, host, port)
-        return host, port
+                return host, (await asyncio.to_thread(self._store_get, a.store_address, key)).decode()
+            except Exception as exc:
+                if not warned:
+                    warned = True
+                    self.log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
+                                     error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                                     message="waiting for the node of rank 0 to publish it, or for a newer map")
+                await asyncio.sleep(0.2)
+        return None
 
     def _store_get(self, address: str, key: str) -> bytes:
         """A key of another node's store, waiting for it a bounded time (blocking: a thread)."""
@@ -622,7 +647,7 @@ class NodeAgent:
             async with self._reconciling:
                 if not slot.alive and not slot.given_up and await self._restart_allowed(
                         slot, f"its process of generation {slot.generation} ended ({_exit_words(code)})"):
-                    await self._start_rank(slot, await self._master_address(self.assignment))
+                    await self._start_rank(slot, await self._current_master())
             return
         # Restart semantics (a script without the library) restart a crashed rank in its place: the
         # leader re-forms the job once, with its replacement (never a map without the slot first).
@@ -650,7 +675,7 @@ class NodeAgent:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self._reconciling:
                 if not slot.alive:
-                    await self._start_rank(slot, await self._master_address(self.assignment))
+                    await self._start_rank(slot, await self._current_master())
 
     async def _until_crash_answered(self, slot: Slot) -> None:
         """Wait (bounded) for the generation that re-forms the job after the slot's crash, so that
