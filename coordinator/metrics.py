@@ -1,26 +1,38 @@
 """Prometheus metrics of one replica, and its HTTP edge: /metrics, /healthz, /readyz.
 
-Per-job gauges (leader flag, term, generation, live ranks, spares) are read from the replica at
-scrape time, so nothing has to be kept in sync; counters and histograms are fed by the leaders
-as things happen. Each replica owns its registry (tests run several in one process).
+Per-job gauges (leader flag, term, generation, live ranks, spares) are read at scrape time from
+callables the replica registers, so nothing has to be kept in sync; counters and histograms are
+fed by the leaders as things happen. Each replica owns its registry (tests run several in one
+process). A leaf: plain values in, nothing of the coordinator imported.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-
-if TYPE_CHECKING:
-    from muster.coordinator.replica import Replica
 
 # failure signal -> decision: exits take milliseconds, silence the heartbeat timeout
 DETECTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+@dataclass(frozen=True)
+class JobGauges:
+    """One known job as a scrape sees it; the other fields count only where this replica leads it."""
+
+    job: str
+    led: bool
+    term: int = 0
+    generation: int = 0
+    live_ranks: int = 0
+    world_size: int = 0
+    spares: int = 0
 
 
 class Metrics:
@@ -41,19 +53,20 @@ class Metrics:
         self.etcd_write = Histogram("muster_etcd_write_seconds", "Fenced job state writes to etcd",
                                     buckets=WRITE_BUCKETS, registry=r)
 
-    def watch(self, replica: Replica) -> None:
-        self.registry.register(_ReplicaCollector(replica))
+    def watch(self, gauges: Callable[[], Iterable[JobGauges]], ready: Callable[[], bool]) -> None:
+        """Read `gauges()` (every known job) and `ready()` at each scrape."""
+        self.registry.register(_GaugeCollector(gauges, ready))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _ReplicaCollector:
-    def __init__(self, replica: Replica):
-        self.replica = replica
+class _GaugeCollector:
+    def __init__(self, gauges: Callable[[], Iterable[JobGauges]], ready: Callable[[], bool]):
+        self.gauges = gauges
+        self.ready = ready
 
     def collect(self):
-        rep = self.replica
         families = {
             "leader": GaugeMetricFamily("muster_leader", "1 where this replica leads the job", labels=["job"]),
             "term": GaugeMetricFamily("muster_term", "Term of the job's leadership held here", labels=["job"]),
@@ -63,19 +76,14 @@ class _ReplicaCollector:
             "world_size": GaugeMetricFamily("muster_world_size", "Ranks in the current map", labels=["job"]),
             "spares": GaugeMetricFamily("muster_spare_nodes", "Member nodes the map does not use", labels=["job"]),
         }
-        for job in sorted(rep.jobs):
-            leader = rep.leaders.get(job)
-            families["leader"].add_metric([job], 1 if leader else 0)
-            if leader is None:
+        for g in self.gauges():
+            families["leader"].add_metric([g.job], 1 if g.led else 0)
+            if not g.led:
                 continue
-            s = leader.state
-            families["term"].add_metric([job], leader.term)
-            families["generation"].add_metric([job], s.generation)
-            families["live_ranks"].add_metric([job], leader.live_ranks())
-            families["world_size"].add_metric([job], s.rank_map.world_size if s.rank_map else 0)
-            families["spares"].add_metric([job], len(s.spares))
+            for name in ("term", "generation", "live_ranks", "world_size", "spares"):
+                families[name].add_metric([g.job], getattr(g, name))
         ready = GaugeMetricFamily("muster_ready", "1 while this replica holds a live etcd session")
-        ready.add_metric([], 1 if rep.ready() else 0)
+        ready.add_metric([], 1 if self.ready() else 0)
         yield from families.values()
         yield ready
 
@@ -84,9 +92,9 @@ class HealthServer:
     """/metrics (Prometheus), /healthz (the process serves), /readyz (leader or healthy standby:
     a live etcd session). One daemon thread; stopped with the replica."""
 
-    def __init__(self, metrics: Metrics, replica: Replica, listen: str):
+    def __init__(self, metrics: Metrics, ready: Callable[[], bool], listen: str):
         host, _, port = listen.rpartition(":")
-        handler = _handler(metrics, replica)
+        handler = _handler(metrics, ready)
         self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
         self.httpd.daemon_threads = True
         self.address = f"{host}:{self.httpd.server_address[1]}"
@@ -101,7 +109,7 @@ class HealthServer:
         self.httpd.server_close()
 
 
-def _handler(metrics: Metrics, replica: Replica):
+def _handler(metrics: Metrics, ready: Callable[[], bool]):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's naming)
             if self.path == "/metrics":
@@ -109,7 +117,7 @@ def _handler(metrics: Metrics, replica: Replica):
             elif self.path == "/healthz":
                 self._send(200, b"ok\n")
             elif self.path == "/readyz":
-                ok = replica.ready()
+                ok = ready()
                 self._send(200 if ok else 503, b"ready\n" if ok else b"no etcd session\n")
             else:
                 self._send(404, b"not found: /metrics, /healthz, /readyz\n")

@@ -25,7 +25,7 @@ from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, Reso
 from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, JobStore, Leadership, Session,
                                               current_leader)
 from muster.coordinator.leader import JobLeader
-from muster.coordinator.metrics import Metrics
+from muster.coordinator.metrics import JobGauges, Metrics
 from muster.coordinator.store import JobStorage, persist
 from muster.v1 import muster_pb2 as pb
 
@@ -76,7 +76,7 @@ class Replica:
         self._spec_lost: set[str] = set()  # jobs led without a spec in etcd: written with the next state
         self.log = log
         self.metrics = Metrics()
-        self.metrics.watch(self)
+        self.metrics.watch(self.gauges, self.ready)
 
     @property
     def started(self) -> bool:
@@ -85,6 +85,20 @@ class Replica:
     def ready(self) -> bool:
         """Serving with a live etcd session: a leader, or a standby able to take over."""
         return self.started and not self._closing and self._session is not None and self._session.alive()
+
+    def gauges(self) -> list[JobGauges]:
+        """Every known job as a metrics scrape reports it (read at scrape time)."""
+        found = []
+        for job in sorted(self.jobs):
+            leader = self.leaders.get(job)
+            if leader is None:
+                found.append(JobGauges(job, led=False))
+                continue
+            s = leader.state
+            found.append(JobGauges(job, led=True, term=leader.term, generation=s.generation,
+                                   live_ranks=leader.live_ranks(),
+                                   world_size=s.rank_map.world_size if s.rank_map else 0, spares=len(s.spares)))
+        return found
 
     # ---- lifecycle -------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         await server.start()
         await replica.start()
         if config.metrics_listen:
-            health = HealthServer(replica.metrics, replica, config.metrics_listen).start()
+            health = HealthServer(replica.metrics, replica.ready, config.metrics_listen).start()
         log.info("coordinator_serving", listen=join_host_port(host, port), advertise=address, etcd=endpoints,
                  metrics=health.address if health else None, tls="mtls" if config.tls and config.tls[2] else
                  "tls" if config.tls else "off", tokens=tokens is not None)
