@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from muster.coordinator import wire
-from muster.coordinator.core.liveness import GROUP_KINDS, Failure, Liveness
+from muster.coordinator.core.liveness import GROUP_KINDS, Failure, Liveness, Recovery
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
                                              Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
@@ -120,7 +120,7 @@ class JobLeader:
         self._frames = self.metrics.frames.labels(self.job)
         self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0
         self._signals: list[float] = []  # first signals of failures not decided yet
-        self._recovering: tuple[int, float, int] | None = None  # generation, decided at, step then
+        self._recovering: Recovery | None = None
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
 
@@ -233,27 +233,19 @@ class JobLeader:
         self._settle(batch, decision)
 
     def _measure(self, now: float) -> None:
-        """Frames/s (smoothed), and the end of a recovery: every node of the new map reported the
-        generation and a step past the one at the decision."""
+        """Frames/s (smoothed), and the end of a recovery (`Liveness.recovered`)."""
         if now - self._rate_at >= 1.0:
             rate = self._frame_count / (now - self._rate_at)
             self.frames_per_s = rate if not self.frames_per_s else 0.7 * self.frames_per_s + 0.3 * rate
             self._frame_count, self._rate_at = 0, now
         if self._recovering is None:
             return
-        generation, decided_at, step = self._recovering
-        rm = self.state.rank_map
-        if rm is None or rm.generation != generation:
-            self._recovering = None  # superseded, or nothing to run
-            return
-        for p in rm.placements:
-            node = self.live.nodes.get(p.node_id)
-            if node is None or node.generation < generation or not any(
-                    r.step > step for s, r in node.ranks.items() if s in p.slots):
-                return
-        self.last_recovery_s = now - decided_at
-        self.metrics.recovery.labels(self.job).observe(self.last_recovery_s)
-        self._recovering = None
+        over, took = self.live.recovered(self.state, self._recovering, now)
+        if took is not None:
+            self.last_recovery_s = took
+            self.metrics.recovery.labels(self.job).observe(took)
+        if over:
+            self._recovering = None
 
     def live_ranks(self) -> int:
         """Ranks of the map on nodes heard from within the heartbeat timeout."""
@@ -278,7 +270,7 @@ class JobLeader:
                 self.last_detection_s = now - min(self._signals)
                 self.metrics.detection.labels(self.job).observe(self.last_detection_s)
             if self.state.rank_map is not None and self.state.rank_map.world_size:
-                self._recovering = (self.state.generation, now, step_before)
+                self._recovering = Recovery(self.state.generation, now, step_before)
         if d.persist:
             self._signals.clear()
         for member in d.joined:

@@ -78,6 +78,15 @@ class Divergence:
     reason: str
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """A new generation's recovery under way: decided at `decided_at`, the job then at `step`."""
+
+    generation: int
+    decided_at: float
+    step: int
+
+
 class Liveness:
     def __init__(self, timing: Timing, now: float):
         self.timing = timing
@@ -147,6 +156,20 @@ class Liveness:
         for node in self.nodes.values():
             for live in node.ranks.values():
                 live.progress_at = now
+
+    def recovered(self, state: JobState, recovery: Recovery, now: float) -> tuple[bool, float | None]:
+        """Whether `recovery` is over, and how long it took: until every node of its map reported
+        the generation and a step past the one at the decision (None: another map superseded it,
+        or there is nothing to run)."""
+        rm = state.rank_map
+        if rm is None or rm.generation != recovery.generation:
+            return True, None
+        for p in rm.placements:
+            node = self.nodes.get(p.node_id)
+            if node is None or node.generation < recovery.generation or not any(
+                    r.step > recovery.step for s, r in node.ranks.items() if s in p.slots):
+                return False, None
+        return True, now - recovery.decided_at
 
     def progress_timeout(self) -> float:
         t = self.timing

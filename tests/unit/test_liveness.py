@@ -1,6 +1,6 @@
 """Liveness: silence, stalls with a calibrated progress timeout, long phases, grace."""
 
-from muster.coordinator.core.liveness import Liveness, RankReport
+from muster.coordinator.core.liveness import Liveness, RankReport, Recovery
 from muster.coordinator.core.machine import Context, Join, Regroup, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState
@@ -255,3 +255,21 @@ def test_a_rank_restarting_in_place_re_forms_the_job_once_with_its_slot():
     live.observe("n1", 2, ranks("restarting", step=0, generation=1, pid=101), 1.1)
     assert live.failures(d.state, 1.2) == []  # answered: generation 2 restarts it
     assert live.runs_library(d.state) is False
+
+
+def test_recovery_ends_once_every_node_of_its_map_reports_a_step_past_the_decision():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    recovery = Recovery(generation=1, decided_at=10.0, step=5)
+    live.observe("n0", 1, report(6), 11)
+    live.observe("n1", 1, report(5), 11)
+    assert live.recovered(state, recovery, 11.5) == (False, None)  # n1 is not past the decision's step
+    live.observe("n1", 0, report(7), 12)
+    assert live.recovered(state, recovery, 12) == (False, None)  # n1 still runs the previous generation
+    live.observe("n1", 1, report(7), 12.5)
+    assert live.recovered(state, recovery, 13.0) == (True, 3.0)
+
+
+def test_a_superseded_recovery_is_over_without_a_time():
+    live = Liveness(TIMING, now=0)
+    assert live.recovered(job(), Recovery(generation=2, decided_at=1.0, step=0), 5.0) == (True, None)
