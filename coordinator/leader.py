@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from muster.coordinator import wire
-from muster.coordinator.core.liveness import GROUP_KINDS, Failure, Liveness, Recovery
+from muster.coordinator.core.kinds import EVICTIONS, GROUP_KINDS, FailureKind
+from muster.coordinator.core.liveness import Failure, Liveness, Recovery
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
                                              Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
@@ -29,8 +30,6 @@ from muster.v1 import muster_pb2 as pb
 log = structlog.get_logger(__name__)
 
 CLOSE = object()  # queued on a NodeStream to end it
-EVICTIONS = frozenset({"node_silent", "rank_silent", "rank_stalled", "rank_exited", "process_exited",
-                       "rank_not_formed"})
 
 
 class PersistUnavailable(Exception):
@@ -428,7 +427,7 @@ class JobLeader:
             return  # replaced or evicted already
         del self.streams[stream.node_id]
         if stream.kind is NodeKind.PROCESS and not stream.departed and self.lost_reason is None:
-            self._enqueue(NodeLost(stream.node_id, "process_exited", "its session closed without leaving"))
+            self._enqueue(NodeLost(stream.node_id, FailureKind.PROCESS_EXITED, "its session closed without leaving"))
 
     def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None:
         """Validate one frame completely, then record it. Exit reports wake the tally at once."""
@@ -457,17 +456,17 @@ class JobLeader:
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             if member.kind is NodeKind.PROCESS:
-                self._enqueue(NodeLost(member.node_id, "process_exited", f"pid {e.pid} {how}"))
+                self._enqueue(NodeLost(member.node_id, FailureKind.PROCESS_EXITED, f"pid {e.pid} {how}"))
             elif e.restarting and placement is not None and e.local_rank in placement.slots:
                 # Restart semantics (a script without the library): the job re-forms once, with the
                 # replacement in the same place. A node still on an older generation is restarted by
                 # the newer map already: its rank's exit is no new fault.
                 if frame.generation == self.state.generation:
-                    self._enqueue(Regroup("rank_restarted", f"local rank {e.local_rank}: pid {e.pid} {how}; its "
-                                          "agent restarts it in place", (member.node_id,)))
+                    self._enqueue(Regroup(FailureKind.RANK_RESTARTED, f"local rank {e.local_rank}: pid {e.pid} {how}; "
+                                          "its agent restarts it in place", (member.node_id,)))
             else:
                 self.live.mark_failed(member.node_id, e.local_rank, e.pid)
-                self._enqueue(SlotDown(member.node_id, e.local_rank, "rank_exited", f"pid {e.pid} {how}"))
+                self._enqueue(SlotDown(member.node_id, e.local_rank, FailureKind.RANK_EXITED, f"pid {e.pid} {how}"))
         if recovered:
             self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 

@@ -14,6 +14,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.state import JobState, NodeKind
 
@@ -44,15 +45,13 @@ class NodeLive:
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # node_silent | rank_silent | rank_stalled | rank_not_formed | rank_restarted | group_broken | ...
+    kind: FailureKind
     node_id: str  # "" for the group kinds
     local_rank: int | None
     reason: str
     since: float | None = None  # when its first signal came: the last frame, report or progress
 
 
-# The same members re-form: a group that broke or did not form, or a rank its agent restarts in place.
-GROUP_KINDS = frozenset({"group_broken", "group_not_formed", "rank_restarted"})
 UNMONITORED = frozenset({"unmonitored", "restarting"})  # scripts without the library: no steps to judge
 
 
@@ -230,9 +229,9 @@ class Liveness:
                     continue
                 if r.state == "exited":
                     self.mark_failed(p.node_id, slot, r.pid)
-                    found.append(Failure("rank_exited", p.node_id, slot, f"reported exited (pid {r.pid})"))
+                    found.append(Failure(FailureKind.RANK_EXITED, p.node_id, slot, f"reported exited (pid {r.pid})"))
                 elif r.state == "restarting" and r.generation == rm.generation:
-                    found.append(Failure("rank_restarted", p.node_id, slot,
+                    found.append(Failure(FailureKind.RANK_RESTARTED, p.node_id, slot,
                                          f"local rank {slot} (pid {r.pid}) is restarting in place"))
         return found
 
@@ -251,7 +250,7 @@ class Liveness:
                 continue
             silent_s = now - node.last_frame_at
             if silent_s > t.heartbeat_timeout_s:
-                found.append(Failure("node_silent", member.node_id, None, f"no frame for {silent_s:.2f}s",
+                found.append(Failure(FailureKind.NODE_SILENT, member.node_id, None, f"no frame for {silent_s:.2f}s",
                                      node.last_frame_at))
                 continue
             placement = rm.placement(member.node_id) if rm else None
@@ -263,14 +262,15 @@ class Liveness:
                     continue  # exited: found above; unmonitored: no library, its exit is the signal
                 if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
                     found.append(
-                        Failure("rank_silent", member.node_id, slot, f"agent has not heard from it for {live.heard_ms_ago}ms",
+                        Failure(FailureKind.RANK_SILENT, member.node_id, slot,
+                                f"agent has not heard from it for {live.heard_ms_ago}ms",
                                 node.last_frame_at - live.heard_ms_ago / 1000)
                     )
                 elif live.state == "long_phase":
                     if live.phase_since is not None and now - live.phase_since > t.long_phase_timeout_s:
                         found.append(
                             Failure(
-                                "rank_stalled",
+                                FailureKind.RANK_STALLED,
                                 member.node_id,
                                 slot,
                                 f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
@@ -281,13 +281,13 @@ class Liveness:
                     continue  # waiting for the others: judged with the whole generation (group_failures)
                 elif live.state == "starting" and now - live.progress_at > max(stall_after, t.startup_progress_timeout_s):
                     found.append(
-                        Failure("rank_stalled", member.node_id, slot,
+                        Failure(FailureKind.RANK_STALLED, member.node_id, slot,
                                 f"no step completed for {now - live.progress_at:.2f}s since it started", live.progress_at)
                     )
                 elif live.state == "running" and now - live.progress_at > stall_after:
                     found.append(
                         Failure(
-                            "rank_stalled",
+                            FailureKind.RANK_STALLED,
                             member.node_id,
                             slot,
                             f"step {live.step} has not advanced for {now - live.progress_at:.2f}s "
@@ -327,18 +327,18 @@ class Liveness:
                 else:
                     missing.append((p, slot, r))
         if holding:
-            return [Failure("group_broken", "", None, f"ranks {_few(holding)} of generation {rm.generation} hold "
-                            f"after a failed collective and nobody was found failed")]
+            return [Failure(FailureKind.GROUP_BROKEN, "", None, f"ranks {_few(holding)} of generation {rm.generation} "
+                            f"hold after a failed collective and nobody was found failed")]
         generation, since = self.published
         if starting or generation != rm.generation or now - since <= t.form_timeout_s or not (missing or waiting):
             return []
         if missing:
-            return [Failure("rank_not_formed", p.node_id, slot,
+            return [Failure(FailureKind.RANK_NOT_FORMED, p.node_id, slot,
                             f"did not reach generation {rm.generation} within {t.form_timeout_s:g}s "
                             f"(it reports {r.state} in generation {r.generation})", since)
                     for p, slot, r in missing]
-        return [Failure("group_not_formed", "", None, f"every rank of generation {rm.generation} arrived but the "
-                        f"group did not form within {t.form_timeout_s:g}s ({len(waiting)} waiting)", since)]
+        return [Failure(FailureKind.GROUP_NOT_FORMED, "", None, f"every rank of generation {rm.generation} arrived "
+                        f"but the group did not form within {t.form_timeout_s:g}s ({len(waiting)} waiting)", since)]
 
     def divergence(self, state: JobState) -> Divergence | None:
         """Once every rank of the map has sent a parameter digest of the same step, compare them.

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.rankmap import assign_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
@@ -67,7 +68,7 @@ class NodeLost:
     """The whole node is gone (silence, its process exited, its stream closed)."""
 
     node_id: str
-    kind: str  # node_silent | process_exited | ...
+    kind: FailureKind  # node_silent | process_exited | ...
     reason: str
 
 
@@ -77,7 +78,7 @@ class SlotDown:
 
     node_id: str
     slot: int
-    kind: str  # rank_exited | rank_silent | rank_stalled
+    kind: FailureKind  # rank_exited | rank_silent | rank_stalled
     reason: str
 
 
@@ -101,7 +102,7 @@ class Regroup:
     collective, or it did not form in time), or a rank of a script without the library is being
     restarted in place by its agent: the same members re-form in an abort generation."""
 
-    kind: str  # group_broken | group_not_formed | rank_restarted
+    kind: FailureKind  # group_broken | group_not_formed | rank_restarted
     reason: str
     nodes: tuple[str, ...] = ()
 

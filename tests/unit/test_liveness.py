@@ -1,9 +1,14 @@
 """Liveness: silence, stalls with a calibrated progress timeout, long phases, grace."""
 
+import json
+
+from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness, RankReport, Recovery
 from muster.coordinator.core.machine import Context, Join, Regroup, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState
+from muster.v1 import muster_pb2 as pb
+from muster.worker.agent import FAILURES
 
 TIMING = Timing(heartbeat_timeout_s=2.0, progress_floor_s=1.0, progress_factor=10.0,
                 startup_progress_timeout_s=30.0, long_phase_timeout_s=60.0, grace_s=5.0)
@@ -273,3 +278,10 @@ def test_recovery_ends_once_every_node_of_its_map_reports_a_step_past_the_decisi
 def test_a_superseded_recovery_is_over_without_a_time():
     live = Liveness(TIMING, now=0)
     assert live.recovered(job(), Recovery(generation=2, decided_at=1.0, step=0), 5.0) == (True, None)
+
+
+def test_failure_kinds_are_the_strings_of_the_history_the_wire_and_the_worker():
+    kind = FailureKind.NODE_SILENT
+    assert kind == "node_silent" and f"{kind}: why" == "node_silent: why" and json.dumps(kind) == '"node_silent"'
+    assert pb.Event(kind=kind).kind == "node_silent"
+    assert FAILURES == {k.value for k in FailureKind}  # the worker keeps its own copy
