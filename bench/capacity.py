@@ -38,7 +38,7 @@ from muster.coordinator.core.liveness import RankReport
 from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
 from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode, encode
-from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.leader import JobLeader, NodeStream
 from muster.testing import CoordinatorProcess, SimulatedNode
 from muster.v1 import muster_pb2 as pb

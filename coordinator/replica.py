@@ -22,8 +22,10 @@ from muster.coordinator import wire
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
-from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, JobStore, Leadership, Session,
-                                              current_leader)
+from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
+from muster.coordinator.etcd.election import Election, Leadership, current_leader
+from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.store import JobStorage, persist

@@ -1,6 +1,6 @@
 """Job storage as a replica needs it: the seam between the coordinator and etcd.
 
-`JobStorage` is what `Replica` calls; `etcd_backend.JobStore` is the real one and
+`JobStorage` is what `Replica` calls; `etcd.store.JobStore` is the real one and
 `MemoryJobStore` its in-memory twin, which can be told to fail the way etcd fails (a fenced
 write, unavailability, lost data) so that leaders and replicas are tested in-process. One
 contract suite (tests/contract/) holds both to the same behaviour.
@@ -16,7 +16,9 @@ from typing import Protocol
 import structlog
 
 from muster.coordinator.core.state import JobState, encode
-from muster.coordinator.etcd_backend import EtcdError, EtcdUnavailable, Fenced, Leadership
+from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
+from muster.coordinator.etcd.election import Leadership
 from muster.coordinator.leader import PersistFenced, PersistUnavailable
 
 log = structlog.get_logger(__name__)

@@ -10,7 +10,11 @@ import threading
 
 import pytest
 
-from muster.coordinator.etcd_backend import DEFAULT_PREFIX, Election, Fenced, JobStore, Leadership, Session
+from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd.client import DEFAULT_PREFIX
+from muster.coordinator.etcd.election import Election, Leadership
+from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.store import JobStorage, MemoryJobStore
 
 pytestmark = pytest.mark.timeout(20)

@@ -12,7 +12,7 @@ import pytest
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
-from muster.coordinator.etcd_backend import Leadership
+from muster.coordinator.etcd.election import Leadership
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.store import MemoryJobStore, persist
 from muster.v1 import muster_pb2 as pb

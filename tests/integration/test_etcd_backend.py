@@ -15,22 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from muster.coordinator import etcd_server
-from muster.coordinator.etcd_backend import (
-    Election,
-    EtcdUnavailable,
-    Fenced,
-    JobStore,
-    Leadership,
-    Session,
-    connect,
-)
-from muster.coordinator.etcd_server import (
-    EtcdCluster,
-    EtcdServer,
-    EtcdStartError,
-    find_etcd_binary,
-)
+from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd import server as etcd_server
+from muster.coordinator.etcd.client import EtcdUnavailable, connect
+from muster.coordinator.etcd.election import Election, Leadership
+from muster.coordinator.etcd.server import EtcdCluster, EtcdServer, EtcdStartError, find_etcd_binary
+from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.store import JobStore
 from muster.net import free_port
 
 TTL_S = 2
