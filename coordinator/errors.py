@@ -51,3 +51,8 @@ class PermissionDenied(MusterError):
 
 class Fenced(Exception):
     """A write was refused because the writer's leadership term is over."""
+
+
+class PersistUnavailable(Exception):
+    """Job state could not be written for now (etcd unreachable, or the write refused): the
+    decision is not adopted, and is made again on the next tick."""

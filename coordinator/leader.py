@@ -22,7 +22,8 @@ from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, 
                                              Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, Member, NodeKind, Phase
-from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader, PermissionDenied
+from muster.coordinator.errors import (FailedPrecondition, Fenced, InvalidArgument, NotFound, NotLeader, PermissionDenied,
+                                       PersistUnavailable)
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
@@ -31,14 +32,6 @@ log = structlog.get_logger(__name__)
 CLOSE = object()  # queued on a NodeStream to end it
 EVICTIONS = frozenset({"node_silent", "rank_silent", "rank_stalled", "rank_exited", "process_exited",
                        "rank_not_formed"})
-
-
-class PersistUnavailable(Exception):
-    """Job state could not be written for now (etcd unreachable); retry on the next tick."""
-
-
-class PersistFenced(Exception):
-    """Job state may not be written by this term any more: leadership is lost."""
 
 
 @dataclass(eq=False)
@@ -172,7 +165,7 @@ class JobLeader:
                 return
             try:
                 await self._tally()
-            except PersistFenced as exc:
+            except Fenced as exc:
                 self._lose(f"fenced write refused: {exc}")
                 return
             except Exception as exc:  # a bug must not leave a leader that silently stops tallying
@@ -226,9 +219,9 @@ class JobLeader:
                 self._inbox[:0] = batch  # nothing adopted: decide again next tick
                 self.log.warning("state_write_deferred", error=str(exc))
                 return
-            except PersistFenced as exc:
+            except Fenced:
                 self._inbox[:0] = batch
-                raise exc
+                raise
         self._adopt(decision, now)
         self._settle(batch, decision)
 

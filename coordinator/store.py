@@ -16,10 +16,9 @@ from typing import Protocol
 import structlog
 
 from muster.coordinator.core.state import JobState, encode
-from muster.coordinator.errors import Fenced
+from muster.coordinator.errors import Fenced, PersistUnavailable
 from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
 from muster.coordinator.etcd.election import Leadership
-from muster.coordinator.leader import PersistFenced, PersistUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -47,13 +46,11 @@ class JobStorage(Protocol):
 
 
 async def persist(store: JobStorage, leadership: Leadership, state: JobState, *, spec: bytes | None = None) -> None:
-    """A leader's decision written in the terms JobLeader acts on: PersistFenced ends the
-    leadership, PersistUnavailable defers the decision to the next tick."""
+    """A leader's decision written in the terms JobLeader acts on: Fenced ends the leadership,
+    PersistUnavailable defers the decision to the next tick."""
     try:
         # Encoding a large job's state takes a while: off the event loop, with the write.
         await asyncio.to_thread(lambda: store.write_state(leadership, encode(state), spec=spec))
-    except Fenced as exc:
-        raise PersistFenced(str(exc)) from exc
     except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
         raise PersistUnavailable(str(exc)) from exc
 
