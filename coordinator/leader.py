@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -24,6 +24,7 @@ from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, Member, NodeKind, Phase
 from muster.coordinator.errors import (FailedPrecondition, Fenced, InvalidArgument, NotFound, NotLeader, PermissionDenied,
                                        PersistUnavailable)
+from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
@@ -72,28 +73,23 @@ class JobLeader:
         self,
         state: JobState,
         *,
-        term: int,
+        leadership: Leadership,
         address: str,
         timing: Timing,
         tick_s: float,
         limits: Limits = Limits(),
-        persist: Callable[[JobState], Awaitable[None]],
-        session_alive: Callable[[], bool],
-        on_lost: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
     ):
         self.job = state.job
-        self.term = term
+        self.leadership = leadership
+        self.term = leadership.term
         self.address = address
         self.timing = timing
         self.tick_s = tick_s
         self.limits = limits
         self.state = state
-        self._persist = persist
-        self._session_alive = session_alive
-        self._on_lost = on_lost
         self._clock = clock
         self._wall = wall
         now = clock()
@@ -107,8 +103,7 @@ class JobLeader:
         self._inbox: list[tuple[MembershipEvent, asyncio.Future | None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.lost_reason: str | None = None
-        self.log = log.bind(job=self.job, term=term)
+        self.log = log.bind(job=self.job, term=self.term)
         self.metrics = metrics or Metrics()
         self._frames = self.metrics.frames.labels(self.job)
         self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0
@@ -117,6 +112,10 @@ class JobLeader:
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
 
+    @property
+    def lost_reason(self) -> str | None:
+        return self.leadership.lost_reason
+
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
@@ -124,8 +123,7 @@ class JobLeader:
 
     async def stop(self, reason: str, *, resigned: bool = False) -> None:
         """Give up the job: refuse queued requests and end every stream with a leader hint."""
-        if self.lost_reason is None:
-            self.lost_reason = reason
+        if self.leadership.lose(reason):
             if resigned:
                 self.log.info("leadership_resigned", reason=reason)
             else:
@@ -146,10 +144,8 @@ class JobLeader:
         self.streams.clear()
 
     def _lose(self, reason: str) -> None:
-        if self.lost_reason is None:
-            self.lost_reason = reason
+        if self.leadership.lose(reason):
             self.log.warning("leadership_lost", reason=reason)
-            self._on_lost(reason)
 
     async def _run(self) -> None:
         pulse_every = self.timing.heartbeat_timeout_s / 4
@@ -160,7 +156,7 @@ class JobLeader:
             except TimeoutError:
                 pass
             self._wake.clear()
-            if not self._session_alive():
+            if not self.leadership.alive():
                 self._lose("session lost: lease renewals failed past the renew deadline")
                 return
             try:
@@ -214,7 +210,8 @@ class JobLeader:
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:
-                await self._persist(decision.state)
+                with self.metrics.etcd_write.time():
+                    await self.leadership.write_state(decision.state)
             except PersistUnavailable as exc:
                 self._inbox[:0] = batch  # nothing adopted: decide again next tick
                 self.log.warning("state_write_deferred", error=str(exc))

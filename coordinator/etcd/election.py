@@ -17,8 +17,8 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class Leadership:
-    """Proof of leadership; term (our key's create revision) is the fencing token."""
+class LeaderKey:
+    """The election key a leader won; its create revision (`term`) is the fencing token."""
 
     job: str
     term: int
@@ -101,7 +101,7 @@ class Election:
     def key(self) -> str:
         return f"{self._prefix}{self._session.lease_id:x}"
 
-    def campaign(self, stop: threading.Event) -> Leadership | None:
+    def campaign(self, stop: threading.Event) -> LeaderKey | None:
         """Block until we lead; None if stop is set or the session is lost first."""
         watch = _KeyWatch(self._client)
         try:
@@ -109,8 +109,10 @@ class Election:
                 try:
                     leadership = self._campaign_step(watch)
                 except LeaseNotFound:
-                    self._session._mark_lost("lease_expired")
-                    break
+                    # Only the session's renew thread declares it lost: it renews now, and fails.
+                    self._session.renew_now()
+                    stop.wait(POLL_S)
+                    continue
                 except EtcdUnavailable as exc:
                     log.warning("campaign_retrying", job=self.job, error=str(exc))
                     stop.wait(POLL_S)
@@ -124,7 +126,7 @@ class Election:
         finally:
             watch.cancel()
 
-    def _campaign_step(self, watch: _KeyWatch) -> Leadership | None:
+    def _campaign_step(self, watch: _KeyWatch) -> LeaderKey | None:
         key = self.key
         term = self._ensure_key(key)
         response = call(
@@ -141,7 +143,7 @@ class Election:
                 return None
             self._term = term
             log.info("leadership_acquired", job=self.job, term=term, key=key, address=self.address)
-            return Leadership(job=self.job, term=term, key=key, address=self.address)
+            return LeaderKey(job=self.job, term=term, key=key, address=self.address)
         # Start just after the listing so a deletion in between is still delivered.
         watch.follow(ahead[-1].key.decode(), start_revision=response.header.revision + 1)
         return None

@@ -46,6 +46,7 @@ class Session:
         self._last_renewed = 0.0
         self._closed = False
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set to renew at once, and by close()
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[], None]] = []
         self.lost = threading.Event()
@@ -97,6 +98,11 @@ class Session:
                 return
         self._notify(fn)
 
+    def renew_now(self) -> None:
+        """Renew at once rather than at the next interval: a request found the lease gone, and
+        only the renew thread, the session's one owner, may declare it lost."""
+        self._wake.set()
+
     def close(self, revoke: bool = True) -> None:
         """Stop renewing; revoke=False leaves the lease to expire (a frozen process)."""
         with self._lock:
@@ -104,6 +110,7 @@ class Session:
                 return
             self._closed = True
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=(self._client.timeout or 5.0) + 1.0)
         if revoke and self._lease_id is not None:
@@ -127,7 +134,11 @@ class Session:
     def _run(self) -> None:
         delay = self._interval_s
         # Wake no later than the deadline so loss is declared on time.
-        while not self._stop.wait(max(0.0, min(delay, self._remaining_s()))):
+        while True:
+            self._wake.wait(max(0.0, min(delay, self._remaining_s())))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if self._remaining_s() <= 0:
                 self._mark_lost("renew_deadline")
                 return

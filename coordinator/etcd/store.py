@@ -12,7 +12,7 @@ import etcd3.watch
 import structlog
 
 from muster.coordinator.etcd.client import DEFAULT_PREFIX, POLL_S, Client, EtcdError, call, check_job_name
-from muster.coordinator.etcd.election import Leadership
+from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.errors import Fenced
 
 log = structlog.get_logger(__name__)
@@ -74,28 +74,28 @@ class JobStore:
         value, _ = call(self._client, lambda: self._client.get(key), "state get")
         return value
 
-    def write_state(self, leadership: Leadership, state: bytes, *, spec: bytes | None = None) -> int:
+    def write_state(self, leader: LeaderKey, state: bytes, *, spec: bytes | None = None) -> int:
         """Write state iff our election key still has the term's create revision.
 
         The compare is the fencing token: once our lease expired (key deleted)
         or a new key was created, the write fails even if we still think we lead.
         `spec`, given when etcd lost it, is restored by the same fenced write.
         """
-        key = self._state_key(leadership.job)
+        key = self._state_key(leader.job)
         tx = self._client.transactions
-        puts = [tx.put(key, state)] + ([tx.put(self._spec_key(leadership.job), spec)] if spec is not None else [])
+        puts = [tx.put(key, state)] + ([tx.put(self._spec_key(leader.job), spec)] if spec is not None else [])
         ok, responses = call(
             self._client,
             lambda: self._client.transaction(
-                compare=[tx.create(leadership.key) == leadership.term],
+                compare=[tx.create(leader.key) == leader.term],
                 success=puts,
                 failure=[],
             ),
             "state write",
         )
         if not ok:
-            log.warning("state_write_fenced", job=leadership.job, term=leadership.term)
-            raise Fenced(f"job {leadership.job!r}: leadership term {leadership.term} is over; state not written")
+            log.warning("state_write_fenced", job=leader.job, term=leader.term)
+            raise Fenced(f"job {leader.job!r}: leadership term {leader.term} is over; state not written")
         return responses[0].response_put.header.revision
 
     def delete_job(self, job: str) -> None:
