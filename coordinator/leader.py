@@ -22,8 +22,8 @@ from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, 
                                              Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, Member, NodeKind, Phase
-from muster.coordinator.errors import (FailedPrecondition, Fenced, InvalidArgument, NotFound, NotLeader, PermissionDenied,
-                                       PersistUnavailable)
+from muster.coordinator.errors import (FailedPrecondition, Fenced, InvalidArgument, NotFound, NotLeader,
+                                       PermissionDenied, PersistUnavailable)
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb

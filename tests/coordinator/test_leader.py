@@ -1,7 +1,7 @@
 """JobLeader in-process, on the in-memory store and a clock the test advances: a decision is adopted
 only once the store took it; a fenced write (a hook, or a term a newer leader's write superseded) ends
-the leadership with nothing adopted; a store that is unavailable defers the decision to a later tick,
-for its own job only."""
+the leadership with nothing adopted, as does a session past its renew deadline; a store that is
+unavailable defers the decision to a later tick, for its own job only."""
 
 from __future__ import annotations
 
@@ -37,10 +37,12 @@ class Clock:
 class Led:
     """One job led on a store: its leader, and why its leadership was lost (None while held)."""
 
-    def __init__(self, store: MemoryJobStore, clock: Clock, job: str = "job", term: int = 1) -> None:
+    def __init__(self, store: MemoryJobStore, clock: Clock, job: str = "job", term: int = 1,
+                 session_alive=lambda: True) -> None:
         data = store.load_state(job)
         state = decode(data) if data else JobState(job, SPEC)
-        self.leadership = Leadership(LeaderKey(job, term, f"memory/{job}", "replica"), store)
+        self.leadership = Leadership(LeaderKey(job, term, f"memory/{job}", "replica"), store,
+                                     session_alive=session_alive)
         self.leader = JobLeader(state, leadership=self.leadership, address="replica", timing=TIMING, tick_s=0.01,
                                 clock=clock)
         self.leader.start()
@@ -111,6 +113,20 @@ def test_the_old_leader_is_fenced_once_the_new_one_wrote():
         assert old.leader.state.member("n1") is not None and stored(store) == new.leader.state
         for led in (old, new):
             await led.leader.stop("test over")
+
+    asyncio.run(scenario())
+
+
+def test_a_session_past_its_renew_deadline_sets_the_leadership_lost():
+    async def scenario():
+        store = MemoryJobStore()
+        session = {"alive": True}
+        led = Led(store, Clock(), session_alive=lambda: session["alive"])
+        await asyncio.wait_for(led.join("n1"), 2)
+        session["alive"] = False
+        await asyncio.wait_for(led.leadership.lost.wait(), 2)
+        assert led.lost.startswith("session lost") and stored(store) == led.leader.state
+        await led.leader.stop(led.lost)
 
     asyncio.run(scenario())
 
