@@ -38,8 +38,11 @@ from muster.coordinator.core.liveness import RankReport
 from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
 from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode, encode
-from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.leader import JobLeader, NodeStream
+from muster.coordinator.leadership import Leadership
+from muster.coordinator.store import MemoryJobStore
 from muster.testing import CoordinatorProcess, SimulatedNode
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -410,11 +413,10 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     # The leader itself: every node streaming, every rank reporting, out of its takeover grace.
     clock = [0.0]
 
-    async def persist(s: JobState) -> None:
-        encode(s)  # Replica._persist encodes on the loop, then writes to etcd in a thread (not measured)
-
-    leader = JobLeader(state, term=1, address="127.0.0.1:7600", timing=TIMING, tick_s=0.05, persist=persist,
-                       session_alive=lambda: True, on_lost=lambda reason: None, clock=lambda: clock[0])
+    # Its writes go to the in-memory store: encoded and written in a thread as on etcd, less etcd itself.
+    leadership = Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"), MemoryJobStore())
+    leader = JobLeader(state, leadership=leadership, address="127.0.0.1:7600", timing=TIMING, tick_s=0.05,
+                       clock=lambda: clock[0])
     clock[0] = 100.0
     for m in state.members:
         leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind)

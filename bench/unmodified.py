@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from recovery import summary
 
 from muster import logs
-from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.etcd.server import EtcdServer
 from muster.net import free_port
 from muster.testing import CoordinatorProcess, process_alive, wait_until
 

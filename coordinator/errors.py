@@ -1,5 +1,6 @@
 """The coordinator's error tree. Raised by the core and the edges; mapped to gRPC status
-codes in one table (`muster.coordinator.server.STATUS_OF`)."""
+codes in one table (`muster.coordinator.server.STATUS_OF`). Below it, the job store's write
+errors, which a leader acts on and never reports."""
 
 
 class MusterError(Exception):
@@ -46,3 +47,12 @@ class Unauthenticated(MusterError):
 
 class PermissionDenied(MusterError):
     """A valid token, for another job."""
+
+
+class Fenced(Exception):
+    """A write was refused because the writer's leadership term is over."""
+
+
+class PersistUnavailable(Exception):
+    """Job state could not be written for now (etcd unreachable, or the write refused): the
+    decision is not adopted, and is made again on the next tick."""

@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -23,21 +23,15 @@ from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, 
                                              Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, Member, NodeKind, Phase
-from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, NotLeader, PermissionDenied
+from muster.coordinator.errors import (FailedPrecondition, Fenced, InvalidArgument, NotFound, NotLeader,
+                                       PermissionDenied, PersistUnavailable)
+from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
 
 CLOSE = object()  # queued on a NodeStream to end it
-
-
-class PersistUnavailable(Exception):
-    """Job state could not be written for now (etcd unreachable); retry on the next tick."""
-
-
-class PersistFenced(Exception):
-    """Job state may not be written by this term any more: leadership is lost."""
 
 
 @dataclass(eq=False)
@@ -78,28 +72,23 @@ class JobLeader:
         self,
         state: JobState,
         *,
-        term: int,
+        leadership: Leadership,
         address: str,
         timing: Timing,
         tick_s: float,
         limits: Limits = Limits(),
-        persist: Callable[[JobState], Awaitable[None]],
-        session_alive: Callable[[], bool],
-        on_lost: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
     ):
         self.job = state.job
-        self.term = term
+        self.leadership = leadership
+        self.term = leadership.term
         self.address = address
         self.timing = timing
         self.tick_s = tick_s
         self.limits = limits
         self.state = state
-        self._persist = persist
-        self._session_alive = session_alive
-        self._on_lost = on_lost
         self._clock = clock
         self._wall = wall
         now = clock()
@@ -113,8 +102,7 @@ class JobLeader:
         self._inbox: list[tuple[MembershipEvent, asyncio.Future | None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.lost_reason: str | None = None
-        self.log = log.bind(job=self.job, term=term)
+        self.log = log.bind(job=self.job, term=self.term)
         self.metrics = metrics or Metrics()
         self._frames = self.metrics.frames.labels(self.job)
         self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0
@@ -123,6 +111,10 @@ class JobLeader:
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
 
+    @property
+    def lost_reason(self) -> str | None:
+        return self.leadership.lost_reason
+
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
@@ -130,8 +122,7 @@ class JobLeader:
 
     async def stop(self, reason: str, *, resigned: bool = False) -> None:
         """Give up the job: refuse queued requests and end every stream with a leader hint."""
-        if self.lost_reason is None:
-            self.lost_reason = reason
+        if self.leadership.lose(reason):
             if resigned:
                 self.log.info("leadership_resigned", reason=reason)
             else:
@@ -152,10 +143,8 @@ class JobLeader:
         self.streams.clear()
 
     def _lose(self, reason: str) -> None:
-        if self.lost_reason is None:
-            self.lost_reason = reason
+        if self.leadership.lose(reason):
             self.log.warning("leadership_lost", reason=reason)
-            self._on_lost(reason)
 
     async def _run(self) -> None:
         pulse_every = self.timing.heartbeat_timeout_s / 4
@@ -166,12 +155,12 @@ class JobLeader:
             except TimeoutError:
                 pass
             self._wake.clear()
-            if not self._session_alive():
+            if not self.leadership.alive():
                 self._lose("session lost: lease renewals failed past the renew deadline")
                 return
             try:
                 await self._tally()
-            except PersistFenced as exc:
+            except Fenced as exc:
                 self._lose(f"fenced write refused: {exc}")
                 return
             except Exception as exc:  # a bug must not leave a leader that silently stops tallying
@@ -220,14 +209,15 @@ class JobLeader:
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:
-                await self._persist(decision.state)
+                with self.metrics.etcd_write.time():
+                    await self.leadership.write_state(decision.state)
             except PersistUnavailable as exc:
                 self._inbox[:0] = batch  # nothing adopted: decide again next tick
                 self.log.warning("state_write_deferred", error=str(exc))
                 return
-            except PersistFenced as exc:
+            except Fenced:
                 self._inbox[:0] = batch
-                raise exc
+                raise
         self._adopt(decision, now)
         self._settle(batch, decision)
 

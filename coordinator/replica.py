@@ -22,11 +22,14 @@ from muster.coordinator import wire
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
-from muster.coordinator.etcd_backend import (Election, EtcdError, EtcdUnavailable, JobStore, Leadership, Session,
-                                              current_leader)
+from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
+from muster.coordinator.etcd.election import Election, LeaderKey, current_leader
+from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
+from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import JobGauges, Metrics
-from muster.coordinator.store import JobStorage, persist
+from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -73,7 +76,7 @@ class Replica:
         self._closing = False
         self._renewing: asyncio.Task | None = None
         self._retries: dict[str, tuple[float, float]] = {}  # job -> (its last retry delay, when)
-        self._spec_lost: set[str] = set()  # jobs led without a spec in etcd: written with the next state
+        self._following: set[asyncio.Task] = set()  # one per leader: awaits its leadership's end
         self.log = log
         self.metrics = Metrics()
         self.metrics.watch(self.gauges, self.ready)
@@ -203,7 +206,7 @@ class Replica:
         backoff = 0.1
         while not stop.is_set():
             try:
-                leadership = election.campaign(stop)
+                key = election.campaign(stop)
             except Exception as exc:  # etcd unreachable, or a fault: this job's campaign must go on
                 if isinstance(exc, EtcdUnavailable):
                     self.log.warning("campaign_failed", job=job, error=str(exc))
@@ -212,32 +215,36 @@ class Replica:
                 stop.wait(backoff * (1 + random.random()))
                 backoff = min(backoff * 2, 2.0)
                 continue
-            if leadership is not None and not stop.is_set():
-                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._lead(leadership, stop)))
+            if key is not None and not stop.is_set():
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._lead(key, stop)))
             return
 
-    async def _lead(self, leadership: Leadership, stop: threading.Event) -> None:
-        job = leadership.job
+    async def _lead(self, key: LeaderKey, stop: threading.Event) -> None:
+        job = key.job
         try:
             data, spec = await asyncio.to_thread(lambda: (self.store.load_state(job), self.store.get_spec(job)))
             if stop.is_set() or self._closing:
                 return
-            leader = self._leader(leadership, data, spec)
+            leader = self._leader(key, data, spec)
         except EtcdUnavailable as exc:
             self.log.warning("job_state_unreadable", job=job, error=str(exc))
             self._leadership_lost(job, f"could not load job state: {exc}")
             return
         except Exception as exc:  # a fault in one job (its state, a bug) must not leave its key held by nobody
-            self.log.exception("leadership_failed", job=job, term=leadership.term)
+            self.log.exception("leadership_failed", job=job, term=key.term)
             self._leadership_lost(job, f"could not lead: {exc!r}")
             return
         self.leaders[job] = leader
         leader.start()
-        self.log.info("leadership_acquired", job=job, term=leadership.term, generation=leader.state.generation,
+        following = asyncio.ensure_future(self._follow(leader))
+        self._following.add(following)
+        following.add_done_callback(self._following.discard)
+        self.log.info("leadership_acquired", job=job, term=key.term, generation=leader.state.generation,
                       members=len(leader.state.members))
 
-    def _leader(self, leadership: Leadership, data: bytes | None, spec: bytes | None) -> JobLeader:
-        job = leadership.job
+    def _leader(self, key: LeaderKey, data: bytes | None, spec: bytes | None) -> JobLeader:
+        job = key.job
+        spec_lost = False
         if data:
             state = decode(data)
         else:
@@ -248,26 +255,23 @@ class Replica:
                              spec_lost=spec is None)
             if spec is None:
                 self.log.warning("job_spec_missing", job=job)
-                self._spec_lost.add(job)
+                spec_lost = True
         return JobLeader(
-            replace(state, term=leadership.term),
-            term=leadership.term,
+            replace(state, term=key.term),
+            leadership=Leadership(key, self.store, session_alive=self._session.alive, restore_spec=spec_lost),
             address=self.address,
             timing=self.config.timing,
             tick_s=self.config.tick_s,
             limits=self.config.limits,
-            persist=lambda s: self._persist(leadership, s),
-            session_alive=self._session.alive,
-            on_lost=lambda reason: self._leadership_lost(job, reason),
             metrics=self.metrics,
         )
 
-    async def _persist(self, leadership: Leadership, state: JobState) -> None:
-        job = leadership.job
-        spec = json.dumps(vars(state.spec)).encode() if job in self._spec_lost else None
-        with self.metrics.etcd_write.time():
-            await persist(self.store, leadership, state, spec=spec)
-        self._spec_lost.discard(job)
+    async def _follow(self, leader: JobLeader) -> None:
+        """A leadership that ended by itself (a fenced write, a fault, the session past its renew
+        deadline) is dropped here; one this replica ended (closing, a lost session) is gone already."""
+        await leader.leadership.lost.wait()
+        if self.leaders.get(leader.job) is leader:
+            self._leadership_lost(leader.job, leader.lost_reason)
 
     def _leadership_lost(self, job: str, reason: str) -> None:
         """One job's leadership is void: drop it, resign its key and campaign for it again after a

@@ -11,8 +11,8 @@ from pathlib import Path
 import structlog
 
 from muster.coordinator.auth import Tokens, server_credentials
-from muster.coordinator.etcd_backend import EtcdAccess, connect
-from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.etcd.client import EtcdAccess, connect
+from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.metrics import HealthServer
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server

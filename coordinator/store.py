@@ -1,6 +1,6 @@
 """Job storage as a replica needs it: the seam between the coordinator and etcd.
 
-`JobStorage` is what `Replica` calls; `etcd_backend.JobStore` is the real one and
+`JobStorage` is what `Replica` calls; `etcd.store.JobStore` is the real one and
 `MemoryJobStore` its in-memory twin, which can be told to fail the way etcd fails (a fenced
 write, unavailability, lost data) so that leaders and replicas are tested in-process. One
 contract suite (tests/contract/) holds both to the same behaviour.
@@ -8,16 +8,15 @@ contract suite (tests/contract/) holds both to the same behaviour.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import structlog
 
-from muster.coordinator.core.state import JobState, encode
-from muster.coordinator.etcd_backend import EtcdError, EtcdUnavailable, Fenced, Leadership
-from muster.coordinator.leader import PersistFenced, PersistUnavailable
+from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd.client import EtcdUnavailable
+from muster.coordinator.etcd.election import LeaderKey
 
 log = structlog.get_logger(__name__)
 
@@ -40,20 +39,8 @@ class JobStorage(Protocol):
 
     def load_state(self, job: str) -> bytes | None: ...
 
-    def write_state(self, leadership: Leadership, state: bytes, *, spec: bytes | None = None) -> int:
-        """Write state (and a lost spec) iff the leadership's term still holds; a revision."""
-
-
-async def persist(store: JobStorage, leadership: Leadership, state: JobState, *, spec: bytes | None = None) -> None:
-    """A leader's decision written in the terms JobLeader acts on: PersistFenced ends the
-    leadership, PersistUnavailable defers the decision to the next tick."""
-    try:
-        # Encoding a large job's state takes a while: off the event loop, with the write.
-        await asyncio.to_thread(lambda: store.write_state(leadership, encode(state), spec=spec))
-    except Fenced as exc:
-        raise PersistFenced(str(exc)) from exc
-    except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
-        raise PersistUnavailable(str(exc)) from exc
+    def write_state(self, leader: LeaderKey, state: bytes, *, spec: bytes | None = None) -> int:
+        """Write state (and a lost spec) iff the leader's term still holds; a revision."""
 
 
 class MemoryJobStore:
@@ -135,16 +122,16 @@ class MemoryJobStore:
             self._check(job)
             return self._states.get(job)
 
-    def write_state(self, leadership: Leadership, state: bytes, *, spec: bytes | None = None) -> int:
-        job = leadership.job
+    def write_state(self, leader: LeaderKey, state: bytes, *, spec: bytes | None = None) -> int:
+        job = leader.job
         with self._lock:
             self._check(job)
             hooked = [j for j in (job, None) if j in self._fence_next][:1]
-            if hooked or leadership.term < self._terms.get(job, 0):
+            if hooked or leader.term < self._terms.get(job, 0):
                 self._fence_next.difference_update(hooked)
-                log.warning("state_write_fenced", job=job, term=leadership.term)
-                raise Fenced(f"job {job!r}: leadership term {leadership.term} is over; state not written")
-            self._terms[job] = leadership.term
+                log.warning("state_write_fenced", job=job, term=leader.term)
+                raise Fenced(f"job {job!r}: leadership term {leader.term} is over; state not written")
+            self._terms[job] = leader.term
             self._states[job] = state
             created = spec is not None and job not in self._specs
             if spec is not None:

@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _etcd_access(args: argparse.Namespace):
     """etcd TLS and auth from the flags; the password from a file or $MUSTER_ETCD_PASSWORD, never argv."""
-    from muster.coordinator.etcd_backend import EtcdAccess
+    from muster.coordinator.etcd.client import EtcdAccess
 
     password = ""
     if args.etcd_user:

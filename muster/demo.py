@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from muster.client import Coordinators
-from muster.coordinator.etcd_server import EtcdServer
+from muster.coordinator.etcd.server import EtcdServer
 from muster.testing import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 

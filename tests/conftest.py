@@ -17,14 +17,14 @@ settings.register_profile("explore", max_examples=3000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 if TYPE_CHECKING:
-    from muster.coordinator.etcd_server import EtcdServer
+    from muster.coordinator.etcd.server import EtcdServer
 
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator["EtcdServer"]:
     """A started single-member etcd in tmp_path, stopped (and reaped) afterwards."""
     # Imported here so unit tests never pay for (or depend on) etcd.
-    from muster.coordinator.etcd_server import EtcdServer
+    from muster.coordinator.etcd.server import EtcdServer
 
     server = EtcdServer(tmp_path / "etcd")
     server.start()
@@ -37,7 +37,7 @@ def etcd(tmp_path: Path) -> Iterator["EtcdServer"]:
 @pytest.fixture
 def etcd_client(etcd):
     """A client for the `etcd` fixture's server, closed afterwards."""
-    from muster.coordinator.etcd_backend import connect
+    from muster.coordinator.etcd.client import connect
 
     client = connect([etcd.endpoint])
     try:

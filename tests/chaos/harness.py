@@ -29,8 +29,8 @@ from pathlib import Path
 import hostile
 from muster.client import Coordinators
 from muster.coordinator.core.kinds import EVICTIONS
-from muster.coordinator.etcd_backend import connect
-from muster.coordinator.etcd_server import EtcdCluster
+from muster.coordinator.etcd.client import connect
+from muster.coordinator.etcd.server import EtcdCluster
 from muster.testing import AgentProcess, CoordinatorProcess, json_lines, process_alive, record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 

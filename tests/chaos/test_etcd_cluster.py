@@ -5,8 +5,8 @@ the same endpoints. No process is left behind."""
 
 import pytest
 
-from muster.coordinator.etcd_backend import connect
-from muster.coordinator.etcd_server import EtcdCluster
+from muster.coordinator.etcd.client import connect
+from muster.coordinator.etcd.server import EtcdCluster
 from muster.testing import process_alive
 
 pytestmark = pytest.mark.timeout(90)

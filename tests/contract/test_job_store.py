@@ -10,7 +10,11 @@ import threading
 
 import pytest
 
-from muster.coordinator.etcd_backend import DEFAULT_PREFIX, Election, Fenced, JobStore, Leadership, Session
+from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd.client import DEFAULT_PREFIX
+from muster.coordinator.etcd.election import Election, LeaderKey
+from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.store import JobStorage, MemoryJobStore
 
 pytestmark = pytest.mark.timeout(20)
@@ -23,10 +27,10 @@ class MemoryBackend:
         self.store: JobStorage = MemoryJobStore()
         self._terms = itertools.count(1)
 
-    def lead(self, job: str) -> Leadership:
-        return Leadership(job, next(self._terms), f"memory/{job}", "replica")
+    def lead(self, job: str) -> LeaderKey:
+        return LeaderKey(job, next(self._terms), f"memory/{job}", "replica")
 
-    def depose(self, leadership: Leadership) -> None:
+    def depose(self, leadership: LeaderKey) -> None:
         """Nothing to do: the next term's write fences this one."""
 
     def lose(self) -> None:
@@ -42,9 +46,9 @@ class EtcdBackend:
     def __init__(self, client) -> None:
         self.store: JobStorage = JobStore(client)
         self._client = client
-        self._held: dict[Leadership, tuple[Session, Election]] = {}
+        self._held: dict[LeaderKey, tuple[Session, Election]] = {}
 
-    def lead(self, job: str) -> Leadership:
+    def lead(self, job: str) -> LeaderKey:
         session = Session(self._client, 2).start()
         election = Election(self._client, session, job, f"replica-{len(self._held)}")
         leadership = election.campaign(threading.Event())
@@ -52,7 +56,7 @@ class EtcdBackend:
         self._held[leadership] = (session, election)
         return leadership
 
-    def depose(self, leadership: Leadership) -> None:
+    def depose(self, leadership: LeaderKey) -> None:
         self._held[leadership][1].resign()
 
     def lose(self) -> None:

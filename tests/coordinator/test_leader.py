@@ -1,7 +1,7 @@
 """JobLeader in-process, on the in-memory store and a clock the test advances: a decision is adopted
 only once the store took it; a fenced write (a hook, or a term a newer leader's write superseded) ends
-the leadership with nothing adopted; a store that is unavailable defers the decision to a later tick,
-for its own job only."""
+the leadership with nothing adopted, as does a session past its renew deadline; a store that is
+unavailable defers the decision to a later tick, for its own job only."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
-from muster.coordinator.etcd_backend import Leadership
+from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.leader import JobLeader
-from muster.coordinator.store import MemoryJobStore, persist
+from muster.coordinator.leadership import Leadership
+from muster.coordinator.store import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(5)
@@ -34,17 +35,21 @@ class Clock:
 
 
 class Led:
-    """One job led on a store: its leader and every leadership loss it reported."""
+    """One job led on a store: its leader, and why its leadership was lost (None while held)."""
 
-    def __init__(self, store: MemoryJobStore, clock: Clock, job: str = "job", term: int = 1) -> None:
+    def __init__(self, store: MemoryJobStore, clock: Clock, job: str = "job", term: int = 1,
+                 session_alive=lambda: True) -> None:
         data = store.load_state(job)
         state = decode(data) if data else JobState(job, SPEC)
-        leadership = Leadership(job, term, f"memory/{job}", "replica")
-        self.lost: list[str] = []
-        self.leader = JobLeader(state, term=term, address="replica", timing=TIMING, tick_s=0.01,
-                                persist=lambda s: persist(store, leadership, s), session_alive=lambda: True,
-                                on_lost=self.lost.append, clock=clock)
+        self.leadership = Leadership(LeaderKey(job, term, f"memory/{job}", "replica"), store,
+                                     session_alive=session_alive)
+        self.leader = JobLeader(state, leadership=self.leadership, address="replica", timing=TIMING, tick_s=0.01,
+                                clock=clock)
         self.leader.start()
+
+    @property
+    def lost(self) -> str | None:
+        return self.leadership.lost_reason
 
     def join(self, node_id: str) -> asyncio.Task:
         request = pb.JoinRequest(job=self.leader.job, node_id=node_id, host="10.0.0.1", store_port=29500, slots=1)
@@ -82,9 +87,9 @@ def test_a_fenced_write_ends_the_leadership_and_nothing_is_adopted():
         store.fence_next_write("job")
         joining = led.join("n1")
         await until(lambda: led.lost, "the leadership lost")
-        assert led.lost[0].startswith("fenced write refused") and len(led.lost) == 1
+        assert led.lost.startswith("fenced write refused")
         assert led.leader.state.member("n1") is None and stored(store) is None
-        await led.leader.stop(led.lost[0])  # as the replica does on_lost
+        await led.leader.stop(led.lost)  # as the replica does once `lost` is set
         with pytest.raises(NotLeader):
             await joining
 
@@ -104,10 +109,24 @@ def test_the_old_leader_is_fenced_once_the_new_one_wrote():
         assert stored(store).term == 2
         old_clock.now += TIMING.heartbeat_timeout_s + 0.1  # the old leader, as if resumed, decides the same
         await until(lambda: old.lost, "the old leader fenced")
-        assert old.lost[0].startswith("fenced write refused") and not new.lost
+        assert old.lost.startswith("fenced write refused") and not new.lost
         assert old.leader.state.member("n1") is not None and stored(store) == new.leader.state
         for led in (old, new):
             await led.leader.stop("test over")
+
+    asyncio.run(scenario())
+
+
+def test_a_session_past_its_renew_deadline_sets_the_leadership_lost():
+    async def scenario():
+        store = MemoryJobStore()
+        session = {"alive": True}
+        led = Led(store, Clock(), session_alive=lambda: session["alive"])
+        await asyncio.wait_for(led.join("n1"), 2)
+        session["alive"] = False
+        await asyncio.wait_for(led.leadership.lost.wait(), 2)
+        assert led.lost.startswith("session lost") and stored(store) == led.leader.state
+        await led.leader.stop(led.lost)
 
     asyncio.run(scenario())
 

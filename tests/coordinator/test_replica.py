@@ -10,7 +10,7 @@ import pytest
 from muster.testing import SimulatedNode
 
 from muster.coordinator.core.policy import Timing
-from muster.coordinator.etcd_backend import connect
+from muster.coordinator.etcd.client import connect
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
 from muster.coordinator.store import MemoryJobStore

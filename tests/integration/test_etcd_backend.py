@@ -15,22 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from muster.coordinator import etcd_server
-from muster.coordinator.etcd_backend import (
-    Election,
-    EtcdUnavailable,
-    Fenced,
-    JobStore,
-    Leadership,
-    Session,
-    connect,
-)
-from muster.coordinator.etcd_server import (
-    EtcdCluster,
-    EtcdServer,
-    EtcdStartError,
-    find_etcd_binary,
-)
+from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd import server as etcd_server
+from muster.coordinator.etcd.client import EtcdUnavailable, connect
+from muster.coordinator.etcd.election import Election, LeaderKey
+from muster.coordinator.etcd.server import EtcdCluster, EtcdServer, EtcdStartError, find_etcd_binary
+from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.store import JobStore
 from muster.net import free_port
 
 TTL_S = 2
@@ -64,7 +55,7 @@ class Candidate:
         self.session = Session(client, TTL_S).start()
         self.election = Election(client, self.session, job, address)
         self.stop = threading.Event()
-        self._results: queue.Queue[Leadership | None] = queue.Queue()
+        self._results: queue.Queue[LeaderKey | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def campaign_in_background(self) -> None:
@@ -73,7 +64,7 @@ class Candidate:
         )
         self._thread.start()
 
-    def result(self, timeout_s: float) -> Leadership | None:
+    def result(self, timeout_s: float) -> LeaderKey | None:
         return self._results.get(timeout=timeout_s)
 
     def has_returned(self, within_s: float) -> bool:
@@ -285,7 +276,7 @@ def test_exactly_one_of_two_candidates_leads(candidates):
     a, b = candidates("job", "10.0.0.1:7000"), candidates("job", "10.0.0.2:7000")
     a.campaign_in_background()
     b.campaign_in_background()
-    results: queue.Queue[tuple[Candidate, Leadership | None]] = queue.Queue()
+    results: queue.Queue[tuple[Candidate, LeaderKey | None]] = queue.Queue()
     for c in (a, b):
         threading.Thread(target=lambda c=c: results.put((c, c.result(10))), daemon=True).start()
     winner, leadership = results.get(timeout=10)

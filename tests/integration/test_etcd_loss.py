@@ -13,7 +13,7 @@ from muster.testing import CoordinatorProcess, SimulatedNode, wait_until
 
 from muster.client import Coordinators
 from muster.coordinator.core.state import decode
-from muster.coordinator.etcd_backend import JobStore
+from muster.coordinator.etcd.store import JobStore
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 

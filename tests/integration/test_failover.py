@@ -9,7 +9,7 @@ from muster.testing import SimulatedNode, wait_until
 
 from muster.client import Coordinators
 from muster.coordinator.core.state import decode
-from muster.coordinator.etcd_backend import JobStore
+from muster.coordinator.etcd.store import JobStore
 from muster.v1 import muster_pb2 as pb
 
 TTL_S = 2  # the harness runs replicas with --session-ttl 2

@@ -8,7 +8,8 @@ import pytest
 from muster.testing import SimulatedNode
 
 from muster.coordinator.core.policy import Timing
-from muster.coordinator.etcd_backend import connect, current_leader
+from muster.coordinator.etcd.client import connect
+from muster.coordinator.etcd.election import current_leader
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server

@@ -1,0 +1,171 @@
+"""etcd client access: endpoints, TLS and auth, failover, and the translation of every etcd3
+and gRPC error into the few this package raises, so callers never see gRPC or etcd3 types.
+
+The etcd package is the only code that imports etcd3.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import etcd3
+import etcd3.exceptions
+import etcd3.watch
+import grpc
+import structlog
+
+from muster.security import channel_credentials
+
+log = structlog.get_logger(__name__)
+
+Client = etcd3.MultiEndpointEtcd3Client
+
+DEFAULT_PREFIX = "/muster/v1"
+# After a failure an endpoint is skipped for this long; etcd3's default (300 s)
+# would turn one blip of a single-member cluster into five minutes of outage. During
+# an etcd leader election every member fails requests for a moment: all endpoints are
+# marked failed at once, and a session must not miss its renew deadline waiting.
+_ENDPOINT_RETRY_S = 0.5
+# Upper bound on any blocking wait, so stop flags and session loss are seen promptly.
+POLL_S = 0.5
+
+# python3-etcd3 0.13's watch thread calls six.itervalues() without importing
+# six: when a watch stream breaks the thread dies with NameError and no callback
+# hears about it. Supplying the one function it needs restores the error path.
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))
+
+
+class EtcdError(Exception):
+    """etcd rejected a request for a reason other than availability."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No etcd endpoint answered in time (down, partitioned, or without a leader)."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease a request referred to no longer exists in etcd."""
+
+
+_UNAVAILABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+# These etcd3 errors mean the endpoint was marked failed, so a retry goes to
+# another member; NoServerAvailableError means every member is marked failed.
+_FAILOVER_ERRORS = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.InternalServerError,
+)
+_UNAVAILABLE_ERRORS = (
+    *_FAILOVER_ERRORS,
+    etcd3.exceptions.NoServerAvailableError,
+    etcd3.exceptions.WatchTimedOut,
+    etcd3.exceptions.RevisionCompactedError,
+)
+
+T = TypeVar("T")
+
+
+def _translate(exc: BaseException, what: str) -> EtcdError:
+    if isinstance(exc, _UNAVAILABLE_ERRORS):
+        return EtcdUnavailable(f"{what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+        if code in _UNAVAILABLE_CODES:
+            return EtcdUnavailable(f"{what}: {code}: {details}")
+        if code == grpc.StatusCode.NOT_FOUND and "lease" in (details or ""):
+            return LeaseNotFound(f"{what}: {details}")
+        return EtcdError(f"{what}: {code}: {details}")
+    return EtcdError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def call(client: Client, op: Callable[[], T], what: str) -> T:
+    """Run op, failing over once per endpoint, and map errors to ours.
+
+    etcd3 never retries: it marks the endpoint failed and raises, so the next
+    call picks another member. Every op passed here is safe to repeat.
+    """
+    attempts = max(1, len(client.endpoints))
+    last: BaseException | None = None
+    for _ in range(attempts):
+        try:
+            return op()
+        except _FAILOVER_ERRORS as exc:
+            last = exc
+        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
+            raise _translate(exc, what) from exc
+    assert last is not None
+    raise _translate(last, what) from last
+
+
+_ENDPOINT_RE = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?):(?P<port>\d{1,5})$")
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    if not isinstance(endpoint, str):
+        raise ValueError(f"etcd endpoint must be a 'host:port' string, got {endpoint!r}")
+    match = _ENDPOINT_RE.match(endpoint.strip())
+    port = int(match["port"]) if match else 0
+    if not match or not 1 <= port <= 65535:
+        raise ValueError(
+            f"invalid etcd endpoint {endpoint!r}: expected 'host:port' with a port "
+            "in 1..65535 and no scheme, e.g. '127.0.0.1:2379'"
+        )
+    return match["host"], port
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach a secured etcd: TLS (a CA; a client certificate) and a user for its auth."""
+
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        return channel_credentials(self.cacert, self.cert, self.key)
+
+
+def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAccess = EtcdAccess()) -> Client:
+    """Build a client over all endpoints; a dead member is skipped by failover.
+
+    No request is made here: unreachable clusters surface as EtcdUnavailable
+    from the first real call (with auth, the first authentication happens here).
+    """
+    if isinstance(endpoints, (str, bytes)):
+        raise ValueError(f"endpoints must be a list of 'host:port' strings, got {endpoints!r}")
+    parsed = [_parse_endpoint(e) for e in endpoints]
+    if not parsed:
+        raise ValueError("at least one etcd endpoint is required")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    creds = access.credentials()
+    client = etcd3.MultiEndpointEtcd3Client(
+        [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S) for h, p in parsed],
+        timeout=timeout_s,
+        failover=True,
+        user=access.user or None,
+        password=access.password or None,
+    )
+    log.info("etcd_client_created", endpoints=[f"{h}:{p}" for h, p in parsed], timeout_s=timeout_s,
+             tls=creds is not None, user=access.user or None)
+    return client
+
+
+def check_job_name(job: str) -> str:
+    # A '/' would let one job's prefix match another's keys ("a" vs "a/b").
+    if not job or "/" in job:
+        raise ValueError(f"job name must be non-empty and contain no '/', got {job!r}")
+    return job

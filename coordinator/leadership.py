@@ -1,0 +1,57 @@
+"""What a leader holds of its job, as etcd's concurrency.Session.Done() gives it: one handle through
+which a JobLeader learns that its leadership is over, and the only way it writes its job's state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from muster.coordinator.core.state import JobState, encode
+from muster.coordinator.errors import PersistUnavailable
+from muster.coordinator.etcd.client import EtcdError
+from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.store import JobStorage
+
+
+class Leadership:
+    """One term of one job's leadership: `term` (the fencing token), `alive()`, `lost`, and the fenced
+    `write_state()`.
+
+    `lost` is set once, through `lose()`: by the replica that owns the session (it closes, or lost
+    the session) or by the leader (a fenced write, a fault); the replica awaits it to campaign
+    again. `alive()` also asks the session, whose own clock check sees a renew deadline passed (a
+    process resumed after SIGSTOP) before its renew thread has run.
+    """
+
+    def __init__(self, key: LeaderKey, store: JobStorage, *, session_alive: Callable[[], bool] = lambda: True,
+                 restore_spec: bool = False) -> None:
+        self.key = key
+        self.job, self.term = key.job, key.term
+        self._store = store
+        self._session_alive = session_alive
+        self._restore_spec = restore_spec  # the store lost the job's spec: written with the next state
+        self.lost = asyncio.Event()
+        self.lost_reason: str | None = None
+
+    def alive(self) -> bool:
+        return self.lost_reason is None and self._session_alive()
+
+    def lose(self, reason: str) -> bool:
+        """End the leadership; True if this call ended it (a later reason is not kept)."""
+        if self.lost_reason is not None:
+            return False
+        self.lost_reason = reason
+        self.lost.set()
+        return True
+
+    async def write_state(self, state: JobState) -> None:
+        """Write `state` iff this term still holds. Raises Fenced (the term is over) or
+        PersistUnavailable (not written: the leader decides again on its next tick)."""
+        spec = json.dumps(vars(state.spec)).encode() if self._restore_spec else None
+        try:
+            # Encoding a large job's state takes a while: off the event loop, with the write.
+            await asyncio.to_thread(lambda: self._store.write_state(self.key, encode(state), spec=spec))
+        except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
+            raise PersistUnavailable(str(exc)) from exc
+        self._restore_spec = False
