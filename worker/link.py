@@ -87,6 +87,7 @@ class Link:
         finally:
             self._loop.call_soon_threadsafe(self._done.set)
             self._thread.join(timeout_s)
+            self._thread = None  # closing again is a no-op
 
     # ---- the link thread -------------------------------------------------------------
 
