@@ -1,7 +1,7 @@
 """How much one leader carries. Prints one JSON object.
 
 1. Heartbeat capacity: a real etcd and one coordinator process, driven by simulated nodes
-   (`muster.testing.SimulatedNode`: Join, then the bidi Session stream of NodeFrames) in a few
+   (`muster.local.SimulatedNode`: Join, then the bidi Session stream of NodeFrames) in a few
    client processes, at several load points (node streams x frames/s). Per point: frames/s
    offered, sent by the clients and seen by the leader (rank steps in `Status`), the leader's
    CPU, the latency of a frame until the leader's `Status` reflects it, and whether any node
@@ -43,7 +43,7 @@ from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.leader import JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.store import MemoryJobStore
-from muster.testing import CoordinatorProcess, SimulatedNode
+from muster.local import CoordinatorProcess, SimulatedNode
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from muster import logs
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.server import EtcdServer
-from muster.testing import CoordinatorProcess, TrainingProcess, record_time, wait_until
+from muster.local import CoordinatorProcess, TrainingProcess, record_time, wait_until
 from muster.worker import Worker, WorkerConfig
 
 JOB = "bench"

@@ -50,8 +50,8 @@ from recovery import summary
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
+from muster.local import CoordinatorProcess, process_alive, wait_until
 from muster.net import free_port
-from muster.testing import CoordinatorProcess, process_alive, wait_until
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train_plain.py"
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"

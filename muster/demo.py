@@ -18,7 +18,7 @@ from pathlib import Path
 
 from muster.client import Coordinators
 from muster.coordinator.etcd.server import EtcdServer
-from muster.testing import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
+from muster.local import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 
 JOB = "demo"

@@ -49,7 +49,7 @@ def etcd_client(etcd):
 @pytest.fixture
 def coordinators(etcd, tmp_path):
     """Start coordinator replicas against the `etcd` fixture; all are stopped afterwards."""
-    from muster.testing import CoordinatorProcess
+    from muster.local import CoordinatorProcess
 
     started = []
 
@@ -67,7 +67,7 @@ def coordinators(etcd, tmp_path):
 @pytest.fixture
 def training(tmp_path):
     """Start ranks of examples/train_ddp.py; all are killed (by PID) afterwards if still running."""
-    from muster.testing import TrainingProcess
+    from muster.local import TrainingProcess
 
     started = []
 
@@ -85,7 +85,7 @@ def training(tmp_path):
 @pytest.fixture
 def agents(tmp_path):
     """Start node agents (`muster run`); all are killed afterwards, their ranks with them."""
-    from muster.testing import AgentProcess
+    from muster.local import AgentProcess
 
     started = []
 

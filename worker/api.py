@@ -24,7 +24,6 @@ new generation gives it a place, or gives up after `hold_timeout_s` with HoldExp
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -41,7 +40,8 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.comm import Comm, GroupSpec, Superseded, is_comm_failure
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, WorkerError
-from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
+from muster.worker.link import Link, immediate
+from muster.worker.node_session import NodeIdentity, NodeSession
 from muster.worker.rank_link import RankLink
 from muster.worker.state import TrainingState
 
@@ -113,7 +113,7 @@ class _StepScope:
         self.completed = False
 
     def __enter__(self) -> _StepScope:
-        if self.worker._changed.is_set():
+        if self.worker.link.changed.is_set():
             self.worker._check_drain()  # raised here, so the script saw the last step complete
         self.started = time.perf_counter()
         self.completed = False
@@ -128,7 +128,7 @@ class _StepScope:
             w._redos = 0
             if w._digest_every and w.step % w._digest_every == 0:
                 w._digest = (w.step, w.state.digest())
-            if w._changed.is_set():
+            if w.link.changed.is_set():
                 w._boundary()
             return False
         if not issubclass(exc_type, Exception) or issubclass(exc_type, WorkerError):
@@ -154,17 +154,13 @@ class Worker:
         self.world_size = 0
         self.generation = 0  # of the group this rank is in
         self.comm: Comm | None = None
-        self.session: NodeSession | RankLink | None = None
-        self._drain_after: int | None = None
+        # The background thread, and the mailbox it alone writes (the assignments, a drain).
+        self.link = Link("muster-link", on_directive=self._on_directive, on_failure=self._fail)
         self._closing = False
         # Under an agent this rank is one of its node's slots; alone, it is a one-slot node.
         self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
         self._digest_every = config.digest_every
-        self._lock = threading.Lock()
-        self._latest: pb.Assignment | None = None
-        self._base: pb.Assignment | None = None  # the latest formed at once (not at a planned step)
-        self._changed = threading.Event()  # the background thread has news for the step boundary
         self._error: WorkerError | None = None
         self._error_seen = threading.Event()  # the training thread has raised it
         self._forming = False  # the training thread is inside Comm.form
@@ -173,8 +169,6 @@ class Worker:
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._device = torch.device("cuda", config.local_rank) if config.backend == "nccl" else torch.device("cpu")
 
     # ---- setup -----------------------------------------------------------------------
@@ -192,10 +186,7 @@ class Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
         self.comm = Comm(self.config.backend, host=self.config.host, timeout_s=self.config.form_timeout_s,
                          host_store=not self.config.agent_socket)
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._link_thread, args=(ready,), name="muster-link", daemon=True)
-        self._thread.start()
-        ready.wait()
+        self.link.open(self._connect)
         self._reform(discard=False)
         return self
 
@@ -204,20 +195,17 @@ class Worker:
         background thread. (Without the barrier, the first rank to go would close its sockets
         while the others still receive the tail of the last collective.)"""
         self._closing = True
-        if self.comm is not None and self.comm.formed and self._error is None and self._drain_after is None:
+        if self.comm is not None and self.comm.formed and self._error is None and self.link.drain_after is None:
             try:
                 dist.barrier()
             except (RuntimeError, dist.DistError) as exc:
                 log.warning("final_barrier_failed", error=str(exc)[:200])
-        if self._loop is not None and self.session is not None:
-            if leave and self._error is None:
-                try:
-                    asyncio.run_coroutine_threadsafe(
-                        self.session.leave(finished=True, reason="training finished"), self._loop).result(10)
-                except Exception as exc:  # leaving is a courtesy: the stream closing says the same
-                    log.warning("leave_failed", error=str(exc))
-            asyncio.run_coroutine_threadsafe(self.session.stop(), self._loop).result(5)
-            self._thread.join(5)
+        if leave and self._error is None and self.link.session is not None:
+            try:
+                self.link.leave(10, finished=True, reason="training finished")
+            except Exception as exc:  # leaving is a courtesy: the stream closing says the same
+                log.warning("leave_failed", error=str(exc))
+        self.link.close()
         self._ddp.clear()
         if self.comm is not None:
             self.comm.destroy()
@@ -255,27 +243,27 @@ class Worker:
     # ---- step boundary ---------------------------------------------------------------
 
     def _boundary(self) -> None:
-        self._changed.clear()
+        self.link.changed.clear()
         if self._error is not None:
             self._raise_error()
-        if self._drain_after is not None and self.step >= self._drain_after:
-            self._changed.set()  # Drained is raised as the next step begins
+        if self.link.drain_after is not None and self.step >= self.link.drain_after:
+            self.link.changed.set()  # Drained is raised as the next step begins
             return
-        latest = self._latest
+        latest = self.link.latest
         if latest is None or latest.generation <= self.generation:
-            if self._drain_after is not None:
-                self._changed.set()  # the drain step is ahead: look again at the next boundary
+            if self.link.drain_after is not None:
+                self.link.changed.set()  # the drain step is ahead: look again at the next boundary
             return
-        base = self._base
+        base = self.link.base
         if latest.abort_previous or self.step >= latest.switch_at_step or (
                 base is not None and base.generation > self.generation and self._placed(base)):
             self._reform(discard=False)  # (an abort came with a planned switch after it: form the abort's group)
         else:
-            self._changed.set()  # a planned switch ahead: look again at the next boundary
+            self.link.changed.set()  # a planned switch ahead: look again at the next boundary
 
     def _check_drain(self) -> None:
-        if self._drain_after is not None and self.step >= self._drain_after:
-            raise Drained(f"the node leaves the job after step {self._drain_after}")
+        if self.link.drain_after is not None and self.step >= self.link.drain_after:
+            raise Drained(f"the node leaves the job after step {self.link.drain_after}")
 
     def _membership_changed(self, wait_s: float) -> bool:
         """After a collective failed: is (or does, within wait_s) an abort of this generation come?"""
@@ -283,21 +271,21 @@ class Worker:
         while True:
             if self._error is not None:
                 self._raise_error()
-            latest = self._latest
+            latest = self.link.latest
             if latest is not None and latest.generation > self.generation and latest.abort_previous:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._changed.wait(min(remaining, 0.05))
-            self._changed.clear()
+            self.link.changed.wait(min(remaining, 0.05))
+            self.link.changed.clear()
 
     def _wait_for_place(self, after: int, hold: str, deadline: float) -> pb.Assignment:
         """Block until an assignment newer than generation `after` gives this rank a place (spares
         and waiting jobs wait). Holding (`hold` says why), no longer than `deadline`; otherwise
         bounded by the link: a coordinator not heard from for the hold timeout ends the wait."""
         while True:
-            self._changed.clear()
+            self.link.changed.clear()
             if self._error is not None:
                 self._raise_error()
             self._check_drain()
@@ -307,12 +295,12 @@ class Worker:
             if hold and time.monotonic() > deadline:
                 log.error("hold_expired", generation=after, held_s=self.config.hold_timeout_s, cause=hold)
                 raise HoldExpired(f"held {self.config.hold_timeout_s:g}s for a new generation after {hold}; none came "
-                                  f"(the coordinator was last heard {self.session.silent_s():.0f}s ago): giving up")
-            silent_s = 0.0 if hold else self.session.silent_s()
+                                  f"(the coordinator was last heard {self.link.silent_s():.0f}s ago): giving up")
+            silent_s = 0.0 if hold else self.link.silent_s()
             if silent_s > self.config.hold_timeout_s:
                 raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
                                       f"in generation > {after} (hold timeout {self.config.hold_timeout_s:g}s)")
-            self._changed.wait(0.1)
+            self.link.changed.wait(0.1)
 
     def _reform(self, *, discard: bool, hold: str = "") -> None:
         """Leave the current group and join the next one this rank has a place in. `hold`: why the
@@ -326,7 +314,7 @@ class Worker:
         after = self.generation
         if hold:
             self.comm.abort(after + 1)  # peers blocked on this rank fail now instead of at the timeout
-            latest = self._latest
+            latest = self.link.latest
             if latest is None or latest.generation <= after:
                 log.info("rank_holding", generation=after, step=self.step, cause=hold,
                             hold_timeout_s=self.config.hold_timeout_s)
@@ -341,7 +329,7 @@ class Worker:
             self._progress = (step, us, "forming", "", spec.generation)
             self._forming = True
             try:
-                formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=_immediate(a):
+                formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=immediate(a):
                                           self._superseded(g, i))
                 source, step = self.state.sync(self.step, spec.rank, spec.world_size, self._device)
                 break
@@ -355,13 +343,13 @@ class Worker:
             self.comm.destroy()
         lost = self.step - step if step < self.step else 0
         self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
-        self.session.generation = spec.generation
+        self.link.running(spec.generation)
         self._progress = (step, us, state, phase, spec.generation)
-        latest = self._latest
+        latest = self.link.latest
         if latest is not None and latest.generation > spec.generation:
             # A planned switch that came while this group formed (the waits above cleared its
             # signal): the step boundaries look at it from now on.
-            self._changed.set()
+            self.link.changed.set()
         took = time.perf_counter() - started
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
@@ -373,55 +361,37 @@ class Worker:
         away from a group this rank has a place in but has not formed yet (an abort just before it):
         then that group first; its ranks train in it up to the switch. A rank that is new in the
         planned one forms it at once and waits there for the others."""
-        latest, base = self._latest, self._base
+        latest, base = self.link.latest, self.link.base
         if not self._placed(latest) or latest.generation <= after:
             return None
-        if _immediate(latest) or base is None or base.generation <= after or not self._placed(base):
+        if immediate(latest) or base is None or base.generation <= after or not self._placed(base):
             return latest
         return base
 
     def _placed(self, a: pb.Assignment | None) -> bool:
         return a is not None and a.role == pb.ROLE_ACTIVE and self._slot in a.local_ranks
 
-    def _superseded(self, generation: int, immediate: bool) -> bool:
+    def _superseded(self, generation: int, at_once: bool) -> bool:
         """Abandon the group being formed? For a newer one formed at once, yes; a group formed at
         once is not abandoned for a planned switch away from it (its ranks must train to the
         switch in it); one formed for a planned switch is, for any newer one (the others skip
         to the newest at its step)."""
-        latest = self._latest
+        latest = self.link.latest
         return self._error is not None or (latest is not None and latest.generation > generation
-                                           and (_immediate(latest) or not immediate))
+                                           and (immediate(latest) or not at_once))
 
     # ---- background thread -----------------------------------------------------------
 
-    def _link_thread(self, ready: threading.Event) -> None:
-        try:
-            asyncio.run(self._link(ready))  # cancels and awaits what is left (gRPC's request pump)
-        finally:
-            ready.set()
-
-    async def _link(self, ready: threading.Event) -> None:
-        self._loop = asyncio.get_running_loop()
+    def _connect(self, on_directive) -> NodeSession | RankLink:
         c = self.config
         if c.agent_socket:
-            self.session = RankLink(c.agent_socket, self._slot, report=lambda: self._reports()[0],
-                                    on_directive=self._on_directive)
-        else:
-            identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
-                                    pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
-                                               world_size_multiple=c.world_size_multiple),
-                                    is_process=True, agent_pid=os.getpid())
-            self.session = NodeSession(c.coordinators, identity, reports=self._reports,
-                                       on_directive=self._on_directive, security=c.security)
-        ready.set()
-        try:
-            if isinstance(self.session, NodeSession):
-                await self.session.join()
-            await self.session.run()
-        except Evicted as exc:
-            self._fail(FencedOut(f"fenced out by the coordinator: {exc}"))
-        except Exception as exc:
-            self._fail(CoordinatorLost(f"lost the coordinator: {exc}"), exc)
+            return RankLink(c.agent_socket, self._slot, report=lambda: self._reports()[0], on_directive=on_directive)
+        identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
+                                pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
+                                           world_size_multiple=c.world_size_multiple),
+                                is_process=True, agent_pid=os.getpid())
+        return NodeSession(c.coordinators, identity, reports=self._reports, on_directive=on_directive,
+                           security=c.security)
 
     def _fail(self, error: WorkerError, cause: BaseException | None = None) -> None:
         if self._closing:
@@ -430,7 +400,7 @@ class Worker:
         self._error = error
         log.error("worker_link_failed", error=str(error))
         self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
-        self._changed.set()
+        self.link.changed.set()
         threading.Thread(target=self._exit_unless_raised, args=(error,), name="muster-fence", daemon=True).start()
 
     def _raise_error(self) -> NoReturn:
@@ -451,16 +421,9 @@ class Worker:
         threading.Thread(target=self.comm.abort, args=(below_generation,), name="muster-abort", daemon=True).start()
 
     def _on_directive(self, d: pb.Directive) -> None:
+        """On the link thread, after the mailbox has it."""
         if d.HasField("assignment"):
             a = d.assignment
-            with self._lock:
-                if self._latest is None or a.generation >= self._latest.generation:
-                    self._latest = a
-                    if _immediate(a):
-                        self._base = a
-            if a.role == pb.ROLE_EVICTED:
-                self._fail(FencedOut(f"fenced out by the coordinator: {a.reason}"))
-                return
             if (self.generation or self._forming) and self._slot in a.down_local_ranks:
                 # This process held a place, or was forming one, and was declared failed (it hung, or
                 # never formed): its state is stale. A fresh process (the agent restarts this one)
@@ -472,9 +435,7 @@ class Worker:
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
         elif d.HasField("drain"):
-            self._drain_after = d.drain.after_step
             log.info("drain_received", after_step=d.drain.after_step, reason=d.drain.reason)
-        self._changed.set()
 
     def _reports(self) -> list[pb.RankReport]:
         step, step_time_us, state, phase, generation = self._progress
@@ -483,7 +444,3 @@ class Worker:
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation)]
 
-
-def _immediate(a: pb.Assignment) -> bool:
-    """Formed at once (an abort, the first map, a rebuild), not at a planned step boundary."""
-    return a.abort_previous or a.switch_at_step == 0

@@ -4,7 +4,7 @@ job's leader, follow leader changes, leave.
 The leader pulses every stream; a stream that stays silent for the heartbeat timeout is ended
 and another replica is tried (a frozen or partitioned leader). Standbys answer UNAVAILABLE with
 a `muster-leader` hint, which is followed. Used by the worker library, the node agent and the
-simulated nodes of `muster.testing`. Runs on one asyncio loop.
+simulated nodes of `muster.local`. Runs on one asyncio loop.
 """
 
 from __future__ import annotations

@@ -17,10 +17,8 @@ after `rejoin_after` seconds (rdzv-conf, default 3).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-import threading
 import time
 from datetime import timedelta
 
@@ -34,6 +32,7 @@ from muster.net import split_host_port
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.launch import job_name
+from muster.worker.link import Link
 from muster.worker.node_session import NodeIdentity, NodeSession
 
 log = structlog.get_logger(__name__)
@@ -56,38 +55,30 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._generation = 0
         self._rounds = 0
         self._closed = False
-        self._latest: pb.Assignment | None = None
         self._restarting_in = 0  # this node's workers failed in this generation: a new round is asked for
-        self._changed = threading.Event()
-        self._session: NodeSession | None = None
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="muster-rdzv", daemon=True).start()
-        self._call(self._join())
+        self._link = Link("muster-rdzv", on_directive=self._on_directive)
+        self._join()
 
     # ---- the link --------------------------------------------------------------------
 
-    def _call(self, coroutine, timeout_s: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
-
-    async def _join(self) -> None:
+    def _join(self) -> None:
         """A new membership (a new member id): the coordinator makes a new generation with it."""
-        if self._session is not None:
+        if self._link.session is not None:
             try:
-                await self._session.leave(immediate=True, reason="this node's workers need a new round")
+                self._link.leave(immediate=True, reason="this node's workers need a new round")
             except Exception as exc:  # it may be evicted already
                 log.info("rdzv_leave_failed", error=str(exc))
-            await self._session.stop()
-        self._latest = None
-        self._session = NodeSession(
+        self._link.open(self._connect, joined=True)  # the old session stopped, its mailbox emptied
+
+    def _connect(self, on_directive) -> NodeSession:
+        return NodeSession(
             self._addresses,
             NodeIdentity(self._job, f"{socket.gethostname()}-{os.getpid()}", 1, self._host, self._server.port,
                          self._spec, agent_pid=os.getpid()),
             reports=self._reports,
-            on_directive=self._on_directive,
+            on_directive=on_directive,
             security=self._security,
         )
-        await self._session.join()
-        asyncio.ensure_future(self._session.run())
 
     def _reports(self) -> list[pb.RankReport]:
         if self._restarting_in and not self._newer():
@@ -96,10 +87,9 @@ class MusterRendezvousHandler(RendezvousHandler):
         return [pb.RankReport(local_rank=0, pid=os.getpid(), state=pb.RANK_STATE_UNMONITORED)]
 
     def _on_directive(self, d: pb.Directive) -> None:
-        if d.HasField("assignment") and (self._latest is None or d.generation >= self._latest.generation):
-            self._latest = d.assignment
-            self._session.generation = d.generation
-            self._changed.set()
+        """On the link thread: the frames carry the newest generation at once."""
+        if d.HasField("assignment"):
+            self._link.session.generation = self._link.latest.generation
 
     # ---- RendezvousHandler -----------------------------------------------------------
 
@@ -116,13 +106,13 @@ class MusterRendezvousHandler(RendezvousHandler):
         if self._rounds and not self._newer():
             # Our own workers failed: ask for a new round with this node in its place.
             self._restarting_in = self._generation
-            self._loop.call_soon_threadsafe(self._session.send_now)
+            self._link.send_now()
             if not self._wait(self._newer, self._rejoin_after_s):
-                self._call(self._join())  # not re-formed with its place: join as a new member
+                self._join()  # not re-formed with its place: join as a new member
         self._rounds += 1
-        if not self._wait(lambda: self._newer() and self._latest.role == pb.ROLE_ACTIVE, self._join_timeout_s):
+        if not self._wait(lambda: self._newer() and self._link.latest.role == pb.ROLE_ACTIVE, self._join_timeout_s):
             raise RendezvousTimeoutError(f"no place in job {self._job!r} within {self._join_timeout_s:.0f}s")
-        a = self._latest
+        a = self._link.latest
         self._generation = a.generation
         host, port = split_host_port(a.store_address)
         own = port == self._server.port and host in (self._host, "127.0.0.1")
@@ -134,7 +124,8 @@ class MusterRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
 
     def _newer(self) -> bool:
-        return self._latest is not None and self._latest.generation > self._generation
+        latest = self._link.latest
+        return latest is not None and latest.generation > self._generation
 
     def _wait(self, predicate, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -142,8 +133,8 @@ class MusterRendezvousHandler(RendezvousHandler):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._changed.wait(min(remaining, 0.1))
-            self._changed.clear()
+            self._link.changed.wait(min(remaining, 0.1))
+            self._link.changed.clear()
         return True
 
     def is_closed(self) -> bool:
@@ -161,13 +152,12 @@ class MusterRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         try:
-            self._call(self._session.leave(finished=True, reason="torchrun finished"), 15)
-            self._call(self._session.stop(), 5)
+            self._link.leave(15, finished=True, reason="torchrun finished")
         except Exception as exc:
             log.warning("rdzv_shutdown_failed", error=str(exc))
             return False
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._link.close()
         return True
 
 

@@ -31,12 +31,12 @@ from muster.client import Coordinators
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.client import connect
 from muster.coordinator.etcd.server import EtcdCluster
-from muster.testing import AgentProcess, CoordinatorProcess, json_lines, process_alive, record_time, wait_until
+from muster.local import AgentProcess, CoordinatorProcess, json_lines, process_alive, record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 
 Slot = tuple[str, int]  # (node id, local rank)
 
-# The coordinators' timing in the harness (flags below; --grace comes from muster.testing.FAST).
+# The coordinators' timing in the harness (flags below; --grace comes from muster.local.FAST).
 HEARTBEAT_TIMEOUT_S = 2.0
 SESSION_TTL_S = 3
 GRACE_S = 2.0

@@ -7,7 +7,7 @@ import pytest
 
 from muster.coordinator.etcd.client import connect
 from muster.coordinator.etcd.server import EtcdCluster
-from muster.testing import process_alive
+from muster.local import process_alive
 
 pytestmark = pytest.mark.timeout(90)
 

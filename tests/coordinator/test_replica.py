@@ -7,7 +7,7 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import pytest
-from muster.testing import SimulatedNode
+from muster.local import SimulatedNode
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.client import connect

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from muster.testing import EXAMPLE, AgentProcess, process_alive, wait_until
+from muster.local import EXAMPLE, AgentProcess, process_alive, wait_until
 
 EXAMPLES = EXAMPLE.parent
 

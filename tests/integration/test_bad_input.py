@@ -5,7 +5,7 @@ import socket
 
 import grpc
 import pytest
-from muster.testing import SimulatedNode
+from muster.local import SimulatedNode
 
 from muster.net import split_host_port
 from muster.v1 import muster_pb2 as pb

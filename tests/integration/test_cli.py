@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from muster.testing import CoordinatorProcess, SimulatedNode, process_alive, wait_until
+from muster.local import CoordinatorProcess, SimulatedNode, process_alive, wait_until
 
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from muster.testing import SimulatedNode
+from muster.local import SimulatedNode
 
 from muster.v1 import muster_pb2 as pb
 

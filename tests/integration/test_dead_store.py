@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from muster.testing import json_lines, record_time, wait_until
+from muster.local import json_lines, record_time, wait_until
 
 # Long enough that node1, killed as the replacement starts, is not yet found failed when the
 # replacement reports: the leader then hands it the planned generation hosted by node1's dead store.

@@ -9,7 +9,7 @@ import shutil
 import time
 
 import pytest
-from muster.testing import CoordinatorProcess, SimulatedNode, wait_until
+from muster.local import CoordinatorProcess, SimulatedNode, wait_until
 
 from muster.client import Coordinators
 from muster.coordinator.core.state import decode

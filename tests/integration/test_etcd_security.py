@@ -12,7 +12,7 @@ pytest.importorskip("cryptography")
 from test_security import _cert, _write  # noqa: E402  (the same on-the-fly PKI)
 
 from muster.coordinator.etcd.server import EtcdServer, find_etcd_binary  # noqa: E402
-from muster.testing import CoordinatorProcess, SimulatedNode  # noqa: E402
+from muster.local import CoordinatorProcess, SimulatedNode  # noqa: E402
 from muster.v1 import muster_pb2 as pb  # noqa: E402
 
 

@@ -5,7 +5,7 @@ import signal
 import time
 
 import pytest
-from muster.testing import SimulatedNode, wait_until
+from muster.local import SimulatedNode, wait_until
 
 from muster.client import Coordinators
 from muster.coordinator.core.state import decode

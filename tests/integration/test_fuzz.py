@@ -64,7 +64,7 @@ def call(stub, rpc: str, request) -> grpc.StatusCode:
 @pytest.fixture(scope="module")
 def fuzz_target(tmp_path_factory):
     from muster.coordinator.etcd.server import EtcdServer
-    from muster.testing import CoordinatorProcess
+    from muster.local import CoordinatorProcess
 
     base = tmp_path_factory.mktemp("fuzz")
     etcd = EtcdServer(base / "etcd").start()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from muster.testing import wait_until
+from muster.local import wait_until
 
 SCRIPT = Path(__file__).parent / "scripts" / "gil_hold.py"
 EVICTIONS_OTHER_THAN_THE_KILL = {"node_silent", "rank_silent", "rank_stalled", "rank_not_formed", "process_exited"}

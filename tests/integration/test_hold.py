@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from muster.testing import CoordinatorProcess, json_lines, process_alive, wait_until
+from muster.local import CoordinatorProcess, json_lines, process_alive, wait_until
 
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
 

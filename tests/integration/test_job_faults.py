@@ -5,7 +5,7 @@ fault is gone; the other jobs of the replica keep their leader. In-process repli
 import asyncio
 
 import pytest
-from muster.testing import SimulatedNode
+from muster.local import SimulatedNode
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.client import connect

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from muster.testing import SimulatedNode
+from muster.local import SimulatedNode
 from muster.v1 import muster_pb2 as pb
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from muster.testing import EXAMPLE, wait_until
+from muster.local import EXAMPLE, wait_until
 from muster.worker.launch import job_name
 
 PLAIN = EXAMPLE.parent / "train_plain.py"

@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
 
+from muster.local import SimulatedNode  # noqa: E402
 from muster.security import ClientSecurity  # noqa: E402
-from muster.testing import SimulatedNode  # noqa: E402
 from muster.v1 import muster_pb2 as pb  # noqa: E402
 from muster.v1 import muster_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -135,7 +135,7 @@ def test_tls_without_client_certificates_and_a_bad_tokens_file(coordinators, pki
 
 @pytest.mark.timeout(120)
 def test_an_agent_trains_over_mtls_with_its_job_token(coordinators, pki, agents, tmp_path):
-    from muster.testing import TrainingProcess
+    from muster.local import TrainingProcess
 
     cert, key = pki["server"]
     (leader,) = coordinators(1, extra=["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],

@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 import pytest
-from muster.testing import SimulatedNode
+from muster.local import SimulatedNode
 
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from muster.testing import wait_until
+from muster.local import wait_until
 
 STEPS = 70
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]  # the default: fewer false evictions on a loaded box

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from muster.testing import process_alive, wait_until
+from muster.local import process_alive, wait_until
 from muster.worker.zygote import Program, Zygote, ZygoteLost, warm_program
 
 GUARD = [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]

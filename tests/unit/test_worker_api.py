@@ -40,7 +40,7 @@ def test_an_error_without_a_membership_change_is_the_scripts_own_and_propagates(
 def test_a_failure_of_the_background_link_surfaces_at_the_step_boundary():
     w = worker()
     w._error = WorkerError("lost the coordinator")
-    w._changed.set()
+    w.link.changed.set()
     with pytest.raises(WorkerError, match="lost the coordinator"):
         with w.step_scope():
             pass
@@ -48,12 +48,12 @@ def test_a_failure_of_the_background_link_surfaces_at_the_step_boundary():
 
 def test_a_planned_switch_waits_for_its_step():
     w = worker()
-    w._latest = pb.Assignment(generation=2, role=pb.ROLE_ACTIVE, switch_at_step=5)
+    w.link.latest = pb.Assignment(generation=2, role=pb.ROLE_ACTIVE, switch_at_step=5)
     w.generation = 1
-    w._changed.set()
+    w.link.changed.set()
     with w.step_scope():
         pass  # step 1 < 5: no switch yet, and the flag stays up to look again
-    assert w.generation == 1 and w._changed.is_set()
+    assert w.generation == 1 and w.link.changed.is_set()
 
 
 def test_long_phase_is_reported_and_ends():
@@ -73,8 +73,8 @@ def test_a_drain_ends_training_as_the_step_after_the_agreed_one_begins():
     from muster.worker import Drained
 
     w = worker()
-    w._drain_after = 1
-    w._changed.set()
+    w.link.drain_after = 1
+    w.link.changed.set()
     with w.step_scope() as step:
         pass
     assert step.completed and w.step == 1  # the agreed step completes and counts

@@ -1,5 +1,6 @@
-"""Testing helpers shipped with Muster: coordinator replicas as real processes and simulated node
-agents over real gRPC. Used by the tests, the demo and the benchmarks."""
+"""Muster on one machine: coordinator replicas, node agents and training ranks as child processes
+(with their JSON logs read back), and simulated node agents over real gRPC. Shipped, not test-only:
+`muster demo` and the benchmarks run on it, and so do the tests."""
 
 from __future__ import annotations
 
