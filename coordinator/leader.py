@@ -205,7 +205,7 @@ class JobLeader:
             return
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
                       self.live.median_step_time(), prestart=self.live.runs_library(self.state),
-                      max_members=self.limits.max_members)
+                      max_members=self.limits.max_members, reforming=self.live.reforming(self.state))
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:

@@ -208,6 +208,24 @@ class Liveness:
                 return True
         return False
 
+    def reforming(self, state: JobState) -> bool:
+        """The current map is an abort generation that some library rank of it has not formed yet
+        (it still forms or holds, or runs an older group). A planned switch published now would
+        reach a node that reconnects only as the current map, without the abort before it: that
+        node would form the new group while the others form the abort's, and neither ever fills."""
+        rm = state.rank_map
+        if rm is None or not rm.abort_previous:
+            return False
+        for p in rm.placements:
+            node = self.nodes.get(p.node_id)
+            for slot in p.slots:
+                r = node.ranks.get(slot) if node else None
+                if r is None or r.state == "exited" or r.state in UNMONITORED:
+                    continue
+                if r.state in ("forming", "holding") or r.generation < rm.generation:
+                    return True
+        return False
+
     def awaiting(self, node_id: str, slots) -> None:
         """Slots with no process yet (a node starting its ranks): any process there is their recovery."""
         for slot in slots:

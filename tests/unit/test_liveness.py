@@ -285,3 +285,17 @@ def test_failure_kinds_are_the_strings_of_the_history_the_wire_and_the_worker():
     assert kind == "node_silent" and f"{kind}: why" == "node_silent: why" and json.dumps(kind) == '"node_silent"'
     assert pb.Event(kind=kind).kind == "node_silent"
     assert FAILURES == {k.value for k in FailureKind}  # the worker keeps its own copy
+
+
+def test_an_abort_generation_is_reforming_until_every_library_rank_runs_in_it():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    assert not live.reforming(state), "generation 1 formed at once is no abort generation"
+    aborted = decide(state, [Regroup("group_broken", "held")], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
+    live.observe("n0", 2, ranks("running", generation=2), 1)
+    live.observe("n1", 1, ranks("holding", generation=1), 1)
+    assert live.reforming(aborted)
+    live.observe("n1", 2, ranks("forming", generation=2), 2)
+    assert live.reforming(aborted)
+    live.observe("n1", 2, ranks("running", generation=2, step=21), 3)
+    assert not live.reforming(aborted)
