@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: see the end of main()
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -57,6 +58,15 @@ def main() -> int:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
             tmp.replace(checkpoint)  # atomic: a kill mid-save leaves the previous checkpoint
     dist.barrier()
+    # The group must be freed (its gloo threads joined) here, by destroy_process_group(): a gloo worker
+    # may still be freeing the last allreduce of backward(), whose thread state holds a Python object,
+    # so it needs the GIL. Freed by DDP's reducer when main() returns, the group joins that worker with
+    # the GIL held (a hang); alive at exit, the worker is killed by the interpreter's finalization
+    # (SIGABRT: terminate called without an active exception). Without `ddp`, and with
+    # torch.distributed.nn imported before init_process_group (imported by DDP's constructor, its
+    # functions' `group=group.WORLD` defaults would keep the group), destroy_process_group() frees it,
+    # joining the workers with the GIL released.
+    del ddp
     dist.destroy_process_group()
     return 0
 
