@@ -1,5 +1,5 @@
 """A replacement rank handed a generation whose store host has just died (`muster demo`'s
-"kill a node: NOT RECOVERED"): node0's rank is killed; its replacement gets the planned switch
+"kill a node: NOT RECOVERED"): node0's rank is killed; its replacement gets the generation
 that takes it back, hosted by node1's store, but node1's agent was killed meanwhile. The abort
 generation that follows (node1 silent) must be formed at once: c10d's TCPStore constructor
 retries a refused connect for the whole form timeout (300 s) and nothing could abandon it."""
@@ -27,12 +27,12 @@ def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators,
     wait_until(lambda: len(a.rank_pids(0)) > started, 20, "node0 starts a replacement")
     b.signal(signal.SIGKILL)  # its ranks and its store go with it; the leader notices only its silence
 
-    def planned():  # the switch that takes the replacement back, with node1 (its store) still in the map
-        return [r for r in json_lines(a.rank_logs(0)[-1], "assignment_received")
-                if r["role"] == "ROLE_ACTIVE" and not r["abort"]]
+    def placed():  # the generation that takes the replacement back, with node1 (its store) still in the map:
+        # a planned switch, or an abort one when node1 was still re-forming after the kill (reforming)
+        return [r for r in json_lines(a.rank_logs(0)[-1], "assignment_received") if r["role"] == "ROLE_ACTIVE"]
 
-    wait_until(planned, 30, "the replacement handed the planned generation")
-    generation = planned()[0]["generation"]
+    wait_until(placed, 30, "the replacement handed a place")
+    generation = placed()[0]["generation"]
     # node1 is found failed (its rank stalled, or the node silent): an abort generation of node0 alone
     abort = wait_until(lambda: [r for r in leader.find("membership_changed", kind="generation")
                                 if r["generation"] > generation], 40, "the abort generation")
