@@ -189,6 +189,12 @@ class JobLeader:
         now = self._clock()
         self._measure(now)
         batch, self._inbox = self._inbox, []
+        if self.live.reforming(self.state):
+            # A slot back while the abort generation still forms waits until it has formed: its
+            # planned switch would reach a node that reconnects only as the current map, without
+            # the abort before it, and an abort instead would cut the forming group again.
+            self._inbox = [(e, f) for e, f in batch if isinstance(e, SlotsUp)]
+            batch = [(e, f) for e, f in batch if not isinstance(e, SlotsUp)]
         events = [event for event, _ in batch]
         for failure in self.live.failures(self.state, now):
             member = self.state.member(failure.node_id)
@@ -205,7 +211,7 @@ class JobLeader:
             return
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
                       self.live.median_step_time(), prestart=self.live.runs_library(self.state),
-                      max_members=self.limits.max_members, reforming=self.live.reforming(self.state))
+                      max_members=self.limits.max_members)
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:

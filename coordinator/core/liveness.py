@@ -210,9 +210,9 @@ class Liveness:
 
     def reforming(self, state: JobState) -> bool:
         """The current map is an abort generation that some library rank of it has not formed yet
-        (it still forms or holds, or runs an older group). A planned switch published now would
-        reach a node that reconnects only as the current map, without the abort before it: that
-        node would form the new group while the others form the abort's, and neither ever fills."""
+        (it still forms or holds, or runs an older group): the leader holds back planned changes
+        until it has (a node that reconnects gets only the current map, never the abort before a
+        planned one: it would form the new group while the others form the abort's)."""
         rm = state.rank_map
         if rm is None or not rm.abort_previous:
             return False

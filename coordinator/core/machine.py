@@ -127,9 +127,6 @@ class Context:
     # ranks first and takes a place once they report, so the others never wait for its start-up.
     prestart: bool = False
     max_members: int = MAX_NODES  # the deployment's limit of nodes per job, spares included
-    # The current abort generation has not formed yet: a join or a recovered slot joins the re-form
-    # at once (an abort generation) instead of a planned switch after a group that does not run.
-    reforming: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,7 +273,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                 nxt = replace(nxt, phase=Phase.WAITING)
                 log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "waiting", assignment.reason, (), 0))
         else:
-            abort = unplanned or state.phase is Phase.WAITING or (ctx.reforming and not leaving)
+            abort = unplanned or state.phase is Phase.WAITING
             switch_at = 0 if abort else _switch_at(state, ctx)
             nxt = _publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at)
             nxt = replace(nxt, phase=Phase.RUNNING)

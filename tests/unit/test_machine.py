@@ -73,18 +73,6 @@ def test_slot_coming_back_is_a_planned_switch_ahead_of_the_fastest_rank():
     assert rm.placement("n2").slots == (0, 1)
 
 
-def test_a_slot_coming_back_while_the_abort_generation_still_forms_joins_the_re_form_at_once():
-    """A planned switch after a group that has not formed would reach a reconnecting node without
-    the abort before it: it joins the re-form instead (one abort generation everyone forms)."""
-    state = decide(running(), [SlotDown("n2", 0, "rank_exited", "exit code -9")], ctx(now=5)).state
-    reforming = Context(now=6, wall_ms=0, term=7, timing=TIMING, max_step=100, step_time_s=0.1, reforming=True)
-    d = decide(state, [SlotsUp("n2", (0,))], reforming)
-    assert d.state.rank_map.abort_previous and d.state.rank_map.switch_at_step == 0
-    assert d.state.rank_map.placement("n2").slots == (0, 1)
-    leave = decide(state, [Leave("n3", immediate=False, reason="drain")], reforming)
-    assert not leave.state.rank_map.abort_previous and leave.drains, "a graceful leave still drains at a step"
-
-
 def test_join_beyond_max_nodes_is_a_spare_and_makes_no_generation():
     state = running()
     d = decide(state, [join(4)], ctx(now=5))
