@@ -159,7 +159,8 @@ def launcher_argv(launcher: str, node: int, nodes: int, per_node: int, max_resta
     if launcher == "muster-run":
         return [str(Path(sys.executable).with_name("muster")), "--log-level", "info", "run", "--coordinator", endpoint,
                 "--job", tag[:12], "--node-id", f"node{node}", "--nodes", f"{nodes}:{nodes}",
-                "--max-restarts", str(max_restarts), "--", torchrun, "--nproc-per-node", str(per_node), *script]
+                "--max-restarts", str(max_restarts), "--warm-start", "--", torchrun, "--nproc-per-node", str(per_node),
+                *script]
     backend = "muster" if launcher == "muster-rdzv" else "c10d"
     return [torchrun, "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", backend,
             "--rdzv-endpoint", endpoint, "--rdzv-id", tag[:12], "--local-addr", "127.0.0.1",

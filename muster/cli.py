@@ -288,9 +288,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--restart-backoff", type=float, default=1.0,
                    help="a rank crashing again soon after its restart waits this long before the next one (doubled "
                         "with each crash in a row; the first restart is immediate)")
-    r.add_argument("--no-warm-start", dest="warm_start", action="store_false",
-                   help="start every rank as a new interpreter (default: Python ranks fork from a per-node zygote "
-                        "that imported torch once, so a restart reaches the script's first line in milliseconds)")
+    r.add_argument("--warm-start", action="store_true",
+                   help="fork Python ranks from a per-node zygote that imported torch once, so a restart reaches "
+                        "the script's first line in milliseconds (experimental; default: every rank a new interpreter)")
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
