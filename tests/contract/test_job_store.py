@@ -111,7 +111,7 @@ def test_a_watch_sees_each_new_job_once_and_nothing_after_cancel(backend):
         cancel()
     store.create_spec("after-cancel", b"4")
     with pytest.raises(queue.Empty):
-        seen.get(timeout=0.3)
+        seen.get(timeout=0.5)
 
 
 def test_state_round_trips_and_each_write_has_a_later_revision(backend):

@@ -410,17 +410,6 @@ def test_write_state_is_fenced_after_resign(etcd_client, candidates):
 
 
 @pytest.mark.timeout(30)
-def test_create_spec_is_idempotent_and_returns_first(etcd_client):
-    store = JobStore(etcd_client)
-    assert store.get_spec("job") is None
-    assert store.create_spec("job", b"first") == b"first"
-    assert store.create_spec("job", b"second") == b"first"
-    assert store.get_spec("job") == b"first"
-    store.create_spec("another", b"x")
-    assert store.list_jobs() == ["another", "job"]
-
-
-@pytest.mark.timeout(30)
 def test_delete_job_removes_spec_and_state(etcd_client, candidates):
     store = JobStore(etcd_client)
     store.create_spec("job", b"spec")
@@ -430,25 +419,6 @@ def test_delete_job_removes_spec_and_state(etcd_client, candidates):
     assert store.get_spec("job") is None
     assert store.load_state("job") is None
     assert store.list_jobs() == []
-
-
-@pytest.mark.timeout(30)
-def test_watch_jobs_sees_new_job(etcd_client):
-    store = JobStore(etcd_client)
-    store.create_spec("existing", b"1")
-    seen: queue.Queue[str] = queue.Queue()
-    cancel = store.watch_jobs(seen.put)
-    try:
-        store.create_spec("new", b"2")
-        assert seen.get(timeout=5) == "new"
-        store.create_spec("new", b"ignored")  # no-op: not a new job
-        store.create_spec("newer", b"3")
-        assert seen.get(timeout=5) == "newer"
-    finally:
-        cancel()
-    store.create_spec("after-cancel", b"4")
-    with pytest.raises(queue.Empty):
-        seen.get(timeout=0.5)
 
 
 @pytest.mark.timeout(60)
