@@ -189,7 +189,7 @@ class JobLeader:
         now = self._clock()
         self._measure(now)
         batch, self._inbox = self._inbox, []
-        if self.live.reforming(self.state):
+        if any(isinstance(e, SlotsUp) for e, _ in batch) and self.live.reforming(self.state):  # O(ranks): only then
             # A slot back while the abort generation still forms waits until it has formed: its
             # planned switch would reach a node that reconnects only as the current map, without
             # the abort before it, and an abort instead would cut the forming group again.

@@ -53,6 +53,7 @@ class Failure:
 
 
 UNMONITORED = frozenset({"unmonitored", "restarting"})  # scripts without the library: no steps to judge
+NO_PROGRESS = UNMONITORED | {"exited"}  # reports that say nothing of a library rank's progress
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class Liveness:
         rm = state.rank_map
         for p in rm.placements if rm else ():
             node = self.nodes.get(p.node_id)
-            if node is not None and any(r.state not in UNMONITORED | {"exited"} for r in node.ranks.values()):
+            if node is not None and any(r.state not in NO_PROGRESS for r in node.ranks.values()):
                 return True
         return False
 
@@ -220,7 +221,7 @@ class Liveness:
             node = self.nodes.get(p.node_id)
             for slot in p.slots:
                 r = node.ranks.get(slot) if node else None
-                if r is None or r.state == "exited" or r.state in UNMONITORED:
+                if r is None or r.state in NO_PROGRESS:
                     continue
                 if r.state in ("forming", "holding") or r.generation < rm.generation:
                     return True
@@ -276,7 +277,7 @@ class Liveness:
                 continue
             for slot in placement.slots:
                 live = node.ranks.get(slot)
-                if live is None or live.state == "exited" or live.state in UNMONITORED:
+                if live is None or live.state in NO_PROGRESS:
                     continue  # exited: found above; unmonitored: no library, its exit is the signal
                 if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
                     found.append(
@@ -329,7 +330,7 @@ class Liveness:
             node = self.nodes.get(p.node_id)
             for slot in p.slots:
                 r = node.ranks.get(slot) if node else None
-                if r is None or r.state == "exited" or r.state in UNMONITORED:
+                if r is None or r.state in NO_PROGRESS:
                     continue  # no report yet (silence covers it), no library, or found above
                 if r.state == "starting" and r.generation == 0:
                     starting = True  # in no group yet: the start-up timeout judges it, and the others wait
