@@ -224,7 +224,7 @@ class JobLeader:
             except Fenced:
                 self._inbox[:0] = batch
                 raise
-        self._adopt(decision, now)
+        self._adopt(decision, now, ctx.max_step)
         self._settle(batch, decision)
 
     def _measure(self, now: float) -> None:
@@ -250,8 +250,7 @@ class JobLeader:
         return sum(len(p.slots) for p in rm.placements if (node := self.live.nodes.get(p.node_id))
                    and now - node.last_frame_at <= self.timing.heartbeat_timeout_s)
 
-    def _adopt(self, d: Decision, now: float) -> None:
-        step_before = self.live.max_step(self.state)
+    def _adopt(self, d: Decision, now: float, step_before: int) -> None:
         self.state = d.state
         for e in d.events:
             self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
@@ -280,10 +279,10 @@ class JobLeader:
                 stream.send(CLOSE)
         if d.new_generation:
             self.live.generation_published(self.state.generation, now)
-            reason = d.events[-1].reason if d.events else ""
+            assignments = wire.Assignments(self.state, d.events[-1].reason if d.events else "")
             for node_id, stream in self.streams.items():
                 if not stream.departed:
-                    stream.send(wire.assignment_for(self.state, node_id, reason))
+                    stream.send(assignments.directive(node_id))
         for node_id, after_step in d.drains:
             stream = self.streams.get(node_id)
             if stream:

@@ -143,35 +143,54 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
     return reports
 
 
+class Assignments:
+    """Each node's part of the current map: what every node shares is built once, then each
+    directive is a copy of it with the node's own fields set (a new generation sends one to every
+    node: a copy is 2x cheaper than building the message from keywords)."""
+
+    def __init__(self, state: JobState, reason: str):
+        self.state = state
+        rm: RankMap | None = state.rank_map
+        shared = pb.Assignment(generation=state.generation, reason=reason)
+        if rm is not None:
+            shared.abort_previous = rm.abort_previous
+            shared.switch_at_step = rm.switch_at_step
+            shared.world_size = rm.world_size
+            shared.num_nodes = len(rm.placements)
+            shared.store_address = rm.store_address
+            shared.master_address = rm.master_address
+            shared.store_prefix = f"muster/{state.job}/g{state.generation}"
+        self.active = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
+        self.active.assignment.role = pb.ROLE_ACTIVE
+        self.unplaced = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
+        self.unplaced.assignment.role = pb.ROLE_WAITING if rm is None or rm.world_size == 0 else pb.ROLE_SPARE
+        self.running = state.phase is Phase.RUNNING
+
+    def directive(self, node_id: str) -> pb.Directive:
+        state = self.state
+        placement = state.rank_map.placement(node_id) if state.rank_map else None
+        member = state.member(node_id)
+        d = pb.Directive()
+        if placement is not None:
+            d.CopyFrom(self.active)
+            a = d.assignment
+            a.node_rank = placement.node_rank
+            a.rank_offset = placement.rank_offset
+            a.local_world_size = len(placement.slots)
+            a.local_ranks.extend(placement.slots)
+        else:
+            d.CopyFrom(self.unplaced)
+            a = d.assignment
+        if member is not None and member.down_slots:
+            a.down_local_ranks.extend(sorted(member.down_slots))
+            # Not in the map with slots awaited: start them now, they take a place once they report.
+            a.start_ranks = placement is None and self.running
+        return d
+
+
 def assignment_for(state: JobState, node_id: str, reason: str) -> pb.Directive:
-    """This node's part of the current map: O(1) in the job size."""
-    rm: RankMap | None = state.rank_map
-    a = pb.Assignment(generation=state.generation, reason=reason)
-    placement = rm.placement(node_id) if rm else None
-    if rm is not None:
-        a.abort_previous = rm.abort_previous
-        a.switch_at_step = rm.switch_at_step
-        a.world_size = rm.world_size
-        a.num_nodes = len(rm.placements)
-        a.store_address = rm.store_address
-        a.master_address = rm.master_address
-        a.store_prefix = f"muster/{state.job}/g{state.generation}"
-    if placement is not None:
-        a.role = pb.ROLE_ACTIVE
-        a.node_rank = placement.node_rank
-        a.rank_offset = placement.rank_offset
-        a.local_world_size = len(placement.slots)
-        a.local_ranks.extend(placement.slots)
-    elif rm is None or rm.world_size == 0:
-        a.role = pb.ROLE_WAITING
-    else:
-        a.role = pb.ROLE_SPARE
-    member = state.member(node_id)
-    if member is not None:
-        a.down_local_ranks.extend(sorted(member.down_slots))
-        # Not in the map with slots awaited: start them now, they take a place once they report.
-        a.start_ranks = placement is None and bool(member.down_slots) and state.phase is Phase.RUNNING
-    return pb.Directive(term=state.term, generation=state.generation, assignment=a)
+    """One node's part of the current map."""
+    return Assignments(state, reason).directive(node_id)
 
 
 def evicted_directive(state: JobState, reason: str) -> pb.Directive:

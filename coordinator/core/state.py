@@ -45,13 +45,21 @@ class Member:
     # the secret (member_id alone is guessable). "": a member of a state written before secrets.
     secret_hash: str = ""
 
-    @property
+    @cached_property  # a member never changes: assigning ranks asks it of every member
     def usable_slots(self) -> tuple[int, ...]:
         return tuple(s for s in range(self.slots) if s not in self.down_slots)
 
     def admits(self, secret_hash: str) -> bool:
         """The presented secret (by its hash) is this member's; in constant time."""
         return not self.secret_hash or hmac.compare_digest(self.secret_hash, secret_hash)
+
+    @cached_property
+    def json(self) -> str:
+        """Its part of the encoded state, made once (a state is written at every change)."""
+        return _json({"node_id": self.node_id, "member_id": self.member_id, "host": self.host,
+                      "store_port": self.store_port, "slots": self.slots, "seq": self.seq, "kind": self.kind.value,
+                      "down_slots": sorted(self.down_slots), "master_port": self.master_port,
+                      "secret_hash": self.secret_hash})
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,12 @@ class Placement:
 
     def rank_of(self, local_rank: int) -> int:
         return self.rank_offset + self.slots.index(local_rank)
+
+    @cached_property
+    def json(self) -> str:
+        # Formatted by hand, keys in `_json`'s order: a new map has new placements (3x faster than dumps).
+        return (f'{{"node_id":{_json(self.node_id)},"node_rank":{self.node_rank},"rank_offset":{self.rank_offset},'
+                f'"slots":[{",".join(map(str, self.slots))}]}}')
 
 
 @dataclass(frozen=True)
@@ -145,49 +159,44 @@ class JobState:
         return replace(self, members=tuple(sorted(members, key=lambda m: m.seq)))
 
 
+def _json(value) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _object(parts: dict[str, str]) -> str:
+    """A JSON object of already encoded values, keys sorted as `_json` sorts them."""
+    return "{" + ",".join(f"{_json(key)}:{parts[key]}" for key in sorted(parts)) + "}"
+
+
+def _array(items) -> str:
+    return "[" + ",".join(items) + "]"
+
+
 def encode(state: JobState) -> bytes:
     """JSON, so `etcdctl get` shows something an operator can read; zlib-compressed past
-    COMPRESS_ABOVE bytes, so a 100k-rank job stays under etcd's request limit (1.5 MiB)."""
+    COMPRESS_ABOVE bytes, so a 100k-rank job stays under etcd's request limit (1.5 MiB). Members
+    and placements keep their encoded text: a change re-encodes only what changed."""
     rm = state.rank_map
     doc = {
-        "schema": SCHEMA,
-        "job": state.job,
-        "spec": vars(state.spec),
-        "term": state.term,
-        "generation": state.generation,
-        "phase": state.phase.value,
-        "next_seq": state.next_seq,
-        "rebuilding": state.rebuilding,
-        "members": [
-            {
-                "node_id": m.node_id,
-                "member_id": m.member_id,
-                "host": m.host,
-                "store_port": m.store_port,
-                "slots": m.slots,
-                "seq": m.seq,
-                "kind": m.kind.value,
-                "down_slots": sorted(m.down_slots),
-                "master_port": m.master_port,
-                "secret_hash": m.secret_hash,
-            }
-            for m in state.members
-        ],
-        "rank_map": None
-        if rm is None
-        else {
-            "generation": rm.generation,
-            "world_size": rm.world_size,
-            "store_address": rm.store_address,
-            "abort_previous": rm.abort_previous,
-            "switch_at_step": rm.switch_at_step,
-            "master_address": rm.master_address,
-            "placements": [
-                {"node_id": p.node_id, "node_rank": p.node_rank, "rank_offset": p.rank_offset, "slots": list(p.slots)}
-                for p in rm.placements
-            ],
-        },
-        "history": [
+        "schema": _json(SCHEMA),
+        "job": _json(state.job),
+        "spec": _json(vars(state.spec)),
+        "term": _json(state.term),
+        "generation": _json(state.generation),
+        "phase": _json(state.phase.value),
+        "next_seq": _json(state.next_seq),
+        "rebuilding": _json(state.rebuilding),
+        "members": _array(m.json for m in state.members),
+        "rank_map": "null" if rm is None else _object({
+            "generation": _json(rm.generation),
+            "world_size": _json(rm.world_size),
+            "store_address": _json(rm.store_address),
+            "abort_previous": _json(rm.abort_previous),
+            "switch_at_step": _json(rm.switch_at_step),
+            "master_address": _json(rm.master_address),
+            "placements": _array(p.json for p in rm.placements),
+        }),
+        "history": _json([
             {
                 "generation": e.generation,
                 "term": e.term,
@@ -198,9 +207,9 @@ def encode(state: JobState) -> bytes:
                 "world_size": e.world_size,
             }
             for e in state.history
-        ],
+        ]),
     }
-    data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    data = _object(doc).encode()
     return zlib.compress(data, 1) if len(data) > COMPRESS_ABOVE else data
 
 

@@ -299,3 +299,108 @@ def test_an_abort_generation_is_reforming_until_every_library_rank_runs_in_it():
     assert live.reforming(aborted)
     live.observe("n1", 2, ranks("running", generation=2, step=21), 3)
     assert not live.reforming(aborted)
+
+
+# ---- a tally costs O(what changed) -------------------------------------------------------------
+
+
+def big_job(nodes):
+    c = Context(now=0, wall_ms=0, term=1, timing=TIMING)
+    state = decide(JobState("job", JobSpec(1, nodes, 1)), [Join(f"n{i}", "h", 1, 1) for i in range(nodes)], c).state
+    return decide(state, [Tick()], Context(now=TIMING.last_call_s + 1, wall_ms=0, term=1, timing=TIMING)).state
+
+
+class CountingNodes(dict):
+    """`Liveness.nodes`, counting the nodes a tally looks up."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        CountingNodes.lookups += 1
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        CountingNodes.lookups += 1
+        return super().__getitem__(key)
+
+
+def test_a_quiet_tally_looks_at_no_node_however_big_the_job():
+    state = big_job(3000)
+    live = Liveness(TIMING, now=0)
+    now = 10.0
+    for m in state.members:
+        live.observe(m.node_id, state.generation, report(1), now)
+    for i in range(3000 // 256 + 1):  # the first judgement of every node (it reported for the first time)
+        live.failures(state, now + 0.01 * (i + 1))
+    live.nodes = CountingNodes(live.nodes)
+    for i in range(4):
+        for m in state.members[:50]:
+            live.observe(m.node_id, state.generation, report(2 + i), now + 0.2 + i * 0.1)
+        CountingNodes.lookups = 0
+        assert live.failures(state, now + 0.25 + i * 0.1) == []
+        assert CountingNodes.lookups == 0
+
+
+def test_silence_is_found_at_every_tally_until_the_node_is_forgotten():
+    state = job(3)
+    live = Liveness(TIMING, now=0)
+    for t in (0, 1, 2, 2.5):
+        live.observe("n0", 1, report(int(t * 10) + 1), t)
+        live.observe("n2", 1, report(int(t * 10) + 1), t)
+    live.observe("n1", 1, report(1), 0.3)
+    assert live.failures(state, 2.25) == []
+    for t in (2.35, 2.4, 2.6):
+        assert [(f.kind, f.node_id) for f in live.failures(state, t)] == [("node_silent", "n1")]
+    live.forget("n1")
+    assert live.failures(state, 2.7) == []
+
+
+def test_deadlines_that_bunch_are_all_judged_within_a_few_tallies():
+    state = big_job(1000)
+    live = Liveness(Timing(heartbeat_timeout_s=100.0, progress_timeout_s=1.0), now=0)
+    for m in state.members:
+        live.observe(m.node_id, state.generation, report(5), 0)  # every rank then stalls at once
+    failed = set()
+    tallies = 0
+    while len(failed) < 1000 and tallies < 20:
+        tallies += 1
+        failed |= {f.node_id for f in live.failures(state, 1.5 + tallies * 0.05) if f.kind == "rank_stalled"}
+    assert len(failed) == 1000 and tallies <= 1000 // 256 + 1
+
+
+def test_a_stall_is_found_with_the_calibrated_timeout_not_the_one_when_its_deadline_was_set():
+    state = job(2)
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(1, step_time_s=0), 0)  # no step time yet: the start-up timeout (30 s)
+    now = 0.0
+    for i in range(40):  # n1 calibrates the timeout to its floor (1 s); n0 keeps reporting step 1
+        now = 0.05 * (i + 1)
+        live.observe("n1", 1, report(i + 2), now)
+        live.observe("n0", 1, report(1, state="running"), now)
+        assert live.failures(state, now) == [] or now > 1.0
+    found = []
+    while not found and now < 5:
+        now += 0.05
+        live.observe("n1", 1, report(int(now * 100)), now)
+        live.observe("n0", 1, report(1, state="running"), now)
+        found = live.failures(state, now)
+    assert [(f.kind, f.node_id) for f in found] == [("rank_stalled", "n0")] and now < 2.5
+
+
+def test_a_generation_larger_than_one_look_is_judged_over_several_tallies():
+    state = big_job(3000)
+    live = Liveness(TIMING, now=0)
+    live.generation_published(state.generation, 0)
+    for m in state.members:  # all formed but the last node, still forming an older group
+        live.observe(m.node_id, state.generation, [RankReport(0, 7, 0, 0.0, "forming", generation=state.generation)], 1)
+    for m in state.members[:-1]:
+        live.observe(m.node_id, state.generation, [RankReport(0, 7, 1, 0.05, "running", generation=state.generation)],
+                     61 + TIMING.heartbeat_timeout_s / 2)
+    live.observe("n2999", state.generation, [RankReport(0, 7, 0, 0.0, "forming", generation=0)],
+                 61 + TIMING.heartbeat_timeout_s / 2)
+    found, tallies = [], 0
+    while not found and tallies < 10:
+        tallies += 1
+        now = 61.0 + TIMING.heartbeat_timeout_s / 2 + tallies * 0.01
+        found = live.failures(state, now)
+    assert [(f.kind, f.node_id) for f in found] == [("rank_not_formed", "n2999")] and tallies == 3
