@@ -115,28 +115,19 @@ def spec_of(msg: pb.JobSpec) -> JobSpec:
 
 
 def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
-    if len(frame.ranks) > member.slots:
-        raise InvalidArgument(f"frame reports {len(frame.ranks)} ranks but node {member.node_id!r} has {member.slots} slots")
+    """The frame's rank reports, checked. The hot path of every leader: each field is read once."""
+    slots = member.slots
+    if len(frame.ranks) > slots:
+        raise InvalidArgument(f"frame reports {len(frame.ranks)} ranks but node {member.node_id!r} has {slots} slots")
     reports = []
     for r in frame.ranks:
-        if r.local_rank >= member.slots:
-            raise InvalidArgument(f"local_rank {r.local_rank} is out of range for {member.slots} slots")
-        for name in ("step", "digest_step"):
-            if getattr(r, name) > MAX_STEP:
-                raise InvalidArgument(f"{name} of local_rank {r.local_rank} is {getattr(r, name)}; at most {MAX_STEP}")
-        if r.generation > MAX_GENERATION:
-            raise InvalidArgument(f"generation of local_rank {r.local_rank} is {r.generation}; "
-                                  f"at most {MAX_GENERATION}")
-        if len(r.phase) > MAX_PHASE_CHARS:
-            raise InvalidArgument(f"phase of local_rank {r.local_rank} is {len(r.phase)} characters; "
-                                  f"at most {MAX_PHASE_CHARS}")
-        if len(r.digest) > MAX_DIGEST_BYTES:
-            raise InvalidArgument(f"digest of local_rank {r.local_rank} is {len(r.digest)} bytes; at most {MAX_DIGEST_BYTES}")
-        state = RANK_STATES.get(r.state)
-        if state is None:
-            raise InvalidArgument(f"state of local_rank {r.local_rank} is unspecified or unknown ({r.state})")
-        reports.append(RankReport(r.local_rank, r.pid, r.step, r.step_time_us / 1e6, state, r.heard_ms_ago, r.phase,
-                                  r.digest_step, r.digest, r.generation))
+        local_rank, step, digest_step, generation = r.local_rank, r.step, r.digest_step, r.generation
+        phase, digest, state = r.phase, r.digest, RANK_STATES.get(r.state)
+        if (local_rank >= slots or step > MAX_STEP or digest_step > MAX_STEP or generation > MAX_GENERATION
+                or len(phase) > MAX_PHASE_CHARS or len(digest) > MAX_DIGEST_BYTES or state is None):
+            _refuse_rank(r, slots)
+        reports.append(RankReport(local_rank, r.pid, step, r.step_time_us / 1e6, state, r.heard_ms_ago, phase,
+                                  digest_step, digest, generation))
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")
@@ -186,6 +177,23 @@ class Assignments:
             # Not in the map with slots awaited: start them now, they take a place once they report.
             a.start_ranks = placement is None and self.running
         return d
+
+
+def _refuse_rank(r: pb.RankReport, slots: int) -> None:
+    """Why a rank report is refused (the checks of `check_frame_ranks`, one by one)."""
+    if r.local_rank >= slots:
+        raise InvalidArgument(f"local_rank {r.local_rank} is out of range for {slots} slots")
+    for name in ("step", "digest_step"):
+        if getattr(r, name) > MAX_STEP:
+            raise InvalidArgument(f"{name} of local_rank {r.local_rank} is {getattr(r, name)}; at most {MAX_STEP}")
+    if r.generation > MAX_GENERATION:
+        raise InvalidArgument(f"generation of local_rank {r.local_rank} is {r.generation}; at most {MAX_GENERATION}")
+    if len(r.phase) > MAX_PHASE_CHARS:
+        raise InvalidArgument(f"phase of local_rank {r.local_rank} is {len(r.phase)} characters; "
+                              f"at most {MAX_PHASE_CHARS}")
+    if len(r.digest) > MAX_DIGEST_BYTES:
+        raise InvalidArgument(f"digest of local_rank {r.local_rank} is {len(r.digest)} bytes; at most {MAX_DIGEST_BYTES}")
+    raise InvalidArgument(f"state of local_rank {r.local_rank} is unspecified or unknown ({r.state})")
 
 
 def assignment_for(state: JobState, node_id: str, reason: str) -> pb.Directive:

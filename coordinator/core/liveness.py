@@ -20,6 +20,7 @@ import heapq
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import Timing
@@ -69,8 +70,7 @@ REPORTED = frozenset({"exited", "restarting"})  # acted on as reported, not at a
 WAITING = frozenset({"long_phase", "forming", "holding"})  # phases timed from when they began
 
 
-@dataclass(frozen=True)
-class RankReport:
+class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x cheaper than a dataclass
     local_rank: int
     pid: int
     step: int
