@@ -466,10 +466,10 @@ class JobLeader:
         if recovered:
             self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 
-    def status(self, brief: bool = False) -> pb.JobStatus:
-        js = wire.job_status(self.state, self.address, self.term, self.live, brief)
-        if brief:
-            return js  # leader probes: O(1), and live_ranks() is O(ranks)
+    def status(self, brief: bool = False, page: wire.Page = wire.Page()) -> pb.JobStatus:
+        js = wire.job_status(self.state, self.address, self.term, self.live, brief, page)
+        if brief or not page.first:
+            return js  # leader probes: O(1); later pages: O(page), and live_ranks() is O(nodes)
         js.health.CopyFrom(pb.JobHealth(frames_per_second=round(self.frames_per_s, 1), live_ranks=self.live_ranks(),
                                         evictions=self.evictions, last_detection_s=round(self.last_detection_s, 4),
                                         last_recovery_s=round(self.last_recovery_s, 4)))
