@@ -459,6 +459,25 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     node_ids = [m.node_id for m in lost.members]
     middle = leader.state.rank_map.placements[len(leader.state.rank_map.placements) // 2]
     one_node = wire.Page(node=middle.node_id)
+
+    async def status_stall() -> float:
+        """The longest the loop waits on one default Status: a task that only yields measures it."""
+        gaps, done = [0.0], False
+
+        async def yielder() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        task = asyncio.create_task(yielder())
+        await asyncio.sleep(0)
+        await leader.status()
+        done = True
+        await task
+        return round(max(gaps) * 1e3, 3)
+
     return {
         "ranks": nodes * slots,
         "nodes": nodes,
@@ -474,10 +493,11 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
         "leader_change_ms": round(change_s * 1e3, 3),
         "assignments_ms": median_ms(lambda: [wire.assignment_for(lost, n, "bench") for n in node_ids], reps),
         "frame_us": round(frame_us, 2),
-        "status_ms": median_ms(leader.status, reps),
-        "status_bytes": leader.status().ByteSize(),
-        "status_node_ms": median_ms(lambda: leader.status(page=one_node), reps),
-        "status_node_bytes": leader.status(page=one_node).ByteSize(),
+        "status_ms": median_ms(lambda: asyncio.run(leader.status()), reps),
+        "status_bytes": asyncio.run(leader.status()).ByteSize(),
+        "status_stall_ms": max(asyncio.run(status_stall()) for _ in range(reps)),
+        "status_node_ms": median_ms(lambda: asyncio.run(leader.status(page=one_node)), reps),
+        "status_node_bytes": asyncio.run(leader.status(page=one_node)).ByteSize(),
         "summary_ms": median_ms(lambda: wire.job_summary(leader.state, leader.live), reps),
     }
 
@@ -499,8 +519,11 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
             "frame_us": "JobLeader.on_frame of one frame of `slots` rank reports (the protobuf already parsed)",
             "status_ms": "JobLeader.status of a default Status: header, summary, health and the first page of "
                          f"{wire.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
-            "status_node_ms": "JobLeader.status of a page of one node's ranks (StatusRequest.node)",
-            "summary_ms": "wire.job_summary: rank counts by state over the whole job (inside status_ms)",
+            "status_stall_ms": "the longest the leader's loop waits while a default Status is built (the "
+                               "summary is counted in slices of 1,000 nodes, yielding between them); worst of reps",
+            "status_node_ms": "JobLeader.status of a page of one node's ranks (StatusRequest.node; no summary)",
+            "summary_ms": "wire.job_summary: rank counts by state over the whole job at once (inside status_ms, "
+                          "in slices)",
         },
         "sizes": [membership_at(ranks, slots, reps if ranks <= 20_000 else max(3, reps // 2)) for ranks in sizes],
     }

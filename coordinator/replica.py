@@ -365,7 +365,7 @@ class Replica:
         for name in names:
             leader = self.leaders.get(name)
             if leader is not None:
-                resp.jobs.append(leader.status(brief, page))
+                resp.jobs.append(await leader.status(brief, page))
                 continue
             state, term_leader = await self._persisted(name)
             address, term = term_leader

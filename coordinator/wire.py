@@ -10,6 +10,7 @@ import ipaddress
 import re
 from bisect import bisect_right
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -208,8 +209,9 @@ class Page:
     states: frozenset[str] = frozenset()
 
     @property
-    def first(self) -> bool:
-        return self.token is None
+    def summarised(self) -> bool:
+        """The first page of the whole job carries the summary (a node's ranks are about that node)."""
+        return self.token is None and not self.node
 
 
 def check_page(req: pb.StatusRequest) -> Page:
@@ -234,24 +236,30 @@ def check_page(req: pb.StatusRequest) -> Page:
     return Page(req.page_size or DEFAULT_PAGE_SIZE, token, req.node, frozenset(req.states))
 
 
-def job_summary(state: JobState, live: Liveness | None) -> pb.JobSummary:
-    """Counts over the whole job: O(nodes + ranks of the map), one dict lookup per rank."""
-    s = pb.JobSummary(nodes=len(state.members), spares=len(state.spares))
-    rm = state.rank_map
-    if rm is None or not rm.world_size:
-        return s
-    if live is None:
-        s.rank_states["persisted"] = rm.world_size
-        return s
+def rank_states(placements: Sequence[Placement], live: Liveness) -> Counter[str]:
+    """The live state of every rank of `placements`, counted: one dict lookup per rank."""
     counts: Counter[str] = Counter()
-    for p in rm.placements:
+    for p in placements:
         node = live.nodes.get(p.node_id)
         if node is None:
             counts["unknown"] += len(p.slots)
             continue
         ranks = node.ranks
         counts.update(r.state if (r := ranks.get(slot)) else "unknown" for slot in p.slots)
-    s.rank_states.update(counts)
+    return counts
+
+
+def job_summary(state: JobState, live: Liveness | None, counts: Counter[str] | None = None) -> pb.JobSummary:
+    """Counts over the whole job; `counts`: rank_states of the whole map, counted already (the
+    leader counts a large map in slices, yielding to its loop between them)."""
+    s = pb.JobSummary(nodes=len(state.members), spares=len(state.spares))
+    rm = state.rank_map
+    if rm is None or not rm.world_size:
+        return s
+    if live is None:
+        s.rank_states["persisted"] = rm.world_size
+    else:
+        s.rank_states.update(rank_states(rm.placements, live) if counts is None else counts)
     return s
 
 
@@ -299,10 +307,11 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
 
 
 def job_status(state: JobState, leader: str, term: int, live: Liveness | None, brief: bool = False,
-               page: Page = Page()) -> pb.JobStatus:
+               page: Page = Page(), summary: pb.JobSummary | None = None) -> pb.JobStatus:
     """Persisted map always; pids, steps and rank states only when `live` (the leader) is given;
     `brief`: neither ranks nor nodes (O(1) in the job size). Otherwise one page of ranks, and with
-    the first page the summary and the nodes and spares (at most MAX_LISTED_NODES of each)."""
+    the first page (of the whole job, no node filter) the summary (`summary`, or counted here) and
+    the nodes and spares (at most MAX_LISTED_NODES of each)."""
     rm = state.rank_map
     js = pb.JobStatus(
         name=state.job,
@@ -317,10 +326,10 @@ def job_status(state: JobState, leader: str, term: int, live: Liveness | None, b
         return js
     ranks, js.next_page_token = rank_page(state, live, page)
     js.ranks.extend(ranks)
-    if page.first:
+    if page.summarised:
         js.nodes.extend(m.node_id for m in islice(state.members, MAX_LISTED_NODES))
         js.spares.extend(state.spares[:MAX_LISTED_NODES])
-        js.summary.CopyFrom(job_summary(state, live))
+        js.summary.CopyFrom(summary or job_summary(state, live))
     return js
 
 

@@ -109,6 +109,7 @@ def test_node_filter_gives_that_nodes_ranks_and_a_spare_none():
     rest, end = wire.rank_page(state, live(state), page(node="n2", page_size=2, page_token=token))
     assert [r.rank for r in first + rest] == [6, 7, 8] and end == ""
     assert wire.rank_page(state, live(state), page(node="s0")) == ([], "")
+    assert not wire.job_status(state, "me", 7, live(state), page=page(node="n2")).HasField("summary")
     with pytest.raises(NotFound, match="'n9' is no member"):
         wire.rank_page(state, live(state), page(node="n9"))
 
