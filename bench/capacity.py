@@ -520,7 +520,7 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
             "status_ms": "JobLeader.status of a default Status: header, summary, health and the first page of "
                          f"{wire.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
             "status_stall_ms": "the longest the leader's loop waits while a default Status is built (the "
-                               "summary is counted in slices of 1,000 nodes, yielding between them); worst of reps",
+                               "summary is counted in slices of 500 nodes, yielding between them); worst of reps",
             "status_node_ms": "JobLeader.status of a page of one node's ranks (StatusRequest.node; no summary)",
             "summary_ms": "wire.job_summary: rank counts by state over the whole job at once (inside status_ms, "
                           "in slices)",
