@@ -174,10 +174,16 @@ class Clients:
 async def _steps(stub, job: str) -> tuple[float, dict[str, int], int]:
     """(when, step of each node as the leader sees it, world size)."""
     asked = time.monotonic()
-    status = await stub.Status(pb.StatusRequest(job=job), timeout=10)
+    steps: dict[str, int] = {}
+    request = pb.StatusRequest(job=job, page_size=wire.MAX_PAGE_SIZE)
+    while True:  # every page: a job of 1,000 nodes has 8,000 ranks
+        js = (await stub.Status(request, timeout=10)).jobs[0]
+        steps.update((r.node, r.step) for r in js.ranks if r.local_rank == 0)
+        if not js.next_page_token:
+            break
+        request.page_token = js.next_page_token
     when = (asked + time.monotonic()) / 2  # a large Status takes a while to build and return
-    js = status.jobs[0]
-    return when, {r.node: r.step for r in js.ranks if r.local_rank == 0}, js.world_size
+    return when, steps, js.world_size
 
 
 async def _wait_stepping(stub, coordinator: CoordinatorProcess, nodes: int, slots: int, timeout_s: float) -> None:
@@ -451,6 +457,27 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
 
     tick_s, change_s = asyncio.run(leader_path())
     node_ids = [m.node_id for m in lost.members]
+    middle = leader.state.rank_map.placements[len(leader.state.rank_map.placements) // 2]
+    one_node = wire.Page(node=middle.node_id)
+
+    async def status_stall() -> float:
+        """The longest the loop waits on one default Status: a task that only yields measures it."""
+        gaps, done = [0.0], False
+
+        async def yielder() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        task = asyncio.create_task(yielder())
+        await asyncio.sleep(0)
+        await leader.status()
+        done = True
+        await task
+        return round(max(gaps) * 1e3, 3)
+
     return {
         "ranks": nodes * slots,
         "nodes": nodes,
@@ -466,8 +493,12 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
         "leader_change_ms": round(change_s * 1e3, 3),
         "assignments_ms": median_ms(lambda: [wire.assignment_for(lost, n, "bench") for n in node_ids], reps),
         "frame_us": round(frame_us, 2),
-        "status_ms": median_ms(leader.status, reps),
-        "status_bytes": leader.status().ByteSize(),
+        "status_ms": median_ms(lambda: asyncio.run(leader.status()), reps),
+        "status_bytes": asyncio.run(leader.status()).ByteSize(),
+        "status_stall_ms": max(asyncio.run(status_stall()) for _ in range(reps)),
+        "status_node_ms": median_ms(lambda: asyncio.run(leader.status(page=one_node)), reps),
+        "status_node_bytes": asyncio.run(leader.status(page=one_node)).ByteSize(),
+        "summary_ms": median_ms(lambda: wire.job_summary(leader.state, leader.live), reps),
     }
 
 
@@ -486,7 +517,13 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
                                 "(one assignment directive per streaming node); the etcd write is left out",
             "assignments_ms": "wire.assignment_for for every node (the fan-out inside leader_change_ms)",
             "frame_us": "JobLeader.on_frame of one frame of `slots` rank reports (the protobuf already parsed)",
-            "status_ms": "JobLeader.status (one Status RPC, before serialization)",
+            "status_ms": "JobLeader.status of a default Status: header, summary, health and the first page of "
+                         f"{wire.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
+            "status_stall_ms": "the longest the leader's loop waits while a default Status is built (the "
+                               "summary is counted in slices of 500 nodes, yielding between them); worst of reps",
+            "status_node_ms": "JobLeader.status of a page of one node's ranks (StatusRequest.node; no summary)",
+            "summary_ms": "wire.job_summary: rank counts by state over the whole job at once (inside status_ms, "
+                          "in slices)",
         },
         "sizes": [membership_at(ranks, slots, reps if ranks <= 20_000 else max(3, reps // 2)) for ranks in sizes],
     }

@@ -357,7 +357,7 @@ class Replica:
                 raise NotLeader(job, address)
             await asyncio.sleep(0.02)
 
-    async def status(self, job: str, brief: bool = False) -> pb.StatusResponse:
+    async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page()) -> pb.StatusResponse:
         names = [wire.check_job(job)] if job else sorted(self.jobs)
         if job and job not in self.jobs:
             raise NotFound(f"job {job!r} is unknown to this deployment")
@@ -365,11 +365,11 @@ class Replica:
         for name in names:
             leader = self.leaders.get(name)
             if leader is not None:
-                resp.jobs.append(leader.status(brief))
+                resp.jobs.append(await leader.status(brief, page))
                 continue
             state, term_leader = await self._persisted(name)
             address, term = term_leader
-            resp.jobs.append(wire.job_status(state, address, term, None, brief))
+            resp.jobs.append(wire.job_status(state, address, term, None, brief, page))
         return resp
 
     async def events(self, job: str) -> pb.EventsResponse:

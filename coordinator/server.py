@@ -94,7 +94,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals
     async def Status(self, request, context):
-        return await self.replica.status(request.job, request.brief)
+        return await self.replica.status(request.job, request.brief, wire.check_page(request))
 
     @_refusals
     async def Events(self, request, context):

@@ -162,25 +162,49 @@ def _ask(args, rpc: str, request):
 
     with Coordinators(args.coordinator, timeout_s=args.timeout, security=_security(args)) as coordinators:
         response = coordinators.call(rpc, request)
-        if rpc == "Status":  # ranks and steps are live only at each job's leader
-            for i, job in enumerate(response.jobs):
-                if not job.live and job.leader and job.leader != response.replica:
-                    from muster.v1 import muster_pb2 as pb
-
-                    try:
-                        live = coordinators.stub(job.leader).Status(pb.StatusRequest(job=job.name), timeout=args.timeout,
-                                                                    metadata=coordinators.security.metadata)
-                        response.jobs[i].CopyFrom(live.jobs[0])
-                    except grpc.RpcError:
-                        pass  # keep the persisted view
+        if rpc == "Status":
+            _live_pages(args, coordinators, request, response)
         return response
+
+
+def _live_pages(args, coordinators, request, response) -> None:
+    """Ranks and steps are live only at each job's leader: ask it for the same page; with `--all`
+    follow the pages there (a job whose map changes meanwhile refuses the next token: run again)."""
+    for js in response.jobs:
+        ask = response.replica
+        if not js.live and js.leader and js.leader != response.replica:
+            try:
+                js.CopyFrom(_page(args, coordinators, js.leader, request, js.name, request.page_token))
+                ask = js.leader
+            except grpc.RpcError:
+                pass  # keep the persisted view
+        while args.all and js.next_page_token:
+            more = _page(args, coordinators, ask, request, js.name, js.next_page_token)
+            js.ranks.extend(more.ranks)
+            js.next_page_token = more.next_page_token
+
+
+def _page(args, coordinators, address: str, request, job: str, token: str):
+    from muster.v1 import muster_pb2 as pb
+
+    asked = pb.StatusRequest()
+    asked.CopyFrom(request)
+    asked.job, asked.page_token = job, token
+    return coordinators.stub(address).Status(asked, timeout=args.timeout, metadata=coordinators.security.metadata).jobs[0]
 
 
 def _status(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
     job = _job(args)
-    response = _ask(args, "Status", pb.StatusRequest(job=job))
+    if (args.node or args.page_token) and not job:
+        raise ValueError("--node and --page-token need --job")
+    if args.page_size < 0:
+        raise ValueError("--page-size must be at least 0")
+    states = [s.strip() for s in args.states.split(",") if s.strip()] if args.states else []
+    request = pb.StatusRequest(job=job, page_size=args.page_size, page_token=args.page_token or "",
+                               node=args.node or "", states=states)
+    response = _ask(args, "Status", request)
     jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
             for j in response.jobs]
     for j in jobs:
@@ -202,15 +226,23 @@ def _status(args: argparse.Namespace) -> int:
     for j in jobs:
         print(f"job {j['name']}  leader {j['leader'] or '-'}  term {j['term']}  generation {j['generation']}  "
               f"world_size {j['world_size']}  phase {j['phase']}")
-        if j["live"]:
+        if "summary" in j:  # the first page
+            s = j["summary"]
+            counts = ", ".join(f"{n} {state}" for state, n in sorted(s["rank_states"].items())) or "none"
+            print(f"  nodes {s['nodes']}  spares {s['spares']}  ranks: {counts}")
+        if "health" in j:
             h = j["health"]
             print(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions {int(h['evictions'])}"
                   f"  last detection {h['last_detection_s']:.3f}s  last recovery {h['last_recovery_s']:.3f}s")
         print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10}  STATE")
-        for r in sorted(j["ranks"], key=lambda r: r["rank"]):
+        for r in j["ranks"]:
             print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
                   f"{r['step']:>10}  {r['state']}")
-        print(f"  spares: {', '.join(j['spares']) or '-'}")
+        if j["next_page_token"]:
+            print(f"  more ranks: --page-token {j['next_page_token']} (or --all)")
+        if "summary" in j:
+            unlisted = j["summary"]["spares"] - len(j["spares"])
+            print(f"  spares: {', '.join(j['spares']) or '-'}" + (f" (+{unlisted} more)" if unlisted else ""))
     return 0
 
 
@@ -321,6 +353,12 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--job", required=(name == "events"))
         q.add_argument("--json", action="store_true")
         q.add_argument("--timeout", type=float, default=5.0)
+        if name == "status":
+            q.add_argument("--page-size", type=int, default=0, help="ranks per page (default 1000, at most 5000)")
+            q.add_argument("--page-token", help="the page after the one that printed it")
+            q.add_argument("--all", action="store_true", help="every page: all ranks of the job")
+            q.add_argument("--node", help="only this node's ranks (with --job)")
+            q.add_argument("--states", help="only ranks in these states, comma-separated (e.g. exited,unknown)")
         _client_security_flags(q)
         q.set_defaults(func=func, verb=name)
     return p

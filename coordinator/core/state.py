@@ -149,9 +149,10 @@ class JobState:
         in their old groups until the rebuild ends; nothing is published before."""
         return self.rebuilding and self.generation > 0
 
-    @property
+    @cached_property
     def spares(self) -> tuple[str, ...]:
-        """Members with usable slots that the map does not use."""
+        """Members with usable slots that the map does not use (O(nodes): once per state, which
+        every Status summary and metrics scrape reads)."""
         used = set(self.rank_map.node_ids) if self.rank_map else set()
         return tuple(m.node_id for m in self.members if m.node_id not in used and m.usable_slots)
 

@@ -234,12 +234,20 @@ class Drain(_message.Message):
     def __init__(self, after_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job", "brief")
+    __slots__ = ("job", "brief", "page_size", "page_token", "node", "states")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BRIEF_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     job: str
     brief: bool
-    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    node: str
+    states: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., node: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state")
@@ -260,7 +268,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health")
+    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health", "summary", "next_page_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +280,8 @@ class JobStatus(_message.Message):
     LIVE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     leader: str
     term: int
@@ -283,7 +293,26 @@ class JobStatus(_message.Message):
     live: bool
     nodes: _containers.RepeatedScalarFieldContainer[str]
     health: JobHealth
-    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[JobHealth, _Mapping]] = ...) -> None: ...
+    summary: JobSummary
+    next_page_token: str
+    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[JobHealth, _Mapping]] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class JobSummary(_message.Message):
+    __slots__ = ("nodes", "spares", "rank_states")
+    class RankStatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    RANK_STATES_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    spares: int
+    rank_states: _containers.ScalarMap[str, int]
+    def __init__(self, nodes: _Optional[int] = ..., spares: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class JobHealth(_message.Message):
     __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s")
