@@ -107,7 +107,8 @@ class JobLeader:
         self.log = log.bind(job=self.job, term=self.term)
         self.metrics = metrics or Metrics()
         self._frames = self.metrics.frames.labels(self.job)
-        self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0
+        self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0  # counted per frame, reported per tally
+        self._frames_reported = 0
         self._signals: list[float] = []  # first signals of failures not decided yet
         self._recovering: Recovery | None = None
         self.evictions = 0
@@ -230,11 +231,14 @@ class JobLeader:
         self._settle(batch, decision)
 
     def _measure(self, now: float) -> None:
-        """Frames/s (smoothed), and the end of a recovery (`Liveness.recovered`)."""
+        """Frames/s (smoothed, and the metric's count), and the end of a recovery (`Liveness.recovered`)."""
+        if self._frame_count > self._frames_reported:
+            self._frames.inc(self._frame_count - self._frames_reported)
+            self._frames_reported = self._frame_count
         if now - self._rate_at >= 1.0:
             rate = self._frame_count / (now - self._rate_at)
             self.frames_per_s = rate if not self.frames_per_s else 0.7 * self.frames_per_s + 0.3 * rate
-            self._frame_count, self._rate_at = 0, now
+            self._frame_count, self._frames_reported, self._rate_at = 0, 0, now
         if self._recovering is None:
             return
         over, took = self.live.recovered(self.state, self._recovering, now)
@@ -443,7 +447,6 @@ class JobLeader:
                 f"frame generation {frame.generation} is ahead of the job's generation {self.state.generation}"
             )
         now = self._clock()
-        self._frames.inc()
         self._frame_count += 1
         if frame.exits:
             self._signals.append(now)

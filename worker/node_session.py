@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -142,6 +143,15 @@ class NodeSession:
         """Send a frame at once (an exit report must not wait for the interval)."""
         self._wake.set()
 
+    def _until_next_frame(self) -> float:
+        """Seconds to this node's next frame. Nodes keep their own phase in the interval (a stable
+        hash of the node id, on the wall clock shared by the hosts): in synchronous training every
+        node would otherwise report at the same moment, and the leader take N frames in a burst."""
+        interval = self.heartbeat_interval_s
+        phase = zlib.crc32(self.identity.node_id.encode()) / 2**32 * interval
+        wait = interval - (time.time() - phase) % interval
+        return wait if wait >= interval / 2 else wait + interval  # never two frames back to back
+
     async def _frames(self):
         first = True
         while True:
@@ -156,7 +166,7 @@ class NodeSession:
                 yield frame
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._until_next_frame())
             except TimeoutError:
                 pass
 
