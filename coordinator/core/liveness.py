@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,6 +54,7 @@ class NodeLive:
     ranks: dict[int, RankLive] = field(default_factory=dict)
     top_step: int = 0  # the highest step of its ranks in its last frame
     heard_slot: int = -1  # the slot of `Liveness._heard` that holds it (by its last frame)
+    early: float = 0.0  # in [0, 0.5): how much of the progress timeout's floor its judgements come early
 
 
 @dataclass(frozen=True)
@@ -127,16 +129,18 @@ class Liveness:
     def start_grace(self, node_ids, now: float) -> None:
         """A new leader: every known node gets grace_s to reconnect before silence counts."""
         self.grace_until = now + self.timing.grace_s
+        floor = self.timing.progress_timeout_s or self.timing.progress_floor_s
         for node_id in node_ids:
-            self._heard_now(node_id, self.nodes.setdefault(node_id, NodeLive(now)), now)
-            self._arm(node_id, now)
+            node = self._node(node_id, now)
+            self._heard_now(node_id, node, now)
+            self._arm(node_id, self.grace_until + node.early * floor)  # spread: not every node in one tally
 
     def in_grace(self, now: float) -> bool:
         return now < self.grace_until
 
     def track(self, node_id: str, now: float) -> None:
         if node_id not in self.nodes:
-            self._heard_now(node_id, self.nodes.setdefault(node_id, NodeLive(now)), now)
+            self._heard_now(node_id, self._node(node_id, now), now)
             self._arm(node_id, now)
 
     def forget(self, node_id: str) -> None:
@@ -150,6 +154,12 @@ class Liveness:
             self._count_digest(live.digest_step, -1)
         for key in [k for k in self.failed_pids if k[0] == node_id]:
             del self.failed_pids[key]
+
+    def _node(self, node_id: str, now: float) -> NodeLive:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeLive(now, early=zlib.crc32(node_id.encode()) / 2**33)
+        return node
 
     def _heard_now(self, node_id: str, node: NodeLive, now: float) -> None:
         node.last_frame_at = now
@@ -176,7 +186,7 @@ class Liveness:
         """Record a frame. Returns the local ranks that came back (a new process in a failed slot)."""
         node = self.nodes.get(node_id)
         if node is None:
-            node = self.nodes[node_id] = NodeLive(now)
+            node = self._node(node_id, now)
             self._arm(node_id, now)
         self._heard_now(node_id, node, now)
         node.generation = generation
@@ -379,48 +389,51 @@ class Liveness:
         return found
 
     def _judge(self, member, node: NodeLive, rm, stall_after: float, now: float) -> tuple[list[Failure], float]:
-        """One node's failing ranks now, and when they may fail next (inf: not before a report
-        changes their state). Deadlines are set at the progress timeout's floor: calibration may
-        shorten the timeout meanwhile, never below it."""
+        """One node's failing ranks now, and when to judge them next (inf: not before a report
+        changes their state). Deadlines are set at the progress timeout's floor (calibration may
+        shorten the timeout meanwhile, never below it), less the node's own `early` share: nodes
+        that progressed together are judged spread out, not in one tally."""
         t = self.timing
         placement = rm.placement(member.node_id) if rm else None
         if placement is None:
             return [], now + t.heartbeat_timeout_s  # a spare: looked at again in case a map places it
         shortest = t.progress_timeout_s if t.progress_timeout_s is not None else t.progress_floor_s
         published = self.published[1]
+        silent_ms = t.heartbeat_timeout_s * 1000 if member.kind is NodeKind.AGENT else math.inf
+        ranks = node.ranks
         found, next_at = [], math.inf
         for slot in placement.slots:
-            live = node.ranks.get(slot)
-            if live is None or live.state in NO_PROGRESS:
-                continue  # exited: found above; unmonitored: no library, its exit is the signal
-            progress_at = max(live.progress_at, published)
-            if member.kind is NodeKind.AGENT and live.heard_ms_ago > t.heartbeat_timeout_s * 1000:
+            live = ranks.get(slot)
+            if live is None:
+                continue
+            state = live.state
+            if state in NO_PROGRESS or state == "forming" or state == "holding":
+                continue  # exited: found above; unmonitored: its exit is the signal; forming: group_failures
+            progress_at = live.progress_at if live.progress_at > published else published
+            if live.heard_ms_ago > silent_ms:
                 found.append(Failure(FailureKind.RANK_SILENT, member.node_id, slot,
                                      f"agent has not heard from it for {live.heard_ms_ago}ms",
                                      node.last_frame_at - live.heard_ms_ago / 1000))
-            elif live.state == "long_phase":
-                if live.phase_since is None:
-                    continue
-                if now - live.phase_since > t.long_phase_timeout_s:
+            elif state == "running":
+                if now - progress_at > stall_after:
                     found.append(Failure(FailureKind.RANK_STALLED, member.node_id, slot,
-                                         f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
-                                         live.phase_since))
-                next_at = min(next_at, live.phase_since + t.long_phase_timeout_s)
-            elif live.state in ("forming", "holding"):
-                continue  # waiting for the others: judged with the whole generation (group_failures)
-            elif live.state == "starting":
+                                         f"step {live.step} has not advanced for {now - progress_at:.2f}s "
+                                         f"(progress timeout {stall_after:.2f}s)", progress_at))
+                elif progress_at + shortest < next_at:
+                    next_at = progress_at + shortest
+            elif state == "starting":
                 if now - progress_at > max(stall_after, t.startup_progress_timeout_s):
                     found.append(Failure(FailureKind.RANK_STALLED, member.node_id, slot,
                                          f"no step completed for {now - progress_at:.2f}s since it started",
                                          progress_at))
                 next_at = min(next_at, progress_at + max(shortest, t.startup_progress_timeout_s))
-            elif live.state == "running":
-                if now - progress_at > stall_after:
+            elif state == "long_phase" and live.phase_since is not None:
+                if now - live.phase_since > t.long_phase_timeout_s:
                     found.append(Failure(FailureKind.RANK_STALLED, member.node_id, slot,
-                                         f"step {live.step} has not advanced for {now - progress_at:.2f}s "
-                                         f"(progress timeout {stall_after:.2f}s)", progress_at))
-                next_at = min(next_at, progress_at + shortest)
-        return found, max(next_at, now + 1e-6)
+                                         f"long phase {live.phase!r} exceeded {t.long_phase_timeout_s:.0f}s",
+                                         live.phase_since))
+                next_at = min(next_at, live.phase_since + t.long_phase_timeout_s)
+        return found, max(next_at - node.early * shortest, now + 1e-6)
 
     def group_failures(self, rm, now: float) -> list[Failure]:
         """The current generation as a whole. Ranks holding in it for the heartbeat timeout (a

@@ -1,6 +1,8 @@
 """Liveness: silence, stalls with a calibrated progress timeout, long phases, grace."""
 
 import json
+import statistics
+from dataclasses import replace
 
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness, RankReport, Recovery
@@ -326,7 +328,7 @@ class CountingNodes(dict):
 
 def test_a_quiet_tally_looks_at_no_node_however_big_the_job():
     state = big_job(3000)
-    live = Liveness(TIMING, now=0)
+    live = Liveness(replace(TIMING, progress_floor_s=30.0), now=0)  # nothing due again for 15 s at least
     now = 10.0
     for m in state.members:
         live.observe(m.node_id, state.generation, report(1), now)
@@ -404,3 +406,24 @@ def test_a_generation_larger_than_one_look_is_judged_over_several_tallies():
         now = 61.0 + TIMING.heartbeat_timeout_s / 2 + tallies * 0.01
         found = live.failures(state, now)
     assert [(f.kind, f.node_id) for f in found] == [("rank_not_formed", "n2999")] and tallies == 3
+
+
+def test_nodes_that_progress_together_are_judged_spread_over_tallies():
+    state = big_job(1000)
+    live = Liveness(TIMING, now=0)  # progress floor 1 s: each node judged again within 0.5-1 s of its progress
+    judged = []
+    judge = live._judge
+    live._judge = lambda *a: (judged.append(1), judge(*a))[1]
+    per_tally = []
+    for tick in range(1, 200):
+        now = tick * 0.05
+        if tick % 4 == 0:  # every node steps at once
+            for m in state.members:
+                live.observe(m.node_id, state.generation, report(tick), now)
+        judged.clear()
+        assert live.failures(state, now) == []
+        per_tally.append(len(judged))
+    steady = per_tally[40:]
+    # Without the spread every node would come due in the same tally after each step (256 a tally,
+    # the cap, for four tallies in a row); with it they come due over half a second.
+    assert statistics.mean(steady) < 120 and sum(n == 256 for n in steady) <= len(steady) // 20
