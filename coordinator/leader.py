@@ -8,6 +8,7 @@ then adopts it and pushes each node its part of the new map. Frames only update 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import secrets
 import time
@@ -33,6 +34,10 @@ from muster.v1 import muster_pb2 as pb
 log = structlog.get_logger(__name__)
 
 CLOSE = object()  # queued on a NodeStream to end it
+# A job this big has a million live objects (its state, liveness, streams): a full collection of the
+# cyclic GC walks them all (70-170 ms at 12,500 nodes), and the directives of a change set one off.
+# Frozen after each new generation, they are not walked again (refcounting still frees them).
+GC_FREEZE_NODES = 1_000
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 
 
@@ -289,6 +294,8 @@ class JobLeader:
             for node_id, stream in self.streams.items():
                 if not stream.departed:
                     stream.send(assignments.directive(node_id))
+            if len(self.state.members) >= GC_FREEZE_NODES:
+                gc.freeze()
         for node_id, after_step in d.drains:
             stream = self.streams.get(node_id)
             if stream:
