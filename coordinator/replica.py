@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import threading
 from dataclasses import dataclass, replace
 
@@ -30,6 +29,7 @@ from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import JobGauges, Metrics
 from muster.coordinator.store import JobStorage
+from muster.net import Backoff
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -75,7 +75,7 @@ class Replica:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._renewing: asyncio.Task | None = None
-        self._retries: dict[str, tuple[float, float]] = {}  # job -> (its last retry delay, when)
+        self._retries: dict[str, Backoff] = {}  # job -> its campaigns after a failed leadership
         self._following: set[asyncio.Task] = set()  # one per leader: awaits its leadership's end
         self.log = log
         self.metrics = Metrics()
@@ -135,15 +135,15 @@ class Replica:
         self.log.info("replica_stopped")
 
     async def _new_session(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while not self._closing:
             session = Session(self.client, self.config.session_ttl_s, renew_deadline_s=self.config.renew_deadline_s)
             try:
                 await asyncio.to_thread(session.start)
             except EtcdUnavailable as exc:
+                delay = backoff.next()
                 self.log.warning("session_start_failed", error=str(exc), retry_in_s=round(delay, 2))
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(delay)
                 continue
             self._session = session
             session.add_listener(lambda: self._loop.call_soon_threadsafe(self._session_lost, session))
@@ -203,7 +203,7 @@ class Replica:
                 self.log.warning("resign_failed", job=job, error=str(exc))
         if stop.wait(delay):
             return
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while not stop.is_set():
             try:
                 key = election.campaign(stop)
@@ -212,8 +212,7 @@ class Replica:
                     self.log.warning("campaign_failed", job=job, error=str(exc))
                 else:
                     self.log.exception("campaign_failed", job=job)
-                stop.wait(backoff * (1 + random.random()))
-                backoff = min(backoff * 2, 2.0)
+                stop.wait(backoff.next())
                 continue
             if key is not None and not stop.is_set():
                 self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._lead(key, stop)))
@@ -285,11 +284,11 @@ class Replica:
         campaign = self._campaigns.pop(job, None)
         if campaign is not None:
             campaign.stop.set()
-        now = self._loop.time()
-        last, at = self._retries.get(job, (0.0, -RETRY_RESET_S))
-        base = RETRY_FIRST_S if now - at > RETRY_RESET_S else min(last * 2, RETRY_MOST_S)
-        self._retries[job] = (base, now)
-        delay = base * (1 + random.random())
+        retries = self._retries.get(job)
+        if retries is None:
+            retries = self._retries[job] = Backoff(RETRY_FIRST_S, RETRY_MOST_S, reset_after_s=RETRY_RESET_S,
+                                                   clock=self._loop.time)
+        delay = retries.next()
         self.log.warning("job_leadership_dropped", job=job, reason=reason, campaign_in_s=round(delay, 2))
         self._campaign(job, delay, resign=campaign.election if campaign else None)
 
