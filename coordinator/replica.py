@@ -22,8 +22,8 @@ from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timin
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
 from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
-from muster.coordinator.etcd.election import Election, LeaderKey, current_leader
-from muster.coordinator.etcd.session import Session
+from muster.coordinator.coordination import Coordination, JobElection, LeaseSession
+from muster.coordinator.etcd.election import EtcdCoordination, LeaderKey
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
@@ -55,22 +55,24 @@ class ReplicaConfig:
 
 @dataclass
 class _Campaign:
-    election: Election
+    election: JobElection
     stop: threading.Event
     thread: threading.Thread
 
 
 class Replica:
-    def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None):
-        """`store` defaults to the job store in `client`'s etcd; tests give an in-memory one."""
-        self.client = client
+    def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None,
+                 coordination: Coordination | None = None):
+        """`store` and `coordination` (sessions, elections) default to `client`'s etcd; tests give
+        in-memory twins (with both given, `client` may be None)."""
         self.config = config
         self.address = config.address
         self.store = JobStore(client) if store is None else store
+        self.coordination = EtcdCoordination(client) if coordination is None else coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
         self._campaigns: dict[str, _Campaign] = {}
-        self._session: Session | None = None
+        self._session: LeaseSession | None = None
         self._cancel_watch = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
@@ -137,7 +139,7 @@ class Replica:
     async def _new_session(self) -> None:
         backoff = Backoff(0.1, 2.0)
         while not self._closing:
-            session = Session(self.client, self.config.session_ttl_s, renew_deadline_s=self.config.renew_deadline_s)
+            session = self.coordination.session(self.config.session_ttl_s, renew_deadline_s=self.config.renew_deadline_s)
             try:
                 await asyncio.to_thread(session.start)
             except EtcdUnavailable as exc:
@@ -149,7 +151,7 @@ class Replica:
             session.add_listener(lambda: self._loop.call_soon_threadsafe(self._session_lost, session))
             return
 
-    def _session_lost(self, session: Session) -> None:
+    def _session_lost(self, session: LeaseSession) -> None:
         if session is not self._session or self._closing or self._renewing:
             return
         self._renewing = asyncio.create_task(self._renew_session(f"session lost: {session.lost_reason}"))
@@ -179,12 +181,12 @@ class Replica:
             self.log.info("job_discovered", job=job)
         self._campaign(job)
 
-    def _campaign(self, job: str, delay: float | None = None, resign: Election | None = None) -> None:
+    def _campaign(self, job: str, delay: float | None = None, resign: JobElection | None = None) -> None:
         """Campaign for `job` after `delay` (default: the balance delay), first resigning the key
         of a leadership that failed, so that the new campaign does not find it and lead at once."""
         if self._closing or job in self._campaigns or self._session is None or not self._session.alive():
             return  # a lost session's renewal campaigns for every known job once the new one is up
-        election = Election(self.client, self._session, job, self.address)
+        election = self.coordination.election(self._session, job, self.address)
         stop = threading.Event()
         if delay is None:
             # A replica that already leads jobs lets the others go first (capped: alone, it still leads soon).
@@ -194,8 +196,8 @@ class Replica:
         self._campaigns[job] = _Campaign(election, stop, thread)
         thread.start()
 
-    def _campaign_thread(self, job: str, election: Election, stop: threading.Event, delay: float,
-                         resign: Election | None) -> None:
+    def _campaign_thread(self, job: str, election: JobElection, stop: threading.Event, delay: float,
+                         resign: JobElection | None) -> None:
         if resign is not None:
             try:  # lets a standby lead at once; else the key goes with the session
                 resign.resign()
@@ -307,7 +309,7 @@ class Replica:
         """Where the job's leader is, for a NotLeader hint; quickly, or "" (with etcd unreachable
         a read waits for the client's timeout, and a node waiting on an answer thinks us silent)."""
         try:
-            found = await asyncio.wait_for(asyncio.to_thread(current_leader, self.client, job), LEADER_LOOKUP_S)
+            found = await asyncio.wait_for(asyncio.to_thread(self.coordination.current_leader, job), LEADER_LOOKUP_S)
         except (EtcdUnavailable, TimeoutError):
             return ""
         return found[0] if found and found[0] != self.address else ""
@@ -384,7 +386,7 @@ class Replica:
 
     async def _persisted(self, job: str) -> tuple[JobState, tuple[str, int]]:
         def read():
-            return self.store.load_state(job), self.store.get_spec(job), current_leader(self.client, job)
+            return self.store.load_state(job), self.store.get_spec(job), self.coordination.current_leader(job)
 
         try:
             data, spec, found = await asyncio.to_thread(read)
