@@ -51,6 +51,7 @@ async def waiting_for(c: AgentConfig, a: pb.Assignment | None) -> tuple[str, pb.
     return (f"waiting for the job to form ({joined} joined, min {minimum}; {phase}"
             + (f"; {reason}" if reason else "") + ")", None)
 
+
 def query(c: AgentConfig, with_status: bool) -> tuple[pb.JobStatus | None, Sequence[pb.Event]]:
     """The job's Status (None: unknown job) and history, from any replica (blocking: a thread)."""
     with Coordinators(c.coordinators, timeout_s=2.0, security=c.security) as coordinators:
@@ -64,6 +65,7 @@ def query(c: AgentConfig, with_status: bool) -> tuple[pb.JobStatus | None, Seque
             return None, events
         jobs = coordinators.call("Status", pb.StatusRequest(job=c.job)).jobs
         return (jobs[0] if jobs else None), events
+
 
 async def check_finished(c: AgentConfig) -> pb.Event | None:
     """The job ran and every other node left it as finished (None: it did not, or no coordinator
