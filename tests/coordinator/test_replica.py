@@ -73,16 +73,17 @@ async def until(predicate, what: str, timeout_s: float = 5.0):
     return value
 
 
-def leading(replicas: list[Replica], job: str) -> Replica | None:
-    return next((r for r in replicas if job in r.leaders), None)
+def leader_and_standby(replicas: list[Replica], job: str) -> tuple[Replica, Replica]:
+    """Of two replicas, the one leading `job`, then the other."""
+    first = next(r for r in replicas if job in r.leaders)
+    return first, next(r for r in replicas if r is not first)
 
 
 def test_a_lost_session_fails_its_jobs_over_to_the_standby_and_the_node_stays_active():
     async def scenario():
         twins = Twins()
         async with replicas_leading(twins, ("j",), n=2) as (replicas, nodes):
-            first = leading(replicas, "j")
-            standby = next(r for r in replicas if r is not first)
+            first, standby = leader_and_standby(replicas, "j")
             old = first.leaders["j"]
             twins.coordination.expire(twins.coordination.leader_session("j"))
             new = await until(lambda: standby.leaders.get("j"), "the standby leading")
@@ -115,8 +116,7 @@ def test_a_replica_that_closes_resigns_and_the_standby_leads_at_once():
     async def scenario():
         twins = Twins()
         async with replicas_leading(twins, ("j",), n=2) as (replicas, nodes):
-            first = leading(replicas, "j")
-            standby = next(r for r in replicas if r is not first)
+            first, standby = leader_and_standby(replicas, "j")
             await first.close()
             new = await until(lambda: standby.leaders.get("j"), "the standby leading", timeout_s=1.0)
             assert twins.coordination.current_leader("j") == (standby.address, new.term)
