@@ -69,7 +69,8 @@ class MemoryCoordination:
         self._changed = threading.Condition()  # notified on every key deleted
         self._revision = 0
         self._leases = itertools.count(1)
-        self._keys: dict[str, dict[int, tuple[int, str, MemorySession]]] = {}  # job -> lease -> (term, address, session)
+        # job -> lease -> (term, address, session): a candidate's key, as etcd's election keys
+        self._keys: dict[str, dict[int, tuple[int, str, MemorySession]]] = {}
         self._unavailable = False
 
     # ---- fault hooks -----------------------------------------------------------------

@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 import structlog
 
 from muster.coordinator import wire
+from muster.coordinator.coordination import Coordination, JobElection, LeaseSession
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
 from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
-from muster.coordinator.coordination import Coordination, JobElection, LeaseSession
 from muster.coordinator.etcd.election import EtcdCoordination, LeaderKey
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
@@ -139,7 +139,8 @@ class Replica:
     async def _new_session(self) -> None:
         backoff = Backoff(0.1, 2.0)
         while not self._closing:
-            session = self.coordination.session(self.config.session_ttl_s, renew_deadline_s=self.config.renew_deadline_s)
+            c = self.config
+            session = self.coordination.session(c.session_ttl_s, renew_deadline_s=c.renew_deadline_s)
             try:
                 await asyncio.to_thread(session.start)
             except EtcdUnavailable as exc:
