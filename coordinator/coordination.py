@@ -124,6 +124,8 @@ class MemoryCoordination:
 
 
 class MemorySession:
+    """`LeaseSession` of the twin: alive from start() until expired (by the hook) or closed."""
+
     def __init__(self, coordination: MemoryCoordination) -> None:
         self._coordination = coordination
         self._lock = threading.Lock()
@@ -175,6 +177,8 @@ class MemorySession:
 
 
 class MemoryElection:
+    """`JobElection` of the twin: a campaign waits on the twin's key changes, a short poll at most."""
+
     def __init__(self, coordination: MemoryCoordination, session: MemorySession, job: str, address: str) -> None:
         self._coordination = coordination
         self._session = session
