@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from muster.net import join_host_port, split_host_port
+
 # failure signal -> decision: exits take milliseconds, silence the heartbeat timeout
 DETECTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -93,11 +95,10 @@ class HealthServer:
     a live etcd session). One daemon thread; stopped with the replica."""
 
     def __init__(self, metrics: Metrics, ready: Callable[[], bool], listen: str):
-        host, _, port = listen.rpartition(":")
-        handler = _handler(metrics, ready)
-        self.httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), handler)
+        host, port = split_host_port(listen)
+        self.httpd = ThreadingHTTPServer((host, port), _handler(metrics, ready))
         self.httpd.daemon_threads = True
-        self.address = f"{host}:{self.httpd.server_address[1]}"
+        self.address = join_host_port(host, self.httpd.server_address[1])
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="muster-metrics", daemon=True)
 
     def start(self) -> HealthServer:

@@ -12,24 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import threading
 from dataclasses import dataclass, replace
 
 import structlog
 
 from muster.coordinator import wire
+from muster.coordinator.coordination import Coordination, JobElection, LeaseSession
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
 from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
-from muster.coordinator.etcd.election import Election, LeaderKey, current_leader
-from muster.coordinator.etcd.session import Session
+from muster.coordinator.etcd.election import EtcdCoordination, LeaderKey
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import JobGauges, Metrics
 from muster.coordinator.store import JobStorage
+from muster.net import Backoff
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -55,27 +55,29 @@ class ReplicaConfig:
 
 @dataclass
 class _Campaign:
-    election: Election
+    election: JobElection
     stop: threading.Event
     thread: threading.Thread
 
 
 class Replica:
-    def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None):
-        """`store` defaults to the job store in `client`'s etcd; tests give an in-memory one."""
-        self.client = client
+    def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None,
+                 coordination: Coordination | None = None):
+        """`store` and `coordination` (sessions, elections) default to `client`'s etcd; tests give
+        in-memory twins (with both given, `client` may be None)."""
         self.config = config
         self.address = config.address
         self.store = JobStore(client) if store is None else store
+        self.coordination = EtcdCoordination(client) if coordination is None else coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
         self._campaigns: dict[str, _Campaign] = {}
-        self._session: Session | None = None
+        self._session: LeaseSession | None = None
         self._cancel_watch = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._renewing: asyncio.Task | None = None
-        self._retries: dict[str, tuple[float, float]] = {}  # job -> (its last retry delay, when)
+        self._retries: dict[str, Backoff] = {}  # job -> its campaigns after a failed leadership
         self._following: set[asyncio.Task] = set()  # one per leader: awaits its leadership's end
         self.log = log
         self.metrics = Metrics()
@@ -135,21 +137,22 @@ class Replica:
         self.log.info("replica_stopped")
 
     async def _new_session(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while not self._closing:
-            session = Session(self.client, self.config.session_ttl_s, renew_deadline_s=self.config.renew_deadline_s)
+            c = self.config
+            session = self.coordination.session(c.session_ttl_s, renew_deadline_s=c.renew_deadline_s)
             try:
                 await asyncio.to_thread(session.start)
             except EtcdUnavailable as exc:
+                delay = backoff.next()
                 self.log.warning("session_start_failed", error=str(exc), retry_in_s=round(delay, 2))
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(delay)
                 continue
             self._session = session
             session.add_listener(lambda: self._loop.call_soon_threadsafe(self._session_lost, session))
             return
 
-    def _session_lost(self, session: Session) -> None:
+    def _session_lost(self, session: LeaseSession) -> None:
         if session is not self._session or self._closing or self._renewing:
             return
         self._renewing = asyncio.create_task(self._renew_session(f"session lost: {session.lost_reason}"))
@@ -179,12 +182,12 @@ class Replica:
             self.log.info("job_discovered", job=job)
         self._campaign(job)
 
-    def _campaign(self, job: str, delay: float | None = None, resign: Election | None = None) -> None:
+    def _campaign(self, job: str, delay: float | None = None, resign: JobElection | None = None) -> None:
         """Campaign for `job` after `delay` (default: the balance delay), first resigning the key
         of a leadership that failed, so that the new campaign does not find it and lead at once."""
         if self._closing or job in self._campaigns or self._session is None or not self._session.alive():
             return  # a lost session's renewal campaigns for every known job once the new one is up
-        election = Election(self.client, self._session, job, self.address)
+        election = self.coordination.election(self._session, job, self.address)
         stop = threading.Event()
         if delay is None:
             # A replica that already leads jobs lets the others go first (capped: alone, it still leads soon).
@@ -194,8 +197,8 @@ class Replica:
         self._campaigns[job] = _Campaign(election, stop, thread)
         thread.start()
 
-    def _campaign_thread(self, job: str, election: Election, stop: threading.Event, delay: float,
-                         resign: Election | None) -> None:
+    def _campaign_thread(self, job: str, election: JobElection, stop: threading.Event, delay: float,
+                         resign: JobElection | None) -> None:
         if resign is not None:
             try:  # lets a standby lead at once; else the key goes with the session
                 resign.resign()
@@ -203,7 +206,7 @@ class Replica:
                 self.log.warning("resign_failed", job=job, error=str(exc))
         if stop.wait(delay):
             return
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while not stop.is_set():
             try:
                 key = election.campaign(stop)
@@ -212,8 +215,7 @@ class Replica:
                     self.log.warning("campaign_failed", job=job, error=str(exc))
                 else:
                     self.log.exception("campaign_failed", job=job)
-                stop.wait(backoff * (1 + random.random()))
-                backoff = min(backoff * 2, 2.0)
+                stop.wait(backoff.next())
                 continue
             if key is not None and not stop.is_set():
                 self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._lead(key, stop)))
@@ -285,11 +287,11 @@ class Replica:
         campaign = self._campaigns.pop(job, None)
         if campaign is not None:
             campaign.stop.set()
-        now = self._loop.time()
-        last, at = self._retries.get(job, (0.0, -RETRY_RESET_S))
-        base = RETRY_FIRST_S if now - at > RETRY_RESET_S else min(last * 2, RETRY_MOST_S)
-        self._retries[job] = (base, now)
-        delay = base * (1 + random.random())
+        retries = self._retries.get(job)
+        if retries is None:
+            retries = self._retries[job] = Backoff(RETRY_FIRST_S, RETRY_MOST_S, reset_after_s=RETRY_RESET_S,
+                                                   clock=self._loop.time)
+        delay = retries.next()
         self.log.warning("job_leadership_dropped", job=job, reason=reason, campaign_in_s=round(delay, 2))
         self._campaign(job, delay, resign=campaign.election if campaign else None)
 
@@ -308,7 +310,7 @@ class Replica:
         """Where the job's leader is, for a NotLeader hint; quickly, or "" (with etcd unreachable
         a read waits for the client's timeout, and a node waiting on an answer thinks us silent)."""
         try:
-            found = await asyncio.wait_for(asyncio.to_thread(current_leader, self.client, job), LEADER_LOOKUP_S)
+            found = await asyncio.wait_for(asyncio.to_thread(self.coordination.current_leader, job), LEADER_LOOKUP_S)
         except (EtcdUnavailable, TimeoutError):
             return ""
         return found[0] if found and found[0] != self.address else ""
@@ -385,7 +387,7 @@ class Replica:
 
     async def _persisted(self, job: str) -> tuple[JobState, tuple[str, int]]:
         def read():
-            return self.store.load_state(job), self.store.get_spec(job), current_leader(self.client, job)
+            return self.store.load_state(job), self.store.get_spec(job), self.coordination.current_leader(job)
 
         try:
             data, spec, found = await asyncio.to_thread(read)

@@ -80,7 +80,8 @@ def _etcd_access(args: argparse.Namespace):
 
 def _run(args: argparse.Namespace) -> int:
     from muster.client import parse_addresses
-    from muster.worker.agent import AgentConfig, NodeAgent
+    from muster.worker.agent import NodeAgent
+    from muster.worker.agent_config import AgentConfig
     from muster.worker.launch import LaunchError, job_name, parse_nodes, plan
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

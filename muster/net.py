@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -48,13 +50,25 @@ def jitter(delay: float) -> float:
 
 
 class Backoff:
-    """Retry waits that double from `first` up to `most`, each jittered."""
+    """Retry waits that double from `first` up to `most`, each jittered. With `reset_after_s`, a
+    retry that comes more than that after the one before (a quiet period: what failed worked for a
+    while) starts over from `first`."""
 
-    def __init__(self, first: float, most: float):
+    def __init__(self, first: float, most: float, *, reset_after_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.first = first
         self.delay = first
         self.most = most
+        self.reset_after_s = reset_after_s
+        self._clock = clock
+        self._last: float | None = None
 
     def next(self) -> float:
+        if self.reset_after_s is not None:
+            now = self._clock()
+            if self._last is not None and now - self._last > self.reset_after_s:
+                self.delay = self.first
+            self._last = now
         wait = jitter(self.delay)
         self.delay = min(self.delay * 2, self.most)
         return wait

@@ -17,99 +17,29 @@ joins a finished job says so and exits 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import grpc
 import structlog
 
-from muster.client import TRANSIENT, Coordinators
+from muster.client import TRANSIENT
 from muster.net import free_port, split_host_port
-from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
+from muster.worker.agent_config import AgentConfig
+from muster.worker.crash_report import exit_words, failure_report, last_failure
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
-from muster.worker.zygote import PRELOAD, WarmProcess, Zygote, ZygoteLost, warm_program
+from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
+from muster.worker.waiting import QUERY_WAIT_S, check_finished, query, waiting_for
+from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost, warm_program
 
 log = structlog.get_logger(__name__)
-
-@dataclass(frozen=True)
-class AgentConfig:
-    coordinators: tuple[str, ...]
-    job: str
-    node_id: str
-    slots: int
-    argv: tuple[str, ...]  # what runs on each slot
-    host: str = "127.0.0.1"  # the address other nodes reach this node at
-    nodes: tuple[int, int] | None = None  # (min, max) nodes when this agent creates the job
-    world_size_multiple: int = 0
-    max_restarts: int = 3  # per slot, whatever the cause (a crash, a new map); beyond it the slot is given up
-    restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
-    log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
-    drain_timeout_s: float = 120.0
-    hold_timeout_s: float = 300.0  # no coordinator heard for this long: give up (the ranks with the agent)
-    join_timeout_s: float = 300.0  # no coordinator accepted the Join within this long: exit 1
-    form_timeout_s: float = 600.0  # no place in a generation within this long (a hot spare waits on): exit 1
-    wait_report_s: float = 10.0  # while waiting for a place, say what for this often
-    job_id: str = ""  # the job as the user named it (torchrun's --rdzv-id); `job` is the coordinator's name
-    warm_start: bool = False  # fork Python ranks from a zygote that imported `preload` once (see zygote)
-    preload: tuple[str, ...] = PRELOAD
-    env: dict[str, str] = field(default_factory=dict)
-    security: ClientSecurity = field(default_factory=ClientSecurity)  # token, TLS
-
-
-@dataclass(frozen=True)
-class Crash:
-    """A rank process that exited non-zero, as the failure report shows it."""
-
-    code: int
-    pid: int
-    rank: int | None
-    generation: int
-    at: float  # wall clock
-    tail: tuple[str, ...]  # the last lines of its stderr (or log)
-    error: str = ""  # from its TORCHELASTIC_ERROR_FILE
-
-
-@dataclass(eq=False)
-class Slot:
-    index: int
-    proc: asyncio.subprocess.Process | WarmProcess | None = None
-    starts: int = 0
-    restarts: int = 0
-    finished: bool = False  # exited 0
-    given_up: bool = False  # crash-looped past the budget
-    generation: int = 0  # the generation its process was started for
-    stopping: bool = False  # the agent is ending this process on purpose
-    failed_pid: int = 0
-    crashed_in: int = 0  # the generation its last process crashed in: a replacement is no member of it
-    crashes: int = 0  # in a row, each within CRASH_LOOP_S of its start: the backoff grows with them
-    started_at: float = 0.0  # monotonic, its process's start
-    restarting: bool = False  # crashed, and restarted in place once the leader has re-formed the job
-    report: pb.RankReport | None = None  # last report of a library rank over the socket
-    heard_at: float = 0.0
-    connected: bool = False
-    rank: int | None = None  # the global rank its process was started as (None: no place yet)
-    log_path: Path | None = None  # with --log-dir: its process's output
-    stderr: StderrTail | None = None  # without --log-dir: its process's stderr, passed through
-    error_file: str = ""  # TORCHELASTIC_ERROR_FILE of its process (scripts using torch's @record)
-    last_crash: Crash | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
 
 
 class NodeAgent:
@@ -219,7 +149,7 @@ class NodeAgent:
             remaining = max(0.0, deadline - loop.time())
             attempts += 1
             try:
-                finished = await self._finished_job()
+                finished = await check_finished(self.config)
                 if finished is not None:
                     self._job_has_finished(finished, joined=False)
                     return False
@@ -305,7 +235,7 @@ class NodeAgent:
             due = now - idle >= 1.0 if reported_at is None else now - reported_at >= c.wait_report_s
             if due and spare:
                 reported_at = now
-                finished = await self._finished_job()
+                finished = await check_finished(self.config)
                 if finished is not None:
                     await self._end_with_finished_job(finished)
                     return
@@ -316,13 +246,13 @@ class NodeAgent:
                                   "promotes this node)")
             elif due:
                 reported_at = now
-                what, finished = await self._waiting_for()
+                what, finished = await waiting_for(self.config, self.assignment)
                 if finished is not None:
                     await self._end_with_finished_job(finished)
                     return
                 self.log.info("waiting", message=what, waited_s=round(now - since, 1), form_timeout_s=c.form_timeout_s)
             if since is not None and now - since > c.form_timeout_s:
-                what, _ = await self._waiting_for()
+                what, _ = await waiting_for(self.config, self.assignment)
                 self.log.error("form_timeout", form_timeout_s=c.form_timeout_s, message=what)
                 _say(f"no place in job {c.job!r} for node {c.node_id!r} within {c.form_timeout_s:g}s "
                      f"(--form-timeout): {what}")
@@ -339,73 +269,6 @@ class NodeAgent:
         except Exception as exc:
             self.log.warning("leave_failed", error=str(exc))
         self._job_has_finished(event, joined=True)
-
-    async def _waiting_for(self) -> tuple[str, pb.Event | None]:
-        """What this node waits for, in words (from the job's Status and history), and the event that
-        ended the job if it has finished."""
-        c = self.config
-        a = self.assignment
-        if a is not None and a.start_ranks:
-            return (f"starting ranks {list(a.down_local_ranks)}: they take a place in the running job once "
-                    "they report", await self._finished_job())
-        try:
-            status, events = await asyncio.wait_for(asyncio.to_thread(self._query, True), QUERY_WAIT_S)
-        except Exception as exc:  # the coordinator is between leaders: say what is known
-            error = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else type(exc).__name__
-            return f"waiting for a place in job {c.job!r} (no answer to a status query: {error})", None
-        finished = finished_job(events, status.nodes if status else (), c.node_id)
-        if finished is not None:
-            return "", finished
-        joined = len(status.nodes) if status else 0
-        minimum = c.nodes[0] if c.nodes else None
-        reason = ""
-        for e in reversed(events):
-            if e.kind == "waiting":
-                reason = e.reason
-                found = re.search(r"min_nodes=(\d+)", e.reason)
-                if minimum is None and found:
-                    minimum = int(found.group(1))
-                break
-        phase = f"job {c.job!r} {status.phase if status else 'unknown'}"
-        if a is None:
-            return f"waiting for the leader's first assignment ({phase}, {joined} node(s) joined)", None
-        if minimum is not None and joined < minimum:
-            more = minimum - joined
-            return f"waiting for {more} more node{'s' if more != 1 else ''} ({joined} joined, min {minimum}; {phase})", None
-        if minimum is None:
-            return f"waiting for more nodes ({joined} joined, below the job's min_nodes; {phase})", None
-        return (f"waiting for the job to form ({joined} joined, min {minimum}; {phase}"
-                + (f"; {reason}" if reason else "") + ")", None)
-
-    def _query(self, with_status: bool) -> tuple[pb.JobStatus | None, Sequence[pb.Event]]:
-        """The job's Status (None: unknown job) and history, from any replica (blocking: a thread)."""
-        c = self.config
-        with Coordinators(c.coordinators, timeout_s=2.0, security=c.security) as coordinators:
-            try:
-                events = coordinators.call("Events", pb.EventsRequest(job=c.job)).events
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    return None, ()
-                raise
-            if not with_status:
-                return None, events
-            jobs = coordinators.call("Status", pb.StatusRequest(job=c.job)).jobs
-            return (jobs[0] if jobs else None), events
-
-    async def _finished_job(self) -> pb.Event | None:
-        """The job ran and every other node left it as finished (None: it did not, or no coordinator
-        answered). Asked before joining, and by a spare."""
-        def check() -> pb.Event | None:
-            _, events = self._query(False)
-            if finished_job(events, (), self.config.node_id) is None:
-                return None  # the common case, without the Status of a possibly large job
-            status, events = self._query(True)
-            return finished_job(events, status.nodes if status else (), self.config.node_id)
-
-        try:  # bounded: a frozen replica must not hold the join up
-            return await asyncio.wait_for(asyncio.to_thread(check), QUERY_WAIT_S)
-        except Exception:
-            return None
 
     def _job_has_finished(self, event: pb.Event, *, joined: bool) -> None:
         c = self.config
@@ -646,7 +509,7 @@ class NodeAgent:
             # its exit is no new fault. Restarted now, unless the reconcile already did.
             async with self._reconciling:
                 if not slot.alive and not slot.given_up and await self._restart_allowed(
-                        slot, f"its process of generation {slot.generation} ended ({_exit_words(code)})"):
+                        slot, f"its process of generation {slot.generation} ended ({exit_words(code)})"):
                     await self._start_rank(slot, await self._current_master())
             return
         # Restart semantics (a script without the library) restart a crashed rank in its place: the
@@ -660,10 +523,10 @@ class NodeAgent:
         self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code, restarting=in_place))
         self.session.send_now()  # the leader hears of it within milliseconds
         slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
-                                await asyncio.to_thread(self._tail, slot), _error_message(slot.error_file))
+                                await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
         if self.draining:
             return
-        if not await self._restart_allowed(slot, f"its process ended ({_exit_words(code)})"):
+        if not await self._restart_allowed(slot, f"its process ended ({exit_words(code)})"):
             return
         # The first crash restarts at once (as torchrun does); a crash loop backs off.
         delay = self.config.restart_backoff_s * 2 ** (slot.crashes - 2) if slot.crashes > 1 else 0.0
@@ -713,30 +576,17 @@ class NodeAgent:
                 self.session.send_now()
         self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
                        last_code=crash.code if crash else None, rank=crash.rank if crash else slot.rank, cause=cause)
-        tail = crash.tail if crash else await asyncio.to_thread(self._tail, slot)
+        tail = crash.tail if crash else await asyncio.to_thread(read_tail, slot)
         elsewhere = None
         if crash is None:  # restarted for new maps only: the failures are elsewhere in the job
             try:
-                _, events = await asyncio.wait_for(asyncio.to_thread(self._query, False), QUERY_WAIT_S)
+                _, events = await asyncio.wait_for(asyncio.to_thread(query, c, False), QUERY_WAIT_S)
                 elsewhere = last_failure(events, c.node_id)
             except Exception:
                 pass
         _say(failure_report(c, slot, cause, crash, tail, elsewhere))
         if all(s.finished or s.given_up for s in self.slots):
             await self._leave("every local slot finished or was given up", finished=False)  # exits 1
-
-    def _tail(self, slot: Slot) -> tuple[str, ...]:
-        """The last lines its current process wrote to stderr (or its log) (blocking: a thread)."""
-        if slot.stderr is not None:
-            return slot.stderr.lines(TAIL_LINES)
-        if slot.log_path is not None:
-            try:
-                with open(slot.log_path, "rb") as f:
-                    f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
-                    return _last_lines(f.read(), TAIL_LINES)
-            except OSError:
-                pass
-        return ()
 
     async def _stop_rank(self, slot: Slot, grace_s: float = 5.0) -> None:
         proc = slot.proc
@@ -803,7 +653,7 @@ class NodeAgent:
         given_up = [s for s in self.slots if s.given_up]
         if given_up:
             _say(f"node {self.config.node_id!r} of job {self.config.job!r} gives up: "
-                 + ", ".join(f"slot {s.index} ({_exit_words(s.last_crash.code) + ', ' if s.last_crash else ''}"
+                 + ", ".join(f"slot {s.index} ({exit_words(s.last_crash.code) + ', ' if s.last_crash else ''}"
                              f"{s.restarts} restart(s))" for s in given_up)
                  + "; the report of each is above")
         self._finish(1 if given_up else 0)
@@ -932,140 +782,7 @@ RANK_ENV = frozenset({
     "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID",
 })
 MASTER_PORT_WAIT_S = 5.0  # for the node of rank 0 to publish a generation's MASTER_PORT
-QUERY_WAIT_S = 3.0  # for the job's history or status (what a node waits for, whether the job finished)
 RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
-CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
-TAIL_LINES = 20  # of a given-up slot's stderr, in its report
-TAIL_BYTES = 64 * 1024
-
-
-class StderrTail:
-    """A rank's stderr without --log-dir: a thread passes it through to the agent's stderr (never
-    the agent's loop: a slow reader of the agent's output must not stall its frames) and keeps its
-    last bytes for the report of a slot given up."""
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._tail = bytearray()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._pump, name="muster-rank-stderr", daemon=True)
-        self._thread.start()
-
-    def _pump(self) -> None:
-        try:
-            while chunk := os.read(self._fd, 65536):
-                with self._lock:
-                    self._tail += chunk
-                    if len(self._tail) > 2 * TAIL_BYTES:
-                        del self._tail[:-TAIL_BYTES]
-                try:
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(2, view):]
-                except OSError:
-                    pass  # the agent's stderr is gone: keep draining, the rank must not block
-        except OSError:
-            pass
-        finally:
-            os.close(self._fd)
-
-    def lines(self, n: int, wait_s: float = 1.0) -> tuple[str, ...]:
-        """Its last n lines, once its process has exited and the pipe is drained (bounded wait: a
-        child of the rank may hold the pipe open)."""
-        self._thread.join(wait_s)
-        with self._lock:
-            return _last_lines(bytes(self._tail[-TAIL_BYTES:]), n)
-
-
-def _last_lines(data: bytes, n: int) -> tuple[str, ...]:
-    lines = data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    return tuple(line.rstrip() for line in lines[-n:])
-
-
-def _error_message(path: str) -> str:
-    """The first line of what torch's @record wrote to TORCHELASTIC_ERROR_FILE ('' when nothing)."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return ""
-    message = doc.get("message", "") if isinstance(doc, dict) else ""
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return str(message).strip().splitlines()[0] if str(message).strip() else ""
-
-
-def _exit_words(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def failure_report(config: AgentConfig, slot: Slot, cause: str, crash: Crash | None, tail: Sequence[str],
-                   elsewhere: pb.Event | None = None) -> str:
-    """The plain report of a slot given up, in the manner of torchrun's root-cause summary: which
-    rank, how it ended, what it said last."""
-    c = config
-    rank = crash.rank if crash is not None else slot.rank
-    lines = [
-        "=" * 72,
-        f"slot {slot.index} of node {c.node_id!r} in job {c.job!r} is given up: {cause}, and its "
-        f"{slot.restarts} restart(s) (--max-restarts {c.max_restarts}) are spent",
-        f"  rank      : {rank if rank is not None else '-'} (local rank {slot.index})",
-    ]
-    if crash is not None:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(crash.at))
-        lines.append(f"  last crash: {_exit_words(crash.code)} (pid {crash.pid}, generation {crash.generation}, {when})")
-        if crash.error:
-            lines.append(f"  error     : {crash.error}")
-    else:
-        lines.append("  last crash: none here (restarted for new maps only: the job kept changing)")
-    if elsewhere is not None:
-        lines.append(f"  job's last failure: {elsewhere.kind} on {', '.join(repr(n) for n in elsewhere.nodes)} "
-                     f"(generation {elsewhere.generation}): {elsewhere.reason}  [muster events --job {c.job}]")
-    lines.append(f"  command   : {shlex.join(c.argv)}")
-    where = "its log" if slot.log_path is not None else "its stderr"
-    if tail:
-        lines.append(f"  last {len(tail)} line(s) of {where}" + (f" ({slot.log_path})" if slot.log_path else "") + ":")
-        lines.extend(f"    {line}" for line in tail)
-    else:
-        lines.append(f"  {where}: nothing written")
-    lines.append("=" * 72)
-    return "\n".join(lines)
-
-
-FAILURES = frozenset({"rank_exited", "rank_silent", "rank_stalled", "node_silent", "process_exited",
-                      "rank_restarted", "rank_not_formed", "group_broken", "group_not_formed"})
-
-
-def last_failure(events: Sequence[pb.Event], node_id: str) -> pb.Event | None:
-    """The job's last failure on another node (else on this one): a root cause seen from a node whose
-    own ranks only restarted for the maps it caused."""
-    failures = [e for e in events if e.kind in FAILURES]
-    elsewhere = [e for e in failures if any(n != node_id for n in e.nodes)]
-    return (elsewhere or failures or [None])[-1]
-
-
-# Events that are no membership change of another node (a generation, a job waiting for nodes).
-_NOT_A_DEPARTURE = frozenset({"generation", "formed", "waiting", "state_rebuilt", "replicas_diverged",
-                              "rank_restarted"})
-
-
-def finished_job(events: Sequence[pb.Event], members: Sequence[str], node_id: str) -> pb.Event | None:
-    """The event that finished the job, if it has: no node but `node_id` is a member, and the last
-    change of another node was leaving as finished (the ranks of a job finish together)."""
-    if any(m != node_id for m in members):
-        return None
-    for e in reversed(events):
-        if e.kind in _NOT_A_DEPARTURE or (e.nodes and set(e.nodes) <= {node_id}):
-            continue
-        return e if e.kind == "node_finished" else None
-    return None
 
 
 def _say(message: str) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
-from muster.worker.comm import Comm, GroupSpec, Superseded, is_comm_failure
+from muster.worker.comm import Comm, GroupSpec, Superseded, interface_of, is_comm_failure
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -73,6 +73,9 @@ class WorkerConfig:
     hold_timeout_s: float = 300.0
     max_redos: int = 5  # the same step failing in this many fresh groups in a row is the script's error
     security: ClientSecurity = field(default_factory=ClientSecurity)  # token and TLS for the coordinators
+    # gloo's network interface (GLOO_SOCKET_IFNAME); empty: the interface holding `host`, where it is
+    # local (gloo's own choice, the hostname's address, may be one the peers cannot reach)
+    gloo_interface: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -97,6 +100,7 @@ class WorkerConfig:
             agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
             security=ClientSecurity.from_env(env),
+            gloo_interface=env.get("GLOO_SOCKET_IFNAME", ""),
         )
 
 
@@ -184,8 +188,9 @@ class Worker:
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
-        self.comm = Comm(self.config.backend, host=self.config.host, timeout_s=self.config.form_timeout_s,
-                         host_store=not self.config.agent_socket)
+        c = self.config
+        self.comm = Comm(c.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
+                         gloo_interface=c.gloo_interface or interface_of(c.host))
         self.link.open(self._connect)
         self._reform(discard=False)
         return self

@@ -131,14 +131,16 @@ def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
 
 
 class Comm:
-    def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True):
+    def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True,
+                 gloo_interface: str | None = None):
+        """`gloo_interface`: the network interface gloo's connections use (None: gloo's own choice,
+        the address of the hostname)."""
         self.backend = backend
         self.host = host
-        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-            # Gloo picks its address from the hostname; peers must reach it where they reach us.
-            interface = interface_of(host)
-            if interface is not None:
-                os.environ["GLOO_SOCKET_IFNAME"] = interface
+        if backend == "gloo" and gloo_interface:
+            # Gloo takes its interface from the environment only (init_process_group passes it no
+            # options), so the one chosen at the edge is handed on to it that way.
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface
         self.timeout = timedelta(seconds=timeout_s)
         # Under a node agent the agent hosts the store (it outlives its ranks); alone, each process does.
         self.server = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)

@@ -175,7 +175,7 @@ class NodeSession:
         while not self._stopping:
             address = self.leader or self.addresses[0]
             self._leader_silent = False
-            hint = ""
+            hint, evicted = "", None
             try:
                 async with self.security.aio_channel(address) as channel:
                     self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames(),
@@ -184,8 +184,11 @@ class NodeSession:
                     try:
                         async for directive in call:
                             self._heard_at = asyncio.get_running_loop().time()
-                            self._directive(directive)
-                        return
+                            evicted = self._directive(directive)
+                            if evicted is not None:
+                                break
+                        else:
+                            return
                     finally:
                         watchdog.cancel()
             except asyncio.CancelledError:
@@ -200,10 +203,13 @@ class NodeSession:
                 if self._stopping:
                     return
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-                    raise Evicted(exc.details()) from exc
-                if exc.code() not in TRANSIENT:
+                    evicted = exc.details()
+                elif exc.code() not in TRANSIENT:
                     raise
-                hint = leader_hint(exc)
+                else:
+                    hint = leader_hint(exc)
+            if evicted is not None:  # told so on the stream, or refused as no member
+                raise Evicted(evicted)
             now = asyncio.get_running_loop().time()
             if hint and self._suspect.get(hint, 0) > now and await self._probe(hint):
                 # It went silent before but leads now (it lost etcd and won again): a new leader's
@@ -223,16 +229,18 @@ class NodeSession:
         """Seconds since the coordinator was last heard (a directive, a pulse, an answer)."""
         return time.monotonic() - self._heard_from_leader
 
-    def _directive(self, d: pb.Directive) -> None:
+    def _directive(self, d: pb.Directive) -> str | None:
+        """Handle one directive; the reason if it evicts this node."""
         self._heard_from_leader = time.monotonic()
         # The leader's, even when lower than one seen before: after etcd lost its data, terms
         # (etcd revisions) start again, and a frame ahead of its leader's term is refused.
         self.term = d.term
         if not d.HasField("assignment") and not d.HasField("drain"):
-            return  # the leader's pulse
+            return None  # the leader's pulse
         self._on_directive(d)
         if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
-            raise Evicted(d.assignment.reason)
+            return d.assignment.reason
+        return None
 
     async def _watch(self, call, channel, address: str) -> None:
         """End a stream whose leader went silent, but only once a probe confirms it is not

@@ -199,3 +199,19 @@ def current_leader(client: Client, job: str, *, prefix: str = DEFAULT_PREFIX) ->
         return None
     kv = response.kvs[0]
     return kv.value.decode(), kv.create_revision
+
+
+class EtcdCoordination:
+    """Sessions and elections in `client`'s etcd: the real `coordinator.coordination.Coordination`."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def session(self, ttl_s: int, *, renew_deadline_s: float | None = None) -> Session:
+        return Session(self.client, ttl_s, renew_deadline_s=renew_deadline_s)
+
+    def election(self, session: Session, job: str, address: str) -> Election:
+        return Election(self.client, session, job, address)
+
+    def current_leader(self, job: str) -> tuple[str, int] | None:
+        return current_leader(self.client, job)

@@ -1,5 +1,8 @@
-"""Replica in-process on the in-memory store (its sessions and elections on a real etcd): a store
-fault of one job, a fenced write or unavailability, touches no other job of the replica."""
+"""Replica in-process on the in-memory twins of etcd (its job store, its sessions and elections), no
+etcd process: a lost session fails every job of its replica over to a standby and only those; a
+replica that closes hands over at once; a store fault of one job, a fenced write or unavailability,
+touches no other job of the replica. (tests/integration/test_job_faults.py and test_failover.py run
+the same paths on real etcd.)"""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ from contextlib import asynccontextmanager
 import pytest
 from muster.local import SimulatedNode
 
+from muster.coordinator.coordination import MemoryCoordination
 from muster.coordinator.core.policy import Timing
-from muster.coordinator.etcd.client import connect
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
 from muster.coordinator.store import MemoryJobStore
@@ -22,30 +25,44 @@ TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0,
 SPEC = pb.JobSpec(min_nodes=1, max_nodes=2)
 
 
+class Twins:
+    """What the replicas of one deployment share: the in-memory job store and coordination."""
+
+    def __init__(self) -> None:
+        self.store = MemoryJobStore()
+        self.coordination = MemoryCoordination()
+
+
 @asynccontextmanager
-async def replica_leading(etcd, store: MemoryJobStore, jobs: tuple[str, ...]):
-    """A started replica on `store`, leading each job with one node "n" active in it."""
-    client = connect([etcd.endpoint])
-    replica = Replica(client, ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.02), store=store)
-    server, port = await create_server(replica)
-    replica.address = f"127.0.0.1:{port}"
+async def replicas_leading(twins: Twins, jobs: tuple[str, ...], n: int = 1):
+    """`n` started replicas on `twins`, each job led by one of them with one node "n" active in it."""
+    replicas, servers = [], []
     nodes: list[SimulatedNode] = []
     try:
-        await server.start()
-        await replica.start()
+        for _ in range(n):
+            replica = Replica(None, ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.02),
+                              store=twins.store, coordination=twins.coordination)
+            server, port = await create_server(replica)
+            replica.address = f"127.0.0.1:{port}"
+            replicas.append(replica)
+            servers.append(server)
+            await server.start()
+            await replica.start()
+        addresses = [r.address for r in replicas]
         for job in jobs:
-            nodes.append(SimulatedNode([replica.address], job, "n", slots=1, spec=SPEC))
+            nodes.append(SimulatedNode(addresses, job, "n", slots=1, spec=SPEC))
             await nodes[-1].join()
             nodes[-1].start()
         for node in nodes:
             await node.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 5, "the first map")
-        yield replica, nodes
+        yield replicas, nodes
     finally:
         for node in nodes:
             await node.stop()
-        await replica.close()
-        await server.stop(grace=1.0)
-        client.close()
+        for replica in replicas:
+            await replica.close()
+        for server in servers:
+            await server.stop(grace=1.0)
 
 
 async def until(predicate, what: str, timeout_s: float = 5.0):
@@ -56,12 +73,80 @@ async def until(predicate, what: str, timeout_s: float = 5.0):
     return value
 
 
-def test_a_fenced_write_of_one_job_ends_only_its_leadership_and_it_is_led_again(etcd):
+def leader_and_standby(replicas: list[Replica], job: str) -> tuple[Replica, Replica]:
+    """Of two replicas, the one leading `job`, then the other."""
+    first = next(r for r in replicas if job in r.leaders)
+    return first, next(r for r in replicas if r is not first)
+
+
+def test_a_lost_session_fails_its_jobs_over_to_the_standby_and_the_node_stays_active():
     async def scenario():
-        store = MemoryJobStore()
-        async with replica_leading(etcd, store, ("good", "bad")) as (replica, nodes):
+        twins = Twins()
+        async with replicas_leading(twins, ("j",), n=2) as (replicas, nodes):
+            first, standby = leader_and_standby(replicas, "j")
+            old = first.leaders["j"]
+            twins.coordination.expire(twins.coordination.leader_session("j"))
+            new = await until(lambda: standby.leaders.get("j"), "the standby leading")
+            assert new.term > old.term
+            assert old.lost_reason == "session lost: lease_expired" and "j" not in first.leaders
+            await until(first.ready, "the old leader back as a standby, on a new session")
+            await nodes[0].wait_for(lambda x: x.term == new.term and x.assignment().role == pb.ROLE_ACTIVE, 5,
+                                    "the node active under the new leader")
+            assert new.state.member("n") is not None and not nodes[0].errors
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_session_ends_every_leadership_of_its_replica_and_each_job_is_led_again():
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("a", "b"), n=1) as ([replica], nodes):
+            old = dict(replica.leaders)
+            twins.coordination.expire(twins.coordination.leader_session("a"))
+            for job in ("a", "b"):
+                led = await until(lambda: replica.leaders.get(job) not in (None, old[job]) and replica.leaders[job],
+                                  f"job {job} led again on the new session")
+                assert led.term > old[job].term and old[job].lost_reason.startswith("session lost")
+            assert not any(n.errors for n in nodes)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_closes_resigns_and_the_standby_leads_at_once():
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("j",), n=2) as (replicas, nodes):
+            first, standby = leader_and_standby(replicas, "j")
+            await first.close()
+            new = await until(lambda: standby.leaders.get("j"), "the standby leading", timeout_s=1.0)
+            assert twins.coordination.current_leader("j") == (standby.address, new.term)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_started_while_etcd_is_unreachable_serves_once_it_is_back():
+    async def scenario():
+        twins = Twins()
+        twins.coordination.make_unavailable()
+        replica = Replica(None, ReplicaConfig(address="127.0.0.1:1"), store=twins.store,
+                          coordination=twins.coordination)
+        starting = asyncio.ensure_future(replica.start())
+        await asyncio.sleep(0.3)  # session grants refused, retried with backoff
+        assert not starting.done() and not replica.ready()
+        twins.coordination.make_available()
+        await asyncio.wait_for(starting, 5)
+        assert replica.ready()
+        await replica.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_fenced_write_of_one_job_ends_only_its_leadership_and_it_is_led_again():
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("good", "bad")) as ([replica], nodes):
             good, bad = replica.leaders["good"], replica.leaders["bad"]
-            store.fence_next_write("bad")
+            twins.store.fence_next_write("bad")
             joiner = SimulatedNode([replica.address], "bad", "m", slots=1, spec=SPEC)
             joining = asyncio.ensure_future(joiner.join())  # a decision to write, refused
             try:
@@ -78,12 +163,12 @@ def test_a_fenced_write_of_one_job_ends_only_its_leadership_and_it_is_led_again(
     asyncio.run(scenario())
 
 
-def test_an_unavailable_store_for_one_job_holds_its_decisions_and_no_other_jobs(etcd):
+def test_an_unavailable_store_for_one_job_holds_its_decisions_and_no_other_jobs():
     async def scenario():
-        store = MemoryJobStore()
-        async with replica_leading(etcd, store, ("good", "bad")) as (replica, nodes):
+        twins = Twins()
+        async with replicas_leading(twins, ("good", "bad")) as ([replica], nodes):
             good, bad = replica.leaders["good"], replica.leaders["bad"]
-            store.make_unavailable("bad")
+            twins.store.make_unavailable("bad")
             joiners = [SimulatedNode([replica.address], job, "m", slots=1, spec=SPEC) for job in ("good", "bad")]
             joining = [asyncio.ensure_future(j.join()) for j in joiners]
             try:
@@ -91,7 +176,7 @@ def test_an_unavailable_store_for_one_job_holds_its_decisions_and_no_other_jobs(
                 assert good.state.member("m") is not None
                 await asyncio.sleep(0.2)  # ten of bad's ticks: each decides the join again, and is deferred
                 assert not joining[1].done() and bad.state.member("m") is None and bad.lost_reason is None
-                store.make_available()
+                twins.store.make_available()
                 await asyncio.wait_for(joining[1], 5)
                 assert replica.leaders["bad"] is bad and bad.state.member("m") is not None
             finally:

@@ -7,8 +7,11 @@ import pytest
 
 from muster.names import JOB_NAME
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent import AgentConfig, Crash, Slot, failure_report, finished_job, last_failure
+from muster.worker.agent_config import AgentConfig
+from muster.worker.crash_report import failure_report, last_failure
 from muster.worker.launch import LaunchError, job_name, plan
+from muster.worker.slot import Crash, Slot
+from muster.worker.waiting import finished_job
 
 
 def test_valid_job_names_are_kept_and_any_other_id_is_mapped_deterministically_without_collisions():

@@ -24,3 +24,13 @@ def test_backoff_doubles_up_to_its_cap_with_jitter_below_twice_each_step():
     backoff = Backoff(0.05, 0.15)
     for step in (0.05, 0.1, 0.15, 0.15):
         assert step <= backoff.next() < 2 * step
+
+
+def test_backoff_starts_over_after_a_quiet_period_and_not_within_one():
+    now = [0.0]
+    backoff = Backoff(0.2, 5.0, reset_after_s=60.0, clock=lambda: now[0])
+    for step in (0.2, 0.4, 0.8):
+        assert step <= backoff.next() < 2 * step
+        now[0] += 59.0  # each retry within the quiet period of the one before: still doubling
+    now[0] += 2.0  # 61 s since the last retry
+    assert 0.2 <= backoff.next() < 0.4

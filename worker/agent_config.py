@@ -1,0 +1,35 @@
+"""What `muster run` tells a node agent: the job and node, what runs on each slot, and the agent's
+budgets and timeouts (read from flags at the edge, cli.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from muster.security import ClientSecurity
+from muster.worker.zygote import PRELOAD
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    coordinators: tuple[str, ...]
+    job: str
+    node_id: str
+    slots: int
+    argv: tuple[str, ...]  # what runs on each slot
+    host: str = "127.0.0.1"  # the address other nodes reach this node at
+    nodes: tuple[int, int] | None = None  # (min, max) nodes when this agent creates the job
+    world_size_multiple: int = 0
+    max_restarts: int = 3  # per slot, whatever the cause (a crash, a new map); beyond it the slot is given up
+    restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
+    log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
+    drain_timeout_s: float = 120.0
+    hold_timeout_s: float = 300.0  # no coordinator heard for this long: give up (the ranks with the agent)
+    join_timeout_s: float = 300.0  # no coordinator accepted the Join within this long: exit 1
+    form_timeout_s: float = 600.0  # no place in a generation within this long (a hot spare waits on): exit 1
+    wait_report_s: float = 10.0  # while waiting for a place, say what for this often
+    job_id: str = ""  # the job as the user named it (torchrun's --rdzv-id); `job` is the coordinator's name
+    warm_start: bool = False  # fork Python ranks from a zygote that imported `preload` once (see zygote)
+    preload: tuple[str, ...] = PRELOAD
+    env: dict[str, str] = field(default_factory=dict)
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # token, TLS

@@ -1,0 +1,133 @@
+"""One slot of a node agent: the state of the rank process it runs, and what that process leaves
+when it crashes (its exit, the error torch's @record wrote, the last lines of its stderr), kept for
+the crash-loop backoff and the report of a slot given up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from muster.v1 import muster_pb2 as pb
+from muster.worker.zygote import WarmProcess
+
+CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
+TAIL_LINES = 20  # of a given-up slot's stderr, in its report
+TAIL_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A rank process that exited non-zero, as the failure report shows it."""
+
+    code: int
+    pid: int
+    rank: int | None
+    generation: int
+    at: float  # wall clock
+    tail: tuple[str, ...]  # the last lines of its stderr (or log)
+    error: str = ""  # from its TORCHELASTIC_ERROR_FILE
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    proc: asyncio.subprocess.Process | WarmProcess | None = None
+    starts: int = 0
+    restarts: int = 0
+    finished: bool = False  # exited 0
+    given_up: bool = False  # crash-looped past the budget
+    generation: int = 0  # the generation its process was started for
+    stopping: bool = False  # the agent is ending this process on purpose
+    failed_pid: int = 0
+    crashed_in: int = 0  # the generation its last process crashed in: a replacement is no member of it
+    crashes: int = 0  # in a row, each within CRASH_LOOP_S of its start: the backoff grows with them
+    started_at: float = 0.0  # monotonic, its process's start
+    restarting: bool = False  # crashed, and restarted in place once the leader has re-formed the job
+    report: pb.RankReport | None = None  # last report of a library rank over the socket
+    heard_at: float = 0.0
+    connected: bool = False
+    rank: int | None = None  # the global rank its process was started as (None: no place yet)
+    log_path: Path | None = None  # with --log-dir: its process's output
+    stderr: StderrTail | None = None  # without --log-dir: its process's stderr, passed through
+    error_file: str = ""  # TORCHELASTIC_ERROR_FILE of its process (scripts using torch's @record)
+    last_crash: Crash | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class StderrTail:
+    """A rank's stderr without --log-dir: a thread passes it through to the agent's stderr (never
+    the agent's loop: a slow reader of the agent's output must not stall its frames) and keeps its
+    last bytes for the report of a slot given up."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, name="muster-rank-stderr", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            while chunk := os.read(self._fd, 65536):
+                with self._lock:
+                    self._tail += chunk
+                    if len(self._tail) > 2 * TAIL_BYTES:
+                        del self._tail[:-TAIL_BYTES]
+                try:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(2, view):]
+                except OSError:
+                    pass  # the agent's stderr is gone: keep draining, the rank must not block
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+
+    def lines(self, n: int, wait_s: float = 1.0) -> tuple[str, ...]:
+        """Its last n lines, once its process has exited and the pipe is drained (bounded wait: a
+        child of the rank may hold the pipe open)."""
+        self._thread.join(wait_s)
+        with self._lock:
+            return last_lines(bytes(self._tail[-TAIL_BYTES:]), n)
+
+
+def last_lines(data: bytes, n: int) -> tuple[str, ...]:
+    lines = data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return tuple(line.rstrip() for line in lines[-n:])
+
+
+def error_message(path: str) -> str:
+    """The first line of what torch's @record wrote to TORCHELASTIC_ERROR_FILE ('' when nothing)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    message = doc.get("message", "") if isinstance(doc, dict) else ""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[0] if str(message).strip() else ""
+
+
+def read_tail(slot: Slot) -> tuple[str, ...]:
+    """The last lines its current process wrote to stderr (or its log) (blocking: a thread)."""
+    if slot.stderr is not None:
+        return slot.stderr.lines(TAIL_LINES)
+    if slot.log_path is not None:
+        try:
+            with open(slot.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+                return last_lines(f.read(), TAIL_LINES)
+        except OSError:
+            pass
+    return ()
