@@ -146,8 +146,8 @@ class Liveness:
     def forget(self, node_id: str) -> None:
         node = self.nodes.pop(node_id, None)
         self._armed.pop(node_id, None)
-        if node is not None and node.heard_slot in self._heard:
-            self._heard[node.heard_slot].discard(node_id)
+        if node is not None:
+            self._unwheel(node_id, node)
         for slot, live in node.ranks.items() if node else ():
             self._reported.discard((node_id, slot))
             self._holding.discard((node_id, slot))
@@ -165,10 +165,28 @@ class Liveness:
         node.last_frame_at = now
         slot = int(now / self._slot_s)
         if slot != node.heard_slot:
-            if node.heard_slot in self._heard:
-                self._heard[node.heard_slot].discard(node_id)
+            self._unwheel(node_id, node)
             self._heard.setdefault(slot, set()).add(node_id)
             node.heard_slot = slot
+
+    def _unwheel(self, node_id: str, node: NodeLive) -> None:
+        if node.heard_slot in self._heard:
+            self._heard[node.heard_slot].discard(node_id)
+        node.heard_slot = -1
+
+    def unvouched(self, node_id: str, now: float) -> None:
+        """The relay that vouched for `node_id` is gone (or its stream there ended): from now on its
+        silence is judged here, counting from now (it reconnects within the heartbeat timeout)."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.heard_slot == -1:
+            self._heard_now(node_id, node, now)
+
+    def silent_since(self, node_id: str, since: float) -> None:
+        """Its relay heard nothing from `node_id` since `since`: judged here as if its last frame
+        came then (found silent at the next tally past the heartbeat timeout)."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            self._heard_now(node_id, node, min(since, node.last_frame_at))
 
     def _arm(self, node_id: str, at: float) -> None:
         """Judge the ranks of `node_id` at `at`, unless they are due sooner already."""
@@ -182,13 +200,21 @@ class Liveness:
             if self._digests[step] <= 0:
                 del self._digests[step]
 
-    def observe(self, node_id: str, generation: int, reports: list[RankReport], now: float) -> list[int]:
-        """Record a frame. Returns the local ranks that came back (a new process in a failed slot)."""
+    def observe(self, node_id: str, generation: int, reports: list[RankReport], now: float, *,
+                vouched: bool = False) -> list[int]:
+        """Record a frame. Returns the local ranks that came back (a new process in a failed slot).
+        `vouched`: it came through a relay, which judges the node's silence and forwards frames
+        that only advance steps now and then: the node leaves the wheel until `unvouched` or
+        `silent_since`."""
         node = self.nodes.get(node_id)
         if node is None:
             node = self._node(node_id, now)
             self._arm(node_id, now)
-        self._heard_now(node_id, node, now)
+        if vouched:
+            node.last_frame_at = now
+            self._unwheel(node_id, node)
+        else:
+            self._heard_now(node_id, node, now)
         node.generation = generation
         if reports:
             node.top_step = max(r.step for r in reports)

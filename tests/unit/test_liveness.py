@@ -427,3 +427,41 @@ def test_nodes_that_progress_together_are_judged_spread_over_tallies():
     # Without the spread every node would come due in the same tally after each step (256 a tally,
     # the cap, for four tallies in a row); with it they come due over half a second.
     assert statistics.mean(steady) < 120 and sum(n == 256 for n in steady) <= len(steady) // 20
+
+
+# ---- relayed nodes: their relay judges silence ---------------------------------------------------
+
+
+def test_a_node_its_relay_vouches_for_is_never_found_silent_here():
+    state = job(2)
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(1), 0, vouched=True)
+    live.observe("n1", 1, report(1), 0)
+    for t in (1.0, 2.0, 3.0):  # the relay forwards n0's frames only now and then; n1 streams directly
+        live.observe("n1", 1, report(int(t * 10)), t)
+    assert live.failures(state, 3.0) == []
+
+
+def test_a_node_its_relay_found_silent_fails_at_the_next_tally():
+    state = job(2)
+    live = Liveness(TIMING, now=0)
+    for t in (0.0, 1.0, 2.0, 2.4):
+        live.observe("n0", 1, report(int(t * 10) + 1), t, vouched=True)
+        live.observe("n1", 1, report(int(t * 10) + 1), t)
+    live.silent_since("n0", 0.3)  # the relay's last frame of it: 2.1 s before
+    assert [(f.kind, f.node_id) for f in live.failures(state, 2.45)] == [("node_silent", "n0")]
+
+
+def test_a_node_whose_relay_went_away_has_a_heartbeat_timeout_to_come_back():
+    state = job(2)
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(1), 0, vouched=True)
+    live.observe("n1", 1, report(1), 0)
+    live.unvouched("n0", 5.0)
+    live.observe("n1", 1, report(2), 6.9)
+    assert live.failures(state, 6.9) == []
+    live.observe("n1", 1, report(3), 7.2)
+    assert [(f.kind, f.node_id) for f in live.failures(state, 7.2)] == [("node_silent", "n0")]
+    live.observe("n0", 1, report(2), 7.3, vouched=True)  # back through a relay: vouched for again
+    live.observe("n1", 1, report(4), 20)
+    assert live.failures(state, 20) == []
