@@ -35,6 +35,11 @@ class Tokens:
             raise ValueError(f"{path}: no tokens")
         return cls(entries)
 
+    def token_for(self, job: str) -> str:
+        """The token a replica presents for `job` when it calls another (a relay): the job's own, else
+        an operator's; "" when the file has neither."""
+        return next((t for j, t in self.entries if j == job), next((t for j, t in self.entries if j == OPERATOR), ""))
+
     def check(self, metadata, job: str) -> None:
         """Raise unless the call's token may act on `job` ("": every job, operators only)."""
         token = next((v for k, v in metadata or () if k == TOKEN_METADATA), "").removeprefix("Bearer ").strip()

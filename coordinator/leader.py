@@ -56,9 +56,16 @@ class NodeStream:
     # A node taken back after etcd lost everything may have seen higher terms than this leader's
     # (etcd's revisions restarted): its frames up to that term are no sign of a newer leader.
     term_ahead: int = 0
+    # A node relayed by another replica: its directives go into that relay's batch (`RelayLink`),
+    # addressed by the relay's number for the stream, instead of into `queue`.
+    link: object | None = None
+    stream_id: int = 0
 
     def send(self, item) -> None:
-        self.queue.put_nowait(item)
+        if self.link is not None:
+            self.link.push(self.stream_id, item)
+        else:
+            self.queue.put_nowait(item)
 
 
 def secret_hash(secret: bytes) -> str:
@@ -379,27 +386,28 @@ class JobLeader:
             raise PermissionDenied(f"node {member.node_id!r} did not present the session secret of member "
                                    f"{member.member_id}; only the node that joined as it may use it")
 
-    def attach(self, first: pb.NodeFrame) -> NodeStream:
+    def attach(self, first: pb.NodeFrame, *, link=None, stream_id: int = 0) -> NodeStream:
         """Bind a Session stream to its node; the node gets its current assignment at once. While
-        a lost state is rebuilt, a node that is no member but says who it was is taken back."""
+        a lost state is rebuilt, a node that is no member but says who it was is taken back.
+        A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
         wire.check_node(first.node_id)
         wire.check_rejoin(first)
         if self.state.rebuilding and first.HasField("rejoin") and self.state.member(first.node_id) is None:
-            return self._take_back(first)
+            return self._take_back(first, link, stream_id)
         member = self._member(first.node_id, first.member_id)
         self._authenticate(member, first.session_secret)
         stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
-                            term_ahead=first.term if self.state.rebuilding else 0)
+                            term_ahead=first.term if self.state.rebuilding else 0, link=link, stream_id=stream_id)
         self.on_frame(stream, first)
         self._bind(stream)
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
 
-    def _take_back(self, first: pb.NodeFrame) -> NodeStream:
+    def _take_back(self, first: pb.NodeFrame, link, stream_id: int) -> NodeStream:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
         r = first.rejoin
         stream = NodeStream(self.job, first.node_id, first.member_id, wire.node_kind(r.is_process), pending=True,
-                            term_ahead=first.term)
+                            term_ahead=first.term, link=link, stream_id=stream_id)
         fut = self._enqueue(Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret),
                                    r.host, r.store_port, r.slots, stream.kind, r.master_port, wire.spec_of(r.spec)),
                             want_result=True)
@@ -429,12 +437,14 @@ class JobLeader:
         else:
             stream.send(wire.assignment_for(self.state, stream.node_id, "current assignment"))
 
-    def detach(self, stream: NodeStream) -> None:
+    def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
+        """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that
+        the node is gone, even for a process node: its silence past the heartbeat timeout decides."""
         stream.closed = True
         if self.streams.get(stream.node_id) is not stream:
             return  # replaced or evicted already
         del self.streams[stream.node_id]
-        if stream.kind is NodeKind.PROCESS and not stream.departed and self.lost_reason is None:
+        if stream.kind is NodeKind.PROCESS and not stream.departed and self.lost_reason is None and not relay_lost:
             self._enqueue(NodeLost(stream.node_id, FailureKind.PROCESS_EXITED, "its session closed without leaving"))
 
     def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None:

@@ -28,6 +28,7 @@ from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import JobGauges, Metrics
+from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.store import JobStorage
 from muster.net import Backoff
 from muster.v1 import muster_pb2 as pb
@@ -51,6 +52,9 @@ class ReplicaConfig:
     balance_delay_s: float = 0.1  # per job already led (up to 5), before campaigning for another
     leader_wait_s: float = 3.0  # a Join for a new job waits this long for its election
     limits: Limits = Limits()
+    relay: bool = True  # relay node streams of jobs this replica does not lead (--no-relay: refuse them)
+    relay_min_nodes: int = 64  # a job relays from this many nodes (members, or its min_nodes) on
+    relay_batch_s: float = 0.02  # a relay's batch window (exits and hang-ups go at once)
 
 
 @dataclass
@@ -62,10 +66,13 @@ class _Campaign:
 
 class Replica:
     def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None,
-                 coordination: Coordination | None = None):
+                 coordination: Coordination | None = None, peers: PeerAccess = PeerAccess()):
         """`store` and `coordination` (sessions, elections) default to `client`'s etcd; tests give
-        in-memory twins (with both given, `client` may be None)."""
+        in-memory twins (with both given, `client` may be None). `peers`: how this replica, relaying,
+        calls the leader."""
         self.config = config
+        self.peers = peers
+        self.relays: dict[str, Relay] = {}
         self.address = config.address
         self.store = JobStore(client) if store is None else store
         self.coordination = EtcdCoordination(client) if coordination is None else coordination
@@ -309,11 +316,29 @@ class Replica:
     async def _leader_address(self, job: str) -> str:
         """Where the job's leader is, for a NotLeader hint; quickly, or "" (with etcd unreachable
         a read waits for the client's timeout, and a node waiting on an answer thinks us silent)."""
+        address = await self._elected(job)
+        return address if address != self.address else ""
+
+    async def _elected(self, job: str) -> str:
+        """The address etcd names as the job's leader (this replica's own included), or ""."""
         try:
             found = await asyncio.wait_for(asyncio.to_thread(self.coordination.current_leader, job), LEADER_LOOKUP_S)
         except (EtcdUnavailable, TimeoutError):
             return ""
-        return found[0] if found and found[0] != self.address else ""
+        return found[0] if found else ""
+
+    def relay_for(self, first: pb.NodeFrame, not_leader: NotLeader) -> Relay:
+        """The relay of a job this replica does not lead, for a node that picked this replica as its
+        relay; raises `not_leader` (go to the leader) where this replica relays nothing."""
+        if not (self.config.relay and first.via_relay) or self._closing:
+            raise not_leader
+        relay = self.relays.get(first.job)
+        if relay is None or not relay.accepting:
+            relay = self.relays[first.job] = Relay(
+                first.job, self.address, not_leader.leader, security=self.peers.security(first.job),
+                find_leader=self._elected, window_s=self.config.relay_batch_s,
+                connect_s=self.config.timing.heartbeat_timeout_s)
+        return relay
 
     async def session_leader(self, first: pb.NodeFrame) -> JobLeader:
         """The leader for a Session stream. A node of a job this replica never heard of (etcd lost
@@ -334,7 +359,12 @@ class Replica:
             if req.job not in self.jobs:
                 await self._create_job(req.job, requested)
             await self._await_election(req.job)
-        return await (await self.leader_for(req.job)).join(req, requested)
+        leader = await self.leader_for(req.job)
+        response = await leader.join(req, requested)
+        # Relaying is decided where the job is led: a standby run with --no-relay refuses, and the node streams here.
+        response.relay = self.config.relay and max(len(leader.state.members), leader.state.spec.min_nodes) >= \
+            self.config.relay_min_nodes
+        return response
 
     async def _create_job(self, job: str, requested: JobSpec) -> None:
         if len(self.jobs) >= self.config.limits.max_jobs:

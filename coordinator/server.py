@@ -20,6 +20,7 @@ from muster.client import LEADER_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens
 from muster.coordinator.leader import CLOSE
+from muster.coordinator.relay import CLOSE_CODE, Relay, RelayedNode, RelayLink
 from muster.coordinator.replica import Replica
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -107,9 +108,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if first is None:
                 raise errors.InvalidArgument("a session starts with a frame naming its job and node")
             self.admit(context, first)
-            leader = await self.replica.session_leader(first)
-            stream = leader.attach(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
+            try:
+                leader = await self.replica.session_leader(first)
+            except errors.NotLeader as exc:
+                relay = self.replica.relay_for(first, exc)  # raises `exc` where this replica relays nothing
+                async for directive in self._relayed(relay, first, request_iterator, budget):
+                    yield directive
+                return
+            stream = leader.attach(first)
             reader = asyncio.create_task(self._read(leader, stream, request_iterator, budget))
             while True:
                 item = await stream.queue.get()
@@ -127,6 +134,93 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if stream:
                 leader.detach(stream)
 
+    async def _relayed(self, relay: Relay, first, request_iterator, budget: FrameBudget):
+        """A node stream this replica relays: frames into the relay's batch, directives back out."""
+        node = relay.open(first)
+        reader = asyncio.create_task(self._read_relayed(relay, node, request_iterator, budget))
+        try:
+            while True:
+                item = await node.queue.get()
+                if item is CLOSE:
+                    return
+                if isinstance(item, errors.MusterError):
+                    raise item
+                if item.HasField("directive"):
+                    yield item.directive
+                elif item.end.code == CLOSE_CODE:
+                    return
+                else:
+                    raise error_of(item.end, first.job)
+        finally:
+            reader.cancel()
+            relay.hang_up(node)
+
+    @staticmethod
+    async def _read_relayed(relay: Relay, node: RelayedNode, request_iterator, budget: FrameBudget) -> None:
+        try:
+            async for frame in request_iterator:
+                budget.spend()
+                if isinstance(frame, errors.MusterError):
+                    raise frame
+                relay.frame(node, frame)
+        except errors.MusterError as exc:
+            node.queue.put_nowait(exc)
+            return
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        node.queue.put_nowait(CLOSE)
+
+    async def Relay(self, request_iterator, context):
+        """The leader's end of a relay's stream (see `muster.coordinator.relay`)."""
+        link = reader = None
+        try:
+            first = await anext(request_iterator, None)
+            if first is None:
+                raise errors.InvalidArgument("a relay starts with a message naming its job")
+            self.admit(context, first)
+            leader = await self.replica.leader_for(first.job)
+            link = RelayLink(leader, first.relay)
+            link.receive(first)
+            log.info("relay_attached", job=first.job, relay=first.relay[:256])
+            yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
+            reader = asyncio.create_task(self._read_relay(link, request_iterator))
+            while not reader.done() or link.out:
+                if link.out:
+                    yield link.take()
+                    continue
+                try:  # a lost leadership wakes nobody: look at it every tick
+                    await asyncio.wait_for(link.ready.wait(), self.replica.config.tick_s * 4)
+                except TimeoutError:
+                    pass
+                if leader.lost_reason is not None and not link.out:
+                    raise errors.NotLeader(first.job, "")
+            if isinstance(reader.result(), errors.MusterError):
+                raise reader.result()
+        except errors.MusterError as exc:
+            log.info("relay_refused", code=STATUS_OF[type(exc)].name, error=str(exc))
+            await _abort(context, exc)
+        finally:
+            if reader:
+                reader.cancel()
+            if link:
+                link.close()
+
+    @staticmethod
+    async def _read_relay(link: RelayLink, request_iterator) -> errors.MusterError | None:
+        """Feed the link; the call ends when the relay stops writing (or with the refusal returned)."""
+        try:
+            async for up in request_iterator:
+                if isinstance(up, errors.MusterError):
+                    return up
+                link.receive(up)
+        except errors.MusterError as exc:
+            return exc
+        except grpc.RpcError:
+            pass
+        finally:
+            link.ready.set()
+        return None
+
     @staticmethod
     async def _read(leader, stream, request_iterator, budget: FrameBudget) -> None:
         try:
@@ -141,6 +235,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except (asyncio.CancelledError, grpc.RpcError):
             pass
         stream.send(CLOSE)
+
+
+ERROR_OF = {code.value[0]: kind for kind, code in STATUS_OF.items() if kind is not errors.NotLeader}
+
+
+def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:
+    """A relayed stream's end (`relay.stream_end`) as the error the relay ends the node's stream with."""
+    if end.code == grpc.StatusCode.UNAVAILABLE.value[0]:
+        return errors.NotLeader(job, end.leader)
+    return ERROR_OF.get(end.code, errors.Unavailable)(end.message)
 
 
 class FrameBudget:

@@ -14,9 +14,11 @@ from muster.coordinator.auth import Tokens, server_credentials
 from muster.coordinator.etcd.client import EtcdAccess, connect
 from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.metrics import HealthServer
+from muster.coordinator.relay import PeerAccess
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
 from muster.net import join_host_port, split_host_port
+from muster.security import ClientSecurity
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +34,7 @@ class ServeConfig:
     tokens_file: str = ""  # per-job tokens required when set
     tls: tuple[str, str, str | None] | None = None  # (cert, key, client CA for mTLS or None)
     etcd_access: EtcdAccess = EtcdAccess()  # TLS and user of an external etcd
+    peer_tls: tuple[str, str, str] = ("", "", "")  # (CA, cert, key): a relay's TLS when it calls the leader
     replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
 
 
@@ -47,8 +50,9 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
     client = server = replica = health = None
     try:
         client = connect(endpoints, access=config.etcd_access if embedded is None else EtcdAccess())
-        replica = Replica(client, ReplicaConfig(**config.replica))
         tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
+        peers = PeerAccess(ClientSecurity("", *config.peer_tls), tokens)
+        replica = Replica(client, ReplicaConfig(**config.replica), peers=peers)
         credentials = server_credentials(*config.tls) if config.tls else None
         server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes,
                                            tokens=tokens, credentials=credentials)

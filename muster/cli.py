@@ -51,7 +51,9 @@ def _serve(args: argparse.Namespace) -> int:
         tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         etcd_access=etcd_access,
         replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl,
-                     limits=limits),
+                     limits=limits, relay=not args.no_relay, relay_min_nodes=args.relay_min_nodes,
+                     relay_batch_s=args.relay_batch),
+        peer_tls=(args.peer_tls_ca or "", args.peer_tls_cert or "", args.peer_tls_key or ""),
     )
     try:
         asyncio.run(serve(config))
@@ -300,6 +302,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     s.add_argument("--tls-key", help="the certificate's private key (PEM)")
     s.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
+    s.add_argument("--no-relay", action="store_true",
+                   help="relay no node streams of jobs this replica does not lead (answer with the leader instead)")
+    s.add_argument("--relay-min-nodes", type=int, default=64,
+                   help="jobs of this many nodes (members or min_nodes) on spread their node streams over the "
+                        "replicas, which relay them to the leader (default %(default)s)")
+    s.add_argument("--relay-batch", type=float, default=0.02,
+                   help="seconds a relay gathers node frames into one batch (exits go at once; default %(default)s)")
+    s.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
+    s.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
+    s.add_argument("--peer-tls-key", help="its private key (PEM)")
     s.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
     s.set_defaults(func=_serve, verb="serve")

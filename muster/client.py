@@ -6,6 +6,7 @@ that address. Used by the CLI and the tests; agents and the worker library build
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 
@@ -35,6 +36,13 @@ def parse_addresses(value: str | Sequence[str]) -> list[str]:
     if not addresses:
         raise ValueError("no coordinator address given")
     return addresses
+
+
+def relay_of(node_id: str, addresses: Sequence[str]) -> str:
+    """The replica a node of a large job streams through: rendezvous (highest random weight) hashing
+    of node_id over the coordinator addresses, stable across processes (unlike `hash`) and moving
+    only the nodes of a replica that is added or removed."""
+    return max(addresses, key=lambda a: hashlib.blake2b(f"{a}|{node_id}".encode(), digest_size=8).digest())
 
 
 def leader_hint(error: grpc.RpcError) -> str:

@@ -3,7 +3,9 @@ job's leader, follow leader changes, leave.
 
 The leader pulses every stream; a stream that stays silent for the heartbeat timeout is ended
 and another replica is tried (a frozen or partitioned leader). Standbys answer UNAVAILABLE with
-a `muster-leader` hint, which is followed. Used by the worker library, the node agent and the
+a `muster-leader` hint, which is followed. A node of a large job (JoinResponse.relay) streams
+through the replica its node_id hashes to (`relay_of`), which relays it to the leader; a relay
+that refuses or cannot be reached is left for the leader for a while. Used by the worker library, the node agent and the
 simulated nodes of `muster.local`. Runs on one asyncio loop.
 """
 
@@ -19,13 +21,15 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect
+from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect, relay_of
 from muster.net import Backoff
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
+
+RELAY_AVOID_TIMEOUTS = 5  # a relay that refused or did not answer is skipped for this many heartbeat timeouts
 
 
 class Evicted(Exception):
@@ -67,6 +71,8 @@ class NodeSession:
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
         self.leader = ""
+        self.relay = ""  # the replica this node streams through ("": straight to the leader)
+        self._relay_avoided_until = 0.0
         self.heartbeat_interval_s = 0.1
         self.heartbeat_timeout_s = 2.0
         self.exits: list[pb.RankExit] = []  # appended by the owner, sent with the next frame
@@ -121,7 +127,9 @@ class NodeSession:
         self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
         self.heartbeat_timeout_s = response.heartbeat_timeout_ms / 1000
-        self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term)
+        self.relay = relay_of(self.identity.node_id, self.addresses) if response.relay else ""
+        self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term,
+                      relay=self.relay or None)
         return response
 
     async def leave(self, *, immediate: bool = False, finished: bool = False, reason: str = "",
@@ -152,7 +160,7 @@ class NodeSession:
         wait = interval - (time.time() - phase) % interval
         return wait if wait >= interval / 2 else wait + interval  # never two frames back to back
 
-    async def _frames(self):
+    async def _frames(self, relayed: bool):
         first = True
         while True:
             if not self.paused:
@@ -162,6 +170,7 @@ class NodeSession:
                     # leader that lost the job's state (etcd lost its data) takes it back.
                     frame.session_secret = self.secret
                     frame.rejoin.CopyFrom(self._join_request())
+                    frame.via_relay = relayed
                     first = False
                 yield frame
             self._wake.clear()
@@ -173,17 +182,21 @@ class NodeSession:
     async def run(self) -> None:
         """Stream until stopped. Raises Evicted when fenced out, AioRpcError on a refusal."""
         while not self._stopping:
-            address = self.leader or self.addresses[0]
+            loop = asyncio.get_running_loop()
+            relayed = bool(self.relay) and self.relay != self.leader and loop.time() >= self._relay_avoided_until
+            address = self.relay if relayed else self.leader or self.addresses[0]
             self._leader_silent = False
             hint, evicted = "", None
+            heard = False
             try:
                 async with self.security.aio_channel(address) as channel:
-                    self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames(),
+                    self._call = call = pb_grpc.CoordinatorStub(channel).Session(self._frames(relayed),
                                                                                  metadata=self.security.metadata)
-                    watchdog = asyncio.create_task(self._watch(call, channel, address))
+                    watchdog = asyncio.create_task(self._watch(call, channel, address, relayed))
                     try:
                         async for directive in call:
-                            self._heard_at = asyncio.get_running_loop().time()
+                            self._heard_at = loop.time()
+                            heard = True
                             evicted = self._directive(directive)
                             if evicted is not None:
                                 break
@@ -211,6 +224,10 @@ class NodeSession:
             if evicted is not None:  # told so on the stream, or refused as no member
                 raise Evicted(evicted)
             now = asyncio.get_running_loop().time()
+            if relayed and (not heard or self._leader_silent):
+                # Refused (--no-relay), unreachable or silent: the leader takes this node for a while.
+                self._relay_avoided_until = now + RELAY_AVOID_TIMEOUTS * self.heartbeat_timeout_s
+                self.log.info("relay_avoided", relay=address, leader=hint or None)
             if hint and self._suspect.get(hint, 0) > now and await self._probe(hint):
                 # It went silent before but leads now (it lost etcd and won again): a new leader's
                 # grace is short, so going back must not wait for the suspicion to end.
@@ -242,29 +259,32 @@ class NodeSession:
             return d.assignment.reason
         return None
 
-    async def _watch(self, call, channel, address: str) -> None:
-        """End a stream whose leader went silent, but only once a probe confirms it is not
-        serving: for a process node, closing its stream reads as its exit."""
+    async def _watch(self, call, channel, address: str, relayed: bool) -> None:
+        """End a stream whose leader (or relay) went silent, but only once a probe confirms it is
+        not serving: for a process node, closing its stream reads as its exit."""
         loop = asyncio.get_running_loop()
         self._heard_at = loop.time()
         while True:
             await asyncio.sleep(self.heartbeat_timeout_s / 4)
             if loop.time() - self._heard_at <= self.heartbeat_timeout_s:
                 continue
-            if await self._leads(channel, address):
+            if await self._leads(channel, address, relayed):
                 self._heard_at = loop.time()  # slow, not gone
                 continue
             self._leader_silent = True
             call.cancel()
             return
 
-    async def _leads(self, channel, address: str) -> bool:
+    async def _leads(self, channel, address: str, relayed: bool = False) -> bool:
+        """Does `address` lead the job and answer? A relay need only answer and know a leader."""
         try:
             status = await pb_grpc.CoordinatorStub(channel).Status(
                 pb.StatusRequest(job=self.identity.job, brief=True), timeout=self.heartbeat_timeout_s,
                 metadata=self.security.metadata)
         except grpc.aio.AioRpcError:
             return False
+        if relayed:
+            return bool(status.jobs) and bool(status.jobs[0].leader)
         return bool(status.jobs) and status.jobs[0].live and status.jobs[0].leader == address
 
     async def stop(self) -> None:

@@ -74,7 +74,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ..., master_port: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms", "session_secret")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms", "session_secret", "relay")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class JoinResponse(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
@@ -91,7 +92,8 @@ class JoinResponse(_message.Message):
     heartbeat_interval_ms: int
     heartbeat_timeout_ms: int
     session_secret: bytes
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    relay: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., session_secret: _Optional[bytes] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job", "node_id", "member_id", "immediate", "reason", "finished", "session_secret")
@@ -156,7 +158,7 @@ class RankExit(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarting: _Optional[bool] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,7 @@ class NodeFrame(_message.Message):
     EXITS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
+    VIA_RELAY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
@@ -175,7 +178,8 @@ class NodeFrame(_message.Message):
     exits: _containers.RepeatedCompositeFieldContainer[RankExit]
     session_secret: bytes
     rejoin: JoinRequest
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ...) -> None: ...
+    via_relay: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks")
@@ -367,3 +371,49 @@ class EventsResponse(_message.Message):
     job: str
     events: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, job: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class RelayedFrame(_message.Message):
+    __slots__ = ("stream", "frame")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    frame: NodeFrame
+    def __init__(self, stream: _Optional[int] = ..., frame: _Optional[_Union[NodeFrame, _Mapping]] = ...) -> None: ...
+
+class RelayUp(_message.Message):
+    __slots__ = ("job", "relay", "frames", "ended")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    relay: str
+    frames: _containers.RepeatedCompositeFieldContainer[RelayedFrame]
+    ended: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("code", "message", "leader")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    leader: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., leader: _Optional[str] = ...) -> None: ...
+
+class RelayedDirective(_message.Message):
+    __slots__ = ("stream", "directive", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    directive: Directive
+    end: StreamEnd
+    def __init__(self, stream: _Optional[int] = ..., directive: _Optional[_Union[Directive, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class RelayDown(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RelayedDirective]
+    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=muster_dot_v1_dot_muster__pb2.EventsRequest.SerializeToString,
                 response_deserializer=muster_dot_v1_dot_muster__pb2.EventsResponse.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/muster.v1.Coordinator/Relay',
+                request_serializer=muster_dot_v1_dot_muster__pb2.RelayUp.SerializeToString,
+                response_deserializer=muster_dot_v1_dot_muster__pb2.RelayDown.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -99,6 +104,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """Replica to the job's leader: the node streams a replica relays for a job it does not lead,
+        multiplexed on one stream (batches of node frames up, directives by node down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=muster_dot_v1_dot_muster__pb2.EventsRequest.FromString,
                     response_serializer=muster_dot_v1_dot_muster__pb2.EventsResponse.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=muster_dot_v1_dot_muster__pb2.RelayUp.FromString,
+                    response_serializer=muster_dot_v1_dot_muster__pb2.RelayDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Coordinator:
             '/muster.v1.Coordinator/Events',
             muster_dot_v1_dot_muster__pb2.EventsRequest.SerializeToString,
             muster_dot_v1_dot_muster__pb2.EventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/muster.v1.Coordinator/Relay',
+            muster_dot_v1_dot_muster__pb2.RelayUp.SerializeToString,
+            muster_dot_v1_dot_muster__pb2.RelayDown.FromString,
             options,
             channel_credentials,
             insecure,

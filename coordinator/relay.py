@@ -1,0 +1,312 @@
+"""Relays: a replica terminates the node streams of a job it does not lead and carries them to the
+job's leader on one multiplexed `Relay` stream, so that the leader reads one message per relay and
+batch window instead of one per node frame.
+
+Up, each batch holds each node's latest frame only (its exits merged in, never dropped; a batch
+with an exit goes at once) and the streams that ended. Down, the leader's directives come back
+addressed by stream and are fanned out. `FrameBatch` is the folding (pure), `RelayLink` the leader's
+end of one Relay call, `Relay` the relaying replica's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+import grpc
+import structlog
+
+from muster.client import leader_hint
+from muster.coordinator.auth import Tokens
+from muster.coordinator.errors import InvalidArgument, MusterError, NotLeader
+from muster.net import Backoff
+from muster.security import ClientSecurity
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+
+# ---- folding (pure) --------------------------------------------------------------------------
+
+
+def fold(older: pb.NodeFrame, newer: pb.NodeFrame) -> pb.NodeFrame:
+    """`newer` superseding `older` within one batch: the newer ranks and view win; the older's exits
+    come first and are kept, and so are a first frame's secret and identity (the leader
+    authenticates the stream with them). `newer` is updated in place and returned."""
+    if older.exits:
+        exits = [*older.exits, *newer.exits]
+        del newer.exits[:]
+        newer.exits.extend(exits)
+    if older.session_secret and not newer.session_secret:
+        newer.session_secret = older.session_secret
+        newer.via_relay = older.via_relay
+        if older.HasField("rejoin"):
+            newer.rejoin.CopyFrom(older.rejoin)
+    return newer
+
+
+class FrameBatch:
+    """What a relay sends next: the latest frame of each stream since the last batch, and the
+    streams that ended. Frames keep the order of their stream's first frame in the batch, so a new
+    stream's number is never behind another new one's."""
+
+    def __init__(self) -> None:
+        self.frames: dict[int, pb.NodeFrame] = {}
+        self.ended: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.frames or self.ended)
+
+    def add(self, stream: int, frame: pb.NodeFrame) -> bool:
+        """Keep `frame` as the stream's latest; True when the batch should go at once (an exit)."""
+        urgent = bool(frame.exits)
+        older = self.frames.get(stream)
+        self.frames[stream] = frame if older is None else fold(older, frame)
+        return urgent
+
+    def end(self, stream: int) -> bool:
+        """The stream's node hung up; its pending frame still goes (it may hold exits). Urgent: for a
+        process node a hang-up is its exit."""
+        self.ended.append(stream)
+        return True
+
+    def take(self, job: str, relay: str) -> pb.RelayUp:
+        up = pb.RelayUp(job=job, relay=relay, ended=self.ended,
+                        frames=[pb.RelayedFrame(stream=s, frame=f) for s, f in self.frames.items()])
+        self.frames, self.ended = {}, []
+        return up
+
+    def put_back(self, up: pb.RelayUp) -> None:
+        """A batch that no leader took: it goes again, under whatever came since."""
+        pending, self.frames = self.frames, {}
+        for rf in up.frames:
+            self.frames[rf.stream] = rf.frame
+        for stream, frame in pending.items():
+            self.add(stream, frame)
+        self.ended[:0] = up.ended
+
+
+# ---- the leader's end ------------------------------------------------------------------------
+
+
+class RelayLink:
+    """The leader's end of one Relay call: the node streams one replica relays for this job. Each is
+    an ordinary `NodeStream` of the leader whose directives go into `out`. Streams are known only by
+    the numbers this call attached: facts about others are ignored, so a caller can end no stream
+    it did not open, and open none without the node's secret (checked by `attach`)."""
+
+    def __init__(self, leader, relay: str):
+        self.leader = leader
+        self.job = leader.job
+        self.relay = relay
+        self.streams = {}  # stream number -> NodeStream
+        self.last_stream = 0  # numbers only grow: a frame of an ended stream does not open it again
+        self.out: list[pb.RelayedDirective] = []
+        self.ready = asyncio.Event()
+
+    def push(self, stream: int, item) -> None:
+        """`NodeStream.send` of a relayed stream: a Directive, an error that ends the stream, or CLOSE."""
+        if isinstance(item, pb.Directive):
+            self.out.append(pb.RelayedDirective(stream=stream, directive=item))
+        else:
+            self.out.append(pb.RelayedDirective(stream=stream, end=stream_end(item)))
+        self.ready.set()
+
+    def take(self) -> pb.RelayDown:
+        out, self.out = self.out, []
+        self.ready.clear()
+        return pb.RelayDown(items=out)
+
+    def receive(self, up: pb.RelayUp) -> None:
+        if up.job != self.job:
+            raise InvalidArgument(f"every message of a Relay call must name its job {self.job!r}, not {up.job!r}")
+        for rf in up.frames:
+            stream = self.streams.get(rf.stream)
+            try:
+                if stream is not None:
+                    self.leader.on_frame(stream, rf.frame)
+                elif rf.stream > self.last_stream:
+                    self.last_stream = rf.stream
+                    if rf.frame.job != self.job:
+                        raise InvalidArgument(f"a frame of job {rf.frame.job!r} on a Relay call for {self.job!r}")
+                    self.streams[rf.stream] = self.leader.attach(rf.frame, link=self, stream_id=rf.stream)
+            except MusterError as exc:  # ends that stream alone, with its precise status
+                self.push(rf.stream, exc)
+                if stream is not None:
+                    del self.streams[rf.stream]
+                    self.leader.detach(stream)
+        for number in up.ended:
+            stream = self.streams.pop(number, None)
+            if stream is not None:
+                self.leader.detach(stream)
+
+    def close(self) -> None:
+        """The call ended: its streams are gone, their nodes are not (they reconnect elsewhere)."""
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            self.leader.detach(stream, relay_lost=True)
+
+
+CLOSE_CODE = 0  # StreamEnd.code of a stream that ends normally (the leader's CLOSE)
+
+
+def stream_end(item) -> pb.StreamEnd:
+    """A relayed stream's end as the wire carries it: an error of the tree with its status code."""
+    from muster.coordinator.server import STATUS_OF  # the one table of codes; the server imports this module
+
+    if not isinstance(item, MusterError):
+        return pb.StreamEnd(code=CLOSE_CODE)
+    return pb.StreamEnd(code=STATUS_OF[type(item)].value[0], message=str(item)[:512],
+                        leader=getattr(item, "leader", ""))
+
+
+# ---- the relaying replica's end --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerAccess:
+    """How a replica calls another (a relay calls the leader): its client TLS and, where tokens are
+    required, each job's token from the tokens file."""
+
+    tls: ClientSecurity = ClientSecurity()
+    tokens: Tokens | None = None
+
+    def security(self, job: str) -> ClientSecurity:
+        return replace(self.tls, token=self.tokens.token_for(job) if self.tokens else "")
+
+
+@dataclass(eq=False)
+class RelayedNode:
+    """A node stream this replica relays: its directives (RelayedDirective) arrive on `queue`."""
+
+    stream_id: int
+    node_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class Relay:
+    """This replica's relay of one job it does not lead: one Relay call to the leader. Until the
+    leader accepts the call, a refused or failed attempt is retried (the leader looked up again, the
+    unsent frames kept) for up to `connect_s`; once the call ends, every node stream it carried ends
+    with UNAVAILABLE and a leader hint, and the replica opens a new Relay for the next node."""
+
+    def __init__(self, job: str, address: str, leader: str, *, security: ClientSecurity,
+                 find_leader: Callable[[str], Awaitable[str]], window_s: float, connect_s: float):
+        self.job, self.address, self.leader = job, address, leader
+        self.security = security
+        self._find_leader = find_leader
+        self.window_s, self.connect_s = window_s, connect_s
+        self.nodes: dict[int, RelayedNode] = {}
+        self.batch = FrameBatch()
+        self.accepting = True  # False once the call is over or closing: new nodes go to a new Relay
+        self._last_stream = 0
+        self._pending = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._sent: list[pb.RelayUp] = []  # batches of the current call, until a leader accepts it
+        self._accepted = False
+        self._task = asyncio.create_task(self._run(), name=f"relay:{job}")
+        self.log = log.bind(job=job, relay=address)
+
+    def open(self, first: pb.NodeFrame) -> RelayedNode:
+        self._last_stream += 1
+        node = RelayedNode(self._last_stream, first.node_id)
+        self.nodes[node.stream_id] = node
+        self.frame(node, first)
+        return node
+
+    def frame(self, node: RelayedNode, frame: pb.NodeFrame) -> None:
+        if self.batch.add(node.stream_id, frame):
+            self._urgent.set()
+        self._pending.set()
+
+    def hang_up(self, node: RelayedNode) -> None:
+        if self.nodes.pop(node.stream_id, None) is None:
+            return  # ended by the leader or by the call's end
+        self.batch.end(node.stream_id)
+        if not self.nodes:
+            self.accepting = False  # the last node went: the call ends once this is sent
+        self._urgent.set()
+        self._pending.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_s
+        backoff = Backoff(0.05, 0.5)
+        while True:
+            accepted, reason, hint = await self._call(self.leader)
+            self.leader = hint or self.leader
+            if accepted or not self.nodes or self.leader == self.address or loop.time() >= deadline:
+                break
+            await asyncio.sleep(min(backoff.next(), max(0.0, deadline - loop.time())))
+            if not hint:
+                self.leader = await self._find_leader(self.job)
+        self.accepting = False
+        if self.nodes:
+            self.log.info("relay_ended", leader=self.leader, reason=reason, nodes=len(self.nodes), accepted=accepted)
+        end = pb.RelayedDirective(end=pb.StreamEnd(code=grpc.StatusCode.UNAVAILABLE.value[0], leader=self.leader,
+                                                   message=f"the relay's stream to the leader ended: {reason}"[:512]))
+        nodes, self.nodes = self.nodes, {}
+        for node in nodes.values():
+            node.queue.put_nowait(end)
+
+    async def _call(self, address: str) -> tuple[bool, str, str]:
+        """One Relay call to `address`: (accepted by a leader, why it ended, the leader it named).
+        The batches of a call no leader accepted are put back, to go on the next."""
+        if not address or address == self.address:
+            return False, "no other replica leads the job", ""
+        self._sent, self._accepted = [], False
+        async with self.security.aio_channel(address) as channel:
+            call = pb_grpc.CoordinatorStub(channel).Relay(metadata=self.security.metadata)
+            writer = asyncio.create_task(self._write(call))
+            try:
+                async for down in call:
+                    if not self._accepted:  # the leader's first, empty answer
+                        self._accepted, self._sent = True, []
+                        self.log.info("relay_accepted", leader=address, nodes=len(self.nodes))
+                    self._fan_out(down)
+                return self._accepted, "the leader ended it", ""
+            except grpc.aio.AioRpcError as exc:
+                return self._accepted, f"{exc.code().name}: {exc.details()}", leader_hint(exc)
+            finally:
+                writer.cancel()
+                for up in reversed(self._sent):
+                    self.batch.put_back(up)
+                if self.batch:
+                    self._pending.set()
+
+    async def _write(self, call) -> None:
+        """Send a batch once per window (at once when urgent) until the last node hung up."""
+        try:
+            await self._batches(call)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the call ended: its reader tells why
+
+    async def _batches(self, call) -> None:
+        await call.write(pb.RelayUp(job=self.job, relay=self.address))
+        while True:
+            await self._pending.wait()
+            if not self._urgent.is_set():
+                try:
+                    await asyncio.wait_for(self._urgent.wait(), self.window_s)
+                except TimeoutError:
+                    pass
+            self._pending.clear()
+            self._urgent.clear()
+            up = self.batch.take(self.job, self.address)
+            if not self._accepted:
+                self._sent.append(up)
+            await call.write(up)
+            if not self.nodes and not self.accepting:
+                await call.done_writing()
+                return
+
+    def _fan_out(self, down: pb.RelayDown) -> None:
+        for item in down.items:
+            node = self.nodes.get(item.stream)
+            if node is None:
+                continue  # it hung up meanwhile
+            if item.HasField("end"):
+                del self.nodes[item.stream]
+            node.queue.put_nowait(item)
