@@ -337,7 +337,8 @@ class Replica:
             relay = self.relays[first.job] = Relay(
                 first.job, self.address, not_leader.leader, security=self.peers.security(first.job),
                 find_leader=self._elected, window_s=self.config.relay_batch_s,
-                connect_s=self.config.timing.heartbeat_timeout_s)
+                # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
+                connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s)
         return relay
 
     async def session_leader(self, first: pb.NodeFrame) -> JobLeader:

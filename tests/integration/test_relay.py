@@ -1,0 +1,213 @@
+"""Relays with real coordinator processes on a real etcd: the nodes of a large job stream through
+the replica their node_id hashes to, which carries them to the leader on one Relay stream."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from muster.client import Coordinators, relay_of
+from muster.local import SimulatedNode, wait_until
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+RELAY = ["--relay-min-nodes", "4", "--relay-batch", "0.02"]
+EVICTIONS = {"node_silent", "rank_silent", "rank_stalled", "process_exited", "node_left", "rank_exited"}
+
+
+def names_spread(addresses: list[str], per_replica: int) -> list[str]:
+    """Node ids such that each replica is the relay of `per_replica` of them."""
+    names, count = [], dict.fromkeys(addresses, 0)
+    i = 0
+    while min(count.values()) < per_replica:
+        name = f"node-{i:03d}"
+        pick = relay_of(name, addresses)
+        if count[pick] < per_replica:
+            count[pick] += 1
+            names.append(name)
+        i += 1
+    return names
+
+
+async def stepping_job(addresses, job, names):
+    n = len(names)
+    nodes = [SimulatedNode(addresses, job, name, slots=1, spec=pb.JobSpec(min_nodes=n, max_nodes=n))
+             for name in names]
+    for node in nodes:
+        await node.join()
+        node.start()
+    for node in nodes:
+        await node.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 10, "first map")
+    return nodes
+
+
+def leader_of(replicas, job):
+    for r in replicas:
+        if r.leads(job):
+            return r
+    return None
+
+
+def evictions(address: str, job: str) -> list:
+    with Coordinators([address], timeout_s=2) as c:
+        events = c.call("Events", pb.EventsRequest(job=job)).events
+    return [e for e in events if e.kind in EVICTIONS]
+
+
+async def steps_advance(nodes, seconds: float = 0.5) -> None:
+    before = {n.node_id: n.step for n in nodes}
+    await asyncio.sleep(seconds)
+    assert all(n.step > before[n.node_id] for n in nodes), "a node stopped stepping"
+
+
+@pytest.mark.timeout(90)
+def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_at_once(coordinators):
+    replicas = coordinators(3, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "spread", names_spread(addresses, 2))
+        leader = leader_of(replicas, "spread")
+        assert all(n.session.relay == relay_of(n.node_id, addresses) for n in nodes)
+        # every standby relays its share: the leader holds one Relay stream per standby
+        relays = {r["relay"] for r in leader.find("relay_attached", job="spread")}
+        assert relays == set(addresses) - {leader.address}
+        with Coordinators([leader.address], timeout_s=2) as c:
+            status = c.call("Status", pb.StatusRequest(job="spread")).jobs[0]
+        assert status.health.live_ranks == 6 and len(status.ranks) == 6
+        await steps_advance(nodes)
+        # a rank's exit on a relayed node: flushed at once, decided in the next tally
+        relayed = next(n for n in nodes if n.session.relay != leader.address)
+        generation = relayed.generation
+        relayed.exits.append(pb.RankExit(local_rank=0, pid=10_000, exit_code=-9))
+        relayed.session.send_now()
+        reported = time.monotonic()
+        other = next(n for n in nodes if n is not relayed)
+        await other.wait_for(lambda x: x.generation > generation, 2, "the abort generation")
+        assert time.monotonic() - reported < 0.5
+        assert other.assignment().abort_previous
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_small_job_and_a_replica_run_with_no_relay_stream_to_the_leader(coordinators):
+    replicas = coordinators(2, RELAY) + coordinators(1, [*RELAY, "--no-relay"])
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        small = await stepping_job(addresses, "small", ["a", "b"])
+        assert all(n.session.relay == "" for n in small)
+        nodes = await stepping_job(addresses, "big", names_spread(addresses, 2))
+        leader = leader_of(replicas, "big")
+        assert {r["relay"] for r in leader.find("relay_attached", job="big")} <= {replicas[0].address,
+                                                                                  replicas[1].address}
+        assert not replicas[2].find("relay_accepted")
+        await steps_advance(nodes)
+        for n in small + nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_relay_moves_its_nodes_and_nobody_is_evicted(coordinators):
+    replicas = coordinators(3, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "relaykill", names_spread(addresses, 2))
+        leader = leader_of(replicas, "relaykill")
+        victim = next(r for r in replicas if r is not leader)
+        moved = [n for n in nodes if n.session.relay == victim.address]
+        generation = nodes[0].generation
+        victim.kill()
+        # past the heartbeat timeout (1 s): the moved nodes stream elsewhere, nothing decided
+        await asyncio.sleep(2.5)
+        await steps_advance(nodes)
+        assert all(n.generation == generation and not n.errors for n in nodes)
+        assert not evictions(leader.address, "relaykill")
+        assert all(n.session.leader != victim.address for n in moved)
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_relays_follow_a_new_leader_after_the_leader_is_killed(coordinators):
+    replicas = coordinators(3, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "leaderkill", names_spread(addresses, 2))
+        old = leader_of(replicas, "leaderkill")
+        generation = nodes[0].generation
+        old.kill()
+        survivors = [r for r in replicas if r is not old]
+        new = await asyncio.to_thread(wait_until, lambda: leader_of(survivors, "leaderkill"), 10, "a new leader")
+        with Coordinators([new.address], timeout_s=2) as c:
+            term = c.call("Status", pb.StatusRequest(job="leaderkill", brief=True)).jobs[0].term
+        for n in nodes:
+            await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+        standby = next(r for r in survivors if r is not new)
+        # the surviving standby relays its nodes to the new leader
+        await asyncio.to_thread(wait_until, lambda: new.find("relay_attached", job="leaderkill", relay=standby.address),
+                                8, "the standby relaying to the new leader")
+        await steps_advance(nodes)
+        assert all(n.generation == generation and not n.errors for n in nodes)
+        assert not evictions(new.address, "leaderkill")
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_forged_relay_stream_cannot_attach_or_end_a_node(coordinators):
+    replicas = coordinators(2, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "forged", names_spread(addresses, 2))
+        leader = leader_of(replicas, "forged")
+        standby = next(r for r in replicas if r is not leader)
+        victim = nodes[0]
+        generation = victim.generation
+        forged = pb.NodeFrame(job="forged", node_id=victim.node_id, member_id=victim.member_id, term=victim.term,
+                              generation=generation, session_secret=b"x" * 32)
+        async with grpc.aio.insecure_channel(leader.address) as channel:
+            call = pb_grpc.CoordinatorStub(channel).Relay()
+            await call.write(pb.RelayUp(job="forged", relay="evil", ended=[1, 2, 3]))
+            assert not (await asyncio.wait_for(call.read(), 5)).items  # accepted: anyone with the job's token may
+            await call.write(pb.RelayUp(job="forged", relay="evil", ended=[1, 2, 3],
+                                        frames=[pb.RelayedFrame(stream=7, frame=forged)]))
+            down = await asyncio.wait_for(call.read(), 5)
+            (item,) = down.items
+            assert item.stream == 7 and item.end.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+            # a frame of that refused stream does not open it again, nor does a lower number
+            await call.write(pb.RelayUp(job="forged", relay="evil", frames=[
+                pb.RelayedFrame(stream=7, frame=forged), pb.RelayedFrame(stream=3, frame=forged)]))
+            await call.write(pb.RelayUp(job="other", relay="evil"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(call.read(), 5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # a standby takes no Relay stream: it names the leader
+        async with grpc.aio.insecure_channel(standby.address) as channel:
+            call = pb_grpc.CoordinatorStub(channel).Relay()
+            await call.write(pb.RelayUp(job="forged", relay="evil"))
+            with pytest.raises(grpc.aio.AioRpcError) as not_leader:
+                await asyncio.wait_for(call.read(), 5)
+            assert not_leader.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert dict(not_leader.value.trailing_metadata())["muster-leader"] == leader.address
+        await asyncio.sleep(1.5)
+        await steps_advance(nodes)
+        assert all(n.generation == generation and not n.errors for n in nodes)
+        assert not evictions(leader.address, "forged")
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
