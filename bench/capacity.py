@@ -5,13 +5,17 @@
    client processes, at several load points (node streams x frames/s). Per point: frames/s
    offered, sent by the clients and seen by the leader (rank steps in `Status`), the leader's
    CPU, the latency of a frame until the leader's `Status` reflects it, and whether any node
-   was evicted (membership_changed events in the coordinator log).
+   was evicted (membership_changed events in the coordinator log). With `--relays N`, N more
+   coordinator processes on the same etcd relay the node streams (each node streams through the
+   replica its node_id hashes to, the leader included) and the probe's Session goes through a
+   relay; the leader's CPU per delivered node frame is the figure to compare.
 2. A membership change at 16k and 100k ranks, in-process with no network: the pure core
    (`decide`, `encode`) and the leader's own per-tick and per-change path (`JobLeader._tally`
    with an in-memory persist), plus the per-frame and `Status` costs at that size.
 
     python bench/capacity.py            # 50..1000 nodes x 8 ranks at 10 frames/s; 16k and 100k ranks
     python bench/capacity.py --quick    # a smoke test
+    python bench/capacity.py --relays 2 --rate 2 --nodes 200,500,1000 --skip-membership   # relayed
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from muster.coordinator.core.liveness import RankReport
 from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
 from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode, encode
+from muster.coordinator.etcd.client import connect
 from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.etcd.server import EtcdServer
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.store import MemoryJobStore
-from muster.local import CoordinatorProcess, SimulatedNode
+from muster.local import CoordinatorProcess, SimulatedNode, wait_until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -88,8 +94,8 @@ async def _client(conn) -> None:
         while True:
             command, *rest = await asyncio.to_thread(conn.recv)
             if command == "start":
-                address, names, slots, interval_s, spec = rest
-                nodes = [SimulatedNode([address], JOB, name, slots=slots, spec=pb.JobSpec(**spec),
+                addresses, names, slots, interval_s, spec = rest
+                nodes = [SimulatedNode(addresses, JOB, name, slots=slots, spec=pb.JobSpec(**spec),
                                        interval_s=interval_s) for name in names]
                 try:
                     await asyncio.gather(*(bring_up(n) for n in nodes))
@@ -132,14 +138,14 @@ class Clients:
             replies.append(conn.recv())
         return replies
 
-    def start(self, address: str, nodes: int, slots: int, interval_s: float) -> None:
+    def start(self, addresses: list[str], nodes: int, slots: int, interval_s: float) -> None:
         """Join and stream `nodes` nodes, split over the processes. The job is --nodes N:N: it forms
         once, when the last joins (joining one by one into a running job, every join is a new
         generation sent to every stream: a join storm, not the steady state measured here)."""
         names = [f"node-{i:05d}" for i in range(nodes)]
         spec = {"min_nodes": nodes, "max_nodes": nodes}
         for k, conn in enumerate(self.conns):
-            conn.send(("start", address, names[k::len(self.conns)], slots, interval_s, spec))
+            conn.send(("start", addresses, names[k::len(self.conns)], slots, interval_s, spec))
         for conn in self.conns:
             if not conn.poll(90):
                 raise AssertionError("client nodes did not join within 90s")
@@ -204,13 +210,14 @@ async def _wait_stepping(stub, coordinator: CoordinatorProcess, nodes: int, slot
         await asyncio.sleep(0.5)
 
 
-async def _probe(stub, seconds: float) -> list[tuple[float, int]]:
+async def _probe(stub, seconds: float, relay: str = "") -> list[tuple[float, int]]:
     """Frame -> leader-visible latency (an upper bound): write a frame with a new step on a real
-    Session, then poll `Status` back to back until that step shows; (response that shows it -
-    write, polls needed)."""
+    Session (through `relay` when given), then poll `Status` back to back until that step shows;
+    (response that shows it - write, polls needed)."""
     joined = await stub.Join(pb.JoinRequest(job=PROBE_JOB, node_id="probe", slots=1, host="127.0.0.1",
                                             store_port=29400), timeout=10)
-    call = stub.Session()
+    relay_channel = grpc.aio.insecure_channel(relay) if relay else None
+    call = (pb_grpc.CoordinatorStub(relay_channel) if relay else stub).Session()
     generation = 0
     step = 0
 
@@ -218,7 +225,8 @@ async def _probe(stub, seconds: float) -> list[tuple[float, int]]:
         ranks = [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=1000,
                                state=pb.RANK_STATE_RUNNING)] if step else []
         return pb.NodeFrame(job=PROBE_JOB, node_id="probe", member_id=joined.member_id, term=joined.term,
-                            generation=generation, ranks=ranks, session_secret=joined.session_secret)
+                            generation=generation, ranks=ranks, session_secret=joined.session_secret,
+                            via_relay=bool(relay))
 
     async def read() -> None:
         nonlocal generation
@@ -251,6 +259,8 @@ async def _probe(stub, seconds: float) -> list[tuple[float, int]]:
     finally:
         call.cancel()
         reader.cancel()
+        if relay_channel is not None:
+            await relay_channel.close()
     return samples
 
 
@@ -259,61 +269,88 @@ def _ms(values: list[float]) -> dict:
             "max": round(max(values) * 1e3, 2)}
 
 
-def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: int, window_s: float,
-               warmup_s: float) -> dict:
-    """One fresh etcd + coordinator per point: no job or eviction of an earlier point leaks in."""
-    etcd = EtcdServer(workdir / "etcd").start()
-    coordinator = None
-    streaming = False
+def _seed_jobs(etcd: EtcdServer, leader: CoordinatorProcess, nodes: int) -> None:
+    """Relay mode: both jobs exist and are led by the first coordinator before the relays start
+    (campaigning, they could win either job), so the probe measures the loaded leader."""
+    client = connect([etcd.endpoint])
     try:
-        coordinator = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", [
-            "--heartbeat-interval", str(1 / rate), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-            "--grace", str(HEARTBEAT_TIMEOUT_S)]).start()
+        store = JobStore(client)
+        for job, size in ((JOB, nodes), (PROBE_JOB, 1)):
+            store.create_spec(job, json.dumps(vars(JobSpec(size, size, 1))).encode())
+    finally:
+        client.close()
+    wait_until(lambda: leader.leads(JOB) and leader.leads(PROBE_JOB), 20, "the first coordinator leading both jobs")
+
+
+def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: int, window_s: float,
+               warmup_s: float, relays: int = 0) -> dict:
+    """One fresh etcd + coordinator per point: no job or eviction of an earlier point leaks in.
+    With `relays`, that many more coordinators relay the node streams to it."""
+    etcd = EtcdServer(workdir / "etcd").start()
+    coordinators: list[CoordinatorProcess] = []
+    streaming = False
+    args = ["--heartbeat-interval", str(1 / rate), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            "--grace", str(HEARTBEAT_TIMEOUT_S), "--relay-min-nodes", "1"]
+    try:
+        coordinators.append(CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", args).start())
+        if relays:
+            _seed_jobs(etcd, coordinators[0], nodes)
+            for i in range(relays):
+                coordinators.append(CoordinatorProcess([etcd.endpoint], workdir / f"relay-{i}.log", args).start())
         streaming = True
         started = time.monotonic()
-        clients.start(coordinator.address, nodes, slots, 1 / rate)
-        return asyncio.run(_measure(coordinator, clients, nodes, rate, slots, window_s, warmup_s, started))
+        clients.start([c.address for c in coordinators], nodes, slots, 1 / rate)
+        return asyncio.run(_measure(coordinators, clients, nodes, rate, slots, window_s, warmup_s, started))
     finally:
         if streaming:
             clients.stop_nodes()
-        if coordinator is not None:
+        for coordinator in coordinators:
             coordinator.stop()
         etcd.stop()
 
 
-async def _measure(coordinator: CoordinatorProcess, clients: Clients, nodes: int, rate: float, slots: int,
+async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nodes: int, rate: float, slots: int,
                    window_s: float, warmup_s: float, started: float) -> dict:
+    coordinator, relays = coordinators[0], coordinators[1:]
     async with grpc.aio.insecure_channel(coordinator.address, options=[
             ("grpc.max_receive_message_length", 64 << 20)]) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         await _wait_stepping(stub, coordinator, nodes, slots, 30)
         ramp_s = time.monotonic() - started
         changes_before = len(coordinator.find("membership_changed", job=JOB))
-        probing = asyncio.create_task(_probe(stub, warmup_s + window_s))
+        probing = asyncio.create_task(_probe(stub, warmup_s + window_s, relays[0].address if relays else ""))
         await asyncio.sleep(warmup_s)  # the probe job forms meanwhile; the nodes settle
         # Both ends counted at once: the leader's view (Status) and what the clients sent.
         (t0, seen0, _), (c0, sent0, _) = await asyncio.gather(_steps(stub, JOB), asyncio.to_thread(clients.count))
         leader_cpu0, client_cpu0 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
+        relay_cpu0 = [cpu_seconds(r.pid) for r in relays]
         await asyncio.sleep(window_s)
         (t1, seen1, world), (c1, sent1, errors) = await asyncio.gather(_steps(stub, JOB),
                                                                       asyncio.to_thread(clients.count))
         leader_cpu1, client_cpu1 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
+        relay_cpu1 = [cpu_seconds(r.pid) for r in relays]
         samples = await probing
     delivered = {n: seen1.get(n, 0) - seen0.get(n, 0) for n in seen0}
     changes = coordinator.find("membership_changed", job=JOB)[changes_before:]
     warnings = Counter(r["event"] for r in coordinator.records() if r.get("level") in ("warning", "error"))
     evictions = [r for r in coordinator.find("membership_changed") if r.get("kind") in EVICTION_KINDS]
+    delivered_per_s = sum(delivered.values()) / (t1 - t0)
+    leader_cores = (leader_cpu1 - leader_cpu0) / (t1 - t0)
     return {
+        "relays": len(relays),
         "nodes": nodes,
         "ranks_per_node": slots,
         "ramp_s": round(ramp_s, 2),
         "offered_frames_per_s": round(nodes * rate, 1),
         "sent_frames_per_s": round((sent1 - sent0) / (c1 - c0), 1),
-        "delivered_frames_per_s": round(sum(delivered.values()) / (t1 - t0), 1),
+        "delivered_frames_per_s": round(delivered_per_s, 1),
         "nodes_not_advancing": sum(1 for d in delivered.values() if d <= 0),
         "frame_latency_ms": {**_ms([latency for latency, _ in samples]), "samples": len(samples),
                              "not_visible_at_first_poll": sum(1 for _, polls in samples if polls > 1)},
-        "leader_cpu_cores": round((leader_cpu1 - leader_cpu0) / (t1 - t0), 3),
+        "leader_cpu_cores": round(leader_cores, 3),
+        "leader_cpu_us_per_node_frame": round(leader_cores * 1e6 / delivered_per_s, 1) if delivered_per_s else None,
+        "relay_cpu_cores": [round((b - a) / (t1 - t0), 3) for a, b in zip(relay_cpu0, relay_cpu1)],
+        "relay_streams_at_leader": len(coordinator.find("relay_attached", job=JOB)),
         "client_cpu_cores": round((client_cpu1 - client_cpu0) / (c1 - c0), 3),
         "healthy": not evictions and not errors and world == nodes * slots and not changes,
         "evictions": len(evictions),
@@ -324,7 +361,7 @@ async def _measure(coordinator: CoordinatorProcess, clients: Clients, nodes: int
 
 
 def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int, processes: int,
-                       window_s: float, warmup_s: float) -> dict:
+                       window_s: float, warmup_s: float, relays: int = 0) -> dict:
     results = []
     clients = Clients(processes)
     try:
@@ -332,7 +369,7 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
             point_dir = workdir / f"{i}-n{nodes}"
             point_dir.mkdir(parents=True, exist_ok=True)
             try:
-                results.append(load_point(point_dir, clients, nodes, rate, slots, window_s, warmup_s))
+                results.append(load_point(point_dir, clients, nodes, rate, slots, window_s, warmup_s, relays))
             except AssertionError as exc:  # reported; the sweep goes on
                 results.append({"nodes": nodes, "error": str(exc)[-1000:]})
     finally:
@@ -351,7 +388,9 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
         "frame_interval_s": 1 / rate,
         "client_processes": processes,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-        "setup": "per point: a fresh etcd and coordinator; one job of N nodes (--nodes N:N, formed once)",
+        "setup": "per point: a fresh etcd and coordinator; one job of N nodes (--nodes N:N, formed once)"
+                 + (f"; {relays} more coordinators relaying, every node streaming through the replica its node_id "
+                    "hashes to (the leader for its own share), the probe through a relay" if relays else ""),
         "points": results,
     }
 
@@ -543,6 +582,9 @@ def main() -> int:
     p.add_argument("--ranks", help="sizes of part 2, comma-separated (default 16000,100000)")
     p.add_argument("--reps", type=int, default=7, help="repetitions per measure in part 2 (halved above 20k ranks)")
     p.add_argument("--skip-network", action="store_true", help="part 2 only")
+    p.add_argument("--skip-membership", action="store_true", help="part 1 only")
+    p.add_argument("--relays", type=int, default=0, help="part 1 with this many relaying coordinators besides the "
+                                                         "leader (default 0: every node streams to the leader)")
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
@@ -561,8 +603,9 @@ def main() -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.skip_network:
             result["heartbeat"] = heartbeat_capacity(workdir, points, args.rate, args.slots, args.clients, window,
-                                                     1.0 if args.quick else 2.0)
-        result["membership"] = membership_at_scale(sizes, args.slots, 3 if args.quick else args.reps)
+                                                     1.0 if args.quick else 2.0, args.relays)
+        if not args.skip_membership:
+            result["membership"] = membership_at_scale(sizes, args.slots, 3 if args.quick else args.reps)
     print(json.dumps(result, indent=2))
     return 0
 
