@@ -27,6 +27,10 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
+# Items per Relay message, either way: a new generation's assignments to thousands of relayed nodes
+# must stay well under the gRPC message limit (1 MiB by default); the rest go in the next message.
+MAX_ITEMS = 1024
+
 
 # ---- folding (pure) --------------------------------------------------------------------------
 
@@ -73,9 +77,16 @@ class FrameBatch:
         return True
 
     def take(self, job: str, relay: str) -> pb.RelayUp:
+        """The next message: up to MAX_ITEMS frames (the oldest streams first), every ended stream."""
+        frames = self.frames
+        if len(frames) > MAX_ITEMS:
+            items = list(frames.items())
+            frames, self.frames = dict(items[:MAX_ITEMS]), dict(items[MAX_ITEMS:])
+        else:
+            self.frames = {}
         up = pb.RelayUp(job=job, relay=relay, ended=self.ended,
-                        frames=[pb.RelayedFrame(stream=s, frame=f) for s, f in self.frames.items()])
-        self.frames, self.ended = {}, []
+                        frames=[pb.RelayedFrame(stream=s, frame=f) for s, f in frames.items()])
+        self.ended = []
         return up
 
     def put_back(self, up: pb.RelayUp) -> None:
@@ -115,8 +126,9 @@ class RelayLink:
         self.ready.set()
 
     def take(self) -> pb.RelayDown:
-        out, self.out = self.out, []
-        self.ready.clear()
+        out, self.out = self.out[:MAX_ITEMS], self.out[MAX_ITEMS:]
+        if not self.out:
+            self.ready.clear()
         return pb.RelayDown(items=out)
 
     def receive(self, up: pb.RelayUp) -> None:
@@ -295,12 +307,19 @@ class Relay:
             self._pending.clear()
             self._urgent.clear()
             up = self.batch.take(self.job, self.address)
+            if self.batch:
+                self._pending.set()  # more than one message's worth: the rest next
             if not self._accepted:
                 self._sent.append(up)
             await call.write(up)
             if not self.nodes and not self.accepting:
                 await call.done_writing()
                 return
+
+    def close(self) -> None:
+        """The replica stops: the call ends with it."""
+        self.accepting = False
+        self._task.cancel()
 
     def _fan_out(self, down: pb.RelayDown) -> None:
         for item in down.items:

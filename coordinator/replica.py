@@ -132,6 +132,8 @@ class Replica:
         self._closing = True
         if self._cancel_watch:
             self._cancel_watch()
+        for relay in self.relays.values():
+            relay.close()
         for job in list(self.leaders):
             await self.leaders.pop(job).stop("replica shutting down", resigned=True)
         campaigns, self._campaigns = self._campaigns, {}

@@ -36,6 +36,9 @@ def _serve(args: argparse.Namespace) -> int:
         ).validate()
         spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
         limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
+        if args.relay_min_nodes < 1 or not 0 < args.relay_batch <= 1:
+            raise ValueError(f"--relay-min-nodes must be at least 1 (got {args.relay_min_nodes}) and --relay-batch "
+                             f"within (0, 1] seconds (got {args.relay_batch})")
         etcd_access = _etcd_access(args)
     except (InvalidPolicy, OSError, ValueError) as exc:
         print(f"muster serve: {exc}", file=sys.stderr)

@@ -2,7 +2,7 @@
 frame's proof survives being superseded, and exits or hang-ups ask for a flush at once."""
 
 from muster.client import relay_of
-from muster.coordinator.relay import FrameBatch
+from muster.coordinator.relay import MAX_ITEMS, FrameBatch
 from muster.v1 import muster_pb2 as pb
 
 
@@ -81,3 +81,13 @@ def test_relay_choice_is_stable_and_spreads_nodes():
     fewer = addresses[:2]
     moved = sum(1 for i, p in enumerate(picks) if p in fewer and relay_of(f"node-{i:05d}", fewer) != p)
     assert moved == 0
+
+
+def test_a_batch_larger_than_one_message_goes_in_order_over_several():
+    batch = FrameBatch()
+    for stream in range(1, MAX_ITEMS + 6):
+        batch.add(stream, frame(f"n{stream}", 1))
+    first, second = batch.take("j", "r"), batch.take("j", "r")
+    assert [rf.stream for rf in first.frames] == list(range(1, MAX_ITEMS + 1))
+    assert [rf.stream for rf in second.frames] == list(range(MAX_ITEMS + 1, MAX_ITEMS + 6))
+    assert not batch
