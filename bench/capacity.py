@@ -61,6 +61,8 @@ PROBE_JOB = "probe"  # a one-node job on the same leader process: its Status is 
 EVICTION_KINDS = {"node_silent", "rank_silent", "rank_stalled", "process_exited", "node_left"}
 HEARTBEAT_TIMEOUT_S = 5.0  # FAST's 1 s would evict nodes of a loaded 2-core host; the grace matches it
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+POLL_S = 0.002  # the probe's Status polls after the first one
+IDLE_S = 1.5  # the leader's CPU with every node paused (well under the heartbeat timeout): its cost besides frames
 
 
 def cpu_seconds(pid: int) -> float:
@@ -102,6 +104,10 @@ async def _client(conn) -> None:
                     conn.send("joined")
                 except (grpc.RpcError, TimeoutError) as exc:  # the parent raises it
                     conn.send(f"join failed: {exc!r}")
+            elif command in ("pause", "resume"):
+                for n in nodes:
+                    n.silent = command == "pause"
+                conn.send(command)
             elif command == "count":
                 conn.send((time.monotonic(), sum(n.step for n in nodes), sum(len(n.errors) for n in nodes)))
             elif command == "stop":
@@ -161,6 +167,10 @@ class Clients:
     def cpu_seconds(self) -> float:
         return sum(cpu_seconds(p.pid) for p in self.procs)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (or restart) every node's frames; the streams stay open."""
+        self._ask(("pause" if paused else "resume",), 10, "pause")
+
     def stop_nodes(self) -> None:
         self._ask(("stop",), 20, "stop")
 
@@ -210,10 +220,11 @@ async def _wait_stepping(stub, coordinator: CoordinatorProcess, nodes: int, slot
         await asyncio.sleep(0.5)
 
 
-async def _probe(stub, seconds: float, relay: str = "") -> list[tuple[float, int]]:
+async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str = "") -> list[tuple[float, int]]:
     """Frame -> leader-visible latency (an upper bound): write a frame with a new step on a real
-    Session (through `relay` when given), then poll `Status` back to back until that step shows;
-    (response that shows it - write, polls needed)."""
+    Session (through `relay` when given), then poll `Status` until that step shows; (response that
+    shows it - write, polls needed). Samples while `sampling` is set (the CPU windows go without
+    its polls); otherwise keeps its stream alive, until `stop`."""
     joined = await stub.Join(pb.JoinRequest(job=PROBE_JOB, node_id="probe", slots=1, host="127.0.0.1",
                                             store_port=29400), timeout=10)
     relay_channel = grpc.aio.insecure_channel(relay) if relay else None
@@ -241,8 +252,14 @@ async def _probe(stub, seconds: float, relay: str = "") -> list[tuple[float, int
         while not generation:  # the probe job forms after its last call
             await asyncio.sleep(0.05)
             await call.write(frame())
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while not stop.is_set():
+            if not sampling.is_set():
+                await call.write(frame())  # alive: a silent probe node would be evicted
+                try:
+                    await asyncio.wait_for(sampling.wait(), 0.5)
+                except TimeoutError:
+                    pass
+                continue
             step += 1
             written = time.monotonic()
             await call.write(frame())
@@ -254,6 +271,9 @@ async def _probe(stub, seconds: float, relay: str = "") -> list[tuple[float, int
                 if ranks and ranks[0].step >= step:
                     samples.append((time.monotonic() - written, polls))
                     break
+                # Paced: through a relay a frame waits for its batch window, and polling back to
+                # back meanwhile would load the leader more than the nodes do.
+                await asyncio.sleep(POLL_S)
             # Spaced and jittered: a sample, not a load of its own.
             await asyncio.sleep(random.uniform(0.02, 0.05))
     finally:
@@ -318,8 +338,19 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         await _wait_stepping(stub, coordinator, nodes, slots, 30)
         ramp_s = time.monotonic() - started
         changes_before = len(coordinator.find("membership_changed", job=JOB))
-        probing = asyncio.create_task(_probe(stub, warmup_s + window_s, relays[0].address if relays else ""))
-        await asyncio.sleep(warmup_s)  # the probe job forms meanwhile; the nodes settle
+        sampling, stop = asyncio.Event(), asyncio.Event()
+        sampling.set()
+        probing = asyncio.create_task(_probe(stub, sampling, stop, relays[0].address if relays else ""))
+        await asyncio.sleep(warmup_s + window_s)  # the probe job forms, the nodes settle; then latency samples
+        sampling.clear()
+        # The leader's CPU besides node frames (ticks, pulses, the probe): every node paused a moment.
+        await asyncio.to_thread(clients.pause, True)
+        await asyncio.sleep(0.3)
+        idle0, idle_t0 = cpu_seconds(coordinator.pid), time.monotonic()
+        await asyncio.sleep(IDLE_S)
+        idle_cores = (cpu_seconds(coordinator.pid) - idle0) / (time.monotonic() - idle_t0)
+        await asyncio.to_thread(clients.pause, False)
+        await asyncio.sleep(0.5)
         # Both ends counted at once: the leader's view (Status) and what the clients sent.
         (t0, seen0, _), (c0, sent0, _) = await asyncio.gather(_steps(stub, JOB), asyncio.to_thread(clients.count))
         leader_cpu0, client_cpu0 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
@@ -329,6 +360,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
                                                                       asyncio.to_thread(clients.count))
         leader_cpu1, client_cpu1 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
         relay_cpu1 = [cpu_seconds(r.pid) for r in relays]
+        stop.set()
         samples = await probing
     delivered = {n: seen1.get(n, 0) - seen0.get(n, 0) for n in seen0}
     changes = coordinator.find("membership_changed", job=JOB)[changes_before:]
@@ -349,6 +381,9 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
                              "not_visible_at_first_poll": sum(1 for _, polls in samples if polls > 1)},
         "leader_cpu_cores": round(leader_cores, 3),
         "leader_cpu_us_per_node_frame": round(leader_cores * 1e6 / delivered_per_s, 1) if delivered_per_s else None,
+        "leader_idle_cpu_cores": round(idle_cores, 3),
+        "leader_frame_cpu_us_per_node_frame": (round((leader_cores - idle_cores) * 1e6 / delivered_per_s, 1)
+                                               if delivered_per_s else None),
         "relay_cpu_cores": [round((b - a) / (t1 - t0), 3) for a, b in zip(relay_cpu0, relay_cpu1)],
         "relay_streams_at_leader": len(coordinator.find("relay_attached", job=JOB)),
         "client_cpu_cores": round((client_cpu1 - client_cpu0) / (c1 - c0), 3),
@@ -377,13 +412,19 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
     return {
         "latency_definition": (
             "frame_latency_ms, frame -> leader-visible, an upper bound: a probe node (a one-node job on the same "
-            "leader process, so its Status is O(1)) writes a NodeFrame with a new step on its Session stream, then "
-            "polls Status back to back on the same connection until that step shows; latency = that response - "
-            "the write, so it includes one Status round trip through the same event loop. One probe every "
-            "20-50 ms over warm-up + window; not_visible_at_first_poll counts probes the leader had not "
-            "processed by the time it answered the first poll."),
+            "leader process, so its Status is O(1)) writes a NodeFrame with a new step on its Session stream (with "
+            "relays: through a relay), then polls Status on the leader, every 2 ms, until that step shows; latency "
+            "= that response - the write, so it includes one Status round trip through the same event loop. One "
+            "probe every 20-50 ms over warm-up + one window, before the CPU and delivery windows (which go without "
+            "its polls); not_visible_at_first_poll counts probes the leader had not processed by the time it "
+            "answered the first poll."),
         "delivered_definition": "sum over nodes of the rank step advance in the leader's Status over the window "
                                 "(each frame advances the step by one) / window",
+        "cpu_definition": (
+            "leader_cpu_us_per_node_frame: the leader's CPU over the window / delivered frames; "
+            "leader_frame_cpu_us_per_node_frame: the same less leader_idle_cpu_cores, the leader's CPU over "
+            f"{IDLE_S}s with every node paused just before the window (ticks, pulses, the probe): what the node "
+            "frames themselves cost it"),
         "window_s": window_s,
         "frame_interval_s": 1 / rate,
         "client_processes": processes,
