@@ -19,7 +19,7 @@ import structlog
 
 from muster.client import leader_hint
 from muster.coordinator.auth import Tokens
-from muster.coordinator.errors import InvalidArgument, MusterError, NotLeader
+from muster.coordinator.errors import InvalidArgument, MusterError
 from muster.net import Backoff
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
@@ -108,8 +108,10 @@ class RelayLink:
     the numbers this call attached: facts about others are ignored, so a caller can end no stream
     it did not open, and open none without the node's secret (checked by `attach`)."""
 
-    def __init__(self, leader, relay: str):
+    def __init__(self, leader, relay: str, stream_end: Callable[[object], pb.StreamEnd]):
+        """`stream_end`: an error of the tree (or CLOSE) as the wire carries it (the server's table)."""
         self.leader = leader
+        self._stream_end = stream_end
         self.job = leader.job
         self.relay = relay
         self.streams = {}  # stream number -> NodeStream
@@ -122,7 +124,7 @@ class RelayLink:
         if isinstance(item, pb.Directive):
             self.out.append(pb.RelayedDirective(stream=stream, directive=item))
         else:
-            self.out.append(pb.RelayedDirective(stream=stream, end=stream_end(item)))
+            self.out.append(pb.RelayedDirective(stream=stream, end=self._stream_end(item)))
         self.ready.set()
 
     def take(self) -> pb.RelayDown:
@@ -159,19 +161,6 @@ class RelayLink:
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             self.leader.detach(stream, relay_lost=True)
-
-
-CLOSE_CODE = 0  # StreamEnd.code of a stream that ends normally (the leader's CLOSE)
-
-
-def stream_end(item) -> pb.StreamEnd:
-    """A relayed stream's end as the wire carries it: an error of the tree with its status code."""
-    from muster.coordinator.server import STATUS_OF  # the one table of codes; the server imports this module
-
-    if not isinstance(item, MusterError):
-        return pb.StreamEnd(code=CLOSE_CODE)
-    return pb.StreamEnd(code=STATUS_OF[type(item)].value[0], message=str(item)[:512],
-                        leader=getattr(item, "leader", ""))
 
 
 # ---- the relaying replica's end --------------------------------------------------------------

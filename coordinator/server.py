@@ -20,7 +20,7 @@ from muster.client import LEADER_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens
 from muster.coordinator.leader import CLOSE
-from muster.coordinator.relay import CLOSE_CODE, Relay, RelayedNode, RelayLink
+from muster.coordinator.relay import Relay, RelayedNode, RelayLink
 from muster.coordinator.replica import Replica
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -179,7 +179,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise errors.InvalidArgument("a relay starts with a message naming its job")
             self.admit(context, first)
             leader = await self.replica.leader_for(first.job)
-            link = RelayLink(leader, first.relay)
+            link = RelayLink(leader, first.relay, stream_end)
             link.receive(first)
             log.info("relay_attached", job=first.job, relay=first.relay[:256])
             yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
@@ -238,6 +238,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
 
 ERROR_OF = {code.value[0]: kind for kind, code in STATUS_OF.items() if kind is not errors.NotLeader}
+CLOSE_CODE = 0  # StreamEnd.code of a relayed stream that ends normally (the leader's CLOSE)
+
+
+def stream_end(item) -> pb.StreamEnd:
+    """How a relayed stream ends, as the leader sends it to the relay: an error of the tree with its
+    status code, or CLOSE. `error_of` reads it back at the relay."""
+    if not isinstance(item, errors.MusterError):
+        return pb.StreamEnd(code=CLOSE_CODE)
+    return pb.StreamEnd(code=STATUS_OF[type(item)].value[0], message=str(item)[:512],
+                        leader=getattr(item, "leader", ""))
 
 
 def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:

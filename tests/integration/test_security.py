@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
 
+from muster.client import relay_of  # noqa: E402
 from muster.local import SimulatedNode  # noqa: E402
 from muster.security import ClientSecurity  # noqa: E402
 from muster.v1 import muster_pb2 as pb  # noqa: E402
@@ -157,3 +158,35 @@ def test_an_agent_trains_over_mtls_with_its_job_token(coordinators, pki, agents,
     (wrong,) = agents([leader.address], "job-b", ["b"], steps=5, extra=[*flags, "--token", TOKEN_A])
     assert wrong.wait(60) != 0
     assert "PERMISSION_DENIED" in wrong.log_path.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_calls_the_leader_with_its_peer_certificate_and_the_jobs_token(coordinators, pki):
+    cert, key = pki["server"]
+    client_cert, client_key = pki["client"]
+    replicas = coordinators(2, extra=["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                                      "--tokens", pki["tokens"], "--relay-min-nodes", "2", "--peer-tls-ca", pki["ca"],
+                                      "--peer-tls-cert", client_cert, "--peer-tls-key", client_key])
+    addresses = [r.address for r in replicas]
+    good = ClientSecurity(TOKEN_A, pki["ca"], client_cert, client_key)
+
+    async def nodes_stream_through_the_relay():
+        names = [f"n{i}" for i in range(64)]
+        names = [n for n in names if relay_of(n, addresses) == addresses[0]][:2] + \
+            [n for n in names if relay_of(n, addresses) == addresses[1]][:2]  # each replica relays two
+        nodes = [SimulatedNode(addresses, "job-a", name, slots=1, security=good,
+                               spec=pb.JobSpec(min_nodes=4, max_nodes=4)) for name in names]
+        for node in nodes:
+            await node.join()
+            node.start()
+        for node in nodes:
+            await node.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 10, "a place through a relay")
+        relayed = [n for n in nodes if n.session.relay and n.session.relay != n.leader]
+        for node in nodes:
+            await node.stop()
+        return relayed
+
+    relayed = asyncio.run(nodes_stream_through_the_relay())
+    leader = next(r for r in replicas if r.find("leadership_acquired", job="job-a"))
+    standby = next(r for r in replicas if r is not leader)
+    assert relayed and leader.find("relay_attached", job="job-a", relay=standby.address)
