@@ -254,7 +254,8 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
             await call.write(frame())
         while not stop.is_set():
             if not sampling.is_set():
-                await call.write(frame())  # alive: a silent probe node would be evicted
+                step += 1  # alive and stepping: a silent or stalled probe node would be evicted
+                await call.write(frame())
                 try:
                     await asyncio.wait_for(sampling.wait(), 0.5)
                 except TimeoutError:
