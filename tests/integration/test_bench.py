@@ -37,6 +37,15 @@ def test_capacity_bench_quick():
     assert [s["ranks"] for s in result["membership"]["sizes"]] == [800, 4000]
 
 
+@pytest.mark.timeout(150)
+def test_capacity_bench_quick_through_a_relay():
+    result = bench("capacity.py", "--quick", "--relays", "1", "--nodes", "20", "--skip-membership", timeout_s=140)
+    (point,) = result["heartbeat"]["points"]
+    assert point["healthy"] and point["evictions"] == 0 and point["relays"] == 1
+    assert point["relay_streams_at_leader"] >= 1 and point["frame_latency_ms"]["samples"]
+    assert "membership" not in result
+
+
 @pytest.mark.timeout(120)
 def test_unmodified_script_bench_under_muster_run():
     result = bench("unmodified.py", "--launcher", "muster-run", "--ranks", "2", "--nodes", "1", "--kills", "1",
