@@ -30,10 +30,10 @@ def names_spread(addresses: list[str], per_replica: int) -> list[str]:
     return names
 
 
-async def stepping_job(addresses, job, names):
+async def stepping_job(addresses, job, names, *, slots=1, is_process=False):
     n = len(names)
-    nodes = [SimulatedNode(addresses, job, name, slots=1, spec=pb.JobSpec(min_nodes=n, max_nodes=n))
-             for name in names]
+    nodes = [SimulatedNode(addresses, job, name, slots=slots, spec=pb.JobSpec(min_nodes=n, max_nodes=n),
+                           is_process=is_process) for name in names]
     for node in nodes:
         await node.join()
         node.start()
@@ -61,13 +61,25 @@ async def steps_advance(nodes, seconds: float = 0.5) -> None:
     assert all(n.step > before[n.node_id] for n in nodes), "a node stopped stepping"
 
 
+async def exit_decided_s(nodes, exiting, local_rank: int) -> float:
+    """A rank of `exiting` exits: seconds until another node holds the abort generation."""
+    generation = exiting.generation
+    exiting.exits.append(pb.RankExit(local_rank=local_rank, pid=10_000 + local_rank, exit_code=-9))
+    exiting.session.send_now()
+    reported = time.monotonic()
+    other = next(n for n in nodes if n is not exiting)
+    await other.wait_for(lambda x: x.generation > generation, 2, "the abort generation")
+    assert other.assignment().abort_previous
+    return time.monotonic() - reported
+
+
 @pytest.mark.timeout(90)
-def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_at_once(coordinators):
+def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_as_fast_as_a_direct_one(coordinators):
     replicas = coordinators(3, RELAY)
     addresses = [r.address for r in replicas]
 
     async def scenario():
-        nodes = await stepping_job(addresses, "spread", names_spread(addresses, 2))
+        nodes = await stepping_job(addresses, "spread", names_spread(addresses, 2), slots=2)
         leader = leader_of(replicas, "spread")
         assert all(n.session.relay == relay_of(n.node_id, addresses) for n in nodes)
         # every standby relays its share: the leader holds one Relay stream per standby
@@ -75,20 +87,46 @@ def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_at_once(coo
         assert relays == set(addresses) - {leader.address}
         with Coordinators([leader.address], timeout_s=2) as c:
             status = c.call("Status", pb.StatusRequest(job="spread")).jobs[0]
-        assert status.health.live_ranks == 6 and len(status.ranks) == 6
+        assert status.health.live_ranks == 12
         await steps_advance(nodes)
-        # a rank's exit on a relayed node: flushed at once, decided in the next tally
+        # a rank's exit on a relayed node is flushed at once and decided in the next tally, as on a
+        # node streaming to the leader itself: the same decision, in the same time bound
         relayed = next(n for n in nodes if n.session.relay != leader.address)
-        generation = relayed.generation
-        relayed.exits.append(pb.RankExit(local_rank=0, pid=10_000, exit_code=-9))
-        relayed.session.send_now()
-        reported = time.monotonic()
-        other = next(n for n in nodes if n is not relayed)
-        await other.wait_for(lambda x: x.generation > generation, 2, "the abort generation")
-        assert time.monotonic() - reported < 0.5
-        assert other.assignment().abort_previous
+        direct = next(n for n in nodes if n.session.relay == leader.address)
+        relayed_s = await exit_decided_s(nodes, relayed, 1)
+        direct_s = await exit_decided_s(nodes, direct, 1)
+        assert relayed_s < 0.5 and direct_s < 0.5, (relayed_s, direct_s)
+        with Coordinators([leader.address], timeout_s=2) as c:
+            events = c.call("Events", pb.EventsRequest(job="spread")).events
+        exits = [e for e in events if e.kind == "rank_exited"]
+        assert [list(e.nodes) for e in exits] == [[relayed.node_id], [direct.node_id]]
         for n in nodes:
             await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_relayed_process_node_that_hangs_up_is_lost_at_once(coordinators):
+    replicas = coordinators(2, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "procs", names_spread(addresses, 2), is_process=True)
+        leader = leader_of(replicas, "procs")
+        relayed = next(n for n in nodes if n.session.relay != leader.address)
+        generation = relayed.generation
+        await relayed.stop()  # its stream to the relay ends: for a process node, its exit
+        stopped = time.monotonic()
+        other = next(n for n in nodes if n is not relayed)
+        await other.wait_for(lambda x: x.generation > generation, 2, "the generation without it")
+        assert time.monotonic() - stopped < 0.5
+        with Coordinators([leader.address], timeout_s=2) as c:
+            events = c.call("Events", pb.EventsRequest(job="procs")).events
+        assert [list(e.nodes) for e in events if e.kind == "process_exited"] == [[relayed.node_id]]
+        for n in nodes:
+            if n is not relayed:
+                await n.stop()
 
     asyncio.run(scenario())
 
