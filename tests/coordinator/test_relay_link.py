@@ -1,0 +1,106 @@
+"""The leader's end of a Relay stream, in-process on the in-memory store with a clock that stands
+still: relayed node streams are attached by their first frame's secret like direct ones, a caller
+can neither open one without it nor end one it did not open, and the loss of the relay is a stream
+loss for its nodes, not the exit a direct process node's hang-up is."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState
+from muster.coordinator.errors import InvalidArgument
+from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.leader import JobLeader
+from muster.coordinator.leadership import Leadership
+from muster.coordinator.relay import RelayLink
+from muster.coordinator.server import stream_end
+from muster.coordinator.store import MemoryJobStore
+from muster.v1 import muster_pb2 as pb
+
+pytestmark = pytest.mark.timeout(10)
+
+TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0, last_call_s=0.3)
+SPEC = JobSpec(min_nodes=1, max_nodes=2)
+
+
+async def led_job() -> tuple[JobLeader, dict[str, pb.JoinResponse]]:
+    """A job of two process nodes, formed; the clock never moves, so nobody goes silent."""
+    clock = [100.0]
+    leadership = Leadership(LeaderKey("job", 1, "memory/job", "replica"), MemoryJobStore())
+    leader = JobLeader(JobState("job", SPEC), leadership=leadership, address="replica", timing=TIMING, tick_s=0.01,
+                       clock=lambda: clock[0])
+    leader.start()
+    joined = {}
+    for node in ("p1", "p2"):
+        joined[node] = await leader.join(pb.JoinRequest(job="job", node_id=node, host="10.0.0.1", store_port=29500,
+                                                        slots=1, is_process=True), SPEC)
+    clock[0] += TIMING.last_call_s + 0.1
+    await until(lambda: leader.state.rank_map is not None and leader.state.rank_map.world_size == 2, "formed")
+    return leader, joined
+
+
+def first(joined: pb.JoinResponse, secret: bytes | None = None) -> pb.NodeFrame:
+    return pb.NodeFrame(job="job", node_id=joined.node_id, member_id=joined.member_id, term=joined.term,
+                        session_secret=joined.session_secret if secret is None else secret, via_relay=True)
+
+
+def relayed(stream: int, frame: pb.NodeFrame) -> pb.RelayUp:
+    return pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=stream, frame=frame)])
+
+
+async def until(predicate, what: str, timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():
+    async def scenario():
+        leader, joined = await led_job()
+        link = RelayLink(leader, "relay:1", stream_end)
+        link.receive(relayed(1, first(joined["p1"])))
+        assert leader.streams["p1"].link is link and leader.streams["p1"].stream_id == 1
+        (item,) = link.take().items
+        assert item.stream == 1 and item.directive.assignment.world_size == 2
+
+        link.receive(pb.RelayUp(job="job", relay="relay:1", ended=[2, 7]))  # numbers it never attached
+        link.receive(relayed(3, first(joined["p2"], secret=b"x" * 32)))  # no secret: refused, alone
+        (item,) = link.take().items
+        assert item.stream == 3 and item.end.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        link.receive(relayed(2, first(joined["p2"])))  # behind the last number: not a new stream
+        assert not link.out and "p2" not in leader.streams
+        await asyncio.sleep(0.05)  # tallies run: nothing was decided
+        assert leader.state.generation == 1 and leader.streams["p1"].stream_id == 1
+
+        with pytest.raises(InvalidArgument, match="name its job"):
+            link.receive(pb.RelayUp(job="other", relay="relay:1"))
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit():
+    async def scenario():
+        leader, joined = await led_job()
+        link = RelayLink(leader, "relay:1", stream_end)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
+            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        assert set(leader.streams) == {"p1", "p2"}
+        link.close()  # the relay's stream ended: its nodes reconnect elsewhere
+        assert not leader.streams
+        await asyncio.sleep(0.05)
+        assert leader.state.generation == 1 and len(leader.state.members) == 2
+
+        again = RelayLink(leader, "relay:2", stream_end)
+        again.receive(relayed(1, first(joined["p1"])))
+        again.receive(pb.RelayUp(job="job", relay="relay:2", ended=[1]))  # p1's own stream ended at the relay
+        await until(lambda: leader.state.member("p1") is None, "p1 lost as its process exited")
+        assert leader.state.history[-2].kind == "process_exited"
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
