@@ -183,7 +183,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             link.receive(first)
             log.info("relay_attached", job=first.job, relay=first.relay[:256])
             yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
-            reader = asyncio.create_task(self._read_relay(link, request_iterator))
+            budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
+            reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
             while not reader.done() or link.out:
                 if link.out:
                     yield link.take()
@@ -206,12 +207,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 link.close()
 
     @staticmethod
-    async def _read_relay(link: RelayLink, request_iterator) -> errors.MusterError | None:
-        """Feed the link; the call ends when the relay stops writing (or with the refusal returned)."""
+    async def _read_relay(link: RelayLink, request_iterator, budget: FrameBudget) -> errors.MusterError | None:
+        """Feed the link; the call ends when the relay stops writing (or with the refusal returned).
+        Frames of attached streams are budgeted as each node's own Session would be (a first frame
+        proves itself by the node's secret)."""
         try:
             async for up in request_iterator:
                 if isinstance(up, errors.MusterError):
                     return up
+                budget.spend(sum(1 for rf in up.frames if rf.stream in link.streams), max(1, len(link.streams)))
                 link.receive(up)
         except errors.MusterError as exc:
             return exc
@@ -259,21 +263,22 @@ def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:
 
 class FrameBudget:
     """A token bucket per Session stream: `rate` frames/s sustained, bursts of 2 s worth. A node
-    sends one frame per heartbeat interval (plus one per exit); one that floods is cut off."""
+    sends one frame per heartbeat interval (plus one per exit); one that floods is cut off. A Relay
+    stream spends its frames on one bucket scaled by the node streams it carries."""
 
     def __init__(self, rate: float, clock=time.monotonic):
         self.rate, self.capacity = rate, max(2.0 * rate, 10.0)
         self.tokens, self._clock = self.capacity, clock
         self._at = clock()
 
-    def spend(self) -> None:
+    def spend(self, frames: int = 1, streams: int = 1) -> None:
         now = self._clock()
-        self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
+        self.tokens = min(self.capacity * streams, self.tokens + (now - self._at) * self.rate * streams)
         self._at = now
-        if self.tokens < 1.0:
-            raise errors.ResourceExhausted(f"more than {self.rate:g} frames/s on this session "
+        if self.tokens < frames:
+            raise errors.ResourceExhausted(f"more than {self.rate:g} frames/s per node stream "
                                            f"(--max-frames-per-second); the stream is closed")
-        self.tokens -= 1.0
+        self.tokens -= frames
 
 
 def _decoder(message_type):
