@@ -439,11 +439,14 @@ class JobLeader:
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
         """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that
-        the node is gone, even for a process node: its silence past the heartbeat timeout decides."""
+        the node is gone, even for a process node: its silence past the heartbeat timeout from now
+        (time to reconnect elsewhere) decides."""
         stream.closed = True
         if self.streams.get(stream.node_id) is not stream:
             return  # replaced or evicted already
         del self.streams[stream.node_id]
+        if relay_lost:
+            self.live.excuse(stream.node_id, self._clock())
         if stream.kind is NodeKind.PROCESS and not stream.departed and self.lost_reason is None and not relay_lost:
             self._enqueue(NodeLost(stream.node_id, FailureKind.PROCESS_EXITED, "its session closed without leaving"))
 

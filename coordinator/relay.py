@@ -118,6 +118,7 @@ class RelayLink:
         self.last_stream = 0  # numbers only grow: a frame of an ended stream does not open it again
         self.out: list[pb.RelayedDirective] = []
         self.ready = asyncio.Event()
+        self.heard_at = asyncio.get_running_loop().time()  # the relay's last message (it keeps alive)
 
     def push(self, stream: int, item) -> None:
         """`NodeStream.send` of a relayed stream: a Directive, an error that ends the stream, or CLOSE."""
@@ -134,6 +135,7 @@ class RelayLink:
         return pb.RelayDown(items=out)
 
     def receive(self, up: pb.RelayUp) -> None:
+        self.heard_at = asyncio.get_running_loop().time()
         if up.job != self.job:
             raise InvalidArgument(f"every message of a Relay call must name its job {self.job!r}, not {up.job!r}")
         for rf in up.frames:
@@ -194,11 +196,12 @@ class Relay:
     with UNAVAILABLE and a leader hint, and the replica opens a new Relay for the next node."""
 
     def __init__(self, job: str, address: str, leader: str, *, security: ClientSecurity,
-                 find_leader: Callable[[str], Awaitable[str]], window_s: float, connect_s: float):
+                 find_leader: Callable[[str], Awaitable[str]], window_s: float, connect_s: float,
+                 keepalive_s: float):
         self.job, self.address, self.leader = job, address, leader
         self.security = security
         self._find_leader = find_leader
-        self.window_s, self.connect_s = window_s, connect_s
+        self.window_s, self.connect_s, self.keepalive_s = window_s, connect_s, keepalive_s
         self.nodes: dict[int, RelayedNode] = {}
         self.batch = FrameBatch()
         self.accepting = True  # False once the call is over or closing: new nodes go to a new Relay
@@ -287,7 +290,11 @@ class Relay:
     async def _batches(self, call) -> None:
         await call.write(pb.RelayUp(job=self.job, relay=self.address))
         while True:
-            await self._pending.wait()
+            try:  # an idle relay still writes: the leader takes a silent one for frozen
+                await asyncio.wait_for(self._pending.wait(), self.keepalive_s)
+            except TimeoutError:
+                await call.write(pb.RelayUp(job=self.job, relay=self.address))
+                continue
             if not self._urgent.is_set():
                 try:
                     await asyncio.wait_for(self._urgent.wait(), self.window_s)

@@ -340,7 +340,8 @@ class Replica:
                 first.job, self.address, not_leader.leader, security=self.peers.security(first.job),
                 find_leader=self._elected, window_s=self.config.relay_batch_s,
                 # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
-                connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s)
+                connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,
+                keepalive_s=self.config.timing.heartbeat_timeout_s / 8)
         return relay
 
     async def session_leader(self, first: pb.NodeFrame) -> JobLeader:

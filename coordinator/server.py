@@ -195,6 +195,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     pass
                 if leader.lost_reason is not None and not link.out:
                     raise errors.NotLeader(first.job, "")
+                silent_s = asyncio.get_running_loop().time() - link.heard_at
+                if link.streams and silent_s > self.replica.config.timing.heartbeat_timeout_s / 2:
+                    # Frozen or cut off: its nodes are excused (`detach`) and move once they notice.
+                    log.warning("relay_silent", job=first.job, relay=link.relay[:256], silent_s=round(silent_s, 2),
+                                streams=len(link.streams))
+                    raise errors.Unavailable(f"this relay sent nothing for {silent_s:.1f}s")
             if isinstance(reader.result(), errors.MusterError):
                 raise reader.result()
         except errors.MusterError as exc:

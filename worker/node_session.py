@@ -261,12 +261,14 @@ class NodeSession:
 
     async def _watch(self, call, channel, address: str, relayed: bool) -> None:
         """End a stream whose leader (or relay) went silent, but only once a probe confirms it is
-        not serving: for a process node, closing its stream reads as its exit."""
+        not serving: for a process node, closing its stream reads as its exit. A relay is given
+        half the heartbeat timeout: the leader, alive, counts this node's silence meanwhile."""
         loop = asyncio.get_running_loop()
         self._heard_at = loop.time()
+        limit = self.heartbeat_timeout_s / (2 if relayed else 1)
         while True:
-            await asyncio.sleep(self.heartbeat_timeout_s / 4)
-            if loop.time() - self._heard_at <= self.heartbeat_timeout_s:
+            await asyncio.sleep(limit / 4)
+            if loop.time() - self._heard_at <= limit:
                 continue
             if await self._leads(channel, address, relayed):
                 self._heard_at = loop.time()  # slow, not gone
@@ -279,7 +281,8 @@ class NodeSession:
         """Does `address` lead the job and answer? A relay need only answer and know a leader."""
         try:
             status = await pb_grpc.CoordinatorStub(channel).Status(
-                pb.StatusRequest(job=self.identity.job, brief=True), timeout=self.heartbeat_timeout_s,
+                pb.StatusRequest(job=self.identity.job, brief=True),
+                timeout=self.heartbeat_timeout_s / (4 if relayed else 1),
                 metadata=self.security.metadata)
         except grpc.aio.AioRpcError:
             return False

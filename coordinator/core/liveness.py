@@ -135,6 +135,13 @@ class Liveness:
             self._heard_now(node_id, node, now)
             self._arm(node_id, self.grace_until + node.early * floor)  # spread: not every node in one tally
 
+    def excuse(self, node_id: str, now: float) -> None:
+        """The stream that carried `node_id` was lost by its carrier (a relay), not by the node: its
+        silence counts from now, so that it has the heartbeat timeout to reconnect elsewhere."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            self._heard_now(node_id, node, now)
+
     def in_grace(self, now: float) -> bool:
         return now < self.grace_until
 

@@ -2,6 +2,7 @@
 the replica their node_id hashes to, which carries them to the leader on one Relay stream."""
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -169,6 +170,31 @@ def test_a_killed_relay_moves_its_nodes_and_nobody_is_evicted(coordinators):
         assert all(n.generation == generation and not n.errors for n in nodes)
         assert not evictions(leader.address, "relaykill")
         assert all(n.session.leader != victim.address for n in moved)
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_relay_is_left_by_its_nodes_before_anyone_is_evicted(coordinators):
+    replicas = coordinators(3, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "relaystop", names_spread(addresses, 2))
+        leader = leader_of(replicas, "relaystop")
+        victim = next(r for r in replicas if r is not leader)
+        generation = nodes[0].generation
+        victim.signal(signal.SIGSTOP)  # its streams stay open and carry nothing
+        try:
+            await asyncio.sleep(2.5)  # past the heartbeat timeout (1 s) and then some
+            await steps_advance(nodes)
+            assert all(n.generation == generation and not n.errors for n in nodes)
+            assert not evictions(leader.address, "relaystop")
+            assert leader.find("relay_silent", job="relaystop", relay=victim.address)
+        finally:
+            victim.signal(signal.SIGCONT)
         for n in nodes:
             await n.stop()
 
