@@ -177,7 +177,7 @@ class Chaos:
     def __init__(self, workdir: Path, *, nodes: int = 3, slots: int = 2, replicas: int = 2, etcd_members: int = 3,
                  job: str = "chaos", step_sleep_s: float = 0.1, heartbeat_timeout_s: float = 2.0,
                  host: str = "127.0.0.1", netns: dict[str, NetNamespace] | None = None, seed: int | None = None,
-                 strict: bool = True):
+                 strict: bool = True, relay_min_nodes: int = 0):
         self.workdir = workdir
         self.rng = random.Random(seed)  # every random choice of the harness: a seed replays the victims
         # strict: any broken invariant raises at once. Otherwise (the soak) a wedge or a rank lost to
@@ -190,6 +190,8 @@ class Chaos:
         self.host = host  # what the coordinators and the nodes outside a namespace listen on
         self.netns = netns or {}
         self.coordinator_flags = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--session-ttl", str(SESSION_TTL_S)]
+        if relay_min_nodes:  # the nodes stream through the replicas their ids hash to, relayed to the leader
+            self.coordinator_flags += ["--relay-min-nodes", str(relay_min_nodes)]
         self.etcd = EtcdCluster(workdir / "etcd", etcd_members)
         self.replicas: list[CoordinatorProcess] = []
         self.agents: dict[str, AgentProcess] = {}
@@ -406,6 +408,13 @@ class Chaos:
         leader = self.leader()
         return self._inject("SIGKILL coordinator leader", f"coordinator {leader.address} pid {leader.pid}", [],
                             membership=False, expect=set(), action=leader.kill)
+
+    def kill_relay(self) -> Fault:
+        """SIGKILL a replica that does not lead the job (with relays on, it carries some nodes' streams)."""
+        leader = self.leader()
+        relay = self.rng.choice([r for r in self.replicas if r.proc.poll() is None and r is not leader])
+        return self._inject("SIGKILL a relaying replica", f"coordinator {relay.address} pid {relay.pid}", [],
+                            membership=False, expect=set(), action=relay.kill)
 
     def kill_etcd(self, *, leader: bool) -> Fault:
         index = self._etcd_leader()
@@ -674,6 +683,8 @@ class Chaos:
         # ... and the compound ones
         "etcd_outage", "etcd_freeze", "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage",
         "rank_in_coordinators_down", "leader_frozen_at_reform", "hostile_client",
+        # with relays on (test_relays)
+        "relay",
     }
 
     def scenario(self, name: str) -> Fault:
@@ -699,6 +710,7 @@ class Chaos:
             "rank_in_coordinators_down": (lambda: self.coordinators_down(kill_rank=True), None),
             "leader_frozen_at_reform": (self.freeze_leader_at_reform, self.resume_leader),
             "hostile_client": (self.hostile_client, None),
+            "relay": (self.kill_relay, lambda f: self.restart_coordinator()),
         }[name]
         self.between()
         fault = inject()
