@@ -226,7 +226,8 @@ class JobLeader:
             return
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
                       self.live.median_step_time(), prestart=self.live.runs_library(self.state),
-                      max_members=self.limits.max_members)
+                      max_members=self.limits.max_members,
+                      step_lag_s=self.timing.relay_progress_s if any(s.link for s in self.streams.values()) else 0.0)
         decision = decide(self.state, events, ctx)
         if decision.persist:
             try:
@@ -437,6 +438,11 @@ class JobLeader:
         else:
             stream.send(wire.assignment_for(self.state, stream.node_id, "current assignment"))
 
+    def silent_at_relay(self, stream: NodeStream, silent_ms: int) -> None:
+        """The relay carrying `stream` has heard nothing from its node for `silent_ms`."""
+        if self.streams.get(stream.node_id) is stream:
+            self.live.silent_since(stream.node_id, self._clock() - silent_ms / 1000)
+
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
         """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that
         the node is gone, even for a process node: its silence past the heartbeat timeout from now
@@ -445,8 +451,8 @@ class JobLeader:
         if self.streams.get(stream.node_id) is not stream:
             return  # replaced or evicted already
         del self.streams[stream.node_id]
-        if relay_lost:
-            self.live.excuse(stream.node_id, self._clock())
+        if stream.link is not None:  # no relay judges its silence now: here, from now on
+            self.live.unvouched(stream.node_id, self._clock())
         if stream.kind is NodeKind.PROCESS and not stream.departed and self.lost_reason is None and not relay_lost:
             self._enqueue(NodeLost(stream.node_id, FailureKind.PROCESS_EXITED, "its session closed without leaving"))
 
@@ -470,7 +476,7 @@ class JobLeader:
         self._frame_count += 1
         if frame.exits:
             self._signals.append(now)
-        recovered = self.live.observe(member.node_id, frame.generation, reports, now)
+        recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=stream.link is not None)
         rm = self.state.rank_map
         placement = rm.placement(member.node_id) if rm else None
         for e in frame.exits:

@@ -3,14 +3,21 @@ job's leader on one multiplexed `Relay` stream, so that the leader reads one mes
 batch window instead of one per node frame.
 
 Up, each batch holds each node's latest frame only (its exits merged in, never dropped; a batch
-with an exit goes at once) and the streams that ended. Down, the leader's directives come back
-addressed by stream and are fanned out. `FrameBatch` is the folding (pure), `RelayLink` the leader's
+with an exit goes at once), the streams that ended and the nodes found silent. Only changes go
+up: a frame that changes what the leader judges by (rank states, pids, generations, phases,
+digests, exits) goes in the next batch; one that only advances steps is held, the latest
+replacing the last, and goes once `progress_s` has passed (the first advance after a change at
+once: recovery is timed by it); a frame with nothing new is not sent at all. The relay vouches
+for its nodes' liveness instead: it judges their silence with the heartbeat timeout and says so.
+So the leader's work is O(changes), not O(nodes x frame rate). Down, the leader's directives come
+back addressed by stream and are fanned out. `FrameBatch` is the folding (pure), `RelayLink` the leader's
 end of one Relay call, `Relay` the relaying replica's end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -59,9 +66,10 @@ class FrameBatch:
     def __init__(self) -> None:
         self.frames: dict[int, pb.NodeFrame] = {}
         self.ended: list[int] = []
+        self.silent: list[pb.SilentStream] = []
 
     def __bool__(self) -> bool:
-        return bool(self.frames or self.ended)
+        return bool(self.frames or self.ended or self.silent)
 
     def add(self, stream: int, frame: pb.NodeFrame) -> bool:
         """Keep `frame` as the stream's latest; True when the batch should go at once (an exit)."""
@@ -84,9 +92,9 @@ class FrameBatch:
             frames, self.frames = dict(items[:MAX_ITEMS]), dict(items[MAX_ITEMS:])
         else:
             self.frames = {}
-        up = pb.RelayUp(job=job, relay=relay, ended=self.ended,
+        up = pb.RelayUp(job=job, relay=relay, ended=self.ended, silent=self.silent,
                         frames=[pb.RelayedFrame(stream=s, frame=f) for s, f in frames.items()])
-        self.ended = []
+        self.ended, self.silent = [], []
         return up
 
     def put_back(self, up: pb.RelayUp) -> None:
@@ -97,6 +105,7 @@ class FrameBatch:
         for stream, frame in pending.items():
             self.add(stream, frame)
         self.ended[:0] = up.ended
+        self.silent[:0] = up.silent
 
 
 # ---- the leader's end ------------------------------------------------------------------------
@@ -157,6 +166,10 @@ class RelayLink:
             stream = self.streams.pop(number, None)
             if stream is not None:
                 self.leader.detach(stream)
+        for silent in up.silent:
+            stream = self.streams.get(silent.stream)
+            if stream is not None:
+                self.leader.silent_at_relay(stream, silent.silent_ms)
 
     def close(self) -> None:
         """The call ended: its streams are gone, their nodes are not (they reconnect elsewhere)."""
@@ -180,6 +193,19 @@ class PeerAccess:
         return replace(self.tls, token=self.tokens.token_for(job) if self.tokens else "")
 
 
+def signature(frame: pb.NodeFrame, heard_quantum_ms: float) -> tuple:
+    """What the leader judges a node by, less its steps: a frame whose signature is the last
+    forwarded one's only advances steps. How long the agent has not heard a rank counts by
+    quarters of the heartbeat timeout, so a rank going quiet is forwarded as it crosses it."""
+    return (frame.term, frame.generation, tuple(
+        (r.local_rank, r.pid, r.state, r.generation, r.phase, r.digest_step, int(r.heard_ms_ago // heard_quantum_ms))
+        for r in frame.ranks))
+
+
+def top_step(frame: pb.NodeFrame) -> int:
+    return max((r.step for r in frame.ranks), default=0)
+
+
 @dataclass(eq=False)
 class RelayedNode:
     """A node stream this replica relays: its directives (RelayedDirective) arrive on `queue`."""
@@ -187,6 +213,74 @@ class RelayedNode:
     stream_id: int
     node_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    heard_at: float = 0.0  # the relay's clock: its last frame
+    signature: tuple | None = None  # of the last frame forwarded
+    step: int = 0  # the highest step of the last frame forwarded
+    fresh: bool = True  # no step advance forwarded since its signature changed
+    silent: bool = False  # reported silent to the leader; its next frame goes at once
+
+
+class Changes:
+    """What of its nodes' frames a relay forwards (pure; the clock is an argument). A frame that
+    changes the node's signature, carries exits, or is its first (or its first since it was
+    reported silent) goes at once, and so does the first step advance after a change (recovery is
+    timed by it); one that only advances steps is held, the latest replacing the last, until
+    `progress_s` after the first of them; one with nothing new is dropped. Silence is judged here,
+    with the heartbeat timeout, and reported once."""
+
+    def __init__(self, heartbeat_timeout_s: float, progress_s: float):
+        self.heartbeat_timeout_s, self.progress_s = heartbeat_timeout_s, progress_s
+        self.held: dict[int, tuple[float, pb.NodeFrame]] = {}  # stream -> (held since, latest), in due order
+        self._silence_checked_at = -math.inf
+
+    def frame(self, node: RelayedNode, frame: pb.NodeFrame, now: float) -> list[pb.NodeFrame]:
+        """The frames of `node` to forward now, oldest first (a held one goes with a newer change)."""
+        node.heard_at = now
+        sig = signature(frame, self.heartbeat_timeout_s * 250)
+        step = top_step(frame)
+        if node.signature is not None and sig == node.signature and not frame.exits and not node.silent:
+            if step <= node.step:
+                return []  # a keep-alive: the relay vouches for the node
+            if not node.fresh:
+                since = self.held.get(node.stream_id, (now, None))[0]
+                self.held[node.stream_id] = (since, frame)
+                return []
+        node.fresh = sig != node.signature or (node.fresh and step <= node.step)
+        node.signature, node.step, node.silent = sig, step, False
+        held = self.held.pop(node.stream_id, None)
+        return [held[1], frame] if held else [frame]
+
+    def due(self, nodes: dict[int, RelayedNode], now: float) -> list[tuple[int, pb.NodeFrame]]:
+        """Held progress whose time has come (O(what is due))."""
+        found = []
+        while self.held:
+            stream, (since, frame) = next(iter(self.held.items()))
+            if now - since < self.progress_s:
+                break
+            del self.held[stream]
+            node = nodes.get(stream)
+            if node is not None:
+                node.step = top_step(frame)
+                found.append((stream, frame))
+        return found
+
+    def silent(self, nodes, now: float) -> list[pb.SilentStream]:
+        """Nodes heard from no more within the heartbeat timeout, each reported once (looked at every
+        eighth of it: O(nodes of this relay) then)."""
+        if now - self._silence_checked_at < self.heartbeat_timeout_s / 8:
+            return []
+        self._silence_checked_at = now
+        found = []
+        for node in nodes:
+            if not node.silent and now - node.heard_at > self.heartbeat_timeout_s:
+                node.silent = True
+                found.append(pb.SilentStream(stream=node.stream_id, silent_ms=int((now - node.heard_at) * 1000)))
+        return found
+
+    def drop(self, stream: int) -> pb.NodeFrame | None:
+        """The stream ended: its held frame, if any (it still goes, before the end)."""
+        held = self.held.pop(stream, None)
+        return held[1] if held else None
 
 
 class Relay:
@@ -197,13 +291,18 @@ class Relay:
 
     def __init__(self, job: str, address: str, leader: str, *, security: ClientSecurity,
                  find_leader: Callable[[str], Awaitable[str]], window_s: float, connect_s: float,
-                 keepalive_s: float):
+                 heartbeat_timeout_s: float, progress_s: float):
         self.job, self.address, self.leader = job, address, leader
         self.security = security
         self._find_leader = find_leader
-        self.window_s, self.connect_s, self.keepalive_s = window_s, connect_s, keepalive_s
+        self.window_s, self.connect_s = window_s, connect_s
+        # An idle relay still writes (the leader takes a silent one for frozen), and this is also
+        # how often silence and held progress are looked at.
+        self.keepalive_s = heartbeat_timeout_s / 8
         self.nodes: dict[int, RelayedNode] = {}
         self.batch = FrameBatch()
+        self.changes = Changes(heartbeat_timeout_s, progress_s)
+        self._clock = asyncio.get_running_loop().time
         self.accepting = True  # False once the call is over or closing: new nodes go to a new Relay
         self._last_stream = 0
         self._pending = asyncio.Event()
@@ -221,13 +320,30 @@ class Relay:
         return node
 
     def frame(self, node: RelayedNode, frame: pb.NodeFrame) -> None:
-        if self.batch.add(node.stream_id, frame):
+        for older_first in self.changes.frame(node, frame, self._clock()):
+            self._forward(node.stream_id, older_first)
+
+    def _forward(self, stream: int, frame: pb.NodeFrame) -> None:
+        if self.batch.add(stream, frame):
             self._urgent.set()
         self._pending.set()
+
+    def _sweep(self) -> None:
+        now = self._clock()
+        for stream, frame in self.changes.due(self.nodes, now):
+            self._forward(stream, frame)
+        silent = self.changes.silent(self.nodes.values(), now)
+        if silent:
+            self.batch.silent.extend(silent)
+            self._urgent.set()
+            self._pending.set()
 
     def hang_up(self, node: RelayedNode) -> None:
         if self.nodes.pop(node.stream_id, None) is None:
             return  # ended by the leader or by the call's end
+        held = self.changes.drop(node.stream_id)
+        if held is not None:
+            self.batch.add(node.stream_id, held)
         self.batch.end(node.stream_id)
         if not self.nodes:
             self.accepting = False  # the last node went: the call ends once this is sent
@@ -293,8 +409,11 @@ class Relay:
             try:  # an idle relay still writes: the leader takes a silent one for frozen
                 await asyncio.wait_for(self._pending.wait(), self.keepalive_s)
             except TimeoutError:
-                await call.write(pb.RelayUp(job=self.job, relay=self.address))
+                self._sweep()
+                if not self._pending.is_set():
+                    await call.write(pb.RelayUp(job=self.job, relay=self.address))
                 continue
+            self._sweep()
             if not self._urgent.is_set():
                 try:
                     await asyncio.wait_for(self._urgent.wait(), self.window_s)

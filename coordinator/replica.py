@@ -341,7 +341,8 @@ class Replica:
                 find_leader=self._elected, window_s=self.config.relay_batch_s,
                 # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
                 connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,
-                keepalive_s=self.config.timing.heartbeat_timeout_s / 8)
+                heartbeat_timeout_s=self.config.timing.heartbeat_timeout_s,
+                progress_s=self.config.timing.relay_progress_s)
         return relay
 
     async def session_leader(self, first: pb.NodeFrame) -> JobLeader:

@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
             grace_s=args.grace,
             last_call_s=args.last_call,
             form_timeout_s=args.form_timeout,
+            relay_progress_s=args.relay_progress,
         ).validate()
         spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
         limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
@@ -312,6 +313,9 @@ def parser() -> argparse.ArgumentParser:
                         "replicas, which relay them to the leader (default %(default)s)")
     s.add_argument("--relay-batch", type=float, default=0.02,
                    help="seconds a relay gathers node frames into one batch (exits go at once; default %(default)s)")
+    s.add_argument("--relay-progress", type=float, default=1.0,
+                   help="seconds a relay holds a node's frames that only advance steps before forwarding the "
+                        "latest (changes go at once; the relay judges silence itself; default %(default)s)")
     s.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
     s.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
     s.add_argument("--peer-tls-key", help="its private key (PEM)")

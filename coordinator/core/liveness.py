@@ -135,13 +135,6 @@ class Liveness:
             self._heard_now(node_id, node, now)
             self._arm(node_id, self.grace_until + node.early * floor)  # spread: not every node in one tally
 
-    def excuse(self, node_id: str, now: float) -> None:
-        """The stream that carried `node_id` was lost by its carrier (a relay), not by the node: its
-        silence counts from now, so that it has the heartbeat timeout to reconnect elsewhere."""
-        node = self.nodes.get(node_id)
-        if node is not None:
-            self._heard_now(node_id, node, now)
-
     def in_grace(self, now: float) -> bool:
         return now < self.grace_until
 
@@ -182,10 +175,11 @@ class Liveness:
         node.heard_slot = -1
 
     def unvouched(self, node_id: str, now: float) -> None:
-        """The relay that vouched for `node_id` is gone (or its stream there ended): from now on its
-        silence is judged here, counting from now (it reconnects within the heartbeat timeout)."""
+        """The relay that vouched for `node_id` is gone, or the node's stream there ended (lost by
+        its carrier, not by the node): its silence is judged here, counting from now, so that it has
+        the heartbeat timeout to reconnect elsewhere."""
         node = self.nodes.get(node_id)
-        if node is not None and node.heard_slot == -1:
+        if node is not None:
             self._heard_now(node_id, node, now)
 
     def silent_since(self, node_id: str, since: float) -> None:

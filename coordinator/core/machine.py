@@ -127,6 +127,7 @@ class Context:
     # ranks first and takes a place once they report, so the others never wait for its start-up.
     prestart: bool = False
     max_members: int = MAX_NODES  # the deployment's limit of nodes per job, spares included
+    step_lag_s: float = 0.0  # how far behind the ranks `max_step` may be (relays forward progress now and then)
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,7 @@ def _switch_at(state: JobState, ctx: Context) -> int:
     """A step far enough ahead that every rank hears of the change before reaching it."""
     lead = 2
     if ctx.step_time_s:
-        lead = max(lead, math.ceil(ctx.timing.switch_lead_s / ctx.step_time_s) + 1)
+        lead = max(lead, math.ceil((ctx.timing.switch_lead_s + ctx.step_lag_s) / ctx.step_time_s) + 1)
     pending = state.rank_map.switch_at_step if state.rank_map and not state.rank_map.abort_previous else 0
     # Capped: steps come from the nodes, and the step must stay in the wire's uint64.
     return min(max(ctx.max_step + lead, pending), MAX_STEP)

@@ -59,7 +59,8 @@ def evictions(address: str, job: str) -> list:
 async def steps_advance(nodes, seconds: float = 0.5) -> None:
     before = {n.node_id: n.step for n in nodes}
     await asyncio.sleep(seconds)
-    assert all(n.step > before[n.node_id] for n in nodes), "a node stopped stepping"
+    assert all(n.step > before[n.node_id] for n in nodes), \
+        f"a node stopped stepping: {[(n.node_id, before[n.node_id], n.step, n.errors) for n in nodes]}"
 
 
 async def exit_decided_s(nodes, exiting, local_rank: int) -> float:
@@ -101,6 +102,37 @@ def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_as_fast_as_
             events = c.call("Events", pb.EventsRequest(job="spread")).events
         exits = [e for e in events if e.kind == "rank_exited"]
         assert [list(e.nodes) for e in exits] == [[relayed.node_id], [direct.node_id]]
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_forwards_only_changes_and_judges_silence_itself(coordinators):
+    replicas = coordinators(3, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "quiet", names_spread(addresses, 3))
+        leader = leader_of(replicas, "quiet")
+        relayed = [n for n in nodes if n.session.relay != leader.address]
+        await asyncio.sleep(3)  # steady: every node steps at each of its 20 frames a second
+        with Coordinators([leader.address], timeout_s=2) as c:
+            health = c.call("Status", pb.StatusRequest(job="quiet")).jobs[0].health
+        # The leader reads its 3 direct nodes' frames (60/s) and the relayed ones' progress about
+        # once a second each (--relay-progress 1), not their 120 frames/s.
+        assert health.frames_per_second < 60 + 3 * len(relayed), health
+        victim = relayed[0]
+        generation = victim.generation
+        victim.silent = True  # its stream stays open: only the relay can tell it went silent
+        paused = time.monotonic()
+        other = next(n for n in nodes if n is not victim)
+        await other.wait_for(lambda x: x.generation > generation, 5, "the generation without it")
+        assert time.monotonic() - paused < 1.0 + 0.6  # the heartbeat timeout, a relay sweep, a tally
+        with Coordinators([leader.address], timeout_s=2) as c:
+            events = c.call("Events", pb.EventsRequest(job="quiet")).events
+        assert [list(e.nodes) for e in events if e.kind == "node_silent"] == [[victim.node_id]]
         for n in nodes:
             await n.stop()
 

@@ -381,16 +381,26 @@ class RelayedFrame(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., frame: _Optional[_Union[NodeFrame, _Mapping]] = ...) -> None: ...
 
 class RelayUp(_message.Message):
-    __slots__ = ("job", "relay", "frames", "ended")
+    __slots__ = ("job", "relay", "frames", "ended", "silent")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    SILENT_FIELD_NUMBER: _ClassVar[int]
     job: str
     relay: str
     frames: _containers.RepeatedCompositeFieldContainer[RelayedFrame]
     ended: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ...) -> None: ...
+    silent: _containers.RepeatedCompositeFieldContainer[SilentStream]
+    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., silent: _Optional[_Iterable[_Union[SilentStream, _Mapping]]] = ...) -> None: ...
+
+class SilentStream(_message.Message):
+    __slots__ = ("stream", "silent_ms")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    silent_ms: int
+    def __init__(self, stream: _Optional[int] = ..., silent_ms: _Optional[int] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("code", "message", "leader")
