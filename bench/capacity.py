@@ -221,9 +221,10 @@ async def _wait_stepping(stub, coordinator: CoordinatorProcess, nodes: int, slot
 
 
 async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str = "") -> list[tuple[float, int]]:
-    """Frame -> leader-visible latency (an upper bound): write a frame with a new step on a real
-    Session (through `relay` when given), then poll `Status` until that step shows; (response that
-    shows it - write, polls needed). Samples while `sampling` is set (the CPU windows go without
+    """Frame -> leader-visible latency (an upper bound): write a frame with a change on a real
+    Session (through `relay` when given): a new step and a rank state flipped between running and a
+    long phase (a relay forwards changes at once, progress alone once per --relay-progress), then
+    poll `Status` until both show; (response that shows it - write, polls needed). Samples while `sampling` is set (the CPU windows go without
     its polls); otherwise keeps its stream alive, until `stop`."""
     joined = await stub.Join(pb.JoinRequest(job=PROBE_JOB, node_id="probe", slots=1, host="127.0.0.1",
                                             store_port=29400), timeout=10)
@@ -231,10 +232,11 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
     call = (pb_grpc.CoordinatorStub(relay_channel) if relay else stub).Session()
     generation = 0
     step = 0
+    state = pb.RANK_STATE_RUNNING
 
     def frame() -> pb.NodeFrame:
-        ranks = [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=1000,
-                               state=pb.RANK_STATE_RUNNING)] if step else []
+        ranks = [pb.RankReport(local_rank=0, pid=os.getpid(), step=step, step_time_us=1000, state=state,
+                               phase="probe" if state == pb.RANK_STATE_LONG_PHASE else "")] if step else []
         return pb.NodeFrame(job=PROBE_JOB, node_id="probe", member_id=joined.member_id, term=joined.term,
                             generation=generation, ranks=ranks, session_secret=joined.session_secret,
                             via_relay=bool(relay))
@@ -262,6 +264,8 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
                     pass
                 continue
             step += 1
+            state = pb.RANK_STATE_LONG_PHASE if state == pb.RANK_STATE_RUNNING else pb.RANK_STATE_RUNNING
+            shown = "long_phase" if state == pb.RANK_STATE_LONG_PHASE else "running"
             written = time.monotonic()
             await call.write(frame())
             polls = 0
@@ -269,7 +273,7 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
                 polls += 1
                 status = await stub.Status(pb.StatusRequest(job=PROBE_JOB), timeout=10)
                 ranks = status.jobs[0].ranks
-                if ranks and ranks[0].step >= step:
+                if ranks and ranks[0].step >= step and ranks[0].state == shown:
                     samples.append((time.monotonic() - written, polls))
                     break
                 # Paced: through a relay a frame waits for its batch window, and polling back to

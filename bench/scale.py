@@ -8,7 +8,13 @@ sending; the run goes on until the leader has decided its death and queued every
 part of the new map. Writes go to the in-memory store (encoded in a thread, as on etcd).
 
     python bench/scale.py                      # 100k ranks (12,500 nodes x 8), 10 frames/s, 1.5 s timeout
+    python bench/scale.py --relayed            # the same nodes streaming through relays
     python bench/scale.py --ranks 16000 --rate 2
+
+Relayed (`--relayed`): the leader sees what relays forward (`relay.Changes`): each node's progress
+once per `--relay-progress` (at its phase), on `RelayLink` streams (its directives wrapped for the
+relays as on the wire), and the victim's silence as its relay reports it: at the relay's first
+look past the heartbeat timeout (it looks every eighth of it), plus one batch window.
 
 What it reports:
 - frame_us: CPU of one `on_frame` (p50, p99 over batches of a tick), the protobuf already parsed;
@@ -41,6 +47,8 @@ from muster.coordinator.core.state import encode
 from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.leader import JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
+from muster.coordinator.relay import RelayLink
+from muster.coordinator.server import stream_end
 from muster.coordinator.store import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
@@ -54,10 +62,14 @@ def _ms(values: list[float]) -> dict:
             "max": round(max(values) * 1e3, 3)}
 
 
+RELAY_BATCH_S = 0.02
+
+
 async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: float, tick_s: float,
-                   steady_s: float) -> dict:
+                   steady_s: float, relay_progress_s: float | None = None) -> dict:
     nodes = ranks // slots
-    interval = 1 / rate
+    relayed = relay_progress_s is not None
+    interval = relay_progress_s if relayed else 1 / rate
     timing = Timing(heartbeat_interval_s=interval, heartbeat_timeout_s=heartbeat_timeout_s, grace_s=1.0)
     state = running_state(nodes, slots)
     encode(state)  # as a leader that wrote it before: members keep their encoded text
@@ -65,8 +77,10 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
     leader = JobLeader(state, leadership=Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"), MemoryJobStore()),
                        address="127.0.0.1:7600", timing=timing, tick_s=tick_s, clock=lambda: clock[0])
     frames, streams, phases = {}, {}, {}
-    for m in state.members:
-        streams[m.node_id] = leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind)
+    link = RelayLink(leader, "relay", stream_end) if relayed else None
+    for i, m in enumerate(state.members):
+        streams[m.node_id] = leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind, link=link,
+                                                                    stream_id=i + 1)
         frames[m.node_id] = pb.NodeFrame(job=JOB, node_id=m.node_id, member_id=m.member_id, term=1,
                                          generation=state.generation, ranks=[
                                              pb.RankReport(local_rank=s, pid=10_000 + s, step=1, step_time_us=50_000,
@@ -77,6 +91,7 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
     killed_at = last_frame_of_victim = None
     frame_cost, frame_count, quiet_ticks = [], 0, []
     decided = change_s = None
+    reported = False
     step = 1
     t = 0.0
     while decided is None and t < steady_s + 10 * heartbeat_timeout_s:
@@ -87,6 +102,10 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
         due = [n for n in by_phase if (lo < phases[n] <= hi if lo < hi else (phases[n] > lo or phases[n] <= hi))]
         if killed_at is None and t >= steady_s:
             killed_at = t
+        if relayed and last_frame_of_victim is not None and not reported and \
+                t >= _relay_reports_at(last_frame_of_victim, heartbeat_timeout_s):
+            reported = True
+            leader.silent_at_relay(streams[victim], int((t - last_frame_of_victim) * 1000))
         batch = []
         for node_id in due:
             if killed_at is not None and node_id == victim:
@@ -116,12 +135,15 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
         for stream in streams.values():
             while not stream.queue.empty():  # the nodes read their directives
                 stream.queue.get_nowait()
+        while link is not None and link.out:  # the relays read theirs
+            link.take()
     evicted = [e.nodes for e in leader.state.history if e.kind in ("node_silent", "rank_silent", "rank_stalled")]
     frame_us = statistics.median(frame_cost) * 1e6
     return {
         "ranks": nodes * slots,
         "nodes": nodes,
-        "frames_per_s_per_node": rate,
+        "mode": f"relayed (progress every {relay_progress_s} s)" if relayed else "direct",
+        "frames_per_s_per_node": 1 / interval,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "tick_s": tick_s,
         "frames": frame_count,
@@ -132,8 +154,14 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
         "new_world_size": leader.state.rank_map.world_size if leader.state.rank_map else 0,
         "evicted": [n for nodes_ in evicted for n in nodes_],
         "victim": victim,
-        "leader_cpu_cores": round(frame_us * 1e-6 * nodes * rate + statistics.median(quiet_ticks) / tick_s, 3),
+        "leader_cpu_cores": round(frame_us * 1e-6 * nodes / interval + statistics.median(quiet_ticks) / tick_s, 3),
     }
+
+
+def _relay_reports_at(last_frame: float, heartbeat_timeout_s: float) -> float:
+    """When a relay reports a node silent: its first look past the timeout, and a batch window."""
+    look = heartbeat_timeout_s / 8
+    return (int((last_frame + heartbeat_timeout_s) / look) + 1) * look + RELAY_BATCH_S
 
 
 def main() -> int:
@@ -143,6 +171,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=10.0, help="frames/s per node")
     p.add_argument("--heartbeat-timeout", type=float, default=1.5, help="seconds")
     p.add_argument("--tick", type=float, default=0.05, help="the leader's tally period, seconds")
+    p.add_argument("--relayed", action="store_true", help="the nodes stream through relays (see above)")
+    p.add_argument("--relay-progress", type=float, default=1.0, help="seconds (relayed)")
     p.add_argument("--steady", type=float, default=12.0,
                    help="simulated seconds before the victim stops (past the progress timeout's floor, 10 s: every "
                         "node's ranks are judged at least once)")
@@ -151,7 +181,7 @@ def main() -> int:
     result = {"benchmark": "scale", "host": {"cpus": os.cpu_count(),
                                              "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}}
     result.update(asyncio.run(simulate(args.ranks, args.slots, args.rate, args.heartbeat_timeout, args.tick,
-                                       args.steady)))
+                                       args.steady, args.relay_progress if args.relayed else None)))
     print(json.dumps(result, indent=2))
     return 0
 

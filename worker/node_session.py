@@ -127,7 +127,9 @@ class NodeSession:
         self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
         self.heartbeat_timeout_s = response.heartbeat_timeout_ms / 1000
-        self.relay = relay_of(self.identity.node_id, self.addresses) if response.relay else ""
+        # Over the replicas other than the leader: the leader reads relays' changes, not frames.
+        others = [a for a in self.addresses if a != self.leader] or self.addresses
+        self.relay = relay_of(self.identity.node_id, others) if response.relay else ""
         self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term,
                       relay=self.relay or None)
         return response

@@ -76,14 +76,16 @@ async def exit_decided_s(nodes, exiting, local_rank: int) -> float:
 
 
 @pytest.mark.timeout(90)
-def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_as_fast_as_a_direct_one(coordinators):
+def test_nodes_spread_over_the_standbys_step_and_a_relayed_exit_is_decided_at_once(coordinators):
     replicas = coordinators(3, RELAY)
     addresses = [r.address for r in replicas]
 
     async def scenario():
         nodes = await stepping_job(addresses, "spread", names_spread(addresses, 2), slots=2)
         leader = leader_of(replicas, "spread")
-        assert all(n.session.relay == relay_of(n.node_id, addresses) for n in nodes)
+        # over the replicas but the leader, which reads what relays forward, not node frames
+        standbys = [a for a in addresses if a != leader.address]
+        assert all(n.session.relay == relay_of(n.node_id, standbys) for n in nodes)
         # every standby relays its share: the leader holds one Relay stream per standby
         relays = {r["relay"] for r in leader.find("relay_attached", job="spread")}
         assert relays == set(addresses) - {leader.address}
@@ -92,16 +94,15 @@ def test_nodes_spread_over_relays_step_and_a_relayed_exit_is_decided_as_fast_as_
         assert status.health.live_ranks == 12
         await steps_advance(nodes)
         # a rank's exit on a relayed node is flushed at once and decided in the next tally, as on a
-        # node streaming to the leader itself: the same decision, in the same time bound
-        relayed = next(n for n in nodes if n.session.relay != leader.address)
-        direct = next(n for n in nodes if n.session.relay == leader.address)
-        relayed_s = await exit_decided_s(nodes, relayed, 1)
-        direct_s = await exit_decided_s(nodes, direct, 1)
-        assert relayed_s < 0.5 and direct_s < 0.5, (relayed_s, direct_s)
+        # node streaming to the leader itself (< 0.5 s: a batch window and a tally); on each relay
+        first = next(n for n in nodes if n.session.relay == standbys[0])
+        second = next(n for n in nodes if n.session.relay == standbys[1])
+        decided_s = [await exit_decided_s(nodes, first, 1), await exit_decided_s(nodes, second, 1)]
+        assert max(decided_s) < 0.5, decided_s
         with Coordinators([leader.address], timeout_s=2) as c:
             events = c.call("Events", pb.EventsRequest(job="spread")).events
         exits = [e for e in events if e.kind == "rank_exited"]
-        assert [list(e.nodes) for e in exits] == [[relayed.node_id], [direct.node_id]]
+        assert [list(e.nodes) for e in exits] == [[first.node_id], [second.node_id]]
         for n in nodes:
             await n.stop()
 
