@@ -36,7 +36,8 @@ log = structlog.get_logger(__name__)
 CLOSE = object()  # queued on a NodeStream to end it
 # A job this big has a million live objects (its state, liveness, streams): a full collection of the
 # cyclic GC walks them all (70-170 ms at 12,500 nodes), and the directives of a change set one off.
-# Frozen after each new generation, they are not walked again (refcounting still frees them).
+# Frozen once the takeover grace is over (every node heard) and after each new generation, they are
+# not walked again (refcounting still frees them).
 GC_FREEZE_NODES = 1_000
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 
@@ -122,6 +123,7 @@ class JobLeader:
         self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0  # counted per frame, reported per tally
         self._frames_reported = 0
         self._signals: list[float] = []  # first signals of failures not decided yet
+        self._graced = True  # the takeover grace has not ended yet
         self._recovering: Recovery | None = None
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
@@ -203,6 +205,9 @@ class JobLeader:
     async def _tally(self) -> None:
         now = self._clock()
         self._measure(now)
+        if self._graced and not self.live.in_grace(now):
+            self._graced = False
+            self._freeze_gc()
         batch, self._inbox = self._inbox, []
         if any(isinstance(e, SlotsUp) for e, _ in batch) and self.live.reforming(self.state):  # O(ranks): only then
             # A slot back while the abort generation still forms waits until it has formed: its
@@ -242,6 +247,10 @@ class JobLeader:
                 raise
         self._adopt(decision, now, ctx.max_step)
         self._settle(batch, decision)
+
+    def _freeze_gc(self) -> None:
+        if len(self.state.members) >= GC_FREEZE_NODES:
+            gc.freeze()
 
     def _measure(self, now: float) -> None:
         """Frames/s (smoothed, and the metric's count), and the end of a recovery (`Liveness.recovered`)."""
@@ -302,8 +311,7 @@ class JobLeader:
             for node_id, stream in self.streams.items():
                 if not stream.departed:
                     stream.send(assignments.directive(node_id))
-            if len(self.state.members) >= GC_FREEZE_NODES:
-                gc.freeze()
+            self._freeze_gc()
         for node_id, after_step in d.drains:
             stream = self.streams.get(node_id)
             if stream:

@@ -29,6 +29,7 @@ from muster.coordinator.core.state import JobState, NodeKind
 
 MIN_CALIBRATION_SAMPLES = 8
 JUDGED_PER_TALLY = 256  # nodes whose ranks one tally judges at most (a few ms)
+POPPED_PER_TALLY = 1024  # heap entries one tally takes at most, superseded ones included
 SCANNED_PER_TALLY = 1024  # nodes of the map one tally looks at when a generation may not have formed
 
 
@@ -396,12 +397,13 @@ class Liveness:
         return found
 
     def _stalled(self, state: JobState, now: float) -> list[tuple[int, int, Failure]]:
-        """The ranks of nodes due: at most JUDGED_PER_TALLY nodes a tally (deadlines that bunch,
+        """The ranks of nodes due: at most JUDGED_PER_TALLY nodes (and POPPED_PER_TALLY entries) a tally (deadlines that bunch,
         such as every node's first after a takeover, spread over the next tallies)."""
-        found, judged = [], []
+        found, judged, popped = [], [], 0
         stall_after = self.progress_timeout()
-        while self._due and self._due[0][0] <= now and len(judged) < JUDGED_PER_TALLY:
+        while self._due and self._due[0][0] <= now and len(judged) < JUDGED_PER_TALLY and popped < POPPED_PER_TALLY:
             at, node_id = heapq.heappop(self._due)
+            popped += 1
             if self._armed.get(node_id) != at:
                 continue  # superseded by a sooner entry
             del self._armed[node_id]
