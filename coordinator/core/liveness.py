@@ -397,8 +397,9 @@ class Liveness:
         return found
 
     def _stalled(self, state: JobState, now: float) -> list[tuple[int, int, Failure]]:
-        """The ranks of nodes due: at most JUDGED_PER_TALLY nodes (and POPPED_PER_TALLY entries) a tally (deadlines that bunch,
-        such as every node's first after a takeover, spread over the next tallies)."""
+        """The ranks of nodes due: at most JUDGED_PER_TALLY nodes (and POPPED_PER_TALLY entries) a
+        tally; deadlines that bunch, such as every node's first after a takeover, spread over the
+        next tallies."""
         found, judged, popped = [], [], 0
         stall_after = self.progress_timeout()
         while self._due and self._due[0][0] <= now and len(judged) < JUDGED_PER_TALLY and popped < POPPED_PER_TALLY:
