@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,6 +109,15 @@ async def _client(conn) -> None:
                 for n in nodes:
                     n.silent = command == "pause"
                 conn.send(command)
+            elif command == "silence_one":  # its stream stays open: only silence tells
+                nodes[0].silent = True
+                conn.send(time.time())
+            elif command == "held":  # when every node still talking holds a generation past `rest[0]`
+                generation, deadline = rest[0], time.monotonic() + rest[1]
+                talking = [n for n in nodes if not n.silent]
+                while any(n.generation <= generation for n in talking) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                conn.send(time.time() if all(n.generation > generation for n in talking) else None)
             elif command == "count":
                 conn.send((time.monotonic(), sum(n.step for n in nodes), sum(len(n.errors) for n in nodes)))
             elif command == "stop":
@@ -170,6 +180,14 @@ class Clients:
     def pause(self, paused: bool) -> None:
         """Stop (or restart) every node's frames; the streams stay open."""
         self._ask(("pause" if paused else "resume",), 10, "pause")
+
+    def change(self, generation: int, timeout_s: float) -> tuple[float, float | None]:
+        """One node (of the first process) goes silent: (when, wall clock; when every other node
+        held a generation past `generation`, or None)."""
+        self.conns[0].send(("silence_one",))
+        silenced = self.conns[0].recv()
+        held = self._ask(("held", generation, timeout_s), timeout_s + 10, "held")
+        return silenced, None if None in held else max(held)
 
     def stop_nodes(self) -> None:
         self._ask(("stop",), 20, "stop")
@@ -289,6 +307,11 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
     return samples
 
 
+def _wall(record: dict) -> float:
+    """A log record's time (structlog's ISO UTC timestamp) as epoch seconds."""
+    return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
 def _ms(values: list[float]) -> dict:
     return {"p50": round(statistics.median(values) * 1e3, 2), "p99": round(percentile(values, 0.99) * 1e3, 2),
             "max": round(max(values) * 1e3, 2)}
@@ -367,10 +390,15 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         relay_cpu1 = [cpu_seconds(r.pid) for r in relays]
         stop.set()
         samples = await probing
+        generation = (await stub.Status(pb.StatusRequest(job=JOB, brief=True), timeout=10)).jobs[0].generation
     delivered = {n: seen1.get(n, 0) - seen0.get(n, 0) for n in seen0}
     changes = coordinator.find("membership_changed", job=JOB)[changes_before:]
     warnings = Counter(r["event"] for r in coordinator.records() if r.get("level") in ("warning", "error"))
     evictions = [r for r in coordinator.find("membership_changed") if r.get("kind") in EVICTION_KINDS]
+    # Then a membership change at this size: a node goes silent; the leader decides (its log), and
+    # every other node holds its part of the next generation (the clients' clocks; one machine).
+    silenced, held = await asyncio.to_thread(clients.change, generation, 4 * HEARTBEAT_TIMEOUT_S)
+    decided = [_wall(r) for r in coordinator.find("membership_changed", job=JOB) if r.get("kind") == "node_silent"]
     delivered_per_s = sum(delivered.values()) / (t1 - t0)
     leader_cores = (leader_cpu1 - leader_cpu0) / (t1 - t0)
     return {
@@ -392,6 +420,10 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         "relay_cpu_cores": [round((b - a) / (t1 - t0), 3) for a, b in zip(relay_cpu0, relay_cpu1)],
         "relay_streams_at_leader": len(coordinator.find("relay_attached", job=JOB)),
         "client_cpu_cores": round((client_cpu1 - client_cpu0) / (c1 - c0), 3),
+        "change": {
+            "decided_after_silence_s": round(decided[0] - silenced, 3) if decided else None,
+            "every_node_held_it_after_s": round(held - decided[0], 3) if decided and held else None,
+        },
         "healthy": not evictions and not errors and world == nodes * slots and not changes,
         "evictions": len(evictions),
         "membership_changes_in_window": len(changes),
@@ -423,6 +455,10 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
             "probe every 20-50 ms over warm-up + one window, before the CPU and delivery windows (which go without "
             "its polls); not_visible_at_first_poll counts probes the leader had not processed by the time it "
             "answered the first poll."),
+        "change_definition": "after the window, one node (its stream open) stops sending: decided_after_silence_s "
+                             "from then to the leader's node_silent decision (its log; the heartbeat timeout "
+                             "included), every_node_held_it_after_s from the decision until every other node held "
+                             "a newer generation (clients polled every 5 ms; wall clocks of one machine)",
         "delivered_definition": "sum over nodes of the rank step advance in the leader's Status over the window "
                                 "(each frame advances the step by one) / window",
         "cpu_definition": (
