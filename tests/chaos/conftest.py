@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness sits beside the tests
 
-from harness import Chaos  # noqa: E402
+from harness import Chaos, started  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -29,14 +29,5 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory, request):
-    """A started cluster (3-member etcd, 2 coordinators, 3 agents x 2 ranks) for a module's faults,
-    stopped afterwards with the orphan check."""
-    cluster = Chaos(tmp_path_factory.mktemp("chaos"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        report = cluster.report()
-        leftovers = cluster.stop()
-        request.config._chaos_reports = getattr(request.config, "_chaos_reports", []) + [report]
-        assert not leftovers, f"processes left behind: {leftovers}"
+    """A cluster of a 3-member etcd, 2 coordinators, 3 agents x 2 ranks."""
+    yield from started(Chaos(tmp_path_factory.mktemp("chaos")), request)

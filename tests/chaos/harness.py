@@ -997,3 +997,15 @@ def _check_progress(fault: str, run: RankRun) -> None:
             assert done is None or r["step"] == done + 1 or (switched and r["step"] == done), \
                 f"{fault}: {run.node}/{run.slot} pid {run.pid} completed step {r['step']} after step {done}"
             done, switched = r["step"], False
+
+
+def started(cluster: Chaos, request):
+    """`cluster` started for a module's faults, stopped afterwards with the orphan check."""
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        report = cluster.report()
+        leftovers = cluster.stop()
+        request.config._chaos_reports = getattr(request.config, "_chaos_reports", []) + [report]
+        assert not leftovers, f"processes left behind: {leftovers}"

@@ -5,7 +5,7 @@ decided as a direct one is. The same invariants as test_faults."""
 
 import pytest
 
-from harness import Chaos
+from harness import Chaos, started
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -18,15 +18,7 @@ SEQUENCE = [
 
 @pytest.fixture(scope="module")
 def relay_chaos(tmp_path_factory, request):
-    cluster = Chaos(tmp_path_factory.mktemp("chaos-relays"), replicas=3, relay_min_nodes=1)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        report = cluster.report()
-        leftovers = cluster.stop()
-        request.config._chaos_reports = getattr(request.config, "_chaos_reports", []) + [report]
-        assert not leftovers, f"processes left behind: {leftovers}"
+    yield from started(Chaos(tmp_path_factory.mktemp("chaos-relays"), replicas=3, relay_min_nodes=1), request)
 
 
 @pytest.mark.parametrize("name", SEQUENCE)
