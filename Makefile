@@ -28,6 +28,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/side_by_side.py --ranks 4,8,16 --kills 5 --unmodified-ranks 4,8 --nodes 2 > bench/results/side_by_side.json
 	$(BIN)/python bench/recovery.py --ranks 8 --kills 5 --hangs 3 --failovers 3 > bench/results/recovery.json
 	$(BIN)/python bench/capacity.py > bench/results/capacity.json
+	$(BIN)/python bench/capacity.py --relays 2 --rate 3 --nodes 300,1000 --skip-membership > bench/results/capacity_relays.json
+	$(BIN)/python bench/capacity.py --relays 0 --rate 3 --nodes 300,1000 --skip-membership > bench/results/capacity_direct.json
+	$(BIN)/python bench/scale.py > bench/results/scale.json
+	$(BIN)/python bench/scale.py --relayed > bench/results/scale_relayed.json
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
 
 protos: $(STAMP)
