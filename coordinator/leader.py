@@ -34,11 +34,13 @@ from muster.v1 import muster_pb2 as pb
 log = structlog.get_logger(__name__)
 
 CLOSE = object()  # queued on a NodeStream to end it
-# A job this big has a million live objects (its state, liveness, streams): a full collection of the
-# cyclic GC walks them all (70-170 ms at 12,500 nodes), and the directives of a change set one off.
-# Frozen once the takeover grace is over (every node heard) and after each new generation, they are
-# not walked again (refcounting still frees them).
-GC_FREEZE_NODES = 1_000
+# A job of this many nodes is large: its leader keeps its event loop free while it changes the job
+# (it decides in a worker thread, and sends the new map's directives in slices), and its million
+# live objects (state, liveness, streams) out of the cyclic GC's full collections (70-170 ms at
+# 12,500 nodes, set off by a change's directives): the GC's view is frozen once the takeover grace
+# is over (every node heard) and after each new generation (refcounting still frees them).
+LARGE_JOB_NODES = 1_000
+FAN_OUT_SLICE = 1_000  # directives sent between yields to the loop
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 
 
@@ -233,7 +235,11 @@ class JobLeader:
                       self.live.median_step_time(), prestart=self.live.runs_library(self.state),
                       max_members=self.limits.max_members,
                       step_lag_s=self.timing.relay_progress_s if any(s.link for s in self.streams.values()) else 0.0)
-        decision = decide(self.state, events, ctx)
+        if len(self.state.members) >= LARGE_JOB_NODES:
+            # Pure, on an immutable state, and only this task adopts: frames go on meanwhile.
+            decision = await asyncio.to_thread(decide, self.state, events, ctx)
+        else:
+            decision = decide(self.state, events, ctx)
         if decision.persist:
             try:
                 with self.metrics.etcd_write.time():
@@ -245,11 +251,11 @@ class JobLeader:
             except Fenced:
                 self._inbox[:0] = batch
                 raise
-        self._adopt(decision, now, ctx.max_step)
+        await self._adopt(decision, now, ctx.max_step)
         self._settle(batch, decision)
 
     def _freeze_gc(self) -> None:
-        if len(self.state.members) >= GC_FREEZE_NODES:
+        if len(self.state.members) >= LARGE_JOB_NODES:
             gc.freeze()
 
     def _measure(self, now: float) -> None:
@@ -278,7 +284,7 @@ class JobLeader:
         return sum(len(p.slots) for p in placements if (node := self.live.nodes.get(p.node_id))
                    and now - node.last_frame_at <= self.timing.heartbeat_timeout_s)
 
-    def _adopt(self, d: Decision, now: float, step_before: int) -> None:
+    async def _adopt(self, d: Decision, now: float, step_before: int) -> None:
         self.state = d.state
         for e in d.events:
             self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
@@ -308,9 +314,13 @@ class JobLeader:
         if d.new_generation:
             self.live.generation_published(self.state.generation, now)
             assignments = wire.Assignments(self.state, d.events[-1].reason if d.events else "")
-            for node_id, stream in self.streams.items():
+            large = len(self.state.members) >= LARGE_JOB_NODES
+            # A stream that attaches during a yield has the new map already (`_bind`): a second copy is harmless.
+            for i, (node_id, stream) in enumerate(list(self.streams.items())):
                 if not stream.departed:
                     stream.send(assignments.directive(node_id))
+                if large and i % FAN_OUT_SLICE == FAN_OUT_SLICE - 1:
+                    await asyncio.sleep(0)
             self._freeze_gc()
         for node_id, after_step in d.drains:
             stream = self.streams.get(node_id)

@@ -9,11 +9,12 @@ import asyncio
 
 import pytest
 
+from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
 from muster.coordinator.etcd.election import LeaderKey
-from muster.coordinator.leader import JobLeader
+from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.store import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
@@ -147,5 +148,39 @@ def test_an_unavailable_store_defers_the_decision_to_a_later_tick_of_that_job_on
         assert stored(store, "b") == b.leader.state and not b.lost
         for led in (a, b):
             await led.leader.stop("test over")
+
+    asyncio.run(scenario())
+
+
+def test_a_large_job_changes_off_the_loop_and_every_node_gets_its_part_once():
+    """1,200 nodes (a large job: decided in a worker thread, directives sent in slices): a node
+    lost makes one generation, each other node gets exactly one assignment of it, and frames are
+    taken while the change is under way."""
+    nodes = LARGE_JOB_NODES + 200
+    ctx = Context(now=0, wall_ms=0, term=1, timing=TIMING)
+    state = decide(JobState("big", JobSpec(1, nodes, 1)),
+                   [Join(f"n{i}", "10.0.0.1", 29500, 1) for i in range(nodes)], ctx).state
+    state = decide(state, [Tick()], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
+
+    async def scenario():
+        clock = Clock()
+        leader = JobLeader(state, leadership=Leadership(LeaderKey("big", 1, "memory/big", "replica"),
+                                                        MemoryJobStore()),
+                           address="replica", timing=TIMING, tick_s=0.01, clock=clock)
+        for m in state.members:
+            leader.streams[m.node_id] = NodeStream("big", m.node_id, m.member_id, m.kind)
+        frame = pb.NodeFrame(job="big", node_id="n7", member_id=state.member("n7").member_id, term=1,
+                             generation=state.generation,
+                             ranks=[pb.RankReport(local_rank=0, pid=7, step=3, state=pb.RANK_STATE_RUNNING)])
+        leader._inbox.append((NodeLost("n0", "node_silent", "test"), None))
+        tally = asyncio.ensure_future(leader._tally())
+        await asyncio.sleep(0)  # the tally is deciding in its thread: a frame is taken meanwhile
+        leader.on_frame(leader.streams["n7"], frame)
+        await tally
+        assert leader.state.generation == state.generation + 1 and leader.state.member("n0") is None
+        for node_id, stream in leader.streams.items():
+            got = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+            assert [d.generation for d in got] == [leader.state.generation], node_id
+        assert leader.live.nodes["n7"].ranks[0].step == 3
 
     asyncio.run(scenario())
