@@ -32,8 +32,12 @@ def test_recovery_bench_kill_hang_and_failover():
 
 @pytest.mark.timeout(150)
 def test_capacity_bench_quick():
-    result = bench("capacity.py", "--quick", timeout_s=140)
-    assert all(p["healthy"] and p["evictions"] == 0 for p in result["heartbeat"]["points"])
+    result = bench("capacity.py", "--quick", "--nodes", "20", timeout_s=140)
+    (point,) = result["heartbeat"]["points"]
+    assert point["healthy"] and point["evictions"] == 0
+    # the membership change after the load point: decided a heartbeat timeout (5 s) after the node's
+    # last frame (up to a frame interval before it was silenced), then delivered
+    assert point["change"]["decided_after_silence_s"] >= 4.5 and point["change"]["every_node_held_it_after_s"] < 5
     assert [s["ranks"] for s in result["membership"]["sizes"]] == [800, 4000]
 
 
@@ -43,6 +47,7 @@ def test_capacity_bench_quick_through_a_relay():
     (point,) = result["heartbeat"]["points"]
     assert point["healthy"] and point["evictions"] == 0 and point["relays"] == 1
     assert point["relay_streams_at_leader"] >= 1 and point["frame_latency_ms"]["samples"]
+    assert point["change"]["every_node_held_it_after_s"] < 5  # the relay reported the silent node
     assert "membership" not in result
 
 
