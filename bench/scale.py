@@ -22,7 +22,8 @@ What it reports:
 - detection_s: simulated time from the victim's last frame to the decision (the heartbeat timeout
   included);
 - change_ms: CPU of the tally that decided: liveness, decide, the fenced write (with its
-  encoding), every surviving node's directive built and queued;
+  encoding), every surviving node's directive built and queued; change_loop_held_ms: the longest
+  the event loop went without running another task meanwhile (wall clock: frames wait that long);
 - evicted: the nodes the run evicted (the victim alone, or load evicted someone);
 - leader_cpu_cores: the CPU the leader needs at this rate, frames and ticks together (one core is
   all a Python process has).
@@ -90,7 +91,7 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
     victim = random.Random(7).choice(by_phase)
     killed_at = last_frame_of_victim = None
     frame_cost, frame_count, quiet_ticks = [], 0, []
-    decided = change_s = None
+    decided = change_s = change_stall_s = None
     reported = False
     step = 1
     t = 0.0
@@ -125,11 +126,14 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
             frame_cost.append((time.thread_time() - began) / len(batch))
             frame_count += len(batch)
         generation = leader.state.generation
+        gaps: list[float] = []
+        watching = asyncio.ensure_future(_loop_gaps(gaps))
         began = time.process_time()
         await leader._tally()
         took = time.process_time() - began
+        watching.cancel()
         if leader.state.generation != generation:
-            decided, change_s = t, took
+            decided, change_s, change_stall_s = t, took, max(gaps, default=0.0)
         elif t > 2 * timing.grace_s:  # past the takeover grace and every node's first judgement
             quiet_ticks.append(took)
         for stream in streams.values():
@@ -151,11 +155,20 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
         "tick_ms": _ms(quiet_ticks),
         "detection_s": round(decided - last_frame_of_victim, 3) if decided else None,
         "change_ms": round(change_s * 1e3, 1) if change_s else None,
+        "change_loop_held_ms": round(change_stall_s * 1e3, 1) if change_stall_s is not None else None,
         "new_world_size": leader.state.rank_map.world_size if leader.state.rank_map else 0,
         "evicted": [n for nodes_ in evicted for n in nodes_],
         "victim": victim,
         "leader_cpu_cores": round(frame_us * 1e-6 * nodes / interval + statistics.median(quiet_ticks) / tick_s, 3),
     }
+
+
+async def _loop_gaps(gaps: list[float]) -> None:
+    """The stretches the event loop was held from this task (wall clock), while it runs."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(0)
+        gaps.append(time.perf_counter() - t)
 
 
 def _relay_reports_at(last_frame: float, heartbeat_timeout_s: float) -> float:
