@@ -16,6 +16,8 @@
     python bench/capacity.py            # 50..1000 nodes x 8 ranks at 10 frames/s; 16k and 100k ranks
     python bench/capacity.py --quick    # a smoke test
     python bench/capacity.py --relays 2 --rate 2 --nodes 200,500,1000 --skip-membership   # relayed
+    python bench/capacity.py --relays 2 --rate 0.25 --heartbeat-timeout 20 --nodes 12500 --skip-membership
+                                        # 100k ranks over the network (a low rate: the clients share the host)
 """
 
 from __future__ import annotations
@@ -66,11 +68,16 @@ POLL_S = 0.002  # the probe's Status polls after the first one
 IDLE_S = 1.5  # the leader's CPU with every node paused (well under the heartbeat timeout): its cost besides frames
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU of a process (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """user + system CPU of a process (all its threads), or of one of its threads, from /proc."""
+    with open(f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def loop_seconds(pid: int) -> float:
+    """CPU of a process's main thread: a coordinator's event loop (gRPC's own threads run beside it)."""
+    return cpu_seconds(pid, pid)
 
 
 # ---- part 1: heartbeat capacity ------------------------------------------------------------------
@@ -163,8 +170,8 @@ class Clients:
         for k, conn in enumerate(self.conns):
             conn.send(("start", addresses, names[k::len(self.conns)], slots, interval_s, spec))
         for conn in self.conns:
-            if not conn.poll(90):
-                raise AssertionError("client nodes did not join within 90s")
+            if not conn.poll(90 + nodes / 50):
+                raise AssertionError(f"client nodes did not join within {90 + nodes / 50:.0f}s")
             reply = conn.recv()
             if reply != "joined":
                 raise AssertionError(reply)
@@ -331,14 +338,16 @@ def _seed_jobs(etcd: EtcdServer, leader: CoordinatorProcess, nodes: int) -> None
 
 
 def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: int, window_s: float,
-               warmup_s: float, relays: int = 0) -> dict:
+               warmup_s: float, relays: int = 0, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> dict:
     """One fresh etcd + coordinator per point: no job or eviction of an earlier point leaks in.
     With `relays`, that many more coordinators relay the node streams to it."""
     etcd = EtcdServer(workdir / "etcd").start()
     coordinators: list[CoordinatorProcess] = []
     streaming = False
-    args = ["--heartbeat-interval", str(1 / rate), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-            "--grace", str(HEARTBEAT_TIMEOUT_S), "--relay-min-nodes", "1"]
+    args = ["--heartbeat-interval", str(1 / rate), "--heartbeat-timeout", str(timeout_s),
+            "--grace", str(timeout_s), "--relay-min-nodes", "1",
+            # A simulated node steps once per frame: at a low --rate its steps are that far apart.
+            "--progress-floor", str(max(10.0, 3 * timeout_s))]
     try:
         coordinators.append(CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", args).start())
         if relays:
@@ -348,7 +357,8 @@ def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: 
         streaming = True
         started = time.monotonic()
         clients.start([c.address for c in coordinators], nodes, slots, 1 / rate)
-        return asyncio.run(_measure(coordinators, clients, nodes, rate, slots, window_s, warmup_s, started))
+        return asyncio.run(_measure(coordinators, clients, nodes, rate, slots, window_s, warmup_s, started,
+                                    timeout_s))
     finally:
         if streaming:
             clients.stop_nodes()
@@ -358,12 +368,12 @@ def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: 
 
 
 async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nodes: int, rate: float, slots: int,
-                   window_s: float, warmup_s: float, started: float) -> dict:
+                   window_s: float, warmup_s: float, started: float, timeout_s: float) -> dict:
     coordinator, relays = coordinators[0], coordinators[1:]
     async with grpc.aio.insecure_channel(coordinator.address, options=[
             ("grpc.max_receive_message_length", 64 << 20)]) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        await _wait_stepping(stub, coordinator, nodes, slots, 30)
+        await _wait_stepping(stub, coordinator, nodes, slots, 30 + nodes / 100)  # 12,500 joins take a while
         ramp_s = time.monotonic() - started
         changes_before = len(coordinator.find("membership_changed", job=JOB))
         sampling, stop = asyncio.Event(), asyncio.Event()
@@ -374,19 +384,23 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         # The leader's CPU besides node frames (ticks, pulses, the probe): every node paused a moment.
         await asyncio.to_thread(clients.pause, True)
         await asyncio.sleep(0.3)
-        idle0, idle_t0 = cpu_seconds(coordinator.pid), time.monotonic()
+        idle0, idle_loop0, idle_t0 = cpu_seconds(coordinator.pid), loop_seconds(coordinator.pid), time.monotonic()
         await asyncio.sleep(IDLE_S)
-        idle_cores = (cpu_seconds(coordinator.pid) - idle0) / (time.monotonic() - idle_t0)
+        idle_s = time.monotonic() - idle_t0
+        idle_cores = (cpu_seconds(coordinator.pid) - idle0) / idle_s
+        idle_loop_cores = (loop_seconds(coordinator.pid) - idle_loop0) / idle_s
         await asyncio.to_thread(clients.pause, False)
         await asyncio.sleep(0.5)
         # Both ends counted at once: the leader's view (Status) and what the clients sent.
         (t0, seen0, _), (c0, sent0, _) = await asyncio.gather(_steps(stub, JOB), asyncio.to_thread(clients.count))
-        leader_cpu0, client_cpu0 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
+        leader_cpu0, leader_loop0, client_cpu0 = (cpu_seconds(coordinator.pid), loop_seconds(coordinator.pid),
+                                                  clients.cpu_seconds())
         relay_cpu0 = [cpu_seconds(r.pid) for r in relays]
         await asyncio.sleep(window_s)
         (t1, seen1, world), (c1, sent1, errors) = await asyncio.gather(_steps(stub, JOB),
                                                                       asyncio.to_thread(clients.count))
-        leader_cpu1, client_cpu1 = cpu_seconds(coordinator.pid), clients.cpu_seconds()
+        leader_cpu1, leader_loop1, client_cpu1 = (cpu_seconds(coordinator.pid), loop_seconds(coordinator.pid),
+                                                  clients.cpu_seconds())
         relay_cpu1 = [cpu_seconds(r.pid) for r in relays]
         stop.set()
         samples = await probing
@@ -397,10 +411,11 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
     evictions = [r for r in coordinator.find("membership_changed") if r.get("kind") in EVICTION_KINDS]
     # Then a membership change at this size: a node goes silent; the leader decides (its log), and
     # every other node holds its part of the next generation (the clients' clocks; one machine).
-    silenced, held = await asyncio.to_thread(clients.change, generation, 4 * HEARTBEAT_TIMEOUT_S)
+    silenced, held = await asyncio.to_thread(clients.change, generation, 4 * timeout_s)
     decided = [_wall(r) for r in coordinator.find("membership_changed", job=JOB) if r.get("kind") == "node_silent"]
     delivered_per_s = sum(delivered.values()) / (t1 - t0)
     leader_cores = (leader_cpu1 - leader_cpu0) / (t1 - t0)
+    loop_cores = (leader_loop1 - leader_loop0) / (t1 - t0)
     return {
         "relays": len(relays),
         "nodes": nodes,
@@ -417,6 +432,9 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         "leader_idle_cpu_cores": round(idle_cores, 3),
         "leader_frame_cpu_us_per_node_frame": (round((leader_cores - idle_cores) * 1e6 / delivered_per_s, 1)
                                                if delivered_per_s else None),
+        "leader_loop_cpu_cores": round(loop_cores, 3),
+        "leader_loop_us_per_node_frame": (round((loop_cores - idle_loop_cores) * 1e6 / delivered_per_s, 1)
+                                          if delivered_per_s else None),
         "relay_cpu_cores": [round((b - a) / (t1 - t0), 3) for a, b in zip(relay_cpu0, relay_cpu1)],
         "relay_streams_at_leader": len(coordinator.find("relay_attached", job=JOB)),
         "client_cpu_cores": round((client_cpu1 - client_cpu0) / (c1 - c0), 3),
@@ -433,7 +451,8 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
 
 
 def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int, processes: int,
-                       window_s: float, warmup_s: float, relays: int = 0) -> dict:
+                       window_s: float, warmup_s: float, relays: int = 0,
+                       timeout_s: float = HEARTBEAT_TIMEOUT_S) -> dict:
     results = []
     clients = Clients(processes)
     try:
@@ -441,7 +460,8 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
             point_dir = workdir / f"{i}-n{nodes}"
             point_dir.mkdir(parents=True, exist_ok=True)
             try:
-                results.append(load_point(point_dir, clients, nodes, rate, slots, window_s, warmup_s, relays))
+                results.append(load_point(point_dir, clients, nodes, rate, slots, window_s, warmup_s, relays,
+                                          timeout_s))
             except AssertionError as exc:  # reported; the sweep goes on
                 results.append({"nodes": nodes, "error": str(exc)[-1000:]})
     finally:
@@ -465,11 +485,13 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
             "leader_cpu_us_per_node_frame: the leader's CPU over the window / delivered frames; "
             "leader_frame_cpu_us_per_node_frame: the same less leader_idle_cpu_cores, the leader's CPU over "
             f"{IDLE_S}s with every node paused just before the window (ticks, pulses, the probe): what the node "
-            "frames themselves cost it"),
+            "frames themselves cost it; leader_loop_us_per_node_frame: the same for the main thread alone "
+            "(the event loop, where every frame's Python runs; gRPC's event-engine threads run beside it on "
+            "other cores): one loop's ceiling is 1e6 / that frames/s"),
         "window_s": window_s,
         "frame_interval_s": 1 / rate,
         "client_processes": processes,
-        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "heartbeat_timeout_s": timeout_s,
         "setup": "per point: a fresh etcd and coordinator; one job of N nodes (--nodes N:N, formed once)"
                  + (f"; {relays} more coordinators relaying, every node streaming through the replica its node_id "
                     "hashes to (the leader for its own share), the probe through a relay" if relays else ""),
@@ -665,6 +687,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=7, help="repetitions per measure in part 2 (halved above 20k ranks)")
     p.add_argument("--skip-network", action="store_true", help="part 2 only")
     p.add_argument("--skip-membership", action="store_true", help="part 1 only")
+    p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                   help="part 1's heartbeat timeout and grace (seconds); keep it 3+ frame intervals at low --rate")
     p.add_argument("--relays", type=int, default=0, help="part 1 with this many relaying coordinators besides the "
                                                          "leader (default 0: every node streams to the leader)")
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
@@ -685,7 +709,8 @@ def main() -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.skip_network:
             result["heartbeat"] = heartbeat_capacity(workdir, points, args.rate, args.slots, args.clients, window,
-                                                     1.0 if args.quick else 2.0, args.relays)
+                                                     1.0 if args.quick else 2.0, args.relays,
+                                                     args.heartbeat_timeout)
         if not args.skip_membership:
             result["membership"] = membership_at_scale(sizes, args.slots, 3 if args.quick else args.reps)
     print(json.dumps(result, indent=2))

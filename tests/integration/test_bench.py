@@ -39,6 +39,17 @@ def test_capacity_bench_quick():
     # last frame (up to a frame interval before it was silenced), then delivered
     assert point["change"]["decided_after_silence_s"] >= 4.5 and point["change"]["every_node_held_it_after_s"] < 5
     assert [s["ranks"] for s in result["membership"]["sizes"]] == [800, 4000]
+    assert 0 < point["leader_loop_cpu_cores"] <= point["leader_cpu_cores"]
+
+
+@pytest.mark.timeout(60)
+def test_grpc_floor_bench_counts_what_it_received():
+    result = bench("grpc_floor.py", "--streams", "50", "--rate", "40", "--windows", "1", "--window", "3",
+                   timeout_s=50)
+    (window,) = result["windows"]
+    assert 0 < window["messages_per_s"] <= 2 * result["offered_per_s"]
+    # CPU is counted in clock ticks (10 ms): a short window's loop can round to 0
+    assert 0 <= window["loop_us_per_message"] <= window["process_us_per_message"]
 
 
 @pytest.mark.timeout(150)
