@@ -191,10 +191,17 @@ class JobLeader:
                 self._pulse()
 
     def _pulse(self) -> None:
-        """An empty directive: a node that hears nothing for heartbeat_timeout looks for the leader."""
+        """An empty directive: a node that hears nothing for heartbeat_timeout looks for the leader.
+        Relayed nodes get it from their relay, which the leader pulses once (not once per node)."""
         pulse = pb.Directive(term=self.term, generation=self.state.generation)
+        links = set()
         for stream in self.streams.values():
-            stream.send(pulse)
+            if stream.link is None:
+                stream.send(pulse)
+            else:
+                links.add(stream.link)
+        for link in links:
+            link.pulse(pulse)
 
     # ---- the tally -------------------------------------------------------------------
 

@@ -126,6 +126,7 @@ class RelayLink:
         self.streams = {}  # stream number -> NodeStream
         self.last_stream = 0  # numbers only grow: a frame of an ended stream does not open it again
         self.out: list[pb.RelayedDirective] = []
+        self.pulse_due: pb.Directive | None = None  # goes with the message that empties `out`
         self.ready = asyncio.Event()
         self.heard_at = asyncio.get_running_loop().time()  # the relay's last message (it keeps alive)
 
@@ -137,11 +138,24 @@ class RelayLink:
             self.out.append(pb.RelayedDirective(stream=stream, end=self._stream_end(item)))
         self.ready.set()
 
+    def pulse(self, directive: pb.Directive) -> None:
+        """The leader's pulse for every stream of this relay: one per message, after its directives."""
+        self.pulse_due = directive
+        self.ready.set()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.out) or self.pulse_due is not None
+
     def take(self) -> pb.RelayDown:
         out, self.out = self.out[:MAX_ITEMS], self.out[MAX_ITEMS:]
+        down = pb.RelayDown(items=out)
         if not self.out:
+            if self.pulse_due is not None:
+                down.pulse.CopyFrom(self.pulse_due)
+                self.pulse_due = None
             self.ready.clear()
-        return pb.RelayDown(items=out)
+        return down
 
     def receive(self, up: pb.RelayUp) -> None:
         self.heard_at = asyncio.get_running_loop().time()
@@ -444,3 +458,7 @@ class Relay:
             if item.HasField("end"):
                 del self.nodes[item.stream]
             node.queue.put_nowait(item)
+        if down.HasField("pulse"):
+            pulse = pb.RelayedDirective(directive=down.pulse)
+            for node in self.nodes.values():
+                node.queue.put_nowait(pulse)

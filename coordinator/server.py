@@ -185,15 +185,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
             reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
-            while not reader.done() or link.out:
-                if link.out:
+            while not reader.done() or link.pending:
+                if link.pending:
                     yield link.take()
                     continue
                 try:  # a lost leadership wakes nobody: look at it every tick
                     await asyncio.wait_for(link.ready.wait(), self.replica.config.tick_s * 4)
                 except TimeoutError:
                     pass
-                if leader.lost_reason is not None and not link.out:
+                if leader.lost_reason is not None and not link.pending:
                     raise errors.NotLeader(first.job, "")
                 silent_s = asyncio.get_running_loop().time() - link.heard_at
                 if link.streams and silent_s > self.replica.config.timing.heartbeat_timeout_s / 2:

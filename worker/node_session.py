@@ -77,6 +77,7 @@ class NodeSession:
         self.heartbeat_timeout_s = 2.0
         self.exits: list[pb.RankExit] = []  # appended by the owner, sent with the next frame
         self.paused = False  # send no frames (tests simulate a hung node with it)
+        self.pulses = 0  # the leader's pulses heard (a relayed node's come from its relay)
         self._call = None
         self._stopping = False
         self._leader_silent = False
@@ -255,7 +256,8 @@ class NodeSession:
         # (etcd revisions) start again, and a frame ahead of its leader's term is refused.
         self.term = d.term
         if not d.HasField("assignment") and not d.HasField("drain"):
-            return None  # the leader's pulse
+            self.pulses += 1
+            return None
         self._on_directive(d)
         if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
             return d.assignment.reason

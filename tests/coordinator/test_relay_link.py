@@ -104,3 +104,26 @@ def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit()
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())
+
+
+def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_stream_its_own():
+    async def scenario():
+        leader, joined = await led_job()
+        direct = leader.attach(pb.NodeFrame(job="job", node_id="p2", member_id=joined["p2"].member_id,
+                                            term=joined["p2"].term, session_secret=joined["p2"].session_secret))
+        link = RelayLink(leader, "relay:1", stream_end)
+        link.receive(relayed(1, first(joined["p1"])))
+        assert not direct.queue.empty() and link.out  # each node's current assignment
+        while not direct.queue.empty():
+            direct.queue.get_nowait()
+
+        leader._pulse()
+        assert direct.queue.get_nowait().generation == 1  # a direct node's own
+        assert len(link.out) == 1  # nothing per relayed node: the pulse waits for the link's next message
+        down = link.take()
+        assert [i.stream for i in down.items] == [1] and down.items[0].directive.HasField("assignment")
+        assert down.HasField("pulse") and down.pulse.generation == 1 and down.pulse.term == leader.term
+        assert not link.pending and not link.ready.is_set()
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())

@@ -423,7 +423,9 @@ class RelayedDirective(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., directive: _Optional[_Union[Directive, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class RelayDown(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "pulse")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PULSE_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[RelayedDirective]
-    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ...) -> None: ...
+    pulse: Directive
+    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ..., pulse: _Optional[_Union[Directive, _Mapping]] = ...) -> None: ...
