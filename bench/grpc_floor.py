@@ -2,14 +2,15 @@
 direct node frames. Prints one JSON object.
 
 A server whose bidi handler only counts messages (the shape of `Coordinator.Session`) takes
-`--streams` streams from client processes, each writing a `--bytes` message `--rate` times a
-second at its own phase (as nodes do). Per window it reports the messages/s received and the
+`--streams` streams from client processes, each on a connection of its own and writing a `--bytes`
+message `--rate` times a second at its own phase (as nodes do). Per window it reports the messages/s received and the
 server's CPU per message: its main thread (the event loop, where a handler's Python runs) and the
 whole process (gRPC's event-engine threads read and parse HTTP/2 beside it, on other cores).
 `bench/capacity.py` reports the same two figures for a real leader (`leader_loop_us_per_node_frame`,
 `leader_frame_cpu_us_per_node_frame`): the difference is what Muster's frame handling costs.
 
     python bench/grpc_floor.py                     # 500 streams x 10/s, 170-byte messages (an 8-rank NodeFrame)
+    python bench/grpc_floor.py --shared            # every stream of a client process on one connection
 """
 
 from __future__ import annotations
@@ -65,25 +66,30 @@ def _server_main(conn, windows: int, window_s: float) -> None:
     asyncio.run(_serve(conn, windows, window_s))
 
 
-async def _stream_from(port: int, streams: int, rate: float, size: int) -> None:
+async def _stream_from(port: int, streams: int, rate: float, size: int, shared: bool) -> None:
     payload = os.urandom(size)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        open_stream = channel.stream_stream(METHOD)
+    # Each node has a connection of its own (a local subchannel pool per channel); --shared
+    # multiplexes every stream of a client process on one.
+    options = [] if shared else [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(1 if shared else streams)]
 
-        async def one(i: int) -> None:
-            call = open_stream()
-            await asyncio.sleep(i / streams / rate)  # each stream at its own phase
-            due = time.monotonic()
-            while True:
-                await call.write(payload)
-                due += 1 / rate
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
+    async def one(i: int) -> None:
+        call = channels[i % len(channels)].stream_stream(METHOD)()
+        await asyncio.sleep(i / streams / rate)  # each stream at its own phase
+        due = time.monotonic()
+        while True:
+            await call.write(payload)
+            due += 1 / rate
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
 
+    try:
         await asyncio.gather(*(one(i) for i in range(streams)))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
 
 
-def _client_main(port: int, streams: int, rate: float, size: int) -> None:
-    asyncio.run(_stream_from(port, streams, rate, size))
+def _client_main(port: int, streams: int, rate: float, size: int, shared: bool) -> None:
+    asyncio.run(_stream_from(port, streams, rate, size, shared))
 
 
 def main() -> int:
@@ -92,9 +98,11 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=10.0, help="messages/s per stream")
     p.add_argument("--bytes", type=int, default=170, help="message size (an 8-rank NodeFrame is ~170 bytes)")
     p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--shared", action="store_true", help="one connection per client process, not one per stream")
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--window", type=float, default=8.0, help="seconds per window")
     args = p.parse_args()
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the clients are ended mid-stream: no GOAWAY notices
     ctx = multiprocessing.get_context("spawn")  # grpc does not survive a fork
     parent, child = ctx.Pipe()
     server = ctx.Process(target=_server_main, args=(child, args.windows, args.window), daemon=True)
@@ -105,7 +113,8 @@ def main() -> int:
             raise SystemExit("grpc_floor: the server did not start within 30s")
         port = parent.recv()
         shares = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
-        clients = [ctx.Process(target=_client_main, args=(port, n, args.rate, args.bytes), daemon=True)
+        clients = [ctx.Process(target=_client_main, args=(port, n, args.rate, args.bytes, args.shared),
+                               daemon=True)
                    for n in shares]
         for c in clients:
             c.start()
@@ -124,6 +133,7 @@ def main() -> int:
         "host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
         "grpcio": grpc.__version__,
         "streams": args.streams, "rate_per_stream": args.rate, "message_bytes": args.bytes,
+        "connections": "one per client process" if args.shared else "one per stream",
         "offered_per_s": args.streams * args.rate,
         "loop_us_per_message_p50": round(statistics.median(loop), 1) if loop else None,
         "process_us_per_message_p50": round(statistics.median(process), 1) if process else None,
