@@ -33,7 +33,7 @@ POPPED_PER_TALLY = 1024  # heap entries one tally takes at most, superseded ones
 SCANNED_PER_TALLY = 1024  # nodes of the map one tally looks at when a generation may not have formed
 
 
-@dataclass
+@dataclass(slots=True)  # one per rank of the job: no per-object dict
 class RankLive:
     pid: int = 0
     step: int = 0
@@ -48,7 +48,7 @@ class RankLive:
     generation: int = 0  # of the group it is in, or forming
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeLive:
     last_frame_at: float
     generation: int = 0
