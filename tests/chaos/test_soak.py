@@ -3,7 +3,8 @@
 down, etcd data loss, a rank killed during an outage, the leader frozen as it publishes a reform,
 a hostile client) and a partition when network namespaces can be made — on one cluster, drawn
 from MUSTER_SOAK_SEED (printed; set it to replay a sequence); MUSTER_SOAK_FAULTS=a,b,... draws
-from those kinds only. The invariants are checked after each fault; a wedge (the job not stepping
+from those kinds only. MUSTER_SOAK_RELAYS=1 runs three replicas with relays on (every node streams
+through the replica its id hashes to) and adds the relaying replica's SIGKILL to the kinds. The invariants are checked after each fault; a wedge (the job not stepping
 again within the liveness bound) or a rank lost to a fault outside it is recorded and the soak
 goes on; any other broken invariant stops it. Prints JSON (seed, faults by kind, recoveries,
 longest stall, ranks lost, wedges) and writes it with every fault to report.json."""
@@ -24,14 +25,15 @@ def test_soak(request, tmp_path):
     seed = int(os.environ.get("MUSTER_SOAK_SEED", time.time()))
     rng = random.Random(seed)
     ns = None if NetNamespace.unavailable() else NetNamespace("msoak", 2).create()
-    names = TABLE + COMPOUND + (["partition"] if ns else [])
+    relays = os.environ.get("MUSTER_SOAK_RELAYS", "") not in ("", "0")
+    names = TABLE + COMPOUND + (["partition"] if ns else []) + (["relay"] if relays else [])
     only = [n.strip() for n in os.environ.get("MUSTER_SOAK_FAULTS", "").split(",") if n.strip()]
     unknown = sorted(set(only) - set(names))
     assert not unknown, f"MUSTER_SOAK_FAULTS names unknown kinds {unknown}; known: {names}"
     names = only or names
-    print(json.dumps({"seed": seed, "minutes": minutes, "kinds": names}), flush=True)
+    print(json.dumps({"seed": seed, "minutes": minutes, "kinds": names, "relays": relays}), flush=True)
     chaos = Chaos(tmp_path, job="soak", host=ns.host_ip if ns else "127.0.0.1", netns={"node2": ns} if ns else {},
-                  seed=seed, strict=False)
+                  seed=seed, strict=False, **({"replicas": 3, "relay_min_nodes": 1} if relays else {}))
     stopped_by, report, first_step, began = None, None, 0, time.time()
     try:
         chaos.start()
@@ -45,6 +47,8 @@ def test_soak(request, tmp_path):
         if ns is not None:
             ns.delete()
     out = summary(chaos, report, seed=seed, began=began, first_step=first_step, stopped_by=stopped_by)
+    if relays:
+        out["replay"] += " MUSTER_SOAK_RELAYS=1"
     (tmp_path / "report.json").write_text(json.dumps({"summary": out, **report}, indent=2, default=str))
     print(json.dumps(out, indent=2))
     assert not leftovers, f"processes left behind: {leftovers}"
