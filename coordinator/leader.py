@@ -55,7 +55,7 @@ class NodeStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     departed: bool = False  # the node left: its frames are ignored until it hangs up
     pending: bool = False  # the node is being taken back (a rebuild): its frames wait for the decision
-    closed: bool = False  # the node hung up
+    closed: bool = False  # the node hung up, or opened a newer session: its frames in flight are ignored
     # A node taken back after etcd lost everything may have seen higher terms than this leader's
     # (etcd's revisions restarted): its frames up to that term are no sign of a newer leader.
     term_ahead: int = 0
@@ -454,6 +454,9 @@ class JobLeader:
     def _bind(self, stream: NodeStream) -> None:
         previous = self.streams.get(stream.node_id)
         if previous is not None:
+            # Its frames still in flight are no news: one would put a node its relay vouches for
+            # back under this leader's silence watch, where no frame of a waiting node comes.
+            previous.closed = True
             previous.send(FailedPrecondition(f"node {stream.node_id!r} opened a newer session"))
         self.streams[stream.node_id] = stream
         if self.state.rebuilt_members:
@@ -483,7 +486,7 @@ class JobLeader:
 
     def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None:
         """Validate one frame completely, then record it. Exit reports wake the tally at once."""
-        if stream.departed or stream.pending:
+        if stream.departed or stream.pending or stream.closed:
             return
         if frame.job != stream.job or frame.node_id != stream.node_id or frame.member_id != stream.member_id:
             raise InvalidArgument("every frame of a session must carry the job, node_id and member_id of its first")
