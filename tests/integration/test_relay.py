@@ -312,3 +312,55 @@ def test_a_forged_relay_stream_cannot_attach_or_end_a_node(coordinators):
             await n.stop()
 
     asyncio.run(scenario())
+
+
+async def decisions_for_faults(addresses: list[str], job: str) -> tuple[list[tuple], bool]:
+    """Four nodes x 2 ranks; then, one after another, a rank's exit, a node gone silent and a node
+    leaving. Returns what the leader decided for them (kind, nodes, world size of each event),
+    and whether the nodes streamed through relays."""
+    names = ["n0", "n1", "n2", "n3"]
+    nodes = [SimulatedNode(addresses, job, name, slots=2, spec=pb.JobSpec(min_nodes=2, max_nodes=4))
+             for name in names]
+    for node in nodes:
+        await node.join()
+        node.start()
+    for node in nodes:
+        await node.wait_for(lambda x: x.assignment().world_size == 8, 10, "every node in the map")
+    with Coordinators(addresses, timeout_s=2) as c:
+        before = len(c.call("Events", pb.EventsRequest(job=job)).events)
+    exiting, watching, silent, leaving = nodes
+
+    async def next_generation(what: str) -> None:
+        await watching.wait_for(lambda x: x.generation > generation, 10, what)
+
+    generation = watching.generation
+    exiting.exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
+    exiting.session.send_now()
+    await next_generation("the abort generation for the exit")
+    generation = watching.generation
+    silent.silent = True
+    await next_generation("the generation without the silent node")
+    generation = watching.generation
+    await leaving.session.leave(reason="scaling down")
+    await next_generation("the generation without the node that left")
+    relayed = all(n.session.relay for n in (exiting, watching))
+    with Coordinators(addresses, timeout_s=2) as c:
+        events = c.call("Events", pb.EventsRequest(job=job)).events[before:]
+    for n in nodes:
+        await n.stop()
+    return [(e.kind, tuple(e.nodes), e.world_size) for e in events], relayed
+
+
+@pytest.mark.timeout(120)
+def test_the_relay_path_and_the_direct_path_decide_the_same_for_the_same_faults(coordinators):
+    direct_replicas = coordinators(2)  # a 4-node job is far below the default --relay-min-nodes
+    direct, relayed = asyncio.run(decisions_for_faults([r.address for r in direct_replicas], "direct"))
+    assert not relayed
+    for r in direct_replicas:
+        r.stop()
+    relay_replicas = coordinators(3, ["--relay-min-nodes", "1", "--relay-batch", "0.02"])  # every node relayed
+    through_relays, relayed = asyncio.run(decisions_for_faults([r.address for r in relay_replicas], "relayed"))
+    assert relayed
+    assert [kind for kind, _, _ in direct] == ["rank_exited", "generation", "node_silent", "generation",
+                                               "node_left", "generation"], direct
+    assert through_relays == direct, (through_relays, direct)
