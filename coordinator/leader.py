@@ -63,6 +63,7 @@ class NodeStream:
     # addressed by the relay's number for the stream, instead of into `queue`.
     link: object | None = None
     stream_id: int = 0
+    seq: int = 0  # NodeFrame.stream_seq of its first frame: the member's streams counted (0: not counted)
 
     def send(self, item) -> None:
         if self.link is not None:
@@ -422,8 +423,15 @@ class JobLeader:
             return self._take_back(first, link, stream_id)
         member = self._member(first.node_id, first.member_id)
         self._authenticate(member, first.session_secret)
+        current = self.streams.get(member.node_id)
+        if (current is not None and current.member_id == member.member_id and first.stream_seq
+                and current.seq > first.stream_seq):
+            # A first frame a relay still held from before the node moved on: the newer stream stays.
+            raise FailedPrecondition(f"stream {first.stream_seq} of node {member.node_id!r} is stale: "
+                                     f"its stream {current.seq} is newer")
         stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
-                            term_ahead=first.term if self.state.rebuilding else 0, link=link, stream_id=stream_id)
+                            term_ahead=first.term if self.state.rebuilding else 0, link=link, stream_id=stream_id,
+                            seq=first.stream_seq)
         self.on_frame(stream, first)
         self._bind(stream)
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
@@ -433,7 +441,7 @@ class JobLeader:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
         r = first.rejoin
         stream = NodeStream(self.job, first.node_id, first.member_id, wire.node_kind(r.is_process), pending=True,
-                            term_ahead=first.term, link=link, stream_id=stream_id)
+                            term_ahead=first.term, link=link, stream_id=stream_id, seq=first.stream_seq)
         fut = self._enqueue(Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret),
                                    r.host, r.store_port, r.slots, stream.kind, r.master_port, wire.spec_of(r.spec)),
                             want_result=True)

@@ -78,6 +78,7 @@ class NodeSession:
         self.exits: list[pb.RankExit] = []  # appended by the owner, sent with the next frame
         self.paused = False  # send no frames (tests simulate a hung node with it)
         self.pulses = 0  # the leader's pulses heard (a relayed node's come from its relay)
+        self._streams_opened = 0  # NodeFrame.stream_seq of the latest stream
         self._call = None
         self._stopping = False
         self._leader_silent = False
@@ -174,6 +175,8 @@ class NodeSession:
                     frame.session_secret = self.secret
                     frame.rejoin.CopyFrom(self._join_request())
                     frame.via_relay = relayed
+                    self._streams_opened += 1
+                    frame.stream_seq = self._streams_opened
                     first = False
                 yield frame
             self._wake.clear()

@@ -154,3 +154,30 @@ def test_a_frame_in_flight_on_a_superseded_stream_does_not_bring_back_the_leader
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())
+
+
+def test_a_stale_first_frame_a_relay_still_held_does_not_displace_the_nodes_newer_stream():
+    """The soak's etcd outage with relays: a relay held a node's first frame while no leader took
+    its call; the node moved on to the leader itself (its stream 2). The relay's late frame (stream 1)
+    is refused, and the newer stream stays; a newer one through a relay (stream 3) takes over."""
+    async def scenario():
+        leader, joined = await led_job()
+        p1 = joined["p1"]
+
+        def opening(seq: int, via_relay: bool) -> pb.NodeFrame:
+            return pb.NodeFrame(job="job", node_id="p1", member_id=p1.member_id, term=p1.term, generation=1,
+                                session_secret=p1.session_secret, via_relay=via_relay, stream_seq=seq)
+
+        direct = leader.attach(opening(2, via_relay=False))
+        link = RelayLink(leader, "relay:1", stream_end)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=1, frame=opening(1, True))],
+                                ended=[1]))
+        (item,) = link.take().items
+        assert item.stream == 1 and item.end.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "stale" in item.end.message
+        assert leader.streams["p1"] is direct and not direct.closed
+        link.receive(relayed(2, opening(3, True)))  # the node moved on again, through a relay
+        assert leader.streams["p1"].link is link and direct.closed
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
