@@ -57,6 +57,7 @@ from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
+from h2_nodes import RawNode, pump  # noqa: E402
 from recovery import percentile  # noqa: E402
 
 JOB = "capacity"
@@ -83,34 +84,51 @@ def loop_seconds(pid: int) -> float:
 # ---- part 1: heartbeat capacity ------------------------------------------------------------------
 
 
-def _client_main(conn) -> None:
+def _client_main(conn, raw: bool) -> None:
     """A client process: simulated nodes on one asyncio loop, one load point after another
     (long-lived: importing the worker package, torch included, takes seconds)."""
     logs.configure("warning")
-    asyncio.run(_client(conn))
+    asyncio.run(_client(conn, raw))
 
 
-async def _client(conn) -> None:
-    nodes: list[SimulatedNode] = []
+async def _client(conn, raw: bool) -> None:
+    """`raw`: the nodes write their frames as raw HTTP/2 (`h2_nodes`, a few us each); otherwise
+    through the real client (`SimulatedNode`: NodeSession on gRPC aio, ~80 us each)."""
+    nodes: list[SimulatedNode | RawNode] = []
     joining = asyncio.Semaphore(32)
+    pumping: asyncio.Task | None = None
+    done = asyncio.Event()
 
-    async def bring_up(node: SimulatedNode) -> None:
+    async def bring_up(node: SimulatedNode | RawNode) -> None:
         # Stream right after joining: a joined node silent for the heartbeat timeout is evicted.
         async with joining:
             await node.join()
-        node.start()
+        if raw:
+            await node.open()  # the pump writes its frames from now on
+        else:
+            node.start()
+
+    async def stop() -> None:
+        done.set()
+        if pumping is not None:
+            await pumping
+        await asyncio.gather(*(n.stop() for n in nodes))
 
     try:
         while True:
             command, *rest = await asyncio.to_thread(conn.recv)
             if command == "start":
                 addresses, names, slots, interval_s, spec = rest
-                nodes = [SimulatedNode(addresses, JOB, name, slots=slots, spec=pb.JobSpec(**spec),
-                                       interval_s=interval_s) for name in names]
+                node = RawNode if raw else SimulatedNode
+                nodes = [node(addresses, JOB, name, slots=slots, spec=pb.JobSpec(**spec), interval_s=interval_s)
+                         for name in names]
+                if raw:
+                    done.clear()
+                    pumping = asyncio.create_task(pump(nodes, done))
                 try:
                     await asyncio.gather(*(bring_up(n) for n in nodes))
                     conn.send("joined")
-                except (grpc.RpcError, TimeoutError) as exc:  # the parent raises it
+                except (grpc.RpcError, TimeoutError, OSError) as exc:  # the parent raises it
                     conn.send(f"join failed: {exc!r}")
             elif command in ("pause", "resume"):
                 for n in nodes:
@@ -128,24 +146,24 @@ async def _client(conn) -> None:
             elif command == "count":
                 conn.send((time.monotonic(), sum(n.step for n in nodes), sum(len(n.errors) for n in nodes)))
             elif command == "stop":
-                await asyncio.gather(*(n.stop() for n in nodes))
-                nodes = []
+                await stop()
+                nodes, pumping = [], None
                 conn.send("stopped")
             else:
                 return
     finally:
-        await asyncio.gather(*(n.stop() for n in nodes))
+        await stop()
 
 
 class Clients:
     """Client processes (spawned: grpc does not survive a fork), each owning a share of the nodes."""
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, raw: bool):
         ctx = multiprocessing.get_context("spawn")
         self.procs, self.conns = [], []
         for _ in range(processes):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_client_main, args=(child,), daemon=True)
+            proc = ctx.Process(target=_client_main, args=(child, raw), daemon=True)
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -452,9 +470,9 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
 
 def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int, processes: int,
                        window_s: float, warmup_s: float, relays: int = 0,
-                       timeout_s: float = HEARTBEAT_TIMEOUT_S) -> dict:
+                       timeout_s: float = HEARTBEAT_TIMEOUT_S, grpc_clients: bool = False) -> dict:
     results = []
-    clients = Clients(processes)
+    clients = Clients(processes, raw=not grpc_clients)
     try:
         for i, nodes in enumerate(points):
             point_dir = workdir / f"{i}-n{nodes}"
@@ -491,6 +509,7 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
         "window_s": window_s,
         "frame_interval_s": 1 / rate,
         "client_processes": processes,
+        "clients": "real client (NodeSession, gRPC aio)" if grpc_clients else "raw HTTP/2 writes (bench/h2_nodes.py)",
         "heartbeat_timeout_s": timeout_s,
         "setup": "per point: a fresh etcd and coordinator; one job of N nodes (--nodes N:N, formed once)"
                  + (f"; {relays} more coordinators relaying, every node streaming through the replica its node_id "
@@ -691,6 +710,9 @@ def main() -> int:
                    help="part 1's heartbeat timeout and grace (seconds); keep it 3+ frame intervals at low --rate")
     p.add_argument("--relays", type=int, default=0, help="part 1 with this many relaying coordinators besides the "
                                                          "leader (default 0: every node streams to the leader)")
+    p.add_argument("--grpc-clients", action="store_true",
+                   help="simulate the nodes with the real client (NodeSession on gRPC aio, ~80 us of CPU per frame) "
+                        "instead of raw HTTP/2 writes (bench/h2_nodes.py, a few us)")
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
@@ -710,7 +732,7 @@ def main() -> int:
         if not args.skip_network:
             result["heartbeat"] = heartbeat_capacity(workdir, points, args.rate, args.slots, args.clients, window,
                                                      1.0 if args.quick else 2.0, args.relays,
-                                                     args.heartbeat_timeout)
+                                                     args.heartbeat_timeout, args.grpc_clients)
         if not args.skip_membership:
             result["membership"] = membership_at_scale(sizes, args.slots, 3 if args.quick else args.reps)
     print(json.dumps(result, indent=2))

@@ -11,10 +11,10 @@ import grpc
 import pytest
 
 from muster.coordinator.core.policy import JobSpec, Timing
-from muster.coordinator.core.state import JobState
+from muster.coordinator.core.state import JobState, NodeKind
 from muster.coordinator.errors import InvalidArgument
 from muster.coordinator.etcd.election import LeaderKey
-from muster.coordinator.leader import JobLeader
+from muster.coordinator.leader import JobLeader, NodeStream, Pulses
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import RelayLink
 from muster.coordinator.server import stream_end
@@ -110,7 +110,8 @@ def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit()
 
 def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_stream_its_own():
     async def scenario():
-        leader, joined = await led_job()
+        clock = [0.0]
+        leader, joined = await led_job(clock)
         direct = leader.attach(pb.NodeFrame(job="job", node_id="p2", member_id=joined["p2"].member_id,
                                             term=joined["p2"].term, session_secret=joined["p2"].session_secret))
         link = RelayLink(leader, "relay:1", stream_end)
@@ -119,7 +120,8 @@ def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_s
         while not direct.queue.empty():
             direct.queue.get_nowait()
 
-        leader._pulse()
+        clock[0] += TIMING.heartbeat_timeout_s / 4  # the next pulse period: the direct stream is in it
+        leader._pulse(clock[0])
         assert direct.queue.get_nowait().generation == 1  # a direct node's own
         assert len(link.out) == 1  # nothing per relayed node: the pulse waits for the link's next message
         down = link.take()
@@ -129,6 +131,25 @@ def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_s
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())
+
+
+def test_pulses_are_spread_over_their_period_one_per_direct_stream():
+    """1,000 direct streams: each is pulsed once a period, a slice per tick (never all at once: that
+    burst held the leader's loop), and a closed stream is skipped."""
+    streams = [NodeStream("job", f"n{i}", i, NodeKind.AGENT) for i in range(1000)]
+    streams[7].closed = True
+    pulses, pulse = Pulses(every_s=0.5, tick_s=0.05), pb.Directive(term=1, generation=1)
+    per_tick = []
+    for tick in range(20):  # two periods
+        now = 100.0 + tick * 0.05
+        before = sum(s.queue.qsize() for s in streams)
+        if pulses.period_over(now):
+            pulses.send_rest(pulse)
+            pulses.start(streams, now)
+        pulses.send_due(pulse, now)
+        per_tick.append(sum(s.queue.qsize() for s in streams) - before)
+    assert [s.queue.qsize() for s in streams] == [0 if i == 7 else 2 for i in range(1000)]
+    assert max(per_tick) <= 101 and min(per_tick) >= 98  # 999 open streams in 10 ticks (a float rounding either way)
 
 
 def test_a_frame_in_flight_on_a_superseded_stream_does_not_bring_back_the_leaders_silence_watch():
