@@ -551,6 +551,12 @@ class JobLeader:
         if frame.exits:
             self._signals.append(now)
         recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=stream.link is not None)
+        if frame.exits:
+            self._exits(member, frame)
+        if recovered:
+            self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
+
+    def _exits(self, member: Member, frame: pb.NodeFrame) -> None:
         rm = self.state.rank_map
         placement = rm.placement(member.node_id) if rm else None
         for e in frame.exits:
@@ -567,8 +573,6 @@ class JobLeader:
             else:
                 self.live.mark_failed(member.node_id, e.local_rank, e.pid)
                 self._enqueue(SlotDown(member.node_id, e.local_rank, FailureKind.RANK_EXITED, f"pid {e.pid} {how}"))
-        if recovered:
-            self._enqueue(SlotsUp(member.node_id, tuple(recovered)))
 
     async def status(self, brief: bool = False, page: wire.Page = wire.Page()) -> pb.JobStatus:
         state = self.state  # one map for the summary and the page, whatever is adopted meanwhile

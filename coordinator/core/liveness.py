@@ -218,10 +218,11 @@ class Liveness:
         else:
             self._heard_now(node_id, node, now)
         node.generation = generation
-        if reports:
-            node.top_step = max(r.step for r in reports)
         recovered = []
+        lost_ms = self.timing.heartbeat_timeout_s * 1000
+        top_step = 0
         for r in reports:
+            top_step = max(top_step, r.step)
             live = node.ranks.get(r.local_rank)
             if live is None:
                 live = node.ranks[r.local_rank] = RankLive(progress_at=now)
@@ -246,17 +247,19 @@ class Liveness:
                 self._arm(node_id, now)  # a new state: its deadlines are found at the next tally
             live.pid, live.step, live.step_time_s, live.generation = r.pid, r.step, r.step_time_s, r.generation
             live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
-            if r.heard_ms_ago > self.timing.heartbeat_timeout_s * 1000:
+            if r.heard_ms_ago > lost_ms:
                 self._arm(node_id, now)  # its agent lost it: judged at the next tally
             if r.digest_step and (r.digest_step, r.digest) != (live.digest_step, live.digest):
                 self._count_digest(live.digest_step, -1)
                 self._count_digest(r.digest_step, 1)
                 live.digest_step, live.digest = r.digest_step, r.digest
                 self._digests_new = True
-            failed_pid = self.failed_pids.get((node_id, r.local_rank))
+            failed_pid = self.failed_pids.get((node_id, r.local_rank)) if self.failed_pids else None
             if failed_pid is not None and r.pid and r.pid != failed_pid and r.state != "exited":
                 del self.failed_pids[(node_id, r.local_rank)]
                 recovered.append(r.local_rank)
+        if reports:
+            node.top_step = top_step
         return recovered
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
