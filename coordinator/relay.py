@@ -37,6 +37,7 @@ log = structlog.get_logger(__name__)
 # Items per Relay message, either way: a new generation's assignments to thousands of relayed nodes
 # must stay well under the gRPC message limit (1 MiB by default); the rest go in the next message.
 MAX_ITEMS = 1024
+PULSE_SLICE = 64  # node streams a relay pulses per turn of its loop
 
 
 # ---- folding (pure) --------------------------------------------------------------------------
@@ -313,6 +314,8 @@ class Relay:
         # An idle relay still writes (the leader takes a silent one for frozen), and this is also
         # how often silence and held progress are looked at.
         self.keepalive_s = heartbeat_timeout_s / 8
+        self.pulse_spread_s = heartbeat_timeout_s / 8  # half the leader's pulse period: done before the next
+        self._pulsing: asyncio.Task | None = None
         self.nodes: dict[int, RelayedNode] = {}
         self.batch = FrameBatch()
         self.changes = Changes(heartbeat_timeout_s, progress_s)
@@ -377,6 +380,8 @@ class Relay:
             if not hint:
                 self.leader = await self._find_leader(self.job)
         self.accepting = False
+        if self._pulsing is not None:
+            self._pulsing.cancel()
         if self.nodes:
             self.log.info("relay_ended", leader=self.leader, reason=reason, nodes=len(self.nodes), accepted=accepted)
         end = pb.RelayedDirective(end=pb.StreamEnd(code=grpc.StatusCode.UNAVAILABLE.value[0], leader=self.leader,
@@ -459,6 +464,18 @@ class Relay:
                 del self.nodes[item.stream]
             node.queue.put_nowait(item)
         if down.HasField("pulse"):
-            pulse = pb.RelayedDirective(directive=down.pulse)
-            for node in self.nodes.values():
-                node.queue.put_nowait(pulse)
+            if self._pulsing is not None:
+                self._pulsing.cancel()  # superseded
+            self._pulsing = asyncio.create_task(self._pulse(pb.RelayedDirective(directive=down.pulse)))
+
+    async def _pulse(self, pulse: pb.RelayedDirective) -> None:
+        """The leader's pulse to every node of this relay, a slice at a time over `pulse_spread_s`:
+        all at once, 6,250 nodes' pulses held the relay's loop for a quarter of a second, and every
+        frame and directive behind them."""
+        nodes = list(self.nodes.values())
+        slices = math.ceil(len(nodes) / PULSE_SLICE)
+        for i in range(slices):
+            for node in nodes[i * PULSE_SLICE:(i + 1) * PULSE_SLICE]:
+                if self.nodes.get(node.stream_id) is node:  # not hung up meanwhile
+                    node.queue.put_nowait(pulse)
+            await asyncio.sleep(self.pulse_spread_s / slices)

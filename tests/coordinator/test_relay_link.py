@@ -16,9 +16,10 @@ from muster.coordinator.errors import InvalidArgument
 from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.leader import JobLeader, NodeStream, Pulses
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.relay import RelayLink
+from muster.coordinator.relay import PULSE_SLICE, Relay, RelayedNode, RelayLink
 from muster.coordinator.server import stream_end
 from muster.coordinator.store import MemoryJobStore
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(10)
@@ -200,5 +201,29 @@ def test_a_stale_first_frame_a_relay_still_held_does_not_displace_the_nodes_newe
         link.receive(relayed(2, opening(3, True)))  # the node moved on again, through a relay
         assert leader.streams["p1"].link is link and direct.closed
         await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_spreads_the_leaders_pulse_over_its_nodes():
+    """The relay's end: one pulse from the leader reaches each of its 1,000 nodes once, a slice at a
+    time (never all at once: that burst held the relay's loop); a node that hung up gets none."""
+    async def scenario():
+        async def nowhere(job: str) -> str:
+            return "relay:1"
+
+        # Its own address as the leader's: the call ends at once, and the relay's end stays to test.
+        relay = Relay("job", "relay:1", "relay:1", security=ClientSecurity(), find_leader=nowhere, window_s=0.01,
+                      connect_s=0.0, heartbeat_timeout_s=0.8, progress_s=0.1)
+        await until(relay._task.done, "the relay's call over")
+        relay.nodes = {i: RelayedNode(i, f"n{i}") for i in range(1, 1001)}
+        nodes = list(relay.nodes.values())
+        relay._fan_out(pb.RelayDown(pulse=pb.Directive(term=1, generation=1)))
+        await asyncio.sleep(0)
+        assert 0 < sum(n.queue.qsize() for n in nodes) <= PULSE_SLICE
+        del relay.nodes[1000]  # hangs up before its slice
+        await asyncio.sleep(2 * relay.pulse_spread_s)
+        assert [n.queue.qsize() for n in nodes] == [1] * 999 + [0]
+        assert nodes[0].queue.get_nowait().directive.term == 1
 
     asyncio.run(scenario())
