@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/side_by_side.py --ranks 4,8,16 --kills 5 --unmodified-ranks 4,8 --nodes 2 > bench/results/side_by_side.json
 	$(BIN)/python bench/recovery.py --ranks 8 --kills 5 --hangs 3 --failovers 3 > bench/results/recovery.json
 	$(BIN)/python bench/capacity.py > bench/results/capacity.json
+	$(BIN)/python bench/capacity.py --nodes 1000 --rate 10,15,20 --skip-membership > bench/results/capacity_direct_rates.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 3 --nodes 300,1000 --skip-membership > bench/results/capacity_relays.json
 	$(BIN)/python bench/capacity.py --relays 0 --rate 3 --nodes 300,1000 --skip-membership > bench/results/capacity_direct.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 0.25 --heartbeat-timeout 20 --nodes 12500 --window 16 --skip-membership > bench/results/capacity_relays_12500.json

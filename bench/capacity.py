@@ -1,8 +1,9 @@
 """How much one leader carries. Prints one JSON object.
 
 1. Heartbeat capacity: a real etcd and one coordinator process, driven by simulated nodes
-   (`muster.local.SimulatedNode`: Join, then the bidi Session stream of NodeFrames) in a few
-   client processes, at several load points (node streams x frames/s). Per point: frames/s
+   (Join, then the bidi Session stream of NodeFrames, written as raw HTTP/2 by `h2_nodes.RawNode`
+   so that they cost the shared host little; `--grpc-clients`: the real client,
+   `muster.local.SimulatedNode`) in a few client processes, at several load points (node streams x frames/s). Per point: frames/s
    offered, sent by the clients and seen by the leader (rank steps in `Status`), the leader's
    CPU, the latency of a frame until the leader's `Status` reflects it, and whether any node
    was evicted (membership_changed events in the coordinator log). With `--relays N`, N more
@@ -15,6 +16,7 @@
 
     python bench/capacity.py            # 50..1000 nodes x 8 ranks at 10 frames/s; 16k and 100k ranks
     python bench/capacity.py --quick    # a smoke test
+    python bench/capacity.py --nodes 1000 --rate 10,15,20 --skip-membership   # one leader, 10k..20k frames/s
     python bench/capacity.py --relays 2 --rate 2 --nodes 200,500,1000 --skip-membership   # relayed
     python bench/capacity.py --relays 2 --rate 0.25 --heartbeat-timeout 20 --nodes 12500 --skip-membership
                                         # 100k ranks over the network (a low rate: the clients share the host)
@@ -437,6 +439,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
     return {
         "relays": len(relays),
         "nodes": nodes,
+        "frames_per_s_per_node": rate,
         "ranks_per_node": slots,
         "ramp_s": round(ramp_s, 2),
         "offered_frames_per_s": round(nodes * rate, 1),
@@ -468,20 +471,20 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
     }
 
 
-def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int, processes: int,
+def heartbeat_capacity(workdir: Path, points: list[tuple[int, float]], slots: int, processes: int,
                        window_s: float, warmup_s: float, relays: int = 0,
                        timeout_s: float = HEARTBEAT_TIMEOUT_S, grpc_clients: bool = False) -> dict:
     results = []
     clients = Clients(processes, raw=not grpc_clients)
     try:
-        for i, nodes in enumerate(points):
-            point_dir = workdir / f"{i}-n{nodes}"
+        for i, (nodes, rate) in enumerate(points):
+            point_dir = workdir / f"{i}-n{nodes}-r{rate:g}"
             point_dir.mkdir(parents=True, exist_ok=True)
             try:
                 results.append(load_point(point_dir, clients, nodes, rate, slots, window_s, warmup_s, relays,
                                           timeout_s))
             except AssertionError as exc:  # reported; the sweep goes on
-                results.append({"nodes": nodes, "error": str(exc)[-1000:]})
+                results.append({"nodes": nodes, "frames_per_s_per_node": rate, "error": str(exc)[-1000:]})
     finally:
         clients.close()
     return {
@@ -507,7 +510,6 @@ def heartbeat_capacity(workdir: Path, points: list[int], rate: float, slots: int
             "(the event loop, where every frame's Python runs; gRPC's event-engine threads run beside it on "
             "other cores): one loop's ceiling is 1e6 / that frames/s"),
         "window_s": window_s,
-        "frame_interval_s": 1 / rate,
         "client_processes": processes,
         "clients": "real client (NodeSession, gRPC aio)" if grpc_clients else "raw HTTP/2 writes (bench/h2_nodes.py)",
         "heartbeat_timeout_s": timeout_s,
@@ -698,7 +700,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small sweep and small sizes (a smoke test)")
     p.add_argument("--nodes", help="load points: node streams, comma-separated (default 50,200,500,1000)")
-    p.add_argument("--rate", type=float, default=10.0, help="frames/s per node stream")
+    p.add_argument("--rate", default="10", help="frames/s per node stream, comma-separated: every --nodes point at each")
     p.add_argument("--slots", type=int, default=8, help="ranks per node")
     p.add_argument("--clients", type=int, default=2, help="client processes driving the nodes")
     p.add_argument("--window", type=float, help="seconds measured per load point (default 8)")
@@ -716,7 +718,8 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
-    points = [int(n) for n in (args.nodes or ("10,40" if args.quick else "50,200,500,1000")).split(",")]
+    points = [(int(n), float(r)) for n in (args.nodes or ("10,40" if args.quick else "50,200,500,1000")).split(",")
+              for r in args.rate.split(",")]
     sizes = [int(n) for n in (args.ranks or ("800,4000" if args.quick else "16000,100000")).split(",")]
     window = args.window or (3.0 if args.quick else 8.0)
     result = {
@@ -730,7 +733,7 @@ def main() -> int:
         workdir = args.workdir or Path(d)
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.skip_network:
-            result["heartbeat"] = heartbeat_capacity(workdir, points, args.rate, args.slots, args.clients, window,
+            result["heartbeat"] = heartbeat_capacity(workdir, points, args.slots, args.clients, window,
                                                      1.0 if args.quick else 2.0, args.relays,
                                                      args.heartbeat_timeout, args.grpc_clients)
         if not args.skip_membership:

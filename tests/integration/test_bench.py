@@ -34,7 +34,10 @@ def test_recovery_bench_kill_hang_and_failover():
 def test_capacity_bench_quick():
     result = bench("capacity.py", "--quick", "--nodes", "20", timeout_s=140)
     (point,) = result["heartbeat"]["points"]
-    assert point["healthy"] and point["evictions"] == 0
+    assert point["healthy"] and point["evictions"] == 0 and point["frames_per_s_per_node"] == 10
+    # the nodes' raw HTTP/2 frames (bench/h2_nodes.py) reach the leader as an agent's would
+    assert result["heartbeat"]["clients"].startswith("raw HTTP/2") and point["client_node_errors"] == 0
+    assert point["delivered_frames_per_s"] >= 0.8 * point["offered_frames_per_s"]
     # the membership change after the load point: decided a heartbeat timeout (5 s) after the node's
     # last frame (up to a frame interval before it was silenced), then delivered
     assert point["change"]["decided_after_silence_s"] >= 4.5 and point["change"]["every_node_held_it_after_s"] < 5
@@ -54,8 +57,10 @@ def test_grpc_floor_bench_counts_what_it_received():
 
 @pytest.mark.timeout(150)
 def test_capacity_bench_quick_through_a_relay():
-    result = bench("capacity.py", "--quick", "--relays", "1", "--nodes", "20", "--skip-membership", timeout_s=140)
+    result = bench("capacity.py", "--quick", "--relays", "1", "--nodes", "20", "--skip-membership", "--grpc-clients",
+                   timeout_s=140)
     (point,) = result["heartbeat"]["points"]
+    assert result["heartbeat"]["clients"].startswith("real client")  # NodeSession, through the relay
     assert point["healthy"] and point["evictions"] == 0 and point["relays"] == 1
     assert point["relay_streams_at_leader"] >= 1 and point["frame_latency_ms"]["samples"]
     assert point["change"]["every_node_held_it_after_s"] < 5  # the relay reported the silent node
