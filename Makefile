@@ -29,8 +29,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/recovery.py --ranks 8 --kills 5 --hangs 3 --failovers 3 > bench/results/recovery.json
 	$(BIN)/python bench/capacity.py > bench/results/capacity.json
 	$(BIN)/python bench/capacity.py --nodes 1000 --rate 10,15,20 --skip-membership > bench/results/capacity_direct_rates.json
-	$(BIN)/python bench/capacity.py --relays 2 --rate 3 --nodes 300,1000 --skip-membership > bench/results/capacity_relays.json
-	$(BIN)/python bench/capacity.py --relays 0 --rate 3 --nodes 300,1000 --skip-membership > bench/results/capacity_direct.json
+	$(BIN)/python bench/capacity.py --relays 2 --rate 3,10 --nodes 1000 --skip-membership > bench/results/capacity_relays.json
+	$(BIN)/python bench/capacity.py --relays 0 --rate 3,10 --nodes 1000 --skip-membership > bench/results/capacity_direct.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 0.25 --heartbeat-timeout 20 --nodes 12500 --window 16 --skip-membership > bench/results/capacity_relays_12500.json
 	$(BIN)/python bench/grpc_floor.py --streams 1000 --rate 10 > bench/results/grpc_floor.json
 	$(BIN)/python bench/scale.py > bench/results/scale.json
