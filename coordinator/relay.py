@@ -341,6 +341,9 @@ class Relay:
             self._forward(node.stream_id, older_first)
 
     def _forward(self, stream: int, frame: pb.NodeFrame) -> None:
+        # The leader does not see every frame of the node: what it saw last may not be what the
+        # node's steps_only referred to.
+        frame.steps_only = False
         if self.batch.add(stream, frame):
             self._urgent.set()
         self._pending.set()

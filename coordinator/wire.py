@@ -146,6 +146,15 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
     return reports
 
 
+def frame_steps(frame: pb.NodeFrame) -> list[tuple[int, int, int]]:
+    """(step, step_time_us, heard_ms_ago) of each rank of a `steps_only` frame, checked: the three
+    fields such a frame is read for (`check_frame_ranks` reads the rest)."""
+    steps = [(r.step, r.step_time_us, r.heard_ms_ago) for r in frame.ranks]
+    if steps and max(steps)[0] > MAX_STEP:
+        raise InvalidArgument(f"a step of this frame is {max(steps)[0]}; at most {MAX_STEP}")
+    return steps
+
+
 class Assignments:
     """Each node's part of the current map: what every node shares is built once, then each
     directive is a copy of it with the node's own fields set (a new generation sends one to every

@@ -32,6 +32,12 @@ log = structlog.get_logger(__name__)
 RELAY_AVOID_TIMEOUTS = 5  # a relay that refused or did not answer is skipped for this many heartbeat timeouts
 
 
+def shape(frame: pb.NodeFrame) -> tuple:
+    """What a frame reports but its ranks' steps, step times and heard_ms_ago (`NodeFrame.steps_only`)."""
+    return (frame.term, frame.generation, [(r.local_rank, r.pid, r.state, r.phase, r.generation, r.digest_step, r.digest)
+                                           for r in frame.ranks])
+
+
 class Evicted(Exception):
     """The coordinator fenced this node out (or it never was a member): rejoin as a new member."""
 
@@ -166,9 +172,14 @@ class NodeSession:
 
     async def _frames(self, relayed: bool):
         first = True
+        last = None  # the shape of this stream's previous frame
         while True:
             if not self.paused:
                 frame = self.frame()
+                now = shape(frame)
+                # Only steps advanced since the previous frame: the leader reads three fields a rank.
+                frame.steps_only = not first and now == last and not frame.exits
+                last = now
                 if first:
                     # Who this node is, on every new stream: its secret, and its Join, from which a
                     # leader that lost the job's state (etcd lost its data) takes it back.

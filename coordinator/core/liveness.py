@@ -20,6 +20,7 @@ import heapq
 import math
 import zlib
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -261,6 +262,40 @@ class Liveness:
         if reports:
             node.top_step = top_step
         return recovered
+
+    def advance(self, node_id: str, generation: int, local_ranks: Sequence[int],
+                steps: Sequence[tuple[int, int, int]], now: float, *, vouched: bool = False) -> bool:
+        """Record a frame that only advances steps (`NodeFrame.steps_only`): `steps` holds
+        (step, step_time_us, heard_ms_ago) for each rank of `local_ranks`, whose other fields are as
+        last observed. The hot path: three numbers a rank. False, recording nothing, when these are
+        not the node's ranks (the frame is then read in full)."""
+        node = self.nodes.get(node_id)
+        if node is None or node.generation != generation:
+            return False
+        ranks = node.ranks
+        lives = [ranks.get(lr) for lr in local_ranks]
+        if None in lives:
+            return False
+        if vouched:
+            node.last_frame_at = now
+            self._unwheel(node_id, node)
+        else:
+            self._heard_now(node_id, node, now)
+        lost_ms = self.timing.heartbeat_timeout_s * 1000
+        top_step = 0
+        for live, (step, step_time_us, heard_ms_ago) in zip(lives, steps):
+            top_step = max(top_step, step)
+            if step != live.step:
+                if step > live.step and step_time_us:
+                    self.step_times.append(step_time_us / 1e6)
+                live.progress_at = now
+                live.step, live.step_time_s = step, step_time_us / 1e6
+            live.heard_ms_ago = heard_ms_ago
+            if heard_ms_ago > lost_ms:
+                self._arm(node_id, now)  # its agent lost it: judged at the next tally
+        if steps:
+            node.top_step = top_step
+        return True
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""

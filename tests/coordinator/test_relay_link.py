@@ -205,7 +205,7 @@ def test_a_stale_first_frame_a_relay_still_held_does_not_displace_the_nodes_newe
     asyncio.run(scenario())
 
 
-def test_a_relay_spreads_the_leaders_pulse_over_its_nodes():
+def test_a_relay_spreads_the_leaders_pulse_over_its_nodes_and_forwards_frames_to_be_read_in_full():
     """The relay's end: one pulse from the leader reaches each of its 1,000 nodes once, a slice at a
     time (never all at once: that burst held the relay's loop); a node that hung up gets none."""
     async def scenario():
@@ -225,5 +225,43 @@ def test_a_relay_spreads_the_leaders_pulse_over_its_nodes():
         await asyncio.sleep(2 * relay.pulse_spread_s)
         assert [n.queue.qsize() for n in nodes] == [1] * 999 + [0]
         assert nodes[0].queue.get_nowait().directive.term == 1
+        # What a relay forwards is read in full: the leader does not see every frame of the node,
+        # so a steps_only frame may not refer to the frame the leader saw last.
+        forwarded = pb.NodeFrame(job="job", node_id="n1", steps_only=True)
+        relay._forward(1, forwarded)
+        assert not forwarded.steps_only and relay.batch
+
+    asyncio.run(scenario())
+
+
+def test_a_steps_only_frame_is_read_for_its_steps_and_only_on_a_stream_that_had_a_full_frame():
+    async def scenario():
+        leader, joined = await led_job()
+        p2 = joined["p2"]
+
+        def frame(step: int, state=pb.RANK_STATE_RUNNING, steps_only=True, ranks=1) -> pb.NodeFrame:
+            return pb.NodeFrame(job="job", node_id="p2", member_id=p2.member_id, term=p2.term, generation=1,
+                                steps_only=steps_only, ranks=[pb.RankReport(local_rank=0, pid=7, step=step, state=state,
+                                                                            step_time_us=1000)] * ranks)
+
+        # A first frame that claims steps_only is read in full: the stream has no frame to refer to.
+        stream = leader.attach(pb.NodeFrame(**{f.name: v for f, v in frame(1).ListFields()},
+                                            session_secret=p2.session_secret))
+        rank = leader.live.nodes["p2"].ranks[0]
+        assert (rank.step, rank.pid, rank.state) == (1, 7, "running")
+        leader.on_frame(stream, frame(2))
+        assert rank.step == 2 and leader.live.step_times[-1] == 0.001
+        # A steps_only frame that changes more than steps (a node that lies) moves only its steps.
+        leader.on_frame(stream, frame(3, state=pb.RANK_STATE_LONG_PHASE))
+        assert (rank.step, rank.state) == (3, "running")
+        leader.on_frame(stream, frame(4, state=pb.RANK_STATE_LONG_PHASE, steps_only=False))
+        assert (rank.step, rank.state) == (4, "long_phase")
+        # Not the ranks of the stream's last full frame: read in full (and refused, for one slot).
+        with pytest.raises(InvalidArgument):
+            leader.on_frame(stream, frame(5, ranks=2))
+        # A bad step is refused on the hot path too.
+        with pytest.raises(InvalidArgument):
+            leader.on_frame(stream, frame(2**62))
+        await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

@@ -465,3 +465,36 @@ def test_a_node_whose_relay_went_away_has_a_heartbeat_timeout_to_come_back():
     live.observe("n0", 1, report(2), 7.3, vouched=True)  # back through a relay: vouched for again
     live.observe("n1", 1, report(4), 20)
     assert live.failures(state, 20) == []
+
+
+def test_a_steps_only_frame_records_what_the_full_frame_would():
+    """`advance` (NodeFrame.steps_only, the hot path) against `observe` of the same frames: the same
+    steps, progress times, step times and judgements, a stall and a rank its agent lost included."""
+    state = job()
+    full, fast = Liveness(TIMING, now=0), Liveness(TIMING, now=0)
+    frames = [(1, 0), (2, 0), (3, 0), (3, 0), (4, 0), (4, 0), (4, 2500)]  # (step, heard_ms_ago)
+    for i, (step, heard) in enumerate(frames):
+        now = i * 0.05
+        for live in (full, fast):
+            live.observe("n1", 1, report(1), now)
+        full.observe("n0", 1, report(step, heard_ms_ago=heard), now)
+        if i == 0:
+            fast.observe("n0", 1, report(step, heard_ms_ago=heard), now)
+        else:
+            assert fast.advance("n0", 1, [0], [(step, 50_000, heard)], now)
+    a, b = full.nodes["n0"].ranks[0], fast.nodes["n0"].ranks[0]
+    assert (a.step, a.progress_at, a.heard_ms_ago, a.step_time_s) == (b.step, b.progress_at, b.heard_ms_ago, b.step_time_s)
+    assert list(full.step_times) == list(fast.step_times)
+    end = len(frames) * 0.05
+    assert [(f.kind, f.node_id) for f in fast.failures(state, end)] == [(f.kind, f.node_id)
+                                                                        for f in full.failures(state, end)]
+    assert [f.kind for f in fast.failures(state, end + 60)] == [f.kind for f in full.failures(state, end + 60)]
+
+
+def test_a_steps_only_frame_for_other_ranks_or_another_generation_records_nothing():
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(1), 0)
+    assert not live.advance("n0", 1, [0, 1], [(2, 1, 0), (2, 1, 0)], 0.1)  # rank 1 never reported
+    assert not live.advance("n0", 2, [0], [(2, 1, 0)], 0.1)  # a new generation: read in full
+    assert not live.advance("n9", 1, [0], [(2, 1, 0)], 0.1)  # never seen
+    assert live.nodes["n0"].ranks[0].step == 1

@@ -1,8 +1,10 @@
 """NodeSession's frame timing: each node keeps its own phase in the heartbeat interval."""
 
+import asyncio
 import statistics
 import time
 
+from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import NodeIdentity, NodeSession
 
 
@@ -32,3 +34,33 @@ def test_a_node_keeps_its_phase_across_sessions():
     again = time.time() + session("node-a")._until_next_frame()  # a new stream, e.g. after a leader change
     apart = (first - again) % 0.1
     assert min(apart, 0.1 - apart) < 0.002
+
+
+def test_a_frame_that_only_advances_steps_says_so_and_the_first_of_a_stream_never_does():
+    """NodeFrame.steps_only: the leader's hot path reads such a frame for three fields a rank."""
+    state = {"step": 0, "state": pb.RANK_STATE_RUNNING, "heard": 0}
+
+    def reports():
+        state["step"] += 1
+        return [pb.RankReport(local_rank=s, pid=10 + s, step=state["step"], step_time_us=1000 + state["step"],
+                              heard_ms_ago=state["heard"], state=state["state"]) for s in range(2)]
+
+    s = NodeSession("127.0.0.1:1", NodeIdentity("job", "n", 2, "127.0.0.1", 1), reports=reports,
+                    on_directive=lambda d: None)
+    s.heartbeat_interval_s = 0.001
+
+    async def flags():
+        frames, seen = s._frames(relayed=False), []
+        for change in (None, None, "state", None, "heard", "exit", None):
+            if change == "state":
+                state["state"] = pb.RANK_STATE_LONG_PHASE
+            elif change == "heard":
+                state["heard"] = 700  # how long the agent has not heard a rank: a step-like field
+            elif change == "exit":
+                s.exits.append(pb.RankExit(local_rank=1, pid=11, exit_code=1))
+            seen.append((await anext(frames)).steps_only)
+        again = await anext(s._frames(relayed=False))  # a new stream: its first frame is read in full
+        return seen, again.steps_only
+
+    seen, again = asyncio.run(flags())
+    assert seen == [False, True, False, True, True, False, True] and not again

@@ -158,7 +158,7 @@ class RankExit(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarting: _Optional[bool] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay", "stream_seq")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay", "stream_seq", "steps_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class NodeFrame(_message.Message):
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     VIA_RELAY_FIELD_NUMBER: _ClassVar[int]
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEPS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     member_id: int
@@ -181,7 +182,8 @@ class NodeFrame(_message.Message):
     rejoin: JoinRequest
     via_relay: bool
     stream_seq: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ...) -> None: ...
+    steps_only: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ..., steps_only: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks")
