@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/capacity.py --relays 0 --rate 3,10 --nodes 1000 --skip-membership > bench/results/capacity_direct.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 0.25 --heartbeat-timeout 20 --nodes 12500 --window 16 --skip-membership > bench/results/capacity_relays_12500.json
 	$(BIN)/python bench/grpc_floor.py --streams 1000 --rate 10 > bench/results/grpc_floor.json
+	$(BIN)/python bench/grpc_floor.py --streams 1000 --rate 10 --loop asyncio > bench/results/grpc_floor_asyncio.json
 	$(BIN)/python bench/scale.py > bench/results/scale.json
 	$(BIN)/python bench/scale.py --relayed > bench/results/scale_relayed.json
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json

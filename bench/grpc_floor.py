@@ -11,6 +11,7 @@ whole process (gRPC's event-engine threads read and parse HTTP/2 beside it, on o
 
     python bench/grpc_floor.py                     # 500 streams x 10/s, 170-byte messages (an 8-rank NodeFrame)
     python bench/grpc_floor.py --shared            # every stream of a client process on one connection
+    python bench/grpc_floor.py --loop asyncio      # on asyncio's own loop, not uvloop
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import time
 
 import grpc
+import uvloop
 
 sys.path.insert(0, os.path.dirname(__file__))
 from capacity import cpu_seconds, loop_seconds  # noqa: E402
@@ -62,8 +64,9 @@ async def _serve(conn, windows: int, window_s: float) -> None:
     await server.stop(None)
 
 
-def _server_main(conn, windows: int, window_s: float) -> None:
-    asyncio.run(_serve(conn, windows, window_s))
+def _server_main(conn, windows: int, window_s: float, event_loop: str) -> None:
+    run = uvloop.run if event_loop == "uvloop" else asyncio.run
+    run(_serve(conn, windows, window_s))
 
 
 async def _stream_from(port: int, streams: int, rate: float, size: int, shared: bool) -> None:
@@ -99,13 +102,15 @@ def main() -> int:
     p.add_argument("--bytes", type=int, default=170, help="message size (an 8-rank NodeFrame is ~170 bytes)")
     p.add_argument("--clients", type=int, default=2, help="client processes")
     p.add_argument("--shared", action="store_true", help="one connection per client process, not one per stream")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the server's event loop (`muster serve` runs on uvloop)")
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--window", type=float, default=8.0, help="seconds per window")
     args = p.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the clients are ended mid-stream: no GOAWAY notices
     ctx = multiprocessing.get_context("spawn")  # grpc does not survive a fork
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=_server_main, args=(child, args.windows, args.window), daemon=True)
+    server = ctx.Process(target=_server_main, args=(child, args.windows, args.window, args.loop), daemon=True)
     server.start()
     clients = []
     try:
@@ -131,7 +136,7 @@ def main() -> int:
     print(json.dumps({
         "benchmark": "grpc_floor",
         "host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
-        "grpcio": grpc.__version__,
+        "grpcio": grpc.__version__, "event_loop": args.loop,
         "streams": args.streams, "rate_per_stream": args.rate, "message_bytes": args.bytes,
         "connections": "one per client process" if args.shared else "one per stream",
         "offered_per_s": args.streams * args.rate,
