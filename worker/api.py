@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
-from muster.worker.comm import Comm, GroupSpec, Superseded, interface_of, is_comm_failure
+from muster.worker.comm import Comm, GroupSpec, Superseded, exit_stuck, interface_of, is_comm_failure
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -418,8 +418,7 @@ class Worker:
         exits, and its agent starts a fresh process for the slot."""
         if self._error_seen.wait(STUCK_EXIT_S) or self._closing:
             return
-        log.error("rank_exited_stuck", error=str(error), waited_s=STUCK_EXIT_S)
-        os._exit(3)
+        exit_stuck(str(error), STUCK_EXIT_S)
 
     def _abort(self, below_generation: int) -> None:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming."""

@@ -32,10 +32,19 @@ log = structlog.get_logger(__name__)
 CONNECT_TIMEOUT = timedelta(seconds=30)  # the backend's store reads while a group connects
 CONNECT_ATTEMPT_S = 1.0  # first attempt of a store client's connect (doubled after each failure, up to the max)
 CONNECT_ATTEMPT_MAX_S = 4.0
+ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still running this long: the process exits
+STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process for the slot
 
 
 class Superseded(Exception):
     """A newer generation arrived while this one was forming."""
+
+
+def exit_stuck(cause: str, waited_s: float) -> None:
+    """The training thread is stuck in a C++ call that nothing reaches and would hold its slot for
+    that call's own timeout: the process exits, and its agent starts a fresh one for the slot."""
+    log.error("rank_exited_stuck", error=cause, waited_s=waited_s)
+    os._exit(STUCK_EXIT_CODE)
 
 
 # How a broken group shows itself: gloo raises a plain RuntimeError from its transport (a peer
@@ -153,6 +162,8 @@ class Comm:
         self._client: dist.Store | None = None
         self.barrier_s = 0.0  # of the last form(): waiting for every rank to arrive
         self._forming: tuple[int, set[int]] | None = None  # generation being formed, its store connections
+        self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
+        self._attempts = 0
 
     @property
     def formed(self) -> bool:
@@ -223,10 +234,17 @@ class Comm:
             # in the backend's store reads for the whole timeout: bound them (the host of the store
             # cannot cut its own connection).
             store.set_timeout(min(self.timeout, CONNECT_TIMEOUT))
+            with self._lock:
+                self._attempts += 1
+                self._connecting = self._attempts
+                if spec.generation < self._abort_below:  # abandoned between the barrier and here
+                    self._watch_connect(spec.generation)
             try:
                 dist.init_process_group(self.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                                         timeout=self.timeout, **options)
             finally:
+                with self._lock:
+                    self._connecting = None
                 store.set_timeout(self.timeout)
         finally:
             with self._lock:
@@ -249,6 +267,8 @@ class Comm:
             if forming is not None and forming[0] < below_generation:
                 self._forming = None
                 _shutdown_peer_sockets(forming[1], set())  # the forming attempt's store reads fail now
+                if self._connecting is not None:
+                    self._watch_connect(forming[0])
             spec = self.spec
             if spec is None or spec.generation >= below_generation:
                 return False
@@ -260,6 +280,23 @@ class Comm:
                 self._sockets = set()
         log.info("group_aborted", generation=spec.generation, sockets=n)
         return True
+
+    def _watch_connect(self, generation: int) -> None:
+        """The backend's connect of an abandoned generation (under the lock). Gloo connecting to a
+        peer that died after publishing its address waits out its own timeout (20-30 s and more
+        seen), and no socket shutdown reaches it: the newer generation's group would wait as long
+        for this rank. Given a few seconds to fail on its own, it ends the process instead."""
+        attempt = self._connecting
+
+        def check() -> None:
+            with self._lock:
+                stuck = self._connecting == attempt
+            if stuck:
+                exit_stuck(f"connecting the abandoned generation {generation}'s group", ABANDONED_CONNECT_EXIT_S)
+
+        timer = threading.Timer(ABANDONED_CONNECT_EXIT_S, check)
+        timer.daemon = True
+        timer.start()
 
     def destroy(self) -> None:
         """Leave the current group (after an abort, or at a planned switch)."""
