@@ -72,3 +72,7 @@ class Backoff:
         wait = jitter(self.delay)
         self.delay = min(self.delay * 2, self.most)
         return wait
+
+    def reset(self) -> None:
+        """What failed worked again: the next wait is `first`'s."""
+        self.delay = self.first

@@ -30,6 +30,8 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 RELAY_AVOID_TIMEOUTS = 5  # a relay that refused or did not answer is skipped for this many heartbeat timeouts
+RECONNECT_FIRST_S = 0.02  # a lost stream is taken up again at once: recovery waits on it
+RECONNECT_MOST_S = 1.0  # and at most heartbeat_timeout/8 (then this) apart while nothing answers
 
 
 def shape(frame: pb.NodeFrame) -> tuple:
@@ -198,6 +200,9 @@ class NodeSession:
 
     async def run(self) -> None:
         """Stream until stopped. Raises Evicted when fenced out, AioRpcError on a refusal."""
+        # Attempts that heard nothing back off: during an etcd outage every node of a large job
+        # was refused at once ~25 times a second, by relays and replicas that could do nothing.
+        retry = Backoff(RECONNECT_FIRST_S, min(RECONNECT_MOST_S, self.heartbeat_timeout_s / 8))
         while not self._stopping:
             loop = asyncio.get_running_loop()
             relayed = bool(self.relay) and self.relay != self.leader and loop.time() >= self._relay_avoided_until
@@ -252,7 +257,9 @@ class NodeSession:
             trusted = [a for a in self.addresses if self._suspect.get(a, 0) <= now]
             others = [a for a in trusted if a != address] or trusted or self.addresses
             self.leader = hint if hint and self._suspect.get(hint, 0) <= now else random.choice(others)
-            await asyncio.sleep(0.02 + random.random() * 0.05)
+            if heard:
+                retry.reset()
+            await asyncio.sleep(retry.next())
 
     async def _probe(self, address: str) -> bool:
         """Does `address` lead the job and answer? (A frozen leader does not.)"""

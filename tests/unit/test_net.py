@@ -26,6 +26,14 @@ def test_backoff_doubles_up_to_its_cap_with_jitter_below_twice_each_step():
         assert step <= backoff.next() < 2 * step
 
 
+def test_backoff_starts_over_when_reset():
+    backoff = Backoff(0.05, 1.0)
+    for _ in range(4):
+        backoff.next()
+    backoff.reset()
+    assert 0.05 <= backoff.next() < 0.1
+
+
 def test_backoff_starts_over_after_a_quiet_period_and_not_within_one():
     now = [0.0]
     backoff = Backoff(0.2, 5.0, reset_after_s=60.0, clock=lambda: now[0])

@@ -4,7 +4,10 @@ import asyncio
 import statistics
 import time
 
+import grpc
+
 from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.node_session import NodeIdentity, NodeSession
 
 
@@ -64,3 +67,43 @@ def test_a_frame_that_only_advances_steps_says_so_and_the_first_of_a_stream_neve
 
     seen, again = asyncio.run(flags())
     assert seen == [False, True, False, True, True, False, True] and not again
+
+
+class Unavailable(pb_grpc.CoordinatorServicer):
+    """A replica that can do nothing for anyone (etcd out): every Session refused at once."""
+
+    def __init__(self):
+        self.attempts = 0
+
+    async def Session(self, request_iterator, context):
+        self.attempts += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no leader: etcd unreachable")
+        yield  # an async generator, as the real handler
+
+
+def test_a_node_refused_again_and_again_backs_off_but_comes_back_at_once_first():
+    """During an etcd outage every node of a large job retried at once ~25 times a second."""
+
+    async def scenario() -> int:
+        server = grpc.aio.server()
+        refusing = Unavailable()
+        pb_grpc.add_CoordinatorServicer_to_server(refusing, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            s = NodeSession(f"127.0.0.1:{port}", NodeIdentity("job", "node-a", 1, "127.0.0.1", 1), reports=list,
+                            on_directive=lambda d: None)
+            s.heartbeat_timeout_s = 2.0  # waits of at most 0.25-0.5 s
+            running = asyncio.create_task(s.run())
+            await asyncio.sleep(0.15)
+            first = refusing.attempts
+            await asyncio.sleep(2.85)
+            await s.stop()
+            await asyncio.wait_for(running, 5)
+            return first, refusing.attempts
+        finally:
+            await server.stop(None)
+
+    first, in_3s = asyncio.run(scenario())
+    assert first >= 2  # the first retries are tens of ms apart: a lost stream is taken up at once
+    assert 6 <= in_3s <= 16  # 0.02, 0.04, ... doubling to 0.25 (jittered to twice): not ~100
