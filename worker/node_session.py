@@ -201,7 +201,7 @@ class NodeSession:
     async def run(self) -> None:
         """Stream until stopped. Raises Evicted when fenced out, AioRpcError on a refusal."""
         # Attempts that heard nothing back off: during an etcd outage every node of a large job
-        # was refused at once ~25 times a second, by relays and replicas that could do nothing.
+        # was refused at once ~21 times a second, by relays and replicas that could do nothing.
         retry = Backoff(RECONNECT_FIRST_S, min(RECONNECT_MOST_S, self.heartbeat_timeout_s / 8))
         while not self._stopping:
             loop = asyncio.get_running_loop()

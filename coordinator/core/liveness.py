@@ -163,8 +163,12 @@ class Liveness:
             node = self.nodes[node_id] = NodeLive(now, early=zlib.crc32(node_id.encode()) / 2**33)
         return node
 
-    def _heard_now(self, node_id: str, node: NodeLive, now: float) -> None:
+    def _heard_now(self, node_id: str, node: NodeLive, now: float, vouched: bool = False) -> None:
+        """A frame of the node now; `vouched` (relayed): its relay judges its silence, not the wheel."""
         node.last_frame_at = now
+        if vouched:
+            self._unwheel(node_id, node)
+            return
         slot = int(now / self._slot_s)
         if slot != node.heard_slot:
             self._unwheel(node_id, node)
@@ -213,11 +217,7 @@ class Liveness:
         if node is None:
             node = self._node(node_id, now)
             self._arm(node_id, now)
-        if vouched:
-            node.last_frame_at = now
-            self._unwheel(node_id, node)
-        else:
-            self._heard_now(node_id, node, now)
+        self._heard_now(node_id, node, now, vouched)
         node.generation = generation
         recovered = []
         lost_ms = self.timing.heartbeat_timeout_s * 1000
@@ -276,11 +276,7 @@ class Liveness:
         lives = [ranks.get(lr) for lr in local_ranks]
         if None in lives:
             return False
-        if vouched:
-            node.last_frame_at = now
-            self._unwheel(node_id, node)
-        else:
-            self._heard_now(node_id, node, now)
+        self._heard_now(node_id, node, now, vouched)
         lost_ms = self.timing.heartbeat_timeout_s * 1000
         top_step = 0
         for live, (step, step_time_us, heard_ms_ago) in zip(lives, steps):
