@@ -18,6 +18,7 @@ class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_STATE_FORMING: _ClassVar[RankState]
     RANK_STATE_HOLDING: _ClassVar[RankState]
     RANK_STATE_RESTARTING: _ClassVar[RankState]
+    RANK_STATE_FINISHED: _ClassVar[RankState]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ RANK_STATE_UNMONITORED: RankState
 RANK_STATE_FORMING: RankState
 RANK_STATE_HOLDING: RankState
 RANK_STATE_RESTARTING: RankState
+RANK_STATE_FINISHED: RankState
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -74,7 +76,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ..., master_port: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms", "session_secret", "relay")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms", "session_secret", "run", "relay")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class JoinResponse(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
@@ -92,8 +95,9 @@ class JoinResponse(_message.Message):
     heartbeat_interval_ms: int
     heartbeat_timeout_ms: int
     session_secret: bytes
+    run: int
     relay: bool
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., session_secret: _Optional[bytes] = ..., relay: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., session_secret: _Optional[bytes] = ..., run: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job", "node_id", "member_id", "immediate", "reason", "finished", "session_secret")
@@ -158,7 +162,7 @@ class RankExit(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarting: _Optional[bool] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay", "stream_seq", "steps_only")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay", "stream_seq", "run", "steps_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +174,7 @@ class NodeFrame(_message.Message):
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     VIA_RELAY_FIELD_NUMBER: _ClassVar[int]
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     STEPS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
@@ -182,8 +187,9 @@ class NodeFrame(_message.Message):
     rejoin: JoinRequest
     via_relay: bool
     stream_seq: int
+    run: int
     steps_only: bool
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ..., steps_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ..., run: _Optional[int] = ..., steps_only: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks")
@@ -222,40 +228,58 @@ class Assignment(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., master_address: _Optional[str] = ..., down_local_ranks: _Optional[_Iterable[int]] = ..., start_ranks: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("term", "generation", "assignment", "drain")
+    __slots__ = ("term", "generation", "assignment", "drain", "end", "finishing")
     TERM_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    FINISHING_FIELD_NUMBER: _ClassVar[int]
     term: int
     generation: int
     assignment: Assignment
     drain: Drain
-    def __init__(self, term: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    end: JobEnd
+    finishing: bool
+    def __init__(self, term: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., end: _Optional[_Union[JobEnd, _Mapping]] = ..., finishing: _Optional[bool] = ...) -> None: ...
 
 class Drain(_message.Message):
-    __slots__ = ("after_step", "reason")
+    __slots__ = ("after_step", "reason", "stop")
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     after_step: int
     reason: str
-    def __init__(self, after_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    stop: bool
+    def __init__(self, after_step: _Optional[int] = ..., reason: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class JobEnd(_message.Message):
+    __slots__ = ("outcome", "reason", "run")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    reason: str
+    run: int
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., run: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job", "brief", "page_size", "page_token", "node", "states")
+    __slots__ = ("job", "brief", "page_size", "page_token", "run", "node", "states")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BRIEF_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     job: str
     brief: bool
     page_size: int
     page_token: str
+    run: int
     node: str
     states: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., node: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., run: _Optional[int] = ..., node: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state")
@@ -276,7 +300,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health", "summary", "next_page_token")
+    __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health", "summary", "next_page_token", "run", "outcome", "outcome_reason", "started_unix_ms", "ended_unix_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +314,11 @@ class JobStatus(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_REASON_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     leader: str
     term: int
@@ -303,7 +332,12 @@ class JobStatus(_message.Message):
     health: JobHealth
     summary: JobSummary
     next_page_token: str
-    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[JobHealth, _Mapping]] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    run: int
+    outcome: str
+    outcome_reason: str
+    started_unix_ms: int
+    ended_unix_ms: int
+    def __init__(self, name: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., live: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[JobHealth, _Mapping]] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., next_page_token: _Optional[str] = ..., run: _Optional[int] = ..., outcome: _Optional[str] = ..., outcome_reason: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., ended_unix_ms: _Optional[int] = ...) -> None: ...
 
 class JobSummary(_message.Message):
     __slots__ = ("nodes", "spares", "rank_states")
@@ -345,10 +379,12 @@ class StatusResponse(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "run")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    run: int
+    def __init__(self, job: _Optional[str] = ..., run: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("generation", "term", "time_unix_ms", "kind", "reason", "nodes", "world_size")
@@ -369,12 +405,96 @@ class Event(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., term: _Optional[int] = ..., time_unix_ms: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class EventsResponse(_message.Message):
-    __slots__ = ("job", "events")
+    __slots__ = ("job", "events", "run")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job: str
     events: _containers.RepeatedCompositeFieldContainer[Event]
-    def __init__(self, job: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+    run: int
+    def __init__(self, job: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., run: _Optional[int] = ...) -> None: ...
+
+class JobsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class JobRecord(_message.Message):
+    __slots__ = ("name", "run", "outcome", "reason", "world_size", "generation", "started_unix_ms", "ended_unix_ms", "leader")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    run: int
+    outcome: str
+    reason: str
+    world_size: int
+    generation: int
+    started_unix_ms: int
+    ended_unix_ms: int
+    leader: str
+    def __init__(self, name: _Optional[str] = ..., run: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., ended_unix_ms: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+
+class JobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobRecord]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobRecord, _Mapping]]] = ...) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("job", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StopResponse(_message.Message):
+    __slots__ = ("run", "after_step")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    run: int
+    after_step: int
+    def __init__(self, run: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("job", "node", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("generation", "after_step")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    after_step: int
+    def __init__(self, generation: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("job", "run")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    run: int
+    def __init__(self, job: _Optional[str] = ..., run: _Optional[int] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class RelayedFrame(_message.Message):
     __slots__ = ("stream", "frame")

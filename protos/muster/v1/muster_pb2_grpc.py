@@ -64,6 +64,26 @@ class CoordinatorStub:
                 request_serializer=muster_dot_v1_dot_muster__pb2.RelayUp.SerializeToString,
                 response_deserializer=muster_dot_v1_dot_muster__pb2.RelayDown.FromString,
                 _registered_method=True)
+        self.Jobs = channel.unary_unary(
+                '/muster.v1.Coordinator/Jobs',
+                request_serializer=muster_dot_v1_dot_muster__pb2.JobsRequest.SerializeToString,
+                response_deserializer=muster_dot_v1_dot_muster__pb2.JobsResponse.FromString,
+                _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/muster.v1.Coordinator/Stop',
+                request_serializer=muster_dot_v1_dot_muster__pb2.StopRequest.SerializeToString,
+                response_deserializer=muster_dot_v1_dot_muster__pb2.StopResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/muster.v1.Coordinator/Drain',
+                request_serializer=muster_dot_v1_dot_muster__pb2.DrainRequest.SerializeToString,
+                response_deserializer=muster_dot_v1_dot_muster__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/muster.v1.Coordinator/Delete',
+                request_serializer=muster_dot_v1_dot_muster__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=muster_dot_v1_dot_muster__pb2.DeleteResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -112,6 +132,36 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Jobs(self, request, context):
+        """Operator verbs (an operator's token: `*` in --tokens). Every job with its run and outcome:
+        running jobs and the finished runs still retained (--retain-finished).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stop(self, request, context):
+        """End a running job: every node drains at one step boundary and its agent exits with the
+        `stopped` code; the outcome `stopped` is recorded at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """One node of a running job leaves at a step boundary (as SIGTERM to its agent does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """A finished run's record (or every retained run of a name), now rather than at its retention's end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +194,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Relay,
                     request_deserializer=muster_dot_v1_dot_muster__pb2.RelayUp.FromString,
                     response_serializer=muster_dot_v1_dot_muster__pb2.RelayDown.SerializeToString,
+            ),
+            'Jobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Jobs,
+                    request_deserializer=muster_dot_v1_dot_muster__pb2.JobsRequest.FromString,
+                    response_serializer=muster_dot_v1_dot_muster__pb2.JobsResponse.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=muster_dot_v1_dot_muster__pb2.StopRequest.FromString,
+                    response_serializer=muster_dot_v1_dot_muster__pb2.StopResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=muster_dot_v1_dot_muster__pb2.DrainRequest.FromString,
+                    response_serializer=muster_dot_v1_dot_muster__pb2.DrainResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=muster_dot_v1_dot_muster__pb2.DeleteRequest.FromString,
+                    response_serializer=muster_dot_v1_dot_muster__pb2.DeleteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +378,114 @@ class Coordinator:
             '/muster.v1.Coordinator/Relay',
             muster_dot_v1_dot_muster__pb2.RelayUp.SerializeToString,
             muster_dot_v1_dot_muster__pb2.RelayDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Jobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/muster.v1.Coordinator/Jobs',
+            muster_dot_v1_dot_muster__pb2.JobsRequest.SerializeToString,
+            muster_dot_v1_dot_muster__pb2.JobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/muster.v1.Coordinator/Stop',
+            muster_dot_v1_dot_muster__pb2.StopRequest.SerializeToString,
+            muster_dot_v1_dot_muster__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/muster.v1.Coordinator/Drain',
+            muster_dot_v1_dot_muster__pb2.DrainRequest.SerializeToString,
+            muster_dot_v1_dot_muster__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/muster.v1.Coordinator/Delete',
+            muster_dot_v1_dot_muster__pb2.DeleteRequest.SerializeToString,
+            muster_dot_v1_dot_muster__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
