@@ -44,6 +44,14 @@ class Evicted(Exception):
     """The coordinator fenced this node out (or it never was a member): rejoin as a new member."""
 
 
+class JobEnded(Exception):
+    """The job's run ended (`JobEnd`: succeeded, failed or stopped): nothing more to run here."""
+
+    def __init__(self, end: pb.JobEnd):
+        super().__init__(f"run {end.run} of the job ended: {end.outcome}" + (f" ({end.reason})" if end.reason else ""))
+        self.end = end
+
+
 @dataclass
 class NodeIdentity:
     job: str
@@ -78,6 +86,8 @@ class NodeSession:
         self.secret = b""  # from Join: proves on each stream and on Leave that this node is the member
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
+        self.run = 0  # the run of the job's name this node joined (JoinResponse.run)
+        self.finishing = False  # the leader said a rank finished its script: the job is ending
         self.leader = ""
         self.relay = ""  # the replica this node streams through ("": straight to the leader)
         self._relay_avoided_until = 0.0
@@ -133,6 +143,7 @@ class NodeSession:
     async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
         response = await self._unary("Join", self._join_request(), retry_for_s=retry_for_s)
         self.member_id = response.member_id
+        self.run = response.run
         self.secret = response.session_secret
         self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
@@ -188,6 +199,7 @@ class NodeSession:
                     frame.session_secret = self.secret
                     frame.rejoin.CopyFrom(self._join_request())
                     frame.via_relay = relayed
+                    frame.run = self.run
                     self._streams_opened += 1
                     frame.stream_seq = self._streams_opened
                     first = False
@@ -199,7 +211,8 @@ class NodeSession:
                 pass
 
     async def run(self) -> None:
-        """Stream until stopped. Raises Evicted when fenced out, AioRpcError on a refusal."""
+        """Stream until stopped. Raises Evicted when fenced out, JobEnded when the job's run ended,
+        AioRpcError on a refusal."""
         # Attempts that heard nothing back off: during an etcd outage every node of a large job
         # was refused at once ~21 times a second, by relays and replicas that could do nothing.
         retry = Backoff(RECONNECT_FIRST_S, min(RECONNECT_MOST_S, self.heartbeat_timeout_s / 8))
@@ -208,7 +221,7 @@ class NodeSession:
             relayed = bool(self.relay) and self.relay != self.leader and loop.time() >= self._relay_avoided_until
             address = self.relay if relayed else self.leader or self.addresses[0]
             self._leader_silent = False
-            hint, evicted = "", None
+            hint, evicted, ended = "", None, None
             heard = False
             try:
                 async with self.security.aio_channel(address) as channel:
@@ -220,6 +233,9 @@ class NodeSession:
                             self._heard_at = loop.time()
                             heard = True
                             evicted = self._directive(directive)
+                            if directive.HasField("end"):
+                                ended = directive.end
+                                break
                             if evicted is not None:
                                 break
                         else:
@@ -243,6 +259,8 @@ class NodeSession:
                     raise
                 else:
                     hint = leader_hint(exc)
+            if ended is not None:
+                raise JobEnded(ended)
             if evicted is not None:  # told so on the stream, or refused as no member
                 raise Evicted(evicted)
             now = asyncio.get_running_loop().time()
@@ -276,7 +294,8 @@ class NodeSession:
         # The leader's, even when lower than one seen before: after etcd lost its data, terms
         # (etcd revisions) start again, and a frame ahead of its leader's term is refused.
         self.term = d.term
-        if not d.HasField("assignment") and not d.HasField("drain"):
+        self.finishing = self.finishing or d.finishing
+        if d.WhichOneof("kind") is None:
             self.pulses += 1
             return None
         self._on_directive(d)
