@@ -50,6 +50,9 @@ class JobElection(Protocol):
     def resign(self) -> bool:
         """Delete the key this candidate led with, if it still holds; True if deleted."""
 
+    def withdraw(self) -> None:
+        """Delete this candidate's key, led with or not (the job ended: nobody campaigns for it)."""
+
 
 class Coordination(Protocol):
     def session(self, ttl_s: int, *, renew_deadline_s: float | None = None) -> LeaseSession: ...
@@ -220,3 +223,13 @@ class MemoryElection:
                 c._changed.notify_all()
         log.info("leadership_resigned", job=self.job, term=term, deleted=deleted)
         return deleted
+
+    def withdraw(self) -> None:
+        c = self._coordination
+        with c._changed:
+            c._check()
+            held = c._keys.get(self.job, {})
+            if held.pop(self._session.lease_id, None) is not None:
+                c._changed.notify_all()
+            if not held:
+                c._keys.pop(self.job, None)

@@ -22,10 +22,10 @@ import structlog
 from muster.coordinator import wire
 from muster.coordinator.core.kinds import EVICTIONS, GROUP_KINDS, FailureKind
 from muster.coordinator.core.liveness import Failure, Liveness, Recovery
-from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
-                                             Regroup, Rejoin, SlotDown, SlotsUp, Tick, decide)
+from muster.coordinator.core.machine import (Context, Decision, Diverged, Finishing, Join, Leave, MembershipEvent,
+                                             NodeLost, Regroup, Rejoin, SlotDown, SlotsUp, Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
-from muster.coordinator.core.state import JobState, Member, NodeKind, Phase, Placement
+from muster.coordinator.core.state import JobState, Member, NodeKind, Outcome, Phase, Placement
 from muster.coordinator.errors import (FailedPrecondition, Fenced, InvalidArgument, NotFound, NotLeader,
                                        PermissionDenied, PersistUnavailable)
 from muster.coordinator.leadership import Leadership
@@ -135,6 +135,7 @@ class JobLeader:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
+        retain_s: float = 7 * 86400.0,
     ):
         self.job = state.job
         self.leadership = leadership
@@ -168,6 +169,10 @@ class JobLeader:
         self._pulses = Pulses(timing.heartbeat_timeout_s / 4, tick_s)
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
+        self.retain_s = retain_s  # a finished run's record is kept this long
+        self.ended = False  # the run ended and its record was written: the job is no more
+        self._end_at: float | None = None  # when an ended run's record is written, whoever is left
+        self._finishing_asked = False
 
     @property
     def lost_reason(self) -> str | None:
@@ -223,12 +228,28 @@ class JobLeader:
                 self.log.exception("tally_failed")
                 self._lose(f"tally failed: {exc!r}")
                 return
+            if self.ended:
+                return
             self._pulse(self._clock())
+
+    def _pulse_directive(self) -> pb.Directive:
+        return pb.Directive(term=self.term, generation=self.state.generation, finishing=self.state.finishing)
+
+    def _pulse_all(self) -> None:
+        """Every stream at once (the job started finishing: no rank may be restarted from now on)."""
+        pulse, links = self._pulse_directive(), set()
+        for stream in self.streams.values():
+            if stream.link is None:
+                stream.send(pulse)
+            else:
+                links.add(stream.link)
+        for link in links:
+            link.pulse(pulse)
 
     def _pulse(self, now: float) -> None:
         """An empty directive: a node that hears nothing for heartbeat_timeout looks for the leader.
         Relayed nodes get it from their relay, which the leader pulses once (not once per node)."""
-        pulse = pb.Directive(term=self.term, generation=self.state.generation)
+        pulse = self._pulse_directive()
         if self._pulses.period_over(now):
             self._pulses.send_rest(pulse)
             links = set()
@@ -274,8 +295,8 @@ class JobLeader:
         if diverged is not None:
             self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
             events.append(Diverged(diverged.nodes, diverged.reason))
-        if self.state.phase is Phase.FORMING:
-            events.append(Tick())
+        if self.state.phase is not Phase.RUNNING or self.state.ended:
+            events.append(Tick())  # forming, waiting and draining deadlines
         if not events:
             return
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
@@ -300,6 +321,35 @@ class JobLeader:
                 raise
         await self._adopt(decision, now, ctx.max_step)
         self._settle(batch, decision)
+        if self.state.ended:
+            await self._end(now)
+
+    async def _end(self, now: float) -> None:
+        """The run ended: once its members are gone (a stopped job's drain, bounded by stop_grace_s),
+        record it and remove the job (fenced), tell whoever is left, and stop leading. The replica
+        then forgets the job: nothing of it is kept but the record, for its retention."""
+        if self._end_at is None:
+            stopped = self.state.outcome is Outcome.STOPPED
+            self._end_at = now + (self.timing.stop_grace_s if stopped else 0.0)
+        if self.state.members and now < self._end_at:
+            return
+        try:
+            await self.leadership.end_run(self.state, self.retain_s)
+        except PersistUnavailable as exc:
+            self.log.warning("run_end_deferred", error=str(exc))
+            return
+        s = self.state
+        self.ended = True
+        end = pb.Directive(term=self.term, generation=s.generation,
+                           end=pb.JobEnd(outcome=s.outcome.value, reason=s.outcome_reason, run=s.run))
+        for stream in self.streams.values():
+            stream.send(end)
+            stream.send(CLOSE)
+        self.streams.clear()
+        self.metrics.runs_ended.labels(s.outcome.value).inc()
+        self.log.info("run_ended", run=s.run, outcome=s.outcome.value, reason=s.outcome_reason,
+                      generation=s.generation, left=[m.node_id for m in s.members])
+        self.leadership.lose(f"run {s.run} ended: {s.outcome.value}")
 
     def _freeze_gc(self) -> None:
         if len(self.state.members) >= LARGE_JOB_NODES:
@@ -332,7 +382,10 @@ class JobLeader:
                    and now - node.last_frame_at <= self.timing.heartbeat_timeout_s)
 
     async def _adopt(self, d: Decision, now: float, step_before: int) -> None:
+        started_finishing = d.state.finishing and not self.state.finishing
         self.state = d.state
+        if started_finishing:
+            self._pulse_all()
         for e in d.events:
             self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
                           nodes=list(e.nodes), world_size=e.world_size)
@@ -369,11 +422,13 @@ class JobLeader:
                 if large and i % FAN_OUT_SLICE == FAN_OUT_SLICE - 1:
                     await asyncio.sleep(0)
             self._freeze_gc()
+        stopped = d.ended and self.state.outcome is Outcome.STOPPED
         for node_id, after_step in d.drains:
             stream = self.streams.get(node_id)
             if stream:
-                stream.send(pb.Directive(term=self.term, generation=self.state.generation,
-                                         drain=pb.Drain(after_step=after_step, reason="graceful leave")))
+                stream.send(pb.Directive(term=self.term, generation=self.state.generation, drain=pb.Drain(
+                    after_step=after_step, reason=self.state.outcome_reason if stopped else "graceful leave",
+                    stop=stopped)))
 
     def _reason_for(self, node_id: str) -> str:
         for e in reversed(self.state.history):
@@ -393,6 +448,8 @@ class JobLeader:
             elif isinstance(event, Leave):
                 rm = self.state.rank_map
                 fut.set_result((self.state.generation, rm.switch_at_step if rm and not event.immediate else 0))
+            elif isinstance(event, Stop):
+                fut.set_result(max((step for node, step in d.drains), default=0))
 
     # ---- requests --------------------------------------------------------------------
 
@@ -420,6 +477,7 @@ class JobLeader:
             heartbeat_interval_ms=int(self.timing.heartbeat_interval_s * 1000),
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
             session_secret=secret,
+            run=self.state.run,
         )
 
     async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
@@ -431,6 +489,25 @@ class JobLeader:
                             want_result=True)
         generation, switch_at = await fut
         return pb.LeaveResponse(generation=generation, switch_at_step=switch_at)
+
+    async def stop_job(self, reason: str) -> pb.StopResponse:
+        """An operator's stop: the run ends `stopped` now, every node drains at one step."""
+        after_step = await self._enqueue(Stop(reason), want_result=True)
+        return pb.StopResponse(run=self.state.run, after_step=after_step)
+
+    async def drain_node(self, node_id: str, reason: str) -> pb.DrainResponse:
+        """An operator's drain of one node: it leaves at a step boundary, as on SIGTERM to its agent."""
+        wire.check_node(node_id)
+        if self.state.member(node_id) is None:
+            raise NotFound(f"node {node_id!r} is not a member of job {self.job!r}")
+        placed = self.state.rank_map is not None and self.state.rank_map.placement(node_id) is not None
+        stream = self.streams.get(node_id)
+        if stream:
+            stream.departed = True
+        generation, switch_at = await self._enqueue(Leave(node_id, False, reason), want_result=True)
+        if stream and not placed:  # a spare or a waiting node: the decision sent it no drain
+            stream.send(pb.Directive(term=self.term, generation=generation, drain=pb.Drain(reason=reason)))
+        return pb.DrainResponse(generation=generation, after_step=switch_at if placed else 0)
 
     def _member(self, node_id: str, member_id: int):
         member = self.state.member(node_id)
@@ -458,6 +535,9 @@ class JobLeader:
         A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
         wire.check_node(first.node_id)
         wire.check_rejoin(first)
+        if first.run and first.run != self.state.run:
+            raise FailedPrecondition(f"run {first.run} of job {self.job!r} has ended; the job's name runs run "
+                                     f"{self.state.run} now")
         if self.state.rebuilding and first.HasField("rejoin") and self.state.member(first.node_id) is None:
             return self._take_back(first, link, stream_id)
         member = self._member(first.node_id, first.member_id)
@@ -560,6 +640,12 @@ class JobLeader:
             reports = wire.check_frame_ranks(frame, member)  # not the ranks it had: read it all
         if frame.exits:
             self._signals.append(now)
+        if not self._finishing_asked and not self.state.frozen:
+            done = next((r for r in reports if r.state == "finished"), None)
+            if done is not None:
+                self._finishing_asked = True
+                self._enqueue(Finishing(member.node_id, f"local rank {done.local_rank} (pid {done.pid}) of node "
+                                                        f"{member.node_id!r} completed its script: the job is ending"))
         recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=vouched)
         stream.local_ranks = tuple(r.local_rank for r in reports)
         if frame.exits:

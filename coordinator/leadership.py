@@ -4,10 +4,9 @@ which a JobLeader learns that its leadership is over, and the only way it writes
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 
-from muster.coordinator.core.state import JobState, encode
+from muster.coordinator.core.state import JobState, encode, encode_spec, run_summary
 from muster.coordinator.errors import PersistUnavailable
 from muster.coordinator.etcd.client import EtcdError
 from muster.coordinator.etcd.election import LeaderKey
@@ -48,10 +47,19 @@ class Leadership:
     async def write_state(self, state: JobState) -> None:
         """Write `state` iff this term still holds. Raises Fenced (the term is over) or
         PersistUnavailable (not written: the leader decides again on its next tick)."""
-        spec = json.dumps(vars(state.spec)).encode() if self._restore_spec else None
+        spec = encode_spec(state.spec, state.run) if self._restore_spec else None
         try:
             # Encoding a large job's state takes a while: off the event loop, with the write.
             await asyncio.to_thread(lambda: self._store.write_state(self.key, encode(state), spec=spec))
         except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
             raise PersistUnavailable(str(exc)) from exc
         self._restore_spec = False
+
+    async def end_run(self, state: JobState, retain_s: float) -> None:
+        """Record the ended run (`state`, its outcome set) for `retain_s` and remove the job, iff this
+        term still holds. Raises Fenced or PersistUnavailable (the leader tries again next tick)."""
+        try:
+            await asyncio.to_thread(lambda: self._store.end_run(self.key, state.run, encode(state), run_summary(state),
+                                                                retain_s))
+        except EtcdError as exc:
+            raise PersistUnavailable(str(exc)) from exc

@@ -52,8 +52,15 @@ class Metrics:
         self.recovery = Histogram("muster_recovery_seconds", "A new generation's decision until every node of its "
                                   "map reported it and a step past the one at the decision", ["job"],
                                   buckets=RECOVERY_BUCKETS, registry=r)
+        # By outcome only: a per-job label would grow with every job the deployment ever ran.
+        self.runs_ended = Counter("muster_runs_ended", "Runs of jobs that ended, by outcome", ["outcome"], registry=r)
         self.etcd_write = Histogram("muster_etcd_write_seconds", "Fenced job state writes to etcd",
                                     buckets=WRITE_BUCKETS, registry=r)
+
+    def forget(self, job: str) -> None:
+        """Drop the job's labelled series (its run ended): what a replica exports stays bounded."""
+        for metric in (self.frames, self.generations, self.detection, self.recovery, self.evictions):
+            metric.remove_by_labels({"job": job})
 
     def watch(self, gauges: Callable[[], Iterable[JobGauges]], ready: Callable[[], bool]) -> None:
         """Read `gauges()` (every known job) and `ready()` at each scrape."""

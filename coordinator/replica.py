@@ -20,8 +20,9 @@ import structlog
 from muster.coordinator import wire
 from muster.coordinator.coordination import Coordination, JobElection, LeaseSession
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
-from muster.coordinator.core.state import JobState, decode
-from muster.coordinator.errors import InvalidArgument, NotFound, NotLeader, ResourceExhausted, Unavailable
+from muster.coordinator.core.state import JobState, decode, decode_spec, encode_spec
+from muster.coordinator.errors import (FailedPrecondition, InvalidArgument, NotFound, NotLeader, ResourceExhausted,
+                                       Unavailable)
 from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
 from muster.coordinator.etcd.election import EtcdCoordination, LeaderKey
 from muster.coordinator.etcd.store import JobStore
@@ -55,6 +56,7 @@ class ReplicaConfig:
     relay: bool = True  # relay node streams of jobs this replica does not lead (--no-relay: refuse them)
     relay_min_nodes: int = 64  # a job relays from this many nodes (members, or its min_nodes) on
     relay_batch_s: float = 0.02  # a relay's batch window (exits and hang-ups go at once)
+    retain_finished_s: float = 7 * 86400.0  # a finished run's record is kept this long, then etcd deletes it
 
 
 @dataclass
@@ -121,7 +123,8 @@ class Replica:
         self._loop = asyncio.get_running_loop()
         await self._new_session()
         self._cancel_watch = self.store.watch_jobs(
-            lambda job: self._loop.call_soon_threadsafe(self._discovered, job)
+            lambda job: self._loop.call_soon_threadsafe(self._discovered, job),
+            lambda job: self._loop.call_soon_threadsafe(self._forget, job),
         )
         for job in await asyncio.to_thread(self.store.list_jobs):
             self._discovered(job)
@@ -208,6 +211,17 @@ class Replica:
 
     def _campaign_thread(self, job: str, election: JobElection, stop: threading.Event, delay: float,
                          resign: JobElection | None) -> None:
+        try:
+            self._campaign_for(job, election, stop, delay, resign)
+        finally:
+            if job not in self.jobs:  # the job ended: its key must not outlive it (it would until the session ends)
+                try:
+                    election.withdraw()
+                except EtcdError as exc:
+                    self.log.warning("withdraw_failed", job=job, error=str(exc))
+
+    def _campaign_for(self, job: str, election: JobElection, stop: threading.Event, delay: float,
+                      resign: JobElection | None) -> None:
         if resign is not None:
             try:  # lets a standby lead at once; else the key goes with the session
                 resign.resign()
@@ -236,6 +250,12 @@ class Replica:
             data, spec = await asyncio.to_thread(lambda: (self.store.load_state(job), self.store.get_spec(job)))
             if stop.is_set() or self._closing:
                 return
+            if data is None and spec is None and (job not in self.jobs or await asyncio.to_thread(
+                    self.store.last_run, job)):
+                # The job's run ended (its spec went with it) as this campaign won: not a job etcd lost.
+                self.log.info("ended_job_not_led", job=job)
+                self._forget(job)
+                return
             leader = self._leader(key, data, spec)
         except EtcdUnavailable as exc:
             self.log.warning("job_state_unreadable", job=job, error=str(exc))
@@ -262,8 +282,8 @@ class Replica:
             # No state: a new job, or one etcd lost. Nodes that were members say so as they
             # reconnect, and are taken back (a new job has none); without a spec either, the
             # first of them brings it.
-            state = JobState(job, JobSpec(**json.loads(spec)) if spec else self.config.default_spec, rebuilding=True,
-                             spec_lost=spec is None)
+            asked, run = decode_spec(spec) if spec else (self.config.default_spec, 1)
+            state = JobState(job, asked, rebuilding=True, spec_lost=spec is None, run=run)
             if spec is None:
                 self.log.warning("job_spec_missing", job=job)
                 spec_lost = True
@@ -275,14 +295,39 @@ class Replica:
             tick_s=self.config.tick_s,
             limits=self.config.limits,
             metrics=self.metrics,
+            retain_s=self.config.retain_finished_s,
         )
 
     async def _follow(self, leader: JobLeader) -> None:
         """A leadership that ended by itself (a fenced write, a fault, the session past its renew
         deadline) is dropped here; one this replica ended (closing, a lost session) is gone already."""
         await leader.leadership.lost.wait()
-        if self.leaders.get(leader.job) is leader:
+        if self.leaders.get(leader.job) is not leader:
+            return
+        if leader.ended:
+            self._forget(leader.job)
+        else:
             self._leadership_lost(leader.job, leader.lost_reason)
+
+    def _forget(self, job: str) -> None:
+        """The job's run ended (its spec is gone): no campaign, leader, relay, retry or metric of it
+        stays. A leader still holding members is rebuilding a job etcd lost, and stays."""
+        leader = self.leaders.get(job)
+        if leader is not None and not leader.ended and leader.state.members:
+            return
+        self.jobs.discard(job)
+        if leader is not None:
+            del self.leaders[job]
+            asyncio.ensure_future(leader.stop("the job's run ended"))
+        campaign = self._campaigns.pop(job, None)
+        if campaign is not None:
+            campaign.stop.set()  # its thread withdraws its key
+        relay = self.relays.pop(job, None)
+        if relay is not None:
+            relay.close()
+        self._retries.pop(job, None)
+        self.metrics.forget(job)
+        self.log.info("job_forgotten", job=job, jobs=len(self.jobs))
 
     def _leadership_lost(self, job: str, reason: str) -> None:
         """One job's leadership is void: drop it, resign its key and campaign for it again after a
@@ -380,7 +425,8 @@ class Replica:
         except InvalidPolicy as exc:
             raise InvalidArgument(str(exc)) from exc
         try:
-            await asyncio.to_thread(self.store.create_spec, job, json.dumps(vars(spec)).encode())
+            # A name whose runs ended starts the next run (numbered on from the retained records).
+            await asyncio.to_thread(lambda: self.store.create_spec(job, encode_spec(spec, self.store.last_run(job) + 1)))
         except EtcdUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
         self._discovered(job)
@@ -394,11 +440,15 @@ class Replica:
                 raise NotLeader(job, address)
             await asyncio.sleep(0.02)
 
-    async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page()) -> pb.StatusResponse:
+    async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page(),
+                     run: int = 0) -> pb.StatusResponse:
         names = [wire.check_job(job)] if job else sorted(self.jobs)
-        if job and job not in self.jobs:
-            raise NotFound(f"job {job!r} is unknown to this deployment")
         resp = pb.StatusResponse(replica=self.address)
+        if job and (run or job not in self.jobs):  # a finished run, or the running one
+            state = await self._of_run(job, run)
+            if state is not None:
+                resp.jobs.append(wire.job_status(state, "", 0, None, brief, page))
+                return resp
         for name in names:
             leader = self.leaders.get(name)
             if leader is not None:
@@ -409,16 +459,90 @@ class Replica:
             resp.jobs.append(wire.job_status(state, address, term, None, brief, page))
         return resp
 
-    async def events(self, job: str) -> pb.EventsResponse:
+    async def events(self, job: str, run: int = 0) -> pb.EventsResponse:
         wire.check_job(job)
         leader = self.leaders.get(job)
-        if leader is not None:
-            state = leader.state
-        elif job in self.jobs:
-            state, _ = await self._persisted(job)
-        else:
-            raise NotFound(f"job {job!r} is unknown to this deployment")
-        return pb.EventsResponse(job=job, events=[wire.event_pb(e) for e in state.history])
+        state = await self._of_run(job, run) if run or job not in self.jobs else None
+        if state is None:
+            state = leader.state if leader is not None else (await self._persisted(job))[0]
+        return pb.EventsResponse(job=job, run=state.run, events=[wire.event_pb(e) for e in state.history])
+
+    async def _of_run(self, job: str, run: int) -> JobState | None:
+        """A finished run's final state: `run`, or at 0 the latest retained one of a name with no
+        running run. None: the running run is the one asked for. NotFound when there is neither."""
+        if job in self.jobs:
+            leader = self.leaders.get(job)
+            current = leader.state.run if leader is not None else (await self._persisted(job))[0].run
+            if not run or run == current:
+                return None
+
+        def read():
+            found = run or self.store.last_run(job)
+            return self.store.load_run(job, found) if found else None
+
+        try:
+            data = await asyncio.to_thread(read)
+        except EtcdUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        if data is None:
+            raise NotFound(f"job {job!r} has no run {run} in this deployment" if run else
+                           f"job {job!r} is unknown to this deployment (no running or retained run)")
+        return decode(data)
+
+    # ---- operator verbs --------------------------------------------------------------
+
+    async def list_jobs(self, job: str = "") -> pb.JobsResponse:
+        """Running jobs (each as its leader or etcd has it), then retained finished runs, newest first."""
+        if job:
+            wire.check_job(job)
+        resp = pb.JobsResponse()
+        for name in sorted(self.jobs):
+            if job and name != job:
+                continue
+            leader = self.leaders.get(name)
+            if leader is not None:
+                state, address = leader.state, self.address
+            else:
+                state, (address, _) = await self._persisted(name)
+            rm = state.rank_map
+            resp.jobs.append(wire.job_record(name, state.run, {
+                "outcome": state.outcome.value, "reason": state.outcome_reason, "generation": state.generation,
+                "world_size": rm.world_size if rm else 0, "started_ms": state.started_ms, "ended_ms": state.ended_ms},
+                address))
+        try:
+            finished = await asyncio.to_thread(self.store.runs, job)
+        except EtcdUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        records = [wire.job_record(name, run, json.loads(summary)) for name, run, summary in finished]
+        resp.jobs.extend(sorted(records, key=lambda r: (-r.ended_unix_ms, r.name)))
+        return resp
+
+    async def stop_job(self, job: str, reason: str) -> pb.StopResponse:
+        await self._running(job)
+        return await (await self.leader_for(job)).stop_job(reason or "stopped by an operator")
+
+    async def drain_node(self, job: str, node: str, reason: str) -> pb.DrainResponse:
+        await self._running(job)
+        return await (await self.leader_for(job)).drain_node(node, reason or "drained by an operator")
+
+    async def delete_runs(self, job: str, run: int) -> pb.DeleteResponse:
+        wire.check_job(job)
+        leader = self.leaders.get(job)
+        if run and leader is not None and leader.state.run == run:
+            raise FailedPrecondition(f"run {run} of job {job!r} is running: stop it first (muster stop {job})")
+        try:
+            deleted = await asyncio.to_thread(self.store.delete_runs, job, run)
+        except EtcdUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        if not deleted:
+            raise NotFound(f"job {job!r} has no retained finished run" + (f" {run}" if run else ""))
+        return pb.DeleteResponse(deleted=deleted)
+
+    async def _running(self, job: str) -> None:
+        wire.check_job(job)
+        if job not in self.jobs:
+            last = await asyncio.to_thread(self.store.last_run, job)
+            raise FailedPrecondition(f"job {job!r} is not running" + (f" (its run {last} has ended)" if last else ""))
 
     async def _persisted(self, job: str) -> tuple[JobState, tuple[str, int]]:
         def read():
@@ -431,7 +555,8 @@ class Replica:
         if data:
             state = decode(data)
         elif spec:
-            state = JobState(job, JobSpec(**json.loads(spec)))
+            asked, run = decode_spec(spec)
+            state = JobState(job, asked, run=run)
         else:
             raise NotFound(f"job {job!r} is unknown to this deployment")
         return state, found or ("", 0)

@@ -95,11 +95,38 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals
     async def Status(self, request, context):
-        return await self.replica.status(request.job, request.brief, wire.check_page(request))
+        return await self.replica.status(request.job, request.brief, wire.check_page(request), request.run)
 
     @_refusals
     async def Events(self, request, context):
-        return await self.replica.events(request.job)
+        return await self.replica.events(request.job, request.run)
+
+    # ---- operator verbs: an operator's token, whichever job they name -------------------
+
+    def _operator(self, context) -> None:
+        if self.tokens is not None:
+            self.tokens.check(context.invocation_metadata(), "")
+
+    @_refusals
+    async def Jobs(self, request, context):
+        self._operator(context)
+        return await self.replica.list_jobs(request.job)
+
+    @_refusals
+    async def Stop(self, request, context):
+        self._operator(context)
+        return await self.replica.stop_job(request.job, wire.check_reason(request.reason))
+
+    @_refusals
+    async def Drain(self, request, context):
+        self._operator(context)
+        wire.check_job(request.job)
+        return await self.replica.drain_node(request.job, request.node, wire.check_reason(request.reason))
+
+    @_refusals
+    async def Delete(self, request, context):
+        self._operator(context)
+        return await self.replica.delete_runs(request.job, request.run)
 
     async def Session(self, request_iterator, context):
         stream = leader = reader = None

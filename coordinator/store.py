@@ -9,6 +9,7 @@ contract suite (tests/contract/) holds both to the same behaviour.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -34,13 +35,30 @@ class JobStorage(Protocol):
 
     def list_jobs(self) -> list[str]: ...
 
-    def watch_jobs(self, callback: Callable[[str], None]) -> Callable[[], None]:
-        """callback(job) for each spec created after this call returns; returns cancel()."""
+    def watch_jobs(self, callback: Callable[[str], None],
+                   removed: Callable[[str], None] | None = None) -> Callable[[], None]:
+        """callback(job) for each spec created after this call returns, removed(job) for each one
+        deleted (the job's run ended); returns cancel()."""
 
     def load_state(self, job: str) -> bytes | None: ...
 
     def write_state(self, leader: LeaderKey, state: bytes, *, spec: bytes | None = None) -> int:
         """Write state (and a lost spec) iff the leader's term still holds; a revision."""
+
+    def end_run(self, leader: LeaderKey, run: int, record: bytes, summary: bytes, retain_s: float) -> None:
+        """Iff the leader's term holds: keep the run's record and summary for retain_s (none at 0),
+        delete the job's spec, state and the leader's election key. Raises Fenced otherwise."""
+
+    def runs(self, job: str = "") -> list[tuple[str, int, bytes]]:
+        """(job, run, summary) of the retained finished runs, of `job` or of every job."""
+
+    def last_run(self, job: str) -> int:
+        """The highest retained run of `job` (0: none)."""
+
+    def load_run(self, job: str, run: int) -> bytes | None: ...
+
+    def delete_runs(self, job: str, run: int = 0) -> int:
+        """Delete a finished run's record (every retained run of `job` at 0); how many."""
 
 
 class MemoryJobStore:
@@ -49,13 +67,16 @@ class MemoryJobStore:
     an etcd election key is gone once a later one leads; watch callbacks run on the writer's
     thread, at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
+        # (job, run) -> (record, summary, expiry): a retained finished run, gone past its expiry
+        self._runs: dict[tuple[str, int], tuple[bytes, bytes, float]] = {}
         self._specs: dict[str, bytes] = {}
         self._states: dict[str, bytes] = {}
         self._terms: dict[str, int] = {}  # job -> the latest term that wrote its state
         self._revision = 0
-        self._watchers: list[Callable[[str], None]] = []
+        self._watchers: list[tuple[Callable[[str], None], Callable[[str], None] | None]] = []
         self._fence_next: set[str | None] = set()
         self._unavailable: set[str | None] = set()
 
@@ -81,6 +102,7 @@ class MemoryJobStore:
             self._specs.clear()
             self._states.clear()
             self._terms.clear()
+            self._runs.clear()
         log.warning("memory_store_lost_everything")
 
     # ---- JobStorage ------------------------------------------------------------------
@@ -90,7 +112,7 @@ class MemoryJobStore:
             self._check(job)
             created = job not in self._specs
             stored = self._specs.setdefault(job, spec)
-            watchers = list(self._watchers) if created else []
+            watchers = [created_cb for created_cb, _ in self._watchers] if created else []
         for callback in watchers:
             self._emit(callback, job)
         return stored
@@ -105,15 +127,17 @@ class MemoryJobStore:
             self._check(None)
             return sorted(self._specs)
 
-    def watch_jobs(self, callback: Callable[[str], None]) -> Callable[[], None]:
+    def watch_jobs(self, callback: Callable[[str], None],
+                   removed: Callable[[str], None] | None = None) -> Callable[[], None]:
+        watcher = (callback, removed)
         with self._lock:
             self._check(None)
-            self._watchers.append(callback)
+            self._watchers.append(watcher)
 
         def cancel() -> None:
             with self._lock:
-                if callback in self._watchers:
-                    self._watchers.remove(callback)
+                if watcher in self._watchers:
+                    self._watchers.remove(watcher)
 
         return cancel
 
@@ -138,10 +162,55 @@ class MemoryJobStore:
                 self._specs[job] = spec
             self._revision += 1
             revision = self._revision
-            watchers = list(self._watchers) if created else []
+            watchers = [created_cb for created_cb, _ in self._watchers] if created else []
         for callback in watchers:
             self._emit(callback, job)
         return revision
+
+    def end_run(self, leader: LeaderKey, run: int, record: bytes, summary: bytes, retain_s: float) -> None:
+        job = leader.job
+        with self._lock:
+            self._check(job)
+            if leader.term < self._terms.get(job, 0) or job in self._fence_next or None in self._fence_next:
+                self._fence_next.difference_update({job, None})
+                raise Fenced(f"job {job!r}: leadership term {leader.term} is over; its run was not ended")
+            if retain_s > 0:
+                self._runs[(job, run)] = (record, summary, self._clock() + retain_s)
+            self._specs.pop(job, None)
+            self._states.pop(job, None)
+            self._terms.pop(job, None)
+            watchers = [removed for _, removed in self._watchers if removed is not None]
+        for callback in watchers:
+            self._emit(callback, job)
+
+    def runs(self, job: str = "") -> list[tuple[str, int, bytes]]:
+        with self._lock:
+            self._check(job or None)
+            self._expire()
+            return sorted((j, r, summary) for (j, r), (_, summary, _) in self._runs.items() if not job or j == job)
+
+    def last_run(self, job: str) -> int:
+        return max((r for _, r, _ in self.runs(job)), default=0)
+
+    def load_run(self, job: str, run: int) -> bytes | None:
+        with self._lock:
+            self._check(job)
+            self._expire()
+            found = self._runs.get((job, run))
+            return found[0] if found else None
+
+    def delete_runs(self, job: str, run: int = 0) -> int:
+        with self._lock:
+            self._check(job)
+            doomed = [key for key in self._runs if key[0] == job and (not run or key[1] == run)]
+            for key in doomed:
+                del self._runs[key]
+            return len(doomed)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for key in [k for k, (_, _, until) in self._runs.items() if until <= now]:
+            del self._runs[key]
 
     def _check(self, job: str | None) -> None:
         if None in self._unavailable or (job is not None and job in self._unavailable):

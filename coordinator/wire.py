@@ -37,6 +37,7 @@ RANK_STATES = {
     pb.RANK_STATE_FORMING: "forming",
     pb.RANK_STATE_HOLDING: "holding",
     pb.RANK_STATE_RESTARTING: "restarting",
+    pb.RANK_STATE_FINISHED: "finished",
 }
 # Status pages: the default keeps any Status far below the 1 MiB message limit (a rank is at most
 # ~170 bytes with a 128-character node id), the most stays below it.
@@ -103,9 +104,14 @@ def check_join(req: pb.JoinRequest) -> None:
 def check_leave(req: pb.LeaveRequest) -> None:
     check_job(req.job)
     check_node(req.node_id)
-    if len(req.reason) > MAX_REASON_CHARS:
-        raise InvalidArgument(f"reason is {len(req.reason)} characters; at most {MAX_REASON_CHARS}")
+    check_reason(req.reason)
     check_secret(req.session_secret)
+
+
+def check_reason(reason: str) -> str:
+    if len(reason) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"reason is {len(reason)} characters; at most {MAX_REASON_CHARS}")
+    return reason
 
 
 def check_rejoin(first: pb.NodeFrame) -> None:
@@ -357,6 +363,11 @@ def job_status(state: JobState, leader: str, term: int, live: Liveness | None, b
         world_size=rm.world_size if rm else 0,
         phase=state.phase.value,
         live=live is not None,
+        run=state.run,
+        outcome=state.outcome.value,
+        outcome_reason=state.outcome_reason,
+        started_unix_ms=state.started_ms,
+        ended_unix_ms=state.ended_ms,
     )
     if brief:
         return js
@@ -367,6 +378,13 @@ def job_status(state: JobState, leader: str, term: int, live: Liveness | None, b
         js.spares.extend(state.spares[:MAX_LISTED_NODES])
         js.summary.CopyFrom(summary or job_summary(state, live))
     return js
+
+
+def job_record(job: str, run: int, summary: dict, leader: str = "") -> pb.JobRecord:
+    """A run as `muster jobs` lists it, from a finished run's summary or a running job's state."""
+    return pb.JobRecord(name=job, run=run, outcome=summary["outcome"], reason=summary["reason"],
+                        world_size=summary["world_size"], generation=summary["generation"],
+                        started_unix_ms=summary["started_ms"], ended_unix_ms=summary["ended_ms"], leader=leader)
 
 
 def node_kind(is_process: bool) -> NodeKind:

@@ -69,7 +69,7 @@ class Failure:
 
 
 UNMONITORED = frozenset({"unmonitored", "restarting"})  # scripts without the library: no steps to judge
-NO_PROGRESS = UNMONITORED | {"exited"}  # reports that say nothing of a library rank's progress
+NO_PROGRESS = UNMONITORED | {"exited", "finished"}  # reports that say nothing of a library rank's progress
 REPORTED = frozenset({"exited", "restarting"})  # acted on as reported, not at a deadline
 WAITING = frozenset({"long_phase", "forming", "holding"})  # phases timed from when they began
 

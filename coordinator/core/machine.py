@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.rankmap import assign_ranks, rank0_address
-from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
+from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Outcome, Phase, RankMap
 from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, MusterError, NotFound,
-                                       PermissionDenied, ResourceExhausted)
+                                       PermissionDenied, ResourceExhausted, Unavailable)
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
@@ -108,11 +108,26 @@ class Regroup:
 
 
 @dataclass(frozen=True)
+class Finishing:
+    """A rank of the node completed its script: the job is ending, nothing re-forms it any more."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """An operator stops the job: every node drains at one step, and the run ends `stopped`."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
-    """Nothing happened but time passed (forming deadline)."""
+    """Nothing happened but time passed (forming and waiting deadlines)."""
 
 
-MembershipEvent = Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Regroup | Tick
+MembershipEvent = Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Regroup | Finishing | Stop | Tick
 
 
 @dataclass(frozen=True)
@@ -140,12 +155,15 @@ class Decision:
     drains: tuple[tuple[str, int], ...] = ()  # (node_id, after_step) leaving at a step boundary
     joined: tuple[Member, ...] = ()
     rejected: tuple[tuple[int, MusterError], ...] = ()  # (index in events, why): nothing of it applied
+    ended: bool = False  # this decision ended the run (its outcome is in `state`)
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
     members = {m.node_id: m for m in state.members}
     in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
     next_seq, generation, spec, spec_lost = state.next_seq, state.generation, state.spec, state.spec_lost
+    finishing, failure, stop = state.finishing, state.failure, None
+    departed = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
     log: list[Event] = []
     evicted: list[tuple[str, int]] = []
     leaving: list[str] = []
@@ -173,6 +191,11 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             generation = max(generation, ev.generation)
             changed = True
         elif isinstance(ev, Join):
+            if state.ended:
+                rejected.append((index, Unavailable(
+                    f"run {state.run} of job {state.job!r} has ended ({state.outcome.value}) and its nodes are "
+                    f"draining; a join starts run {state.run + 1} once they are gone")))
+                continue
             if ev.node_id in members:
                 rejected.append((index, AlreadyExists(
                     f"node {ev.node_id!r} is already a member of job {state.job!r} "
@@ -204,9 +227,15 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                 continue
             del members[ev.node_id]
             changed = True
+            departed = "left_now" if ev.immediate else "left"
             if ev.finished:
                 note("node_finished", ev.reason, ev.node_id)
+                if not finishing and not state.ended:
+                    finishing = True
+                    note("finishing", f"node {ev.node_id!r} finished: the job is ending", ev.node_id)
                 continue
+            if finishing and ev.node_id in in_map:
+                failure = failure or f"node {ev.node_id!r} left before it finished: {ev.reason}"
             graceful = not ev.immediate and ev.node_id in in_map
             note("node_left", ("graceful: " if graceful else "immediate: ") + ev.reason, ev.node_id)
             if ev.node_id in in_map:
@@ -224,6 +253,9 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             note(ev.kind, ev.reason, ev.node_id)
             unplanned |= ev.node_id in in_map
             changed = True
+            departed = "lost"
+            if finishing and ev.node_id in in_map:
+                failure = failure or f"node {ev.node_id!r} was lost while the job finished ({ev.kind}: {ev.reason})"
         elif isinstance(ev, SlotDown):
             member = members.get(ev.node_id)
             if member is None or ev.slot in member.down_slots or ev.slot >= member.slots:
@@ -233,6 +265,9 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             placement = state.rank_map.placement(ev.node_id) if in_map else None
             unplanned |= placement is not None and ev.slot in placement.slots
             changed = True
+            if finishing and placement is not None and ev.slot in placement.slots:
+                failure = failure or (f"rank {placement.rank_of(ev.slot)} (node {ev.node_id!r}, local rank {ev.slot}) "
+                                      f"failed while the job finished ({ev.kind}: {ev.reason})")
         elif isinstance(ev, SlotsUp):
             member = members.get(ev.node_id)
             back = frozenset(ev.slots) & member.down_slots if member else frozenset()
@@ -244,18 +279,32 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         elif isinstance(ev, Diverged):
             note("replicas_diverged", ev.reason, *ev.nodes)
             changed = True
+        elif isinstance(ev, Finishing):
+            if not finishing and not state.ended:
+                finishing = changed = True
+                note("finishing", ev.reason, ev.node_id)
+        elif isinstance(ev, Stop):
+            if state.ended or stop is not None:
+                rejected.append((index, FailedPrecondition(
+                    f"run {state.run} of job {state.job!r} has ended already ({state.outcome.value})")))
+                continue
+            stop = ev
+            changed = True
         elif isinstance(ev, Regroup):
-            if state.phase is not Phase.RUNNING:
+            if state.phase is not Phase.RUNNING or finishing:
                 continue
             if not any(e.kind == ev.kind and e.nodes == ev.nodes[:EVENT_NODES_MAX] for e in log):
                 note(ev.kind, ev.reason, *ev.nodes[:EVENT_NODES_MAX])  # an exit and its report: one fault
             regroup = unplanned = changed = True
 
     nxt = state.with_members(tuple(members.values()))
-    nxt = replace(nxt, next_seq=next_seq, generation=generation, spec=spec, spec_lost=spec_lost)
+    nxt = replace(nxt, next_seq=next_seq, generation=generation, spec=spec, spec_lost=spec_lost, finishing=finishing,
+                  failure=failure, started_ms=state.started_ms or ctx.wall_ms)
     drains: tuple[tuple[str, int], ...] = ()
 
-    if nxt.rebuilding:
+    if nxt.frozen or stop is not None:
+        new_generation = False  # the job is ending: nothing re-forms it
+    elif nxt.rebuilding:
         nxt, new_generation = _rebuild(nxt, ctx, log)
     elif state.phase is Phase.FORMING:
         nxt, formed = _maybe_form(nxt, ctx, log)
@@ -286,6 +335,17 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             drains = tuple((node_id, switch_at) for node_id in leaving if not abort)
             new_generation = True
 
+    nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
+                  if nxt.phase is Phase.WAITING and not nxt.ended else None)
+    ending = None if nxt.ended else _outcome(state, nxt, stop, departed, ctx)
+    if ending is not None:
+        outcome, reason = ending
+        nxt = replace(nxt, outcome=outcome, outcome_reason=reason, ended_ms=ctx.wall_ms, waiting_deadline=None)
+        log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, outcome.value, reason))
+        if stop is not None:  # every node drains at one step (a node out of the map at once)
+            switch_at = _switch_at(state, ctx) if state.rank_map and state.phase is Phase.RUNNING else 0
+            drains = tuple((m.node_id, switch_at if m.node_id in in_map else 0) for m in nxt.members)
+        changed = True
     if new_generation:
         log = [replace(e, generation=nxt.generation) for e in log]
     history = (state.history + tuple(log))[-ctx.timing.history_limit :]
@@ -299,7 +359,31 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         drains=drains,
         joined=tuple(joined),
         rejected=tuple(rejected),
+        ended=ending is not None,
     )
+
+
+def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str,
+             ctx: Context) -> tuple[Outcome, str] | None:
+    """How the run ends now, if it does: stopped by an operator; every node of its map finished
+    (succeeded, unless a rank failed meanwhile); its last member gone; or below min_nodes too long."""
+    if stop is not None:
+        return Outcome.STOPPED, stop.reason
+    rm = state.rank_map
+    if state.finishing and not any(state.member(n) for n in (rm.node_ids if rm else ())):
+        if state.failure:
+            return Outcome.FAILED, state.failure
+        return Outcome.SUCCEEDED, (f"every rank of generation {rm.generation} completed its script "
+                                   f"(world size {rm.world_size})" if rm else "every node finished")
+    if before.members and not state.members and not state.rebuilding:
+        if departed == "left":
+            return Outcome.STOPPED, "every node left (drained)"
+        return Outcome.FAILED, ("every node left before the job finished" if departed == "left_now"
+                                else "every node was lost")
+    if state.waiting_deadline is not None and ctx.now >= state.waiting_deadline:
+        waiting = next((e.reason for e in reversed(state.history) if e.kind == "waiting"), "below min_nodes")
+        return Outcome.FAILED, f"waited {ctx.timing.waiting_timeout_s:g}s below what the job needs: {waiting}"
+    return None
 
 
 def _rejoin_refusal(state: JobState, member: Member | None, ev: Rejoin, members: int,

@@ -68,6 +68,8 @@ class Timing:
     # view of steps may lag by as much, so a relayed job's planned switches go this much further ahead.
     relay_progress_s: float = 1.0
     history_limit: int = 200
+    waiting_timeout_s: float = 600.0  # a job below min_nodes (after it ran) this long fails
+    stop_grace_s: float = 30.0  # a stopped job's nodes drain within this; then its run ends regardless
 
     def validate(self) -> Timing:
         for field in dataclasses.fields(self):

@@ -30,6 +30,15 @@ class Phase(str, Enum):
     WAITING = "waiting"  # had a map, fell below min_nodes
 
 
+class Outcome(str, Enum):
+    """How a run of a job ended: set once, never changed (`running` until then)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # every rank of its last map completed its script
+    FAILED = "failed"  # a rank failed while it was finishing, every node was lost, or it waited too long
+    STOPPED = "stopped"  # an operator stopped it (or every node was drained)
+
+
 @dataclass(frozen=True)
 class Member:
     node_id: str
@@ -135,6 +144,26 @@ class JobState:
     spec_lost: bool = field(default=False, compare=False)
     forming_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
     rebuild_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
+    # A job's life: the run of its name (a finished name joined again starts run + 1), when it
+    # started and ended (wall ms), and how. `finishing`: a rank of the map completed its script, so
+    # nothing re-forms the job any more; `failure` the first failure seen since (the outcome's reason).
+    run: int = 1
+    outcome: Outcome = Outcome.RUNNING
+    outcome_reason: str = ""
+    started_ms: int = 0
+    ended_ms: int = 0
+    finishing: bool = False
+    failure: str = ""
+    waiting_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not Outcome.RUNNING
+
+    @property
+    def frozen(self) -> bool:
+        """No new generation: the job is finishing, or its run ended (members drain)."""
+        return self.finishing or self.ended
 
     @cached_property
     def _by_node(self) -> dict[str, Member]:
@@ -158,6 +187,25 @@ class JobState:
 
     def with_members(self, members: tuple[Member, ...]) -> JobState:
         return replace(self, members=tuple(sorted(members, key=lambda m: m.seq)))
+
+
+def encode_spec(spec: JobSpec, run: int) -> bytes:
+    """A job's spec as etcd keeps it: its sizes and the run of its name it was created for."""
+    return _json({**vars(spec), "run": run}).encode()
+
+
+def decode_spec(data: bytes) -> tuple[JobSpec, int]:
+    doc = json.loads(data)
+    run = doc.pop("run", 1)  # specs written before runs: the first
+    return JobSpec(**doc), run
+
+
+def run_summary(state: JobState) -> bytes:
+    """What `muster jobs` lists of a finished run (its record holds the rest)."""
+    rm = state.rank_map
+    return _json({"outcome": state.outcome.value, "reason": state.outcome_reason, "generation": state.generation,
+                  "world_size": rm.world_size if rm else 0, "started_ms": state.started_ms,
+                  "ended_ms": state.ended_ms}).encode()
 
 
 def _json(value) -> str:
@@ -187,6 +235,13 @@ def encode(state: JobState) -> bytes:
         "phase": _json(state.phase.value),
         "next_seq": _json(state.next_seq),
         "rebuilding": _json(state.rebuilding),
+        "run": _json(state.run),
+        "outcome": _json(state.outcome.value),
+        "outcome_reason": _json(state.outcome_reason),
+        "started_ms": _json(state.started_ms),
+        "ended_ms": _json(state.ended_ms),
+        "finishing": _json(state.finishing),
+        "failure": _json(state.failure),
         "members": _array(m.json for m in state.members),
         "rank_map": "null" if rm is None else _object({
             "generation": _json(rm.generation),
@@ -227,6 +282,13 @@ def decode(data: bytes) -> JobState:
         phase=Phase(doc["phase"]),
         next_seq=doc["next_seq"],
         rebuilding=doc.get("rebuilding", False),
+        run=doc.get("run", 1),
+        outcome=Outcome(doc.get("outcome", "running")),
+        outcome_reason=doc.get("outcome_reason", ""),
+        started_ms=doc.get("started_ms", 0),
+        ended_ms=doc.get("ended_ms", 0),
+        finishing=doc.get("finishing", False),
+        failure=doc.get("failure", ""),
         members=tuple(
             Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"])})
             for m in doc["members"]

@@ -186,6 +186,12 @@ class Election:
         log.info("leadership_resigned", job=self.job, term=term, deleted=ok)
         return ok
 
+    def withdraw(self) -> None:
+        """Delete our candidate key, led with or not: the job ended, nobody campaigns for it."""
+        self._term = None
+        key = self.key
+        call(self._client, lambda: self._client.delete(key), "election withdraw")
+
 
 def current_leader(client: Client, job: str, *, prefix: str = DEFAULT_PREFIX) -> tuple[str, int] | None:
     """(address, term) of a job's leader as etcd has it, needing no session or campaign of ours."""

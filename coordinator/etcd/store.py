@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from typing import Any, Callable
@@ -11,7 +12,8 @@ import etcd3.exceptions
 import etcd3.watch
 import structlog
 
-from muster.coordinator.etcd.client import DEFAULT_PREFIX, POLL_S, Client, EtcdError, call, check_job_name
+from muster.coordinator.etcd.client import (DEFAULT_PREFIX, POLL_S, Client, EtcdError, LeaseNotFound, call,
+                                            check_job_name)
 from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.errors import Fenced
 
@@ -19,12 +21,16 @@ log = structlog.get_logger(__name__)
 
 
 class JobStore:
-    """Job specs (immutable, create-once) and job state (written only by the fenced leader)."""
+    """Job specs (immutable, create-once) and job state (written only by the fenced leader) of the
+    running jobs; the records of finished runs, each on a lease of the retention period, so etcd
+    itself deletes them when it ends (no sweeper; a deleted record's lease is revoked)."""
 
     def __init__(self, client: Client, *, prefix: str = DEFAULT_PREFIX) -> None:
         self._client = client
         self._specs = f"{prefix}/specs/"
         self._states = f"{prefix}/state/"
+        self._runs = f"{prefix}/runs/"  # <job>/<run>: a finished run's summary (what `muster jobs` lists)
+        self._records = f"{prefix}/finished/"  # <job>/<run>: its final state, history included
 
     def _spec_key(self, job: str) -> str:
         return self._specs + check_job_name(job)
@@ -61,13 +67,15 @@ class JobStore:
         )
         return sorted(kv.key.decode()[len(self._specs):] for kv in response.kvs)
 
-    def watch_jobs(self, callback: Callable[[str], None]) -> Callable[[], None]:
-        """callback(job) for each spec created after this call returns; returns cancel().
+    def watch_jobs(self, callback: Callable[[str], None],
+                   removed: Callable[[str], None] | None = None) -> Callable[[], None]:
+        """callback(job) for each spec created after this call returns, removed(job) for each spec
+        deleted (its run ended); returns cancel().
 
         Runs callbacks on a dedicated thread and re-arms the watch after etcd
         failures without missing or repeating creations.
         """
-        return _JobWatch(self._client, self._specs, callback).cancel
+        return _JobWatch(self._client, self._specs, callback, removed).cancel
 
     def load_state(self, job: str) -> bytes | None:
         key = self._state_key(job)
@@ -98,6 +106,80 @@ class JobStore:
             raise Fenced(f"job {leader.job!r}: leadership term {leader.term} is over; state not written")
         return responses[0].response_put.header.revision
 
+    def end_run(self, leader: LeaderKey, run: int, record: bytes, summary: bytes, retain_s: float) -> None:
+        """The run is over: iff the leader's term still holds, keep its record and summary for
+        `retain_s` (none at 0) and delete the job's spec, state and the leader's election key, so that
+        no replica campaigns for it any more and its name starts a new run."""
+        tx = self._client.transactions
+        job = leader.job
+        lease = None
+        if retain_s > 0:
+            lease = call(self._client, lambda: self._client.lease(max(2, math.ceil(retain_s))), "lease grant")
+        keep = [tx.put(key, value, lease=lease) for key, value in
+                ((self._run_key(self._records, job, run), record), (self._run_key(self._runs, job, run), summary))
+                ] if lease is not None else []
+        ok, _ = call(
+            self._client,
+            lambda: self._client.transaction(
+                compare=[tx.create(leader.key) == leader.term],
+                success=keep + [tx.delete(self._spec_key(job)), tx.delete(self._state_key(job)), tx.delete(leader.key)],
+                failure=[],
+            ),
+            "run end",
+        )
+        if not ok:
+            if lease is not None:
+                self._revoke(lease.id)
+            log.warning("run_end_fenced", job=job, term=leader.term)
+            raise Fenced(f"job {job!r}: leadership term {leader.term} is over; its run was not ended")
+        log.info("run_ended", job=job, run=run, retain_s=retain_s)
+
+    def runs(self, job: str = "") -> list[tuple[str, int, bytes]]:
+        """(job, run, summary) of the retained finished runs (of `job`, or of every job)."""
+        return [(name, run, kv.value) for name, run, kv in self._run_kvs(job)]
+
+    def _run_kvs(self, job: str) -> list:
+        prefix = self._runs + (f"{check_job_name(job)}/" if job else "")
+        response = call(self._client, lambda: self._client.get_prefix_response(prefix), "run list")
+        found = []
+        for kv in response.kvs:
+            name, _, run = kv.key.decode()[len(self._runs):].rpartition("/")
+            found.append((name, int(run), kv))
+        return found
+
+    def last_run(self, job: str) -> int:
+        """The highest run of `job` still retained (0: none)."""
+        prefix = f"{self._runs}{check_job_name(job)}/"
+        response = call(self._client, lambda: self._client.get_prefix_response(
+            prefix, keys_only=True, sort_order="descend", sort_target="key", limit=1), "run last")
+        return int(response.kvs[0].key.decode().rpartition("/")[2]) if response.kvs else 0
+
+    def load_run(self, job: str, run: int) -> bytes | None:
+        key = self._run_key(self._records, job, run)
+        value, _ = call(self._client, lambda: self._client.get(key), "run get")
+        return value
+
+    def delete_runs(self, job: str, run: int = 0) -> int:
+        """Delete a finished run's record now (every retained run of `job` at 0): its lease is
+        revoked, which deletes its keys. How many were deleted."""
+        deleted = 0
+        for _, found, kv in self._run_kvs(job):
+            if run and found != run:
+                continue
+            self._revoke(kv.lease)
+            deleted += 1
+        log.info("runs_deleted", job=job, run=run or "all", deleted=deleted)
+        return deleted
+
+    def _revoke(self, lease: int) -> None:
+        try:
+            call(self._client, lambda: self._client.revoke_lease(lease), "lease revoke")
+        except LeaseNotFound:
+            pass  # expired meanwhile: its keys are gone already
+
+    def _run_key(self, prefix: str, job: str, run: int) -> str:
+        return f"{prefix}{check_job_name(job)}/{run:012d}"  # sorted by run
+
     def delete_job(self, job: str) -> None:
         spec_key, state_key = self._spec_key(job), self._state_key(job)
         tx = self._client.transactions
@@ -117,10 +199,12 @@ _WAKE = object()
 class _JobWatch:
     """Delivers new spec keys to a callback; survives watch stream failures."""
 
-    def __init__(self, client: Client, prefix: str, callback: Callable[[str], None]) -> None:
+    def __init__(self, client: Client, prefix: str, callback: Callable[[str], None],
+                 removed: Callable[[str], None] | None = None) -> None:
         self._client = client
         self._prefix = prefix
         self._callback = callback
+        self._removed = removed
         self._stop = threading.Event()
         self._queue: queue.Queue[Any] = queue.Queue()
         # Pin the starting revision now, so creations after watch_jobs() returns
@@ -186,6 +270,8 @@ class _JobWatch:
                 # match is a creation (also a re-creation after delete_job).
                 if isinstance(event, etcd3.events.PutEvent) and event.create_revision == event.mod_revision:
                     self._emit(event.key.decode()[len(self._prefix):])
+                elif isinstance(event, etcd3.events.DeleteEvent) and self._removed is not None:
+                    self._emit(event.key.decode()[len(self._prefix):], self._removed)
                 self._next_revision = max(self._next_revision, event.mod_revision + 1)
 
     def _catch_up(self) -> None:
@@ -203,8 +289,8 @@ class _JobWatch:
                 self._emit(kv.key.decode()[len(self._prefix):])
         self._next_revision = response.header.revision + 1
 
-    def _emit(self, job: str) -> None:
+    def _emit(self, job: str, callback: Callable[[str], None] | None = None) -> None:
         try:
-            self._callback(job)
+            (callback or self._callback)(job)
         except Exception:
             log.exception("job_watch_callback_failed", job=job)

@@ -4,7 +4,8 @@ decision keeps the core's invariants, and the persisted form reads back to the s
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, Rejoin, SlotDown, SlotsUp, Tick, decide
+from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeLost, Rejoin, SlotDown, SlotsUp, Stop,
+                                             Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
 
@@ -20,6 +21,8 @@ events = st.one_of(
     st.builds(SlotsUp, st.sampled_from(NODES), st.lists(st.integers(0, 4), max_size=3).map(tuple)),
     st.builds(Rejoin, st.sampled_from(NODES), st.integers(0, 12), st.integers(0, 30), st.sampled_from(["", "a", "b"]),
               st.just("10.0.0.2"), st.integers(1, 65535), st.integers(1, 4), st.sampled_from(list(NodeKind))),
+    st.builds(Finishing, st.sampled_from(NODES), st.just("done")),
+    st.just(Stop("operator")),
     st.just(Tick()),
 )
 specs = st.builds(lambda lo, extra, mult: JobSpec(lo, lo + extra, mult), st.integers(1, 3), st.integers(0, 3),
@@ -42,8 +45,14 @@ def test_any_sequence_of_events_keeps_the_invariants(spec, batches, prestart, ma
         assert (nxt.generation > state.generation) == d.new_generation or (state.rebuilding and nxt.rank_map is None)
         assert len(nxt.members) <= max(max_members, len(state.members))
         assert len({m.node_id for m in nxt.members}) == len(nxt.members)
+        # a run ends once: its outcome and end never change, and nothing is published once it is ending
+        if state.ended:
+            assert (nxt.outcome, nxt.outcome_reason, nxt.ended_ms) == (state.outcome, state.outcome_reason,
+                                                                       state.ended_ms)
+        assert d.ended == (nxt.ended and not state.ended)
+        assert not (state.frozen and d.new_generation)
         rm = nxt.rank_map
-        if rm is not None and nxt.phase is Phase.RUNNING:
+        if rm is not None and nxt.phase is Phase.RUNNING and not nxt.frozen:
             members = {m.node_id: m for m in nxt.members}
             ranks = []
             for p in rm.placements:
