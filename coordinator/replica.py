@@ -495,6 +495,13 @@ class Replica:
         """Running jobs (each as its leader or etcd has it), then retained finished runs, newest first."""
         if job:
             wire.check_job(job)
+        try:
+            finished = await asyncio.to_thread(self.store.runs, job)
+        except EtcdUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        records = sorted((wire.job_record(name, run, json.loads(summary)) for name, run, summary in finished),
+                         key=lambda r: (-r.ended_unix_ms, r.name))
+        recorded = {(r.name, r.run) for r in records}
         resp = pb.JobsResponse()
         for name in sorted(self.jobs):
             if job and name != job:
@@ -503,18 +510,18 @@ class Replica:
             if leader is not None:
                 state, address = leader.state, self.address
             else:
-                state, (address, _) = await self._persisted(name)
+                try:
+                    state, (address, _) = await self._persisted(name)
+                except NotFound:
+                    continue  # it ended as we looked: its record is listed
+            if (name, state.run) in recorded:
+                continue
             rm = state.rank_map
             resp.jobs.append(wire.job_record(name, state.run, {
                 "outcome": state.outcome.value, "reason": state.outcome_reason, "generation": state.generation,
                 "world_size": rm.world_size if rm else 0, "started_ms": state.started_ms, "ended_ms": state.ended_ms},
                 address))
-        try:
-            finished = await asyncio.to_thread(self.store.runs, job)
-        except EtcdUnavailable as exc:
-            raise Unavailable(f"etcd is unavailable: {exc}") from exc
-        records = [wire.job_record(name, run, json.loads(summary)) for name, run, summary in finished]
-        resp.jobs.extend(sorted(records, key=lambda r: (-r.ended_unix_ms, r.name)))
+        resp.jobs.extend(records)
         return resp
 
     async def stop_job(self, job: str, reason: str) -> pb.StopResponse:

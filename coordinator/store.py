@@ -177,8 +177,7 @@ class MemoryJobStore:
             if retain_s > 0:
                 self._runs[(job, run)] = (record, summary, self._clock() + retain_s)
             self._specs.pop(job, None)
-            self._states.pop(job, None)
-            self._terms.pop(job, None)
+            self._states.pop(job, None)  # its terms stay fenced (in etcd, by the deleted election key)
             watchers = [removed for _, removed in self._watchers if removed is not None]
         for callback in watchers:
             self._emit(callback, job)

@@ -36,7 +36,10 @@ def _serve(args: argparse.Namespace) -> int:
             last_call_s=args.last_call,
             form_timeout_s=args.form_timeout,
             relay_progress_s=args.relay_progress,
+            waiting_timeout_s=args.waiting_timeout,
+            stop_grace_s=args.stop_grace,
         ).validate()
+        retain_s = duration(args.retain_finished)
         spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
         limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
         if args.relay_min_nodes < 1 or not 0 < args.relay_batch <= 1:
@@ -58,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         etcd_access=etcd_access,
         replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl,
                      limits=limits, relay=not args.no_relay, relay_min_nodes=args.relay_min_nodes,
-                     relay_batch_s=args.relay_batch),
+                     relay_batch_s=args.relay_batch, retain_finished_s=retain_s),
         peer_tls=(args.peer_tls_ca or "", args.peer_tls_cert or "", args.peer_tls_key or ""),
     )
     try:
@@ -69,6 +72,19 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def duration(text: str) -> float:
+    """Seconds from `90`, `90s`, `15m`, `12h` or `7d`."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+    try:
+        seconds = float(number) * unit
+    except ValueError:
+        raise ValueError(f"{text!r} is no duration (e.g. 3600, 90s, 15m, 12h, 7d)") from None
+    if not 0 <= seconds < 10**9:
+        raise ValueError(f"duration {text!r} is out of range")
+    return seconds
 
 
 def _etcd_access(args: argparse.Namespace):
@@ -213,14 +229,16 @@ def _status(args: argparse.Namespace) -> int:
     if args.page_size < 0:
         raise ValueError("--page-size must be at least 0")
     states = [s.strip() for s in args.states.split(",") if s.strip()] if args.states else []
+    if args.run and not job:
+        raise ValueError("--run needs --job")
     request = pb.StatusRequest(job=job, page_size=args.page_size, page_token=args.page_token or "",
-                               node=args.node or "", states=states)
+                               node=args.node or "", states=states, run=args.run)
     response = _ask(args, "Status", request)
     jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
             for j in response.jobs]
     for j in jobs:
-        j["term"] = int(j["term"])
-        j["generation"] = int(j["generation"])
+        for name in ("term", "generation", "run", "started_unix_ms", "ended_unix_ms"):
+            j[name] = int(j[name])
         for r in j["ranks"]:
             r["step"] = int(r["step"])
     if args.json:
@@ -235,8 +253,10 @@ def _status(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
     for j in jobs:
-        print(f"job {j['name']}  leader {j['leader'] or '-'}  term {j['term']}  generation {j['generation']}  "
-              f"world_size {j['world_size']}  phase {j['phase']}")
+        print(f"job {j['name']}  run {j['run']}  {j['outcome']}  leader {j['leader'] or '-'}  term {j['term']}  "
+              f"generation {j['generation']}  world_size {j['world_size']}  phase {j['phase']}")
+        if j["outcome"] != "running":
+            print(f"  ended {_when(j['ended_unix_ms'])}: {j['outcome_reason']}")
         if "summary" in j:  # the first page
             s = j["summary"]
             counts = ", ".join(f"{n} {state}" for state, n in sorted(s["rank_states"].items())) or "none"
@@ -260,13 +280,57 @@ def _status(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
-    response = _ask(args, "Events", pb.EventsRequest(job=_job(args)))
+    response = _ask(args, "Events", pb.EventsRequest(job=_job(args), run=args.run))
     if args.json:
         print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
         return 0
     for e in response.events:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time_unix_ms / 1000))
-        print(f"{when}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} {e.reason}")
+        print(f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} "
+              f"{e.reason}")
+    return 0
+
+
+def _when(unix_ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_ms / 1000)) if unix_ms else "-"
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from muster.v1 import muster_pb2 as pb
+
+    response = _ask(args, "Jobs", pb.JobsRequest(job=_job(args)))
+    if args.json:
+        print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STARTED':<19} {'ENDED':<19} REASON")
+    for j in response.jobs:
+        print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} "
+              f"{_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {j.reason}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from muster.v1 import muster_pb2 as pb
+
+    response = _ask(args, "Stop", pb.StopRequest(job=_job(args), reason=args.reason or ""))
+    at = f"after step {response.after_step}" if response.after_step else "now"
+    print(f"job {_job(args)} run {response.run} stopped: every node drains {at}, its agents exit 3")
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from muster.v1 import muster_pb2 as pb
+
+    response = _ask(args, "Drain", pb.DrainRequest(job=_job(args), node=args.node, reason=args.reason or ""))
+    at = f"after step {response.after_step}" if response.after_step else "now"
+    print(f"node {args.node} of job {_job(args)} leaves {at} (generation {response.generation} runs without it)")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from muster.v1 import muster_pb2 as pb
+
+    response = _ask(args, "Delete", pb.DeleteRequest(job=_job(args), run=args.run))
+    print(f"deleted {response.deleted} finished run(s) of job {_job(args)}")
     return 0
 
 
@@ -296,7 +360,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
     s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
-    s.add_argument("--max-jobs", type=int, default=1_000, help="jobs this deployment accepts")
+    s.add_argument("--max-jobs", type=int, default=1_000, help="running jobs this deployment accepts (finished "
+                   "ones do not count)")
+    s.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
+                   "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
+    s.add_argument("--waiting-timeout", type=float, default=600.0, help="a job below min_nodes after it ran this "
+                   "long ends failed (default %(default)s s)")
+    s.add_argument("--stop-grace", type=float, default=30.0, help="a stopped job's nodes drain within this; its "
+                   "run then ends whoever is left (default %(default)s s)")
     s.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
     s.add_argument("--max-frames-per-second", type=float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
@@ -371,10 +442,26 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--timeline", default="muster-demo.png", help="where to write the PNG timeline")
     d.set_defaults(func=_demo, verb="demo")
 
-    for name, func, helptext in (("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history")):
+    for name, func, helptext in (
+            ("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history"),
+            ("jobs", _jobs, "every job: running ones and retained finished runs, with their outcome (operator)"),
+            ("stop", _stop, "stop a running job: every node drains at one step, agents exit 3 (operator)"),
+            ("drain", _drain, "one node of a job leaves at a step boundary, as on SIGTERM to its agent (operator)"),
+            ("delete", _delete, "delete a finished job's record(s) now rather than at their retention's end "
+                                "(operator)")):
         q = sub.add_parser(name, help=helptext)
         q.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
-        q.add_argument("--job", required=(name == "events"))
+        if name in ("stop", "delete"):
+            q.add_argument("job", help="the job's name")
+        else:
+            q.add_argument("--job", required=name in ("events", "drain"))
+        if name in ("status", "events", "delete"):
+            q.add_argument("--run", type=int, default=0, help="a finished run of the job (default: the running one, "
+                           "else the latest)" if name != "delete" else "only this run (default: every retained run)")
+        if name in ("stop", "drain"):
+            q.add_argument("--reason", help="recorded in the job's history")
+        if name == "drain":
+            q.add_argument("--node", required=True, help="the node's id")
         q.add_argument("--json", action="store_true")
         q.add_argument("--timeout", type=float, default=5.0)
         if name == "status":

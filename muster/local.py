@@ -18,7 +18,7 @@ import grpc
 
 from muster.client import Coordinators
 from muster.v1 import muster_pb2 as pb
-from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
+from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 
 FAST = [
     "--heartbeat-interval", "0.05", "--heartbeat-timeout", "1.0", "--grace", "2.0",
@@ -239,6 +239,7 @@ class SimulatedNode:
         self.node_id = node_id
         self.interval_s = interval_s
         self.step = 0
+        self.finished = False  # its ranks completed their script: they report so
         self.directives: list[pb.Directive] = []
         self.errors: list[BaseException] = []
         self._task: asyncio.Task | None = None
@@ -280,9 +281,10 @@ class SimulatedNode:
             # joining a running job: like an agent, start the ranks first; they report, then get a place
             return [pb.RankReport(local_rank=s, pid=10_000 + s, state=pb.RANK_STATE_STARTING)
                     for s in asg.down_local_ranks] if asg.start_ranks else []
-        self.step += 1
+        self.step += not self.finished
         return [pb.RankReport(local_rank=s, pid=10_000 + s, step=self.step, step_time_us=50_000,
-                              state=pb.RANK_STATE_RUNNING) for s in asg.local_ranks]
+                              state=pb.RANK_STATE_FINISHED if self.finished else pb.RANK_STATE_RUNNING)
+                for s in asg.local_ranks]
 
     def _directive(self, d: pb.Directive) -> None:
         self.directives.append(d)
@@ -296,7 +298,7 @@ class SimulatedNode:
     async def _run(self) -> None:
         try:
             await self.session.run()
-        except (Evicted, grpc.aio.AioRpcError) as exc:
+        except (Evicted, JobEnded, grpc.aio.AioRpcError) as exc:
             self.errors.append(exc)
 
     async def wait_for(self, predicate, timeout_s: float, what: str):
