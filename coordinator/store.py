@@ -75,6 +75,7 @@ class MemoryJobStore:
         self._specs: dict[str, bytes] = {}
         self._states: dict[str, bytes] = {}
         self._terms: dict[str, int] = {}  # job -> the latest term that wrote its state
+        self._ended: dict[str, int] = {}  # job -> the term that ended its last run: it and older are fenced
         self._revision = 0
         self._watchers: list[tuple[Callable[[str], None], Callable[[str], None] | None]] = []
         self._fence_next: set[str | None] = set()
@@ -102,6 +103,7 @@ class MemoryJobStore:
             self._specs.clear()
             self._states.clear()
             self._terms.clear()
+            self._ended.clear()
             self._runs.clear()
         log.warning("memory_store_lost_everything")
 
@@ -151,7 +153,7 @@ class MemoryJobStore:
         with self._lock:
             self._check(job)
             hooked = [j for j in (job, None) if j in self._fence_next][:1]
-            if hooked or leader.term < self._terms.get(job, 0):
+            if hooked or leader.term < self._terms.get(job, 0) or leader.term <= self._ended.get(job, 0):
                 self._fence_next.difference_update(hooked)
                 log.warning("state_write_fenced", job=job, term=leader.term)
                 raise Fenced(f"job {job!r}: leadership term {leader.term} is over; state not written")
@@ -171,13 +173,15 @@ class MemoryJobStore:
         job = leader.job
         with self._lock:
             self._check(job)
-            if leader.term < self._terms.get(job, 0) or job in self._fence_next or None in self._fence_next:
+            if (leader.term < self._terms.get(job, 0) or leader.term <= self._ended.get(job, 0)
+                    or job in self._fence_next or None in self._fence_next):
                 self._fence_next.difference_update({job, None})
                 raise Fenced(f"job {job!r}: leadership term {leader.term} is over; its run was not ended")
             if retain_s > 0:
                 self._runs[(job, run)] = (record, summary, self._clock() + retain_s)
             self._specs.pop(job, None)
-            self._states.pop(job, None)  # its terms stay fenced (in etcd, by the deleted election key)
+            self._states.pop(job, None)
+            self._ended[job] = leader.term  # fenced from now on (in etcd, by its deleted election key)
             watchers = [removed for _, removed in self._watchers if removed is not None]
         for callback in watchers:
             self._emit(callback, job)

@@ -149,3 +149,38 @@ def test_nothing_is_left_after_the_store_lost_its_data(backend):
     store.write_state(backend.lead("job"), b"state")
     backend.lose()
     assert (store.get_spec("job"), store.load_state("job"), store.list_jobs()) == (None, None, [])
+
+
+def test_ending_a_run_keeps_its_record_and_removes_the_job(backend):
+    store = backend.store
+    removed = queue.Queue()
+    cancel = store.watch_jobs(lambda job: None, removed.put)
+    try:
+        store.create_spec("job", b"spec")
+        leader = backend.lead("job")
+        store.write_state(leader, b"state")
+        assert store.last_run("job") == 0
+        store.end_run(leader, 1, b"record", b'{"outcome": "succeeded"}', retain_s=60)
+        assert removed.get(timeout=5) == "job"
+        assert (store.get_spec("job"), store.load_state("job"), store.list_jobs()) == (None, None, [])
+        assert store.runs() == [("job", 1, b'{"outcome": "succeeded"}')] == store.runs("job")
+        assert store.last_run("job") == 1 and store.load_run("job", 1) == b"record"
+        with pytest.raises(Fenced):  # its term is over with it
+            store.write_state(leader, b"stale")
+        assert store.delete_runs("job", 2) == 0 and store.delete_runs("job") == 1
+        assert store.runs() == [] and store.load_run("job", 1) is None
+    finally:
+        cancel()
+
+
+def test_a_deposed_leader_cannot_end_the_run(backend):
+    store = backend.store
+    store.create_spec("job", b"spec")
+    old = backend.lead("job")
+    store.write_state(old, b"old")
+    backend.depose(old)
+    new = backend.lead("job")
+    store.write_state(new, b"new")
+    with pytest.raises(Fenced):
+        store.end_run(old, 1, b"record", b"{}", retain_s=60)
+    assert store.get_spec("job") == b"spec" and store.runs() == []

@@ -1,0 +1,85 @@
+"""A job's life in the pure core: a run ends exactly once, with an outcome and its reason; nothing
+re-forms a finishing job; stop drains every node at one step; waiting too long fails the run."""
+
+import pytest
+
+from muster.coordinator.core.machine import Context, Finishing, Join, Leave, NodeLost, Regroup, SlotDown, Stop, Tick, decide
+from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.state import JobState, Outcome, decode, encode
+from muster.coordinator.errors import FailedPrecondition, Unavailable
+
+TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5, waiting_timeout_s=30.0)
+
+
+def ctx(now=0.0, max_step=0):
+    return Context(now=now, wall_ms=1_700_000_000_000 + int(now * 1000), term=7, timing=TIMING, max_step=max_step,
+                   step_time_s=0.1)
+
+
+def running(n=3, spec=JobSpec(2, 3, 1)):
+    state = decide(JobState("job", spec), [Join(f"n{i}", "10.0.0.1", 29500 + i, 2) for i in range(1, n + 1)], ctx())
+    return decide(state.state, [Tick()], ctx(now=2.0)).state
+
+
+def test_every_node_finishing_succeeds_once_and_nothing_reforms_meanwhile():
+    state = running()
+    d = decide(state, [Finishing("n1", "local rank 0 completed its script")], ctx(now=3))
+    assert d.state.finishing and d.persist and not d.new_generation and not d.state.ended
+    assert [e.kind for e in d.events] == ["finishing"]
+    # a rank dying now (the others left the final collective) re-forms nothing
+    d = decide(d.state, [SlotDown("n2", 1, "rank_exited", "killed by signal 6"),
+                         Regroup("group_broken", "holding")], ctx(now=4))
+    assert not d.new_generation and d.state.generation == state.generation
+    failed = d.state
+    d = decide(state, [Leave("n1", False, "done", finished=True), Leave("n2", False, "done", finished=True)],
+               ctx(now=5))
+    assert d.state.finishing and not d.state.ended
+    d = decide(d.state, [Leave("n3", False, "done", finished=True)], ctx(now=6))
+    assert d.ended and d.state.outcome is Outcome.SUCCEEDED and d.state.ended_ms == 1_700_000_006_000
+    assert "completed its script" in d.state.outcome_reason and d.events[-1].kind == "succeeded"
+    assert decode(encode(d.state)) == d.state
+    again = decide(d.state, [Tick()], ctx(now=7))
+    assert not again.ended and again.state.outcome is Outcome.SUCCEEDED and again.state.ended_ms == d.state.ended_ms
+    # ...and with the rank that died while finishing: failed, naming it
+    d = decide(failed, [Leave(n, False, "done", finished=True) for n in ("n1", "n2", "n3")], ctx(now=6))
+    assert d.state.outcome is Outcome.FAILED and "rank 3" in d.state.outcome_reason
+
+
+def test_a_spare_left_over_does_not_hold_the_end():
+    state = running(3, JobSpec(1, 2, 1))
+    assert len(state.spares) == 1
+    d = decide(state, [Leave(n, False, "done", finished=True) for n in state.rank_map.node_ids], ctx(now=3))
+    assert d.state.outcome is Outcome.SUCCEEDED and [m.node_id for m in d.state.members] == list(state.spares)
+
+
+def test_stop_drains_every_node_at_one_step_and_refuses_joins_and_a_second_stop():
+    state = running()
+    d = decide(state, [Stop("maintenance")], ctx(now=3, max_step=40))
+    assert d.ended and d.state.outcome is Outcome.STOPPED and d.state.outcome_reason == "maintenance"
+    steps = {step for _, step in d.drains}
+    assert sorted(n for n, _ in d.drains) == ["n1", "n2", "n3"] and len(steps) == 1 and steps.pop() > 40
+    d2 = decide(d.state, [Stop("again"), Join("n9", "10.0.0.9", 1, 1)], ctx(now=4))
+    assert isinstance(d2.rejected[0][1], FailedPrecondition) and isinstance(d2.rejected[1][1], Unavailable)
+    d3 = decide(d2.state, [NodeLost("n1", "node_silent", "x"), Leave("n2", False, "drained")], ctx(now=5))
+    assert not d3.new_generation and d3.state.outcome is Outcome.STOPPED and d3.state.outcome_reason == "maintenance"
+
+
+@pytest.mark.parametrize("how, outcome", [("left", Outcome.STOPPED), ("left_now", Outcome.FAILED),
+                                          ("lost", Outcome.FAILED)])
+def test_the_last_node_going_ends_the_run(how, outcome):
+    state = running(2, JobSpec(1, 2, 1))
+    events = {"left": [Leave("n1", False, "drain"), Leave("n2", False, "drain")],
+              "left_now": [Leave("n1", True, "form timeout"), Leave("n2", True, "form timeout")],
+              "lost": [NodeLost("n1", "node_silent", "x"), NodeLost("n2", "node_silent", "x")]}[how]
+    d = decide(state, events, ctx(now=3))
+    assert d.ended and d.state.outcome is outcome
+
+
+def test_a_job_below_min_nodes_fails_after_the_waiting_timeout():
+    state = running(2, JobSpec(2, 2, 1))
+    d = decide(state, [NodeLost("n2", "node_silent", "x")], ctx(now=3))
+    assert d.state.phase.value == "waiting" and not d.ended
+    d = decide(d.state, [Tick()], ctx(now=20))
+    assert not d.ended
+    d = decide(d.state, [Tick()], ctx(now=3 + 30))
+    assert d.ended and d.state.outcome is Outcome.FAILED and "min_nodes" in d.state.outcome_reason
