@@ -19,6 +19,15 @@ class AlreadyExists(MusterError):
     pass
 
 
+class RunEnded(NotFound):
+    """The job's run that the caller belongs to has ended: how, for the caller to end the same way
+    (sent as trailing metadata `muster-run-ended: RUN OUTCOME`)."""
+
+    def __init__(self, job: str, run: int, outcome: str, reason: str):
+        self.job, self.run, self.outcome, self.reason = job, run, outcome, reason
+        super().__init__(f"run {run} of job {job!r} has ended ({outcome}): {reason}")
+
+
 class FailedPrecondition(MusterError):
     """Stale term, generation or member: the caller acts on an outdated view."""
 

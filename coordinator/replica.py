@@ -22,7 +22,7 @@ from muster.coordinator.coordination import Coordination, JobElection, LeaseSess
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec, encode_spec
 from muster.coordinator.errors import (FailedPrecondition, InvalidArgument, NotFound, NotLeader, ResourceExhausted,
-                                       Unavailable)
+                                       RunEnded, Unavailable)
 from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
 from muster.coordinator.etcd.election import EtcdCoordination, LeaderKey
 from muster.coordinator.etcd.store import JobStore
@@ -357,8 +357,21 @@ class Replica:
         if leader is not None:
             return leader
         if job not in self.jobs:
-            raise NotFound(f"job {job!r} is unknown to this deployment")
+            raise await self._unknown(job)
         raise NotLeader(job, await self._leader_address(job))
+
+    async def _unknown(self, job: str, run: int = 0) -> NotFound:
+        """Why `job` (its run `run`, or its latest) is not served: its run ended (how), or it is unknown."""
+        try:
+            runs = await asyncio.to_thread(self.store.runs, job)
+        except EtcdUnavailable:
+            runs = []
+        found = [(r, json.loads(summary)) for _, r, summary in runs if not run or r == run]
+        if found:
+            ended, summary = found[-1]
+            return RunEnded(job, ended, summary["outcome"], summary["reason"])
+        return NotFound(f"job {job!r} is unknown to this deployment" if not run else
+                        f"run {run} of job {job!r} has ended")
 
     async def _leader_address(self, job: str) -> str:
         """Where the job's leader is, for a NotLeader hint; quickly, or "" (with etcd unreachable
@@ -400,7 +413,10 @@ class Replica:
             wire.check_rejoin(first)
             await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
             await self._await_election(first.job)
-        return await self.leader_for(first.job)
+        leader = await self.leader_for(first.job)
+        if first.run and first.run != leader.state.run:  # a node of a run that ended: how it ended
+            raise await self._unknown(first.job, first.run)
+        return leader
 
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         wire.check_join(req)

@@ -16,7 +16,7 @@ import structlog
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
-from muster.client import LEADER_METADATA
+from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens
 from muster.coordinator.leader import CLOSE
@@ -38,6 +38,7 @@ HANDLER_OF = {
 STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.RunEnded: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -51,6 +52,8 @@ STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
 async def _abort(context: grpc.aio.ServicerContext, exc: errors.MusterError):
     if isinstance(exc, errors.NotLeader) and exc.leader:
         context.set_trailing_metadata(((LEADER_METADATA, exc.leader),))
+    elif isinstance(exc, errors.RunEnded):
+        context.set_trailing_metadata(((RUN_ENDED_METADATA, f"{exc.run} {exc.outcome}"),))
     await context.abort(STATUS_OF[type(exc)], str(exc))
 
 

@@ -14,9 +14,11 @@ import grpc
 
 from muster.net import Backoff, split_host_port
 from muster.security import ClientSecurity
+from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 LEADER_METADATA = "muster-leader"
+RUN_ENDED_METADATA = "muster-run-ended"
 # Worth another try (another replica, or the same later). A replica killed mid-call can surface as
 # INTERNAL ("Internal error from Core") or UNKNOWN rather than UNAVAILABLE; refusals use other codes.
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -43,6 +45,15 @@ def relay_of(node_id: str, addresses: Sequence[str]) -> str:
     of node_id over the coordinator addresses, stable across processes (unlike `hash`) and moving
     only the nodes of a replica that is added or removed."""
     return max(addresses, key=lambda a: hashlib.blake2b(f"{a}|{node_id}".encode(), digest_size=8).digest())
+
+
+def run_ended(error: grpc.RpcError) -> pb.JobEnd | None:
+    """The end of the caller's run, when the coordinator refused it for that (`RunEnded`)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RUN_ENDED_METADATA:
+            run, _, outcome = value.partition(" ")
+            return pb.JobEnd(outcome=outcome, reason=error.details() or "", run=int(run) if run.isdigit() else 0)
+    return None
 
 
 def leader_hint(error: grpc.RpcError) -> str:
