@@ -112,7 +112,8 @@ def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, 
     # One fault, one change: the killed rank is restarted in its place and the job re-forms once,
     # with it (never a world of 3 first); every rank starts exactly once more.
     changes = [r for r in leader.find("membership_changed") if r["generation"] > before]
-    assert [r["kind"] for r in changes if r["kind"] not in ("generation", "node_finished")] == ["rank_restarted"]
+    kinds = [r["kind"] for r in changes if r["kind"] not in ("generation", "node_finished", "finishing")]
+    assert kinds == ["rank_restarted", "succeeded"]
     assert [r["generation"] for r in changes if r["kind"] == "generation"] == [before + 1], changes
     for n in (a, b):
         for slot in (0, 1):
