@@ -24,8 +24,8 @@ and the same on an empty etcd. `flat`: end / start ratios at a glance (1.0 is fl
 
 `--reuse-names K` runs K names over and over (a name's next job waits for its previous one): a
 finished name starts a new run. A coordinator that refuses RANK_STATE_FINISHED (INVALID_ARGUMENT:
-older than that state) is found by a one-node probe job first (`finished_frames` says which); its
-jobs then end by `Leave(finished=True)` alone. A refused Join (e.g. RESOURCE_EXHAUSTED, over
+older than that state) is found by a one-node probe job first (`finished_frames` says which; the
+probe, `churn-probe`, is one more job in the counts); its jobs then end by `Leave(finished=True)` alone. A refused Join (e.g. RESOURCE_EXHAUSTED, over
 `--max-jobs`) fails its job and is counted with its code; the run goes on.
 
     python bench/churn.py                                 # 2000 jobs, 8 at a time, 2 nodes each
@@ -487,6 +487,9 @@ async def churn_run(args, replicas: list[Replica], etcd_client) -> tuple[list[di
             await asyncio.sleep(args.settle)
             label = "end" if mark == args.jobs else "start" if not checkpoints else "checkpoint"
             point = await loop.run_in_executor(None, measure, label, mark, began, churn.window, replicas, etcd_client)
+            if checkpoints:  # the replicas' CPU between the two checkpoints, per job run meanwhile
+                for now, before in zip(point["replicas"], checkpoints[-1]["replicas"]):
+                    now["cpu_ms_per_job"] = round((now["cpu_s"] - before["cpu_s"]) * 1e3 / point["window"]["jobs"], 1)
             checkpoints.append(point)
             churn.window = Window()
             w, e = point["window"], point["etcd"]
@@ -608,9 +611,13 @@ def flat(checkpoints: list[dict]) -> dict:
         "etcd_muster_keys": ratio(last["etcd"]["muster_keys"], first["etcd"]["muster_keys"]),
         "etcd_db_size": ratio(last["etcd"]["db_size_bytes"], first["etcd"]["db_size_bytes"]),
     }
+    if len(checkpoints) > 2:  # the first window with a CPU figure (the one after `start`) against the last
+        cpu = [sum(r["cpu_ms_per_job"] for r in p["replicas"]) for p in (checkpoints[1], last)]
+        out["replica_cpu_per_job"] = ratio(cpu[1], cpu[0])
     out["definition"] = ("end / start (the `start` checkpoint is after the first jobs): threads and RSS summed over "
                          "the replicas, jobs held = the most any replica knows, election keys and /muster/ keys in "
-                         "etcd, etcd's db size, the Join p50 of the last window over the first; ~1.0 is flat, "
+                         "etcd, etcd's db size, the Join p50 of the last window over the first's, the replicas' CPU "
+                         "per job of the last window over the second's (the first with one); ~1.0 is flat, "
                          f"growth with jobs_done shows as ~{last['jobs_done'] / max(1, first['jobs_done']):.0f}")
     return out
 
