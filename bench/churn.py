@@ -11,9 +11,10 @@ deployment that lives for months runs out of something (the `--max-jobs` refusal
 
 Measured after the first jobs (`start`), every `--checkpoint-every` jobs and at the `end`, each time
 with no job in flight (new jobs wait while the running ones finish, then `--settle` seconds):
-- per replica: threads and RSS (/proc/<pid>/status), CPU so far, the jobs it knows and leads (its
-  /metrics `muster_leader{job}` gauges) and its open election keys (etcd keys under
-  `/muster/v1/election/` holding its address);
+- per replica: threads and RSS (/proc/<pid>/status), CPU so far (and per job since the previous
+  checkpoint), the jobs it knows and leads (its /metrics `muster_leader{job}` gauges), its open
+  election keys (etcd keys under `/muster/v1/election/` holding its address) and its log's warnings
+  by event (a lost etcd session shows there, and as a jump in threads: a campaign thread per job);
 - etcd: keys and bytes (key + value) in all, under `/muster/` and per kind (`specs`, `state`,
   `election`, ...), its revision and its db size (`status()`);
 - the window since the previous one: jobs run, completed and failed (by step and status code),
@@ -25,8 +26,9 @@ and the same on an empty etcd. `flat`: end / start ratios at a glance (1.0 is fl
 `--reuse-names K` runs K names over and over (a name's next job waits for its previous one): a
 finished name starts a new run. A coordinator that refuses RANK_STATE_FINISHED (INVALID_ARGUMENT:
 older than that state) is found by a one-node probe job first (`finished_frames` says which; the
-probe, `churn-probe`, is one more job in the counts); its jobs then end by `Leave(finished=True)` alone. A refused Join (e.g. RESOURCE_EXHAUSTED, over
-`--max-jobs`) fails its job and is counted with its code; the run goes on.
+probe, `churn-probe`, is one more job in the counts); its jobs then end by `Leave(finished=True)`
+alone. A refused Join (e.g. RESOURCE_EXHAUSTED, over `--max-jobs`) fails its job and is counted with
+its code; the run goes on.
 
     python bench/churn.py                                 # 2000 jobs, 8 at a time, 2 nodes each
     python bench/churn.py --jobs 200 --checkpoint-every 50 --max-jobs 100000
@@ -182,7 +184,22 @@ class Replica(CoordinatorProcess):
         return self
 
     def sample(self) -> dict:
-        return {"address": self.address, "pid": self.pid, **proc_status(self.pid), **scrape_jobs(self.metrics)}
+        return {"address": self.address, "pid": self.pid, **proc_status(self.pid), **scrape_jobs(self.metrics),
+                "log_warnings": self.warnings()}
+
+    def warnings(self) -> dict:
+        """Its log's warning and error records so far, by event (a lost etcd session, dropped leaderships)."""
+        counts: Counter = Counter()
+        with open(self.log_path, errors="replace") as f:
+            for line in f:
+                if line.startswith("{") and ('"warning"' in line or '"error"' in line):
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if record.get("level") in ("warning", "error", "critical"):
+                        counts[record.get("event", "?")] += 1
+        return dict(counts.most_common())
 
 
 # ---- the jobs --------------------------------------------------------------------------------------
@@ -630,7 +647,8 @@ def main() -> int:
     p.add_argument("--reuse-names", type=int, default=0, metavar="K",
                    help="cycle K job names (a name's next job waits for its previous one); default: a name per job")
     p.add_argument("--checkpoint-every", type=int, default=500, help="jobs between checkpoints (default %(default)s)")
-    p.add_argument("--start-after", type=int, default=10, help="jobs before the `start` checkpoint (default %(default)s)")
+    p.add_argument("--start-after", type=int, default=10,
+                   help="jobs before the `start` checkpoint (default %(default)s)")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds between the last job of a checkpoint ending and its measures (default %(default)s)")
     p.add_argument("--retain-finished", metavar="VALUE", help="passed to `muster serve --retain-finished` (if given)")
@@ -639,6 +657,8 @@ def main() -> int:
                                                 "refuses the rest of a longer run)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="the replicas' heartbeat timeout and grace (the interval is a tenth); default %(default)s s")
+    p.add_argument("--session-ttl", type=int, default=3,
+                   help="the replicas' etcd lease TTL (default %(default)s s: serve's own, not the tests' 2 s)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more `muster serve` argument (repeatable; `--serve-arg=--flag`)")
     p.add_argument("--finished-frames", choices=("auto", "yes", "no"), default="auto",
@@ -654,7 +674,7 @@ def main() -> int:
     logs.configure("warning")
     timeout = args.heartbeat_timeout
     extra = ["--heartbeat-interval", str(timeout / 10), "--heartbeat-timeout", str(timeout), "--grace", str(timeout),
-             *(["--max-jobs", str(args.max_jobs)] if args.max_jobs else []),
+             "--session-ttl", str(args.session_ttl), *(["--max-jobs", str(args.max_jobs)] if args.max_jobs else []),
              *(["--retain-finished", args.retain_finished] if args.retain_finished else []), *args.serve_arg]
     result = {
         "benchmark": "churn",
