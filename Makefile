@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/scale.py > bench/results/scale.json
 	$(BIN)/python bench/scale.py --relayed > bench/results/scale_relayed.json
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
+	$(BIN)/python bench/churn.py > bench/results/churn.json
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \

@@ -74,3 +74,25 @@ def test_unmodified_script_bench_under_muster_run():
     assert "error" not in result and result["start_to_step_s"] > 0
     assert result["kill_to_step_s"]["all"] and result["workers_restarted"]["per_kill"] == [2]
     assert result["workers_left_after_stop"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_churn_bench_runs_every_job_and_reports_growth():
+    result = bench("churn.py", "--jobs", "12", "--concurrent", "3", "--checkpoint-every", "6", "--start-after", "3",
+                   "--settle", "0.3", timeout_s=80)
+    assert result["totals"] == {"jobs": 12, "completed": 12, "node_failures": {},
+                                "churn_s": result["checkpoints"][-1]["elapsed_s"]}
+    assert [(p["label"], p["jobs_done"]) for p in result["checkpoints"]] == [("start", 3), ("checkpoint", 6),
+                                                                              ("end", 12)]
+    for point in result["checkpoints"]:
+        assert point["window"]["completed"] == point["window"]["jobs"] and point["window"]["join_ms"]["n"] > 0
+        assert len(point["replicas"]) == 2 and point["etcd"]["muster_keys"] > 0
+        for replica in point["replicas"]:
+            assert replica["threads"] > 0 and replica["rss_mib"] > 0 and replica["jobs_known"] >= 0
+    # every job passed through both replicas' election (kept or released: either is reported, not asserted)
+    assert result["checkpoints"][0]["etcd"]["muster_keys_by_kind"]["specs"] >= 1
+    assert {"threads", "rss", "election_keys", "jobs_held", "join_p50"} <= set(result["flat"])
+    for etcd in ("same_etcd", "empty_etcd"):
+        restart = result["restart"][etcd]
+        assert "exited" not in restart and 0 < restart["readyz_s"] and 0 < restart["first_join_s"]
+    assert result["restart"]["empty_etcd"]["first_join_code"] == "OK"
