@@ -24,10 +24,7 @@ seconds from its process start to /readyz OK and to its first Join answered (a n
 and the same on an empty etcd. `flat`: end / start ratios at a glance (1.0 is flat).
 
 `--reuse-names K` runs K names over and over (a name's next job waits for its previous one): a
-finished name starts a new run. A coordinator that refuses RANK_STATE_FINISHED (INVALID_ARGUMENT:
-older than that state) is found by a one-node probe job first (`finished_frames` says which; the
-probe, `churn-probe`, is one more job in the counts); its jobs then end by `Leave(finished=True)`
-alone. A refused Join (e.g. RESOURCE_EXHAUSTED, over `--max-jobs`) fails its job and is counted with
+finished name starts a new run. A refused Join (e.g. RESOURCE_EXHAUSTED, over `--max-jobs`) fails its job and is counted with
 its code; the run goes on.
 
     python bench/churn.py                                 # 2000 jobs, 8 at a time, 2 nodes each
@@ -68,7 +65,6 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 ELECTION_PREFIX = f"{DEFAULT_PREFIX}/election/"  # coordinator/etcd/election.py: {prefix}/election/{job}/{lease}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SERVE_DEFAULT_MAX_JOBS = 1_000  # `muster serve --max-jobs`'s default
-PROBE_JOB = "churn-probe"
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 200)]
 
@@ -236,11 +232,9 @@ class Window:
 class Churn:
     """The client side: every node on one event loop, one channel per replica."""
 
-    def __init__(self, addresses: list[str], nodes: int, finished_frames: bool, job_timeout_s: float,
-                 join_retry_s: float):
+    def __init__(self, addresses: list[str], nodes: int, job_timeout_s: float, join_retry_s: float):
         self.addresses = addresses
         self.nodes = nodes
-        self.finished_frames = finished_frames
         self.job_timeout_s = job_timeout_s
         self.join_retry_s = join_retry_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -280,11 +274,10 @@ class Churn:
                 raise last
             await asyncio.sleep(backoff.next())
 
-    async def node(self, job: str, node_id: str, prefer: str, probe: dict | None = None) -> None:
-        """One process node's life; raises NodeFailed. `probe`: note whether a finished rank is refused."""
-        size = self.nodes if probe is None else 1
+    async def node(self, job: str, node_id: str, prefer: str) -> None:
+        """One process node's life; raises NodeFailed."""
         request = pb.JoinRequest(job=job, node_id=node_id, slots=1, host="127.0.0.1", store_port=29500,
-                                 spec=pb.JobSpec(min_nodes=size, max_nodes=size), agent_pid=os.getpid(),
+                                 spec=pb.JobSpec(min_nodes=self.nodes, max_nodes=self.nodes), agent_pid=os.getpid(),
                                  is_process=True)
         t0 = time.monotonic()
         try:
@@ -323,25 +316,7 @@ class Churn:
                     call.cancel()
                     leader = hint[0] if hint else leader
                     await asyncio.sleep(0.05)
-            if self.finished_frames:
-                await call.write(frame(pb.RANK_STATE_FINISHED, step=1))
-            reading = None
-            if probe is not None:  # a coordinator that does not know the state refuses the frame at once
-                reading = asyncio.ensure_future(call.read())
-                deadline = time.monotonic() + 1.5
-                while True:
-                    await asyncio.wait({reading}, timeout=max(0.0, deadline - time.monotonic()))
-                    if not reading.done():
-                        break
-                    try:
-                        d = reading.result()
-                    except grpc.aio.AioRpcError as exc:
-                        probe["refused"] = f"{exc.code().name}: {exc.details()}"
-                        break
-                    reading = None
-                    if d is grpc.aio.EOF or time.monotonic() > deadline:
-                        break
-                    reading = asyncio.ensure_future(call.read())
+            await call.write(frame(pb.RANK_STATE_FINISHED, step=1))
             try:
                 await self.unary("Leave", pb.LeaveRequest(job=job, node_id=node_id, member_id=joined.member_id,
                                                           finished=True, reason="churn: done",
@@ -354,8 +329,7 @@ class Churn:
             try:
                 await call.done_writing()
                 async with asyncio.timeout(2):
-                    while (d := await (reading or call.read())) is not grpc.aio.EOF:
-                        reading = None
+                    while (d := await call.read()) is not grpc.aio.EOF:
                         if d.HasField("end"):
                             self.window.stream_ends[f"JobEnd:{d.end.outcome}"] += 1
                 self.window.stream_ends["OK"] += 1
@@ -440,21 +414,6 @@ class Churn:
             self.window.job_s.append(time.monotonic() - t0)
 
 
-async def probe_finished_frames(churn: Churn) -> tuple[bool, str]:
-    """Does the coordinator take a rank's RANK_STATE_FINISHED? One one-node job tells."""
-    probe: dict = {}
-    saved, churn.finished_frames = churn.finished_frames, True
-    try:
-        await churn.node(PROBE_JOB, "probe", churn.addresses[0], probe)
-    except NodeFailed as exc:
-        probe.setdefault("failed", str(exc))
-    finally:
-        churn.finished_frames = saved
-    churn.window = Window()  # the probe is not one of the jobs
-    refused = probe.get("refused", "")
-    return not refused.startswith("INVALID_ARGUMENT"), refused or probe.get("failed", "")
-
-
 # ---- the run ---------------------------------------------------------------------------------------
 
 
@@ -467,15 +426,9 @@ def measure(label: str, done: int, began: float, window: Window, replicas: list[
     return point
 
 
-async def churn_run(args, replicas: list[Replica], etcd_client) -> tuple[list[dict], dict, Counter]:
+async def churn_run(args, replicas: list[Replica], etcd_client) -> tuple[list[dict], Counter]:
     addresses = [r.address for r in replicas]
-    churn = Churn(addresses, args.nodes, args.finished_frames != "no", args.job_timeout, args.join_retry)
-    probe = {"finished_frames": args.finished_frames}
-    if args.finished_frames == "auto":
-        churn.finished_frames, note = await probe_finished_frames(churn)
-        probe = {"finished_frames": "yes" if churn.finished_frames else "no (the coordinator refused it)",
-                 "probe": note or "accepted"}
-        progress(f"RANK_STATE_FINISHED frames: {probe['finished_frames']} {note}")
+    churn = Churn(addresses, args.nodes, args.job_timeout, args.join_retry)
     names = args.reuse_names or args.jobs
     locks = [asyncio.Lock() for _ in range(min(names, args.jobs))]  # a name runs one job at a time
     marks = sorted({min(args.start_after, args.jobs), *range(args.checkpoint_every, args.jobs,
@@ -517,7 +470,7 @@ async def churn_run(args, replicas: list[Replica], etcd_client) -> tuple[list[di
                                  for r in point["replicas"]))
     finally:
         await churn.close()
-    return checkpoints, probe, churn.all_failures
+    return checkpoints, churn.all_failures
 
 
 def timed_start(etcd: str, log_path: Path, extra: list[str], timeout_s: float, settle_s: float,
@@ -665,8 +618,6 @@ def main() -> int:
                    help="the replicas' etcd lease TTL (default %(default)s s: serve's own, not the tests' 2 s)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more `muster serve` argument (repeatable; `--serve-arg=--flag`)")
-    p.add_argument("--finished-frames", choices=("auto", "yes", "no"), default="auto",
-                   help="send the RANK_STATE_FINISHED frame before Leave (auto: unless a probe job finds it refused)")
     p.add_argument("--job-timeout", type=float, default=60.0, help="a job not done by then fails (seconds)")
     p.add_argument("--join-retry", type=float, default=15.0,
                    help="seconds a node retries a transient Join answer (e.g. a name's previous run draining)")
@@ -703,8 +654,7 @@ def main() -> int:
             for k in range(2):
                 replicas.append(Replica(etcd.endpoint, workdir / f"replica-{k}.log", extra).start())
             progress(f"etcd {etcd.endpoint}, replicas {[r.address for r in replicas]}; {args.jobs} jobs")
-            checkpoints, probe, failures = asyncio.run(churn_run(args, replicas, etcd_client))
-            result["parameters"].update(probe)
+            checkpoints, failures = asyncio.run(churn_run(args, replicas, etcd_client))
             result["checkpoints"] = checkpoints
             result["totals"] = {
                 "jobs": sum(p["window"]["jobs"] for p in checkpoints),

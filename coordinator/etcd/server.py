@@ -156,6 +156,9 @@ class EtcdServer:
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.initial_cluster,
             "--initial-cluster-state", self.initial_cluster_state,
+            # Revisions older than an hour are compacted: without it the db grows with every write a
+            # deployment ever made (each run's state, leases, records) until etcd's quota stops it.
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
             *(["--cert-file", self.tls[0], "--key-file", self.tls[1], "--trusted-ca-file", self.tls[2],
                 "--client-cert-auth"] if self.tls else []),
         ]

@@ -209,8 +209,10 @@ class _JobWatch:
         self._queue: queue.Queue[Any] = queue.Queue()
         # Pin the starting revision now, so creations after watch_jobs() returns
         # are reported even though the watch itself is armed on another thread.
-        response = call(client, lambda: client.get_prefix_response(prefix, count_only=True), "job watch start")
+        response = call(client, lambda: client.get_prefix_response(prefix, keys_only=True), "job watch start")
         self._next_revision = response.header.revision + 1
+        # The jobs that exist: a catch-up after compaction reports those gone meanwhile as removed.
+        self._present = {kv.key.decode()[len(prefix):] for kv in response.kvs}
         self._thread = threading.Thread(target=self._run, name="muster-job-watch", daemon=True)
         self._thread.start()
 
@@ -268,10 +270,13 @@ class _JobWatch:
             for event in item.events:
                 # Specs are immutable, so a put whose create and mod revisions
                 # match is a creation (also a re-creation after delete_job).
+                job = event.key.decode()[len(self._prefix):]
                 if isinstance(event, etcd3.events.PutEvent) and event.create_revision == event.mod_revision:
-                    self._emit(event.key.decode()[len(self._prefix):])
-                elif isinstance(event, etcd3.events.DeleteEvent) and self._removed is not None:
-                    self._emit(event.key.decode()[len(self._prefix):], self._removed)
+                    self._present.add(job)
+                    self._emit(self._callback, job)
+                elif isinstance(event, etcd3.events.DeleteEvent):
+                    self._present.discard(job)
+                    self._emit(self._removed, job)
                 self._next_revision = max(self._next_revision, event.mod_revision + 1)
 
     def _catch_up(self) -> None:
@@ -284,13 +289,20 @@ class _JobWatch:
             log.warning("job_watch_catch_up_failed", error=str(exc))
             self._stop.wait(POLL_S)
             return
+        listed = {kv.key.decode()[len(self._prefix):] for kv in response.kvs}
+        for job in sorted(self._present - listed):
+            self._emit(self._removed, job)
         for kv in sorted(response.kvs, key=lambda kv: kv.create_revision):
             if kv.create_revision >= self._next_revision:
-                self._emit(kv.key.decode()[len(self._prefix):])
+                self._emit(self._callback, kv.key.decode()[len(self._prefix):])
+        self._present = listed
         self._next_revision = response.header.revision + 1
 
-    def _emit(self, job: str, callback: Callable[[str], None] | None = None) -> None:
+    @staticmethod
+    def _emit(callback: Callable[[str], None] | None, job: str) -> None:
+        if callback is None:
+            return
         try:
-            (callback or self._callback)(job)
+            callback(job)
         except Exception:
             log.exception("job_watch_callback_failed", job=job)

@@ -461,3 +461,19 @@ def test_cluster_keeps_serving_through_failover_after_a_member_is_killed(tmp_pat
             client.close()
     for pid in pids:
         assert_process_gone(pid)
+
+
+def test_a_catch_up_after_compaction_reports_the_jobs_that_ended_meanwhile(etcd_client):
+    from muster.coordinator.etcd.store import _JobWatch
+
+    store = JobStore(etcd_client)
+    store.create_spec("ends", b"1")
+    store.create_spec("stays", b"2")
+    created, removed = queue.Queue(), queue.Queue()
+    watch = _JobWatch(etcd_client, "/muster/v1/specs/", created.put, removed.put)
+    watch.cancel()  # its thread is stopped: the test drives the catch-up a compacted history forces
+    etcd_client.delete("/muster/v1/specs/ends")
+    store.create_spec("new", b"3")
+    watch._catch_up()
+    assert removed.get_nowait() == "ends" and created.get_nowait() == "new"
+    assert removed.empty() and created.empty()
