@@ -139,7 +139,7 @@ def test_a_replica_started_after_etcd_lost_the_job_creates_it_from_the_nodes_tha
             assert asg.abort_previous and asg.role == pb.ROLE_ACTIVE and not n.errors and n.leader == late_address
         assert "state_rebuilt" in [e.kind for e in events(late_address)]
         store = JobStore(etcd_client)  # the job's spec came with its nodes
-        assert json.loads(store.get_spec(JOB)) == {"min_nodes": 2, "max_nodes": 2, "world_size_multiple": 1}
+        assert json.loads(store.get_spec(JOB)) == {"min_nodes": 2, "max_nodes": 2, "world_size_multiple": 1, "run": 1}
         assert len(decode(store.load_state(JOB)).members) == 2
         for n in nodes:
             await n.stop()
