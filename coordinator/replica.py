@@ -215,10 +215,13 @@ class Replica:
             self._campaign_for(job, election, stop, delay, resign)
         finally:
             if job not in self.jobs:  # the job ended: its key must not outlive it (it would until the session ends)
-                try:
-                    election.withdraw()
-                except EtcdError as exc:
-                    self.log.warning("withdraw_failed", job=job, error=str(exc))
+                self._withdraw(job, election)
+
+    def _withdraw(self, job: str, election: JobElection) -> None:
+        try:
+            election.withdraw()
+        except EtcdError as exc:
+            self.log.warning("withdraw_failed", job=job, error=str(exc))
 
     def _campaign_for(self, job: str, election: JobElection, stop: threading.Event, delay: float,
                       resign: JobElection | None) -> None:
@@ -321,7 +324,9 @@ class Replica:
             asyncio.ensure_future(leader.stop("the job's run ended"))
         campaign = self._campaigns.pop(job, None)
         if campaign is not None:
-            campaign.stop.set()  # its thread withdraws its key
+            campaign.stop.set()  # its thread withdraws its key as it ends...
+            if not campaign.thread.is_alive():  # ...or it won already (the run ended as it did): here
+                asyncio.ensure_future(asyncio.to_thread(self._withdraw, job, campaign.election))
         relay = self.relays.pop(job, None)
         if relay is not None:
             relay.close()
