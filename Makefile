@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/scale.py --relayed > bench/results/scale_relayed.json
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
 	$(BIN)/python bench/churn.py > bench/results/churn.json
+	$(BIN)/python bench/churn.py --retain-finished 15s > bench/results/churn_retention.json
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \
