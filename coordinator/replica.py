@@ -314,9 +314,10 @@ class Replica:
 
     def _forget(self, job: str) -> None:
         """The job's run ended (its spec is gone): no campaign, leader, relay, retry or metric of it
-        stays. A leader still holding members is rebuilding a job etcd lost, and stays."""
+        stays. A leader ending the run itself (the watch can tell before it is done) is forgotten
+        once it is; one still holding members is rebuilding a job etcd lost, and stays."""
         leader = self.leaders.get(job)
-        if leader is not None and not leader.ended and leader.state.members:
+        if leader is not None and not leader.ended and (leader.state.ended or leader.state.members):
             return
         self.jobs.discard(job)
         if leader is not None:

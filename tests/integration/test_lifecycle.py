@@ -84,6 +84,7 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         assert (record.run, record.outcome) == (1, "failed") and "rank 1" in record.reason  # the crash while finishing
         # Nothing of it stays on any replica, and --max-jobs 1 counts running jobs only.
         eventually(lambda: all('job="a"' not in scrape(p) for p in ports), "every replica forgot job a")
+        assert any('muster_runs_ended_total{outcome="failed"} 1.0' in scrape(p) for p in ports), [[l for l in scrape(p).splitlines() if 'runs_ended' in l] for p in ports]
         assert not list(etcd_client.get_prefix("/muster/v1/election/a/"))
         assert not list(etcd_client.get_prefix("/muster/v1/specs/"))
         b = SimulatedNode(addresses, "b", "x", slots=1)
