@@ -37,7 +37,8 @@ from muster.worker.crash_report import exit_words, failure_report, last_failure
 from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
 from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
 from muster.worker.waiting import QUERY_WAIT_S, check_finished, query, waiting_for
-from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost, warm_program
+from muster.worker.runner import python_program as warm_program
+from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost
 
 log = structlog.get_logger(__name__)
 
