@@ -86,7 +86,7 @@ class NodeSession:
         self.secret = b""  # from Join: proves on each stream and on Leave that this node is the member
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
-        self.run = 0  # the run of the job's name this node joined (JoinResponse.run)
+        self.joined_run = 0  # the run of the job's name this node joined (JoinResponse.run)
         self.finishing = False  # the leader said a rank finished its script: the job is ending
         self.leader = ""
         self.relay = ""  # the replica this node streams through ("": straight to the leader)
@@ -143,7 +143,7 @@ class NodeSession:
     async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
         response = await self._unary("Join", self._join_request(), retry_for_s=retry_for_s)
         self.member_id = response.member_id
-        self.run = response.run
+        self.joined_run = response.run
         self.secret = response.session_secret
         self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
@@ -199,7 +199,7 @@ class NodeSession:
                     frame.session_secret = self.secret
                     frame.rejoin.CopyFrom(self._join_request())
                     frame.via_relay = relayed
-                    frame.run = self.run
+                    frame.run = self.joined_run
                     self._streams_opened += 1
                     frame.stream_seq = self._streams_opened
                     first = False
