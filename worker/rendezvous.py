@@ -43,6 +43,8 @@ from muster.worker.outcome import EXIT_FAILED, EXIT_SUCCEEDED, exit_code
 
 log = structlog.get_logger(__name__)
 
+EXIT_REPORT_WAIT_S = 2.0  # for the exit report of workers that failed as the job finished to leave in a frame
+
 
 class MusterRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters, security: ClientSecurity):
@@ -154,6 +156,9 @@ class MusterRendezvousHandler(RendezvousHandler):
             code, why = EXIT_FAILED, "this node's workers ended after a rank of the job finished its script"
             link.session.exits.append(pb.RankExit(local_rank=0, pid=os.getpid(), exit_code=EXIT_FAILED))
             link.send_now()
+            deadline = time.monotonic() + EXIT_REPORT_WAIT_S  # in a frame before shutdown()'s Leave
+            while link.session.exits and time.monotonic() < deadline:
+                time.sleep(0.01)
         else:
             code, why = EXIT_SUCCEEDED, "the job is finishing: nothing to start here"
         log.info("rdzv_job_ending", job=self._job, code=code, reason=why)
