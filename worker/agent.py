@@ -204,6 +204,9 @@ class NodeAgent:
         except grpc.aio.AioRpcError as exc:
             self.log.error("coordinator_refused", code=exc.code().name, details=exc.details())
             self._finish(EXIT_FAILED)
+        except Exception:  # a bug must not leave the node joined and silent until the hold timeout
+            self.log.exception("stream_failed")
+            self._finish(EXIT_FAILED)
 
     async def _watch_coordinator(self) -> None:
         """Hold while no coordinator answers (an etcd or coordinator outage must not cost the ranks),
