@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
+from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.zygote import PRELOAD
 
 
@@ -122,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         if launch.max_restarts is not None and args.max_restarts is not None and launch.max_restarts != args.max_restarts:
             raise LaunchError(f"torchrun --max-restarts {launch.max_restarts} contradicts --max-restarts "
                               f"{args.max_restarts}")
-        for flag in ("join_timeout", "form_timeout", "hold_timeout", "restart_backoff", "wait_report"):
+        for flag in ("join_timeout", "form_timeout", "hold_timeout", "restart_backoff", "wait_report", "exit_timeout"):
             if not getattr(args, flag) >= 0:
                 raise LaunchError(f"--{flag.replace('_', '-')} must be at least 0")
         if args.max_restarts is not None and args.max_restarts < 0:
@@ -155,6 +156,7 @@ def _run(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
         form_timeout_s=args.form_timeout,
         wait_report_s=args.wait_report,
+        exit_timeout_s=args.exit_timeout,
         warm_start=args.warm_start,
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
         security=_security(args),
@@ -400,7 +402,8 @@ def parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",
                        description="muster run --coordinator HOST:PORT --job NAME [--nodes MIN:MAX] [--slots N] "
-                                   "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])")
+                                   "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])",
+                       epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
     r.add_argument("--job", required=True, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no "
                    "coordinator job name, e.g. MyRun, becomes myrun-HASH)")
@@ -431,6 +434,10 @@ def parser() -> argparse.ArgumentParser:
                         "(default %(default)s s; a hot spare waits on)")
     r.add_argument("--wait-report", type=float, default=10.0,
                    help="while this node has no place, say what it waits for this often (default %(default)s s)")
+    r.add_argument("--exit-timeout", type=float, default=30.0,
+                   help="a rank whose script completed (its __main__ returned, or sys.exit(0)) but whose process "
+                        "is still there this long after (hung in interpreter teardown) is sent SIGTERM, and SIGKILL "
+                        "5 s later; it counts as finished either way, and is never restarted (default %(default)s s)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     _client_security_flags(r)
     r.set_defaults(func=_run, verb="run")

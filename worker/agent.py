@@ -10,8 +10,18 @@ for up to its hold timeout, then exits with a message.
 
 Nothing ends in silence: every restart of a slot counts against its budget, and a slot given up is
 reported with its exit code and the last lines of its stderr (kept even without --log-dir); an agent
-without a place says what it waits for and gives up after --join-timeout/--form-timeout; one that
-joins a finished job says so and exits 0.
+without a place says what it waits for and gives up after --join-timeout/--form-timeout.
+
+A job ends once. A rank whose script completed (the runner's mark, or exit 0) has finished, even if
+its process then dies or hangs in interpreter teardown (ended after --exit-timeout): it is never
+restarted. Once a local rank finished, or the leader says the job is finishing, no rank is restarted
+and no new map restarts any: a rank that ends without completing is reported, and the node exits 1.
+The exit status tells the outcome (muster.worker.outcome, `muster run --help`):
+  0      succeeded: every local rank completed (or the run ended succeeded)
+  1      failed: a slot given up, a rank ended without completing as the job finished, the run
+         failed, the coordinator refused or evicted the node, the hold timeout expired
+  3      stopped: an operator stopped the job (Drain.stop, JobEnd stopped) or drained this node
+  128+N  a signal N drained the node (143 after SIGTERM, 130 after Ctrl-C)
 """
 
 from __future__ import annotations
@@ -34,10 +44,12 @@ from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words, failure_report, last_failure
-from muster.worker.node_session import Evicted, NodeIdentity, NodeSession
+from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
+from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
+from muster.worker.runner import COMPLETED_FILE_ENV, python_program, runner_argv
 from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
-from muster.worker.waiting import QUERY_WAIT_S, check_finished, query, waiting_for
-from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost, warm_program
+from muster.worker.waiting import QUERY_WAIT_S, query, waiting_for
+from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +62,7 @@ class NodeAgent:
         self.drain: pb.Drain | None = None
         self.library = False  # some rank of this node uses the worker library
         self.draining = False
+        self._leaving = False  # every local slot is retired: the node leaves (once)
         self.session: NodeSession | None = None
         self.socket_path = ""
         self._sockets = ""  # the agent's private directory: the socket, the ranks' error files
@@ -60,7 +73,9 @@ class NodeAgent:
         self._store = None  # this node's TCPStore (it serves the generations whose rank 0 is here)
         self._store_clients: dict[str, object] = {}  # other nodes' stores, by address
         self._masters: dict[int, asyncio.Future] = {}  # generation -> its (MASTER_ADDR, MASTER_PORT)
-        self._program = warm_program(config.argv) if config.warm_start else None
+        # Python programs run through the runner, which marks their completion; others as they are.
+        self._program = python_program(config.argv)
+        self._argv = runner_argv(self._program) if self._program is not None else list(config.argv)
         self._zygote: Zygote | None = None
         self.log = log.bind(job=config.job, node=config.node_id)
 
@@ -77,7 +92,7 @@ class NodeAgent:
         _remove_stale_socket_dirs()
         sockets = self._sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self.socket_path = os.path.join(sockets, "ranks.sock")
-        if self._program is not None:  # its imports run while the node joins
+        if c.warm_start and self._program is not None:  # its imports run while the node joins
             self._zygote = await Zygote.start(self._base_env(), self._guard(), c.preload)
         server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(_RankSessions(self), server)
@@ -138,8 +153,8 @@ class NodeAgent:
         asyncio.ensure_future(self._drain_node())
 
     async def _join(self) -> bool:
-        """Join within --join-timeout, saying what is awaited. False: the agent is done (a finished
-        job, a refusal, the timeout), its exit code set."""
+        """Join within --join-timeout, saying what is awaited. False: the agent is done (a refusal,
+        the timeout, a signal), its exit code set."""
         c = self.config
         loop = asyncio.get_running_loop()
         deadline = loop.time() + c.join_timeout_s
@@ -149,10 +164,6 @@ class NodeAgent:
             remaining = max(0.0, deadline - loop.time())
             attempts += 1
             try:
-                finished = await check_finished(self.config)
-                if finished is not None:
-                    self._job_has_finished(finished, joined=False)
-                    return False
                 # the first answer is awaited briefly: a coordinator that is not up yet is said at once
                 await self.session.join(retry_for_s=min(remaining, c.wait_report_s if attempts > 1 else 2.0))
                 return True
@@ -161,7 +172,7 @@ class NodeAgent:
                     self.log.error("join_refused", code=exc.code().name, details=exc.details())
                     _say(f"the coordinator refused node {c.node_id!r} in job {c.job!r}: "
                          f"{exc.code().name}: {exc.details()}")
-                    self._finish(1)
+                    self._finish(EXIT_FAILED)
                     return False
                 error = f"{exc.code().name}: {exc.details()}"
             except TimeoutError as exc:
@@ -171,7 +182,7 @@ class NodeAgent:
                 self.log.error("join_timeout", join_timeout_s=c.join_timeout_s, error=error)
                 _say(f"no coordinator at {addresses} accepted node {c.node_id!r} in job {c.job!r} within "
                      f"{c.join_timeout_s:g}s (--join-timeout); last error: {error}")
-                self._finish(1)
+                self._finish(EXIT_FAILED)
                 return False
             self.log.warning("join_waiting", coordinators=list(c.coordinators), error=error,
                              message=f"waiting for a coordinator to accept the join ({error}); "
@@ -180,12 +191,22 @@ class NodeAgent:
     async def _stream(self) -> None:
         try:
             await self.session.run()
+        except JobEnded as exc:  # the run ended (succeeded, failed, stopped): its ranks stop with the agent
+            end = exc.end
+            code = exit_code(end.outcome)
+            self.log.info("job_ended", run=end.run, outcome=end.outcome, reason=end.reason, code=code)
+            _say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
+                 + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")
+            self._finish(code)
         except Evicted as exc:
             self.log.error("node_evicted", reason=str(exc))
-            self._finish(1)
+            self._finish(EXIT_FAILED)
         except grpc.aio.AioRpcError as exc:
             self.log.error("coordinator_refused", code=exc.code().name, details=exc.details())
-            self._finish(1)
+            self._finish(EXIT_FAILED)
+        except Exception:  # a bug must not leave the node joined and silent until the hold timeout
+            self.log.exception("stream_failed")
+            self._finish(EXIT_FAILED)
 
     async def _watch_coordinator(self) -> None:
         """Hold while no coordinator answers (an etcd or coordinator outage must not cost the ranks),
@@ -204,13 +225,12 @@ class NodeAgent:
             if silent_s > self.config.hold_timeout_s:
                 self.log.error("hold_expired", silent_s=round(silent_s, 1), hold_timeout_s=self.config.hold_timeout_s,
                                message=f"no coordinator answered for {silent_s:.0f}s; giving up with the ranks")
-                self._finish(1)
+                self._finish(EXIT_FAILED)
 
     async def _watch_place(self) -> None:
         """Nobody waits in silence: while the node has no place in a generation, say what it waits
         for (after a second, then every wait_report_s); past --form-timeout give up. A hot spare
-        waits on (a failure elsewhere promotes it). A node left alone in a finished job (it joined as
-        the others were finishing) ends with it."""
+        waits on (a failure elsewhere promotes it, the end of the run ends it: JobEnd)."""
         c = self.config
         loop = asyncio.get_running_loop()
         idle: float | None = None  # without a place in a generation since
@@ -228,17 +248,13 @@ class NodeAgent:
             # A node whose ranks started before it had a place (start_ranks) and all report waits like
             # a spare: it enters at the next switch, or stays a spare when the map is full.
             ready = a is not None and a.start_ranks and all(
-                self.slots[i].connected or self.slots[i].finished or self.slots[i].given_up for i in a.down_local_ranks)
+                self.slots[i].connected or self.slots[i].retired for i in a.down_local_ranks)
             spare = a is not None and ((a.role == pb.ROLE_SPARE and not a.start_ranks) or ready)
             idle = now if idle is None else idle
             since = None if spare else now if since is None else since  # a spare has its place
             due = now - idle >= 1.0 if reported_at is None else now - reported_at >= c.wait_report_s
             if due and spare:
                 reported_at = now
-                finished = await check_finished(self.config)
-                if finished is not None:
-                    await self._end_with_finished_job(finished)
-                    return
                 if not spare_said:
                     spare_said = True
                     self.log.info("waiting", role="spare", message=f"hot spare: waiting for a place (generation "
@@ -246,13 +262,10 @@ class NodeAgent:
                                   "promotes this node)")
             elif due:
                 reported_at = now
-                what, finished = await waiting_for(self.config, self.assignment)
-                if finished is not None:
-                    await self._end_with_finished_job(finished)
-                    return
+                what = await waiting_for(self.config, self.assignment)
                 self.log.info("waiting", message=what, waited_s=round(now - since, 1), form_timeout_s=c.form_timeout_s)
             if since is not None and now - since > c.form_timeout_s:
-                what, _ = await waiting_for(self.config, self.assignment)
+                what = await waiting_for(self.config, self.assignment)
                 self.log.error("form_timeout", form_timeout_s=c.form_timeout_s, message=what)
                 _say(f"no place in job {c.job!r} for node {c.node_id!r} within {c.form_timeout_s:g}s "
                      f"(--form-timeout): {what}")
@@ -260,24 +273,8 @@ class NodeAgent:
                     await self.session.leave(immediate=True, reason="no place within --form-timeout", retry_for_s=5)
                 except Exception as exc:
                     self.log.warning("leave_failed", error=str(exc))
-                self._finish(1)
+                self._finish(EXIT_FAILED)
                 return
-
-    async def _end_with_finished_job(self, event: pb.Event) -> None:
-        try:
-            await self.session.leave(finished=True, reason="the job had finished", retry_for_s=5)
-        except Exception as exc:
-            self.log.warning("leave_failed", error=str(exc))
-        self._job_has_finished(event, joined=True)
-
-    def _job_has_finished(self, event: pb.Event, *, joined: bool) -> None:
-        c = self.config
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time_unix_ms / 1000))
-        nodes = ", ".join(repr(n) for n in event.nodes) or "its last node"
-        self.log.info("job_finished", generation=event.generation, last=list(event.nodes), joined=joined)
-        _say(f"job {c.job!r} has finished: {nodes} left it as finished at {when} (generation {event.generation})"
-             f"; nothing to run here. A new run needs a new --job name.")
-        self._finish(0)
 
     def _finish(self, code: int) -> None:
         if not self._done.done():
@@ -289,8 +286,12 @@ class NodeAgent:
         for q, slot in self._queues.items():
             if _for_rank(d, slot):
                 q.put_nowait(d)
+        if d.HasField("end"):
+            return  # the session ends with JobEnded: _stream exits with the outcome
         if d.HasField("drain"):
             self.drain = d.drain
+            if not self.draining:  # not the answer to this node's own leave: an operator's stop or drain
+                asyncio.ensure_future(self._drain_node(d.drain))
             return
         a = d.assignment
         if self.assignment is not None and a.generation < self.assignment.generation:
@@ -304,12 +305,17 @@ class NodeAgent:
             self.library = True  # the leader asks for it only when the job's ranks use the library
         if a.role == pb.ROLE_EVICTED:
             self.log.error("node_evicted", reason=a.reason)
-            self._finish(1)
+            self._finish(EXIT_FAILED)
             return
-        if not self.draining:
+        if not self.draining and not self._finishing():  # a finishing job is never re-formed
             if a.role == pb.ROLE_ACTIVE and not self.library:
                 asyncio.ensure_future(self._master_address(a))  # published (or fetched) at once
             asyncio.ensure_future(self._reconcile())
+
+    def _finishing(self) -> bool:
+        """The job is ending: a local rank finished its script, or the leader says one did. From
+        then on no rank is restarted, for a crash or a new map: it would run the script again."""
+        return self.session.finishing or any(s.finished for s in self.slots)
 
     async def _reconcile(self) -> None:
         """Bring the local ranks in line with the newest assignment."""
@@ -320,7 +326,7 @@ class NodeAgent:
             # Before stopping anything: the node of rank 0 publishes the generation's port at once.
             master = await self._master_address(a) if wanted else None
             for slot in self.slots:
-                if slot.finished or slot.given_up:
+                if slot.retired:
                     continue
                 if slot.alive and not self.library and slot.generation != a.generation:
                     # Restart semantics for scripts without the library: the new map means new ranks,
@@ -425,6 +431,8 @@ class NodeAgent:
         })
         if slot.error_file:
             env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
+        if slot.completed_file:
+            env[COMPLETED_FILE_ENV] = slot.completed_file
         if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
             rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
             env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
@@ -448,6 +456,8 @@ class NodeAgent:
         c = self.config
         slot.starts += 1
         slot.error_file = os.path.join(self._sockets, f"error-slot{slot.index}-{slot.starts}.json")
+        if self._program is not None:  # the runner marks its completion there
+            slot.completed_file = os.path.join(self._sockets, f"completed-slot{slot.index}-{slot.starts}")
         env = self._rank_env(slot, master)
         slot.rank = int(env["RANK"]) if "RANK" in env else None
         out = err = None
@@ -473,7 +483,7 @@ class NodeAgent:
                     self._zygote = None
             if slot.proc is None:
                 slot.proc = await asyncio.create_subprocess_exec(
-                    *self._guard(), *c.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
+                    *self._guard(), *self._argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
         finally:
             if out is not None:
                 out.close()
@@ -492,16 +502,29 @@ class NodeAgent:
                       warm=isinstance(slot.proc, WarmProcess))
         asyncio.ensure_future(self._watch_rank(slot, slot.proc))
 
-    async def _watch_rank(self, slot: Slot, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
+    async def _watch_rank(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> None:
+        code = await self._exit_of(slot, proc)
         if slot.stopping or proc is not slot.proc:
             return
         self.log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
         slot.connected = False
-        if code == 0:  # finished: the job is ending (the ranks of a job finish together); not a failure
+        if code == 0 or slot.finished or (slot.completed_file and os.path.exists(slot.completed_file)):
+            # Finished: its script completed, whatever its process did in teardown after. Not a failure,
+            # never restarted; the job is ending (the ranks of a job finish together).
             slot.finished = True
-            if not self.draining and all(s.finished or s.given_up for s in self.slots):  # a drain left already
-                await self._leave("all local ranks finished", finished=True)
+            if code != 0 or slot.hung:
+                how = (f"hung in interpreter teardown, ended after --exit-timeout {self.config.exit_timeout_s:g}s"
+                       if slot.hung else "died in interpreter teardown")
+                self.log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
+                                 hung=slot.hung)
+                _say(f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished")
+            await self._end_when_settled()
+            return
+        if self._finishing() and not self.draining:
+            self._lost_as_finishing(slot, proc.pid, code, report=True)
+            slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
+                                    await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
+            await self._end_when_settled()
             return
         a = self.assignment
         if not self.library and a is not None and slot.generation < a.generation and not self.draining:
@@ -534,18 +557,57 @@ class NodeAgent:
         await asyncio.sleep(delay)
         if in_place:
             await self._until_crash_answered(slot)
+        if self._finishing() and not self.draining and not self._done.done():
+            # It began finishing meanwhile: no restart (the leader hears so, if it was told otherwise).
+            self._lost_as_finishing(slot, proc.pid, code, report=in_place)
+            await self._end_when_settled()
+            return
         if not self.draining and not self._done.done() and not slot.alive and not slot.given_up:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self._reconciling:
                 if not slot.alive:
                     await self._start_rank(slot, await self._current_master())
 
+    async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
+        """Its process's exit code. While it runs, its script's completion (the runner's mark) is
+        looked for: a process still running --exit-timeout after it is hung in interpreter teardown
+        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL."""
+        exited = asyncio.ensure_future(proc.wait())
+        while not slot.finished:
+            done, _ = await asyncio.wait([exited], timeout=COMPLETION_POLL_S)
+            if done:
+                return exited.result()
+            if slot.completed_file and os.path.exists(slot.completed_file):
+                slot.finished = True
+                self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
+                self.session.send_now()  # the leader hears at once that the job is finishing
+        for send, wait_s in ((None, self.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None)):
+            if send is not None:
+                slot.hung = True
+                self.log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
+                                 exit_timeout_s=self.config.exit_timeout_s)
+                send()
+            done, _ = await asyncio.wait([exited], timeout=wait_s)
+            if done:
+                break
+        return exited.result()
+
+    def _lost_as_finishing(self, slot: Slot, pid: int, code: int, *, report: bool) -> None:
+        """A rank that ended without completing its script once the job was finishing: reported as
+        exited (not restarting) and retired; the node will exit 1."""
+        slot.failed, slot.restarting, slot.failed_pid = True, False, pid
+        if report:
+            self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=pid, exit_code=code))
+            self.session.send_now()
+        self.log.error("rank_lost_finishing", slot=slot.index, rank=slot.rank, pid=pid, code=code,
+                       message="ended without completing its script as the job was finishing: not restarted")
+
     async def _until_crash_answered(self, slot: Slot) -> None:
         """Wait (bounded) for the generation that re-forms the job after the slot's crash, so that
         its replacement starts once, into that map. A coordinator outage is the hold watchdog's."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RESTART_ANSWER_WAIT_S
-        while self.assignment.generation <= slot.crashed_in and not self._done.done():
+        while self.assignment.generation <= slot.crashed_in and not self._done.done() and not self._finishing():
             if loop.time() > deadline and self.session.silent_s() < self.session.heartbeat_timeout_s:
                 self.log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
                                  waited_s=RESTART_ANSWER_WAIT_S, message="no new generation came for the crash; "
@@ -585,8 +647,7 @@ class NodeAgent:
             except Exception:
                 pass
         _say(failure_report(c, slot, cause, crash, tail, elsewhere))
-        if all(s.finished or s.given_up for s in self.slots):
-            await self._leave("every local slot finished or was given up", finished=False)  # exits 1
+        await self._end_when_settled()
 
     async def _stop_rank(self, slot: Slot, grace_s: float = 5.0) -> None:
         proc = slot.proc
@@ -606,12 +667,16 @@ class NodeAgent:
         now = asyncio.get_running_loop().time()
         a = self.assignment
         if a is not None and a.start_ranks and not all(
-                self.slots[s].connected for s in a.down_local_ranks if not (self.slots[s].given_up or self.slots[s].finished)):
+                self.slots[s].connected for s in a.down_local_ranks if not self.slots[s].retired):
             return []  # starting: report the node's ranks together, so they enter the map in one generation
         reports = []
         for slot in self.slots:
             if slot.finished:
-                continue  # done: neither a failure nor a rank to watch
+                # The job is finishing, not failing (a drained rank's end is the drain's). A coordinator
+                # that predates runs (JoinResponse.run 0) refuses the state: it is told nothing, as then.
+                if self.session.joined_run and not self.draining:
+                    reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid, state=pb.RANK_STATE_FINISHED))
+                continue
             if slot.failed_pid and slot.connected and not slot.stopping:
                 # Its replacement is up, but no leader has answered the crash yet (an outage, a
                 # failover): the slot still speaks of the dead process, so that the next leader
@@ -645,31 +710,57 @@ class NodeAgent:
         return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
                 or slot.index not in a.local_ranks)
 
+    async def _end_when_settled(self) -> None:
+        """Once every local slot is retired and its process gone: leave, and exit with the node's
+        outcome. A node whose ranks finished leaves as finished (a rank lost meanwhile is in the exit
+        reports: the leader records the failure); one with a slot given up does not."""
+        if self.draining or self._leaving or self._done.done() or not all(s.retired and not s.alive for s in self.slots):
+            return
+        self._leaving = True
+        given_up = any(s.given_up for s in self.slots)
+        await self._leave("every local rank completed" if all(s.finished for s in self.slots)
+                          else "every local slot finished, ended or was given up",
+                          finished=not given_up and any(s.finished for s in self.slots))
+
     async def _leave(self, reason: str, *, finished: bool) -> None:
         try:
             await self.session.leave(reason=reason, finished=finished)
         except Exception as exc:  # the coordinator will see the node go silent instead
             self.log.warning("leave_failed", error=str(exc))
+        c = self.config
         given_up = [s for s in self.slots if s.given_up]
         if given_up:
-            _say(f"node {self.config.node_id!r} of job {self.config.job!r} gives up: "
+            _say(f"node {c.node_id!r} of job {c.job!r} gives up: "
                  + ", ".join(f"slot {s.index} ({exit_words(s.last_crash.code) + ', ' if s.last_crash else ''}"
                              f"{s.restarts} restart(s))" for s in given_up)
                  + "; the report of each is above")
-        self._finish(1 if given_up else 0)
+        lost = [s for s in self.slots if s.failed]
+        if lost:
+            _say(f"node {c.node_id!r} of job {c.job!r} failed: "
+                 + ", ".join(f"{s.named} ended ({exit_words(s.last_crash.code) if s.last_crash else 'exited'}) "
+                             "without completing its script" for s in lost)
+                 + " as the job was finishing (not restarted: that would run the script again)")
+        self._finish(EXIT_FAILED if given_up or lost else EXIT_SUCCEEDED)
 
-    async def _drain_node(self) -> None:
-        """SIGTERM or SIGINT: leave at a step boundary. Library ranks get the Drain directive and stop
-        after its step; other ranks are terminated now. Exits 128 + the signal."""
+    async def _drain_node(self, order: pb.Drain | None = None) -> None:
+        """Leave at a step boundary: on SIGTERM or SIGINT (exit 128 + the signal), or on the
+        coordinator's order (an operator stopped the job, or drained this node: exit 3), which has
+        planned the leave already. Library ranks get the Drain directive and stop after its step;
+        other ranks are terminated now."""
         if self.draining or self._done.done():
             return
         self.draining = True
-        self.log.info("drain_started")
-        try:
-            response = await self.session.leave(reason=f"drain ({signal.Signals(self._signal).name})")
-            self.log.info("drain_planned", after_step=response.switch_at_step, generation=response.generation)
-        except Exception as exc:
-            self.log.warning("leave_failed", error=str(exc))
+        self.log.info("drain_started", ordered=order is not None, stop=order.stop if order else None)
+        if order is None:
+            try:
+                response = await self.session.leave(reason=f"drain ({signal.Signals(self._signal).name})")
+                self.log.info("drain_planned", after_step=response.switch_at_step, generation=response.generation)
+            except Exception as exc:
+                self.log.warning("leave_failed", error=str(exc))
+        else:
+            what = "stopped by an operator" if order.stop else "drained by the coordinator"
+            _say(f"node {self.config.node_id!r} of job {self.config.job!r} {what}: {order.reason or 'no reason given'}"
+                 f" (after step {order.after_step})")
         for slot in self.slots:
             if slot.alive and not slot.connected:
                 await self._stop_rank(slot)
@@ -677,8 +768,9 @@ class NodeAgent:
         deadline = loop.time() + self.config.drain_timeout_s
         while any(s.alive for s in self.slots) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        self.log.info("drained", code=128 + self._signal)
-        self._finish(128 + self._signal)
+        code = EXIT_STOPPED if order is not None else 128 + self._signal
+        self.log.info("drained", code=code)
+        self._finish(code)
 
 
 class _RankSessions(pb_grpc.NodeAgentServicer):
@@ -779,8 +871,10 @@ RANK_ENV = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID",
+    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV,
 })
+COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
+EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
 MASTER_PORT_WAIT_S = 5.0  # for the node of rank 0 to publish a generation's MASTER_PORT
 RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
 

@@ -24,6 +24,7 @@ class AgentConfig:
     restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log
     drain_timeout_s: float = 120.0
+    exit_timeout_s: float = 30.0  # a rank whose script completed but whose process lives on this long is ended
     hold_timeout_s: float = 300.0  # no coordinator heard for this long: give up (the ranks with the agent)
     join_timeout_s: float = 300.0  # no coordinator accepted the Join within this long: exit 1
     form_timeout_s: float = 600.0  # no place in a generation within this long (a hot spare waits on): exit 1

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.comm import Comm, GroupSpec, Superseded, exit_stuck, interface_of, is_comm_failure
-from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, WorkerError
+from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession
 from muster.worker.rank_link import RankLink
@@ -403,7 +403,10 @@ class Worker:
             return  # leaving anyway: nothing to abort
         error.__cause__ = cause
         self._error = error
-        log.error("worker_link_failed", error=str(error))
+        if isinstance(error, RunEnded):  # no fault: the training loop ends at its next boundary
+            log.info("run_ended", outcome=error.outcome, reason=error.reason)
+        else:
+            log.error("worker_link_failed", error=str(error))
         self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
         self.link.changed.set()
         threading.Thread(target=self._exit_unless_raised, args=(error,), name="muster-fence", daemon=True).start()

@@ -1,5 +1,6 @@
 """The worker's error tree: what a training script may see at a step boundary."""
 
+from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import Evicted
 
 
@@ -24,4 +25,15 @@ class Drained(WorkerError):
     """This rank's node leaves the job (graceful drain): training here ends after `after_step`."""
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "Evicted"]
+class RunEnded(WorkerError):
+    """The job's run ended (succeeded, failed, or stopped by an operator): nothing more to train
+    here. Leave the training loop; `outcome` says how the run ended (muster.worker.outcome has its
+    exit status)."""
+
+    def __init__(self, end: pb.JobEnd):
+        super().__init__(f"run {end.run} of the job ended: {end.outcome}" + (f" ({end.reason})" if end.reason else ""))
+        self.outcome = end.outcome
+        self.reason = end.reason
+
+
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "Evicted"]

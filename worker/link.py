@@ -4,8 +4,8 @@ worker library and the torchrun rendezvous handler.
 One owner for what the training thread and the link thread share: the link thread, with its own
 asyncio loop, runs the transport and is the only writer of the mailbox (`latest`, `base`,
 `drain_after`); the training thread reads it, waits on `changed`, and reaches the transport only
-through the loop (`call`, `leave`, `running`, `send_now`). The transport's end — fenced out or lost — is
-turned into a WorkerError here, once.
+through the loop (`call`, `leave`, `running`, `send_now`). The transport's end — fenced out, lost, or
+the run's end — is turned into a WorkerError here, once.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Coroutine
 import structlog
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.errors import CoordinatorLost, FencedOut, WorkerError
-from muster.worker.node_session import Evicted, NodeSession
+from muster.worker.errors import CoordinatorLost, FencedOut, RunEnded, WorkerError
+from muster.worker.node_session import Evicted, JobEnded, NodeSession
 from muster.worker.rank_link import RankLink
 
 log = structlog.get_logger(__name__)
@@ -38,6 +38,7 @@ class Link:
         self.latest: pb.Assignment | None = None  # the newest assignment
         self.base: pb.Assignment | None = None  # the newest formed at once (not at a planned step)
         self.drain_after: int | None = None  # the node leaves the job after this step
+        self.ended: pb.JobEnd | None = None  # the job's run ended
         self.changed = threading.Event()  # the mailbox has news (or the link failed)
         self._on_directive = on_directive
         self._on_failure = on_failure
@@ -102,7 +103,7 @@ class Link:
     async def _open(self, connect: Connect, joined: bool) -> None:
         if self.session is not None:
             await self.session.stop()
-        self.latest = self.base = self.drain_after = None
+        self.latest = self.base = self.drain_after = self.ended = None
         self.session = session = connect(self._deliver)
         if joined and isinstance(session, NodeSession):
             await session.join()
@@ -115,6 +116,10 @@ class Link:
             await session.run()
         except Evicted as exc:
             self._failed(session, FencedOut(f"fenced out by the coordinator: {exc}"), None)
+        except JobEnded as exc:
+            if session is self.session:
+                self.ended = exc.end
+            self._failed(session, RunEnded(exc.end), None)
         except Exception as exc:
             self._failed(session, CoordinatorLost(f"lost the coordinator: {exc}"), exc)
 
@@ -123,6 +128,8 @@ class Link:
             return  # replaced meanwhile, or it left
         if self._on_failure is not None:
             self._on_failure(error, cause)
+        elif isinstance(error, RunEnded):
+            log.info("link_run_ended", link=self.name, outcome=error.outcome, reason=error.reason)
         else:
             log.warning("link_failed", link=self.name, error=str(error))
         self.changed.set()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect, relay_of, run_ended
+from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect, relay_of
 from muster.net import Backoff
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
@@ -86,7 +86,7 @@ class NodeSession:
         self.secret = b""  # from Join: proves on each stream and on Leave that this node is the member
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
-        self.job_run = 0  # the run of the job's name this node joined (JoinResponse.run)
+        self.joined_run = 0  # the run of the job's name this node joined (JoinResponse.run)
         self.finishing = False  # the leader said a rank finished its script: the job is ending
         self.leader = ""
         self.relay = ""  # the replica this node streams through ("": straight to the leader)
@@ -143,7 +143,7 @@ class NodeSession:
     async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
         response = await self._unary("Join", self._join_request(), retry_for_s=retry_for_s)
         self.member_id = response.member_id
-        self.job_run = response.run
+        self.joined_run = response.run
         self.secret = response.session_secret
         self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
@@ -199,7 +199,7 @@ class NodeSession:
                     frame.session_secret = self.secret
                     frame.rejoin.CopyFrom(self._join_request())
                     frame.via_relay = relayed
-                    frame.run = self.job_run
+                    frame.run = self.joined_run
                     self._streams_opened += 1
                     frame.stream_seq = self._streams_opened
                     first = False
@@ -253,9 +253,6 @@ class NodeSession:
             except grpc.aio.AioRpcError as exc:
                 if self._stopping:
                     return
-                ended = run_ended(exc)  # it ended while this node was away: end as it did
-                if ended is not None:
-                    raise JobEnded(ended) from exc
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     evicted = exc.details()
                 elif exc.code() not in TRANSIENT:

@@ -13,7 +13,7 @@ import structlog
 
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
-from muster.worker.node_session import Evicted
+from muster.worker.node_session import Evicted, JobEnded
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +50,8 @@ class RankLink:
                         self._on_directive(d)
                         if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
                             raise Evicted(d.assignment.reason)
+                        if d.HasField("end"):  # relayed by the agent, which stops its ranks next
+                            raise JobEnded(d.end)
                     return
             except asyncio.CancelledError:
                 if self._stopping:

@@ -13,6 +13,11 @@ has not started yet (this node's own workers failed) is asked for at once by rep
 as restarting in place: the leader re-forms the job once with it, however many nodes ask. Only a
 node the coordinator does not re-form that way (no place in the map) leaves and joins again,
 after `rejoin_after` seconds (rdzv-conf, default 3).
+
+A job ends once: once the leader says it is finishing (a rank finished its script, a node left as
+finished) or its run ended, no new round starts, whatever asks for one; torchrun ends instead
+(`_end_if_ending`). torchrun cannot tell this backend whether its workers completed their script
+before they failed, so a node whose workers failed then exits 1.
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker.launch import job_name
 from muster.worker.link import Link
 from muster.worker.node_session import NodeIdentity, NodeSession
+from muster.worker.outcome import EXIT_FAILED, EXIT_SUCCEEDED, exit_code
 
 log = structlog.get_logger(__name__)
+
+EXIT_REPORT_WAIT_S = 2.0  # for the exit report of workers that failed as the job finished to leave in a frame
 
 
 class MusterRendezvousHandler(RendezvousHandler):
@@ -56,6 +64,7 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._rounds = 0
         self._closed = False
         self._restarting_in = 0  # this node's workers failed in this generation: a new round is asked for
+        self._workers_ended = False  # a round after the first is asked for: this node's workers ended
         self._link = Link("muster-rdzv", on_directive=self._on_directive)
         self._join()
 
@@ -103,6 +112,8 @@ class MusterRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:
             raise RendezvousClosedError()
+        self._workers_ended = self._rounds > 0
+        self._end_if_ending()
         if self._rounds and not self._newer():
             # Our own workers failed: ask for a new round with this node in its place.
             self._restarting_in = self._generation
@@ -127,9 +138,37 @@ class MusterRendezvousHandler(RendezvousHandler):
         latest = self._link.latest
         return latest is not None and latest.generation > self._generation
 
+    def _end_if_ending(self) -> None:
+        """No round once the job is ending: one would run the finished script again. torchrun ends,
+        by SystemExit with the outcome's status: torch's launcher stops the workers, calls shutdown()
+        and lets it through (its @record returns for 0), so torchrun exits with that status. (Not
+        RendezvousGracefulExitError, torch's own way out: in torch 2.13 run() returns None after it and
+        launch_agent's `result.is_failed()` raises AttributeError: exit 1 with a traceback.)"""
+        link = self._link
+        end = link.ended
+        if end is None and not (link.session is not None and link.session.finishing):
+            return
+        if end is not None:
+            code, why = exit_code(end.outcome), f"run {end.run} of the job ended: {end.outcome}"
+        elif self._workers_ended:
+            # This node's workers failed (or were stopped) after a rank of the job finished: no new
+            # round; the leader records the failure from the exit, and the node leaves as finishing.
+            code, why = EXIT_FAILED, "this node's workers ended after a rank of the job finished its script"
+            link.session.exits.append(pb.RankExit(local_rank=0, pid=os.getpid(), exit_code=EXIT_FAILED))
+            link.send_now()
+            deadline = time.monotonic() + EXIT_REPORT_WAIT_S  # in a frame before shutdown()'s Leave
+            while link.session.exits and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            code, why = EXIT_SUCCEEDED, "the job is finishing: nothing to start here"
+        log.info("rdzv_job_ending", job=self._job, code=code, reason=why)
+        raise SystemExit(code)
+
     def _wait(self, predicate, timeout_s: float) -> bool:
+        """Wait for `predicate`, at most timeout_s; ends torchrun if the job ends meanwhile."""
         deadline = time.monotonic() + timeout_s
         while not predicate():
+            self._end_if_ending()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -144,13 +183,22 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._closed = True
 
     def num_nodes_waiting(self) -> int:
-        """A newer generation than the workers run (a node joined or left): restart into it."""
+        """A newer generation than the workers run (a node joined or left): restart into it. Once the
+        run ended, too: torchrun stops its workers and asks for a round, which ends torchrun. While
+        the job is finishing, never: its workers finish their script."""
+        if self._link.ended is not None:
+            return 1
+        if self._link.session is not None and self._link.session.finishing:
+            return 0
         return 1 if self._newer() else 0
 
     def get_run_id(self) -> str:
         return self._run_id
 
     def shutdown(self) -> bool:
+        if self._link.ended is not None:  # no member of an ended run: nothing to leave
+            self._link.close()
+            return True
         try:
             self._link.leave(15, finished=True, reason="torchrun finished")
         except Exception as exc:

@@ -38,8 +38,9 @@ class Slot:
     proc: asyncio.subprocess.Process | WarmProcess | None = None
     starts: int = 0
     restarts: int = 0
-    finished: bool = False  # exited 0
+    finished: bool = False  # its script completed (exit 0, or the runner's mark): its process may still be tearing down
     given_up: bool = False  # crash-looped past the budget
+    failed: bool = False  # ended without completing once the job was finishing: not restarted
     generation: int = 0  # the generation its process was started for
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
@@ -54,11 +55,23 @@ class Slot:
     log_path: Path | None = None  # with --log-dir: its process's output
     stderr: StderrTail | None = None  # without --log-dir: its process's stderr, passed through
     error_file: str = ""  # TORCHELASTIC_ERROR_FILE of its process (scripts using torch's @record)
+    completed_file: str = ""  # created by the runner once its process's script completed
+    hung: bool = False  # its process outlived --exit-timeout after its script completed, and was ended
     last_crash: Crash | None = None
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def retired(self) -> bool:
+        """Never started again: its script completed, it was given up, or it ended as the job finished."""
+        return self.finished or self.given_up or self.failed
+
+    @property
+    def named(self) -> str:
+        """How messages name it: its rank and slot."""
+        return f"rank {self.rank} (slot {self.index})" if self.rank is not None else f"slot {self.index}"
 
 
 class StderrTail:

@@ -10,8 +10,9 @@ the zygote reports its exit status to the agent.
 Only `PYTHON [-u] SCRIPT ARGS…` and `PYTHON [-u] -m MODULE ARGS…` with the agent's own interpreter
 run warm (what `muster run -- torchrun …` starts is always one); any other command is executed as
 before. The child sees what `python SCRIPT` would show it: its own environment, working directory,
-stdio, `sys.argv`, `sys.path[0]` and `__main__`; it exits through the interpreter's normal shutdown
-(atexit handlers run; an uncaught exception prints its traceback and exits 1).
+stdio, `sys.argv`, `sys.path[0]` and `__main__` (the runner runs it, and marks its completion as
+for a cold start); it exits through the interpreter's normal shutdown (atexit handlers run; an
+uncaught exception prints its traceback and exits 1).
 
 Protocol (a SOCK_SEQPACKET pair, one JSON message per packet): the agent sends
 {"id", "target", "module", "args", "unbuffered", "env", "cwd"} with the rank's stdin, stdout and stderr as SCM_RIGHTS
@@ -26,16 +27,15 @@ import ctypes
 import io
 import json
 import os
-import runpy
 import selectors
-import shutil
 import signal
 import socket
 import sys
-from dataclasses import dataclass
 from importlib import import_module
 
 import structlog
+
+from muster.worker.runner import Program, run
 
 log = structlog.get_logger(__name__)
 
@@ -44,34 +44,6 @@ PR_SET_PDEATHSIG = 1
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 MAX_MESSAGE = 1 << 20  # a rank's argv and environment
 READY_WAIT_S = 120.0  # for the zygote's imports: a cold import of torch on a loaded node takes seconds
-
-
-@dataclass(frozen=True)
-class Program:
-    """A command the zygote can run: a script or a module under the agent's own interpreter."""
-
-    target: str  # the script's path, or the module's name
-    module: bool
-    args: tuple[str, ...]
-    unbuffered: bool
-
-
-def warm_program(argv: tuple[str, ...] | list[str], executable: str = sys.executable) -> Program | None:
-    """`argv` as a Program the zygote can fork, or None: it must be executed (another interpreter,
-    options that change how Python starts)."""
-    if len(argv) < 2:
-        return None
-    found = shutil.which(argv[0])
-    if found is None or os.path.abspath(found) != os.path.abspath(executable):
-        return None  # another interpreter (or venv): its own imports, its own site-packages
-    unbuffered, i = False, 1
-    while i < len(argv) and argv[i] == "-u":
-        unbuffered, i = True, i + 1
-    if i < len(argv) and argv[i] == "-m" and i + 1 < len(argv):
-        return Program(argv[i + 1], True, tuple(argv[i + 2:]), unbuffered)
-    if i < len(argv) and not argv[i].startswith("-"):
-        return Program(argv[i], False, tuple(argv[i + 1:]), unbuffered)
-    return None
 
 
 # ---- the zygote process ------------------------------------------------------------------
@@ -149,14 +121,7 @@ def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: 
     _fresh_stdio(request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import otherwise
-    target = request["target"]
-    sys.argv = [target, *request["args"]]
-    if request["module"]:
-        sys.path[0] = os.getcwd()
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    run(Program(request["target"], request["module"], tuple(request["args"]), request["unbuffered"]))
 
 
 def _fresh_stdio(unbuffered: bool) -> None:

@@ -15,7 +15,8 @@ import structlog
 import torch
 
 from muster import logs
-from muster.worker import Drained, Worker, WorkerConfig, WorkerError
+from muster.worker import Drained, RunEnded, Worker, WorkerConfig, WorkerError
+from muster.worker.outcome import exit_code
 
 
 class DataPosition:
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("training_drained", step=worker.step, reason=str(exc))
         worker.close(leave=False)
         return 0
+    except RunEnded as exc:  # the job's run ended (an operator stopped it, or it failed elsewhere)
+        log.info("training_ended", step=worker.step, outcome=exc.outcome, reason=exc.reason)
+        worker.close(leave=False)
+        return exit_code(exc.outcome)
     except WorkerError as exc:
         log.error("training_stopped", error=str(exc))
         return 3

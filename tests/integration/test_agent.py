@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from muster.local import EXAMPLE, AgentProcess, process_alive, wait_until
+from muster.local import EXAMPLE, process_alive, wait_until
 
 EXAMPLES = EXAMPLE.parent
 
@@ -213,28 +213,6 @@ def test_a_lone_agent_says_what_it_waits_for_and_gives_up_after_the_form_timeout
     assert all("waiting for 1 more node (1 joined, min 2" in w["message"] for w in waiting)
     assert "muster run: no place in job 'lone-" in err and "within 4s (--form-timeout)" in err
     assert "rank_started" not in err
-
-
-@pytest.mark.timeout(120)
-def test_an_agent_joining_a_finished_job_is_told_so_and_exits_0(coordinators, agents, started, tmp_path):
-    (leader,) = coordinators(1)
-    # A spare near the end (the map holds one node) is left alone when the job finishes: it ends too.
-    (a,) = agents([leader.address], "done", ["a"], slots=1, nodes="1:1", steps=300)
-    wait_until(lambda: a.steps(0), 60, "training")
-    train = [sys.executable, str(AgentProcess.SCRIPT), "--steps", "300", "--step-sleep", "0.05"]
-    started.append(muster_run(leader.address, "done", "spare", tmp_path, "--nodes", "1:1", "--wait-report", "0.5",
-                              command=train))
-    wait_until(lambda: "hot spare" in (tmp_path / "spare.err").read_text(), 40, "a spare")
-    assert a.wait(60) == 0
-    assert started[0].wait(30) == 0
-    err = (tmp_path / "spare.err").read_text()
-    assert "muster run: job 'done' has finished: 'a' left it as finished" in err
-    assert '"joined": true' in err
-    # One that comes later is told before it joins.
-    started.append(muster_run(leader.address, "done", "late", tmp_path, "--nodes", "1:1", command=train))
-    assert started[1].wait(30) == 0
-    err = (tmp_path / "late.err").read_text()
-    assert "muster run: job 'done' has finished" in err and "node_joined" not in err and "rank_started" not in err
 
 
 @pytest.mark.timeout(60)

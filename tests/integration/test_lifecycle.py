@@ -96,7 +96,7 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         assert again[0].assignment().generation == 1
         stale = SimulatedNode(addresses, "a", "n0", slots=1)
         stale.session.member_id, stale.session.secret = nodes[0].member_id, nodes[0].session.secret
-        stale.session.job_run = 1
+        stale.session.joined_run = 1
         stale.session.leader = again[0].leader
         stale.start()
         await asyncio.sleep(1.0)

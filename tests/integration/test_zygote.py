@@ -10,20 +10,10 @@ import textwrap
 import pytest
 
 from muster.local import process_alive, wait_until
-from muster.worker.zygote import Program, Zygote, ZygoteLost, warm_program
+from muster.worker.runner import COMPLETED_FILE_ENV, Program
+from muster.worker.zygote import Zygote, ZygoteLost
 
 GUARD = [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
-
-
-def test_only_the_agents_own_interpreter_runs_warm():
-    py = sys.executable
-    assert warm_program([py, "-u", "train.py", "--lr", "1"]) == Program("train.py", False, ("--lr", "1"), True)
-    assert warm_program([py, "-m", "pkg.train", "-x"]) == Program("pkg.train", True, ("-x",), False)
-    assert warm_program([py, "-X", "dev", "train.py"]) is None  # options that change how Python starts
-    assert warm_program([py, "-c", "print(1)"]) is None
-    assert warm_program(["/usr/bin/env", "python", "train.py"]) is None
-    assert warm_program(["/bin/sh", "train.sh"]) is None
-    assert warm_program([py]) is None
 
 
 def run(coro):
@@ -117,3 +107,25 @@ def test_a_module_runs_as_with_python_dash_m(tmp_path, monkeypatch):
 
     run(main())
     assert (tmp_path / "out.txt").read_text() == "__main__ ['-x']\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_rank_marks_its_completion_before_teardown_and_a_failing_one_does_not(tmp_path):
+    done = script(tmp_path, "import atexit, os\natexit.register(os.abort)\n")  # completes, then aborts
+    failing = tmp_path / "failing.py"
+    failing.write_text("import sys\nsys.exit(3)\n")
+
+    async def main():
+        zygote = await Zygote.start(dict(os.environ), GUARD, preload=())
+        try:
+            rank = await _spawn(zygote, Program(str(done), False, (), False), tmp_path,
+                                {COMPLETED_FILE_ENV: str(tmp_path / "done.mark")})
+            assert await rank.wait() == -signal.SIGABRT
+            rank = await _spawn(zygote, Program(str(failing), False, (), False), tmp_path,
+                                {COMPLETED_FILE_ENV: str(tmp_path / "failing.mark")})
+            assert await rank.wait() == 3
+        finally:
+            zygote.close()
+
+    run(main())
+    assert (tmp_path / "done.mark").exists() and not (tmp_path / "failing.mark").exists()

@@ -11,7 +11,6 @@ from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import failure_report, last_failure
 from muster.worker.launch import LaunchError, job_name, plan
 from muster.worker.slot import Crash, Slot
-from muster.worker.waiting import finished_job
 
 
 def test_valid_job_names_are_kept_and_any_other_id_is_mapped_deterministically_without_collisions():
@@ -39,19 +38,6 @@ def test_torchrun_max_restarts_is_the_agents_budget_and_checked():
 
 def event(kind, *nodes, generation=1, reason=""):
     return pb.Event(kind=kind, nodes=nodes, generation=generation, reason=reason, time_unix_ms=1)
-
-
-def test_a_job_has_finished_when_its_other_nodes_left_as_finished_and_nobody_else_is_a_member():
-    done = [event("node_joined", "a"), event("node_joined", "b"), event("formed", "a", "b"),
-            event("node_finished", "a"), event("node_finished", "b")]
-    assert finished_job(done, [], "late") is done[-1]
-    # joined as it ended: its own join, the waiting generation it caused and its ranks do not count
-    late = done + [event("node_joined", "late"), event("waiting"), event("rank_exited", "late")]
-    assert finished_job(late, ["late"], "late") is done[-1]
-    assert finished_job(done[:-1], ["b"], "late") is None  # b still trains
-    assert finished_job(done + [event("node_left", "c")], [], "late") is None  # the job fell apart: not finished
-    assert finished_job([event("node_joined", "a"), event("formed", "a")], [], "late") is None
-    assert finished_job([], [], "late") is None  # a new job
 
 
 def test_last_failure_points_at_another_node_first():

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.errors import CoordinatorLost, FencedOut
+from muster.worker.errors import CoordinatorLost, FencedOut, RunEnded
 from muster.worker.link import Link
-from muster.worker.node_session import Evicted
+from muster.worker.node_session import Evicted, JobEnded
 
 
 class FakeTransport:
@@ -79,6 +79,13 @@ def test_a_lost_transport_is_coordinator_lost_with_its_cause(link):
     assert isinstance(error, CoordinatorLost) and isinstance(cause, ConnectionError)
 
 
+def test_the_end_of_the_run_is_told_once_as_run_ended_and_kept_in_the_mailbox(link):
+    send(link, JobEnded(pb.JobEnd(outcome="stopped", reason="operator", run=2)))
+    (error, cause), = link.failures
+    assert isinstance(error, RunEnded) and (error.outcome, error.reason) == ("stopped", "operator") and cause is None
+    assert link.ended.outcome == "stopped"
+
+
 def test_the_end_after_leaving_is_no_failure(link):
     link.leave(finished=True, reason="done")
     send(link, Evicted("not a member"), news=False)
@@ -94,4 +101,4 @@ def test_the_generation_run_reaches_the_transport_and_a_reopen_empties_the_mailb
     send(link, assignment(6))
     old = link.session
     link.open(FakeTransport)
-    assert link.session is not old and link.latest is None and link.base is None
+    assert link.session is not old and link.latest is None and link.base is None and link.ended is None

@@ -1,0 +1,43 @@
+"""A plain DDP script (env://, gloo, no Muster code) whose rank 0 misbehaves in interpreter teardown
+once its steps are done, as torch/gloo destructors do under Hugging Face's Trainer:
+--teardown abort: a global object's __del__ calls os.abort() (SIGABRT) when the interpreter frees it;
+--teardown hang: an atexit handler that never returns.
+Every rank appends "STEP PID" to OUT/rank-R.steps after each step."""
+
+import argparse
+import atexit
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: destroy_process_group() then frees it
+from torch.nn.parallel import DistributedDataParallel
+
+
+class AbortsWhenFreed:
+    def __del__(self):
+        os.abort()
+
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=5)
+p.add_argument("--out", type=Path, required=True)
+p.add_argument("--teardown", choices=("abort", "hang"), required=True)
+args = p.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+for step in range(1, args.steps + 1):
+    ddp(torch.randn(2, 4)).sum().backward()
+    with open(args.out / f"rank-{rank}.steps", "a") as f:
+        f.write(f"{step} {os.getpid()}\n")
+dist.barrier()
+del ddp
+dist.destroy_process_group()
+if rank == 0:
+    if args.teardown == "abort":
+        freed_in_teardown = AbortsWhenFreed()
+    else:
+        atexit.register(time.sleep, 3600)

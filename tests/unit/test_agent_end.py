@@ -1,0 +1,137 @@
+"""How a node agent ends with its job, against a fake NodeSession: the leader's JobEnd and stop
+orders give the outcome's exit status, a finishing job is never re-formed, finished ranks are
+reported as such."""
+
+import asyncio
+import sys
+
+import pytest
+
+from muster.v1 import muster_pb2 as pb
+from muster.worker.agent import NodeAgent
+from muster.worker.agent_config import AgentConfig
+from muster.worker.node_session import JobEnded
+from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED
+
+
+class FakeSession:
+    def __init__(self, *, ends: pb.JobEnd | None = None, joined_run: int = 1):
+        self.ends = ends
+        self.joined_run = joined_run
+        self.finishing = False
+        self.term = 1
+        self.generation = 0
+        self.member_id = 1
+        self.exits: list[pb.RankExit] = []
+        self.left: list[dict] = []
+
+    async def run(self) -> None:
+        raise JobEnded(self.ends)
+
+    async def leave(self, **kwargs):
+        self.left.append(kwargs)
+        return pb.LeaveResponse()
+
+    def send_now(self) -> None:
+        pass
+
+
+class FakeProcess:
+    pid = 4242
+    returncode = 0
+
+
+def agent(session: FakeSession, slots: int = 2) -> NodeAgent:
+    a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=slots,
+                              argv=(sys.executable, "train.py")))
+    a.session = session
+    a._done = asyncio.get_running_loop().create_future()
+    return a
+
+
+def within(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+@pytest.mark.parametrize("outcome, code", [("succeeded", EXIT_SUCCEEDED), ("failed", EXIT_FAILED),
+                                           ("stopped", EXIT_STOPPED), ("from-a-newer-coordinator", EXIT_FAILED)])
+def test_the_end_of_the_run_exits_with_its_outcomes_code(outcome, code, capsys):
+    async def scenario():
+        a = agent(FakeSession(ends=pb.JobEnd(outcome=outcome, reason="by the book", run=2)))
+        a._on_directive(pb.Directive(term=1, end=pb.JobEnd(outcome=outcome, run=2)))  # no map: nothing changes
+        assert a.assignment is None
+        await a._stream()
+        return a._done.result()
+
+    assert within(scenario()) == code
+    said = capsys.readouterr().err
+    assert said.count(f"muster run: job 'j' (run 2) ended: {outcome} (by the book); node 'n' exits {code}") == 1
+
+
+def test_an_operators_stop_drains_the_node_and_exits_3(capsys):
+    async def scenario():
+        session = FakeSession()
+        a = agent(session)
+        a._on_directive(pb.Directive(term=1, drain=pb.Drain(after_step=7, reason="budget spent", stop=True)))
+        code = await a._done
+        return code, session.left
+
+    code, left = within(scenario())
+    assert code == EXIT_STOPPED
+    assert left == []  # the coordinator planned the leave itself
+    assert "muster run: node 'n' of job 'j' stopped by an operator: budget spent (after step 7)" in capsys.readouterr().err
+
+
+def test_a_finishing_job_is_never_reformed_and_its_finished_ranks_say_so():
+    async def scenario():
+        session = FakeSession()
+        a = agent(session)
+        a.slots[0].finished, a.slots[0].proc = True, FakeProcess()
+        assert a._finishing()
+        reports = a._reports()
+        a._on_directive(pb.Directive(term=1, generation=3, assignment=pb.Assignment(
+            generation=3, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)))
+        await asyncio.sleep(0.05)  # a reconcile would have started the ranks by now
+        older = FakeSession(joined_run=0)  # a coordinator that predates runs refuses the state
+        a.session = older
+        return reports, a.slots[1].starts, a._reports()
+
+    reports, starts, to_older = within(scenario())
+    assert [(r.local_rank, r.pid, r.state) for r in reports] == [(0, 4242, pb.RANK_STATE_FINISHED)]
+    assert starts == 0
+    assert to_older == []
+
+
+def test_the_leaders_finishing_flag_alone_stops_restarts():
+    async def scenario():
+        session = FakeSession()
+        a = agent(session)
+        assert not a._finishing()
+        session.finishing = True
+        return a._finishing()
+
+    assert within(scenario())
+
+
+def test_a_rank_ending_without_completing_once_another_finished_is_not_restarted_and_fails_the_node(
+        tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(1)\n    sys.exit(5)\n")
+
+    async def scenario():
+        session = FakeSession()
+        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
+                                  argv=(sys.executable, str(script))))
+        a.session, a._done, a._sockets = session, asyncio.get_running_loop().create_future(), str(tmp_path)
+        a.assignment = pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)
+        for slot in a.slots:
+            await a._start_rank(slot)
+        return await a._done, session, a.slots
+
+    code, session, slots = within(scenario())
+    assert code == EXIT_FAILED
+    assert [s.starts for s in slots] == [1, 1] and slots[0].finished and slots[1].failed
+    assert [(e.local_rank, e.exit_code, e.restarting) for e in session.exits] == [(1, 5, False)]
+    assert [left["finished"] for left in session.left] == [True]  # the leader records the failure from the exit
+    assert ("muster run: node 'n' of job 'j' failed: rank 1 (slot 1) ended (exit code 5) without completing its "
+            "script as the job was finishing") in capsys.readouterr().err

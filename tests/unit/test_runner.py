@@ -1,0 +1,89 @@
+"""The rank runner: a program runs as under `python SCRIPT`, and its completion is marked before
+interpreter teardown, never for a failure."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from muster.worker.runner import COMPLETED_FILE_ENV, Program, python_program, runner_argv
+
+SEEN = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "path0": sys.path[0], "name": __name__, "file": __file__,
+                  "main": sys.modules["__main__"].__file__, "marker": os.environ.get("MUSTER_COMPLETED_FILE")}))
+"""
+
+
+def test_only_the_agents_own_interpreter_runs_python_programs():
+    py = sys.executable
+    assert python_program([py, "-u", "train.py", "--lr", "1"]) == Program("train.py", False, ("--lr", "1"), True)
+    assert python_program([py, "-m", "pkg.train", "-x"]) == Program("pkg.train", True, ("-x",), False)
+    assert python_program([py, "-X", "dev", "train.py"]) is None  # options that change how Python starts
+    assert python_program([py, "-c", "print(1)"]) is None
+    assert python_program(["/usr/bin/env", "python", "train.py"]) is None
+    assert python_program(["/bin/sh", "train.sh"]) is None
+    assert python_program([py]) is None
+    assert runner_argv(Program("t.py", False, ("-x",), True), py) == [py, "-u", "-m", "muster.worker.runner",
+                                                                        "t.py", "-x"]
+    assert runner_argv(Program("pkg.t", True, (), False), py) == [py, "-m", "muster.worker.runner", "-m", "pkg.t"]
+
+
+def run(tmp_path, body: str, *args: str, runner: bool = True, module: bool = False):
+    """(exit code, stdout, stderr, marked) of the program, run through the runner or by python."""
+    (tmp_path / "prog.py").write_text(textwrap.dedent(body))
+    marker = tmp_path / "completed"
+    marker.unlink(missing_ok=True)
+    target = ["-m", "prog"] if module else ["prog.py"]
+    argv = [sys.executable, *(["-m", "muster.worker.runner"] if runner else []), *target, *args]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                          env={**os.environ, COMPLETED_FILE_ENV: str(marker)})
+    return done.returncode, done.stdout, done.stderr, marker.exists()
+
+
+@pytest.mark.parametrize("end", ["", "import sys; sys.exit(0)", "import sys; sys.exit()", "raise SystemExit(None)"])
+def test_a_program_that_returns_or_exits_0_is_marked_completed(tmp_path, end):
+    assert run(tmp_path, f"print('trained')\n{end}\n") == (0, "trained\n", "", True)
+
+
+@pytest.mark.parametrize("end, code", [("raise ValueError('bad batch')", 1), ("import sys; sys.exit(2)", 2),
+                                       ("import sys; sys.exit('usage: prog')", 1)])
+def test_a_failing_program_is_not_completed_and_fails_as_under_python(tmp_path, end, code):
+    body = f"def train():\n    {end}\ntrain()\n"
+    through = run(tmp_path, body)
+    plain = run(tmp_path, body, runner=False)
+    assert through[0] == plain[0] == code
+    assert not through[3]
+    assert through[2] == plain[2]  # the same traceback: the program's frames only
+
+
+def test_a_program_completed_then_aborting_in_teardown_is_marked(tmp_path):
+    body = """
+        import os
+        class AbortsWhenFreed:
+            def __del__(self):
+                os.abort()
+        kept_until_teardown = AbortsWhenFreed()
+        print("done", flush=True)
+    """
+    assert run(tmp_path, body) == (-signal.SIGABRT, "done\n", "", True)
+
+
+def test_the_program_sees_what_python_shows_it_and_not_the_marker(tmp_path):
+    code, out, _, marked = run(tmp_path, SEEN, "--lr", "0.1")
+    seen = json.loads(out)
+    plain = json.loads(run(tmp_path, SEEN, "--lr", "0.1", runner=False)[1])
+    script = str(tmp_path / "prog.py")
+    assert code == 0 and marked
+    assert seen == {**plain, "marker": None} == {"argv": ["--lr", "0.1"], "path0": str(tmp_path), "name": "__main__",
+                                                 "file": script, "main": script, "marker": None}
+
+
+def test_a_module_runs_as_with_python_dash_m(tmp_path):
+    code, out, _, marked = run(tmp_path, SEEN, "-x", module=True)
+    assert code == 0 and marked
+    assert json.loads(out) == {**json.loads(run(tmp_path, SEEN, "-x", runner=False, module=True)[1]), "marker": None}

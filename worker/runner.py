@@ -1,0 +1,121 @@
+"""`python -m muster.worker.runner SCRIPT ARGS…` (or `… -m MODULE ARGS…`): run a rank's Python
+program as `python SCRIPT` (`python -m MODULE`) would, and tell its agent the moment the program
+completed, before interpreter teardown begins.
+
+A script whose `__main__` returned (or that raised SystemExit with status 0 or None) has done its
+work, whatever its process does next: torch and gloo destructors abort (SIGABRT) or hang in
+teardown, and its agent must count the rank as finished, never run it again. The mark is a file
+the agent names in $MUSTER_COMPLETED_FILE (in its private directory): created before teardown, it
+survives a SIGKILL or an abort that follows. An uncaught exception or another exit status is no
+completion. The warm-start zygote runs its ranks through `run` too.
+
+The program sees what `python SCRIPT` shows it: `sys.argv`, `sys.path[0]`, `__main__`, its exit
+status, and an uncaught exception's traceback without this module's or runpy's frames.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import sys
+from dataclasses import dataclass
+
+COMPLETED_FILE_ENV = "MUSTER_COMPLETED_FILE"
+_RUNPY_FILE = runpy.run_path.__code__.co_filename  # "<frozen runpy>" on 3.11
+_kept: list[dict] = []  # the program's globals: they die in teardown, as under `python SCRIPT`
+
+
+@dataclass(frozen=True)
+class Program:
+    """A command the runner (and the zygote) can run: a script or a module under the agent's own
+    interpreter."""
+
+    target: str  # the script's path, or the module's name
+    module: bool
+    args: tuple[str, ...]
+    unbuffered: bool
+
+
+def python_program(argv: tuple[str, ...] | list[str], executable: str = sys.executable) -> Program | None:
+    """`argv` as a Program, or None: it must be executed as it is (another interpreter or program,
+    options that change how Python starts)."""
+    if len(argv) < 2:
+        return None
+    found = shutil.which(argv[0])
+    if found is None or os.path.abspath(found) != os.path.abspath(executable):
+        return None  # another interpreter (or venv): its own imports, its own site-packages
+    unbuffered, i = False, 1
+    while i < len(argv) and argv[i] == "-u":
+        unbuffered, i = True, i + 1
+    if i < len(argv) and argv[i] == "-m" and i + 1 < len(argv):
+        return Program(argv[i + 1], True, tuple(argv[i + 2:]), unbuffered)
+    if i < len(argv) and not argv[i].startswith("-"):
+        return Program(argv[i], False, tuple(argv[i + 1:]), unbuffered)
+    return None
+
+
+def runner_argv(program: Program, executable: str = sys.executable) -> list[str]:
+    """The command line that runs `program` through this module (a cold start)."""
+    return [executable, *(["-u"] if program.unbuffered else []), "-m", __name__,
+            *(["-m"] if program.module else []), program.target, *program.args]
+
+
+def run(program: Program) -> None:
+    """Run `program` as __main__ in this process; mark its completion for the agent."""
+    marker = os.environ.pop(COMPLETED_FILE_ENV, "")  # the program's own children have no say
+    pid = os.getpid()  # a child the program forks that returns through here completes nothing
+    sys.argv = [program.target, *program.args]
+    try:
+        if program.module:
+            sys.path[0] = os.getcwd()
+            namespace = runpy.run_module(program.target, run_name="__main__", alter_sys=True)
+        else:
+            # absolute, as `python SCRIPT` makes __file__ and its tracebacks (argv[0] follows)
+            path = os.path.abspath(program.target)
+            sys.path[0] = os.path.dirname(path)
+            namespace = runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or (isinstance(exc.code, int) and exc.code == 0):
+            _mark(marker, pid)
+        raise
+    except BaseException:
+        sys.excepthook = _from_program(sys.excepthook)  # the interpreter prints it, and exits 1 (or by SIGINT)
+        raise
+    _mark(marker, pid)
+    _kept.append(namespace)
+
+
+def _mark(path: str, pid: int) -> None:
+    if path and os.getpid() == pid:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        except OSError:
+            pass  # the agent's directory is gone: so is the agent
+
+
+def _from_program(hook):
+    """`hook` shown the traceback from the program's first frame on, past `run` and runpy's frames
+    (the interpreter's printer reads the exception's own __traceback__, not the hook's argument)."""
+    def excepthook(kind, value, tb):
+        here = tb
+        while here is not None and here.tb_frame.f_code is not run.__code__:
+            here = here.tb_next
+        here = here.tb_next if here is not None else None
+        while here is not None and here.tb_frame.f_code.co_filename == _RUNPY_FILE:
+            here = here.tb_next
+        tb = here or tb
+        hook(kind, value.with_traceback(tb), tb)
+
+    return excepthook
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    module = args[:1] == ["-m"]
+    args = args[1:] if module else args
+    run(Program(args[0], module, tuple(args[1:]), False))  # -u, if any, was the interpreter's
+
+
+if __name__ == "__main__":
+    main()
