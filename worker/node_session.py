@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect, relay_of
+from muster.client import TRANSIENT, leader_hint, parse_addresses, redirect, relay_of, run_ended
 from muster.net import Backoff
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
@@ -253,6 +253,9 @@ class NodeSession:
             except grpc.aio.AioRpcError as exc:
                 if self._stopping:
                     return
+                ended = run_ended(exc)  # it ended while this node was away: end as it did
+                if ended is not None:
+                    raise JobEnded(ended) from exc
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     evicted = exc.details()
                 elif exc.code() not in TRANSIENT:
