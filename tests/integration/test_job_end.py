@@ -1,14 +1,18 @@
 """A job ends once: a rank whose script completed and that then dies or hangs in interpreter
 teardown (torch/gloo destructors under Hugging Face's Trainer) has finished. Nothing restarts it,
-nothing re-forms the job, and every agent exits 0."""
+nothing re-forms the job, every agent exits 0 and the coordinator records one run, succeeded. An
+operator's stop and drain end agents with the stopped code (3)."""
 
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from muster.client import Coordinators
 from muster.local import json_lines, record_time
+from muster.v1 import muster_pb2 as pb
 
 SCRIPT = Path(__file__).parent / "scripts" / "teardown.py"
 STEPS = 5
@@ -40,7 +44,53 @@ def run_job(coordinators, agents, tmp_path, job: str, teardown: str, warm: bool,
     (said,) = [line for node in nodes for line in node.log_path.read_text().splitlines()
                if "finished its script, then" in line]
     assert said.startswith("muster run: rank 0 (slot ")
+    # The coordinator recorded one run of the job, succeeded.
+    (run,) = runs(leader.address, job)
+    assert (run.run, run.outcome) == (1, "succeeded") and run.generation == 1, run
     return nodes, said
+
+
+def runs(address: str, job: str) -> list[pb.JobRecord]:
+    deadline = time.monotonic() + 10
+    while True:
+        with Coordinators([address], timeout_s=5) as c:
+            found = list(c.call("Jobs", pb.JobsRequest(job=job)).jobs)
+        if found and all(r.outcome != "running" for r in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "muster.cli", "--log-level", "warning", *args], capture_output=True,
+                          text=True, timeout=30)
+
+
+def stepping(nodes, at_least: int = 5) -> None:
+    deadline = time.monotonic() + 90
+    while not all(n.steps(s) and n.steps(s)[-1]["step"] >= at_least for n in nodes for s in (0, 1)):
+        assert time.monotonic() < deadline, f"every rank past step {at_least}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(150)
+def test_an_operators_drain_and_stop_end_agents_with_the_stopped_code(coordinators, agents):
+    (leader,) = coordinators(1)
+    a, b, c = agents([leader.address], "ops", ["a", "b", "c"], nodes="1:3", steps=100_000)
+    stepping([a, b, c])
+    drained = cli("drain", "--coordinator", leader.address, "--job", "ops", "--node", "c", "--reason", "maintenance")
+    assert drained.returncode == 0, drained.stderr
+    assert c.wait(60) == 3, c.log_path.read_text()[-3000:]  # drained by an operator
+    assert a.proc.poll() is None and b.proc.poll() is None
+    stopped = cli("stop", "--coordinator", leader.address, "ops", "--reason", "end of the reservation")
+    assert stopped.returncode == 0, stopped.stderr
+    after = int(stopped.stdout.split("after step ")[1].split(",")[0])
+    for n in (a, b):
+        assert n.wait(60) == 3, n.log_path.read_text()[-3000:]
+        for slot in (0, 1):  # every rank stopped at the one step of the stop, nothing aborted
+            assert n.steps(slot)[-1]["step"] == after
+    (run,) = runs(leader.address, "ops")
+    assert (run.outcome, run.reason) == ("stopped", "end of the reservation")
+    assert "stopped by an operator" in a.log_path.read_text()
 
 
 @pytest.mark.timeout(90)
