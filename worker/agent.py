@@ -193,7 +193,8 @@ class NodeAgent:
             await self.session.run()
         except JobEnded as exc:  # the run ended (succeeded, failed, stopped): its ranks stop with the agent
             end = exc.end
-            code = exit_code(end.outcome)
+            # a node draining on a signal ends the run itself when it is the last: its exit says the signal
+            code = 128 + self._signal if self._signal else exit_code(end.outcome)
             self.log.info("job_ended", run=end.run, outcome=end.outcome, reason=end.reason, code=code)
             _say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
                  + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")

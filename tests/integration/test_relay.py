@@ -65,7 +65,10 @@ async def steps_advance(nodes, seconds: float = 0.5) -> None:
 
 async def exit_decided_s(nodes, exiting, local_rank: int) -> float:
     """A rank of `exiting` exits: seconds until another node holds the abort generation."""
-    generation = exiting.generation
+    # every node on one generation first: a node still behind would count the last change as this one's
+    generation = max(n.generation for n in nodes)
+    for n in nodes:
+        await n.wait_for(lambda x: x.generation == generation, 2, f"generation {generation} everywhere")
     exiting.exits.append(pb.RankExit(local_rank=local_rank, pid=10_000 + local_rank, exit_code=-9))
     exiting.session.send_now()
     reported = time.monotonic()
