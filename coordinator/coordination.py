@@ -40,6 +40,9 @@ class LeaseSession(Protocol):
     def close(self, revoke: bool = True) -> None:
         """Stop; revoke=True deletes the lease's keys at once (a standby leads without waiting)."""
 
+    def revoke(self) -> bool:
+        """Delete the lease and its keys now; False when the store did not answer. Repeatable."""
+
 
 class JobElection(Protocol):
     """One replica's candidacy for one job: the lowest term (create revision) leads."""
@@ -160,8 +163,16 @@ class MemorySession:
             if self._closed:
                 return
             self._closed = True
-        if revoke and self.lease_id is not None:
+        if revoke:
+            self.revoke()
+
+    def revoke(self) -> bool:
+        if self.lease_id is not None:
+            with self._coordination._changed:
+                if self._coordination._unavailable:
+                    return False
             self._coordination._drop_keys(self.lease_id)
+        return True
 
     def _lose(self, reason: str) -> None:
         with self._lock:

@@ -39,6 +39,9 @@ log = structlog.get_logger(__name__)
 # Campaigning again for a job whose leadership failed: the delay doubles from the first to the
 # most, with jitter, and starts over once the job was led without a fault for RETRY_RESET_S.
 RETRY_FIRST_S, RETRY_MOST_S, RETRY_RESET_S = 0.2, 5.0, 60.0
+# A session or a campaign that etcd did not answer is retried within a second (jitter doubles this at
+# most): etcd back after a long outage is used at once, and a grant or a campaign is one cheap request.
+RETRY_ETCD_MOST_S = 0.5
 LEADER_LOOKUP_S = 0.5  # a NotLeader hint is worth this much wait, no more
 
 
@@ -149,7 +152,7 @@ class Replica:
         self.log.info("replica_stopped")
 
     async def _new_session(self) -> None:
-        backoff = Backoff(0.1, 2.0)
+        backoff = Backoff(0.1, RETRY_ETCD_MOST_S)
         while not self._closing:
             c = self.config
             session = self.coordination.session(c.session_ttl_s, renew_deadline_s=c.renew_deadline_s)
@@ -181,6 +184,10 @@ class Replica:
             old = self._session
             await asyncio.to_thread(old.close, True)  # best effort: lets a standby lead sooner
             await self._new_session()
+            # etcd answers again: the old lease's keys (this replica's leadership and candidacies) go now,
+            # not a TTL after etcd came back (a restarted etcd renews every lease), which every new
+            # campaign, ours and the other replicas', would wait for
+            await asyncio.to_thread(old.revoke)
             for job in sorted(self.jobs):
                 self._campaign(job)
         finally:
@@ -232,7 +239,7 @@ class Replica:
                 self.log.warning("resign_failed", job=job, error=str(exc))
         if stop.wait(delay):
             return
-        backoff = Backoff(0.1, 2.0)
+        backoff = Backoff(0.1, RETRY_ETCD_MOST_S)
         while not stop.is_set():
             try:
                 key = election.campaign(stop)

@@ -44,6 +44,16 @@ def free_port(host: str = "127.0.0.1") -> int:
                 return port
 
 
+# gRPC's own reconnection backoff for a channel whose peer went away: by default it grows 1.6x per
+# failed attempt up to 120 s, so a peer back after a 30 s outage was tried again only ~13 s later (and
+# every call meanwhile failed at once). Short and capped instead: a peer that answers again is
+# reconnected within about a second however long it was gone. gRPC jitters each wait by +-20%.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 def jitter(delay: float) -> float:
     """A wait between `delay` and twice it: clients that failed together do not retry together."""
     return delay * (1 + random.random())

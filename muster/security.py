@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 
+from muster.net import RECONNECT_OPTIONS
+
 TOKEN_METADATA = "authorization"  # "Bearer <token>"
 
 
@@ -48,8 +50,10 @@ class ClientSecurity:
 
     def channel(self, address: str) -> grpc.Channel:
         creds = self._credentials
-        return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+        return (grpc.secure_channel(address, creds, options=RECONNECT_OPTIONS) if creds
+                else grpc.insecure_channel(address, options=RECONNECT_OPTIONS))
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
         creds = self._credentials
-        return grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
+        return (grpc.aio.secure_channel(address, creds, options=RECONNECT_OPTIONS) if creds
+                else grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS))

@@ -17,6 +17,7 @@ import etcd3.watch
 import grpc
 import structlog
 
+from muster.net import RECONNECT_OPTIONS
 from muster.security import channel_credentials
 
 log = structlog.get_logger(__name__)
@@ -153,7 +154,8 @@ def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAcc
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     creds = access.credentials()
     client = etcd3.MultiEndpointEtcd3Client(
-        [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S) for h, p in parsed],
+        [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S,
+                        opts=list(RECONNECT_OPTIONS)) for h, p in parsed],
         timeout=timeout_s,
         failover=True,
         user=access.user or None,

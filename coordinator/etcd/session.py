@@ -45,6 +45,7 @@ class Session:
         self._lease_id: int | None = None
         self._last_renewed = 0.0
         self._closed = False
+        self._revoked = False
         self._stop = threading.Event()
         self._wake = threading.Event()  # set to renew at once, and by close()
         self._thread: threading.Thread | None = None
@@ -113,13 +114,23 @@ class Session:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=(self._client.timeout or 5.0) + 1.0)
-        if revoke and self._lease_id is not None:
-            try:
-                call(self._client, lambda: self._client.revoke_lease(self._lease_id), "lease revoke")
-            except EtcdError as exc:
-                # Already expired or etcd unreachable: the lease dies on its own.
-                log.warning("session_revoke_failed", lease=hex(self._lease_id), error=str(exc))
-        log.info("session_closed", lease=hex(self._lease_id or 0), revoked=revoke)
+        revoked = revoke and self.revoke()
+        log.info("session_closed", lease=hex(self._lease_id or 0), revoked=revoked)
+
+    def revoke(self) -> bool:
+        """Delete the lease, and so its keys, now. False: etcd did not answer (the lease dies on its
+        own a TTL after etcd is back: etcd renews every lease when it restarts). Repeatable."""
+        if self._lease_id is None or self._revoked:
+            return True
+        try:
+            call(self._client, lambda: self._client.revoke_lease(self._lease_id), "lease revoke")
+        except LeaseNotFound:
+            pass  # expired already
+        except EtcdError as exc:
+            log.warning("session_revoke_failed", lease=hex(self._lease_id), error=str(exc))
+            return False
+        self._revoked = True
+        return True
 
     def __enter__(self) -> "Session":
         return self.start()

@@ -48,6 +48,10 @@ GRACE_S = 2.0
 # it only learns from frames may wait for it —; a silent rank is found after the heartbeat timeout
 # (2 s); the survivors then re-form on two loaded cores (about 1 s). 4 + 3 + 2 + 2 + 1 = 12, plus a 3 s margin.
 LIVENESS_BOUND_S = 15.0
+# After a whole-deployment outage (etcd or every coordinator down), however long it lasted: the heal
+# -> every surviving slot stepping again. Reconnection is prompt (capped gRPC backoff, session retries
+# under 1 s, the old session's lease revoked once etcd answers), so this holds for 10 s and 2 minutes alike.
+HEAL_BOUND_S = 5.0
 ETCD_OUTAGE_S = 10.0  # every etcd member down (killed or frozen), then back with its data
 COORDINATORS_DOWN_S = 20.0  # every coordinator killed, then restarted at its address
 # A rank killed during an outage dies this far into it: past the leader's renew deadline (2/3 of the
@@ -60,12 +64,15 @@ AFTERMATH_S = HEARTBEAT_TIMEOUT_S + 3.0  # after the last fault of a sequence: t
 # for silence) and then a heartbeat timeout must pass before the invariants are checked: an
 # eviction for a silence that began in the outage shows only then.
 NEW_LEADER = frozenset({"leader", "rank_and_leader", "etcd_member", "etcd_leader", "etcd_outage", "etcd_freeze",
-                        "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage", "rank_in_coordinators_down",
-                        "leader_frozen_at_reform"})
+                        "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage", "rank0_in_etcd_outage",
+                        "agent_in_etcd_outage", "rank_in_coordinators_down", "rank0_in_coordinators_down",
+                        "agent_in_coordinators_down", "leader_frozen_at_reform"})
 # What explains a rank killed during an outage: its agent's exit report reaching the new leader, or,
 # when that report was lost with the refused streams of the outage, the survivors found holding in a
 # broken group (after the heartbeat timeout).
 OUTAGE_KILL_EXPECT = frozenset({"rank_exited", "group_broken"})
+# A whole node lost during an outage: judged silent by the new leader after its grace.
+OUTAGE_AGENT_EXPECT = frozenset({"node_silent", "group_broken"})
 
 
 @dataclass
@@ -99,7 +106,8 @@ class Fault:
     rebuild: bool = False  # etcd's data was lost: exactly one state_rebuilt generation is the answer
     healed_at: float | None = None  # wall clock: the cause removed (etcd back, coordinators serving, leader resumed)
     resumed_s: float | None = None  # the heal (else the fault) -> every surviving slot stepped again
-    wedged: str | None = None  # why the job did not step again within LIVENESS_BOUND_S
+    wedged: str | None = None  # why the job did not step again within bound_s
+    bound_s: float = LIVENESS_BOUND_S  # the heal (else the fault) -> every surviving slot stepping again
     lost: list[str] = field(default_factory=list)  # survivors whose process changed (lost to a fault outside them)
     problems: list[str] = field(default_factory=list)  # other broken invariants, each a precise message
     stall_s: float | None = None  # longest gap between two steps of the job from this fault to the next
@@ -177,12 +185,16 @@ class Chaos:
     def __init__(self, workdir: Path, *, nodes: int = 3, slots: int = 2, replicas: int = 2, etcd_members: int = 3,
                  job: str = "chaos", step_sleep_s: float = 0.1, heartbeat_timeout_s: float = 2.0,
                  host: str = "127.0.0.1", netns: dict[str, NetNamespace] | None = None, seed: int | None = None,
-                 strict: bool = True, relay_min_nodes: int = 0):
+                 strict: bool = True, relay_min_nodes: int = 0,
+                 outages_s: tuple[float, float] | None = None):
         self.workdir = workdir
         self.rng = random.Random(seed)  # every random choice of the harness: a seed replays the victims
         # strict: any broken invariant raises at once. Otherwise (the soak) a wedge or a rank lost to
         # a fault outside it is recorded on the fault and the sequence goes on; the rest still raises.
         self.strict = strict
+        # how long an etcd outage or every coordinator down lasts: drawn per fault (from the seed) between
+        # the two bounds; None: ETCD_OUTAGE_S and COORDINATORS_DOWN_S
+        self.outages_s = outages_s
         self.nodes = [f"node{i}" for i in range(nodes)]
         self.slots = slots
         self.job = job
@@ -480,38 +492,51 @@ class Chaos:
     def _sleep_until(self, at: float) -> None:
         time.sleep(max(0.0, at - time.time()))
 
-    def _outage_victim(self, kill_rank: bool) -> tuple[list[Slot], int | None]:
-        if not kill_rank:
-            return [], None
-        slot = self.rank_slot()
-        return [slot], self.current()[slot].pid
+    def _outage_length(self, default_s: float) -> float:
+        return round(self.rng.uniform(*self.outages_s), 1) if self.outages_s else default_s
 
-    def _kill_during(self, fault: Fault, what: str, pid: int | None) -> None:
-        """The rank of an outage fault dies KILL_INTO_OUTAGE_S into it; its agent replaces it while
-        no leader can hear of it, and the survivors must hold (no crash) until one can."""
-        if pid is None:
+    def _outage_victim(self, kill: str | None) -> tuple[list[Slot], str, Callable[[], None] | None, frozenset]:
+        """What dies during an outage: nothing, a rank (`rank`, `rank0`: the store host) or a whole
+        node (`agent`, its ranks with it). (victims, what, the kill, the events that explain it)."""
+        if kill is None:
+            return [], "", None, frozenset()
+        if kill == "agent":
+            node = self.rng.choice(sorted(n for n in self.agents if n != self.rank_slot(0)[0]))
+            agent = self.agents[node]
+            return ([(node, s) for s in range(self.slots)], f"agent pid {agent.pid} of {node}",
+                    lambda: agent.signal(signal.SIGKILL), OUTAGE_AGENT_EXPECT)
+        slot = self.rank_slot(0 if kill == "rank0" else None)
+        pid = self.current()[slot].pid
+        return ([slot], f"rank{' 0' if kill == 'rank0' else ''} pid {pid} at {slot[0]}/{slot[1]}",
+                lambda: os.kill(pid, signal.SIGKILL), OUTAGE_KILL_EXPECT)
+
+    def _kill_during(self, fault: Fault, what: str, victim: str, kill: Callable[[], None] | None) -> None:
+        """The victim of an outage fault dies KILL_INTO_OUTAGE_S into it, while no leader can hear of
+        it (a rank's agent replaces it); the survivors must hold (no crash) until a leader is back."""
+        if kill is None:
             return
         self._sleep_until(fault.at + KILL_INTO_OUTAGE_S)
-        os.kill(pid, signal.SIGKILL)
-        fault.notes.append(f"rank pid {pid} killed {round(time.time() - fault.at, 1)} s into the {what}")
+        kill()
+        fault.notes.append(f"{victim} SIGKILLed {round(time.time() - fault.at, 1)} s into the {what}")
 
-    def etcd_outage(self, *, freeze: bool = False, kill_rank: bool = False) -> Fault:
+    def etcd_outage(self, *, freeze: bool = False, kill: str | None = None, seconds: float | None = None) -> Fault:
         """Every etcd member killed (or frozen: connections hang instead of being refused) for
-        ETCD_OUTAGE_S, then restarted with its data (or resumed). The leader steps down (its lease
-        cannot be renewed); training goes on in its groups; once etcd is back a leader loads the
-        state, gives the nodes their grace, and nothing changes. With `kill_rank`, a rank dies
-        during the outage: its agent restarts it, the survivors hold, and they re-form once a leader
-        is back (the exit report reaches it with the node's next frame)."""
-        victims, pid = self._outage_victim(kill_rank)
+        `seconds` (default: drawn from `outage_s`), then restarted with its data (or resumed). The
+        leader steps down (its lease cannot be renewed); training goes on in its groups; once etcd is
+        back a leader loads the state, gives the nodes their grace, and nothing changes. With `kill`,
+        a rank (or a node) dies during the outage: a rank's agent restarts it, the survivors hold, and
+        they re-form once a leader is back (the exit report reaches it with the node's next frame)."""
+        victims, victim, action, expect = self._outage_victim(kill)
+        seconds = seconds or self._outage_length(ETCD_OUTAGE_S)
         how = "SIGSTOP" if freeze else "SIGKILL"
-        fault = self._inject(f"etcd total outage ({how}){' + SIGKILL rank' if kill_rank else ''}",
+        fault = self._inject(f"etcd total outage ({how}){' + SIGKILL ' + kill if kill else ''}",
                              f"every etcd member ({', '.join(str(m.pid) for m in self.etcd.members)}) {how} for "
-                             f"{ETCD_OUTAGE_S:g} s" + (f"; rank pid {pid} at {victims[0][0]}/{victims[0][1]}"
-                                                       if pid else ""),
-                             victims, membership=kill_rank, expect=OUTAGE_KILL_EXPECT if kill_rank else set(),
+                             f"{seconds:g} s" + (f"; {victim}" if victim else ""),
+                             victims, membership=kill is not None, expect=set(expect),
                              action=self.etcd.freeze_all if freeze else self.etcd.kill_all)
-        self._kill_during(fault, "etcd outage", pid)
-        self._sleep_until(fault.at + ETCD_OUTAGE_S)
+        fault.bound_s = HEAL_BOUND_S
+        self._kill_during(fault, "etcd outage", victim, action)
+        self._sleep_until(fault.at + seconds)
         if freeze:
             self.etcd.thaw_all()
             wait_until(self.etcd.healthy, 30, "every etcd member healthy after SIGCONT", interval_s=0.1)
@@ -521,24 +546,25 @@ class Chaos:
         fault.healed_at = time.time()
         return fault
 
-    def coordinators_down(self, *, kill_rank: bool = False) -> Fault:
-        """Every coordinator SIGKILLed for COORDINATORS_DOWN_S, then restarted at its address.
-        Training goes on in its groups; the agents keep retrying; nobody is evicted (the new leader
-        gives the nodes their grace). With `kill_rank`, a rank dies meanwhile (as in `etcd_outage`)."""
-        victims, pid = self._outage_victim(kill_rank)
+    def coordinators_down(self, *, kill: str | None = None, seconds: float | None = None) -> Fault:
+        """Every coordinator SIGKILLed for `seconds` (default: drawn from `outage_s`), then restarted
+        at its address. Training goes on in its groups; the agents keep retrying; nobody is evicted
+        (the new leader gives the nodes their grace). With `kill`, a rank or a node dies meanwhile
+        (as in `etcd_outage`)."""
+        victims, victim, action, expect = self._outage_victim(kill)
+        seconds = seconds or self._outage_length(COORDINATORS_DOWN_S)
         down = [r for r in self.replicas if r.proc.poll() is None]
 
         def kill_all():
             for r in down:
                 r.kill()
-        fault = self._inject(f"every coordinator down{' + SIGKILL rank' if kill_rank else ''}",
+        fault = self._inject(f"every coordinator down{' + SIGKILL ' + kill if kill else ''}",
                              f"coordinators {', '.join(f'{r.address} pid {r.pid}' for r in down)} SIGKILLed for "
-                             f"{COORDINATORS_DOWN_S:g} s" + (f"; rank pid {pid} at {victims[0][0]}/{victims[0][1]}"
-                                                             if pid else ""),
-                             victims, membership=kill_rank, expect=OUTAGE_KILL_EXPECT if kill_rank else set(),
-                             action=kill_all)
-        self._kill_during(fault, "coordinator outage", pid)
-        self._sleep_until(fault.at + COORDINATORS_DOWN_S)
+                             f"{seconds:g} s" + (f"; {victim}" if victim else ""),
+                             victims, membership=kill is not None, expect=set(expect), action=kill_all)
+        fault.bound_s = HEAL_BOUND_S
+        self._kill_during(fault, "coordinator outage", victim, action)
+        self._sleep_until(fault.at + seconds)
         for _ in down:
             self.restart_coordinator()
         fault.healed_at = time.time()
@@ -706,8 +732,14 @@ class Chaos:
             "etcd_freeze": (lambda: self.etcd_outage(freeze=True), None),
             "coordinators_down": (self.coordinators_down, None),
             "etcd_data_loss": (self.etcd_data_loss, None),
-            "rank_in_etcd_outage": (lambda: self.etcd_outage(kill_rank=True), None),
-            "rank_in_coordinators_down": (lambda: self.coordinators_down(kill_rank=True), None),
+            "rank_in_etcd_outage": (lambda: self.etcd_outage(kill="rank"), None),
+            "rank0_in_etcd_outage": (lambda: self.etcd_outage(kill="rank0"), None),
+            "agent_in_etcd_outage": (lambda: self.etcd_outage(kill="agent"),
+                                     lambda f: self.restart_agent(f.victims[0][0])),
+            "rank_in_coordinators_down": (lambda: self.coordinators_down(kill="rank"), None),
+            "rank0_in_coordinators_down": (lambda: self.coordinators_down(kill="rank0"), None),
+            "agent_in_coordinators_down": (lambda: self.coordinators_down(kill="agent"),
+                                           lambda f: self.restart_agent(f.victims[0][0])),
             "leader_frozen_at_reform": (self.freeze_leader_at_reform, self.resume_leader),
             "hostile_client": (self.hostile_client, None),
             "relay": (self.kill_relay, lambda f: self.restart_coordinator()),
@@ -801,13 +833,14 @@ class Chaos:
                     return None
                 firsts.append(record_time(new[0]))
             return firsts or None
-        try:
-            firsts = wait_until(stepped, LIVENESS_BOUND_S + 1.0, "the job stepping again", interval_s=0.1)
+        try:  # waited for past the bound (to LIVENESS_BOUND_S): a late answer is timed, and reported as one
+            firsts = wait_until(stepped, max(fault.bound_s, LIVENESS_BOUND_S) + 1.0, "the job stepping again",
+                                interval_s=0.1)
         except AssertionError:
             firsts = None
         if firsts is not None:
             fault.resumed_s = round(max(firsts) - since, 3)
-            if fault.resumed_s <= LIVENESS_BOUND_S:
+            if fault.resumed_s <= fault.bound_s:
                 return
         fault.wedged = self._wedge_report(fault)
 
@@ -831,10 +864,11 @@ class Chaos:
 
     def _wedge_report(self, fault: Fault) -> str:
         start = "it healed" if fault.healed_at else "the fault"
-        lines = [f"WEDGE: {fault.name} ({fault.detail}): the job did not step again within {LIVENESS_BOUND_S:g} s of "
+        late = f" (it did after {fault.resumed_s} s)" if fault.resumed_s is not None else ""
+        lines = [f"WEDGE: {fault.name} ({fault.detail}): the job did not step again within {fault.bound_s:g} s of "
                  f"{start} (expected: a leader serving and every surviving slot stepping"
                  f"{' in a new generation' if fault.membership else ''}"
-                 f"{' after the state_rebuilt event' if fault.rebuild else ''})."]
+                 f"{' after the state_rebuilt event' if fault.rebuild else ''}){late}."]
         leader = self.serving_leader()
         lines.append(f"  leader: {leader.address + ' ' + str(leader.log_path) if leader else 'none serving'}; "
                      f"coordinator logs: {self.coordinator_logs()}")
