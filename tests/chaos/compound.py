@@ -10,7 +10,7 @@ import statistics
 import time
 from collections import Counter, defaultdict
 
-from harness import AFTERMATH_S, LIVENESS_BOUND_S, Chaos
+from harness import AFTERMATH_S, HEAL_BOUND_S, LIVENESS_BOUND_S, Chaos
 
 # The single faults of test_faults.py, each answered by the job (see the README's table).
 TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform"]
@@ -78,7 +78,11 @@ def summary(chaos: Chaos, report: dict, *, seed: int, began: float, first_step: 
         "injected": dict(sorted(Counter(f["kind"] for f in faults).items())),
         "recovered_s": {k: _spread(v) for k, v in sorted(recovered.items())},  # fault -> the answer
         "resumed_s": {k: _spread(v) for k, v in sorted(resumed.items())},  # heal -> every slot stepping again
-        "liveness_bound_s": LIVENESS_BOUND_S,
+        "liveness_bound_s": LIVENESS_BOUND_S,  # a single fault -> every surviving slot stepping again
+        "heal_bound_s": HEAL_BOUND_S,  # an outage's heal -> the same, however long the outage
+        # every outage: how long it lasted, and its heal -> every surviving slot stepping again
+        "outages": [{"kind": f["kind"], "outage_s": f["outage_s"], "resumed_s": f["resumed_s"]}
+                    for f in faults if f["outage_s"] is not None],
         "longest_stall_s": report["longest_stall_s"],  # max gap between two steps of the job
         "longest_stall_by_kind": {k: max(f["stall_s"] for f in faults if f["kind"] == k)
                                   for k in sorted({f["kind"] for f in faults})},

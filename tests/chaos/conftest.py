@@ -15,11 +15,20 @@ from harness import Chaos, started  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--soak", type=float, default=0.0, metavar="MINUTES",
                      help="run the chaos soak (a random fault every 15 s) for MINUTES; off in CI")
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (the 2-minute outages); off in CI")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes long; run with --slow (and by the soak's runs), not in CI")
 
 
 def pytest_collection_modifyitems(config, items):
     minutes = config.getoption("--soak")
+    slow = config.getoption("--slow")
     for item in items:
+        if item.get_closest_marker("slow") and not slow:
+            item.add_marker(pytest.mark.skip(reason="slow: pytest tests/chaos --slow"))
         if item.path.name == "test_soak.py":
             if minutes:
                 item.add_marker(pytest.mark.timeout(minutes * 60 + 300))

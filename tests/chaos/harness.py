@@ -108,6 +108,7 @@ class Fault:
     resumed_s: float | None = None  # the heal (else the fault) -> every surviving slot stepped again
     wedged: str | None = None  # why the job did not step again within bound_s
     bound_s: float = LIVENESS_BOUND_S  # the heal (else the fault) -> every surviving slot stepping again
+    outage_s: float | None = None  # how long etcd or every coordinator was down (an outage's length)
     lost: list[str] = field(default_factory=list)  # survivors whose process changed (lost to a fault outside them)
     problems: list[str] = field(default_factory=list)  # other broken invariants, each a precise message
     stall_s: float | None = None  # longest gap between two steps of the job from this fault to the next
@@ -521,7 +522,7 @@ class Chaos:
 
     def etcd_outage(self, *, freeze: bool = False, kill: str | None = None, seconds: float | None = None) -> Fault:
         """Every etcd member killed (or frozen: connections hang instead of being refused) for
-        `seconds` (default: drawn from `outage_s`), then restarted with its data (or resumed). The
+        `seconds` (default: drawn from `outages_s`), then restarted with its data (or resumed). The
         leader steps down (its lease cannot be renewed); training goes on in its groups; once etcd is
         back a leader loads the state, gives the nodes their grace, and nothing changes. With `kill`,
         a rank (or a node) dies during the outage: a rank's agent restarts it, the survivors hold, and
@@ -534,7 +535,7 @@ class Chaos:
                              f"{seconds:g} s" + (f"; {victim}" if victim else ""),
                              victims, membership=kill is not None, expect=set(expect),
                              action=self.etcd.freeze_all if freeze else self.etcd.kill_all)
-        fault.bound_s = HEAL_BOUND_S
+        fault.bound_s, fault.outage_s = HEAL_BOUND_S, seconds
         self._kill_during(fault, "etcd outage", victim, action)
         self._sleep_until(fault.at + seconds)
         if freeze:
@@ -547,7 +548,7 @@ class Chaos:
         return fault
 
     def coordinators_down(self, *, kill: str | None = None, seconds: float | None = None) -> Fault:
-        """Every coordinator SIGKILLed for `seconds` (default: drawn from `outage_s`), then restarted
+        """Every coordinator SIGKILLed for `seconds` (default: drawn from `outages_s`), then restarted
         at its address. Training goes on in its groups; the agents keep retrying; nobody is evicted
         (the new leader gives the nodes their grace). With `kill`, a rank or a node dies meanwhile
         (as in `etcd_outage`)."""
@@ -562,7 +563,7 @@ class Chaos:
                              f"coordinators {', '.join(f'{r.address} pid {r.pid}' for r in down)} SIGKILLed for "
                              f"{seconds:g} s" + (f"; {victim}" if victim else ""),
                              victims, membership=kill is not None, expect=set(expect), action=kill_all)
-        fault.bound_s = HEAL_BOUND_S
+        fault.bound_s, fault.outage_s = HEAL_BOUND_S, seconds
         self._kill_during(fault, "coordinator outage", victim, action)
         self._sleep_until(fault.at + seconds)
         for _ in down:

@@ -4,7 +4,9 @@ down, etcd data loss, a rank killed during an outage, the leader frozen as it pu
 a hostile client) and a partition when network namespaces can be made — on one cluster, drawn
 from MUSTER_SOAK_SEED (printed; set it to replay a sequence); MUSTER_SOAK_FAULTS=a,b,... draws
 from those kinds only. MUSTER_SOAK_RELAYS=1 runs three replicas with relays on (every node streams
-through the replica its id hashes to) and adds the relaying replica's SIGKILL to the kinds. The invariants are checked after each fault; a wedge (the job not stepping
+through the replica its id hashes to) and adds the relaying replica's SIGKILL to the kinds. Each
+etcd outage and coordinator outage lasts a length drawn between 5 s and MUSTER_SOAK_OUTAGE_MAX_S
+(default 120). The invariants are checked after each fault; a wedge (the job not stepping
 again within the liveness bound) or a rank lost to a fault outside it is recorded and the soak
 goes on; any other broken invariant stops it. Prints JSON (seed, faults by kind, recoveries,
 longest stall, ranks lost, wedges) and writes it with every fault to report.json."""
@@ -31,9 +33,11 @@ def test_soak(request, tmp_path):
     unknown = sorted(set(only) - set(names))
     assert not unknown, f"MUSTER_SOAK_FAULTS names unknown kinds {unknown}; known: {names}"
     names = only or names
-    print(json.dumps({"seed": seed, "minutes": minutes, "kinds": names, "relays": relays}), flush=True)
+    longest = float(os.environ.get("MUSTER_SOAK_OUTAGE_MAX_S", 120))
+    print(json.dumps({"seed": seed, "minutes": minutes, "kinds": names, "relays": relays, "outages_s": [5, longest]}),
+          flush=True)
     chaos = Chaos(tmp_path, job="soak", host=ns.host_ip if ns else "127.0.0.1", netns={"node2": ns} if ns else {},
-                  seed=seed, strict=False, **({"replicas": 3, "relay_min_nodes": 1} if relays else {}))
+                  seed=seed, strict=False, outages_s=(5.0, max(5.0, longest)), **({"replicas": 3, "relay_min_nodes": 1} if relays else {}))
     stopped_by, report, first_step, began = None, None, 0, time.time()
     try:
         chaos.start()
@@ -49,6 +53,7 @@ def test_soak(request, tmp_path):
     out = summary(chaos, report, seed=seed, began=began, first_step=first_step, stopped_by=stopped_by)
     if relays:
         out["replay"] += " MUSTER_SOAK_RELAYS=1"
+    out["replay"] += f" MUSTER_SOAK_OUTAGE_MAX_S={longest:g}"
     (tmp_path / "report.json").write_text(json.dumps({"summary": out, **report}, indent=2, default=str))
     print(json.dumps(out, indent=2))
     assert not leftovers, f"processes left behind: {leftovers}"
