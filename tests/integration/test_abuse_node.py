@@ -61,3 +61,22 @@ def test_a_process_of_the_same_user_cannot_speak_for_a_slot_on_the_agents_socket
     assert [node.rank_pids(s)[-1] for s in (0, 1)] == pids and len(node.rank_pids(0)) == 1
     assert {node.steps(s)[-1]["generation"] for s in (0, 1)} == {generation}
     assert not [r for r in leader.find("membership_changed") if r["generation"] > generation]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_inherit_neither_the_agents_token_nor_an_etcd_password(coordinators, agents, tmp_path, monkeypatch):
+    token = "t" * 24
+    (tmp_path / "tokens").write_text(f"ranks-env {token}\n")
+    (tmp_path / "token").write_text(token + "\n")
+    (leader,) = coordinators(1, extra=["--tokens", str(tmp_path / "tokens")])
+    # The environment the agent starts in holds secrets (a wrong token: --token-file wins).
+    monkeypatch.setenv("MUSTER_TOKEN", "w" * 24)
+    monkeypatch.setenv("MUSTER_ETCD_PASSWORD", "p" * 24)
+    (node,) = agents([leader.address], "ranks-env", ["a"], nodes="1:1", steps=100_000,
+                     extra=["--token-file", str(tmp_path / "token")])
+    wait_until(lambda: all(node.steps(s) for s in (0, 1)), 60, "both ranks stepping")
+    for s in (0, 1):
+        env = environ_of(node.rank_pids(s)[-1])
+        assert env["LOCAL_RANK"] == str(s) and len(env[SLOT_SECRET_ENV]) == 32
+        assert "MUSTER_TOKEN" not in env and "MUSTER_ETCD_PASSWORD" not in env
+    assert environ_of(node.rank_pids(0)[-1])[SLOT_SECRET_ENV] != environ_of(node.rank_pids(1)[-1])[SLOT_SECRET_ENV]
