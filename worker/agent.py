@@ -381,8 +381,17 @@ class NodeAgent:
             return host, str(master_port)
         key = f"{a.store_prefix}/muster-agent/master-port"
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
+            from muster.worker.comm import StoreKeyTaken, publish
+
             port = str(free_port(self.config.host))
-            await asyncio.to_thread(self._store.set, key, port)
+            try:
+                await asyncio.to_thread(publish, self._store, key, port)
+            except StoreKeyTaken as exc:
+                # Nodes that read it first would use someone else's port: the node stops, loudly.
+                self.log.error("store_key_planted", generation=a.generation, error=str(exc))
+                _say(f"generation {a.generation}: {exc}; stopping this node")
+                self._finish(EXIT_FAILED)
+                return None
             return host, port
         # Never a guess: ranks that disagree on the port would wait in init_process_group for good.
         # Rank 0's node publishes within moments; if it is gone, the leader's next map says so.
