@@ -499,7 +499,8 @@ def _client_security_flags(p: argparse.ArgumentParser) -> None:
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", default=env("MUSTER_TOKEN", ""), help="the job's token (default $MUSTER_TOKEN); "
                        "on the command line every local user sees it in `ps`: prefer --token-file or $MUSTER_TOKEN")
-    token.add_argument("--token-file", metavar="FILE", help="a file holding the job's token (kept off the command line)")
+    token.add_argument("--token-file", metavar="FILE",
+                       help="a file holding the job's token (kept off the command line)")
     p.add_argument("--tls-ca", default=env("MUSTER_TLS_CA", ""), help="trust this CA for the coordinators' TLS "
                    "(default $MUSTER_TLS_CA)")
     p.add_argument("--tls-cert", default=env("MUSTER_TLS_CERT", ""), help="mTLS client certificate ($MUSTER_TLS_CERT)")

@@ -50,7 +50,8 @@ class RankLink:
         while not self._stopping:
             try:
                 async with grpc.aio.insecure_channel(f"unix:{self.socket_path}") as channel:
-                    self._call = call = pb_grpc.NodeAgentStub(channel).RankSession(self._frames(), metadata=self._metadata)
+                    stub = pb_grpc.NodeAgentStub(channel)
+                    self._call = call = stub.RankSession(self._frames(), metadata=self._metadata)
                     self._lost_at = None
                     async for d in call:
                         self._on_directive(d)

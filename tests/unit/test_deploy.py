@@ -85,7 +85,8 @@ def mounted(workload: dict, path: str) -> str:
 
 def test_secure_by_default_tls_tokens_from_secrets_and_etcd_client_certificates():
     m = manifests()
-    coord, etcd, job = m[("StatefulSet", "muster-coordinator")], m[("StatefulSet", "muster-etcd")], m[("Job", "llm-train")]
+    coord, etcd = m[("StatefulSet", "muster-coordinator")], m[("StatefulSet", "muster-etcd")]
+    job = m[("Job", "llm-train")]
     serve = parser().parse_args(expand(container(coord)["args"], POD_NAME="muster-coordinator-0"))
     assert mounted(coord, serve.tls_cert) == mounted(coord, serve.tls_key) == "muster-coordinator-tls"
     assert mounted(coord, serve.tokens) == "muster-tokens"
