@@ -6,6 +6,7 @@ InvalidArgument with a message naming the field and quoting client input bounded
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import re
 from bisect import bisect_right
@@ -177,7 +178,7 @@ class Assignments:
             shared.num_nodes = len(rm.placements)
             shared.store_address = rm.store_address
             shared.master_address = rm.master_address
-            shared.store_prefix = f"muster/{state.job}/g{state.generation}"
+            shared.store_prefix = store_prefix(state)
         self.active = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
         self.active.assignment.role = pb.ROLE_ACTIVE
         self.unplaced = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
@@ -204,6 +205,14 @@ class Assignments:
             # Not in the map with slots awaited: start them now, they take a place once they report.
             a.start_ranks = placement is None and self.running
         return d
+
+
+def store_prefix(state: JobState) -> str:
+    """Where the generation's keys go on its TCPStore, which has no auth: fresh per generation, and
+    past anyone who does not hear the leader (128 bits keyed by the job's salt), so that keys planted
+    ahead of time (a MASTER_ADDR, a master port) sit where no rank looks."""
+    nonce = hmac.digest(bytes.fromhex(state.store_salt), state.generation.to_bytes(8, "big"), "sha256")
+    return f"muster/{state.job}/g{state.generation}-{nonce[:16].hex()}"
 
 
 def _refuse_rank(r: pb.RankReport, slots: int) -> None:

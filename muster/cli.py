@@ -95,7 +95,7 @@ def _etcd_access(args: argparse.Namespace):
     password = ""
     if args.etcd_user:
         if args.etcd_password_file:
-            password = Path(args.etcd_password_file).read_text().strip()
+            password = _secret_file(args.etcd_password_file, "--etcd-password-file")
         else:
             password = os.environ.get("MUSTER_ETCD_PASSWORD", "")
         if not password:
@@ -176,7 +176,19 @@ def _demo(args: argparse.Namespace) -> int:
 def _security(args: argparse.Namespace):
     from muster.security import ClientSecurity
 
-    return ClientSecurity(args.token, args.tls_ca, args.tls_cert, args.tls_key)
+    token = _secret_file(args.token_file, "--token-file") if args.token_file else args.token
+    return ClientSecurity(token, args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def _secret_file(path: str, flag: str) -> str:
+    """A secret kept off the command line (which every local user reads in `ps`): a file's text."""
+    try:
+        secret = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from exc
+    if not secret:
+        raise ValueError(f"{flag} {path}: the file is empty")
+    return secret
 
 
 def _job(args: argparse.Namespace) -> str:
@@ -484,7 +496,11 @@ def parser() -> argparse.ArgumentParser:
 
 def _client_security_flags(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    p.add_argument("--token", default=env("MUSTER_TOKEN", ""), help="the job's token (default $MUSTER_TOKEN)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", default=env("MUSTER_TOKEN", ""), help="the job's token (default $MUSTER_TOKEN); "
+                       "on the command line every local user sees it in `ps`: prefer --token-file or $MUSTER_TOKEN")
+    token.add_argument("--token-file", metavar="FILE",
+                       help="a file holding the job's token (kept off the command line)")
     p.add_argument("--tls-ca", default=env("MUSTER_TLS_CA", ""), help="trust this CA for the coordinators' TLS "
                    "(default $MUSTER_TLS_CA)")
     p.add_argument("--tls-cert", default=env("MUSTER_TLS_CERT", ""), help="mTLS client certificate ($MUSTER_TLS_CERT)")

@@ -6,7 +6,7 @@ TLS) is `muster.coordinator.auth`."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -29,7 +29,7 @@ def channel_credentials(ca: str, cert: str, key: str) -> grpc.ChannelCredentials
 class ClientSecurity:
     """A caller's credentials: a token for its job, and TLS (a CA to trust; a certificate for mTLS)."""
 
-    token: str = ""
+    token: str = field(default="", repr=False)  # never in a repr: a traceback with locals would show it
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""

@@ -27,7 +27,9 @@ The exit status tells the outcome (muster.worker.outcome, `muster run --help`):
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -46,6 +48,7 @@ from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words, failure_report, last_failure
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
+from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
 from muster.worker.runner import COMPLETED_FILE_ENV, python_program, runner_argv
 from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
 from muster.worker.waiting import QUERY_WAIT_S, query, waiting_for
@@ -378,8 +381,17 @@ class NodeAgent:
             return host, str(master_port)
         key = f"{a.store_prefix}/muster-agent/master-port"
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
+            from muster.worker.comm import StoreKeyTaken, publish
+
             port = str(free_port(self.config.host))
-            await asyncio.to_thread(self._store.set, key, port)
+            try:
+                await asyncio.to_thread(publish, self._store, key, port)
+            except StoreKeyTaken as exc:
+                # Nodes that read it first would use someone else's port: the node stops, loudly.
+                self.log.error("store_key_planted", generation=a.generation, error=str(exc))
+                _say(f"generation {a.generation}: {exc}; stopping this node")
+                self._finish(EXIT_FAILED)
+                return None
             return host, port
         # Never a guess: ranks that disagree on the port would wait in init_process_group for good.
         # Rank 0's node publishes within moments; if it is gone, the leader's next map says so.
@@ -420,7 +432,7 @@ class NodeAgent:
         c = self.config
         env = self._base_env()
         env.update({
-            "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path,
+            "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path, SLOT_SECRET_ENV: slot.secret,
             "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
             "MUSTER_GENERATION": str(a.generation), "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
             "TORCHELASTIC_RUN_ID": c.job_id or c.job,
@@ -456,6 +468,7 @@ class NodeAgent:
     async def _start_rank(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
         c = self.config
         slot.starts += 1
+        slot.secret = secrets.token_hex(16)  # its process's alone: what it presents on the agent's socket
         slot.error_file = os.path.join(self._sockets, f"error-slot{slot.index}-{slot.starts}.json")
         if self._program is not None:  # the runner marks its completion there
             slot.completed_file = os.path.join(self._sockets, f"completed-slot{slot.index}-{slot.starts}")
@@ -782,6 +795,7 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
 
     async def RankSession(self, request_iterator, context):
         agent = self.agent
+        presented = dict(context.invocation_metadata() or ()).get(SLOT_SECRET_METADATA, "")
         first = await anext(request_iterator, None)
         if first is None or first.local_rank >= len(agent.slots):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first report must name a local_rank of this node")
@@ -789,6 +803,12 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
         if not slot.alive or slot.proc.pid != first.pid:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"pid {first.pid} is not the process of slot {first.local_rank}")
+        # The pid is self-reported: any process of the same user could name it. The secret was
+        # handed to that process alone, in its environment at its start.
+        if not hmac.compare_digest(slot.secret.encode(), presented.encode()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this stream does not carry the {SLOT_SECRET_METADATA} of slot {first.local_rank}'s "
+                                f"process (the agent sets it in that process's environment, {SLOT_SECRET_ENV})")
         loop = asyncio.get_running_loop()
         slot.report, slot.heard_at, slot.connected = first, loop.time(), True
         if agent._crash_answered(slot):
@@ -804,9 +824,15 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
             queue.put_nowait(pb.Directive(term=agent.session.term, drain=agent.drain))
         agent._queues[queue] = slot
 
-        async def read():
+        async def read() -> str:
+            """Why the stream is refused ("": it ended): it speaks for its own slot and process only."""
             async for report in request_iterator:
-                slot.report, slot.heard_at = report, loop.time()
+                if report.local_rank != first.local_rank or report.pid != first.pid:
+                    return (f"a report for local_rank {report.local_rank} pid {report.pid} on the stream of "
+                            f"local_rank {first.local_rank} pid {first.pid}")
+                # Connected again: a refused stream's end (below) may have said otherwise meanwhile.
+                slot.report, slot.heard_at, slot.connected = report, loop.time(), True
+            return ""
 
         reader = asyncio.create_task(read())
         try:
@@ -817,6 +843,8 @@ class _RankSessions(pb_grpc.NodeAgentServicer):
                     yield getter.result()
                 else:
                     getter.cancel()
+            if not reader.cancelled() and reader.exception() is None and reader.result():
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reader.result())
         finally:
             reader.cancel()
             agent._queues.pop(queue, None)
@@ -872,7 +900,10 @@ RANK_ENV = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV,
+    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, SLOT_SECRET_ENV,
+    # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
+    # or etcd (and trackers that record a process's environment would keep them).
+    "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
 })
 COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
 EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown

@@ -42,7 +42,7 @@ from muster.worker.comm import Comm, GroupSpec, Superseded, exit_stuck, interfac
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession
-from muster.worker.rank_link import RankLink
+from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
@@ -62,6 +62,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # the address other ranks reach this process's store at
     local_rank: int = 0  # the slot: the device index (NCCL), and this rank's place under an agent
     agent_socket: str = ""  # set by `muster run`: talk to the node agent instead of the coordinator
+    agent_secret: str = field(default="", repr=False)  # set by `muster run`: this process's pass to its slot
     min_nodes: int = 0  # job size, used when this rank creates the job (0: the coordinator's default)
     max_nodes: int = 0
     world_size_multiple: int = 0
@@ -98,6 +99,7 @@ class WorkerConfig:
             world_size_multiple=int(env.get("MUSTER_WORLD_SIZE_MULTIPLE", "0")),
             digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
             agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
+            agent_secret=env.get(SLOT_SECRET_ENV, ""),
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
             security=ClientSecurity.from_env(env),
             gloo_interface=env.get("GLOO_SOCKET_IFNAME", ""),
@@ -390,7 +392,8 @@ class Worker:
     def _connect(self, on_directive) -> NodeSession | RankLink:
         c = self.config
         if c.agent_socket:
-            return RankLink(c.agent_socket, self._slot, report=lambda: self._reports()[0], on_directive=on_directive)
+            return RankLink(c.agent_socket, self._slot, c.agent_secret, report=lambda: self._reports()[0],
+                            on_directive=on_directive)
         identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
                                 pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
                                            world_size_multiple=c.world_size_multiple),

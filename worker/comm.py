@@ -40,6 +40,20 @@ class Superseded(Exception):
     """A newer generation arrived while this one was forming."""
 
 
+class StoreKeyTaken(RuntimeError):
+    """A key only this process writes was already on the generation's store (which has no auth):
+    planted there by someone who knew the prefix. Its value is never used: the generation fails."""
+
+
+def publish(store: dist.Store, key: str, value: str) -> None:
+    """Write a key that the other nodes read on trust, the first write only: one already there is
+    refused loudly, never shared silently with the readers that got to it first."""
+    found = store.compare_set(key, "", value)
+    if found != value.encode():
+        raise StoreKeyTaken(f"store key {key!r} held {found[:64]!r} before this process published it: "
+                            "planted on the generation's store, so this generation is not formed")
+
+
 def exit_stuck(cause: str, waited_s: float) -> None:
     """The training thread is stuck in a C++ call that nothing reaches and would hold its slot for
     that call's own timeout: the process exits, and its agent starts a fresh one for the slot."""
@@ -211,7 +225,9 @@ class Comm:
             self._forming = (spec.generation, _store_connections(_socket_fds() - before, split_host_port(spec.store_address)[1]))
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
-            store.add(f"arrived/{spec.rank}", 1)
+            if store.add(f"arrived/{spec.rank}", 1) != 1:
+                raise StoreKeyTaken(f"store key arrived/{spec.rank} was set before rank {spec.rank} arrived: planted "
+                                    f"on the store of generation {spec.generation}, which is not formed")
             keys = [f"arrived/{r}" for r in range(spec.world_size)]
             delay = 0.001
             # A barrier that a newer generation can abandon; polled with check() (store.wait with a

@@ -1,6 +1,8 @@
 """A library rank's link to its node agent: one NodeAgent.RankSession stream over the agent's
 Unix socket, this rank's reports up, its node's directives down. The agent speaks for the node
-to the coordinator; if the agent dies, PR_SET_PDEATHSIG ends this process too."""
+to the coordinator; if the agent dies, PR_SET_PDEATHSIG ends this process too. The stream presents
+the secret the agent handed this process at its start: another process of the same user cannot
+speak for the slot by naming its pid."""
 
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ from muster.worker.node_session import Evicted, JobEnded
 
 log = structlog.get_logger(__name__)
 
+SLOT_SECRET_ENV = "MUSTER_SLOT_SECRET"  # set by the agent for each process it starts, never inherited
+SLOT_SECRET_METADATA = "muster-slot-secret"
+
 
 class RankLink:
-    def __init__(self, socket_path: str, local_rank: int, *, report: Callable[[], pb.RankReport],
+    def __init__(self, socket_path: str, local_rank: int, secret: str, *, report: Callable[[], pb.RankReport],
                  on_directive: Callable[[pb.Directive], None], interval_s: float = 0.05,
                  connect_for_s: float = 30.0):
         self.socket_path = socket_path
         self.local_rank = local_rank
+        self._metadata = ((SLOT_SECRET_METADATA, secret),)
         self._report = report
         self._on_directive = on_directive
         self.interval_s = interval_s
@@ -44,7 +50,8 @@ class RankLink:
         while not self._stopping:
             try:
                 async with grpc.aio.insecure_channel(f"unix:{self.socket_path}") as channel:
-                    self._call = call = pb_grpc.NodeAgentStub(channel).RankSession(self._frames())
+                    stub = pb_grpc.NodeAgentStub(channel)
+                    self._call = call = stub.RankSession(self._frames(), metadata=self._metadata)
                     self._lost_at = None
                     async for d in call:
                         self._on_directive(d)

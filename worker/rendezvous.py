@@ -33,9 +33,10 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousParameters, RendezvousStoreInfo,
                                                   RendezvousTimeoutError)
 
-from muster.net import split_host_port
+from muster.net import free_port, split_host_port
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
+from muster.worker.comm import publish
 from muster.worker.launch import job_name
 from muster.worker.link import Link
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -130,7 +131,11 @@ class MusterRendezvousHandler(RendezvousHandler):
         client = self._server if own else dist.TCPStore(host, port, is_master=False,
                                                         timeout=timedelta(seconds=self._join_timeout_s))
         store = dist.PrefixStore(a.store_prefix + "/", client)
-        bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._host)
+        if a.node_rank == 0:  # as RendezvousStoreInfo.build, but a planted MASTER_ADDR/PORT is found, not overwritten
+            publish(store, RendezvousStoreInfo.MASTER_ADDR_KEY, self._host)
+            publish(store, RendezvousStoreInfo.MASTER_PORT_KEY, str(free_port(self._host)))
+        bootstrap = RendezvousStoreInfo(store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode(),
+                                        int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY)))
         log.info("rdzv_round", job=self._job, generation=a.generation, node_rank=a.node_rank, nodes=a.num_nodes)
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
 

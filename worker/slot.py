@@ -8,7 +8,7 @@ import asyncio
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from muster.v1 import muster_pb2 as pb
@@ -51,6 +51,7 @@ class Slot:
     report: pb.RankReport | None = None  # last report of a library rank over the socket
     heard_at: float = 0.0
     connected: bool = False
+    secret: str = field(default="", repr=False)  # of its current process: its stream to the agent presents it
     rank: int | None = None  # the global rank its process was started as (None: no place yet)
     log_path: Path | None = None  # with --log-dir: its process's output
     stderr: StderrTail | None = None  # without --log-dir: its process's stderr, passed through

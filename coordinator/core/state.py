@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import secrets
 import zlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -155,6 +156,9 @@ class JobState:
     finishing: bool = False
     failure: str = ""
     waiting_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
+    # The job's own random key for its generations' store prefixes (wire.store_prefix): the stores
+    # have no auth, so keys are planted ahead of time unless no one off the stream can name the prefix.
+    store_salt: str = field(default_factory=lambda: secrets.token_hex(16), compare=False, repr=False)
 
     @property
     def ended(self) -> bool:
@@ -242,6 +246,7 @@ def encode(state: JobState) -> bytes:
         "ended_ms": _json(state.ended_ms),
         "finishing": _json(state.finishing),
         "failure": _json(state.failure),
+        "store_salt": _json(state.store_salt),
         "members": _array(m.json for m in state.members),
         "rank_map": "null" if rm is None else _object({
             "generation": _json(rm.generation),
@@ -289,6 +294,7 @@ def decode(data: bytes) -> JobState:
         ended_ms=doc.get("ended_ms", 0),
         finishing=doc.get("finishing", False),
         failure=doc.get("failure", ""),
+        **({"store_salt": doc["store_salt"]} if "store_salt" in doc else {}),  # else a new one: written before salts
         members=tuple(
             Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"])})
             for m in doc["members"]

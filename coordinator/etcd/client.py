@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
 import etcd3
@@ -133,7 +133,7 @@ class EtcdAccess:
     cert: str = ""
     key: str = ""
     user: str = ""
-    password: str = ""
+    password: str = field(default="", repr=False)  # never in a repr: a traceback with locals would show it
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         return channel_credentials(self.cacert, self.cert, self.key)

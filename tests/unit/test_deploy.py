@@ -73,3 +73,42 @@ def test_the_training_pod_runs_the_agent_wrapping_torchrun_at_the_coordinators()
     assert launch.slots == c["resources"]["limits"]["nvidia.com/gpu"]
     low, high = (int(n) for n in args.nodes.split(":"))
     assert low <= job["spec"]["parallelism"] == high
+
+
+def mounted(workload: dict, path: str) -> str:
+    """The Secret a file of the container comes from (its volume mounted above `path`)."""
+    c = container(workload)
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    return volume["secret"]["secretName"]
+
+
+def test_secure_by_default_tls_tokens_from_secrets_and_etcd_client_certificates():
+    m = manifests()
+    coord, etcd = m[("StatefulSet", "muster-coordinator")], m[("StatefulSet", "muster-etcd")]
+    job = m[("Job", "llm-train")]
+    serve = parser().parse_args(expand(container(coord)["args"], POD_NAME="muster-coordinator-0"))
+    assert mounted(coord, serve.tls_cert) == mounted(coord, serve.tls_key) == "muster-coordinator-tls"
+    assert mounted(coord, serve.tokens) == "muster-tokens"
+    assert mounted(coord, serve.etcd_cert) == mounted(coord, serve.etcd_cacert) == "muster-etcd-client-tls"
+    run = parser().parse_args(expand(container(job)["args"], POD_NAME="p", POD_IP="10.0.0.5"))
+    assert run.token == "" and mounted(job, run.token_file) == "muster-token-llm-train"  # never on the command line
+    assert mounted(job, run.tls_ca) == "muster-coordinator-tls"
+    flags = expand(container(etcd)["command"], POD_NAME="muster-etcd-0")
+    assert "--client-cert-auth" in flags and "--peer-client-cert-auth" in flags
+    assert not [f for f in flags if "urls=http://" in f and not f.startswith("--listen-metrics-urls")]
+
+
+def test_a_network_policy_admits_only_the_coordinators_to_etcd_and_only_the_job_to_its_stores():
+    m = manifests()
+    policies = {name: d["spec"] for (kind, name), d in m.items() if kind == "NetworkPolicy"}
+    workloads = [d for (kind, _), d in m.items() if kind in ("StatefulSet", "Job")]
+    for w in workloads:  # every pod is selected by a policy
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert any(p["podSelector"]["matchLabels"].items() <= labels.items() for p in policies.values()), labels
+    etcd_clients = [r for r in policies["muster-etcd"]["ingress"] if {"port": 2379} in r["ports"]]
+    assert [r["from"] for r in etcd_clients] == [[{"podSelector": {"matchLabels": {"app": "muster-coordinator"}}}]]
+    assert policies["llm-train"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "llm-train"}}}]}]
+    node_labels = m[("Job", "llm-train")]["spec"]["template"]["metadata"]["labels"]
+    grpc = next(r for r in policies["muster-coordinator"]["ingress"] if {"port": 7600} in r["ports"])
+    assert any(f["podSelector"]["matchLabels"].items() <= node_labels.items() for f in grpc["from"])
