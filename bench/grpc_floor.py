@@ -34,13 +34,16 @@ from capacity import cpu_seconds, loop_seconds  # noqa: E402
 METHOD = "/floor.Floor/Stream"
 
 
-async def _serve(conn, windows: int, window_s: float) -> None:
-    received = 0
+async def _serve(conn, streams: int, windows: int, window_s: float) -> None:
+    received, heard = 0, 0  # messages; streams that sent at least one
 
     async def stream(requests, context):
-        nonlocal received
+        nonlocal received, heard
+        first = True
         async for _ in requests:
             received += 1
+            heard += first
+            first = False
         if False:  # an async generator, as a bidi handler is
             yield b""
 
@@ -50,8 +53,13 @@ async def _serve(conn, windows: int, window_s: float) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     conn.send(port)
-    conn.recv()  # the clients stream: warm up, then measure
-    await asyncio.sleep(2.0)
+    conn.recv()  # the clients stream: every stream heard from (a loaded machine opens them slowly), warm up, measure
+    deadline = time.monotonic() + 60
+    while heard < streams:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"grpc_floor: {heard} of {streams} streams sent a message within 60s")
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
     pid, results = os.getpid(), []
     for _ in range(windows):
         n0, cpu0, loop0, t0 = received, cpu_seconds(pid), loop_seconds(pid), time.monotonic()
@@ -64,9 +72,9 @@ async def _serve(conn, windows: int, window_s: float) -> None:
     await server.stop(None)
 
 
-def _server_main(conn, windows: int, window_s: float, event_loop: str) -> None:
+def _server_main(conn, streams: int, windows: int, window_s: float, event_loop: str) -> None:
     run = uvloop.run if event_loop == "uvloop" else asyncio.run
-    run(_serve(conn, windows, window_s))
+    run(_serve(conn, streams, windows, window_s))
 
 
 async def _stream_from(port: int, streams: int, rate: float, size: int, shared: bool) -> None:
@@ -110,7 +118,7 @@ def main() -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the clients are ended mid-stream: no GOAWAY notices
     ctx = multiprocessing.get_context("spawn")  # grpc does not survive a fork
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=_server_main, args=(child, args.windows, args.window, args.loop), daemon=True)
+    server = ctx.Process(target=_server_main, args=(child, args.streams, args.windows, args.window, args.loop), daemon=True)
     server.start()
     clients = []
     try:
@@ -124,7 +132,7 @@ def main() -> int:
         for c in clients:
             c.start()
         parent.send("go")
-        if not parent.poll(30 + args.windows * args.window * 2):
+        if not parent.poll(90 + args.windows * args.window * 2):
             raise SystemExit("grpc_floor: no result from the server")
         windows = parent.recv()
     finally:
