@@ -170,7 +170,8 @@ class Replica:
     def _session_lost(self, session: LeaseSession) -> None:
         if session is not self._session or self._closing or self._renewing:
             return
-        self._renewing = asyncio.create_task(self._renew_session(f"session lost: {session.lost_reason}"))
+        reason = session.lost_reason or "renew deadline passed"
+        self._renewing = asyncio.create_task(self._renew_session(f"session lost: {reason}"))
 
     async def _renew_session(self, reason: str) -> None:
         """Every leadership of the old session is void: drop them, then campaign again."""
@@ -192,6 +193,10 @@ class Replica:
                 self._campaign(job)
         finally:
             self._renewing = None
+        if self._session is not None and not self._session.alive() and not self._closing:
+            # lost while it was being set up (its loss was not acted on then): renew again, or the
+            # replica would sit on a dead session, campaigning for nothing, for good
+            self._session_lost(self._session)
 
     # ---- campaigns -------------------------------------------------------------------
 

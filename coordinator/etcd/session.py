@@ -65,6 +65,16 @@ class Session:
         # Timestamp before the grant: the lease cannot have started earlier.
         granted_at = self._clock()
         lease = call(self._client, lambda: self._client.lease(self.ttl_s), "lease grant")
+        took = self._clock() - granted_at
+        if took >= self.renew_deadline_s:
+            # etcd answered after the deadline (it was frozen or overloaded as the grant was sent): the
+            # session would be born lost. Refused, so the caller's retry gets a lease etcd grants promptly.
+            try:
+                call(self._client, lambda: self._client.revoke_lease(lease.id), "lease revoke")
+            except EtcdError:
+                pass  # it expires on its own
+            raise EtcdUnavailable(f"lease grant answered after {took:.1f}s, past the renew deadline "
+                                  f"({self.renew_deadline_s:g}s)")
         with self._lock:
             self._lease_id = lease.id
             self._last_renewed = granted_at

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 from muster.local import SimulatedNode
 
-from muster.coordinator.coordination import MemoryCoordination
+from muster.coordinator.coordination import MemoryCoordination, MemorySession
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
@@ -108,6 +108,30 @@ def test_a_lost_session_ends_every_leadership_of_its_replica_and_each_job_is_led
                                   f"job {job} led again on the new session")
                 assert led.term > old[job].term and old[job].lost_reason.startswith("session lost")
             assert not any(n.errors for n in nodes)
+
+    asyncio.run(scenario())
+
+
+def test_a_session_lost_as_it_replaces_a_lost_one_is_replaced_too():
+    # After a long etcd freeze a grant can come back already past its renew deadline; the loss of that
+    # session, heard while the replica was still setting it up, once went unheard: no leader, for good.
+    class BornLost(MemorySession):
+        def start(self):
+            super().start()
+            self._lose("renew_deadline")
+            return self
+
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("j",), n=1) as ([replica], nodes):
+            old = replica.leaders["j"]
+            sessions = iter([BornLost(twins.coordination)])
+            made = twins.coordination.session
+            twins.coordination.session = lambda ttl_s, **kw: next(sessions, None) or made(ttl_s, **kw)
+            twins.coordination.expire(twins.coordination.leader_session("j"))
+            led = await until(lambda: replica.leaders.get("j") not in (None, old) and replica.leaders["j"],
+                              "j led again on a session that lives")
+            assert led.term > old.term and replica._session.alive()
 
     asyncio.run(scenario())
 

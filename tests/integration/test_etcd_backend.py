@@ -245,6 +245,26 @@ def test_session_reports_itself_dead_when_renewals_stop_past_deadline(etcd_clien
 
 
 @pytest.mark.timeout(30)
+def test_a_lease_granted_past_the_renew_deadline_is_refused_and_revoked(etcd_client, monkeypatch):
+    # etcd frozen as the grant was sent answers it when thawed, later than the renew deadline: such a
+    # session would be born lost (a replica once sat on one for good); the grant is refused instead
+    now = [1000.0]
+    granted = []
+
+    def late_grant(ttl):
+        lease = type(etcd_client).lease(etcd_client, ttl)
+        granted.append(lease.id)
+        now[0] += 1.5  # the grant took 1.5 s; the deadline is 2/3 of the 2 s TTL
+        return lease
+    monkeypatch.setattr(etcd_client, "lease", late_grant)
+    session = Session(etcd_client, TTL_S, clock=lambda: now[0])
+    with pytest.raises(EtcdUnavailable, match="past the renew deadline"):
+        session.start()
+    assert etcd_client.get_lease_info(granted[0]).TTL == -1  # revoked, not left to expire
+    assert not session.alive()
+
+
+@pytest.mark.timeout(30)
 def test_session_is_lost_when_its_lease_is_revoked_elsewhere(etcd_client):
     session = Session(etcd_client, TTL_S).start()
     fired = threading.Event()
