@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, SimulatedNode
 from muster.v1 import muster_pb2 as pb
@@ -180,6 +181,7 @@ def main() -> int:
     parser.add_argument("--baseline", type=float, default=3.0, help="seconds measured before it")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds after it, before RSS 'after'")
     args = parser.parse_args()
+    logs.configure("warning")
     with tempfile.TemporaryDirectory(prefix="muster-abuse-") as tmp:
         workdir = Path(tmp)
         etcd = EtcdServer(workdir / "etcd").start()

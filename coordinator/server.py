@@ -237,6 +237,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
             timeout_s = self.replica.config.timing.heartbeat_timeout_s
             while not reader.done() or link.pending:
+                if reader.done() and reader.result() is not None:
+                    raise reader.result()  # refused: the replies it was owed go no further
                 if link.overflowed:
                     raise _unread(link)
                 if link.pending:
