@@ -112,7 +112,8 @@ async def sample_rss(pid: int, stop: asyncio.Event, samples: list[float]) -> Non
 
 def ms(values: list[float]) -> dict:
     ordered = sorted(values)
-    return {"p50": round(statistics.median(ordered) * 1e3, 2), "p99": round(ordered[int(0.99 * (len(ordered) - 1))] * 1e3, 2),
+    p99 = ordered[int(0.99 * (len(ordered) - 1))]
+    return {"p50": round(statistics.median(ordered) * 1e3, 2), "p99": round(p99 * 1e3, 2),
             "max": round(ordered[-1] * 1e3, 2), "n": len(ordered)}
 
 

@@ -86,7 +86,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.replica = replica
         self.tokens = tokens  # None: no tokens required
         self.replica_cert = replica_cert
-        self.idle = IdleStreams(MAX_IDLE_STREAMS_PER_PEER, replica.config.timing.heartbeat_timeout_s)
+        self.idle = IdleStreams(MAX_IDLE_STREAMS_PER_PEER)
 
     def admit(self, context, request, *, relay: bool = False) -> None:
         """Refuse a request that did not decode, or whose job is no job name (checked before the
@@ -98,6 +98,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             wire.check_job(request.job)
         if self.tokens is not None and not relay:
             self.tokens.check(context.invocation_metadata(), request.job)
+
+    @property
+    def _first_within_s(self) -> float:
+        """A stream's first message comes at once (a node's first frame, a relay's job): a heartbeat
+        timeout is plenty."""
+        return self.replica.config.timing.heartbeat_timeout_s
 
     def relay_role(self, context) -> None:
         """Relay is a replica's call: the leader trusts a relay to vouch for its nodes' liveness."""
@@ -155,7 +161,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             if self.tokens is not None:
                 self.tokens.grants(context.invocation_metadata())
-            first = await self.idle.first(request_iterator, context.peer(),
+            first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
                                           "a session starts with a frame naming its job and node")
             self.admit(context, first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
@@ -226,7 +232,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         link = reader = None
         try:
             self.relay_role(context)
-            first = await self.idle.first(request_iterator, context.peer(), "a relay starts with a message naming its job")
+            first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
+                                          "a relay starts with a message naming its job")
             self.admit(context, first, relay=True)
             leader = await self.replica.leader_for(first.job)
             link = RelayLink(leader, first.relay, stream_end)
@@ -367,19 +374,19 @@ class IdleStreams:
     `timeout_s` at most, and a host holds at most `limit` such calls at once (each holds a task and
     the call's state while it sends nothing)."""
 
-    def __init__(self, limit: int, timeout_s: float):
-        self.limit, self.timeout_s = limit, timeout_s
+    def __init__(self, limit: int):
+        self.limit = limit
         self.waiting: Counter[str] = Counter()
 
-    async def first(self, request_iterator, peer: str, missing: str):
+    async def first(self, request_iterator, peer: str, timeout_s: float, missing: str):
         host = peer.rsplit(":", 1)[0]  # "ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"
         if self.waiting[host] >= self.limit:
             raise errors.Unavailable(f"{self.limit} calls from {host} have sent no first message yet; retry later")
         self.waiting[host] += 1
         try:
-            first = await asyncio.wait_for(anext(request_iterator, None), self.timeout_s)
+            first = await asyncio.wait_for(anext(request_iterator, None), timeout_s)
         except TimeoutError:
-            raise errors.DeadlineExceeded(f"no first message within {self.timeout_s:g}s of the call") from None
+            raise errors.DeadlineExceeded(f"no first message within {timeout_s:g}s of the call") from None
         finally:
             self.waiting[host] -= 1
             if not self.waiting[host]:
