@@ -9,8 +9,8 @@ without its secret, the replies never read.
 Measured: the replica's RSS (VmRSS, every 50 ms) before, at its peak and after the flood; the event
 loop it held, as the latency of a brief Status of job B asked every 20 ms on a channel of its own
 (every job's RPCs wait behind what holds the loop); job B's generation (it must not change) and its
-nodes' steps before and during the flood; how the flood call ended (its status) and after how many
-messages the replica stopped reading.
+nodes' steps before and during the flood; how the flood call ended as its caller saw it (its status,
+and the messages its flow control let through) and as the replica logged it (`relay_refused`).
 
     python bench/abuse.py                       # 8 x 46,000 frames, 30 s
     python bench/abuse.py --messages 2 --frames 20000 --duration 5   # a smoke test
@@ -160,9 +160,12 @@ async def scenario(replica: CoordinatorProcess, args) -> dict:
     for node in [*b_nodes, a_node]:
         await node.stop()
     start = statistics.median(baseline)
+    # The replica's side: a refusal behind replies the caller never read reaches it only if it reads.
+    refused = [{"code": r["code"], "error": r["error"][:200]} for r in replica.find("relay_refused")]
     return {
         "flood": {"messages": args.messages, "frames_per_message": args.frames,
-                  "message_bytes": len(messages[0]), "duration_s": args.duration, **call},
+                  "message_bytes": len(messages[0]), "duration_s": args.duration, **call,
+                  "refused_by_replica": refused},
         "replica_rss_mib": {"before": round(start, 1), "peak": round(max(during), 1), "after": round(after, 1),
                             "peak_growth": round(max(during) - start, 1), "growth_after": round(after - start, 1)},
         "loop_held_ms": {"status_latency_before": ms(latencies_before), "status_latency_during": ms(latencies)},
