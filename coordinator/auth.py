@@ -4,6 +4,7 @@ bearer tokens. This is the server's side; what callers send is `muster.security`
 from __future__ import annotations
 
 import hmac
+import ssl
 from pathlib import Path
 
 import grpc
@@ -12,10 +13,14 @@ from muster.coordinator.errors import PermissionDenied, Unauthenticated
 from muster.security import TOKEN_METADATA
 
 OPERATOR = "*"  # a token for every job (and for listing them)
+# A replica's token when it relays (the Relay call, for every job) and for nothing else: no job is
+# named so. A job's token does not make its holder a relay, which the leader trusts with its nodes.
+RELAY = "@relay"
 
 
 class Tokens:
-    """Per-job tokens, from a file of `JOB TOKEN` lines (`#` comments); job `*` is an operator's."""
+    """Per-job tokens, from a file of `JOB TOKEN` lines (`#` comments); job `*` is an operator's,
+    `@relay` the replicas' own when they relay."""
 
     def __init__(self, entries: list[tuple[str, str]]):
         self.entries = entries
@@ -35,23 +40,51 @@ class Tokens:
             raise ValueError(f"{path}: no tokens")
         return cls(entries)
 
-    def token_for(self, job: str) -> str:
-        """The token a replica presents for `job` when it calls another (a relay): the job's own, else
-        an operator's; "" when the file has neither."""
-        return next((t for j, t in self.entries if j == job), next((t for j, t in self.entries if j == OPERATOR), ""))
+    def relay_token(self) -> str:
+        """The token a replica presents when it relays to another: the relay entry, else an
+        operator's; "" when the file has neither (relaying is then refused: `check_relay`)."""
+        return next((t for j, t in self.entries if j == RELAY), next((t for j, t in self.entries if j == OPERATOR), ""))
 
-    def check(self, metadata, job: str) -> None:
-        """Raise unless the call's token may act on `job` ("": every job, operators only)."""
+    def grants(self, metadata) -> list[str]:
+        """What the call's token is for; raises where it has none the file knows. Checked before a
+        stream's first message is read: a caller without a token holds no stream open."""
         token = next((v for k, v in metadata or () if k == TOKEN_METADATA), "").removeprefix("Bearer ").strip()
         if not token:
             raise Unauthenticated(f"no token: send metadata '{TOKEN_METADATA}: Bearer <token>' (MUSTER_TOKEN)")
         grants = [j for j, t in self.entries if hmac.compare_digest(t.encode(), token.encode())]
         if not grants:
             raise Unauthenticated("unknown token")
+        return grants
+
+    def check(self, metadata, job: str) -> None:
+        """Raise unless the call's token may act on `job` ("": every job, operators only)."""
+        grants = self.grants(metadata)
         if OPERATOR in grants or (job and job in grants):
             return
         wanted = f"job {job!r}" if job else "every job (an operator token)"
         raise PermissionDenied(f"this token is for job(s) {', '.join(sorted(grants))}, not for {wanted}")
+
+    def check_relay(self, metadata) -> None:
+        """Raise unless the call's token is a replica's (the relay entry) or an operator's."""
+        grants = self.grants(metadata)
+        if OPERATOR not in grants and RELAY not in grants:
+            raise PermissionDenied(f"Relay is a replica's call: it needs the operator token or the tokens file's "
+                                   f"{RELAY!r} entry, not a job's token")
+
+
+def first_certificate(pem: bytes) -> bytes:
+    """The DER of the first certificate of a PEM file (a chain's leaf)."""
+    end = "-----END CERTIFICATE-----"
+    return ssl.PEM_cert_to_DER_cert(pem.decode().split(end, 1)[0].strip() + "\n" + end + "\n")
+
+
+def check_replica_certificate(auth_context: dict, replica_cert: bytes) -> None:
+    """Under mTLS a Relay caller must present the replicas' certificate (`--peer-tls-cert`, DER in
+    `replica_cert`; empty: none configured): another client's, an agent's say, is no replica."""
+    presented = auth_context.get("x509_pem_cert")
+    if not replica_cert or not presented or first_certificate(presented[0]) != replica_cert:
+        raise PermissionDenied("Relay is a replica's call: under mTLS it needs the certificate the replicas present "
+                               "to each other (--peer-tls-cert)")
 
 
 def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path | None = None) -> grpc.ServerCredentials:

@@ -36,6 +36,10 @@ class ResourceExhausted(MusterError):
     pass
 
 
+class DeadlineExceeded(MusterError):
+    """A stream that sent nothing within its deadline."""
+
+
 class NotLeader(MusterError):
     """This replica does not lead the job; `leader` is where to go ("" while unknown)."""
 

@@ -25,8 +25,9 @@ import grpc
 import structlog
 
 from muster.client import leader_hint
+from muster.coordinator import wire
 from muster.coordinator.auth import Tokens
-from muster.coordinator.errors import InvalidArgument, MusterError
+from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.net import Backoff
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
@@ -36,7 +37,12 @@ log = structlog.get_logger(__name__)
 
 # Items per Relay message, either way: a new generation's assignments to thousands of relayed nodes
 # must stay well under the gRPC message limit (1 MiB by default); the rest go in the next message.
+# Up, it is also the most of each kind (frames, ended, silent) the leader takes in one message: what
+# one message may make the leader's loop do (a refused attach each, at worst) is bounded.
 MAX_ITEMS = 1024
+# Replies a Relay call may leave unread: a new map's directive to each of its streams, twice over,
+# and this many messages' worth besides. A caller that reads none is cut off there.
+PENDING_MESSAGES = 4
 PULSE_SLICE = 64  # node streams a relay pulses per turn of its loop
 
 
@@ -86,16 +92,21 @@ class FrameBatch:
         return True
 
     def take(self, job: str, relay: str) -> pb.RelayUp:
-        """The next message: up to MAX_ITEMS frames (the oldest streams first), every ended stream."""
+        """The next message: up to MAX_ITEMS frames (the oldest streams first), ended and silent
+        streams; a stream's end never goes before its last frame."""
         frames = self.frames
         if len(frames) > MAX_ITEMS:
             items = list(frames.items())
             frames, self.frames = dict(items[:MAX_ITEMS]), dict(items[MAX_ITEMS:])
         else:
             self.frames = {}
-        up = pb.RelayUp(job=job, relay=relay, ended=self.ended, silent=self.silent,
+        ended = [s for s in self.ended if s not in self.frames][:MAX_ITEMS]
+        if ended:
+            gone = set(ended)
+            self.ended = [s for s in self.ended if s not in gone]
+        up = pb.RelayUp(job=job, relay=relay, ended=ended, silent=self.silent[:MAX_ITEMS],
                         frames=[pb.RelayedFrame(stream=s, frame=f) for s, f in frames.items()])
-        self.ended, self.silent = [], []
+        del self.silent[:MAX_ITEMS]
         return up
 
     def put_back(self, up: pb.RelayUp) -> None:
@@ -112,27 +123,42 @@ class FrameBatch:
 # ---- the leader's end ------------------------------------------------------------------------
 
 
+def check_size(up: pb.RelayUp) -> int:
+    """The items of a RelayUp, at most MAX_ITEMS of each kind: what it may make the leader do."""
+    if max(len(up.frames), len(up.ended), len(up.silent)) > MAX_ITEMS:
+        raise ResourceExhausted(f"a RelayUp carries at most {MAX_ITEMS} frames, {MAX_ITEMS} ended and {MAX_ITEMS} "
+                                f"silent streams; this one {len(up.frames)}, {len(up.ended)} and {len(up.silent)}")
+    return len(up.frames) + len(up.ended) + len(up.silent)
+
+
 class RelayLink:
     """The leader's end of one Relay call: the node streams one replica relays for this job. Each is
     an ordinary `NodeStream` of the leader whose directives go into `out`. Streams are known only by
     the numbers this call attached: facts about others are ignored, so a caller can end no stream
-    it did not open, and open none without the node's secret (checked by `attach`)."""
+    it did not open, and open none without the node's secret (checked by `attach`). What a call costs
+    is bounded: MAX_ITEMS of each kind a message, and its unread replies (`overflowed`)."""
 
     def __init__(self, leader, relay: str, stream_end: Callable[[object], pb.StreamEnd]):
         """`stream_end`: an error of the tree (or CLOSE) as the wire carries it (the server's table)."""
         self.leader = leader
         self._stream_end = stream_end
         self.job = leader.job
-        self.relay = relay
+        self.relay = relay[:256]
         self.streams = {}  # stream number -> NodeStream
         self.last_stream = 0  # numbers only grow: a frame of an ended stream does not open it again
         self.out: list[pb.RelayedDirective] = []
         self.pulse_due: pb.Directive | None = None  # goes with the message that empties `out`
+        self.overflowed = False  # the caller left too many replies unread: the call ends
         self.ready = asyncio.Event()
         self.heard_at = asyncio.get_running_loop().time()  # the relay's last message (it keeps alive)
+        self.carried_at = self.heard_at  # the last message that found node streams on this call
 
     def push(self, stream: int, item) -> None:
         """`NodeStream.send` of a relayed stream: a Directive, an error that ends the stream, or CLOSE."""
+        if len(self.out) >= PENDING_MESSAGES * MAX_ITEMS + 2 * len(self.streams):
+            self.overflowed = True
+            self.ready.set()
+            return
         if isinstance(item, pb.Directive):
             self.out.append(pb.RelayedDirective(stream=stream, directive=item))
         else:
@@ -149,8 +175,8 @@ class RelayLink:
         return bool(self.out) or self.pulse_due is not None
 
     def take(self) -> pb.RelayDown:
-        out, self.out = self.out[:MAX_ITEMS], self.out[MAX_ITEMS:]
-        down = pb.RelayDown(items=out)
+        down = pb.RelayDown(items=self.out[:MAX_ITEMS])
+        del self.out[:MAX_ITEMS]
         if not self.out:
             if self.pulse_due is not None:
                 down.pulse.CopyFrom(self.pulse_due)
@@ -161,7 +187,8 @@ class RelayLink:
     def receive(self, up: pb.RelayUp) -> None:
         self.heard_at = asyncio.get_running_loop().time()
         if up.job != self.job:
-            raise InvalidArgument(f"every message of a Relay call must name its job {self.job!r}, not {up.job!r}")
+            raise InvalidArgument(f"every message of a Relay call must name its job {self.job!r}, not "
+                                  f"{wire.shown(up.job)}")
         for rf in up.frames:
             stream = self.streams.get(rf.stream)
             try:
@@ -170,7 +197,8 @@ class RelayLink:
                 elif rf.stream > self.last_stream:
                     self.last_stream = rf.stream
                     if rf.frame.job != self.job:
-                        raise InvalidArgument(f"a frame of job {rf.frame.job!r} on a Relay call for {self.job!r}")
+                        raise InvalidArgument(f"a frame of job {wire.shown(rf.frame.job)} on a Relay call for "
+                                              f"{self.job!r}")
                     self.streams[rf.stream] = self.leader.attach(rf.frame, link=self, stream_id=rf.stream)
             except MusterError as exc:  # ends that stream alone, with its precise status
                 self.push(rf.stream, exc)
@@ -185,6 +213,8 @@ class RelayLink:
             stream = self.streams.get(silent.stream)
             if stream is not None:
                 self.leader.silent_at_relay(stream, silent.silent_ms)
+        if self.streams:
+            self.carried_at = self.heard_at
 
     def close(self) -> None:
         """The call ended: its streams are gone, their nodes are not (they reconnect elsewhere)."""
@@ -199,13 +229,14 @@ class RelayLink:
 @dataclass(frozen=True)
 class PeerAccess:
     """How a replica calls another (a relay calls the leader): its client TLS and, where tokens are
-    required, each job's token from the tokens file."""
+    required, the relay token from the tokens file."""
 
     tls: ClientSecurity = ClientSecurity()
     tokens: Tokens | None = None
 
-    def security(self, job: str) -> ClientSecurity:
-        return replace(self.tls, token=self.tokens.token_for(job) if self.tokens else "")
+    def security(self) -> ClientSecurity:
+        """The same for every job: relaying is a replica's role (`Tokens.check_relay`), not a job's."""
+        return replace(self.tls, token=self.tokens.relay_token() if self.tokens else "")
 
 
 def signature(frame: pb.NodeFrame, heard_quantum_ms: float) -> tuple:

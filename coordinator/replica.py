@@ -413,7 +413,7 @@ class Replica:
         relay = self.relays.get(first.job)
         if relay is None or not relay.accepting:
             relay = self.relays[first.job] = Relay(
-                first.job, self.address, not_leader.leader, security=self.peers.security(first.job),
+                first.job, self.address, not_leader.leader, security=self.peers.security(),
                 find_leader=self._elected, window_s=self.config.relay_batch_s,
                 # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
                 connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,

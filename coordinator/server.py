@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import Counter
 
 import grpc
 import structlog
@@ -18,9 +19,9 @@ from google.protobuf.message_factory import GetMessageClass
 
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
-from muster.coordinator.auth import Tokens
+from muster.coordinator.auth import Tokens, check_replica_certificate
 from muster.coordinator.leader import CLOSE
-from muster.coordinator.relay import Relay, RelayedNode, RelayLink
+from muster.coordinator.relay import MAX_ITEMS, Relay, RelayedNode, RelayLink, check_size
 from muster.coordinator.replica import Replica
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -28,6 +29,10 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+MAX_MESSAGE_CHARS = 512  # of a refusal, as sent and logged: it may quote what a caller sent
+# Session and Relay calls from one host that have not sent their first message yet (a node sends
+# its first frame at once); past it, UNAVAILABLE: the caller retries with backoff.
+MAX_IDLE_STREAMS_PER_PEER = 256
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 # (client streaming, server streaming) -> handler; a method of another kind fails at startup.
 HANDLER_OF = {
@@ -42,6 +47,7 @@ STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.NotLeader: grpc.StatusCode.UNAVAILABLE,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
@@ -54,7 +60,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: errors.MusterError):
         context.set_trailing_metadata(((LEADER_METADATA, exc.leader),))
     elif isinstance(exc, errors.RunEnded):
         context.set_trailing_metadata(((RUN_ENDED_METADATA, f"{exc.run} {exc.outcome}"),))
-    await context.abort(STATUS_OF[type(exc)], str(exc))
+    await context.abort(STATUS_OF[type(exc)], str(exc)[:MAX_MESSAGE_CHARS])
 
 
 def _refusals(method):
@@ -66,26 +72,45 @@ def _refusals(method):
             self.admit(context, request)
             return await method(self, request, context)
         except errors.MusterError as exc:
-            log.info("request_refused", method=method.__name__, code=STATUS_OF[type(exc)].name, error=str(exc))
+            log.info("request_refused", method=method.__name__, code=STATUS_OF[type(exc)].name,
+                     error=str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
 
     return wrapper
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, replica: Replica, tokens: Tokens | None = None):
+    def __init__(self, replica: Replica, tokens: Tokens | None = None, replica_cert: bytes | None = None):
+        """`replica_cert`: under mTLS, the DER of the certificate replicas present to each other,
+        which a Relay caller must present (b"": none configured; None: no mTLS, no check)."""
         self.replica = replica
         self.tokens = tokens  # None: no tokens required
+        self.replica_cert = replica_cert
+        self.idle = IdleStreams(MAX_IDLE_STREAMS_PER_PEER)
 
-    def admit(self, context, request) -> None:
+    def admit(self, context, request, *, relay: bool = False) -> None:
         """Refuse a request that did not decode, or whose job is no job name (checked before the
-        token, whose refusal quotes the name); then the caller's token must cover the job."""
+        token, whose refusal quotes the name); then the caller's token must cover the job (a relay's
+        covers every job: `relay_role`)."""
         if isinstance(request, errors.MusterError):
             raise request
         if request.job:  # "" asks Status for every job; the other methods refuse it themselves
             wire.check_job(request.job)
-        if self.tokens is not None:
+        if self.tokens is not None and not relay:
             self.tokens.check(context.invocation_metadata(), request.job)
+
+    @property
+    def _first_within_s(self) -> float:
+        """A stream's first message comes at once (a node's first frame, a relay's job): a heartbeat
+        timeout is plenty."""
+        return self.replica.config.timing.heartbeat_timeout_s
+
+    def relay_role(self, context) -> None:
+        """Relay is a replica's call: the leader trusts a relay to vouch for its nodes' liveness."""
+        if self.tokens is not None:
+            self.tokens.check_relay(context.invocation_metadata())
+        if self.replica_cert is not None:
+            check_replica_certificate(context.auth_context(), self.replica_cert)
 
     @_refusals
     async def Join(self, request, context):
@@ -134,9 +159,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Session(self, request_iterator, context):
         stream = leader = reader = None
         try:
-            first = await anext(request_iterator, None)
-            if first is None:
-                raise errors.InvalidArgument("a session starts with a frame naming its job and node")
+            if self.tokens is not None:
+                self.tokens.grants(context.invocation_metadata())
+            first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
+                                          "a session starts with a frame naming its job and node")
             self.admit(context, first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
             try:
@@ -156,7 +182,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     raise item
                 yield item
         except errors.MusterError as exc:
-            log.info("session_refused", code=STATUS_OF[type(exc)].name, error=str(exc))
+            log.info("session_refused", code=STATUS_OF[type(exc)].name, error=str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
             if reader:
@@ -201,21 +227,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         node.queue.put_nowait(CLOSE)
 
     async def Relay(self, request_iterator, context):
-        """The leader's end of a relay's stream (see `muster.coordinator.relay`)."""
+        """The leader's end of a relay's stream (see `muster.coordinator.relay`). A replica's call
+        (`relay_role`), checked before anything is read; every item of it is budgeted."""
         link = reader = None
         try:
-            first = await anext(request_iterator, None)
-            if first is None:
-                raise errors.InvalidArgument("a relay starts with a message naming its job")
-            self.admit(context, first)
+            self.relay_role(context)
+            first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
+                                          "a relay starts with a message naming its job")
+            self.admit(context, first, relay=True)
             leader = await self.replica.leader_for(first.job)
             link = RelayLink(leader, first.relay, stream_end)
-            link.receive(first)
-            log.info("relay_attached", job=first.job, relay=first.relay[:256])
+            budget = FrameBudget(self.replica.config.limits.max_frames_per_s, floor=MAX_ITEMS)
+            self._receive(link, first, budget)
+            log.info("relay_attached", job=first.job, relay=link.relay)
             yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
-            budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
             reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
+            timeout_s = self.replica.config.timing.heartbeat_timeout_s
             while not reader.done() or link.pending:
+                if reader.done() and reader.result() is not None:
+                    raise reader.result()  # refused: the replies it was owed go no further
+                if link.overflowed:
+                    raise _unread(link)
                 if link.pending:
                     yield link.take()
                     continue
@@ -225,16 +257,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     pass
                 if leader.lost_reason is not None and not link.pending:
                     raise errors.NotLeader(first.job, "")
-                silent_s = asyncio.get_running_loop().time() - link.heard_at
-                if link.streams and silent_s > self.replica.config.timing.heartbeat_timeout_s / 2:
+                now = asyncio.get_running_loop().time()
+                silent_s = now - link.heard_at
+                if link.streams and silent_s > timeout_s / 2:
                     # Frozen or cut off: its nodes are excused (`detach`) and move once they notice.
-                    log.warning("relay_silent", job=first.job, relay=link.relay[:256], silent_s=round(silent_s, 2),
+                    log.warning("relay_silent", job=first.job, relay=link.relay, silent_s=round(silent_s, 2),
                                 streams=len(link.streams))
                     raise errors.Unavailable(f"this relay sent nothing for {silent_s:.1f}s")
+                if not link.streams and now - link.carried_at > timeout_s:
+                    raise errors.FailedPrecondition(f"this Relay call carried no node stream for {timeout_s:g}s: "
+                                                    "a relay calls while it relays nodes")
             if isinstance(reader.result(), errors.MusterError):
                 raise reader.result()
         except errors.MusterError as exc:
-            log.info("relay_refused", code=STATUS_OF[type(exc)].name, error=str(exc))
+            log.info("relay_refused", code=STATUS_OF[type(exc)].name, error=str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
             if reader:
@@ -243,17 +279,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 link.close()
 
     @staticmethod
-    async def _read_relay(link: RelayLink, request_iterator, budget: FrameBudget) -> errors.MusterError | None:
+    def _receive(link: RelayLink, up: pb.RelayUp, budget: FrameBudget) -> None:
+        """Every frame, ended and silent stream is budgeted before any is looked at, a first frame
+        too: the budget grows with the streams attached (as each node's own Session would be), and a
+        relay attaching its nodes spends at most a message's worth ahead of them."""
+        budget.spend(check_size(up), max(1, len(link.streams)))
+        link.receive(up)
+        if link.overflowed:
+            raise _unread(link)
+
+    @classmethod
+    async def _read_relay(cls, link: RelayLink, request_iterator, budget: FrameBudget) -> errors.MusterError | None:
         """Feed the link; the call ends when the relay stops writing (or with the refusal returned).
-        Frames of attached streams are budgeted as each node's own Session would be (a first frame
-        proves itself by the node's secret)."""
+        A refused call's streams go at once: one that reads no reply holds its last write forever
+        (grpc cannot end a call with a write pending), but nothing more of it is read or kept."""
         try:
             async for up in request_iterator:
                 if isinstance(up, errors.MusterError):
-                    return up
-                budget.spend(sum(1 for rf in up.frames if rf.stream in link.streams), max(1, len(link.streams)))
-                link.receive(up)
+                    raise up
+                cls._receive(link, up, budget)
         except errors.MusterError as exc:
+            link.close()
             return exc
         except grpc.RpcError:
             pass
@@ -277,6 +323,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         stream.send(CLOSE)
 
 
+def _unread(link: RelayLink) -> errors.ResourceExhausted:
+    return errors.ResourceExhausted(f"this Relay call left {len(link.out)} replies unread; it is closed")
+
+
 ERROR_OF = {code.value[0]: kind for kind, code in STATUS_OF.items() if kind is not errors.NotLeader}
 CLOSE_CODE = 0  # StreamEnd.code of a relayed stream that ends normally (the leader's CLOSE)
 
@@ -286,7 +336,7 @@ def stream_end(item) -> pb.StreamEnd:
     status code, or CLOSE. `error_of` reads it back at the relay."""
     if not isinstance(item, errors.MusterError):
         return pb.StreamEnd(code=CLOSE_CODE)
-    return pb.StreamEnd(code=STATUS_OF[type(item)].value[0], message=str(item)[:512],
+    return pb.StreamEnd(code=STATUS_OF[type(item)].value[0], message=str(item)[:MAX_MESSAGE_CHARS],
                         leader=getattr(item, "leader", ""))
 
 
@@ -300,21 +350,50 @@ def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:
 class FrameBudget:
     """A token bucket per Session stream: `rate` frames/s sustained, bursts of 2 s worth. A node
     sends one frame per heartbeat interval (plus one per exit); one that floods is cut off. A Relay
-    stream spends its frames on one bucket scaled by the node streams it carries."""
+    stream spends its frames on one bucket scaled by the node streams it carries, holding at least
+    `floor` (a message of first frames, to attach the nodes it is to carry)."""
 
-    def __init__(self, rate: float, clock=time.monotonic):
-        self.rate, self.capacity = rate, max(2.0 * rate, 10.0)
-        self.tokens, self._clock = self.capacity, clock
+    def __init__(self, rate: float, clock=time.monotonic, floor: float = 0.0):
+        self.rate, self.capacity, self.floor = rate, max(2.0 * rate, 10.0), floor
+        self.tokens, self._clock = max(self.capacity, floor), clock
         self._at = clock()
 
     def spend(self, frames: int = 1, streams: int = 1) -> None:
         now = self._clock()
-        self.tokens = min(self.capacity * streams, self.tokens + (now - self._at) * self.rate * streams)
+        most = max(self.capacity * streams, self.floor)
+        self.tokens = min(most, self.tokens + (now - self._at) * self.rate * streams)
         self._at = now
         if self.tokens < frames:
             raise errors.ResourceExhausted(f"more than {self.rate:g} frames/s per node stream "
                                            f"(--max-frames-per-second); the stream is closed")
         self.tokens -= frames
+
+
+class IdleStreams:
+    """Session and Relay calls waiting for their first message, counted per peer host: each waits
+    `timeout_s` at most, and a host holds at most `limit` such calls at once (each holds a task and
+    the call's state while it sends nothing)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.waiting: Counter[str] = Counter()
+
+    async def first(self, request_iterator, peer: str, timeout_s: float, missing: str):
+        host = peer.rsplit(":", 1)[0]  # "ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"
+        if self.waiting[host] >= self.limit:
+            raise errors.Unavailable(f"{self.limit} calls from {host} have sent no first message yet; retry later")
+        self.waiting[host] += 1
+        try:
+            first = await asyncio.wait_for(anext(request_iterator, None), timeout_s)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"no first message within {timeout_s:g}s of the call") from None
+        finally:
+            self.waiting[host] -= 1
+            if not self.waiting[host]:
+                del self.waiting[host]
+        if first is None:
+            raise errors.InvalidArgument(missing)
+        return first
 
 
 def _decoder(message_type):
@@ -347,7 +426,7 @@ def _handlers(servicer: CoordinatorServicer) -> dict[str, grpc.RpcMethodHandler]
 
 async def create_server(
     replica: Replica, listen: str = "127.0.0.1:0", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    tokens: Tokens | None = None, credentials: grpc.ServerCredentials | None = None,
+    tokens: Tokens | None = None, credentials: grpc.ServerCredentials | None = None, replica_cert: bytes | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(
         options=[
@@ -361,7 +440,7 @@ async def create_server(
             ("grpc.http2.bdp_probe", 0),
         ]
     )
-    handlers = _handlers(CoordinatorServicer(replica, tokens))
+    handlers = _handlers(CoordinatorServicer(replica, tokens, replica_cert))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
     port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import structlog
 
-from muster.coordinator.auth import Tokens, server_credentials
+from muster.coordinator.auth import Tokens, first_certificate, server_credentials
 from muster.coordinator.etcd.client import EtcdAccess, connect
 from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.metrics import HealthServer
@@ -38,6 +38,14 @@ class ServeConfig:
     replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
 
 
+def _replica_cert(config: ServeConfig) -> bytes | None:
+    """Under mTLS, the certificate a Relay caller must present: the one replicas present to each
+    other (b"": none given, so none may relay); None without mTLS."""
+    if not (config.tls and config.tls[2]):
+        return None
+    return first_certificate(Path(config.peer_tls[1]).read_bytes()) if config.peer_tls[1] else b""
+
+
 async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
     embedded = None
     endpoints = list(config.etcd)
@@ -55,7 +63,10 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         replica = Replica(client, ReplicaConfig(**config.replica), peers=peers)
         credentials = server_credentials(*config.tls) if config.tls else None
         server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes,
-                                           tokens=tokens, credentials=credentials)
+                                           tokens=tokens, credentials=credentials, replica_cert=_replica_cert(config))
+        if tokens is not None and not tokens.relay_token():
+            log.warning("relay_token_missing", tokens=config.tokens_file,
+                        detail="no '@relay' or '*' entry: replicas cannot relay to each other, nodes go to leaders")
         host, _ = split_host_port(config.listen)
         address = config.advertise or join_host_port(host, port)
         replica.address = address  # known once bound (port 0 picks one)

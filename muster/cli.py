@@ -391,7 +391,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--etcd-user", help="etcd user (auth enabled); password from --etcd-password-file or "
                    "$MUSTER_ETCD_PASSWORD")
     s.add_argument("--etcd-password-file", help="a file holding the etcd user's password")
-    s.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job)")
+    s.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job; "
+                   "'@relay': the replicas' own, to relay)")
     s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     s.add_argument("--tls-key", help="the certificate's private key (PEM)")
     s.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")

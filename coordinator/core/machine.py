@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from muster.coordinator.core.kinds import FailureKind
-from muster.coordinator.core.policy import MAX_GENERATION, MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
+from muster.coordinator.core.policy import MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.rankmap import assign_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Outcome, Phase, RankMap
 from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, MusterError, NotFound,
@@ -22,7 +22,10 @@ from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, Invali
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
-MAX_MEMBER_ID = MAX_GENERATION  # member ids count joins: a node claiming more is no node of ours
+# What a node may claim to have run while a lost state is rebuilt: a generation (or a join) a second
+# for 136 years. A claim is unverifiable; one near MAX_GENERATION published a generation every library
+# rank's frame is refused for, so the job keeps at least MAX_GENERATION - 2^32 generations to go.
+MAX_CLAIMED = 2**32
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
 
     for index, ev in enumerate(events):
         if isinstance(ev, Rejoin):
-            refusal = _rejoin_refusal(state, members.get(ev.node_id), ev, len(members), ctx)
+            refusal = _rejoin_refusal(state, members, ev, ctx)
             if refusal is None and ev.node_id not in members:
                 spec, spec_lost, refusal = _restored_spec(spec, spec_lost, ev.spec)
             if refusal is not None:
@@ -184,10 +187,12 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                 continue
             if ev.node_id in members:
                 continue  # the same incarnation again, from a second stream: nothing new
-            members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, ev.member_id,
+            # Its age is when it claimed, not the id it claims: a claim of member 1 may not take rank 0
+            # (and the job's store) from the nodes that came back before it.
+            members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, next_seq,
                                          ev.kind, master_port=ev.master_port, secret_hash=ev.secret_hash)
             joined.append(members[ev.node_id])
-            next_seq = max(next_seq, ev.member_id + 1)
+            next_seq = max(next_seq + 1, ev.member_id + 1)
             generation = max(generation, ev.generation)
             changed = True
         elif isinstance(ev, Join):
@@ -386,11 +391,11 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str
     return None
 
 
-def _rejoin_refusal(state: JobState, member: Member | None, ev: Rejoin, members: int,
-                    ctx: Context) -> MusterError | None:
+def _rejoin_refusal(state: JobState, members: dict[str, Member], ev: Rejoin, ctx: Context) -> MusterError | None:
     """Why a node claiming membership is not taken back (None: it is, or already was)."""
     if not state.rebuilding or not ev.generation or not ev.member_id:
         return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first")
+    member = members.get(ev.node_id)
     if member is not None:  # taken back already, from another stream
         if member.member_id != ev.member_id:
             return FailedPrecondition(f"member {ev.member_id} of node {ev.node_id!r} is stale (current member "
@@ -399,12 +404,16 @@ def _rejoin_refusal(state: JobState, member: Member | None, ev: Rejoin, members:
             return PermissionDenied(f"node {ev.node_id!r} did not present the session secret of member "
                                     f"{member.member_id}")
         return None
-    if ev.generation > MAX_GENERATION or ev.member_id > MAX_MEMBER_ID:
-        return InvalidArgument(f"generation {ev.generation} and member_id {ev.member_id} must be at most "
-                               f"{MAX_GENERATION} and {MAX_MEMBER_ID}")
-    if members >= ctx.max_members:
-        return ResourceExhausted(f"job {state.job!r} has {members} nodes, the most this deployment takes per job "
-                                 f"(--max-nodes-per-job {ctx.max_members})")
+    if ev.generation > MAX_CLAIMED or ev.member_id > MAX_CLAIMED:
+        return InvalidArgument(f"a node taken back claims generation {ev.generation} and member_id {ev.member_id}: "
+                               f"each must be at most {MAX_CLAIMED}")
+    holder = next((m.node_id for m in members.values() if m.member_id == ev.member_id), None)
+    if holder is not None:
+        return AlreadyExists(f"member {ev.member_id} of job {state.job!r} is node {holder!r}'s, taken back before "
+                             f"node {ev.node_id!r} claimed it")
+    if len(members) >= ctx.max_members:
+        return ResourceExhausted(f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per "
+                                 f"job (--max-nodes-per-job {ctx.max_members})")
     return None
 
 

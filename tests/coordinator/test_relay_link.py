@@ -12,12 +12,12 @@ import pytest
 
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind
-from muster.coordinator.errors import InvalidArgument
+from muster.coordinator.errors import InvalidArgument, ResourceExhausted
 from muster.coordinator.etcd.election import LeaderKey
 from muster.coordinator.leader import JobLeader, NodeStream, Pulses
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.relay import PULSE_SLICE, Relay, RelayedNode, RelayLink
-from muster.coordinator.server import stream_end
+from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink
+from muster.coordinator.server import CoordinatorServicer, FrameBudget, stream_end
 from muster.coordinator.store import MemoryJobStore
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
@@ -262,6 +262,86 @@ def test_a_steps_only_frame_is_read_for_its_steps_and_only_on_a_stream_that_had_
         # A bad step is refused on the hot path too.
         with pytest.raises(InvalidArgument):
             leader.on_frame(stream, frame(2**62))
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def fresh_numbers(start: int, count: int, node_id: str = "p1") -> pb.RelayUp:
+    """A flood message: frames on fresh stream numbers naming a real node, without its secret."""
+    return pb.RelayUp(job="job", relay="flood", frames=[
+        pb.RelayedFrame(stream=n, frame=pb.NodeFrame(job="job", node_id=node_id, member_id=1))
+        for n in range(start, start + count)])
+
+
+def test_a_flood_of_fresh_stream_numbers_is_budgeted_and_cut_off_after_a_message_of_attaches():
+    """Security review 3, F1: every relayed frame counts, first ones included, and a relay attaching
+    nothing gets one message's worth ahead of its streams."""
+    async def scenario():
+        leader, _ = await led_job()
+        link = RelayLink(leader, "flood", stream_end)
+        attaches = []
+        attach = leader.attach
+        leader.attach = lambda *a, **k: attaches.append(1) or attach(*a, **k)
+
+        async def flood():
+            for i in range(3):
+                yield fresh_numbers(1 + i * MAX_ITEMS, MAX_ITEMS)
+
+        budget = FrameBudget(TIMING_RATE, floor=MAX_ITEMS)
+        refusal = await CoordinatorServicer._read_relay(link, flood(), budget)
+        assert isinstance(refusal, ResourceExhausted) and "frames/s" in str(refusal)
+        assert len(attaches) == MAX_ITEMS and len(link.out) == MAX_ITEMS  # the first message alone
+        assert not link.streams and leader.state.generation == 1
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+TIMING_RATE = 50.0  # --max-frames-per-second's default
+
+
+def test_a_relay_message_of_more_than_max_items_is_refused_before_any_is_looked_at():
+    async def scenario():
+        leader, _ = await led_job()
+        link = RelayLink(leader, "flood", stream_end)
+        budget = FrameBudget(TIMING_RATE, floor=10 * MAX_ITEMS)
+        for up in (fresh_numbers(1, MAX_ITEMS + 1), pb.RelayUp(job="job", ended=range(1, MAX_ITEMS + 2)),
+                   pb.RelayUp(job="job", silent=[pb.SilentStream(stream=n) for n in range(1, MAX_ITEMS + 2)])):
+            with pytest.raises(ResourceExhausted, match=f"at most {MAX_ITEMS} frames"):
+                CoordinatorServicer._receive(link, up, budget)
+        assert not link.out and link.last_stream == 0
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_replies_a_relay_leaves_unread_are_bounded_and_end_its_call():
+    async def scenario():
+        leader, joined = await led_job()
+        link = RelayLink(leader, "slow", stream_end)
+        link.receive(relayed(1, first(joined["p1"])))
+        for start in range(2, 2 + (PENDING_MESSAGES + 1) * MAX_ITEMS, MAX_ITEMS):
+            link.receive(fresh_numbers(start, MAX_ITEMS))  # refusals, never taken
+        assert link.overflowed and len(link.out) == PENDING_MESSAGES * MAX_ITEMS + 2
+        assert link.ready.is_set()
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_message_quotes_what_it_was_sent_in_a_bounded_message():
+    """Security review 3, F6: a job name of a million characters was echoed whole."""
+    async def scenario():
+        leader, _ = await led_job()
+        link = RelayLink(leader, "r" * 10**6, stream_end)
+        with pytest.raises(InvalidArgument) as refused:
+            link.receive(pb.RelayUp(job="x" * 10**6))
+        assert len(str(refused.value)) < 200 and "1000000 chars" in str(refused.value)
+        link.receive(relayed(1, pb.NodeFrame(job="y" * 10**6)))  # ends that stream alone
+        (item,) = link.take().items
+        assert item.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and len(item.end.message) < 200
+        assert len(link.relay) == 256
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

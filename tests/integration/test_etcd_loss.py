@@ -1,7 +1,8 @@
 """etcd loses the job (its keys deleted under the nodes' feet, or its data directory): the replica
 that leads next finds no spec and no state, takes the nodes back as they reconnect and re-forms
 them in one abort generation above theirs; the job keeps its nodes, its member ids, and its
-failure detection."""
+failure detection. Its ranks follow the order the nodes were taken back in (a claimed member id
+proves no seniority)."""
 
 import asyncio
 import json
@@ -54,11 +55,14 @@ def test_after_etcd_lost_the_job_the_new_leader_rebuilds_it_from_the_nodes(coord
             wait_until, lambda: [e for e in events(standby.address) if e.kind == "state_rebuilt"], 15,
             "the new leader's state_rebuilt event")
         assert "rebuilt from the 3 node(s)" in rebuilt[0].reason and sorted(rebuilt[0].nodes) == sorted(before)
+        taken_back = [r["node"] for r in standby.find("node_taken_back", job=JOB)]
+        assert sorted(taken_back) == sorted(before)
         for n in nodes:
             asg = await n.wait_for(lambda x: x.generation > generation and x.assignment().world_size == 6, 10,
                                    "the rebuilt generation")
             assert asg.abort_previous and asg.role == pb.ROLE_ACTIVE and asg.generation == generation + 1
-            assert (n.member_id, asg.rank_offset) == before[n.node_id] and not n.errors
+            assert n.member_id == before[n.node_id][0] and not n.errors
+            assert asg.rank_offset == 2 * taken_back.index(n.node_id)
             assert n.leader == standby.address
 
         state = decode(JobStore(etcd_client).load_state(JOB))

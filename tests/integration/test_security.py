@@ -53,9 +53,10 @@ def pki(tmp_path):
     ca_pem, _ = _write(tmp_path / "ca", ca_key, ca)
     server = _write(tmp_path / "server", *_cert("coordinator", ca_key, ca.subject, ip="127.0.0.1"))
     client = _write(tmp_path / "client", *_cert("agent", ca_key, ca.subject))
+    replica = _write(tmp_path / "replica", *_cert("replica", ca_key, ca.subject))
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# job token\njob-a {TOKEN_A}\njob-b {TOKEN_B}\n* {OPERATOR}\n")
-    return {"ca": ca_pem, "server": server, "client": client, "tokens": str(tokens)}
+    return {"ca": ca_pem, "server": server, "client": client, "replica": replica, "tokens": str(tokens)}
 
 
 def join(stub, job: str, node: str, token: str = ""):
@@ -161,12 +162,13 @@ def test_an_agent_trains_over_mtls_with_its_job_token(coordinators, pki, agents,
 
 
 @pytest.mark.timeout(90)
-def test_a_relay_calls_the_leader_with_its_peer_certificate_and_the_jobs_token(coordinators, pki):
+def test_a_relay_calls_the_leader_with_the_replicas_certificate_and_an_operators_token(coordinators, pki):
     cert, key = pki["server"]
     client_cert, client_key = pki["client"]
+    replica_cert, replica_key = pki["replica"]
     replicas = coordinators(2, extra=["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
                                       "--tokens", pki["tokens"], "--relay-min-nodes", "2", "--peer-tls-ca", pki["ca"],
-                                      "--peer-tls-cert", client_cert, "--peer-tls-key", client_key])
+                                      "--peer-tls-cert", replica_cert, "--peer-tls-key", replica_key])
     addresses = [r.address for r in replicas]
     good = ClientSecurity(TOKEN_A, pki["ca"], client_cert, client_key)
 
@@ -190,3 +192,10 @@ def test_a_relay_calls_the_leader_with_its_peer_certificate_and_the_jobs_token(c
     leader = next(r for r in replicas if r.find("leadership_acquired", job="job-a"))
     standby = next(r for r in replicas if r is not leader)
     assert relayed and leader.find("relay_attached", job="job-a", relay=standby.address)
+
+    # an agent's certificate is no replica's, even with the operator's token (security review 3, F2)
+    with ClientSecurity(OPERATOR, pki["ca"], client_cert, client_key).channel(leader.address) as ch:
+        up = iter([pb.RelayUp(job="job-a", relay="agent")])
+        assert code_of(lambda: list(pb_grpc.CoordinatorStub(ch).Relay(up, timeout=5, metadata=(
+            ("authorization", f"Bearer {OPERATOR}"),)))) == grpc.StatusCode.PERMISSION_DENIED
+    assert "--peer-tls-cert" in leader.find("relay_refused", code="PERMISSION_DENIED")[0]["error"]

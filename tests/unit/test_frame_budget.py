@@ -35,3 +35,13 @@ def test_a_relay_stream_spends_for_all_its_node_streams_at_once():
     budget.spend(frames=60, streams=10)
     with pytest.raises(ResourceExhausted):
         budget.spend(frames=10, streams=10)
+
+
+def test_a_relay_stream_holds_a_message_of_first_frames_ahead_of_the_streams_they_attach():
+    clock = Clock()
+    budget = FrameBudget(10, clock, floor=1024)
+    budget.spend(frames=1024, streams=1)  # attaching: nothing attached yet
+    with pytest.raises(ResourceExhausted):
+        budget.spend(frames=1024, streams=1)  # a second message of fresh streams that attached none
+    clock.now += 0.1
+    budget.spend(frames=1000, streams=1000)  # once attached, the streams pay their way

@@ -3,11 +3,11 @@ session secret's hash kept per member; the planned switch step bounded."""
 
 import pytest
 
-from muster.coordinator.core.machine import Context, Join, Leave, NodeLost, Rejoin, Tick, decide
+from muster.coordinator.core.machine import MAX_CLAIMED, Context, Join, Leave, NodeLost, Rejoin, Tick, decide
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_STEP, JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
-from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
-    ResourceExhausted
+from muster.coordinator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, \
+    PermissionDenied, ResourceExhausted
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5, grace_s=5.0)
 
@@ -36,8 +36,8 @@ def test_nodes_are_taken_back_as_they_were_and_one_abort_generation_above_theirs
     assert d.persist and not d.new_generation and not d.events
     s = d.state
     assert [(m.node_id, m.member_id, m.seq, m.secret_hash) for m in s.members] == \
-        [("n1", 3, 3, "hash-s-1"), ("n2", 5, 5, "hash-s-2")]
-    assert (s.generation, s.next_seq, s.rank_map, s.rebuilding) == (7, 6, None, True)
+        [("n2", 5, 1, "hash-s-2"), ("n1", 3, 6, "hash-s-1")], "aged by when they claimed"
+    assert (s.generation, s.next_seq, s.rank_map, s.rebuilding) == (7, 7, None, True)
     assert [m.node_id for m in d.joined] == ["n2", "n1"]
 
     d = decide(s, [Tick()], ctx(now=4.9))  # the nodes run on in their old groups until the grace ends
@@ -47,12 +47,12 @@ def test_nodes_are_taken_back_as_they_were_and_one_abort_generation_above_theirs
     assert d.new_generation and d.persist and not d.state.rebuilding
     rm = d.state.rank_map
     assert (rm.generation, rm.abort_previous, rm.switch_at_step, rm.world_size) == (8, True, 0, 4)
-    assert rm.node_ids == ("n1", "n2"), "the oldest member (lowest member_id) keeps rank 0"
+    assert rm.node_ids == ("n2", "n1"), "the first node taken back gets rank 0, whatever member_id it claims"
     assert d.state.phase is Phase.RUNNING
     assert [e.kind for e in d.events] == ["state_rebuilt", "generation"]
     rebuilt = d.events[0]
     assert "rebuilt from the 2 node(s)" in rebuilt.reason and "lost in etcd" in rebuilt.reason
-    assert rebuilt.nodes == ("n1", "n2") and all(e.generation == 8 and e.term == 9 for e in d.events)
+    assert rebuilt.nodes == ("n2", "n1") and all(e.generation == 8 and e.term == 9 for e in d.events)
     assert decode(encode(d.state)) == d.state
 
 
@@ -80,8 +80,10 @@ def test_a_claim_without_a_member_id_or_a_generation_is_refused(member_id, gener
 
 
 def test_claims_beyond_any_real_run_and_past_the_member_limit_are_refused():
-    d = decide(lost(), [rejoin(1, 1, MAX_GENERATION + 1), rejoin(2, MAX_GENERATION + 1, 1)], ctx())
-    assert all(isinstance(e, InvalidArgument) for _, e in d.rejected) and len(d.rejected) == 2
+    d = decide(lost(), [rejoin(1, 1, MAX_GENERATION + 1), rejoin(2, MAX_GENERATION + 1, 1),
+                        rejoin(3, 1, MAX_CLAIMED + 1), rejoin(4, MAX_CLAIMED + 1, 1)], ctx())
+    assert all(isinstance(e, InvalidArgument) for _, e in d.rejected) and len(d.rejected) == 4
+    assert f"at most {MAX_CLAIMED}" in str(rejected(d)) and not d.state.members
     d = decide(lost(), [rejoin(1, 1, 2), rejoin(2, 2, 2)], ctx(max_members=1))
     assert isinstance(rejected(d, 1), ResourceExhausted) and [m.node_id for m in d.state.members] == ["n1"]
 
@@ -165,3 +167,25 @@ def test_the_planned_switch_step_stays_below_max_step():
     state = decide(state, [Tick()], ctx(now=2.0)).state
     d = decide(state, [Join("n2", "10.0.0.2", 29502, 1)], ctx(now=3.0, max_step=MAX_STEP, step_time_s=1e-9))
     assert d.new_generation and d.state.rank_map.switch_at_step == MAX_STEP
+
+
+def test_a_forged_claim_takes_neither_rank_0_nor_the_job_past_its_generations():
+    """Security review 3, F4: a claim of member 1 and generation 2^48 after a real node's claim."""
+    d = decide(lost(), [rejoin(5, member_id=5, generation=7)], ctx(now=0.0))
+    evil = Rejoin("evil", 1, 2**48, "hash-evil", "10.6.6.6", 29500, 2, NodeKind.AGENT)
+    d = decide(d.state, [evil], ctx(now=0.5))
+    assert isinstance(rejected(d), InvalidArgument) and d.state.member("evil") is None
+    d = decide(d.state, [Rejoin("evil", 1, 8, "hash-evil", "10.6.6.6", 29500, 2, NodeKind.AGENT)], ctx(now=1.0))
+    assert not d.rejected and d.state.generation == 8
+    d = decide(d.state, [Tick()], ctx(now=5.0))
+    rm = d.state.rank_map
+    assert rm.generation == 9 and rm.node_ids == ("n5", "evil"), "rank 0 stays with the node taken back first"
+    assert rm.store_address == "10.0.0.5:29505"
+
+
+def test_a_member_id_taken_back_already_is_refused_to_another_node():
+    d = decide(lost(), [rejoin(1, member_id=4, generation=3), rejoin(2, member_id=4, generation=3)], ctx())
+    assert isinstance(rejected(d, 1), AlreadyExists) and "node 'n1'" in str(rejected(d, 1))
+    assert [m.node_id for m in d.state.members] == ["n1"]
+    d = decide(d.state, [rejoin(3, member_id=4, generation=3)], ctx(now=1.0))  # in a later tally too
+    assert isinstance(rejected(d), AlreadyExists) and not d.persist

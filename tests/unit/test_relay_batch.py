@@ -91,3 +91,17 @@ def test_a_batch_larger_than_one_message_goes_in_order_over_several():
     assert [rf.stream for rf in first.frames] == list(range(1, MAX_ITEMS + 1))
     assert [rf.stream for rf in second.frames] == list(range(MAX_ITEMS + 1, MAX_ITEMS + 6))
     assert not batch
+
+
+def test_a_message_carries_at_most_max_items_of_each_kind_and_no_end_before_its_streams_frame():
+    batch = FrameBatch()
+    for stream in range(1, MAX_ITEMS + 3):
+        batch.add(stream, frame("a", 1))
+        batch.end(stream)
+    batch.silent.extend(pb.SilentStream(stream=s) for s in range(1, MAX_ITEMS + 3))
+    first = batch.take("j", "r")
+    assert len(first.frames) == len(first.ended) == len(first.silent) == MAX_ITEMS
+    assert list(first.ended) == list(range(1, MAX_ITEMS + 1)), "the ends of streams whose frame went"
+    second = batch.take("j", "r")
+    assert [rf.stream for rf in second.frames] == list(second.ended) == [MAX_ITEMS + 1, MAX_ITEMS + 2]
+    assert len(second.silent) == 2 and not batch

@@ -1,0 +1,194 @@
+"""The abuse suite (issue 24, security review 3): each attack of a token holder against a real
+etcd and real `muster serve` replicas, asserting what it may cost (memory, the event loop every job
+shares, streams held) and that nothing changes for another job."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from muster.local import SimulatedNode, wait_until
+from muster.security import ClientSecurity
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+JOB_TOKEN, OPERATOR, RELAY = "j" * 24, "o" * 24, "r" * 24
+
+
+def bearer(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.fixture
+def tokens(tmp_path) -> str:
+    path = tmp_path / "tokens"
+    path.write_text(f"job-a {JOB_TOKEN}\n* {OPERATOR}\n@relay {RELAY}\n")
+    return str(path)
+
+
+async def sends(stop: asyncio.Event, *messages):
+    """`messages`, then nothing until `stop` (the call stays open)."""
+    for message in messages:
+        yield message
+    await stop.wait()
+
+
+async def code_of(call) -> grpc.StatusCode:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_flood_costs_the_replica_tens_of_mib_and_another_job_nothing():
+    """The issue's flood: 8 messages of ~1 MB of frames on fresh stream numbers, replies never read.
+    Before: +337 MiB at its peak, the loop held 2.2 s, the other job's steps down to an eighth."""
+    done = subprocess.run([sys.executable, str(BENCH / "abuse.py"), "--duration", "8", "--baseline", "2"],
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    flood, other = result["flood"], result["other_job"]
+    assert flood["ended_by_replica"] and flood["status"] == "RESOURCE_EXHAUSTED", flood
+    assert result["replica_rss_mib"]["peak_growth"] < 40, result["replica_rss_mib"]
+    assert not other["new_generation"] and other["errors"] == 0, other
+    # stepping on: 8 s of flood bring more steps than the 2 s before it
+    assert all(during > before for during, before in zip(other["steps_per_node_during"],
+                                                          other["steps_per_node_before"])), other
+
+
+@pytest.mark.timeout(60)
+def test_relay_is_a_replicas_call_refused_to_a_jobs_token_before_anything_is_read(coordinators, tokens):
+    (replica,) = coordinators(1, ["--tokens", tokens])
+
+    async def scenario():
+        stop = asyncio.Event()
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            codes = [await asyncio.wait_for(code_of(stub.Relay(sends(stop), metadata=md)), 10)
+                     for md in (bearer(JOB_TOKEN), (), bearer("x" * 24))]
+            # the relay's own token gets past the role: it waits for the first message (and its deadline)
+            relay = await asyncio.wait_for(code_of(stub.Relay(sends(stop), metadata=bearer(RELAY))), 10)
+        stop.set()
+        return codes, relay
+
+    codes, relay = asyncio.run(scenario())
+    assert codes == [grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                     grpc.StatusCode.UNAUTHENTICATED]
+    assert relay == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "'@relay' entry" in replica.find("relay_refused", code="PERMISSION_DENIED")[0]["error"]
+
+
+@pytest.mark.timeout(90)
+def test_idle_streams_are_held_a_heartbeat_timeout_at_most_and_a_few_hundred_per_peer(coordinators, tokens):
+    from muster.coordinator.server import MAX_IDLE_STREAMS_PER_PEER
+
+    (replica,) = coordinators(1, ["--tokens", tokens, "--heartbeat-timeout", "5"])
+    extra = 8
+
+    async def scenario():
+        stop = asyncio.Event()
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            tokenless = await asyncio.wait_for(code_of(stub.Session(sends(stop))), 10)
+            calls = [stub.Session(sends(stop), metadata=bearer(JOB_TOKEN))
+                     for _ in range(MAX_IDLE_STREAMS_PER_PEER + extra)]
+            codes = await asyncio.wait_for(asyncio.gather(*(code_of(c) for c in calls)), 30)
+        stop.set()
+        return tokenless, codes
+
+    tokenless, codes = asyncio.run(scenario())
+    assert tokenless == grpc.StatusCode.UNAUTHENTICATED  # no stream held without a token
+    assert codes.count(grpc.StatusCode.UNAVAILABLE) == extra, codes
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == MAX_IDLE_STREAMS_PER_PEER
+    refused = replica.find("session_refused", code="DEADLINE_EXCEEDED")
+    assert "no first message within 5s" in refused[0]["error"]
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_call_that_attaches_nothing_is_ended(coordinators, tokens):
+    (replica,) = coordinators(1, ["--tokens", tokens])
+
+    async def scenario():
+        node = SimulatedNode([replica.address], "job-a", "a0", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=1),
+                             security=ClientSecurity(JOB_TOKEN))
+        await node.join()
+        node.start()
+        await node.wait_for(lambda n: n.assignment().role == pb.ROLE_ACTIVE, 20, "a place")
+
+        async def keepalives():  # what an idle relay sends: its job, nothing attached
+            while True:
+                yield pb.RelayUp(job="job-a", relay="idle")
+                await asyncio.sleep(0.1)
+
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            began = asyncio.get_running_loop().time()
+            code = await asyncio.wait_for(code_of(pb_grpc.CoordinatorStub(channel).Relay(
+                keepalives(), metadata=bearer(RELAY))), 20)
+            took = asyncio.get_running_loop().time() - began
+        generation = node.generation
+        await node.stop()
+        return code, took, generation
+
+    code, took, generation = asyncio.run(scenario())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and took >= 1.0  # --heartbeat-timeout 1 (FAST)
+    assert generation == 1
+    assert "carried no node stream" in replica.find("relay_refused", code="FAILED_PRECONDITION")[0]["error"]
+
+
+@pytest.mark.timeout(120)
+def test_forged_rebuild_claims_take_neither_rank_0_nor_the_generation(coordinators, etcd_client):
+    """Security review 3, F4: while the leader rebuilds a job etcd lost, a stranger with the job's
+    token claims member 1 and a generation of 2^40, then the member id a real node was taken back as."""
+    replicas = coordinators(2, ["--grace", "6"])  # the rebuild's window: the claims below come in it
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        spec = pb.JobSpec(min_nodes=2, max_nodes=3)
+        nodes = [SimulatedNode(addresses, "lost", f"node-{i}", slots=1, spec=spec) for i in range(2)]
+        for n in nodes:
+            await n.join()
+            n.start()
+        for n in nodes:
+            await n.wait_for(lambda x: x.assignment().world_size == 2, 10, "the first map")
+        generation = nodes[0].generation
+        old = next(r for r in replicas if r.find("leadership_acquired", job="lost"))
+        standby = next(r for r in replicas if r is not old)
+        await asyncio.to_thread(etcd_client.delete_prefix, "/muster/")
+        old.kill()
+        await asyncio.to_thread(wait_until, lambda: len(standby.find("node_taken_back", job="lost")) == 2, 15,
+                                "both nodes taken back")
+        taken = standby.find("node_taken_back", job="lost")
+        real_member = taken[0]["member"]
+
+        def forged(node_id: str, member_id: int, claimed: int):
+            return pb.NodeFrame(job="lost", node_id=node_id, member_id=member_id, generation=claimed,
+                                session_secret=b"s" * 32, rejoin=pb.JoinRequest(
+                                    job="lost", node_id=node_id, slots=4, host="10.6.6.6", store_port=29500))
+
+        stop = asyncio.Event()
+        async with grpc.aio.insecure_channel(standby.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            codes = [await asyncio.wait_for(code_of(stub.Session(sends(stop, frame))), 10)
+                     for frame in (forged("evil", 1, 2**40), forged("evil2", real_member, generation))]
+        stop.set()
+        for n in nodes:
+            await n.wait_for(lambda x: x.generation > generation, 10, "the rebuilt generation")
+        maps = [(n.node_id, n.generation, n.assignment()) for n in nodes]
+        for n in nodes:
+            await n.stop()
+        return codes, maps, taken, generation
+
+    codes, maps, taken, generation = asyncio.run(scenario())
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS]
+    assert all(g == generation + 1 and a.world_size == 2 for _, g, a in maps), maps
+    first_back = taken[0]["node"]
+    assert next(a for node, _, a in maps if node == first_back).rank_offset == 0, "rank 0: the first taken back"
+    assert all(a.store_address.startswith("127.0.0.1:") for _, _, a in maps)
