@@ -14,10 +14,10 @@ from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decid
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.store import MemoryJobStore
+from muster.coordinator.twins import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(5)

@@ -9,7 +9,8 @@ from muster.local import SimulatedNode
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.client import connect
-from muster.coordinator.etcd.election import current_leader
+from muster.coordinator.etcd.election import EtcdCoordination, current_leader
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
@@ -45,7 +46,8 @@ def test_a_fault_in_one_jobs_leadership_drops_only_that_job_until_it_is_gone(etc
     async def scenario():
         nonlocal load_state
         client = connect([etcd.endpoint])
-        replica = Replica(client, ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.05))
+        replica = Replica(JobStore(client), EtcdCoordination(client), ReplicaConfig(timing=TIMING, session_ttl_s=2,
+                                                                                   tick_s=0.05))
         server, port = await create_server(replica)
         replica.address = f"127.0.0.1:{port}"
         await server.start()
