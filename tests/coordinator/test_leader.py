@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import pytest
+from muster.local import until
 
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
@@ -58,11 +59,6 @@ class Led:
         return asyncio.ensure_future(self.leader.join(request, SPEC))
 
 
-async def until(predicate, what: str, timeout_s: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def stored(store: MemoryJobStore, job: str = "job") -> JobState | None:

@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 import pytest
+from muster.local import until
 
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind
@@ -55,11 +56,6 @@ def relayed(stream: int, frame: pb.NodeFrame) -> pb.RelayUp:
     return pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=stream, frame=frame)])
 
 
-async def until(predicate, what: str, timeout_s: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():

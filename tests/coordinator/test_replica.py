@@ -10,7 +10,7 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import pytest
-from muster.local import SimulatedNode
+from muster.local import SimulatedNode, until
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.replica import Replica, ReplicaConfig
@@ -64,12 +64,6 @@ async def replicas_leading(twins: Twins, jobs: tuple[str, ...], n: int = 1):
             await server.stop(grace=1.0)
 
 
-async def until(predicate, what: str, timeout_s: float = 5.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not (value := predicate()):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.02)
-    return value
 
 
 def leader_and_standby(replicas: list[Replica], job: str) -> tuple[Replica, Replica]:
