@@ -35,17 +35,17 @@ import signal
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import grpc
 import structlog
 
 from muster.client import TRANSIENT
-from muster.net import free_port, split_host_port
+from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words, failure_report, last_failure
+from muster.worker.master_port import MasterPorts
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
@@ -73,9 +73,9 @@ class NodeAgent:
         self._done: asyncio.Future | None = None
         self._reconciling = asyncio.Lock()
         self._signal = 0  # the signal that ends the agent (SIGTERM, SIGINT): exit 128 + it
-        self._store = None  # this node's TCPStore (it serves the generations whose rank 0 is here)
-        self._store_clients: dict[str, object] = {}  # other nodes' stores, by address
-        self._masters: dict[int, asyncio.Future] = {}  # generation -> its (MASTER_ADDR, MASTER_PORT)
+        self.masters = MasterPorts(config.host, library=lambda: self.library, assignment=lambda: self.assignment,
+                                   ended=lambda: self._done is not None and self._done.done(),
+                                   planted=self._store_key_planted)
         # Python programs run through the runner, which marks their completion; others as they are.
         self._program = python_program(config.argv)
         self._argv = runner_argv(self._program) if self._program is not None else list(config.argv)
@@ -90,7 +90,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         c = self.config
-        store = self._store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
+        store = self.masters.store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
         master_port = free_port(c.host)
         _remove_stale_socket_dirs()
         sockets = self._sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
@@ -280,6 +280,12 @@ class NodeAgent:
                 self._finish(EXIT_FAILED)
                 return
 
+    def _store_key_planted(self, generation: int, exc: Exception) -> None:
+        """Rank 0's key of a generation was there before it published: the node stops, loudly."""
+        self.log.error("store_key_planted", generation=generation, error=str(exc))
+        _say(f"generation {generation}: {exc}; stopping this node")
+        self._finish(EXIT_FAILED)
+
     def _finish(self, code: int) -> None:
         if not self._done.done():
             self._done.set_result(code)
@@ -313,7 +319,7 @@ class NodeAgent:
             return
         if not self.draining and not self._finishing():  # a finishing job is never re-formed
             if a.role == pb.ROLE_ACTIVE and not self.library:
-                asyncio.ensure_future(self._master_address(a))  # published (or fetched) at once
+                asyncio.ensure_future(self.masters.of(a))  # published (or fetched) at once
             asyncio.ensure_future(self._reconcile())
 
     def _finishing(self) -> bool:
@@ -328,7 +334,7 @@ class NodeAgent:
             # A node joining a running job starts its ranks before it has a place (start_ranks).
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set(a.down_local_ranks) if a.start_ranks else set()
             # Before stopping anything: the node of rank 0 publishes the generation's port at once.
-            master = await self._master_address(a) if wanted else None
+            master = await self.masters.of(a) if wanted else None
             for slot in self.slots:
                 if slot.retired:
                     continue
@@ -349,80 +355,6 @@ class NodeAgent:
                     await self._start_rank(slot, master)
 
     # ---- ranks -----------------------------------------------------------------------
-
-    async def _master_address(self, a: pb.Assignment) -> tuple[str, str] | None:
-        """MASTER_ADDR/MASTER_PORT of generation `a`, for scripts without the library: as torchrun's
-        rendezvous does, the node of rank 0 picks a fresh port for each generation and publishes it
-        in its store under the generation's prefix, so a new rank 0 never binds its predecessor's
-        port and no rank reaches the store of an older generation. Library ranks need none of it.
-        Found once per generation, from the moment its map arrives (not when the ranks' restart
-        gets its turn): a slow rank-0 node must not make the others wait out their bound. None: a
-        newer map superseded `a` before its port was known."""
-        if a.role != pb.ROLE_ACTIVE or not a.master_address:
-            return None
-        task = self._masters.get(a.generation)
-        if task is None:
-            task = self._masters[a.generation] = asyncio.ensure_future(self._find_master(a))
-            for old in [g for g in self._masters if g < a.generation - 1]:
-                del self._masters[old]
-        return await asyncio.shield(task)
-
-    async def _current_master(self) -> tuple[str, str] | None:
-        """The master address of the newest map, even if a newer one arrives meanwhile."""
-        while True:
-            a = self.assignment
-            master = await self._master_address(a)
-            if self.assignment is a:
-                return master
-
-    async def _find_master(self, a: pb.Assignment) -> tuple[str, str] | None:
-        host, master_port = split_host_port(a.master_address)
-        if self.library:
-            return host, str(master_port)
-        key = f"{a.store_prefix}/muster-agent/master-port"
-        if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
-            from muster.worker.comm import StoreKeyTaken, publish
-
-            port = str(free_port(self.config.host))
-            try:
-                await asyncio.to_thread(publish, self._store, key, port)
-            except StoreKeyTaken as exc:
-                # Nodes that read it first would use someone else's port: the node stops, loudly.
-                self.log.error("store_key_planted", generation=a.generation, error=str(exc))
-                _say(f"generation {a.generation}: {exc}; stopping this node")
-                self._finish(EXIT_FAILED)
-                return None
-            return host, port
-        # Never a guess: ranks that disagree on the port would wait in init_process_group for good.
-        # Rank 0's node publishes within moments; if it is gone, the leader's next map says so.
-        warned = False
-        while self.assignment.generation == a.generation and not self._done.done():
-            try:
-                return host, (await asyncio.to_thread(self._store_get, a.store_address, key)).decode()
-            except Exception as exc:
-                if not warned:
-                    warned = True
-                    self.log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
-                                     error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                                     message="waiting for the node of rank 0 to publish it, or for a newer map")
-                await asyncio.sleep(0.2)
-        return None
-
-    def _store_get(self, address: str, key: str) -> bytes:
-        """A key of another node's store, waiting for it a bounded time (blocking: a thread)."""
-        import torch.distributed as dist
-
-        client = self._store_clients.get(address)
-        try:
-            if client is None:
-                host, port = split_host_port(address)
-                client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                       timeout=timedelta(seconds=MASTER_PORT_WAIT_S))
-                self._store_clients[address] = client
-            return client.get(key)
-        except Exception:
-            self._store_clients.pop(address, None)
-            raise
 
     def _rank_env(self, slot: Slot, master: tuple[str, str] | None) -> dict[str, str]:
         """torchrun's environment for the slot's process, from the current map only: what torchrun
@@ -547,7 +479,7 @@ class NodeAgent:
             async with self._reconciling:
                 if not slot.alive and not slot.given_up and await self._restart_allowed(
                         slot, f"its process of generation {slot.generation} ended ({exit_words(code)})"):
-                    await self._start_rank(slot, await self._current_master())
+                    await self._start_rank(slot, await self.masters.current())
             return
         # Restart semantics (a script without the library) restart a crashed rank in its place: the
         # leader re-forms the job once, with its replacement (never a map without the slot first).
@@ -580,7 +512,7 @@ class NodeAgent:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self._reconciling:
                 if not slot.alive:
-                    await self._start_rank(slot, await self._current_master())
+                    await self._start_rank(slot, await self.masters.current())
 
     async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
         """Its process's exit code. While it runs, its script's completion (the runner's mark) is
@@ -907,7 +839,6 @@ RANK_ENV = frozenset({
 })
 COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
 EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
-MASTER_PORT_WAIT_S = 5.0  # for the node of rank 0 to publish a generation's MASTER_PORT
 RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
 
 

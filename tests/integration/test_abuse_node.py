@@ -129,11 +129,11 @@ def test_a_master_port_planted_at_a_predictable_prefix_is_never_read_by_the_othe
         maps = generation_2(rank0_store.port)
         assert maps["a"].store_prefix != PREDICTABLE
         a, b = node_agent("a", maps["a"]), node_agent("b", maps["b"])
-        a._store = rank0_store
-        reading = asyncio.ensure_future(b._find_master(maps["b"]))  # the other node asks before rank 0 publishes
+        a.masters.store = rank0_store
+        reading = asyncio.ensure_future(b.masters.of(maps["b"]))  # the other node asks before rank 0 publishes
         done, _ = await asyncio.wait([reading], timeout=NOT_BEFORE_S)
         assert not done, f"node b took a planted master port: {reading.result()}"
-        published = await a._find_master(maps["a"])
+        published = await a.masters.of(maps["a"])
         assert published[1] != "1" and await asyncio.wait_for(reading, 10) == published
     asyncio.run(scenario())
 
@@ -145,9 +145,9 @@ def test_a_master_port_planted_at_the_generations_own_prefix_stops_rank_0s_node(
         maps = generation_2(rank0_store.port)
         rank0_store.set(f"{maps['a'].store_prefix}/muster-agent/master-port", "1")  # by someone who heard the leader
         a = node_agent("a", maps["a"])
-        a._store = rank0_store
+        a.masters.store = rank0_store
         with structlog.testing.capture_logs() as logs:
-            assert await a._find_master(maps["a"]) is None
+            assert await a.masters.of(maps["a"]) is None
         assert a._done.result() == EXIT_FAILED
         (planted,) = [e for e in logs if e["event"] == "store_key_planted"]
         return planted
