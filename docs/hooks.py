@@ -40,7 +40,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    shown = {arg for name, arg in MARKER.findall(markdown) if name == "bench"}
+    shown = {arg.split(":")[0] for name, arg in MARKER.findall(markdown) if name == "bench" and arg}
 
     def expand(match: re.Match) -> str:
         name, arg = match.group(1), match.group(2)
@@ -197,12 +197,31 @@ def wire_page() -> str:
 
 def proto_file(fd) -> list[str]:
     comments = {tuple(loc.path): loc for loc in fd.source_code_info.location}
+    source = (PROTOS / fd.name).read_text().splitlines()
 
     def said(path) -> str:
+        """The comment lines above an element at its own indentation, then the comment after it on
+        its line with the lines continuing it in the same column. (protoc gives a continued
+        trailing comment's second line to the next field as its leading comment.)"""
         loc = comments.get(tuple(path))
         if loc is None:
             return ""
-        return "\n".join(part.strip("\n") for part in (loc.leading_comments, loc.trailing_comments) if part.strip())
+        line, column = loc.span[0], loc.span[1]
+        above = []
+        for text in reversed(source[:line]):
+            if not text.strip().startswith("//") or text.index("//") != column:
+                break
+            above.insert(0, text.strip()[2:].strip())
+        after = []
+        end = loc.span[2] if len(loc.span) == 4 else line
+        if "//" in source[end] and loc.path[-2:-1] == [2] and len(loc.path) > 2:
+            at = source[end].index("//")
+            after.append(source[end][at + 2:].strip())
+            for text in source[end + 1:]:
+                if not text.strip().startswith("//") or text.index("//") != at:
+                    break
+                after.append(text.strip()[2:].strip())
+        return "\n".join(above + after)
 
     def paragraph(text: str) -> str:
         return "\n".join(line.strip() for line in text.splitlines()) + "\n" if text else ""
@@ -236,7 +255,9 @@ def proto_file(fd) -> list[str]:
             return f"repeated {name}"
         return ("optional " if f.proto3_optional else "") + name
 
-    out = [f"## `{fd.name}` — package `{fd.package}`\n", paragraph(said([12]))]
+    header = comments.get((12,))
+    out = [f"From `protos/{fd.name}`, package `{fd.package}`:\n",
+           paragraph(header.leading_comments.strip() if header else ""), "## Services\n"]
     for si, service in enumerate(fd.service):
         out.append(f"### service {service.name}\n")
         out.append(paragraph(said([6, si])))
@@ -275,7 +296,7 @@ def proto_file(fd) -> list[str]:
         out.append(table(["value", "#", "meaning"],
                          [[f"`{v.name}`", v.number, said(path + [2, vi])] for vi, v in enumerate(e.value)]))
 
-    out.append("### Messages and enums\n")
+    out.append("## Messages and enums\n")
     out.append("In the order of the file.\n")
     # Messages and enums in the file's order: by the line each starts at.
     items = [(comments[(4, i)].span[0] if (4, i) in comments else i, "m", i, m) for i, m in enumerate(fd.message_type)]
@@ -346,7 +367,8 @@ def num(x, digits: int = 3) -> str:
     from math import floor, log10
 
     places = max(0, digits - 1 - floor(log10(abs(x))))
-    return f"{x:,.{places}f}"
+    text = f"{x:,.{places}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def s(x) -> str:
@@ -370,10 +392,17 @@ def source(name: str, d: dict) -> str:
     return f"*From `bench/results/{name}`" + (f" ({where})" if where else "") + ".*\n"
 
 
-def bench_section(name: str | None) -> str:
-    if not name:
+def bench_section(arg: str | None) -> str:
+    """`NAME.json`, or `NAME.json:PART` for one part of a file with several (capacity's
+    `heartbeat` and `membership`)."""
+    if not arg:
         raise PluginError("muster:bench needs a file name")
+    name, _, part = arg.partition(":")
     d = load(name)
+    if part:
+        if part not in d:
+            raise PluginError(f"bench/results/{name} has no part {part!r}")
+        d = {k: v for k, v in d.items() if k in (part, "host") or not isinstance(v, (dict, list))}
     kind = d.get("benchmark")
     render = {
         "side_by_side": render_side_by_side,
@@ -513,7 +542,7 @@ def render_capacity(d: dict) -> str:
                 ms(z["tick_ms"]), f"{num(z['frame_us'])} µs", ms(z["status_ms"]),
                 f"{num(z['status_bytes'] / 1000)} KB", ms(z["status_stall_ms"]), ms(z["summary_ms"]),
             ])
-        out.append("In the leader, CPU time on one job (no network):\n\n" + table(
+        out.append(table(
             ["ranks", "nodes", "decide (node lost)", "encode the state", "state size", "every node's directive",
              "a whole change in the tally", "a quiet tally", "one frame", "a default Status", "its size",
              "loop held by it at most", "summary over every rank"], rows))
@@ -587,7 +616,7 @@ def render_abuse(d: dict) -> str:
                                       f"{f['status']})"],
         ["the replica's memory", f"+{num(rss['peak_growth'])} MiB at peak, +{num(rss['growth_after'])} MiB after"],
         ["a Status meanwhile p50 / p99 / max", f"{ms(during['p50'])} / {ms(during['p99'])} / {ms(during['max'])}"],
-        ["another job's steps per node, before / during (equal windows)",
+        [f"another job's steps per node: in {num(other['baseline_s'])} s before / during the flood",
          f"{' '.join(map(str, before))} / {' '.join(map(str, after))}"],
         ["another job's new generation / errors", f"{num(other['new_generation'])} / {other['errors']}"],
     ]
