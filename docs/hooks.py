@@ -475,7 +475,7 @@ def render_side_by_side(d: dict) -> str:
             k = r["kill_to_step_s"]
             per_kill = r["workers_restarted"]["per_kill"]
             rows.append([label, s(r["start_to_step_s"]), f"{s(k['p50'])} ({num(k['max'])})",
-                         f"{num(base / k['p50'], 2)}×", r["steps_lost"]["total"],
+                         f"{num(base / k['p50'])}×", r["steps_lost"]["total"],
                          num(sum(per_kill) / len(per_kill), 2), sum(r.get("restart_rounds", []))])
         out.append(f"{u['nodes']} nodes × {u['ranks'] // u['nodes']} ranks, unmodified script:\n\n" + table(
             ["launcher", "start → every rank's first step", "kill → every rank stepping p50 (max)", "torchrun / it",
@@ -541,11 +541,12 @@ def render_capacity(d: dict) -> str:
                 f"{num(z['state_bytes'] / 1000)} KB", ms(z["assignments_ms"]), ms(z["leader_change_ms"]),
                 ms(z["tick_ms"]), f"{num(z['frame_us'])} µs", ms(z["status_ms"]),
                 f"{num(z['status_bytes'] / 1000)} KB", ms(z["status_stall_ms"]), ms(z["summary_ms"]),
+                f"{ms(z['status_node_ms'])}, {num(z['status_node_bytes'] / 1000)} KB",
             ])
         out.append(table(
             ["ranks", "nodes", "decide (node lost)", "encode the state", "state size", "every node's directive",
              "a whole change in the tally", "a quiet tally", "one frame", "a default Status", "its size",
-             "loop held by it at most", "summary over every rank"], rows))
+             "loop held by it at most", "summary over every rank", "one node's page, its size"], rows))
     return "\n".join(out)
 
 
