@@ -48,12 +48,12 @@ from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, T
 from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode, encode
 from muster.coordinator.etcd.client import connect
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.store import MemoryJobStore
+from muster.coordinator.twins import MemoryJobStore
 from muster.local import CoordinatorProcess, SimulatedNode, wait_until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc

@@ -45,12 +45,12 @@ from pathlib import Path
 from muster import logs
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.state import encode
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import RelayLink
 from muster.coordinator.server import stream_end
-from muster.coordinator.store import MemoryJobStore
+from muster.coordinator.twins import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -69,3 +69,11 @@ class Fenced(Exception):
 class PersistUnavailable(Exception):
     """Job state could not be written for now (etcd unreachable, or the write refused): the
     decision is not adopted, and is made again on the next tick."""
+
+
+class StoreError(Exception):
+    """The job store or the coordination (etcd) refused a request for a reason other than availability."""
+
+
+class StoreUnavailable(StoreError):
+    """No store endpoint answered in time (down, partitioned, or without a leader)."""

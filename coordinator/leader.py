@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -45,6 +46,15 @@ FAN_OUT_SLICE = 1_000  # directives sent between yields to the loop
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 
 
+class RelayedBy(Protocol):
+    """What a node's stream needs of the relay carrying it (`relay.RelayLink`): its directives go
+    into the relay's batch under the relay's number for the stream, and one pulse per relay."""
+
+    def push(self, stream: int, item) -> None: ...
+
+    def pulse(self, directive: pb.Directive) -> None: ...
+
+
 @dataclass(eq=False)
 class NodeStream:
     """The directive side of one node's Session stream."""
@@ -62,7 +72,7 @@ class NodeStream:
     term_ahead: int = 0
     # A node relayed by another replica: its directives go into that relay's batch (`RelayLink`),
     # addressed by the relay's number for the stream, instead of into `queue`.
-    link: object | None = None
+    link: RelayedBy | None = None
     stream_id: int = 0
     seq: int = 0  # NodeFrame.stream_seq of its first frame: the member's streams counted (0: not counted)
     local_ranks: tuple[int, ...] | None = None  # of its last frame read in full: what a steps_only frame reports

@@ -7,9 +7,8 @@ import asyncio
 from collections.abc import Callable
 
 from muster.coordinator.core.state import JobState, encode, encode_spec, run_summary
-from muster.coordinator.errors import PersistUnavailable
-from muster.coordinator.etcd.client import EtcdError
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
+from muster.coordinator.errors import PersistUnavailable, StoreError
 from muster.coordinator.store import JobStorage
 
 
@@ -51,7 +50,7 @@ class Leadership:
         try:
             # Encoding a large job's state takes a while: off the event loop, with the write.
             await asyncio.to_thread(lambda: self._store.write_state(self.key, encode(state), spec=spec))
-        except EtcdError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
+        except StoreError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
             raise PersistUnavailable(str(exc)) from exc
         self._restore_spec = False
 
@@ -61,5 +60,5 @@ class Leadership:
         try:
             await asyncio.to_thread(lambda: self._store.end_run(self.key, state.run, encode(state), run_summary(state),
                                                                 retain_s))
-        except EtcdError as exc:
+        except StoreError as exc:
             raise PersistUnavailable(str(exc)) from exc

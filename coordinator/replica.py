@@ -18,14 +18,11 @@ from dataclasses import dataclass, replace
 import structlog
 
 from muster.coordinator import wire
-from muster.coordinator.coordination import Coordination, JobElection, LeaseSession
+from muster.coordinator.coordination import Coordination, JobElection, LeaderKey, LeaseSession
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec, encode_spec
 from muster.coordinator.errors import (FailedPrecondition, InvalidArgument, NotFound, NotLeader, ResourceExhausted,
-                                       RunEnded, Unavailable)
-from muster.coordinator.etcd.client import EtcdError, EtcdUnavailable
-from muster.coordinator.etcd.election import EtcdCoordination, LeaderKey
-from muster.coordinator.etcd.store import JobStore
+                                       RunEnded, StoreError, StoreUnavailable, Unavailable)
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import JobGauges, Metrics
@@ -70,17 +67,17 @@ class _Campaign:
 
 
 class Replica:
-    def __init__(self, client, config: ReplicaConfig, *, store: JobStorage | None = None,
-                 coordination: Coordination | None = None, peers: PeerAccess = PeerAccess()):
-        """`store` and `coordination` (sessions, elections) default to `client`'s etcd; tests give
-        in-memory twins (with both given, `client` may be None). `peers`: how this replica, relaying,
-        calls the leader."""
+    def __init__(self, store: JobStorage, coordination: Coordination, config: ReplicaConfig, *,
+                 peers: PeerAccess = PeerAccess()):
+        """`store` and `coordination` (sessions, elections): etcd's (`etcd.store.JobStore`,
+        `etcd.election.EtcdCoordination`), or their in-memory twins in tests. `peers`: how this
+        replica, relaying, calls the leader."""
         self.config = config
         self.peers = peers
         self.relays: dict[str, Relay] = {}
         self.address = config.address
-        self.store = JobStore(client) if store is None else store
-        self.coordination = EtcdCoordination(client) if coordination is None else coordination
+        self.store = store
+        self.coordination = coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
         self._campaigns: dict[str, _Campaign] = {}
@@ -158,7 +155,7 @@ class Replica:
             session = self.coordination.session(c.session_ttl_s, renew_deadline_s=c.renew_deadline_s)
             try:
                 await asyncio.to_thread(session.start)
-            except EtcdUnavailable as exc:
+            except StoreUnavailable as exc:
                 delay = backoff.next()
                 self.log.warning("session_start_failed", error=str(exc), retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)
@@ -232,7 +229,7 @@ class Replica:
     def _withdraw(self, job: str, election: JobElection) -> None:
         try:
             election.withdraw()
-        except EtcdError as exc:
+        except StoreError as exc:
             self.log.warning("withdraw_failed", job=job, error=str(exc))
 
     def _campaign_for(self, job: str, election: JobElection, stop: threading.Event, delay: float,
@@ -240,7 +237,7 @@ class Replica:
         if resign is not None:
             try:  # lets a standby lead at once; else the key goes with the session
                 resign.resign()
-            except EtcdError as exc:
+            except StoreError as exc:
                 self.log.warning("resign_failed", job=job, error=str(exc))
         if stop.wait(delay):
             return
@@ -249,7 +246,7 @@ class Replica:
             try:
                 key = election.campaign(stop)
             except Exception as exc:  # etcd unreachable, or a fault: this job's campaign must go on
-                if isinstance(exc, EtcdUnavailable):
+                if isinstance(exc, StoreUnavailable):
                     self.log.warning("campaign_failed", job=job, error=str(exc))
                 else:
                     self.log.exception("campaign_failed", job=job)
@@ -272,7 +269,7 @@ class Replica:
                 self._forget(job)
                 return
             leader = self._leader(key, data, spec)
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             self.log.warning("job_state_unreadable", job=job, error=str(exc))
             self._leadership_lost(job, f"could not load job state: {exc}")
             return
@@ -382,7 +379,7 @@ class Replica:
         """Why `job` (its run `run`, or its latest) is not served: its run ended (how), or it is unknown."""
         try:
             runs = await asyncio.to_thread(self.store.runs, job)
-        except EtcdUnavailable:
+        except StoreUnavailable:
             runs = []
         found = [(r, json.loads(summary)) for _, r, summary in runs if not run or r == run]
         if found:
@@ -401,7 +398,7 @@ class Replica:
         """The address etcd names as the job's leader (this replica's own included), or ""."""
         try:
             found = await asyncio.wait_for(asyncio.to_thread(self.coordination.current_leader, job), LEADER_LOOKUP_S)
-        except (EtcdUnavailable, TimeoutError):
+        except (StoreUnavailable, TimeoutError):
             return ""
         return found[0] if found else ""
 
@@ -461,7 +458,7 @@ class Replica:
         try:
             # A name whose runs ended starts the next run (numbered on from the retained records).
             await asyncio.to_thread(lambda: self.store.create_spec(job, encode_spec(spec, self.store.last_run(job) + 1)))
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
         self._discovered(job)
 
@@ -516,7 +513,7 @@ class Replica:
 
         try:
             data = await asyncio.to_thread(read)
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
         if data is None:
             raise NotFound(f"job {job!r} has no run {run} in this deployment" if run else
@@ -531,7 +528,7 @@ class Replica:
             wire.check_job(job)
         try:
             finished = await asyncio.to_thread(self.store.runs, job)
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
         records = sorted((wire.job_record(name, run, json.loads(summary)) for name, run, summary in finished),
                          key=lambda r: (-r.ended_unix_ms, r.name))
@@ -573,7 +570,7 @@ class Replica:
             raise FailedPrecondition(f"run {run} of job {job!r} is running: stop it first (muster stop {job})")
         try:
             deleted = await asyncio.to_thread(self.store.delete_runs, job, run)
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
         if not deleted:
             raise NotFound(f"job {job!r} has no retained finished run" + (f" {run}" if run else ""))
@@ -591,7 +588,7 @@ class Replica:
 
         try:
             data, spec, found = await asyncio.to_thread(read)
-        except EtcdUnavailable as exc:
+        except StoreUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
         if data:
             state = decode(data)

@@ -12,7 +12,9 @@ import structlog
 
 from muster.coordinator.auth import Tokens, first_certificate, server_credentials
 from muster.coordinator.etcd.client import EtcdAccess, connect
+from muster.coordinator.etcd.election import EtcdCoordination
 from muster.coordinator.etcd.server import EtcdServer
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.metrics import HealthServer
 from muster.coordinator.relay import PeerAccess
 from muster.coordinator.replica import Replica, ReplicaConfig
@@ -60,7 +62,7 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         client = connect(endpoints, access=config.etcd_access if embedded is None else EtcdAccess())
         tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
         peers = PeerAccess(ClientSecurity("", *config.peer_tls), tokens)
-        replica = Replica(client, ReplicaConfig(**config.replica), peers=peers)
+        replica = Replica(JobStore(client), EtcdCoordination(client), ReplicaConfig(**config.replica), peers=peers)
         credentials = server_credentials(*config.tls) if config.tls else None
         server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes,
                                            tokens=tokens, credentials=credentials, replica_cert=_replica_cert(config))

@@ -354,65 +354,82 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs even on a terminal")
     sub = p.add_subparsers(dest="command", required=True)
 
+    _serve_parser(sub)
+    _run_parser(sub)
+    _demo_parser(sub)
+    _client_parsers(sub)
+    return p
+
+
+def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run a coordinator replica")
-    s.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]; default: start a private etcd")
-    s.add_argument("--listen", default="127.0.0.1:7600", help="gRPC listen address (default %(default)s)")
-    s.add_argument("--advertise", help="address workers use to reach this replica (default: the listen address)")
-    s.add_argument("--data-dir", default=".muster", help="data directory of the private etcd (default %(default)s)")
-    s.add_argument("--min-nodes", type=int, default=1, help="default min_nodes of new jobs")
-    s.add_argument("--max-nodes", type=int, default=100_000, help="default max_nodes of new jobs")
-    s.add_argument("--world-size-multiple", type=int, default=1, help="default world_size_multiple of new jobs")
-    s.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between node frames")
-    s.add_argument("--heartbeat-timeout", type=float, default=2.0, help="silence before a node is lost")
-    s.add_argument("--progress-timeout", type=float, default=None, help="fixed stall timeout (default: calibrated)")
-    s.add_argument("--progress-floor", type=float, default=10.0, help="lowest calibrated stall timeout")
-    s.add_argument("--progress-factor", type=float, default=10.0, help="stall timeout = factor x p99 step time")
-    s.add_argument("--grace", type=float, default=5.0, help="after a leader change, seconds before evicting")
-    s.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
-    s.add_argument("--form-timeout", type=float, default=60.0,
-                   help="a generation not formed by then is decided again, naming the ranks that are missing")
-    s.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
-    s.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
-    s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
-    s.add_argument("--max-jobs", type=int, default=1_000, help="running jobs this deployment accepts (finished "
-                   "ones do not count)")
-    s.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
-                   "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
-    s.add_argument("--waiting-timeout", type=float, default=600.0, help="a job below min_nodes after it ran this "
-                   "long ends failed (default %(default)s s)")
-    s.add_argument("--stop-grace", type=float, default=30.0, help="a stopped job's nodes drain within this; its "
-                   "run then ends whoever is left (default %(default)s s)")
-    s.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
-    s.add_argument("--max-frames-per-second", type=float, default=50.0,
-                   help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
-    s.add_argument("--etcd-cacert", help="trust this CA for etcd's TLS (PEM)")
-    s.add_argument("--etcd-cert", help="client certificate for etcd (PEM)")
-    s.add_argument("--etcd-key", help="its private key (PEM)")
-    s.add_argument("--etcd-user", help="etcd user (auth enabled); password from --etcd-password-file or "
+    g = s.add_argument_group("etcd: where the jobs' state and elections live")
+    g.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]; default: start a private etcd")
+    g.add_argument("--data-dir", default=".muster", help="data directory of the private etcd (default %(default)s)")
+    g.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
+    g.add_argument("--etcd-cacert", help="trust this CA for etcd's TLS (PEM)")
+    g.add_argument("--etcd-cert", help="client certificate for etcd (PEM)")
+    g.add_argument("--etcd-key", help="its private key (PEM)")
+    g.add_argument("--etcd-user", help="etcd user (auth enabled); password from --etcd-password-file or "
                    "$MUSTER_ETCD_PASSWORD")
-    s.add_argument("--etcd-password-file", help="a file holding the etcd user's password")
-    s.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job; "
+    g.add_argument("--etcd-password-file", help="a file holding the etcd user's password")
+    g = s.add_argument_group("serving and security")
+    g.add_argument("--listen", default="127.0.0.1:7600", help="gRPC listen address (default %(default)s)")
+    g.add_argument("--advertise", help="address workers use to reach this replica (default: the listen address)")
+    g.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job; "
                    "'@relay': the replicas' own, to relay)")
-    s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
-    s.add_argument("--tls-key", help="the certificate's private key (PEM)")
-    s.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
-    s.add_argument("--no-relay", action="store_true",
+    g.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    g.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    g.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
+    g.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
+    g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")
+    g.add_argument("--min-nodes", type=int, default=1, help="default min_nodes of new jobs")
+    g.add_argument("--max-nodes", type=int, default=100_000, help="default max_nodes of new jobs")
+    g.add_argument("--world-size-multiple", type=int, default=1, help="default world_size_multiple of new jobs")
+    g = s.add_argument_group("timing: heartbeats, failure detection, forming")
+    g.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between node frames")
+    g.add_argument("--heartbeat-timeout", type=float, default=2.0, help="silence before a node is lost")
+    g.add_argument("--progress-timeout", type=float, default=None, help="fixed stall timeout (default: calibrated)")
+    g.add_argument("--progress-floor", type=float, default=10.0, help="lowest calibrated stall timeout")
+    g.add_argument("--progress-factor", type=float, default=10.0, help="stall timeout = factor x p99 step time")
+    g.add_argument("--grace", type=float, default=5.0, help="after a leader change, seconds before evicting")
+    g.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
+    g.add_argument("--form-timeout", type=float, default=60.0,
+                   help="a generation not formed by then is decided again, naming the ranks that are missing")
+    g.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
+    g = s.add_argument_group("a job's end: waiting, stopping, retention")
+    g.add_argument("--waiting-timeout", type=float, default=600.0, help="a job below min_nodes after it ran this "
+                   "long ends failed (default %(default)s s)")
+    g.add_argument("--stop-grace", type=float, default=30.0, help="a stopped job's nodes drain within this; its "
+                   "run then ends whoever is left (default %(default)s s)")
+    g.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
+                   "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
+    g = s.add_argument_group("limits: what one caller or job may cost")
+    g.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
+    g.add_argument("--max-jobs", type=int, default=1_000, help="running jobs this deployment accepts (finished "
+                   "ones do not count)")
+    g.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
+    g.add_argument("--max-frames-per-second", type=float, default=50.0,
+                   help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
+    g = s.add_argument_group("relays: large jobs' node streams spread over the replicas")
+    g.add_argument("--no-relay", action="store_true",
                    help="relay no node streams of jobs this replica does not lead (answer with the leader instead)")
-    s.add_argument("--relay-min-nodes", type=int, default=64,
+    g.add_argument("--relay-min-nodes", type=int, default=64,
                    help="jobs of this many nodes (members or min_nodes) on spread their node streams over the "
                         "replicas, which relay them to the leader (default %(default)s)")
-    s.add_argument("--relay-batch", type=float, default=0.02,
+    g.add_argument("--relay-batch", type=float, default=0.02,
                    help="seconds a relay gathers node frames into one batch (exits go at once; default %(default)s)")
-    s.add_argument("--relay-progress", type=float, default=1.0,
+    g.add_argument("--relay-progress", type=float, default=1.0,
                    help="seconds a relay holds a node's frames that only advance steps before forwarding the "
                         "latest (changes go at once; the relay judges silence itself; default %(default)s)")
-    s.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
-    s.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
-    s.add_argument("--peer-tls-key", help="its private key (PEM)")
-    s.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
-                   help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
+    g.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
+    g.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
+    g.add_argument("--peer-tls-key", help="its private key (PEM)")
     s.set_defaults(func=_serve, verb="serve")
 
+
+def _run_parser(sub) -> None:
     r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",
                        description="muster run --coordinator HOST:PORT --job NAME [--nodes MIN:MAX] [--slots N] "
                                    "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])",
@@ -455,6 +472,8 @@ def parser() -> argparse.ArgumentParser:
     _client_security_flags(r)
     r.set_defaults(func=_run, verb="run")
 
+
+def _demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="etcd, two coordinators and agents training on CPU; faults on a schedule")
     d.add_argument("--duration", type=float, default=60.0, help="seconds of training after start-up")
     d.add_argument("--nodes", type=int, default=3)
@@ -462,6 +481,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--timeline", default="muster-demo.png", help="where to write the PNG timeline")
     d.set_defaults(func=_demo, verb="demo")
 
+
+def _client_parsers(sub) -> None:
+    """The client verbs: status and events for anyone with the job's token, the rest for operators."""
     for name, func, helptext in (
             ("status", _status, "jobs, leaders, rank maps"), ("events", _events, "membership history"),
             ("jobs", _jobs, "every job: running ones and retained finished runs, with their outcome (operator)"),
@@ -492,7 +514,6 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--states", help="only ranks in these states, comma-separated (e.g. exited,unknown)")
         _client_security_flags(q)
         q.set_defaults(func=func, verb=name)
-    return p
 
 
 def _client_security_flags(p: argparse.ArgumentParser) -> None:

@@ -36,6 +36,18 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+async def until(predicate, what: str, timeout_s: float = 5.0, interval_s: float = 0.01):
+    """`wait_until` on an event loop: the predicate's first truthy value, or AssertionError naming
+    what was waited for."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (value := predicate()):
+        if loop.time() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+    return value
+
+
 def process_alive(pid: int) -> bool:
     """True while `pid` runs; an exited process waiting to be reaped (a zombie) has exited."""
     try:

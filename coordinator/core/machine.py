@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
@@ -161,211 +161,265 @@ class Decision:
     ended: bool = False  # this decision ended the run (its outcome is in `state`)
 
 
+@dataclass
+class _Fold:
+    """What `decide` gathers over a batch of events: the members, the job's counters and flags as
+    they change, and what to tell (events, evictions, joins, refusals by the batch's index)."""
+
+    state: JobState
+    ctx: Context
+    members: dict[str, Member]
+    in_map: set[str]  # nodes of the running map: a change to them needs a new generation
+    next_seq: int
+    generation: int
+    spec: JobSpec
+    spec_lost: bool
+    finishing: bool
+    failure: str
+    stop: Stop | None = None
+    departed: str = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
+    log: list[Event] = field(default_factory=list)
+    evicted: list[tuple[str, int]] = field(default_factory=list)
+    leaving: list[str] = field(default_factory=list)
+    joined: list[Member] = field(default_factory=list)
+    rejected: list[tuple[int, MusterError]] = field(default_factory=list)
+    unplanned: bool = False  # a change that aborts the running group
+    planned: bool = False  # a change the group can switch to at a step
+    changed: bool = False  # something to persist
+    regroup: bool = False  # the same members, a group to form anew
+
+    @classmethod
+    def of(cls, state: JobState, ctx: Context) -> _Fold:
+        in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
+        return cls(state, ctx, {m.node_id: m for m in state.members}, in_map, state.next_seq, state.generation,
+                   state.spec, state.spec_lost, state.finishing, state.failure)
+
+    def note(self, kind: str, reason: str, *nodes: str) -> None:
+        self.log.append(Event(self.state.generation, self.ctx.term, self.ctx.wall_ms, kind, reason, tuple(nodes)))
+
+    def fail(self, failure: str) -> None:
+        """The run fails as it finishes (the first cause is kept)."""
+        self.failure = self.failure or failure
+
+
+def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
+    refusal = _rejoin_refusal(f.state, f.members, ev, f.ctx)
+    if refusal is None and ev.node_id not in f.members:
+        f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
+    if refusal is not None:
+        f.rejected.append((index, refusal))
+        return
+    if ev.node_id in f.members:
+        return  # the same incarnation again, from a second stream: nothing new
+    # Its age is when it claimed, not the id it claims: a claim of member 1 may not take rank 0
+    # (and the job's store) from the nodes that came back before it.
+    f.members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, f.next_seq,
+                                   ev.kind, master_port=ev.master_port, secret_hash=ev.secret_hash)
+    f.joined.append(f.members[ev.node_id])
+    f.next_seq = max(f.next_seq + 1, ev.member_id + 1)
+    f.generation = max(f.generation, ev.generation)
+    f.changed = True
+
+
+def _join_refusal(f: _Fold, ev: Join) -> MusterError | None:
+    state, ctx = f.state, f.ctx
+    if state.ended:
+        return Unavailable(f"run {state.run} of job {state.job!r} has ended ({state.outcome.value}) and its nodes "
+                           f"are draining; a join starts run {state.run + 1} once they are gone")
+    if ev.node_id in f.members:
+        return AlreadyExists(f"node {ev.node_id!r} is already a member of job {state.job!r} "
+                             f"(member {f.members[ev.node_id].member_id}); leave first or use another node id")
+    if len(f.members) >= ctx.max_members:
+        return ResourceExhausted(f"job {state.job!r} has {len(f.members)} nodes, the most this deployment takes "
+                                 f"per job (--max-nodes-per-job {ctx.max_members})")
+    return None
+
+
+def _on_join(f: _Fold, index: int, ev: Join) -> None:
+    refusal = _join_refusal(f, ev)
+    if refusal is None:
+        f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
+    if refusal is not None:
+        f.rejected.append((index, refusal))
+        return
+    prestart = f.ctx.prestart and ev.kind is NodeKind.AGENT and f.state.phase is Phase.RUNNING
+    f.members[ev.node_id] = Member(ev.node_id, f.next_seq, ev.host, ev.store_port, ev.slots, f.next_seq, ev.kind,
+                                   master_port=ev.master_port,
+                                   down_slots=frozenset(range(ev.slots)) if prestart else frozenset(),
+                                   secret_hash=ev.secret_hash)
+    f.joined.append(f.members[ev.node_id])
+    f.next_seq += 1
+    f.note("node_joined", f"{ev.slots} slot(s) at {ev.host}" + ("; starting its ranks first" if prestart else ""),
+           ev.node_id)
+    f.planned = f.changed = True
+
+
+def _on_leave(f: _Fold, index: int, ev: Leave) -> None:
+    if ev.node_id not in f.members:
+        f.rejected.append((index, NotFound(f"node {ev.node_id!r} is not a member of job {f.state.job!r}")))
+        return
+    del f.members[ev.node_id]
+    f.changed = True
+    f.departed = "left_now" if ev.immediate else "left"
+    if ev.finished:
+        f.note("node_finished", ev.reason, ev.node_id)
+        if not f.finishing and not f.state.ended:
+            f.finishing = True
+            f.note("finishing", f"node {ev.node_id!r} finished: the job is ending", ev.node_id)
+        return
+    mapped = ev.node_id in f.in_map
+    if f.finishing and mapped:
+        f.fail(f"node {ev.node_id!r} left before it finished: {ev.reason}")
+    graceful = not ev.immediate and mapped
+    f.note("node_left", ("graceful: " if graceful else "immediate: ") + ev.reason, ev.node_id)
+    if graceful:
+        f.leaving.append(ev.node_id)
+        f.planned = True
+    elif mapped:
+        f.unplanned = True
+
+
+def _on_lost(f: _Fold, index: int, ev: NodeLost) -> None:
+    lost = f.members.pop(ev.node_id, None)
+    if lost is None:
+        return  # already gone: several signals for one failure
+    f.evicted.append((lost.node_id, lost.member_id))
+    f.note(ev.kind, ev.reason, ev.node_id)
+    f.unplanned |= ev.node_id in f.in_map
+    f.changed = True
+    f.departed = "lost"
+    if f.finishing and ev.node_id in f.in_map:
+        f.fail(f"node {ev.node_id!r} was lost while the job finished ({ev.kind}: {ev.reason})")
+
+
+def _on_slot_down(f: _Fold, index: int, ev: SlotDown) -> None:
+    member = f.members.get(ev.node_id)
+    if member is None or ev.slot in member.down_slots or ev.slot >= member.slots:
+        return
+    f.members[ev.node_id] = replace(member, down_slots=member.down_slots | {ev.slot})
+    f.note(ev.kind, f"local rank {ev.slot}: {ev.reason}", ev.node_id)
+    placement = f.state.rank_map.placement(ev.node_id) if ev.node_id in f.in_map else None
+    mapped = placement is not None and ev.slot in placement.slots
+    f.unplanned |= mapped
+    f.changed = True
+    if f.finishing and mapped:
+        f.fail(f"rank {placement.rank_of(ev.slot)} (node {ev.node_id!r}, local rank {ev.slot}) "
+               f"failed while the job finished ({ev.kind}: {ev.reason})")
+
+
+def _on_slots_up(f: _Fold, index: int, ev: SlotsUp) -> None:
+    member = f.members.get(ev.node_id)
+    back = frozenset(ev.slots) & member.down_slots if member else frozenset()
+    if not back:
+        return
+    f.members[ev.node_id] = replace(member, down_slots=member.down_slots - back)
+    f.note("rank_recovered", f"local rank(s) {sorted(back)} running again", ev.node_id)
+    f.planned = f.changed = True
+
+
+def _on_diverged(f: _Fold, index: int, ev: Diverged) -> None:
+    f.note("replicas_diverged", ev.reason, *ev.nodes)
+    f.changed = True
+
+
+def _on_finishing(f: _Fold, index: int, ev: Finishing) -> None:
+    if not f.finishing and not f.state.ended:
+        f.finishing = f.changed = True
+        f.note("finishing", ev.reason, ev.node_id)
+
+
+def _on_stop(f: _Fold, index: int, ev: Stop) -> None:
+    if f.state.ended or f.stop is not None:
+        f.rejected.append((index, FailedPrecondition(
+            f"run {f.state.run} of job {f.state.job!r} has ended already ({f.state.outcome.value})")))
+        return
+    f.stop = ev
+    f.changed = True
+
+
+def _on_regroup(f: _Fold, index: int, ev: Regroup) -> None:
+    if f.state.phase is not Phase.RUNNING or f.finishing:
+        return
+    if not any(e.kind == ev.kind and e.nodes == ev.nodes[:EVENT_NODES_MAX] for e in f.log):
+        f.note(ev.kind, ev.reason, *ev.nodes[:EVENT_NODES_MAX])  # an exit and its report: one fault
+    f.regroup = f.unplanned = f.changed = True
+
+
+_FOLD = {Rejoin: _on_rejoin, Join: _on_join, Leave: _on_leave, NodeLost: _on_lost, SlotDown: _on_slot_down,
+         SlotsUp: _on_slots_up, Diverged: _on_diverged, Finishing: _on_finishing, Stop: _on_stop,
+         Regroup: _on_regroup}
+
+
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
-    members = {m.node_id: m for m in state.members}
-    in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
-    next_seq, generation, spec, spec_lost = state.next_seq, state.generation, state.spec, state.spec_lost
-    finishing, failure, stop = state.finishing, state.failure, None
-    departed = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
-    log: list[Event] = []
-    evicted: list[tuple[str, int]] = []
-    leaving: list[str] = []
-    joined: list[Member] = []
-    rejected: list[tuple[int, MusterError]] = []
-    unplanned = planned = changed = regroup = False
-
-    def note(kind: str, reason: str, *nodes: str) -> None:
-        log.append(Event(state.generation, ctx.term, ctx.wall_ms, kind, reason, tuple(nodes)))
-
+    """The next state of the job after `events`: each folded in turn (a refusal is kept by its index
+    in the batch), then at most one new generation, then the run's end if it ends now."""
+    f = _Fold.of(state, ctx)
     for index, ev in enumerate(events):
-        if isinstance(ev, Rejoin):
-            refusal = _rejoin_refusal(state, members, ev, ctx)
-            if refusal is None and ev.node_id not in members:
-                spec, spec_lost, refusal = _restored_spec(spec, spec_lost, ev.spec)
-            if refusal is not None:
-                rejected.append((index, refusal))
-                continue
-            if ev.node_id in members:
-                continue  # the same incarnation again, from a second stream: nothing new
-            # Its age is when it claimed, not the id it claims: a claim of member 1 may not take rank 0
-            # (and the job's store) from the nodes that came back before it.
-            members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, next_seq,
-                                         ev.kind, master_port=ev.master_port, secret_hash=ev.secret_hash)
-            joined.append(members[ev.node_id])
-            next_seq = max(next_seq + 1, ev.member_id + 1)
-            generation = max(generation, ev.generation)
-            changed = True
-        elif isinstance(ev, Join):
-            if state.ended:
-                rejected.append((index, Unavailable(
-                    f"run {state.run} of job {state.job!r} has ended ({state.outcome.value}) and its nodes are "
-                    f"draining; a join starts run {state.run + 1} once they are gone")))
-                continue
-            if ev.node_id in members:
-                rejected.append((index, AlreadyExists(
-                    f"node {ev.node_id!r} is already a member of job {state.job!r} "
-                    f"(member {members[ev.node_id].member_id}); leave first or use another node id"
-                )))
-                continue
-            if len(members) >= ctx.max_members:
-                rejected.append((index, ResourceExhausted(
-                    f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per job "
-                    f"(--max-nodes-per-job {ctx.max_members})")))
-                continue
-            spec, spec_lost, refusal = _restored_spec(spec, spec_lost, ev.spec)
-            if refusal is not None:
-                rejected.append((index, refusal))
-                continue
-            prestart = ctx.prestart and ev.kind is NodeKind.AGENT and state.phase is Phase.RUNNING
-            members[ev.node_id] = Member(ev.node_id, next_seq, ev.host, ev.store_port, ev.slots, next_seq, ev.kind,
-                                         master_port=ev.master_port,
-                                         down_slots=frozenset(range(ev.slots)) if prestart else frozenset(),
-                                         secret_hash=ev.secret_hash)
-            joined.append(members[ev.node_id])
-            next_seq += 1
-            note("node_joined", f"{ev.slots} slot(s) at {ev.host}" + ("; starting its ranks first" if prestart else ""),
-                 ev.node_id)
-            planned = changed = True
-        elif isinstance(ev, Leave):
-            if ev.node_id not in members:
-                rejected.append((index, NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}")))
-                continue
-            del members[ev.node_id]
-            changed = True
-            departed = "left_now" if ev.immediate else "left"
-            if ev.finished:
-                note("node_finished", ev.reason, ev.node_id)
-                if not finishing and not state.ended:
-                    finishing = True
-                    note("finishing", f"node {ev.node_id!r} finished: the job is ending", ev.node_id)
-                continue
-            if finishing and ev.node_id in in_map:
-                failure = failure or f"node {ev.node_id!r} left before it finished: {ev.reason}"
-            graceful = not ev.immediate and ev.node_id in in_map
-            note("node_left", ("graceful: " if graceful else "immediate: ") + ev.reason, ev.node_id)
-            if ev.node_id in in_map:
-                if graceful:
-                    leaving.append(ev.node_id)
-                    planned = True
-                else:
-                    unplanned = True
-            changed = True
-        elif isinstance(ev, NodeLost):
-            lost = members.pop(ev.node_id, None)
-            if lost is None:
-                continue  # already gone: several signals for one failure
-            evicted.append((lost.node_id, lost.member_id))
-            note(ev.kind, ev.reason, ev.node_id)
-            unplanned |= ev.node_id in in_map
-            changed = True
-            departed = "lost"
-            if finishing and ev.node_id in in_map:
-                failure = failure or f"node {ev.node_id!r} was lost while the job finished ({ev.kind}: {ev.reason})"
-        elif isinstance(ev, SlotDown):
-            member = members.get(ev.node_id)
-            if member is None or ev.slot in member.down_slots or ev.slot >= member.slots:
-                continue
-            members[ev.node_id] = replace(member, down_slots=member.down_slots | {ev.slot})
-            note(ev.kind, f"local rank {ev.slot}: {ev.reason}", ev.node_id)
-            placement = state.rank_map.placement(ev.node_id) if in_map else None
-            unplanned |= placement is not None and ev.slot in placement.slots
-            changed = True
-            if finishing and placement is not None and ev.slot in placement.slots:
-                failure = failure or (f"rank {placement.rank_of(ev.slot)} (node {ev.node_id!r}, local rank {ev.slot}) "
-                                      f"failed while the job finished ({ev.kind}: {ev.reason})")
-        elif isinstance(ev, SlotsUp):
-            member = members.get(ev.node_id)
-            back = frozenset(ev.slots) & member.down_slots if member else frozenset()
-            if not back:
-                continue
-            members[ev.node_id] = replace(member, down_slots=member.down_slots - back)
-            note("rank_recovered", f"local rank(s) {sorted(back)} running again", ev.node_id)
-            planned = changed = True
-        elif isinstance(ev, Diverged):
-            note("replicas_diverged", ev.reason, *ev.nodes)
-            changed = True
-        elif isinstance(ev, Finishing):
-            if not finishing and not state.ended:
-                finishing = changed = True
-                note("finishing", ev.reason, ev.node_id)
-        elif isinstance(ev, Stop):
-            if state.ended or stop is not None:
-                rejected.append((index, FailedPrecondition(
-                    f"run {state.run} of job {state.job!r} has ended already ({state.outcome.value})")))
-                continue
-            stop = ev
-            changed = True
-        elif isinstance(ev, Regroup):
-            if state.phase is not Phase.RUNNING or finishing:
-                continue
-            if not any(e.kind == ev.kind and e.nodes == ev.nodes[:EVENT_NODES_MAX] for e in log):
-                note(ev.kind, ev.reason, *ev.nodes[:EVENT_NODES_MAX])  # an exit and its report: one fault
-            regroup = unplanned = changed = True
-
-    nxt = state.with_members(tuple(members.values()))
-    nxt = replace(nxt, next_seq=next_seq, generation=generation, spec=spec, spec_lost=spec_lost, finishing=finishing,
-                  failure=failure, started_ms=state.started_ms or ctx.wall_ms)
-    drains: tuple[tuple[str, int], ...] = ()
-
-    if nxt.frozen or stop is not None:
-        new_generation = False  # the job is ending: nothing re-forms it
-    elif nxt.rebuilding:
-        nxt, new_generation = _rebuild(nxt, ctx, log)
-    elif state.phase is Phase.FORMING:
-        nxt, formed = _maybe_form(nxt, ctx, log)
-        new_generation = formed
-    elif not (planned or unplanned):
-        new_generation = False
-    else:
-        previous = state.rank_map if state.phase is Phase.RUNNING else None
-        assignment = assign_ranks(nxt.members, previous, nxt.spec)
-        if state.phase is Phase.RUNNING and assignment.placements == state.rank_map.placements and not regroup:
-            new_generation = False  # e.g. a spare joined or a spare left
-        elif not assignment.runnable:
-            new_generation = state.phase is Phase.RUNNING
-            if new_generation:
-                nxt = _publish(nxt, (), 0, abort=True, switch_at=0)
-                nxt = replace(nxt, phase=Phase.WAITING)
-                log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "waiting", assignment.reason, (), 0))
-        else:
-            abort = unplanned or state.phase is Phase.WAITING
-            switch_at = 0 if abort else _switch_at(state, ctx)
-            nxt = _publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at)
-            nxt = replace(nxt, phase=Phase.RUNNING)
-            mode = "abort" if abort else f"switch after step {switch_at}"
-            log.append(
-                Event(nxt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
-                      _named(nxt.rank_map.node_ids), assignment.world_size)
-            )
-            drains = tuple((node_id, switch_at) for node_id in leaving if not abort)
-            new_generation = True
-
+        fold = _FOLD.get(type(ev))
+        if fold is not None:  # a Tick changes nothing but the clock
+            fold(f, index, ev)
+    nxt = replace(state.with_members(tuple(f.members.values())), next_seq=f.next_seq, generation=f.generation,
+                  spec=f.spec, spec_lost=f.spec_lost, finishing=f.finishing, failure=f.failure,
+                  started_ms=state.started_ms or ctx.wall_ms)
+    nxt, new_generation, drains = _regenerate(f, nxt)
     nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
                   if nxt.phase is Phase.WAITING and not nxt.ended else None)
-    ending = None if nxt.ended else _outcome(state, nxt, stop, departed, ctx)
+    ending = None if nxt.ended else _outcome(state, nxt, f.stop, f.departed, ctx)
     if ending is not None:
         outcome, reason = ending
         nxt = replace(nxt, outcome=outcome, outcome_reason=reason, ended_ms=ctx.wall_ms, waiting_deadline=None)
-        log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, outcome.value, reason))
-        if stop is not None:  # every node drains at one step (a node out of the map at once)
+        f.log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, outcome.value, reason))
+        if f.stop is not None:  # every node drains at one step (a node out of the map at once)
             switch_at = _switch_at(state, ctx) if state.rank_map and state.phase is Phase.RUNNING else 0
-            drains = tuple((m.node_id, switch_at if m.node_id in in_map else 0) for m in nxt.members)
-        changed = True
-    if new_generation:
-        log = [replace(e, generation=nxt.generation) for e in log]
+            drains = tuple((m.node_id, switch_at if m.node_id in f.in_map else 0) for m in nxt.members)
+        f.changed = True
+    log = [replace(e, generation=nxt.generation) for e in f.log] if new_generation else f.log
     history = (state.history + tuple(log))[-ctx.timing.history_limit :]
-    nxt = replace(nxt, history=history, term=ctx.term)
     return Decision(
-        state=nxt,
-        persist=changed or new_generation,
+        state=replace(nxt, history=history, term=ctx.term),
+        persist=f.changed or new_generation,
         new_generation=new_generation,
         events=tuple(log),
-        evicted=tuple(evicted),
+        evicted=tuple(f.evicted),
         drains=drains,
-        joined=tuple(joined),
-        rejected=tuple(rejected),
+        joined=tuple(f.joined),
+        rejected=tuple(f.rejected),
         ended=ending is not None,
     )
+
+
+def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[str, int], ...]]:
+    """At most one new generation for what the batch changed: (state, whether one was published,
+    the planned leavers' drains at its switch step)."""
+    state, ctx = f.state, f.ctx
+    if nxt.frozen or f.stop is not None:
+        return nxt, False, ()  # the job is ending: nothing re-forms it
+    if nxt.rebuilding:
+        nxt, formed = _rebuild(nxt, ctx, f.log)
+        return nxt, formed, ()
+    if state.phase is Phase.FORMING:
+        nxt, formed = _maybe_form(nxt, ctx, f.log)
+        return nxt, formed, ()
+    if not (f.planned or f.unplanned):
+        return nxt, False, ()
+    previous = state.rank_map if state.phase is Phase.RUNNING else None
+    assignment = assign_ranks(nxt.members, previous, nxt.spec)
+    if state.phase is Phase.RUNNING and assignment.placements == state.rank_map.placements and not f.regroup:
+        return nxt, False, ()  # e.g. a spare joined or a spare left
+    if not assignment.runnable:
+        if state.phase is not Phase.RUNNING:
+            return nxt, False, ()
+        nxt = replace(_publish(nxt, (), 0, abort=True, switch_at=0), phase=Phase.WAITING)
+        f.log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "waiting", assignment.reason, (), 0))
+        return nxt, True, ()
+    abort = f.unplanned or state.phase is Phase.WAITING
+    switch_at = 0 if abort else _switch_at(state, ctx)
+    nxt = replace(_publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at),
+                  phase=Phase.RUNNING)
+    mode = "abort" if abort else f"switch after step {switch_at}"
+    f.log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
+                       _named(nxt.rank_map.node_ids), assignment.world_size))
+    return nxt, True, tuple((node_id, switch_at) for node_id in f.leaving if not abort)
 
 
 def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str,

@@ -17,6 +17,7 @@ import etcd3.watch
 import grpc
 import structlog
 
+from muster.coordinator.errors import StoreError, StoreUnavailable
 from muster.net import RECONNECT_OPTIONS
 from muster.security import channel_credentials
 
@@ -40,11 +41,11 @@ if not hasattr(etcd3.watch, "six"):
     etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))
 
 
-class EtcdError(Exception):
+class EtcdError(StoreError):
     """etcd rejected a request for a reason other than availability."""
 
 
-class EtcdUnavailable(EtcdError):
+class EtcdUnavailable(EtcdError, StoreUnavailable):
     """No etcd endpoint answered in time (down, partitioned, or without a leader)."""
 
 
@@ -164,10 +165,3 @@ def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAcc
     log.info("etcd_client_created", endpoints=[f"{h}:{p}" for h, p in parsed], timeout_s=timeout_s,
              tls=creds is not None, user=access.user or None)
     return client
-
-
-def check_job_name(job: str) -> str:
-    # A '/' would let one job's prefix match another's keys ("a" vs "a/b").
-    if not job or "/" in job:
-        raise ValueError(f"job name must be non-empty and contain no '/', got {job!r}")
-    return job

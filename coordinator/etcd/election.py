@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import etcd3.watch
 import structlog
 
-from muster.coordinator.etcd.client import (DEFAULT_PREFIX, POLL_S, Client, EtcdUnavailable, LeaseNotFound, call,
-                                            check_job_name)
+from muster.coordinator.coordination import LeaderKey
+from muster.coordinator.etcd.client import DEFAULT_PREFIX, POLL_S, Client, EtcdUnavailable, LeaseNotFound, call
 from muster.coordinator.etcd.session import Session
+from muster.names import check_job_name
 
 log = structlog.get_logger(__name__)
 
-
-@dataclass(frozen=True)
-class LeaderKey:
-    """The election key a leader won; its create revision (`term`) is the fencing token."""
-
-    job: str
-    term: int
-    key: str
-    address: str
 
 class _KeyWatch:
     """A watch on one key that wakes a waiter on any event or on stream failure."""

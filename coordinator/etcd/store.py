@@ -12,10 +12,10 @@ import etcd3.exceptions
 import etcd3.watch
 import structlog
 
-from muster.coordinator.etcd.client import (DEFAULT_PREFIX, POLL_S, Client, EtcdError, LeaseNotFound, call,
-                                            check_job_name)
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.errors import Fenced
+from muster.coordinator.etcd.client import DEFAULT_PREFIX, POLL_S, Client, EtcdError, LeaseNotFound, call
+from muster.names import check_job_name
 
 log = structlog.get_logger(__name__)
 

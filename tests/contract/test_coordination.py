@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from muster.coordinator.coordination import Coordination, MemoryCoordination
+from muster.coordinator.coordination import Coordination
 from muster.coordinator.etcd.election import EtcdCoordination
+from muster.coordinator.twins import MemoryCoordination
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -10,12 +10,14 @@ import threading
 
 import pytest
 
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.errors import Fenced
 from muster.coordinator.etcd.client import DEFAULT_PREFIX
-from muster.coordinator.etcd.election import Election, LeaderKey
+from muster.coordinator.etcd.election import Election
 from muster.coordinator.etcd.session import Session
 from muster.coordinator.etcd.store import JobStore
-from muster.coordinator.store import JobStorage, MemoryJobStore
+from muster.coordinator.store import JobStorage
+from muster.coordinator.twins import MemoryJobStore
 
 pytestmark = pytest.mark.timeout(20)
 

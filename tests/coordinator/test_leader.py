@@ -9,15 +9,16 @@ import asyncio
 import json
 
 import pytest
+from muster.local import until
 
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader, NodeStream
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.store import MemoryJobStore
+from muster.coordinator.twins import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(5)
@@ -58,11 +59,6 @@ class Led:
         return asyncio.ensure_future(self.leader.join(request, SPEC))
 
 
-async def until(predicate, what: str, timeout_s: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def stored(store: MemoryJobStore, job: str = "job") -> JobState | None:

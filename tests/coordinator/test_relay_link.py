@@ -9,16 +9,17 @@ import asyncio
 
 import grpc
 import pytest
+from muster.local import until
 
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind
 from muster.coordinator.errors import InvalidArgument, ResourceExhausted
-from muster.coordinator.etcd.election import LeaderKey
+from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader, NodeStream, Pulses
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink
 from muster.coordinator.server import CoordinatorServicer, FrameBudget, stream_end
-from muster.coordinator.store import MemoryJobStore
+from muster.coordinator.twins import MemoryJobStore
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 
@@ -55,11 +56,6 @@ def relayed(stream: int, frame: pb.NodeFrame) -> pb.RelayUp:
     return pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=stream, frame=frame)])
 
 
-async def until(predicate, what: str, timeout_s: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():

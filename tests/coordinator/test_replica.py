@@ -10,13 +10,12 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import pytest
-from muster.local import SimulatedNode
+from muster.local import SimulatedNode, until
 
-from muster.coordinator.coordination import MemoryCoordination, MemorySession
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
-from muster.coordinator.store import MemoryJobStore
+from muster.coordinator.twins import MemoryCoordination, MemoryJobStore, MemorySession
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(20)
@@ -40,8 +39,8 @@ async def replicas_leading(twins: Twins, jobs: tuple[str, ...], n: int = 1):
     nodes: list[SimulatedNode] = []
     try:
         for _ in range(n):
-            replica = Replica(None, ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.02),
-                              store=twins.store, coordination=twins.coordination)
+            replica = Replica(twins.store, twins.coordination,
+                              ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.02))
             server, port = await create_server(replica)
             replica.address = f"127.0.0.1:{port}"
             replicas.append(replica)
@@ -65,12 +64,6 @@ async def replicas_leading(twins: Twins, jobs: tuple[str, ...], n: int = 1):
             await server.stop(grace=1.0)
 
 
-async def until(predicate, what: str, timeout_s: float = 5.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not (value := predicate()):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.02)
-    return value
 
 
 def leader_and_standby(replicas: list[Replica], job: str) -> tuple[Replica, Replica]:
@@ -152,8 +145,7 @@ def test_a_replica_started_while_etcd_is_unreachable_serves_once_it_is_back():
     async def scenario():
         twins = Twins()
         twins.coordination.make_unavailable()
-        replica = Replica(None, ReplicaConfig(address="127.0.0.1:1"), store=twins.store,
-                          coordination=twins.coordination)
+        replica = Replica(twins.store, twins.coordination, ReplicaConfig(address="127.0.0.1:1"))
         starting = asyncio.ensure_future(replica.start())
         await asyncio.sleep(0.3)  # session grants refused, retried with backoff
         assert not starting.done() and not replica.ready()

@@ -5,11 +5,12 @@ fault is gone; the other jobs of the replica keep their leader. In-process repli
 import asyncio
 
 import pytest
-from muster.local import SimulatedNode
+from muster.local import SimulatedNode, until
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.client import connect
-from muster.coordinator.etcd.election import current_leader
+from muster.coordinator.etcd.election import EtcdCoordination, current_leader
+from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
@@ -18,12 +19,6 @@ from muster.v1 import muster_pb2 as pb
 TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0, last_call_s=0.3)
 
 
-async def until(predicate, timeout_s: float, what: str):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not (value := predicate()):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.02)
-    return value
 
 
 @pytest.mark.timeout(90)
@@ -45,7 +40,8 @@ def test_a_fault_in_one_jobs_leadership_drops_only_that_job_until_it_is_gone(etc
     async def scenario():
         nonlocal load_state
         client = connect([etcd.endpoint])
-        replica = Replica(client, ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.05))
+        replica = Replica(JobStore(client), EtcdCoordination(client), ReplicaConfig(timing=TIMING, session_ttl_s=2,
+                                                                                   tick_s=0.05))
         server, port = await create_server(replica)
         replica.address = f"127.0.0.1:{port}"
         await server.start()
@@ -64,19 +60,20 @@ def test_a_fault_in_one_jobs_leadership_drops_only_that_job_until_it_is_gone(etc
 
             monkeypatch.setattr(JobLeader, "_tally", faulty_tally)
             faults["tally"] = True
-            await until(lambda: replica.leaders.get("bad") is not bad, 5, "the faulty job dropped")
+            await until(lambda: replica.leaders.get("bad") is not bad, "the faulty job dropped", timeout_s=5)
             assert bad.lost_reason.startswith("tally failed: RuntimeError")
 
             # while it fails, loading it fails too: every new leadership of it is dropped again
             monkeypatch.setattr(replica.store, "load_state", faulty_load)
             faults["tally"] = False
-            await until(lambda: faults["load"] >= 2, 10, "the faulty job campaigned for again")
+            await until(lambda: faults["load"] >= 2, "the faulty job campaigned for again", timeout_s=10)
             assert "bad" not in replica.leaders
             found = await asyncio.to_thread(current_leader, client, "bad")
             assert found is None or found[1] != bad.term, "the failed term's election key was resigned"
 
             faults["load"] = -1
-            led = await until(lambda: replica.leaders.get("bad"), 15, "the job led again once the fault is gone")
+            led = await until(lambda: replica.leaders.get("bad"), "the job led again once the fault is gone",
+                              timeout_s=15)
             assert led.term > bad.term and led.lost_reason is None
             asg = await nodes["bad"].wait_for(lambda x: x.term == led.term, 10, "its node follows the new term")
             assert asg.role == pb.ROLE_ACTIVE and not nodes["bad"].errors
