@@ -125,7 +125,7 @@ def parser_section(p: argparse.ArgumentParser, skip=None) -> list[str]:
         if not actions:
             continue
         title = group.title or "options"
-        out.append(f"**{title[0].upper() + title[1:]}**\n")
+        out.append(f"**{title}**\n")
         out.append(table(["flag", "default", "description"], [option_row(p, a) for a in actions]))
         if group.description:
             out.append(f"{cell(group.description)}\n")
