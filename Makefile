@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo bench protos clean
+.PHONY: venv test demo docs bench protos clean
 
 # torch is pinned first: a plain `torch` requirement would pull the CUDA build.
 $(STAMP): pyproject.toml
@@ -21,6 +21,11 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/muster --log-level warning demo --duration 45
+
+# The site in docs/ (mkdocs.yml); --strict: a warning (a broken link or anchor) fails the build.
+# docs/hooks.py generates the CLI, wire, metrics and performance pages from the code and bench/results/.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 # Minutes, on an otherwise idle machine: the numbers are timings.
 bench: $(STAMP)
@@ -45,4 +50,4 @@ protos: $(STAMP)
 		--pyi_out=protos protos/muster/v1/muster.proto
 
 clean:
-	rm -rf $(VENV) .muster
+	rm -rf $(VENV) .muster site

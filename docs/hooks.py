@@ -1,0 +1,625 @@
+"""MkDocs hooks: the pages that must not drift are generated from what they describe.
+
+- `reference/cli.md`: from the argparse parsers (`muster.cli.parser()`), every subcommand and flag;
+- `reference/wire.md`: from `protos/muster/v1/*.proto` (protoc's descriptors, comments included);
+- markers `<!-- muster:NAME ARG -->` in committed pages: the exit status table (`worker/outcome.py`),
+  the metrics (`coordinator/metrics.py`), and the benchmark tables built from `bench/results/*.json`,
+  so a benchmark run updates the performance page, not prose.
+
+Generated pages are never committed. An unknown marker, a missing results file or a results file
+the performance page does not show fails the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from markdown.extensions.toc import slugify
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PROTOS = ROOT / "protos"
+MARKER = re.compile(r"<!-- muster:([a-z-]+)(?: ([^ ]+))? -->")
+
+
+# --- hooks -----------------------------------------------------------------------------------------
+
+
+def on_files(files, config):
+    files.append(File.generated(config, "reference/cli.md", content=cli_page()))
+    files.append(File.generated(config, "reference/wire.md", content=wire_page()))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    shown = {arg.split(":")[0] for name, arg in MARKER.findall(markdown) if name == "bench" and arg}
+
+    def expand(match: re.Match) -> str:
+        name, arg = match.group(1), match.group(2)
+        if name == "exit-status":
+            return exit_status()
+        if name == "metrics":
+            return metrics_table()
+        if name == "bench":
+            return bench_section(arg)
+        if name == "bench-others":
+            return bench_others(shown)
+        raise PluginError(f"{page.file.src_path}: unknown marker muster:{name}")
+
+    return MARKER.sub(expand, markdown)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def cell(text) -> str:
+    """Text fit for a Markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|").replace("<", "&lt;")
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def plain_environment():
+    """The parsers read defaults such as $MUSTER_TOKEN: build them without the builder's secrets,
+    and at a fixed width so `usage:` lines do not depend on the terminal."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("MUSTER_")}
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+# --- the CLI reference -----------------------------------------------------------------------------
+
+
+def cli_page() -> str:
+    from muster import cli
+
+    with plain_environment():
+        root = cli.parser()
+        sub = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+        helps = {a.dest: a.help for a in sub._choices_actions}
+        out = [
+            "# CLI reference\n",
+            "Generated at build time from the argparse parsers in `muster/cli.py` "
+            "(`muster.cli.parser()`), so it says what `muster COMMAND --help` says. "
+            "Flags of the client commands that read an environment variable are shown with it, "
+            "never with the builder's value.\n",
+            "## muster\n",
+            *parser_section(root, skip=sub),
+            "Commands:\n",
+            table(["command", "what it does"],
+                  [[f"[`{name}`](#muster-{slugify(name, '-')})", helps.get(name, "")] for name in sub.choices]),
+        ]
+        for name, sp in sub.choices.items():
+            out += [f"## muster {name}\n", f"{cell(helps.get(name, ''))}\n", *parser_section(sp)]
+    return "\n".join(out)
+
+
+def parser_section(p: argparse.ArgumentParser, skip=None) -> list[str]:
+    out = ["```text\n" + p.format_usage().strip() + "\n```\n"]
+    raw = issubclass(p.formatter_class, argparse.RawDescriptionHelpFormatter)
+    if p.description and p.prog != "muster":
+        out.append(("```text\n" + p.description.strip() + "\n```\n") if raw else f"{cell(p.description)}\n")
+    for group in p._action_groups:
+        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction) and a is not skip]
+        if not actions:
+            continue
+        title = group.title or "options"
+        out.append(f"**{title}**\n")
+        out.append(table(["flag", "default", "description"], [option_row(p, a) for a in actions]))
+        if group.description:
+            out.append(f"{cell(group.description)}\n")
+    exclusive = [" and ".join(f"`{a.option_strings[0]}`" for a in g._group_actions) for g in p._mutually_exclusive_groups]
+    if exclusive:
+        out.append("Either, not both: " + "; ".join(exclusive) + ".\n")
+    if p.epilog:
+        out.append("```text\n" + p.epilog.strip() + "\n```\n")
+        if "exit status" in p.epilog:
+            out.append("See [Exit codes](exit-codes.md).\n")
+    return out
+
+
+def option_row(p: argparse.ArgumentParser, a: argparse.Action) -> list[str]:
+    if a.option_strings:
+        takes_value = a.nargs != 0
+        value = ""
+        if takes_value:
+            value = a.metavar or ("{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.dest.upper())
+        flag = ", ".join(f"`{o}{' ' + value if value else ''}`" for o in a.option_strings)
+    else:
+        flag = f"`{a.metavar or a.dest}`" + (" ..." if a.nargs == argparse.REMAINDER else "")
+    if a.required:
+        default = "required"
+    elif not a.option_strings or a.nargs == 0 or a.default in (None, "", argparse.SUPPRESS):
+        default = ""
+    else:
+        default = f"`{a.default}`"
+    text = a.help or ""
+    if "%" in text:
+        params = {k: v for k, v in vars(a).items() if v is not argparse.SUPPRESS}
+        params["prog"] = p.prog
+        if params.get("choices") is not None:
+            params["choices"] = ", ".join(map(str, params["choices"]))
+        text = text % params
+    return [flag, default, text]
+
+
+# --- the wire contract -----------------------------------------------------------------------------
+
+
+def wire_page() -> str:
+    from google.protobuf import descriptor_pb2
+    from grpc_tools import protoc
+
+    import grpc_tools
+
+    sources = sorted(PROTOS.glob("muster/*/*.proto"))
+    if not sources:
+        raise PluginError("no .proto files under protos/muster/")
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "descriptors.pb"
+        args = ["protoc", f"-I{PROTOS}", f"-I{include}", "--include_source_info",
+                f"--descriptor_set_out={target}", *map(str, sources)]
+        if protoc.main(args) != 0:
+            raise PluginError(f"protoc failed on {', '.join(map(str, sources))}")
+        descriptors = descriptor_pb2.FileDescriptorSet.FromString(target.read_bytes())
+    out = [
+        "# Wire contract\n",
+        "Generated at build time from " + ", ".join(f"`{s.relative_to(ROOT)}`" for s in sources)
+        + " (protoc's descriptors, with the comments of the file). The Python stubs beside them are "
+        "checked in; `make protos` regenerates them and a test fails when they are stale.\n",
+    ]
+    for fd in descriptors.file:
+        out += proto_file(fd)
+    return "\n".join(out)
+
+
+def proto_file(fd) -> list[str]:
+    comments = {tuple(loc.path): loc for loc in fd.source_code_info.location}
+    source = (PROTOS / fd.name).read_text().splitlines()
+
+    def said(path) -> str:
+        """The comment lines above an element at its own indentation, then the comment after it on
+        its line with the lines continuing it in the same column. (protoc gives a continued
+        trailing comment's second line to the next field as its leading comment.)"""
+        loc = comments.get(tuple(path))
+        if loc is None:
+            return ""
+        line, column = loc.span[0], loc.span[1]
+        above = []
+        for text in reversed(source[:line]):
+            if not text.strip().startswith("//") or text.index("//") != column:
+                break
+            above.insert(0, text.strip()[2:].strip())
+        after = []
+        end = loc.span[2] if len(loc.span) == 4 else line
+        if "//" in source[end] and loc.path[-2:-1] == [2] and len(loc.path) > 2:
+            at = source[end].index("//")
+            after.append(source[end][at + 2:].strip())
+            for text in source[end + 1:]:
+                if not text.strip().startswith("//") or text.index("//") != at:
+                    break
+                after.append(text.strip()[2:].strip())
+        return "\n".join(above + after)
+
+    def paragraph(text: str) -> str:
+        return "\n".join(line.strip() for line in text.splitlines()) + "\n" if text else ""
+
+    def link(type_name: str) -> str:
+        short = type_name.removeprefix(f".{fd.package}.")
+        return f"[{short}](#{slugify(short, '-')})"
+
+    maps = {}  # ".pkg.Msg.FooEntry" -> "map<K, V>"
+
+    def collect_maps(prefix, messages):
+        for m in messages:
+            if m.options.map_entry:
+                key, value = m.field
+                maps[f"{prefix}.{m.name}"] = (key, value)
+            collect_maps(f"{prefix}.{m.name}", m.nested_type)
+
+    collect_maps(f".{fd.package}", fd.message_type)
+
+    def type_of(f) -> str:
+        from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
+
+        if f.type_name in maps:
+            key, value = maps[f.type_name]
+            return f"map<{type_of(key)}, {type_of(value)}>"
+        if f.type in (F.TYPE_MESSAGE, F.TYPE_ENUM):
+            name = link(f.type_name)
+        else:
+            name = F.Type.Name(f.type).removeprefix("TYPE_").lower()
+        if f.label == F.LABEL_REPEATED:
+            return f"repeated {name}"
+        return ("optional " if f.proto3_optional else "") + name
+
+    header = comments.get((12,))
+    out = [f"From `protos/{fd.name}`, package `{fd.package}`:\n",
+           paragraph(header.leading_comments.strip() if header else ""), "## Services\n"]
+    for si, service in enumerate(fd.service):
+        out.append(f"### service {service.name}\n")
+        out.append(paragraph(said([6, si])))
+        rows = []
+        for mi, m in enumerate(service.method):
+            stream_in = "stream " if m.client_streaming else ""
+            stream_out = "stream " if m.server_streaming else ""
+            rows.append([f"`{m.name}`", f"{stream_in}{link(m.input_type)}", f"{stream_out}{link(m.output_type)}",
+                         said([6, si, 2, mi])])
+        out.append(table(["RPC", "request", "response", "what it does"], rows))
+
+    def message(path, m, prefix):
+        if m.options.map_entry:
+            return
+        name = f"{prefix}{m.name}"
+        out.append(f"### {name}\n")
+        out.append(paragraph(said(path)))
+        if m.field:
+            rows = []
+            for fi, f in enumerate(m.field):
+                oneof = ""
+                if f.HasField("oneof_index") and not f.proto3_optional:
+                    oneof = f"(one of `{m.oneof_decl[f.oneof_index].name}`) "
+                rows.append([f"`{f.name}`", f.number, type_of(f), oneof + said(path + [2, fi])])
+            out.append(table(["field", "#", "type", "meaning"], rows))
+        else:
+            out.append("No fields.\n")
+        for ei, e in enumerate(m.enum_type):
+            enum(path + [4, ei], e, f"{name}.")
+        for ni, nested in enumerate(m.nested_type):
+            message(path + [3, ni], nested, f"{name}.")
+
+    def enum(path, e, prefix):
+        out.append(f"### {prefix}{e.name}\n")
+        out.append(paragraph(said(path)))
+        out.append(table(["value", "#", "meaning"],
+                         [[f"`{v.name}`", v.number, said(path + [2, vi])] for vi, v in enumerate(e.value)]))
+
+    out.append("## Messages and enums\n")
+    out.append("In the order of the file.\n")
+    # Messages and enums in the file's order: by the line each starts at.
+    items = [(comments[(4, i)].span[0] if (4, i) in comments else i, "m", i, m) for i, m in enumerate(fd.message_type)]
+    items += [(comments[(5, i)].span[0] if (5, i) in comments else i, "e", i, e) for i, e in enumerate(fd.enum_type)]
+    for _, kind, i, item in sorted(items, key=lambda t: t[0]):
+        if kind == "m":
+            message([4, i], item, "")
+        else:
+            enum([5, i], item, "")
+    return out
+
+
+# --- exit status and metrics -------------------------------------------------------------------------
+
+
+def exit_status() -> str:
+    from muster.worker import outcome
+
+    rows = [[f"`{code}`", f"`{name}`"] for name, code in outcome.OUTCOMES.items()]
+    return (
+        "The outcome of a run and the exit status it gives (`muster.worker.outcome.OUTCOMES`):\n\n"
+        + table(["exit status", "outcome"], rows)
+        + "\nAs `muster run --help` prints it (`EXIT_STATUS_HELP`):\n\n```text\n"
+        + outcome.EXIT_STATUS_HELP.strip() + "\n```\n"
+    )
+
+
+def metrics_table() -> str:
+    from prometheus_client import metrics as pm
+
+    from muster.coordinator.metrics import JobGauges, Metrics
+
+    m = Metrics()
+    m.watch(lambda: [JobGauges("JOB", True)], lambda: True)
+    for value in vars(m).values():  # one labelled child each, so every family shows its labels
+        if isinstance(value, pm.MetricWrapperBase) and value._labelnames:
+            value.labels(**{name: name.upper() for name in value._labelnames})
+    suffix = {"counter": "_total", "histogram": "_bucket, _sum, _count", "gauge": ""}
+    rows = []
+    for family in m.registry.collect():
+        labels = sorted({k for s in family.samples for k in s.labels if k != "le"})
+        exposed = f"{family.name}{suffix.get(family.type, '')}" if family.type != "histogram" else (
+            f"{family.name}_bucket/_sum/_count")
+        rows.append([f"`{exposed}`", family.type, ", ".join(f"`{label}`" for label in labels), family.documentation])
+    return table(["metric", "type", "labels", "meaning"], rows)
+
+
+# --- benchmarks --------------------------------------------------------------------------------------
+
+
+def load(name: str) -> dict:
+    path = RESULTS / name
+    if not path.is_file():
+        raise PluginError(f"bench/results/{name} is missing (a marker names it)")
+    return json.loads(path.read_text())
+
+
+def num(x, digits: int = 3) -> str:
+    """A figure with `digits` significant digits at most, thousands separated."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x == 0:
+        return "0"
+    from math import floor, log10
+
+    places = max(0, digits - 1 - floor(log10(abs(x))))
+    text = f"{x:,.{places}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def s(x) -> str:
+    return f"{num(x)} s"
+
+
+def ms(x) -> str:
+    return f"{num(x)} ms"
+
+
+def host(d: dict) -> str:
+    h = d.get("host")
+    if not h:
+        return ""
+    load_avg = h.get("loadavg_at_start")
+    return f"{h.get('cpus', '?')} CPUs" + (f", load average {num(load_avg[0], 2)} at its start" if load_avg else "")
+
+
+def source(name: str, d: dict) -> str:
+    where = host(d)
+    return f"*From `bench/results/{name}`" + (f" ({where})" if where else "") + ".*\n"
+
+
+def bench_section(arg: str | None) -> str:
+    """`NAME.json`, or `NAME.json:PART` for one part of a file with several (capacity's
+    `heartbeat` and `membership`)."""
+    if not arg:
+        raise PluginError("muster:bench needs a file name")
+    name, _, part = arg.partition(":")
+    d = load(name)
+    if part:
+        if part not in d:
+            raise PluginError(f"bench/results/{name} has no part {part!r}")
+        d = {k: v for k, v in d.items() if k in (part, "host") or not isinstance(v, (dict, list))}
+    kind = d.get("benchmark")
+    render = {
+        "side_by_side": render_side_by_side,
+        "recovery": render_recovery,
+        "capacity": render_capacity,
+        "scale": render_scale,
+        "grpc_floor": render_grpc_floor,
+        "rank_start": render_rank_start,
+        "churn": render_churn,
+        "abuse": render_abuse,
+    }.get(kind, render_generic)
+    return render(d) + "\n" + source(name, d)
+
+
+def bench_others(shown: set[str]) -> str:
+    """Every results file the page shows no section of, in a generic form: a new benchmark's
+    results appear on the page without anyone writing its table first."""
+    others = sorted(p.name for p in RESULTS.glob("*.json") if p.name not in shown)
+    if not others:
+        return "Every file in `bench/results/` has its section above.\n"
+    out = []
+    for name in others:
+        d = json.loads((RESULTS / name).read_text())
+        out.append(f"### {name}\n\n" + render_generic(d) + "\n" + source(name, d))
+    return "\n".join(out)
+
+
+def render_generic(d: dict) -> str:
+    rows = []
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k not in ("host", "all") and not k.endswith("definition") and k != "note":
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) < 60):
+            rows.append([f"`{prefix}`", num(value) if not isinstance(value, str) else value])
+
+    walk("", d)
+    return table(["figure", "value"], rows[:60])
+
+
+def render_side_by_side(d: dict) -> str:
+    out = []
+    if d.get("runs"):
+        rows = []
+        for r in d["runs"]:
+            m, t = r["muster"], r["torchrun"]
+            mk, tk = m["kill_to_step_s"], t["kill_to_step_s"]
+            rows.append([
+                r["ranks"], f"{s(mk['p50'])} ({num(mk['max'])})", f"{s(tk['p50'])} ({num(tk['max'])})",
+                f"{num(tk['p50'] / mk['p50'], 2)}×", f"{m['steps_lost']['total']} / {t['steps_lost']['total']}",
+                f"1 / {num(sum(t['workers_restarted']['per_kill']) / len(t['workers_restarted']['per_kill']), 2)}",
+                s(m["detection_s"]["p50"]), s(t["phases_s"]["worker_start"]["p50"]),
+            ])
+        kills = len(d["runs"][0]["muster"]["kill_to_step_s"].get("all", [])) or "?"
+        out.append(table(
+            ["ranks", "kill → every rank stepping: Muster p50 (max)", "torchrun p50 (max)", "torchrun / Muster",
+             f"completed steps redone, {kills} kills: Muster / torchrun", "processes restarted per kill",
+             "Muster: kill → leader's decision p50", "torchrun: starting the workers p50"], rows))
+    for u in d.get("unmodified", []):
+        names = {"torchrun": "`torchrun --rdzv-backend c10d`", "muster-run": "`muster run --warm-start -- torchrun …`",
+                 "muster-rdzv": "`torchrun --rdzv-backend=muster`"}
+        base = u["torchrun"]["kill_to_step_s"]["p50"]
+        rows = []
+        for key, label in names.items():
+            if key not in u:
+                continue
+            r = u[key]
+            k = r["kill_to_step_s"]
+            per_kill = r["workers_restarted"]["per_kill"]
+            rows.append([label, s(r["start_to_step_s"]), f"{s(k['p50'])} ({num(k['max'])})",
+                         f"{num(base / k['p50'])}×", r["steps_lost"]["total"],
+                         num(sum(per_kill) / len(per_kill), 2), sum(r.get("restart_rounds", []))])
+        out.append(f"{u['nodes']} nodes × {u['ranks'] // u['nodes']} ranks, unmodified script:\n\n" + table(
+            ["launcher", "start → every rank's first step", "kill → every rank stepping p50 (max)", "torchrun / it",
+             "completed steps redone", "workers restarted per kill", "restart rounds in all"], rows))
+    return "\n".join(out)
+
+
+def render_recovery(d: dict) -> str:
+    rows = []
+    for r in d["runs"]:
+        k, h, f = r["kill"], r["hang"], r.get("failover")
+        n = r["ranks"]
+        rows += [
+            [f"kill -9 one rank of {n} → every survivor completed a step in the new group",
+             f"p50 {s(k['kill_to_step_s']['p50'])}, p99 {s(k['kill_to_step_s']['p99'])}"],
+            ["kill → the leader's decision (detection)", f"p50 {s(k['detection_s']['p50'])}"],
+            [f"SIGSTOP one rank of {n} (a hang) → survivors stepping",
+             f"p50 {s(h['hang_to_step_s']['p50'])}, p99 {s(h['hang_to_step_s']['p99'])}"],
+            ["hang → the leader's decision", f"p50 {s(h['detection_s']['p50'])}"],
+            ["completed steps lost / survivors lost (kills and hangs)",
+             f"{k['steps_lost']['total'] + h['steps_lost']['total']} / {k['survivors_lost'] + h['survivors_lost']}"],
+            ["replacement started → its first step in the group (kill / hang)",
+             f"p50 {s(k['rejoin_s']['p50'])} / {s(h['rejoin_s']['p50'])}"],
+        ]
+        if f:
+            rows.append([f"SIGKILL the coordinator leader ({f['kills']}×) → standby serving",
+                         f"p50 {s(f['standby_serves_s']['p50'])}; {f['steps_discarded']} steps discarded, "
+                         f"{f['evictions']} evictions, {f['generation_changes']} generation changes"])
+    api = d.get("step_api")
+    if api:
+        rows.append(["per-step cost of `step_scope` on the training thread", f"{num(api['median_us'])} µs median"])
+    return table(["what", "measured"], rows)
+
+
+def render_capacity(d: dict) -> str:
+    out = []
+    hb = d.get("heartbeat")
+    if hb:
+        rows = []
+        for p in hb["points"]:
+            lat = p["frame_latency_ms"]
+            relays = p["relay_cpu_cores"]
+            rows.append([
+                p["relays"] or "direct", f"{p['nodes']:,}", num(p["frames_per_s_per_node"]),
+                num(p["delivered_frames_per_s"], 4), f"{num(lat['p50'])} / {num(lat['p99'])}",
+                num(p["leader_cpu_cores"]), num(p["leader_frame_cpu_us_per_node_frame"]),
+                num(p["leader_loop_us_per_node_frame"]), ", ".join(num(c) for c in relays) or "–",
+                num(p["client_cpu_cores"]), s(p["change"]["decided_after_silence_s"]),
+                s(p["change"]["every_node_held_it_after_s"]), p["evictions"],
+            ])
+        out.append(f"Heartbeat timeout {num(hb['heartbeat_timeout_s'])} s; windows of {num(hb['window_s'])} s; "
+                   f"nodes simulated by {hb['client_processes']} processes ({cell(hb['clients'])}).\n")
+        out.append(table(
+            ["relays", "nodes", "frames/s per node", "delivered frames/s", "frame → leader p50 / p99 (ms)",
+             "leader cores", "leader µs CPU per node frame", "…of it on its loop (µs)", "relay cores",
+             "client cores", "silent node decided after", "every node holds the new map after", "evictions"], rows))
+    mem = d.get("membership")
+    if mem:
+        rows = []
+        for z in mem["sizes"]:
+            rows.append([
+                f"{z['ranks']:,}", f"{z['nodes']:,}", ms(z["decide_ms"]["node_lost"]), ms(z["encode_ms"]),
+                f"{num(z['state_bytes'] / 1000)} KB", ms(z["assignments_ms"]), ms(z["leader_change_ms"]),
+                ms(z["tick_ms"]), f"{num(z['frame_us'])} µs", ms(z["status_ms"]),
+                f"{num(z['status_bytes'] / 1000)} KB", ms(z["status_stall_ms"]), ms(z["summary_ms"]),
+                f"{ms(z['status_node_ms'])}, {num(z['status_node_bytes'] / 1000)} KB",
+            ])
+        out.append(table(
+            ["ranks", "nodes", "decide (node lost)", "encode the state", "state size", "every node's directive",
+             "a whole change in the tally", "a quiet tally", "one frame", "a default Status", "its size",
+             "loop held by it at most", "summary over every rank", "one node's page, its size"], rows))
+    return "\n".join(out)
+
+
+def render_scale(d: dict) -> str:
+    return table(["what", "measured"], [
+        ["job", f"{d['ranks']:,} ranks on {d['nodes']:,} nodes, {d['mode']}, "
+                f"{num(d['frames_per_s_per_node'])} frames/s per node at the leader"],
+        ["a node's death decided after its last frame", f"{s(d['detection_s'])} "
+                                                         f"(heartbeat timeout {num(d['heartbeat_timeout_s'])} s)"],
+        ["tally tick p50 / p99 / max", f"{ms(d['tick_ms']['p50'])} / {ms(d['tick_ms']['p99'])} / "
+                                       f"{ms(d['tick_ms']['max'])}"],
+        ["the change (decide, fenced write, every node's directive)", ms(d["change_ms"])],
+        ["the event loop held meanwhile, at most", ms(d["change_loop_held_ms"])],
+        ["one frame in the leader p50 / p99", f"{num(d['frame_us']['p50'])} / {num(d['frame_us']['p99'])} µs"],
+        ["the leader's CPU", f"{num(d['leader_cpu_cores'])} cores"],
+        ["evicted", ", ".join(d["evicted"]) + f" (the victim: {d['victim']})"],
+    ])
+
+
+def render_grpc_floor(d: dict) -> str:
+    return table(["event loop", "streams", "messages/s offered", "µs on the loop per message (p50)",
+                  "µs of process CPU per message (p50)"],
+                 [[d["event_loop"], f"{d['streams']:,} ({d['connections']})", num(d["offered_per_s"]),
+                   num(d["loop_us_per_message_p50"]), num(d["process_us_per_message_p50"])]])
+
+
+def render_rank_start(d: dict) -> str:
+    return table(["rank (re)start → past its imports", "p50", "max"], [
+        ["forked from the warm zygote", s(d["warm_s"]["p50"]), s(d["warm_s"]["max"])],
+        ["a new interpreter (exec wrapper)", s(d["cold_s"]["p50"]), s(d["cold_s"]["max"])],
+    ]) + f"\nPreloaded: {', '.join(f'`{m}`' for m in d['preload'])}.\n"
+
+
+def render_churn(d: dict) -> str:
+    p = d["parameters"]
+    rows = []
+    for c in d["checkpoints"]:
+        w = c["window"]
+        reps = c["replicas"]
+        rows.append([
+            f"{c['jobs_done']:,}", ms(w["join_ms"]["p50"]), " / ".join(str(r["threads"]) for r in reps),
+            " / ".join(num(r["rss_mib"]) for r in reps), max(r["jobs_known"] for r in reps),
+            max(r["election_keys"] for r in reps), f"{c['etcd']['muster_keys']:,}",
+            f"{num(c['etcd']['db_size_bytes'] / 2**20)} MiB",
+        ])
+    out = [f"{p['jobs']:,} jobs of {p['nodes_per_job']} nodes, {p['concurrent']} at a time, {p['replicas']} replicas, "
+           f"`--retain-finished {p['retain_finished'] or '7d (default)'}`; {num(d['totals']['churn_s'])} s in all.\n",
+           table(["jobs done", "Join p50", "threads per replica", "RSS per replica (MiB)", "jobs known (most)",
+                  "election keys (most)", "/muster/ keys in etcd", "etcd db"], rows)]
+    restart = d.get("restart")
+    if restart:
+        rows = [[label, s(r["readyz_s"]), s(r["first_join_s"])]
+                for label, r in (("over the etcd of every finished run", restart.get("same_etcd")),
+                                 ("over an empty etcd", restart.get("empty_etcd"))) if r]
+        out.append("A replica restarted afterwards:\n\n" + table(["replica started", "ready after",
+                                                                    "first Join answered after"], rows))
+    return "\n".join(out)
+
+
+def render_abuse(d: dict) -> str:
+    f, rss, loop, other = d["flood"], d["replica_rss_mib"], d["loop_held_ms"], d["other_job"]
+    during = loop["status_latency_during"]
+    before, after = other["steps_per_node_before"], other["steps_per_node_during"]
+    rows = [
+        ["the flood", f"{f['messages']} messages of {f['frames_per_message']:,} frames "
+                      f"({num(f['message_bytes'] / 1e6)} MB each) over {s(f['duration_s'])}"],
+        ["messages the replica took", f"{f['messages_taken']} (ended by the replica: {num(f['ended_by_replica'])}; "
+                                      f"{f['status']})"],
+        ["the replica's memory", f"+{num(rss['peak_growth'])} MiB at peak, +{num(rss['growth_after'])} MiB after"],
+        ["a Status meanwhile p50 / p99 / max", f"{ms(during['p50'])} / {ms(during['p99'])} / {ms(during['max'])}"],
+        [f"another job's steps per node: in {num(other['baseline_s'])} s before / during the flood",
+         f"{' '.join(map(str, before))} / {' '.join(map(str, after))}"],
+        ["another job's new generation / errors", f"{num(other['new_generation'])} / {other['errors']}"],
+    ]
+    note = f"\n{cell(d['note'])}\n" if d.get("note") else ""
+    return table(["what", "measured"], rows) + note
