@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 
 from harness import AFTERMATH_S, HEAL_BOUND_S, LIVENESS_BOUND_S, Chaos
 
-# The single faults of test_faults.py, each answered by the job (see the README's table).
+# The single faults of test_faults.py, each answered by the job (see docs/reliability.md's table).
 TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform"]
 # Whole-deployment faults, each a scenario of the harness with its repair.
 COMPOUND = [
