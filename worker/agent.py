@@ -29,12 +29,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-import secrets
 import shutil
 import signal
-import sys
 import tempfile
-import time
 
 import grpc
 import structlog
@@ -44,15 +41,14 @@ from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.agent_config import AgentConfig
-from muster.worker.crash_report import exit_words, failure_report, last_failure
+from muster.worker.crash_report import exit_words
 from muster.worker.master_port import MasterPorts
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
-from muster.worker.runner import COMPLETED_FILE_ENV, python_program, runner_argv
-from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
-from muster.worker.waiting import QUERY_WAIT_S, query, waiting_for
-from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost
+from muster.worker.slot import Slot
+from muster.worker.waiting import waiting_for
+from muster.worker.supervisor import RankSupervisor, say
 
 log = structlog.get_logger(__name__)
 
@@ -67,19 +63,14 @@ class NodeAgent:
         self.draining = False
         self._leaving = False  # every local slot is retired: the node leaves (once)
         self.session: NodeSession | None = None
-        self.socket_path = ""
-        self._sockets = ""  # the agent's private directory: the socket, the ranks' error files
+        self.ranks: RankSupervisor | None = None  # the rank processes, once the agent runs
         self._queues: dict[asyncio.Queue, Slot] = {}  # each connected library rank's directives
         self._done: asyncio.Future | None = None
-        self._reconciling = asyncio.Lock()
+        self.reconciling = asyncio.Lock()
         self._signal = 0  # the signal that ends the agent (SIGTERM, SIGINT): exit 128 + it
         self.masters = MasterPorts(config.host, library=lambda: self.library, assignment=lambda: self.assignment,
-                                   ended=lambda: self._done is not None and self._done.done(),
+                                   ended=self.done,
                                    planted=self._store_key_planted)
-        # Python programs run through the runner, which marks their completion; others as they are.
-        self._program = python_program(config.argv)
-        self._argv = runner_argv(self._program) if self._program is not None else list(config.argv)
-        self._zygote: Zygote | None = None
         self.log = log.bind(job=config.job, node=config.node_id)
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -93,13 +84,13 @@ class NodeAgent:
         store = self.masters.store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
         master_port = free_port(c.host)
         _remove_stale_socket_dirs()
-        sockets = self._sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
-        self.socket_path = os.path.join(sockets, "ranks.sock")
-        if c.warm_start and self._program is not None:  # its imports run while the node joins
-            self._zygote = await Zygote.start(self._base_env(), self._guard(), c.preload)
+        sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+        socket_path = os.path.join(sockets, "ranks.sock")
+        self.ranks = RankSupervisor(self, sockets, socket_path)
+        await self.ranks.start_zygote()
         server = grpc.aio.server()
         pb_grpc.add_NodeAgentServicer_to_server(_RankSessions(self), server)
-        server.add_insecure_port(f"unix:{self.socket_path}")
+        server.add_insecure_port(f"unix:{socket_path}")
         await server.start()
         spec = pb.JobSpec(min_nodes=c.nodes[0] if c.nodes else 0, max_nodes=c.nodes[1] if c.nodes else 0,
                           world_size_multiple=c.world_size_multiple)
@@ -130,9 +121,8 @@ class NodeAgent:
             for task in watchdogs or ():
                 task.cancel()
             for slot in self.slots:
-                await self._stop_rank(slot, grace_s=2.0)
-            if self._zygote is not None:
-                self._zygote.close()
+                await self.ranks.stop(slot, grace_s=2.0)
+            self.ranks.close()
             await self.session.stop()
             if streaming is not None:
                 await asyncio.wait([streaming], timeout=5)
@@ -148,11 +138,11 @@ class NodeAgent:
         name = signal.Signals(sig).name
         if self._signal or not self.session.member_id or self._done.done():
             self._signal = self._signal or sig
-            _say(f"{name}: stopping node {self.config.node_id!r} now")
+            say(f"{name}: stopping node {self.config.node_id!r} now")
             self._finish(128 + self._signal)
             return
         self._signal = sig
-        _say(f"{name}: draining node {self.config.node_id!r} at a step boundary ({name} again stops it at once)")
+        say(f"{name}: draining node {self.config.node_id!r} at a step boundary ({name} again stops it at once)")
         asyncio.ensure_future(self._drain_node())
 
     async def _join(self) -> bool:
@@ -173,7 +163,7 @@ class NodeAgent:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in TRANSIENT:
                     self.log.error("join_refused", code=exc.code().name, details=exc.details())
-                    _say(f"the coordinator refused node {c.node_id!r} in job {c.job!r}: "
+                    say(f"the coordinator refused node {c.node_id!r} in job {c.job!r}: "
                          f"{exc.code().name}: {exc.details()}")
                     self._finish(EXIT_FAILED)
                     return False
@@ -183,7 +173,7 @@ class NodeAgent:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 self.log.error("join_timeout", join_timeout_s=c.join_timeout_s, error=error)
-                _say(f"no coordinator at {addresses} accepted node {c.node_id!r} in job {c.job!r} within "
+                say(f"no coordinator at {addresses} accepted node {c.node_id!r} in job {c.job!r} within "
                      f"{c.join_timeout_s:g}s (--join-timeout); last error: {error}")
                 self._finish(EXIT_FAILED)
                 return False
@@ -199,7 +189,7 @@ class NodeAgent:
             # a node draining on a signal ends the run itself when it is the last: its exit says the signal
             code = 128 + self._signal if self._signal else exit_code(end.outcome)
             self.log.info("job_ended", run=end.run, outcome=end.outcome, reason=end.reason, code=code)
-            _say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
+            say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
                  + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")
             self._finish(code)
         except Evicted as exc:
@@ -271,7 +261,7 @@ class NodeAgent:
             if since is not None and now - since > c.form_timeout_s:
                 what = await waiting_for(self.config, self.assignment)
                 self.log.error("form_timeout", form_timeout_s=c.form_timeout_s, message=what)
-                _say(f"no place in job {c.job!r} for node {c.node_id!r} within {c.form_timeout_s:g}s "
+                say(f"no place in job {c.job!r} for node {c.node_id!r} within {c.form_timeout_s:g}s "
                      f"(--form-timeout): {what}")
                 try:
                     await self.session.leave(immediate=True, reason="no place within --form-timeout", retry_for_s=5)
@@ -283,8 +273,12 @@ class NodeAgent:
     def _store_key_planted(self, generation: int, exc: Exception) -> None:
         """Rank 0's key of a generation was there before it published: the node stops, loudly."""
         self.log.error("store_key_planted", generation=generation, error=str(exc))
-        _say(f"generation {generation}: {exc}; stopping this node")
+        say(f"generation {generation}: {exc}; stopping this node")
         self._finish(EXIT_FAILED)
+
+    def done(self) -> bool:
+        """The agent has its exit code: it is stopping."""
+        return self._done is not None and self._done.done()
 
     def _finish(self, code: int) -> None:
         if not self._done.done():
@@ -317,19 +311,19 @@ class NodeAgent:
             self.log.error("node_evicted", reason=a.reason)
             self._finish(EXIT_FAILED)
             return
-        if not self.draining and not self._finishing():  # a finishing job is never re-formed
+        if not self.draining and not self.finishing():  # a finishing job is never re-formed
             if a.role == pb.ROLE_ACTIVE and not self.library:
                 asyncio.ensure_future(self.masters.of(a))  # published (or fetched) at once
             asyncio.ensure_future(self._reconcile())
 
-    def _finishing(self) -> bool:
+    def finishing(self) -> bool:
         """The job is ending: a local rank finished its script, or the leader says one did. From
         then on no rank is restarted, for a crash or a new map: it would run the script again."""
         return self.session.finishing or any(s.finished for s in self.slots)
 
     async def _reconcile(self) -> None:
         """Bring the local ranks in line with the newest assignment."""
-        async with self._reconciling:
+        async with self.reconciling:
             a = self.assignment
             # A node joining a running job starts its ranks before it has a place (start_ranks).
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set(a.down_local_ranks) if a.start_ranks else set()
@@ -343,269 +337,18 @@ class NodeAgent:
                     # at once (a stale rank 0 would serve an outdated env:// store). Until one of its
                     # ranks reaches the socket the node cannot tell a library rank that is still
                     # importing, so that one is restarted too: it costs a start, never correctness.
-                    await self._stop_rank(slot)
-                # A first start, or one the agent stopped itself; crashes restart in _watch_rank,
+                    await self.ranks.stop(slot)
+                # A first start, or one the agent stopped itself; crashes restart in the supervisor,
                 # with backoff. Every restart counts against the slot's budget, whatever its cause.
                 if not slot.alive and slot.index in wanted and (slot.starts == 0 or slot.stopping):
                     if self.assignment is not a:
                         return  # a newer map came meanwhile: its own reconcile starts the ranks
-                    if slot.starts and not await self._restart_allowed(slot, f"generation {a.generation} needs it "
+                    if slot.starts and not await self.ranks.restart_allowed(slot, f"generation {a.generation} needs it "
                                                                                    "restarted"):
                         continue
-                    await self._start_rank(slot, master)
+                    await self.ranks.start(slot, master)
 
     # ---- ranks -----------------------------------------------------------------------
-
-    def _rank_env(self, slot: Slot, master: tuple[str, str] | None) -> dict[str, str]:
-        """torchrun's environment for the slot's process, from the current map only: what torchrun
-        sets is never inherited from the agent's own environment, and a rank without a place (one
-        started before its node enters the map) gets no RANK or MASTER_* at all."""
-        a = self.assignment
-        c = self.config
-        env = self._base_env()
-        env.update({
-            "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path, SLOT_SECRET_ENV: slot.secret,
-            "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
-            "MUSTER_GENERATION": str(a.generation), "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
-            "TORCHELASTIC_RUN_ID": c.job_id or c.job,
-            "TORCHELASTIC_RESTART_COUNT": str(slot.restarts), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
-            "TORCHELASTIC_USE_AGENT_STORE": "False", "ROLE_NAME": "default",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
-            "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
-        })
-        if slot.error_file:
-            env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
-        if slot.completed_file:
-            env[COMPLETED_FILE_ENV] = slot.completed_file
-        if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
-            rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
-            env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
-            if master is not None:
-                env.update(MASTER_ADDR=master[0], MASTER_PORT=master[1])
-        return env
-
-    def _base_env(self) -> dict[str, str]:
-        """The environment every process the agent starts shares: its own without what torchrun
-        sets per rank, plus --env."""
-        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
-        env.update(self.config.env)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        return env
-
-    def _guard(self) -> list[str]:
-        """The exec wrapper that makes a process die with the agent, even on SIGKILL (orphan_guard)."""
-        return [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
-
-    async def _start_rank(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
-        c = self.config
-        slot.starts += 1
-        slot.secret = secrets.token_hex(16)  # its process's alone: what it presents on the agent's socket
-        slot.error_file = os.path.join(self._sockets, f"error-slot{slot.index}-{slot.starts}.json")
-        if self._program is not None:  # the runner marks its completion there
-            slot.completed_file = os.path.join(self._sockets, f"completed-slot{slot.index}-{slot.starts}")
-        env = self._rank_env(slot, master)
-        slot.rank = int(env["RANK"]) if "RANK" in env else None
-        out = err = None
-        slot.log_path = slot.stderr = None
-        if c.log_dir is not None:
-            c.log_dir.mkdir(parents=True, exist_ok=True)
-            slot.log_path = c.log_dir / f"{c.node_id}-slot{slot.index}-{slot.starts}.log"
-            out = open(slot.log_path, "ab")
-        else:
-            # stdout stays the agent's; stderr passes through the agent, which keeps its last lines
-            # for the report should the slot be given up.
-            read_end, err = os.pipe()
-            slot.stderr = StderrTail(read_end)
-        try:
-            slot.proc = None
-            if self._zygote is not None:
-                stdio = (0, out.fileno() if out else 1, out.fileno() if out else err)  # as a child would inherit
-                try:
-                    slot.proc = await self._zygote.spawn(self._program, env, stdio)
-                except ZygoteLost as exc:
-                    self.log.warning("warm_start_off", why=str(exc), message="starting ranks cold from now on")
-                    self._zygote.close()
-                    self._zygote = None
-            if slot.proc is None:
-                slot.proc = await asyncio.create_subprocess_exec(
-                    *self._guard(), *self._argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
-        finally:
-            if out is not None:
-                out.close()
-            if err is not None:
-                os.close(err)
-        slot.generation = self.assignment.generation
-        slot.started_at = time.monotonic()
-        slot.stopping = False
-        if slot.restarting:  # its replacement speaks for the slot now
-            slot.restarting = False
-            slot.failed_pid = 0
-        slot.connected = False
-        slot.report = None
-        self.log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
-                      start=slot.starts, rank=slot.rank, restart_count=slot.restarts,
-                      warm=isinstance(slot.proc, WarmProcess))
-        asyncio.ensure_future(self._watch_rank(slot, slot.proc))
-
-    async def _watch_rank(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> None:
-        code = await self._exit_of(slot, proc)
-        if slot.stopping or proc is not slot.proc:
-            return
-        self.log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
-        slot.connected = False
-        if code == 0 or slot.finished or (slot.completed_file and os.path.exists(slot.completed_file)):
-            # Finished: its script completed, whatever its process did in teardown after. Not a failure,
-            # never restarted; the job is ending (the ranks of a job finish together).
-            slot.finished = True
-            if code != 0 or slot.hung:
-                how = (f"hung in interpreter teardown, ended after --exit-timeout {self.config.exit_timeout_s:g}s"
-                       if slot.hung else "died in interpreter teardown")
-                self.log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
-                                 hung=slot.hung)
-                _say(f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished")
-            await self._end_when_settled()
-            return
-        if self._finishing() and not self.draining:
-            self._lost_as_finishing(slot, proc.pid, code, report=True)
-            slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
-                                    await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
-            await self._end_when_settled()
-            return
-        a = self.assignment
-        if not self.library and a is not None and slot.generation < a.generation and not self.draining:
-            # A process of an older map (its peer died first): the newer map restarts it anyway, so
-            # its exit is no new fault. Restarted now, unless the reconcile already did.
-            async with self._reconciling:
-                if not slot.alive and not slot.given_up and await self._restart_allowed(
-                        slot, f"its process of generation {slot.generation} ended ({exit_words(code)})"):
-                    await self._start_rank(slot, await self.masters.current())
-            return
-        # Restart semantics (a script without the library) restart a crashed rank in its place: the
-        # leader re-forms the job once, with its replacement (never a map without the slot first).
-        in_place = (not self.library and not self.draining and slot.restarts < self.config.max_restarts
-                    and a is not None and a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks)
-        slot.failed_pid = proc.pid  # reported exited (or restarting) until a replacement speaks for the slot
-        slot.crashed_in = a.generation if a else 0
-        slot.restarting = in_place
-        slot.crashes = 1 if time.monotonic() - slot.started_at > CRASH_LOOP_S else slot.crashes + 1
-        self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code, restarting=in_place))
-        self.session.send_now()  # the leader hears of it within milliseconds
-        slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
-                                await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
-        if self.draining:
-            return
-        if not await self._restart_allowed(slot, f"its process ended ({exit_words(code)})"):
-            return
-        # The first crash restarts at once (as torchrun does); a crash loop backs off.
-        delay = self.config.restart_backoff_s * 2 ** (slot.crashes - 2) if slot.crashes > 1 else 0.0
-        self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts, in_place=in_place)
-        await asyncio.sleep(delay)
-        if in_place:
-            await self._until_crash_answered(slot)
-        if self._finishing() and not self.draining and not self._done.done():
-            # It began finishing meanwhile: no restart (the leader hears so, if it was told otherwise).
-            self._lost_as_finishing(slot, proc.pid, code, report=in_place)
-            await self._end_when_settled()
-            return
-        if not self.draining and not self._done.done() and not slot.alive and not slot.given_up:
-            # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
-            async with self._reconciling:
-                if not slot.alive:
-                    await self._start_rank(slot, await self.masters.current())
-
-    async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
-        """Its process's exit code. While it runs, its script's completion (the runner's mark) is
-        looked for: a process still running --exit-timeout after it is hung in interpreter teardown
-        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL."""
-        exited = asyncio.ensure_future(proc.wait())
-        while not slot.finished:
-            done, _ = await asyncio.wait([exited], timeout=COMPLETION_POLL_S)
-            if done:
-                return exited.result()
-            if slot.completed_file and os.path.exists(slot.completed_file):
-                slot.finished = True
-                self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
-                self.session.send_now()  # the leader hears at once that the job is finishing
-        for send, wait_s in ((None, self.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None)):
-            if send is not None:
-                slot.hung = True
-                self.log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
-                                 exit_timeout_s=self.config.exit_timeout_s)
-                send()
-            done, _ = await asyncio.wait([exited], timeout=wait_s)
-            if done:
-                break
-        return exited.result()
-
-    def _lost_as_finishing(self, slot: Slot, pid: int, code: int, *, report: bool) -> None:
-        """A rank that ended without completing its script once the job was finishing: reported as
-        exited (not restarting) and retired; the node will exit 1."""
-        slot.failed, slot.restarting, slot.failed_pid = True, False, pid
-        if report:
-            self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=pid, exit_code=code))
-            self.session.send_now()
-        self.log.error("rank_lost_finishing", slot=slot.index, rank=slot.rank, pid=pid, code=code,
-                       message="ended without completing its script as the job was finishing: not restarted")
-
-    async def _until_crash_answered(self, slot: Slot) -> None:
-        """Wait (bounded) for the generation that re-forms the job after the slot's crash, so that
-        its replacement starts once, into that map. A coordinator outage is the hold watchdog's."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + RESTART_ANSWER_WAIT_S
-        while self.assignment.generation <= slot.crashed_in and not self._done.done() and not self._finishing():
-            if loop.time() > deadline and self.session.silent_s() < self.session.heartbeat_timeout_s:
-                self.log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
-                                 waited_s=RESTART_ANSWER_WAIT_S, message="no new generation came for the crash; "
-                                 "restarting the rank in the current one")
-                return
-            await asyncio.sleep(0.01)
-
-    async def _restart_allowed(self, slot: Slot, cause: str) -> bool:
-        """Count a restart of the slot (any cause: its crash, or a new map for a script without the
-        library), or give the slot up when its budget is spent: a crash loop ends with a verdict."""
-        if slot.restarts < self.config.max_restarts:
-            slot.restarts += 1
-            return True
-        await self._give_up(slot, cause)
-        return False
-
-    async def _give_up(self, slot: Slot, cause: str) -> None:
-        c = self.config
-        slot.given_up = True
-        slot.stopping = False
-        crash = slot.last_crash
-        last_pid = slot.proc.pid if slot.proc is not None else 0
-        if crash is None or crash.pid != last_pid:  # its last process did not crash (the agent stopped it)
-            slot.failed_pid = last_pid
-            if slot.proc is not None and slot.proc.returncode is not None:
-                self.session.exits.append(pb.RankExit(local_rank=slot.index, pid=last_pid,
-                                                      exit_code=slot.proc.returncode))
-                self.session.send_now()
-        self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
-                       last_code=crash.code if crash else None, rank=crash.rank if crash else slot.rank, cause=cause)
-        tail = crash.tail if crash else await asyncio.to_thread(read_tail, slot)
-        elsewhere = None
-        if crash is None:  # restarted for new maps only: the failures are elsewhere in the job
-            try:
-                _, events = await asyncio.wait_for(asyncio.to_thread(query, c, False), QUERY_WAIT_S)
-                elsewhere = last_failure(events, c.node_id)
-            except Exception:
-                pass
-        _say(failure_report(c, slot, cause, crash, tail, elsewhere))
-        await self._end_when_settled()
-
-    async def _stop_rank(self, slot: Slot, grace_s: float = 5.0) -> None:
-        proc = slot.proc
-        if proc is None or proc.returncode is not None:
-            return
-        slot.stopping = True
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
 
     # ---- aggregation -----------------------------------------------------------------
 
@@ -656,7 +399,7 @@ class NodeAgent:
         return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
                 or slot.index not in a.local_ranks)
 
-    async def _end_when_settled(self) -> None:
+    async def settle(self) -> None:
         """Once every local slot is retired and its process gone: leave, and exit with the node's
         outcome. A node whose ranks finished leaves as finished (a rank lost meanwhile is in the exit
         reports: the leader records the failure); one with a slot given up does not."""
@@ -676,13 +419,13 @@ class NodeAgent:
         c = self.config
         given_up = [s for s in self.slots if s.given_up]
         if given_up:
-            _say(f"node {c.node_id!r} of job {c.job!r} gives up: "
+            say(f"node {c.node_id!r} of job {c.job!r} gives up: "
                  + ", ".join(f"slot {s.index} ({exit_words(s.last_crash.code) + ', ' if s.last_crash else ''}"
                              f"{s.restarts} restart(s))" for s in given_up)
                  + "; the report of each is above")
         lost = [s for s in self.slots if s.failed]
         if lost:
-            _say(f"node {c.node_id!r} of job {c.job!r} failed: "
+            say(f"node {c.node_id!r} of job {c.job!r} failed: "
                  + ", ".join(f"{s.named} ended ({exit_words(s.last_crash.code) if s.last_crash else 'exited'}) "
                              "without completing its script" for s in lost)
                  + " as the job was finishing (not restarted: that would run the script again)")
@@ -705,11 +448,11 @@ class NodeAgent:
                 self.log.warning("leave_failed", error=str(exc))
         else:
             what = "stopped by an operator" if order.stop else "drained by the coordinator"
-            _say(f"node {self.config.node_id!r} of job {self.config.job!r} {what}: {order.reason or 'no reason given'}"
+            say(f"node {self.config.node_id!r} of job {self.config.job!r} {what}: {order.reason or 'no reason given'}"
                  f" (after step {order.after_step})")
         for slot in self.slots:
             if slot.alive and not slot.connected:
-                await self._stop_rank(slot)
+                await self.ranks.stop(slot)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s
         while any(s.alive for s in self.slots) and loop.time() < deadline:
@@ -826,23 +569,3 @@ def _remove_stale_socket_dirs() -> None:
         log.info("stale_socket_dir_removed", path=path)
 
 
-# What torchrun sets for its workers: taken from the current map, never from the agent's own
-# environment (an agent started inside another job's environment must not leak its RANK).
-RANK_ENV = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, SLOT_SECRET_ENV,
-    # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
-    # or etcd (and trackers that record a process's environment would keep them).
-    "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
-})
-COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
-EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
-RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
-
-
-def _say(message: str) -> None:
-    """A plain line (or block) for the person at the terminal, beside the structured log."""
-    prefix = "muster run: "
-    print("\n".join(prefix + line for line in message.split("\n")), file=sys.stderr, flush=True)

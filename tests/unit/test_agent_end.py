@@ -12,6 +12,7 @@ from muster.worker.agent import NodeAgent
 from muster.worker.agent_config import AgentConfig
 from muster.worker.node_session import JobEnded
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED
+from muster.worker.supervisor import RankSupervisor
 
 
 class FakeSession:
@@ -87,7 +88,7 @@ def test_a_finishing_job_is_never_reformed_and_its_finished_ranks_say_so():
         session = FakeSession()
         a = agent(session)
         a.slots[0].finished, a.slots[0].proc = True, FakeProcess()
-        assert a._finishing()
+        assert a.finishing()
         reports = a._reports()
         a._on_directive(pb.Directive(term=1, generation=3, assignment=pb.Assignment(
             generation=3, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)))
@@ -106,9 +107,9 @@ def test_the_leaders_finishing_flag_alone_stops_restarts():
     async def scenario():
         session = FakeSession()
         a = agent(session)
-        assert not a._finishing()
+        assert not a.finishing()
         session.finishing = True
-        return a._finishing()
+        return a.finishing()
 
     assert within(scenario())
 
@@ -122,10 +123,11 @@ def test_a_rank_ending_without_completing_once_another_finished_is_not_restarted
         session = FakeSession()
         a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
                                   argv=(sys.executable, str(script))))
-        a.session, a._done, a._sockets = session, asyncio.get_running_loop().create_future(), str(tmp_path)
+        a.session, a._done = session, asyncio.get_running_loop().create_future()
+        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
         a.assignment = pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)
         for slot in a.slots:
-            await a._start_rank(slot)
+            await a.ranks.start(slot)
         return await a._done, session, a.slots
 
     code, session, slots = within(scenario())

@@ -1,0 +1,342 @@
+"""The node's rank processes, one per slot, each on its own: started with the environment a
+torchrun script expects (from the current map only), cold through the orphan guard or forked warm
+from the node's zygote; watched for its exit and for its script's completion (the runner's mark);
+restarted within the slot's budget, with backoff in a crash loop, or given up with a report. A
+rank that finished is never started again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+import time
+from typing import Protocol
+
+import structlog
+
+from muster.v1 import muster_pb2 as pb
+from muster.worker.agent_config import AgentConfig
+from muster.worker.crash_report import exit_words, failure_report, last_failure
+from muster.worker.master_port import MasterPorts
+from muster.worker.node_session import NodeSession
+from muster.worker.rank_link import SLOT_SECRET_ENV
+from muster.worker.runner import COMPLETED_FILE_ENV, python_program, runner_argv
+from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
+from muster.worker.waiting import QUERY_WAIT_S, query
+from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost
+
+log = structlog.get_logger(__name__)
+
+COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
+EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
+RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
+# What torchrun sets for its workers: taken from the current map, never from the agent's own
+# environment (an agent started inside another job's environment must not leak its RANK).
+RANK_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, SLOT_SECRET_ENV,
+    # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
+    # or etcd (and trackers that record a process's environment would keep them).
+    "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
+})
+
+
+class Node(Protocol):
+    """What the supervisor needs of its node agent."""
+
+    config: AgentConfig
+    slots: list[Slot]
+    assignment: pb.Assignment | None
+    library: bool  # some rank of this node uses the worker library
+    draining: bool
+    session: NodeSession
+    masters: MasterPorts
+    reconciling: asyncio.Lock  # held while the ranks are brought in line with a map
+
+    def finishing(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+    async def settle(self) -> None:
+        """Every local slot retired and its process gone: the node leaves with its outcome."""
+
+
+class RankSupervisor:
+    def __init__(self, node: Node, files: str, socket_path: str):
+        self.node = node
+        self.files = files  # the agent's private directory: the ranks' error and completion files
+        self.socket_path = socket_path  # the agent's socket, where library ranks stream their progress
+        # Python programs run through the runner, which marks their completion; others as they are.
+        self.program = python_program(node.config.argv)
+        self.argv = runner_argv(self.program) if self.program is not None else list(node.config.argv)
+        self.zygote: Zygote | None = None
+
+    async def start_zygote(self) -> None:
+        """--warm-start: the zygote's imports run while the node joins."""
+        c = self.node.config
+        if c.warm_start and self.program is not None:
+            self.zygote = await Zygote.start(self.base_env(), self.guard(), c.preload)
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+
+    def _env(self, slot: Slot, master: tuple[str, str] | None) -> dict[str, str]:
+        """torchrun's environment for the slot's process, from the current map only: what torchrun
+        sets is never inherited from the agent's own environment, and a rank without a place (one
+        started before its node enters the map) gets no RANK or MASTER_* at all."""
+        a = self.node.assignment
+        c = self.node.config
+        env = self.base_env()
+        env.update({
+            "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path, SLOT_SECRET_ENV: slot.secret,
+            "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
+            "MUSTER_GENERATION": str(a.generation), "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
+            "TORCHELASTIC_RUN_ID": c.job_id or c.job,
+            "TORCHELASTIC_RESTART_COUNT": str(slot.restarts), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
+            "TORCHELASTIC_USE_AGENT_STORE": "False", "ROLE_NAME": "default",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
+            "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
+        })
+        if slot.error_file:
+            env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
+        if slot.completed_file:
+            env[COMPLETED_FILE_ENV] = slot.completed_file
+        if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
+            rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
+            env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
+            if master is not None:
+                env.update(MASTER_ADDR=master[0], MASTER_PORT=master[1])
+        return env
+
+    def base_env(self) -> dict[str, str]:
+        """The environment every process the agent starts shares: its own without what torchrun
+        sets per rank, plus --env."""
+        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+        env.update(self.node.config.env)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def guard(self) -> list[str]:
+        """The exec wrapper that makes a process die with the agent, even on SIGKILL (orphan_guard)."""
+        return [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
+
+    async def start(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
+        c = self.node.config
+        slot.starts += 1
+        slot.secret = secrets.token_hex(16)  # its process's alone: what it presents on the agent's socket
+        slot.error_file = os.path.join(self.files, f"error-slot{slot.index}-{slot.starts}.json")
+        if self.program is not None:  # the runner marks its completion there
+            slot.completed_file = os.path.join(self.files, f"completed-slot{slot.index}-{slot.starts}")
+        env = self._env(slot, master)
+        slot.rank = int(env["RANK"]) if "RANK" in env else None
+        out = err = None
+        slot.log_path = slot.stderr = None
+        if c.log_dir is not None:
+            c.log_dir.mkdir(parents=True, exist_ok=True)
+            slot.log_path = c.log_dir / f"{c.node_id}-slot{slot.index}-{slot.starts}.log"
+            out = open(slot.log_path, "ab")
+        else:
+            # stdout stays the agent's; stderr passes through the agent, which keeps its last lines
+            # for the report should the slot be given up.
+            read_end, err = os.pipe()
+            slot.stderr = StderrTail(read_end)
+        try:
+            slot.proc = None
+            if self.zygote is not None:
+                stdio = (0, out.fileno() if out else 1, out.fileno() if out else err)  # as a child would inherit
+                try:
+                    slot.proc = await self.zygote.spawn(self.program, env, stdio)
+                except ZygoteLost as exc:
+                    log.warning("warm_start_off", why=str(exc), message="starting ranks cold from now on")
+                    self.zygote.close()
+                    self.zygote = None
+            if slot.proc is None:
+                slot.proc = await asyncio.create_subprocess_exec(
+                    *self.guard(), *self.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
+        finally:
+            if out is not None:
+                out.close()
+            if err is not None:
+                os.close(err)
+        slot.generation = self.node.assignment.generation
+        slot.started_at = time.monotonic()
+        slot.stopping = False
+        if slot.restarting:  # its replacement speaks for the slot now
+            slot.restarting = False
+            slot.failed_pid = 0
+        slot.connected = False
+        slot.report = None
+        log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
+                      start=slot.starts, rank=slot.rank, restart_count=slot.restarts,
+                      warm=isinstance(slot.proc, WarmProcess))
+        asyncio.ensure_future(self._watch(slot, slot.proc))
+
+    async def _watch(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> None:
+        code = await self._exit_of(slot, proc)
+        if slot.stopping or proc is not slot.proc:
+            return
+        log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
+        slot.connected = False
+        if code == 0 or slot.finished or (slot.completed_file and os.path.exists(slot.completed_file)):
+            # Finished: its script completed, whatever its process did in teardown after. Not a failure,
+            # never restarted; the job is ending (the ranks of a job finish together).
+            slot.finished = True
+            if code != 0 or slot.hung:
+                how = (f"hung in interpreter teardown, ended after --exit-timeout {self.node.config.exit_timeout_s:g}s"
+                       if slot.hung else "died in interpreter teardown")
+                log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
+                                 hung=slot.hung)
+                say(f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished")
+            await self.node.settle()
+            return
+        if self.node.finishing() and not self.node.draining:
+            self._lost_as_finishing(slot, proc.pid, code, report=True)
+            slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
+                                    await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
+            await self.node.settle()
+            return
+        a = self.node.assignment
+        if not self.node.library and a is not None and slot.generation < a.generation and not self.node.draining:
+            # A process of an older map (its peer died first): the newer map restarts it anyway, so
+            # its exit is no new fault. Restarted now, unless the reconcile already did.
+            async with self.node.reconciling:
+                if not slot.alive and not slot.given_up and await self.restart_allowed(
+                        slot, f"its process of generation {slot.generation} ended ({exit_words(code)})"):
+                    await self.start(slot, await self.node.masters.current())
+            return
+        # Restart semantics (a script without the library) restart a crashed rank in its place: the
+        # leader re-forms the job once, with its replacement (never a map without the slot first).
+        in_place = (not self.node.library and not self.node.draining and slot.restarts < self.node.config.max_restarts
+                    and a is not None and a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks)
+        slot.failed_pid = proc.pid  # reported exited (or restarting) until a replacement speaks for the slot
+        slot.crashed_in = a.generation if a else 0
+        slot.restarting = in_place
+        slot.crashes = 1 if time.monotonic() - slot.started_at > CRASH_LOOP_S else slot.crashes + 1
+        self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code, restarting=in_place))
+        self.node.session.send_now()  # the leader hears of it within milliseconds
+        slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
+                                await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
+        if self.node.draining:
+            return
+        if not await self.restart_allowed(slot, f"its process ended ({exit_words(code)})"):
+            return
+        # The first crash restarts at once (as torchrun does); a crash loop backs off.
+        delay = self.node.config.restart_backoff_s * 2 ** (slot.crashes - 2) if slot.crashes > 1 else 0.0
+        log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts, in_place=in_place)
+        await asyncio.sleep(delay)
+        if in_place:
+            await self._until_crash_answered(slot)
+        if self.node.finishing() and not self.node.draining and not self.node.done():
+            # It began finishing meanwhile: no restart (the leader hears so, if it was told otherwise).
+            self._lost_as_finishing(slot, proc.pid, code, report=in_place)
+            await self.node.settle()
+            return
+        if not self.node.draining and not self.node.done() and not slot.alive and not slot.given_up:
+            # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
+            async with self.node.reconciling:
+                if not slot.alive:
+                    await self.start(slot, await self.node.masters.current())
+
+    async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
+        """Its process's exit code. While it runs, its script's completion (the runner's mark) is
+        looked for: a process still running --exit-timeout after it is hung in interpreter teardown
+        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL."""
+        exited = asyncio.ensure_future(proc.wait())
+        while not slot.finished:
+            done, _ = await asyncio.wait([exited], timeout=COMPLETION_POLL_S)
+            if done:
+                return exited.result()
+            if slot.completed_file and os.path.exists(slot.completed_file):
+                slot.finished = True
+                log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
+                self.node.session.send_now()  # the leader hears at once that the job is finishing
+        for send, wait_s in ((None, self.node.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None)):
+            if send is not None:
+                slot.hung = True
+                log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
+                                 exit_timeout_s=self.node.config.exit_timeout_s)
+                send()
+            done, _ = await asyncio.wait([exited], timeout=wait_s)
+            if done:
+                break
+        return exited.result()
+
+    def _lost_as_finishing(self, slot: Slot, pid: int, code: int, *, report: bool) -> None:
+        """A rank that ended without completing its script once the job was finishing: reported as
+        exited (not restarting) and retired; the node will exit 1."""
+        slot.failed, slot.restarting, slot.failed_pid = True, False, pid
+        if report:
+            self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=pid, exit_code=code))
+            self.node.session.send_now()
+        log.error("rank_lost_finishing", slot=slot.index, rank=slot.rank, pid=pid, code=code,
+                       message="ended without completing its script as the job was finishing: not restarted")
+
+    async def _until_crash_answered(self, slot: Slot) -> None:
+        """Wait (bounded) for the generation that re-forms the job after the slot's crash, so that
+        its replacement starts once, into that map. A coordinator outage is the hold watchdog's."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESTART_ANSWER_WAIT_S
+        while self.node.assignment.generation <= slot.crashed_in and not self.node.done() and not self.node.finishing():
+            if loop.time() > deadline and self.node.session.silent_s() < self.node.session.heartbeat_timeout_s:
+                log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
+                                 waited_s=RESTART_ANSWER_WAIT_S, message="no new generation came for the crash; "
+                                 "restarting the rank in the current one")
+                return
+            await asyncio.sleep(0.01)
+
+    async def restart_allowed(self, slot: Slot, cause: str) -> bool:
+        """Count a restart of the slot (any cause: its crash, or a new map for a script without the
+        library), or give the slot up when its budget is spent: a crash loop ends with a verdict."""
+        if slot.restarts < self.node.config.max_restarts:
+            slot.restarts += 1
+            return True
+        await self._give_up(slot, cause)
+        return False
+
+    async def _give_up(self, slot: Slot, cause: str) -> None:
+        c = self.node.config
+        slot.given_up = True
+        slot.stopping = False
+        crash = slot.last_crash
+        last_pid = slot.proc.pid if slot.proc is not None else 0
+        if crash is None or crash.pid != last_pid:  # its last process did not crash (the agent stopped it)
+            slot.failed_pid = last_pid
+            if slot.proc is not None and slot.proc.returncode is not None:
+                self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=last_pid,
+                                                      exit_code=slot.proc.returncode))
+                self.node.session.send_now()
+        log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
+                       last_code=crash.code if crash else None, rank=crash.rank if crash else slot.rank, cause=cause)
+        tail = crash.tail if crash else await asyncio.to_thread(read_tail, slot)
+        elsewhere = None
+        if crash is None:  # restarted for new maps only: the failures are elsewhere in the job
+            try:
+                _, events = await asyncio.wait_for(asyncio.to_thread(query, c, False), QUERY_WAIT_S)
+                elsewhere = last_failure(events, c.node_id)
+            except Exception:
+                pass
+        say(failure_report(c, slot, cause, crash, tail, elsewhere))
+        await self.node.settle()
+
+    async def stop(self, slot: Slot, grace_s: float = 5.0) -> None:
+        proc = slot.proc
+        if proc is None or proc.returncode is not None:
+            return
+        slot.stopping = True
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+def say(message: str) -> None:
+    """A plain line (or block) for the person at the terminal, beside the structured log."""
+    prefix = "muster run: "
+    print("\n".join(prefix + line for line in message.split("\n")), file=sys.stderr, flush=True)
