@@ -27,7 +27,6 @@ The exit status tells the outcome (muster.worker.outcome, `muster run --help`):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import shutil
 import signal
@@ -45,10 +44,10 @@ from muster.worker.crash_report import exit_words
 from muster.worker.master_port import MasterPorts
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
-from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
 from muster.worker.slot import Slot
-from muster.worker.waiting import waiting_for
+from muster.worker.rank_hub import RankHub, process_state
 from muster.worker.supervisor import RankSupervisor, say
+from muster.worker.watchdogs import watch_coordinator, watch_place
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +63,7 @@ class NodeAgent:
         self._leaving = False  # every local slot is retired: the node leaves (once)
         self.session: NodeSession | None = None
         self.ranks: RankSupervisor | None = None  # the rank processes, once the agent runs
-        self._queues: dict[asyncio.Queue, Slot] = {}  # each connected library rank's directives
+        self.hub = RankHub(self)  # the library ranks' streams, and the node's frame
         self._done: asyncio.Future | None = None
         self.reconciling = asyncio.Lock()
         self._signal = 0  # the signal that ends the agent (SIGTERM, SIGINT): exit 128 + it
@@ -89,7 +88,7 @@ class NodeAgent:
         self.ranks = RankSupervisor(self, sockets, socket_path)
         await self.ranks.start_zygote()
         server = grpc.aio.server()
-        pb_grpc.add_NodeAgentServicer_to_server(_RankSessions(self), server)
+        pb_grpc.add_NodeAgentServicer_to_server(self.hub, server)
         server.add_insecure_port(f"unix:{socket_path}")
         await server.start()
         spec = pb.JobSpec(min_nodes=c.nodes[0] if c.nodes else 0, max_nodes=c.nodes[1] if c.nodes else 0,
@@ -98,7 +97,7 @@ class NodeAgent:
             c.coordinators,
             NodeIdentity(c.job, c.node_id, c.slots, c.host, store.port, spec, agent_pid=os.getpid(),
                          master_port=master_port),
-            reports=self._reports,
+            reports=self.hub.reports,
             on_directive=self._on_directive,
             security=c.security,
         )
@@ -115,7 +114,7 @@ class NodeAgent:
                 joining.cancel()  # a signal while joining
             elif joining.result():
                 streaming = asyncio.create_task(self._stream())
-                watchdogs = [asyncio.create_task(self._watch_coordinator()), asyncio.create_task(self._watch_place())]
+                watchdogs = [asyncio.create_task(watch_coordinator(self)), asyncio.create_task(watch_place(self))]
             return await self._done
         finally:
             for task in watchdogs or ():
@@ -139,7 +138,7 @@ class NodeAgent:
         if self._signal or not self.session.member_id or self._done.done():
             self._signal = self._signal or sig
             say(f"{name}: stopping node {self.config.node_id!r} now")
-            self._finish(128 + self._signal)
+            self.finish(128 + self._signal)
             return
         self._signal = sig
         say(f"{name}: draining node {self.config.node_id!r} at a step boundary ({name} again stops it at once)")
@@ -165,7 +164,7 @@ class NodeAgent:
                     self.log.error("join_refused", code=exc.code().name, details=exc.details())
                     say(f"the coordinator refused node {c.node_id!r} in job {c.job!r}: "
                          f"{exc.code().name}: {exc.details()}")
-                    self._finish(EXIT_FAILED)
+                    self.finish(EXIT_FAILED)
                     return False
                 error = f"{exc.code().name}: {exc.details()}"
             except TimeoutError as exc:
@@ -175,7 +174,7 @@ class NodeAgent:
                 self.log.error("join_timeout", join_timeout_s=c.join_timeout_s, error=error)
                 say(f"no coordinator at {addresses} accepted node {c.node_id!r} in job {c.job!r} within "
                      f"{c.join_timeout_s:g}s (--join-timeout); last error: {error}")
-                self._finish(EXIT_FAILED)
+                self.finish(EXIT_FAILED)
                 return False
             self.log.warning("join_waiting", coordinators=list(c.coordinators), error=error,
                              message=f"waiting for a coordinator to accept the join ({error}); "
@@ -191,105 +190,35 @@ class NodeAgent:
             self.log.info("job_ended", run=end.run, outcome=end.outcome, reason=end.reason, code=code)
             say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
                  + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")
-            self._finish(code)
+            self.finish(code)
         except Evicted as exc:
             self.log.error("node_evicted", reason=str(exc))
-            self._finish(EXIT_FAILED)
+            self.finish(EXIT_FAILED)
         except grpc.aio.AioRpcError as exc:
             self.log.error("coordinator_refused", code=exc.code().name, details=exc.details())
-            self._finish(EXIT_FAILED)
+            self.finish(EXIT_FAILED)
         except Exception:  # a bug must not leave the node joined and silent until the hold timeout
             self.log.exception("stream_failed")
-            self._finish(EXIT_FAILED)
-
-    async def _watch_coordinator(self) -> None:
-        """Hold while no coordinator answers (an etcd or coordinator outage must not cost the ranks),
-        but not forever: past the hold timeout the agent exits, and its ranks with it."""
-        warned = False
-        while not self._done.done():
-            await asyncio.sleep(1.0)
-            silent_s = self.session.silent_s()
-            if silent_s > 2 * self.session.heartbeat_timeout_s and not warned:
-                warned = True
-                self.log.warning("coordinator_unreachable", silent_s=round(silent_s, 1),
-                                 hold_timeout_s=self.config.hold_timeout_s, coordinators=list(self.config.coordinators))
-            elif silent_s <= self.session.heartbeat_timeout_s and warned:
-                warned = False
-                self.log.info("coordinator_reachable")
-            if silent_s > self.config.hold_timeout_s:
-                self.log.error("hold_expired", silent_s=round(silent_s, 1), hold_timeout_s=self.config.hold_timeout_s,
-                               message=f"no coordinator answered for {silent_s:.0f}s; giving up with the ranks")
-                self._finish(EXIT_FAILED)
-
-    async def _watch_place(self) -> None:
-        """Nobody waits in silence: while the node has no place in a generation, say what it waits
-        for (after a second, then every wait_report_s); past --form-timeout give up. A hot spare
-        waits on (a failure elsewhere promotes it, the end of the run ends it: JobEnd)."""
-        c = self.config
-        loop = asyncio.get_running_loop()
-        idle: float | None = None  # without a place in a generation since
-        since: float | None = None  # ...and not a spare either: the form timeout counts from here
-        reported_at: float | None = None
-        spare_said = False
-        while not self._done.done():
-            await asyncio.sleep(0.25)
-            a = self.assignment
-            now = loop.time()
-            if self.draining or (a is not None and a.role == pb.ROLE_ACTIVE):
-                idle = since = reported_at = None
-                spare_said = False
-                continue
-            # A node whose ranks started before it had a place (start_ranks) and all report waits like
-            # a spare: it enters at the next switch, or stays a spare when the map is full.
-            ready = a is not None and a.start_ranks and all(
-                self.slots[i].connected or self.slots[i].retired for i in a.down_local_ranks)
-            spare = a is not None and ((a.role == pb.ROLE_SPARE and not a.start_ranks) or ready)
-            idle = now if idle is None else idle
-            since = None if spare else now if since is None else since  # a spare has its place
-            due = now - idle >= 1.0 if reported_at is None else now - reported_at >= c.wait_report_s
-            if due and spare:
-                reported_at = now
-                if not spare_said:
-                    spare_said = True
-                    self.log.info("waiting", role="spare", message=f"hot spare: waiting for a place (generation "
-                                  f"{a.generation} has world size {a.world_size}; a failure or the next switch "
-                                  "promotes this node)")
-            elif due:
-                reported_at = now
-                what = await waiting_for(self.config, self.assignment)
-                self.log.info("waiting", message=what, waited_s=round(now - since, 1), form_timeout_s=c.form_timeout_s)
-            if since is not None and now - since > c.form_timeout_s:
-                what = await waiting_for(self.config, self.assignment)
-                self.log.error("form_timeout", form_timeout_s=c.form_timeout_s, message=what)
-                say(f"no place in job {c.job!r} for node {c.node_id!r} within {c.form_timeout_s:g}s "
-                     f"(--form-timeout): {what}")
-                try:
-                    await self.session.leave(immediate=True, reason="no place within --form-timeout", retry_for_s=5)
-                except Exception as exc:
-                    self.log.warning("leave_failed", error=str(exc))
-                self._finish(EXIT_FAILED)
-                return
+            self.finish(EXIT_FAILED)
 
     def _store_key_planted(self, generation: int, exc: Exception) -> None:
         """Rank 0's key of a generation was there before it published: the node stops, loudly."""
         self.log.error("store_key_planted", generation=generation, error=str(exc))
         say(f"generation {generation}: {exc}; stopping this node")
-        self._finish(EXIT_FAILED)
+        self.finish(EXIT_FAILED)
 
     def done(self) -> bool:
         """The agent has its exit code: it is stopping."""
         return self._done is not None and self._done.done()
 
-    def _finish(self, code: int) -> None:
+    def finish(self, code: int) -> None:
         if not self._done.done():
             self._done.set_result(code)
 
     # ---- directives ------------------------------------------------------------------
 
     def _on_directive(self, d: pb.Directive) -> None:
-        for q, slot in self._queues.items():
-            if _for_rank(d, slot):
-                q.put_nowait(d)
+        self.hub.deliver(d)
         if d.HasField("end"):
             return  # the session ends with JobEnded: _stream exits with the outcome
         if d.HasField("drain"):
@@ -303,13 +232,13 @@ class NodeAgent:
         self.assignment = a
         self.session.generation = a.generation
         for slot in self.slots:
-            if slot.failed_pid and slot.connected and self._crash_answered(slot):
+            if slot.failed_pid and slot.connected and self.hub.crash_answered(slot):
                 slot.failed_pid = 0  # its replacement speaks for the slot from now on
         if a.start_ranks:
             self.library = True  # the leader asks for it only when the job's ranks use the library
         if a.role == pb.ROLE_EVICTED:
             self.log.error("node_evicted", reason=a.reason)
-            self._finish(EXIT_FAILED)
+            self.finish(EXIT_FAILED)
             return
         if not self.draining and not self.finishing():  # a finishing job is never re-formed
             if a.role == pb.ROLE_ACTIVE and not self.library:
@@ -350,54 +279,7 @@ class NodeAgent:
 
     # ---- ranks -----------------------------------------------------------------------
 
-    # ---- aggregation -----------------------------------------------------------------
-
-    def _reports(self) -> list[pb.RankReport]:
-        now = asyncio.get_running_loop().time()
-        a = self.assignment
-        if a is not None and a.start_ranks and not all(
-                self.slots[s].connected for s in a.down_local_ranks if not self.slots[s].retired):
-            return []  # starting: report the node's ranks together, so they enter the map in one generation
-        reports = []
-        for slot in self.slots:
-            if slot.finished:
-                # The job is finishing, not failing (a drained rank's end is the drain's). A coordinator
-                # that predates runs (JoinResponse.run 0) refuses the state: it is told nothing, as then.
-                if self.session.joined_run and not self.draining:
-                    reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid, state=pb.RANK_STATE_FINISHED))
-                continue
-            if slot.failed_pid and slot.connected and not slot.stopping:
-                # Its replacement is up, but no leader has answered the crash yet (an outage, a
-                # failover): the slot still speaks of the dead process, so that the next leader
-                # learns of the exit even if the report went down with the old one.
-                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
-            elif slot.connected and slot.report is not None:
-                r = pb.RankReport()
-                r.CopyFrom(slot.report)
-                if _runnable(slot.proc.pid):
-                    # Its process runs: a rank whose Python thread is held off the GIL by a long C++
-                    # call (NCCL init or abort, a long kernel) is not silent; a deadlock shows as a stall.
-                    slot.heard_at = now
-                r.heard_ms_ago = int((now - slot.heard_at) * 1000)
-                reports.append(r)
-            elif slot.alive and not self.library:
-                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid,
-                                             state=pb.RANK_STATE_UNMONITORED))
-            elif slot.restarting:  # until its replacement starts: the job is to re-form with the slot
-                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_RESTARTING,
-                                             generation=slot.crashed_in))
-            elif slot.failed_pid and not slot.stopping:  # crashed, or its replacement is not connected yet
-                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
-        return reports
-
     # ---- leaving ---------------------------------------------------------------------
-
-    def _crash_answered(self, slot: Slot) -> bool:
-        """The leader has acted on the slot's last crash: a generation after the one it crashed in,
-        or the slot listed as down; or the slot was in no map, so its crash changed nothing."""
-        a = self.assignment
-        return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
-                or slot.index not in a.local_ranks)
 
     async def settle(self) -> None:
         """Once every local slot is retired and its process gone: leave, and exit with the node's
@@ -429,7 +311,7 @@ class NodeAgent:
                  + ", ".join(f"{s.named} ended ({exit_words(s.last_crash.code) if s.last_crash else 'exited'}) "
                              "without completing its script" for s in lost)
                  + " as the job was finishing (not restarted: that would run the script again)")
-        self._finish(EXIT_FAILED if given_up or lost else EXIT_SUCCEEDED)
+        self.finish(EXIT_FAILED if given_up or lost else EXIT_SUCCEEDED)
 
     async def _drain_node(self, order: pb.Drain | None = None) -> None:
         """Leave at a step boundary: on SIGTERM or SIGINT (exit 128 + the signal), or on the
@@ -459,93 +341,7 @@ class NodeAgent:
             await asyncio.sleep(0.05)
         code = EXIT_STOPPED if order is not None else 128 + self._signal
         self.log.info("drained", code=code)
-        self._finish(code)
-
-
-class _RankSessions(pb_grpc.NodeAgentServicer):
-    """The agent's side of each library rank's stream."""
-
-    def __init__(self, agent: NodeAgent):
-        self.agent = agent
-
-    async def RankSession(self, request_iterator, context):
-        agent = self.agent
-        presented = dict(context.invocation_metadata() or ()).get(SLOT_SECRET_METADATA, "")
-        first = await anext(request_iterator, None)
-        if first is None or first.local_rank >= len(agent.slots):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first report must name a local_rank of this node")
-        slot = agent.slots[first.local_rank]
-        if not slot.alive or slot.proc.pid != first.pid:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"pid {first.pid} is not the process of slot {first.local_rank}")
-        # The pid is self-reported: any process of the same user could name it. The secret was
-        # handed to that process alone, in its environment at its start.
-        if not hmac.compare_digest(slot.secret.encode(), presented.encode()):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"this stream does not carry the {SLOT_SECRET_METADATA} of slot {first.local_rank}'s "
-                                f"process (the agent sets it in that process's environment, {SLOT_SECRET_ENV})")
-        loop = asyncio.get_running_loop()
-        slot.report, slot.heard_at, slot.connected = first, loop.time(), True
-        if agent._crash_answered(slot):
-            slot.failed_pid = 0  # the replacement speaks for the slot now
-        agent.library = True
-        queue: asyncio.Queue = asyncio.Queue()
-        if agent.assignment is not None:
-            current = pb.Directive(term=agent.session.term, generation=agent.assignment.generation,
-                                   assignment=agent.assignment)
-            if _for_rank(current, slot):
-                queue.put_nowait(current)
-        if agent.drain is not None:
-            queue.put_nowait(pb.Directive(term=agent.session.term, drain=agent.drain))
-        agent._queues[queue] = slot
-
-        async def read() -> str:
-            """Why the stream is refused ("": it ended): it speaks for its own slot and process only."""
-            async for report in request_iterator:
-                if report.local_rank != first.local_rank or report.pid != first.pid:
-                    return (f"a report for local_rank {report.local_rank} pid {report.pid} on the stream of "
-                            f"local_rank {first.local_rank} pid {first.pid}")
-                # Connected again: a refused stream's end (below) may have said otherwise meanwhile.
-                slot.report, slot.heard_at, slot.connected = report, loop.time(), True
-            return ""
-
-        reader = asyncio.create_task(read())
-        try:
-            while not reader.done():
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait([getter, reader], return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield getter.result()
-                else:
-                    getter.cancel()
-            if not reader.cancelled() and reader.exception() is None and reader.result():
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reader.result())
-        finally:
-            reader.cancel()
-            agent._queues.pop(queue, None)
-            if slot.report is not None and slot.report.pid == first.pid:
-                slot.connected = False
-
-
-def _for_rank(d: pb.Directive, slot: Slot) -> bool:
-    """A replacement process is no member of the generation its predecessor crashed in (nor of an
-    older one): while no coordinator has answered the crash (an outage), it waits for a newer one
-    instead of trying to join a group whose others have long formed."""
-    return not d.HasField("assignment") or d.assignment.generation > slot.crashed_in
-
-
-def _process_state(pid: int) -> str | None:
-    """The process's state letter from /proc (R, S, D, T, Z, ...), or None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _runnable(pid: int) -> bool:
-    """The process exists and is neither stopped (SIGSTOP, a debugger) nor a zombie."""
-    return _process_state(pid) not in (None, "T", "t", "Z", "X")
+        self.finish(code)
 
 
 SOCKET_DIR_PREFIX = "muster-agent-"
@@ -561,7 +357,7 @@ def _remove_stale_socket_dirs() -> None:
         pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
         path = os.path.join(root, name)
         try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _process_state(int(pid)) is not None:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or process_state(int(pid)) is not None:
                 continue
         except OSError:
             continue

@@ -52,13 +52,18 @@ class Node(Protocol):
     assignment: pb.Assignment | None
     library: bool  # some rank of this node uses the worker library
     draining: bool
+    drain: pb.Drain | None  # the leader's order to leave, once given
     session: NodeSession
     masters: MasterPorts
     reconciling: asyncio.Lock  # held while the ranks are brought in line with a map
+    log: structlog.stdlib.BoundLogger  # bound to the job and the node
 
     def finishing(self) -> bool: ...
 
     def done(self) -> bool: ...
+
+    def finish(self, code: int) -> None:
+        """The agent ends with this exit code (the first one set wins)."""
 
     async def settle(self) -> None:
         """Every local slot retired and its process gone: the node leaves with its outcome."""
@@ -73,6 +78,10 @@ class RankSupervisor:
         self.program = python_program(node.config.argv)
         self.argv = runner_argv(self.program) if self.program is not None else list(node.config.argv)
         self.zygote: Zygote | None = None
+
+    @property
+    def log(self):
+        return self.node.log
 
     async def start_zygote(self) -> None:
         """--warm-start: the zygote's imports run while the node joins."""
@@ -152,7 +161,7 @@ class RankSupervisor:
                 try:
                     slot.proc = await self.zygote.spawn(self.program, env, stdio)
                 except ZygoteLost as exc:
-                    log.warning("warm_start_off", why=str(exc), message="starting ranks cold from now on")
+                    self.log.warning("warm_start_off", why=str(exc), message="starting ranks cold from now on")
                     self.zygote.close()
                     self.zygote = None
             if slot.proc is None:
@@ -171,7 +180,7 @@ class RankSupervisor:
             slot.failed_pid = 0
         slot.connected = False
         slot.report = None
-        log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
+        self.log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
                       start=slot.starts, rank=slot.rank, restart_count=slot.restarts,
                       warm=isinstance(slot.proc, WarmProcess))
         asyncio.ensure_future(self._watch(slot, slot.proc))
@@ -180,7 +189,7 @@ class RankSupervisor:
         code = await self._exit_of(slot, proc)
         if slot.stopping or proc is not slot.proc:
             return
-        log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
+        self.log.info("rank_exited", slot=slot.index, pid=proc.pid, code=code)
         slot.connected = False
         if code == 0 or slot.finished or (slot.completed_file and os.path.exists(slot.completed_file)):
             # Finished: its script completed, whatever its process did in teardown after. Not a failure,
@@ -189,7 +198,7 @@ class RankSupervisor:
             if code != 0 or slot.hung:
                 how = (f"hung in interpreter teardown, ended after --exit-timeout {self.node.config.exit_timeout_s:g}s"
                        if slot.hung else "died in interpreter teardown")
-                log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
+                self.log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
                                  hung=slot.hung)
                 say(f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished")
             await self.node.settle()
@@ -217,7 +226,8 @@ class RankSupervisor:
         slot.crashed_in = a.generation if a else 0
         slot.restarting = in_place
         slot.crashes = 1 if time.monotonic() - slot.started_at > CRASH_LOOP_S else slot.crashes + 1
-        self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code, restarting=in_place))
+        self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code,
+                                                   restarting=in_place))
         self.node.session.send_now()  # the leader hears of it within milliseconds
         slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
                                 await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
@@ -227,7 +237,7 @@ class RankSupervisor:
             return
         # The first crash restarts at once (as torchrun does); a crash loop backs off.
         delay = self.node.config.restart_backoff_s * 2 ** (slot.crashes - 2) if slot.crashes > 1 else 0.0
-        log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts, in_place=in_place)
+        self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts, in_place=in_place)
         await asyncio.sleep(delay)
         if in_place:
             await self._until_crash_answered(slot)
@@ -253,12 +263,13 @@ class RankSupervisor:
                 return exited.result()
             if slot.completed_file and os.path.exists(slot.completed_file):
                 slot.finished = True
-                log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
+                self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
                 self.node.session.send_now()  # the leader hears at once that the job is finishing
-        for send, wait_s in ((None, self.node.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None)):
+        escalation = ((None, self.node.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None))
+        for send, wait_s in escalation:
             if send is not None:
                 slot.hung = True
-                log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
+                self.log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
                                  exit_timeout_s=self.node.config.exit_timeout_s)
                 send()
             done, _ = await asyncio.wait([exited], timeout=wait_s)
@@ -273,7 +284,7 @@ class RankSupervisor:
         if report:
             self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=pid, exit_code=code))
             self.node.session.send_now()
-        log.error("rank_lost_finishing", slot=slot.index, rank=slot.rank, pid=pid, code=code,
+        self.log.error("rank_lost_finishing", slot=slot.index, rank=slot.rank, pid=pid, code=code,
                        message="ended without completing its script as the job was finishing: not restarted")
 
     async def _until_crash_answered(self, slot: Slot) -> None:
@@ -283,7 +294,7 @@ class RankSupervisor:
         deadline = loop.time() + RESTART_ANSWER_WAIT_S
         while self.node.assignment.generation <= slot.crashed_in and not self.node.done() and not self.node.finishing():
             if loop.time() > deadline and self.node.session.silent_s() < self.node.session.heartbeat_timeout_s:
-                log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
+                self.log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
                                  waited_s=RESTART_ANSWER_WAIT_S, message="no new generation came for the crash; "
                                  "restarting the rank in the current one")
                 return
@@ -310,7 +321,7 @@ class RankSupervisor:
                 self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=last_pid,
                                                       exit_code=slot.proc.returncode))
                 self.node.session.send_now()
-        log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
+        self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
                        last_code=crash.code if crash else None, rank=crash.rank if crash else slot.rank, cause=cause)
         tail = crash.tail if crash else await asyncio.to_thread(read_tail, slot)
         elsewhere = None

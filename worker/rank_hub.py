@@ -1,0 +1,155 @@
+"""The agent's hub of its library ranks: each rank's stream over the agent's Unix socket (a
+stream speaks for its own slot and process only: the secret handed to that process, its pid),
+the leader's directives fanned out to them, and the node's frame aggregated from their reports
+and from the processes themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+import grpc
+
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
+from muster.worker.slot import Slot
+from muster.worker.supervisor import Node
+
+
+class RankHub(pb_grpc.NodeAgentServicer):
+    def __init__(self, node: Node):
+        self.node = node
+        self.queues: dict[asyncio.Queue, Slot] = {}  # each connected library rank's directives
+
+    def deliver(self, d: pb.Directive) -> None:
+        """A directive of the leader, to every library rank it is for."""
+        for q, slot in self.queues.items():
+            if _for_rank(d, slot):
+                q.put_nowait(d)
+
+    def crash_answered(self, slot: Slot) -> bool:
+        """The leader has acted on the slot's last crash: a generation after the one it crashed in,
+        or the slot listed as down; or the slot was in no map, so its crash changed nothing."""
+        a = self.node.assignment
+        return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
+                or slot.index not in a.local_ranks)
+
+    def reports(self) -> list[pb.RankReport]:
+        """The node's frame: one report per slot, from its rank's stream or from its process."""
+        node = self.node
+        now = asyncio.get_running_loop().time()
+        a = node.assignment
+        if a is not None and a.start_ranks and not all(
+                node.slots[s].connected for s in a.down_local_ranks if not node.slots[s].retired):
+            return []  # starting: report the node's ranks together, so they enter the map in one generation
+        reports = []
+        for slot in node.slots:
+            if slot.finished:
+                # The job is finishing, not failing (a drained rank's end is the drain's). A coordinator
+                # that predates runs (JoinResponse.run 0) refuses the state: it is told nothing, as then.
+                if node.session.joined_run and not node.draining:
+                    reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid, state=pb.RANK_STATE_FINISHED))
+                continue
+            if slot.failed_pid and slot.connected and not slot.stopping:
+                # Its replacement is up, but no leader has answered the crash yet (an outage, a
+                # failover): the slot still speaks of the dead process, so that the next leader
+                # learns of the exit even if the report went down with the old one.
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
+            elif slot.connected and slot.report is not None:
+                r = pb.RankReport()
+                r.CopyFrom(slot.report)
+                if _runnable(slot.proc.pid):
+                    # Its process runs: a rank whose Python thread is held off the GIL by a long C++
+                    # call (NCCL init or abort, a long kernel) is not silent; a deadlock shows as a stall.
+                    slot.heard_at = now
+                r.heard_ms_ago = int((now - slot.heard_at) * 1000)
+                reports.append(r)
+            elif slot.alive and not node.library:
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid,
+                                             state=pb.RANK_STATE_UNMONITORED))
+            elif slot.restarting:  # until its replacement starts: the job is to re-form with the slot
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_RESTARTING,
+                                             generation=slot.crashed_in))
+            elif slot.failed_pid and not slot.stopping:  # crashed, or its replacement is not connected yet
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
+        return reports
+
+    async def RankSession(self, request_iterator, context):
+        node = self.node
+        presented = dict(context.invocation_metadata() or ()).get(SLOT_SECRET_METADATA, "")
+        first = await anext(request_iterator, None)
+        if first is None or first.local_rank >= len(node.slots):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first report must name a local_rank of this node")
+        slot = node.slots[first.local_rank]
+        if not slot.alive or slot.proc.pid != first.pid:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"pid {first.pid} is not the process of slot {first.local_rank}")
+        # The pid is self-reported: any process of the same user could name it. The secret was
+        # handed to that process alone, in its environment at its start.
+        if not hmac.compare_digest(slot.secret.encode(), presented.encode()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this stream does not carry the {SLOT_SECRET_METADATA} of slot {first.local_rank}'s "
+                                f"process (the agent sets it in that process's environment, {SLOT_SECRET_ENV})")
+        loop = asyncio.get_running_loop()
+        slot.report, slot.heard_at, slot.connected = first, loop.time(), True
+        if self.crash_answered(slot):
+            slot.failed_pid = 0  # the replacement speaks for the slot now
+        node.library = True
+        queue: asyncio.Queue = asyncio.Queue()
+        if node.assignment is not None:
+            current = pb.Directive(term=node.session.term, generation=node.assignment.generation,
+                                   assignment=node.assignment)
+            if _for_rank(current, slot):
+                queue.put_nowait(current)
+        if node.drain is not None:
+            queue.put_nowait(pb.Directive(term=node.session.term, drain=node.drain))
+        self.queues[queue] = slot
+
+        async def read() -> str:
+            """Why the stream is refused ("": it ended): it speaks for its own slot and process only."""
+            async for report in request_iterator:
+                if report.local_rank != first.local_rank or report.pid != first.pid:
+                    return (f"a report for local_rank {report.local_rank} pid {report.pid} on the stream of "
+                            f"local_rank {first.local_rank} pid {first.pid}")
+                # Connected again: a refused stream's end (below) may have said otherwise meanwhile.
+                slot.report, slot.heard_at, slot.connected = report, loop.time(), True
+            return ""
+
+        reader = asyncio.create_task(read())
+        try:
+            while not reader.done():
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait([getter, reader], return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            if not reader.cancelled() and reader.exception() is None and reader.result():
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reader.result())
+        finally:
+            reader.cancel()
+            self.queues.pop(queue, None)
+            if slot.report is not None and slot.report.pid == first.pid:
+                slot.connected = False
+
+
+def _for_rank(d: pb.Directive, slot: Slot) -> bool:
+    """A replacement process is no member of the generation its predecessor crashed in (nor of an
+    older one): while no coordinator has answered the crash (an outage), it waits for a newer one
+    instead of trying to join a group whose others have long formed."""
+    return not d.HasField("assignment") or d.assignment.generation > slot.crashed_in
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, T, Z, ...), or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _runnable(pid: int) -> bool:
+    """The process exists and is neither stopped (SIGSTOP, a debugger) nor a zombie."""
+    return process_state(pid) not in (None, "T", "t", "Z", "X")
