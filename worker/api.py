@@ -359,7 +359,7 @@ class Worker:
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
                  step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
-                 barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
+                 store_s=round(self.comm.store_s, 4), barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
 
     def _target(self, after: int) -> pb.Assignment | None:
         """The generation to form, newer than `after`: the latest, unless that is a planned switch
