@@ -303,6 +303,8 @@ class Worker:
                                   f"(the coordinator was last heard {self.link.silent_s():.0f}s ago): giving up")
             silent_s = 0.0 if hold else self.link.silent_s()
             if silent_s > self.config.hold_timeout_s:
+                log.error("coordinator_lost", generation=after, silent_s=round(silent_s, 1),
+                          hold_timeout_s=self.config.hold_timeout_s)
                 raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
                                       f"in generation > {after} (hold timeout {self.config.hold_timeout_s:g}s)")
             self.link.changed.wait(0.1)
@@ -341,7 +343,8 @@ class Worker:
             except Superseded:
                 pass
             except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself: hold for the next
-                log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200])
+                log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200],
+                            hold_left_s=round(max(0.0, deadline - time.monotonic()), 1))  # then HoldExpired
                 after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
             finally:
                 self._forming = False

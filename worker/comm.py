@@ -221,6 +221,8 @@ class Comm:
         client, connections = self._store(spec, abandoned, started)
         self.store_s = time.monotonic() - started
         with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
+            if spec.generation < self._abort_below:  # aborted while connecting: nothing would cut the waits below
+                raise Superseded(f"generation {spec.generation} abandoned while connecting to its store")
             self._forming = (spec.generation, connections)
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
