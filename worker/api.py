@@ -305,6 +305,8 @@ class Worker:
                                   f"(the coordinator was last heard {self.link.silent_s():.0f}s ago): giving up")
             silent_s = 0.0 if hold else self.link.silent_s()
             if silent_s > self.config.hold_timeout_s:
+                log.error("coordinator_lost", generation=after, silent_s=round(silent_s, 1),
+                          hold_timeout_s=self.config.hold_timeout_s)
                 raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
                                       f"in generation > {after} (hold timeout {self.config.hold_timeout_s:g}s)")
             self.link.changed.wait(0.1)
@@ -343,7 +345,8 @@ class Worker:
             except Superseded:
                 pass
             except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself: hold for the next
-                log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200])
+                log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200],
+                            hold_left_s=round(max(0.0, deadline - time.monotonic()), 1))  # then HoldExpired
                 after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
             finally:
                 self._forming = False
@@ -361,7 +364,7 @@ class Worker:
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
                  step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
-                 barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
+                 store_s=round(self.comm.store_s, 4), barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
 
     def _target(self, after: int) -> pb.Assignment | None:
         """The generation to form, newer than `after`: the latest, unless that is a planned switch

@@ -173,8 +173,14 @@ class Comm:
         self._lock = threading.Lock()
         self._sockets: set[int] = set()
         self._abort_below = 0  # generations below this are to be aborted
-        self._client: dist.Store | None = None
-        self.barrier_s = 0.0  # of the last form(): waiting for every rank to arrive
+        # The store connection of the last generation formed: the next generation on the same store
+        # uses it again (its address, the client, its sockets). Every new connection costs c10d a
+        # reverse-DNS lookup of the peer's address on each side (SocketImpl formats it with
+        # getnameinfo), the store host's in its one event-loop thread: a lookup that goes unanswered
+        # held every rank of the generation for the resolver's timeout (5 s), seen at 16 ranks.
+        self._client: tuple[str, dist.Store, set[int]] | None = None
+        self.store_s = 0.0  # of the last form(): connecting to the generation's store (0 when kept)
+        self.barrier_s = 0.0  # of the last form(): connecting, then waiting for every rank to arrive
         self._forming: tuple[int, set[int]] | None = None  # generation being formed, its store connections
         self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
         self._attempts = 0
@@ -183,14 +189,21 @@ class Comm:
     def formed(self) -> bool:
         return self.spec is not None
 
-    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool], started: float) -> dist.Store:
-        """A client of the generation's store. Its host may have died (a node lost as the map was
-        published): c10d's TCPStore constructor retries a refused connect for the whole timeout and
-        nothing can cut it, so a cheap probe comes first and the constructor only gets short
-        attempts; between them a newer generation abandons this one (Superseded)."""
+    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool], started: float) -> tuple[dist.Store, set[int]]:
+        """A client of the generation's store and its sockets (none for this process's own store):
+        the previous generation's when the store is the same. Its host may have died (a node lost as
+        the map was published): c10d's TCPStore constructor retries a refused connect for the whole
+        timeout and nothing can cut it, so a cheap probe comes first and the constructor only gets
+        short attempts; between them a newer generation abandons this one (Superseded)."""
         host, port = split_host_port(spec.store_address)
         if self.server is not None and port == self.store_port and host in (self.host, "127.0.0.1", "localhost"):
-            return self.server
+            return self.server, set()
+        with self._lock:
+            kept, self._client = self._client, None  # in use: kept again once this generation forms
+        if kept is not None and kept[0] == spec.store_address:
+            return kept[1], kept[2]
+        del kept  # another store: the old connection closes
+        before = _socket_fds()
         attempt_s, delay, error = CONNECT_ATTEMPT_S, 0.005, "no answer"
         while True:
             if abandoned():
@@ -214,15 +227,17 @@ class Comm:
                 attempt_s = min(attempt_s * 2, CONNECT_ATTEMPT_MAX_S)
                 continue
             client.set_timeout(self.timeout)
-            return client
+            return client, _store_connections(_socket_fds() - before, port)
 
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
         started = time.monotonic()
-        before = _socket_fds()
-        client = self._store(spec, abandoned, started)
+        client, connections = self._store(spec, abandoned, started)
+        self.store_s = time.monotonic() - started
         with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
-            self._forming = (spec.generation, _store_connections(_socket_fds() - before, split_host_port(spec.store_address)[1]))
+            if spec.generation < self._abort_below:  # aborted while connecting: nothing would cut the waits below
+                raise Superseded(f"generation {spec.generation} abandoned while connecting to its store")
+            self._forming = (spec.generation, connections)
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
             if store.add(f"arrived/{spec.rank}", 1) != 1:
@@ -264,10 +279,12 @@ class Comm:
                 store.set_timeout(self.timeout)
         finally:
             with self._lock:
+                cut = self._forming is None  # an abort shut its store connection down
                 self._forming = None  # its fds may be reused once the client goes
         with self._lock:
             self._sockets = _socket_fds() - before
-            self._client = client
+            if client is not self.server and not cut:
+                self._client = (spec.store_address, client, connections)
             self.spec = spec
             late_abort = spec.generation < self._abort_below
         if late_abort:
@@ -315,11 +332,10 @@ class Comm:
         timer.start()
 
     def destroy(self) -> None:
-        """Leave the current group (after an abort, or at a planned switch)."""
+        """Leave the current group (after an abort, or at a planned switch). Its store connection
+        stays for the next generation on the same store."""
         with self._lock:
             self.spec = None
             self._sockets = set()
-            client, self._client = self._client, None
         if dist.is_initialized():
             dist.destroy_process_group()
-        del client  # the generation's store connection closes with its last reference

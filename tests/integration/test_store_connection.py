@@ -1,0 +1,114 @@
+"""A rank keeps its connection to the generation's store for the next generation on the same store.
+Every new connection costs c10d a reverse-DNS lookup of the peer on each side (SocketImpl formats
+the address with getnameinfo), the store host's in its one event-loop thread: one unanswered query
+held every rank of a 16-rank generation 5 s (the resolver's timeout) in the arrival barrier. A kill
+that leaves the store where it was now opens no connection to it."""
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from muster.worker.comm import Comm, GroupSpec, Superseded, _socket_fds
+from muster.local import wait_until
+
+
+def store(timeout_s: float = 30) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def connections(port: int) -> set[int]:
+    """This process's connections to a store, by their local port (fd numbers are reused)."""
+    import socket
+
+    found = set()
+    for fd in _socket_fds():
+        s = socket.socket(fileno=fd)
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+                found.add(s.getsockname()[1])
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return found
+
+
+def spec(generation: int, server: dist.TCPStore, world_size: int = 1) -> GroupSpec:
+    return GroupSpec(generation, 0, world_size, 0, f"127.0.0.1:{server.port}", f"generation-{generation}")
+
+
+@pytest.mark.timeout(60)
+def test_the_next_generation_on_the_same_store_opens_no_connection_to_it():
+    server = store()
+    own = connections(server.port)  # the server object's own client
+    comm = Comm("gloo", host_store=False, timeout_s=30)
+    try:
+        comm.form(spec(1, server), abandoned=lambda: False)
+        first = connections(server.port) - own
+        assert len(first) == 1
+        for generation in (2, 3):
+            comm.destroy()
+            comm.form(spec(generation, server), abandoned=lambda: False)
+            assert connections(server.port) - own == first, f"generation {generation} connected anew"
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_generation_on_another_store_closes_the_connection_to_the_previous_one():
+    first, second = store(), store()
+    comm = Comm("gloo", host_store=False, timeout_s=30)
+    own = connections(first.port)
+    try:
+        comm.form(spec(1, first), abandoned=lambda: False)
+        assert connections(first.port) - own
+        comm.destroy()
+        comm.form(spec(2, second), abandoned=lambda: False)
+        assert connections(first.port) - own == set()
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_connection_an_abort_cut_while_forming_is_not_used_again():
+    server = store()
+    own = connections(server.port)
+    comm = Comm("gloo", host_store=False, timeout_s=30)
+    failed: list[BaseException] = []
+
+    def form_alone_in_two():  # rank 1 never arrives: the barrier waits until the abort cuts it
+        try:
+            comm.form(spec(1, server, world_size=2), abandoned=lambda: False)
+        except Exception as exc:
+            failed.append(exc)
+
+    forming = threading.Thread(target=form_alone_in_two)
+    forming.start()
+    try:
+        arrivals = dist.PrefixStore("generation-1/", server)
+        wait_until(lambda: arrivals.check(["arrived/0"]), 20, "rank 0 arrived", interval_s=0.01)
+        cut = connections(server.port) - own
+        comm.abort(2)
+        forming.join(20)
+        assert not forming.is_alive() and failed, "the barrier outlived the abort"
+        comm.destroy()
+        comm.form(spec(2, server), abandoned=lambda: False)
+        now = connections(server.port) - own
+        assert now and not now & cut, "generation 2 formed over the connection the abort shut down"
+    finally:
+        forming.join(20)
+        comm.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_generation_aborted_while_connecting_to_its_store_waits_on_nothing():
+    """The abort came before the connection was registered for it to cut: no store wait may start
+    (a stopped store host would hold it for the client's whole timeout)."""
+    server = store()
+    comm = Comm("gloo", host_store=False, timeout_s=30)
+    comm.abort(2)
+    with pytest.raises(Superseded):
+        comm.form(spec(1, server, world_size=2), abandoned=lambda: False)  # rank 1 never arrives
+    assert not dist.PrefixStore("generation-1/", server).check(["arrived/0"])
