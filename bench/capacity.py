@@ -11,7 +11,7 @@
    replica its node_id hashes to, the leader included) and the probe's Session goes through a
    relay; the leader's CPU per delivered node frame is the figure to compare.
 2. A membership change at 16k and 100k ranks, in-process with no network: the pure core
-   (`decide`, `encode`) and the leader's own per-tick and per-change path (`JobLeader._tally`
+   (`decide`, `encode`) and the leader's own per-tick and per-change path (`JobLeader.tally_once`
    with an in-memory persist), plus the per-frame and `Status` costs at that size.
 
     python bench/capacity.py            # 50..1000 nodes x 8 ranks at 10 frames/s; 16k and 100k ranks
@@ -606,17 +606,16 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     async def leader_path() -> tuple[float, float]:
         encode(leader.state)  # as a leader that wrote it before: members keep their encoded text
         for _ in range(nodes // 256 + 2):  # the first judgement of every node after the takeover grace
-            await leader._tally()
+            await leader.tally_once()
         tick = []
         for _ in range(reps):  # a tally with nothing queued: what every tick costs
             t = time.process_time()
-            await leader._tally()
+            await leader.tally_once()
             tick.append(time.process_time() - t)
         change = []
         for victim in victims[2:2 + reps]:  # failures, decide, persist (encode), adopt (every node's directive)
-            leader._inbox.append((NodeLost(victim, "node_silent", "bench"), None))
             t = time.process_time()  # CPU of the process (the encoding runs in a thread): load elsewhere does not count
-            await leader._tally()
+            await leader.tally_once(NodeLost(victim, "node_silent", "bench"))
             change.append(time.process_time() - t)
             for stream in leader.streams.values():
                 stream.queue = asyncio.Queue()  # drop the directives nobody reads
@@ -678,9 +677,9 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
             "state_bytes_full_history": f"the same once the history is full ({TIMING.history_limit} events, half "
                                         "of them generation events listing every node); etcd refuses requests over "
                                         "1.5 MiB by default (--max-request-bytes)",
-            "tick_ms": "CPU of JobLeader._tally with nothing queued, every node streaming, past the first judgement "
+            "tick_ms": "CPU of JobLeader.tally_once with nothing queued, every node streaming, past the first judgement "
                        "of every node after the takeover: what the leader runs every --tick (0.05 s)",
-            "leader_change_ms": "CPU of JobLeader._tally with one NodeLost queued: liveness, decide, encode, adopt "
+            "leader_change_ms": "CPU of JobLeader.tally_once with one NodeLost queued: liveness, decide, encode, adopt "
                                 "(one assignment directive per streaming node); the etcd write is left out",
             "assignments_ms": "wire.Assignments: every node's directive of one new map (the fan-out inside leader_change_ms)",
             "frame_us": "JobLeader.on_frame of one frame of `slots` rank reports (the protobuf already parsed)",

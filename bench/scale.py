@@ -129,7 +129,7 @@ async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: flo
         gaps: list[float] = []
         watching = asyncio.ensure_future(_loop_gaps(gaps))
         began = time.process_time()
-        await leader._tally()
+        await leader.tally_once()
         took = time.process_time() - began
         watching.cancel()
         if leader.state.generation != generation:

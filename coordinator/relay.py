@@ -438,7 +438,7 @@ class Relay:
                     if not self._accepted:  # the leader's first, empty answer
                         self._accepted, self._sent = True, []
                         self.log.info("relay_accepted", leader=address, nodes=len(self.nodes))
-                    self._fan_out(down)
+                    self.fan_out(down)
                 return self._accepted, "the leader ended it", ""
             except grpc.aio.AioRpcError as exc:
                 return self._accepted, f"{exc.code().name}: {exc.details()}", leader_hint(exc)
@@ -489,7 +489,8 @@ class Relay:
         self.accepting = False
         self._task.cancel()
 
-    def _fan_out(self, down: pb.RelayDown) -> None:
+    def fan_out(self, down: pb.RelayDown) -> None:
+        """What the leader sent down, to the nodes it names; its pulse to every node, spread."""
         for item in down.items:
             node = self.nodes.get(item.stream)
             if node is None:

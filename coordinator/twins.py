@@ -40,6 +40,7 @@ class MemoryJobStore:
         self._watchers: list[tuple[Callable[[str], None], Callable[[str], None] | None]] = []
         self._fence_next: set[str | None] = set()
         self._unavailable: set[str | None] = set()
+        self.refused = 0  # calls refused as unavailable: a test waits for some before it asserts
 
     # ---- fault hooks -----------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class MemoryJobStore:
 
     def _check(self, job: str | None) -> None:
         if None in self._unavailable or (job is not None and job in self._unavailable):
+            self.refused += 1
             raise StoreUnavailable(f"memory store made unavailable (job {job!r})")
 
     @staticmethod
@@ -199,6 +201,7 @@ class MemoryCoordination:
         # job -> lease -> (term, address, session): a candidate's key, as etcd's election keys
         self._keys: dict[str, dict[int, tuple[int, str, MemorySession]]] = {}
         self._unavailable = False
+        self.refused = 0  # calls refused as unavailable (session grants among them)
 
     # ---- fault hooks -----------------------------------------------------------------
 
@@ -215,6 +218,11 @@ class MemoryCoordination:
         with self._changed:
             self._unavailable = False
             self._changed.notify_all()
+
+    def candidates(self, job: str) -> int:
+        """How many sessions campaign for `job` (their keys, the leader's among them)."""
+        with self._changed:
+            return len(self._keys.get(job, {}))
 
     def leader_session(self, job: str) -> MemorySession | None:
         """The session whose key leads `job`: the one to expire to fail its leader over."""
@@ -241,6 +249,7 @@ class MemoryCoordination:
 
     def _check(self) -> None:
         if self._unavailable:
+            self.refused += 1
             raise StoreUnavailable("memory coordination made unavailable")
 
     def _drop_keys(self, lease: int) -> None:

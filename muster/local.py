@@ -48,6 +48,25 @@ async def until(predicate, what: str, timeout_s: float = 5.0, interval_s: float 
     return value
 
 
+class FakeClock:
+    """Monotonic time that moves only when told: `advance(s)`, or `sleep(s)` in place of
+    `asyncio.sleep` (the wait is taken at once, on this clock). Pass it as a `clock=`; read `now`."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> float:
+        self.now += s
+        return self.now
+
+    async def sleep(self, s: float) -> None:
+        self.now += max(0.0, s)
+        await asyncio.sleep(0)  # others run, as they would while this waited
+
+
 def process_alive(pid: int) -> bool:
     """True while `pid` runs; an exited process waiting to be reaped (a zombie) has exited."""
     try:

@@ -96,6 +96,7 @@ class NodeSession:
         self.exits: list[pb.RankExit] = []  # appended by the owner, sent with the next frame
         self.paused = False  # send no frames (tests simulate a hung node with it)
         self.pulses = 0  # the leader's pulses heard (a relayed node's come from its relay)
+        self.retry_sleep = asyncio.sleep  # the wait between attempts (a test's fake time goes here)
         self._streams_opened = 0  # NodeFrame.stream_seq of the latest stream
         self._call = None
         self._stopping = False
@@ -280,7 +281,7 @@ class NodeSession:
             self.leader = hint if hint and self._suspect.get(hint, 0) <= now else random.choice(others)
             if heard:
                 retry.reset()
-            await asyncio.sleep(retry.next())
+            await self.retry_sleep(retry.next())
 
     async def _probe(self, address: str) -> bool:
         """Does `address` lead the job and answer? (A frozen leader does not.)"""

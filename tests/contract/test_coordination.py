@@ -6,14 +6,15 @@ etcd does. Every wait is bounded; sessions are closed and the etcd is stopped by
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from muster.coordinator.coordination import Coordination
+from muster.coordinator.etcd.client import DEFAULT_PREFIX
 from muster.coordinator.etcd.election import EtcdCoordination
 from muster.coordinator.twins import MemoryCoordination
+from muster.local import wait_until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -25,6 +26,9 @@ class MemoryBackend:
     def expire(self, session) -> None:
         self.coordination.expire(session)
 
+    def candidates(self, job: str) -> int:
+        return self.coordination.candidates(job)
+
 
 class EtcdBackend:
     def __init__(self, client) -> None:
@@ -34,6 +38,10 @@ class EtcdBackend:
     def expire(self, session) -> None:
         """Revoked behind the session's back, as a lease etcd let lapse: its renew thread finds out."""
         self._client.revoke_lease(session.lease_id)
+
+    def candidates(self, job: str) -> int:
+        """The election keys of `job`: one a candidate, written as it begins to campaign."""
+        return len(list(self._client.get_prefix(f"{DEFAULT_PREFIX}/election/{job}/", keys_only=True)))
 
 
 @pytest.fixture(params=["memory", "etcd"])
@@ -81,7 +89,7 @@ def test_a_second_candidate_waits_until_the_leader_resigns_then_leads_with_a_lat
     first = c.election(sessions(), "job", "a")
     led = campaign(pool, first).result(5)
     waiting = campaign(pool, c.election(sessions(), "job", "b"))
-    time.sleep(0.3)  # a moment in which it must not lead
+    wait_until(lambda: backend.candidates("job") == 2, 5, "the second candidate's key written")  # it campaigns
     assert not waiting.done() and c.current_leader("job") == ("a", led.term)
     assert first.resign()
     second = waiting.result(5)

@@ -9,7 +9,7 @@ import asyncio
 import json
 
 import pytest
-from muster.local import until
+from muster.local import FakeClock, until
 
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
@@ -27,20 +27,10 @@ TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0,
 SPEC = JobSpec(min_nodes=1, max_nodes=1)  # one join forms the job at once
 
 
-class Clock:
-    """Monotonic time that moves only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Led:
     """One job led on a store: its leader, and why its leadership was lost (None while held)."""
 
-    def __init__(self, store: MemoryJobStore, clock: Clock, job: str = "job", term: int = 1,
+    def __init__(self, store: MemoryJobStore, clock: FakeClock, job: str = "job", term: int = 1,
                  session_alive=lambda: True) -> None:
         data = store.load_state(job)
         state = decode(data) if data else JobState(job, SPEC)
@@ -69,7 +59,7 @@ def stored(store: MemoryJobStore, job: str = "job") -> JobState | None:
 def test_a_decision_is_adopted_once_the_store_took_it():
     async def scenario():
         store = MemoryJobStore()
-        led = Led(store, Clock())
+        led = Led(store, FakeClock())
         member = await asyncio.wait_for(led.join("n1"), 2)
         assert member.node_id == "n1" and led.leader.state.generation == 1
         assert stored(store) == led.leader.state and stored(store).term == 1
@@ -81,7 +71,7 @@ def test_a_decision_is_adopted_once_the_store_took_it():
 def test_a_fenced_write_ends_the_leadership_and_nothing_is_adopted():
     async def scenario():
         store = MemoryJobStore()
-        led = Led(store, Clock())
+        led = Led(store, FakeClock())
         store.fence_next_write("job")
         joining = led.join("n1")
         await until(lambda: led.lost, "the leadership lost")
@@ -97,7 +87,7 @@ def test_a_fenced_write_ends_the_leadership_and_nothing_is_adopted():
 def test_the_old_leader_is_fenced_once_the_new_one_wrote():
     async def scenario():
         store = MemoryJobStore()
-        old_clock, new_clock = Clock(), Clock()
+        old_clock, new_clock = FakeClock(), FakeClock()
         old = Led(store, old_clock)
         await asyncio.wait_for(old.join("n1"), 2)
         new = Led(store, new_clock, term=2)  # takes over from the stored state, with a grace period
@@ -120,7 +110,7 @@ def test_a_session_past_its_renew_deadline_sets_the_leadership_lost():
     async def scenario():
         store = MemoryJobStore()
         session = {"alive": True}
-        led = Led(store, Clock(), session_alive=lambda: session["alive"])
+        led = Led(store, FakeClock(), session_alive=lambda: session["alive"])
         await asyncio.wait_for(led.join("n1"), 2)
         session["alive"] = False
         await asyncio.wait_for(led.leadership.lost.wait(), 2)
@@ -133,12 +123,14 @@ def test_a_session_past_its_renew_deadline_sets_the_leadership_lost():
 def test_an_unavailable_store_defers_the_decision_to_a_later_tick_of_that_job_only():
     async def scenario():
         store = MemoryJobStore()
-        clock = Clock()
+        clock = FakeClock()
         a, b = Led(store, clock, "a"), Led(store, clock, "b")
         store.make_unavailable("a")
         joining_a, joining_b = a.join("n1"), b.join("n1")
         await asyncio.wait_for(joining_b, 2)
-        await asyncio.sleep(0.1)  # ten ticks: each decides again, and is deferred again
+        # Ten of a's tallies, each of which decided the join again and had its write deferred:
+        refused = store.refused
+        await until(lambda: store.refused >= refused + 10, "ten writes of a's join refused")
         assert not joining_a.done() and a.leader.state.member("n1") is None and not a.lost
         store.make_available()
         member = await asyncio.wait_for(joining_a, 2)
@@ -161,7 +153,7 @@ def test_a_large_job_changes_off_the_loop_and_every_node_gets_its_part_once():
     state = decide(state, [Tick()], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
 
     async def scenario():
-        clock = Clock()
+        clock = FakeClock()
         leader = JobLeader(state, leadership=Leadership(LeaderKey("big", 1, "memory/big", "replica"),
                                                         MemoryJobStore()),
                            address="replica", timing=TIMING, tick_s=0.01, clock=clock)
@@ -170,8 +162,7 @@ def test_a_large_job_changes_off_the_loop_and_every_node_gets_its_part_once():
         frame = pb.NodeFrame(job="big", node_id="n7", member_id=state.member("n7").member_id, term=1,
                              generation=state.generation,
                              ranks=[pb.RankReport(local_rank=0, pid=7, step=3, state=pb.RANK_STATE_RUNNING)])
-        leader._inbox.append((NodeLost("n0", "node_silent", "test"), None))
-        tally = asyncio.ensure_future(leader._tally())
+        tally = asyncio.ensure_future(leader.tally_once(NodeLost("n0", "node_silent", "test")))
         await asyncio.sleep(0)  # the tally is deciding in its thread: a frame is taken meanwhile
         leader.on_frame(leader.streams["n7"], frame)
         await tally

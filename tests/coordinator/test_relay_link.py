@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 import pytest
-from muster.local import until
+from muster.local import FakeClock, until
 
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind
@@ -29,22 +29,27 @@ TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0,
 SPEC = JobSpec(min_nodes=1, max_nodes=2)
 
 
-async def led_job(clock: list[float] | None = None) -> tuple[JobLeader, dict[str, pb.JoinResponse]]:
+async def led_job(clock: FakeClock | None = None) -> tuple[JobLeader, dict[str, pb.JoinResponse]]:
     """A job of two process nodes, formed; the clock moves only where a test moves it (`clock`), so
     nobody goes silent otherwise."""
-    clock = clock if clock is not None else [0.0]
-    clock[:] = [100.0]
+    clock = clock or FakeClock()
     leadership = Leadership(LeaderKey("job", 1, "memory/job", "replica"), MemoryJobStore())
     leader = JobLeader(JobState("job", SPEC), leadership=leadership, address="replica", timing=TIMING, tick_s=0.01,
-                       clock=lambda: clock[0])
+                       clock=clock)
     leader.start()
     joined = {}
     for node in ("p1", "p2"):
         joined[node] = await leader.join(pb.JoinRequest(job="job", node_id=node, host="10.0.0.1", store_port=29500,
                                                         slots=1, is_process=True), SPEC)
-    clock[0] += TIMING.last_call_s + 0.1
+    clock.advance(TIMING.last_call_s + 0.1)
     await until(lambda: leader.state.rank_map is not None and leader.state.rank_map.world_size == 2, "formed")
     return leader, joined
+
+
+async def tallies(leader: JobLeader, n: int = 5) -> None:
+    """`n` more of the leader's tallies done: what did not change in them, nothing decided."""
+    done = leader.tallies
+    await until(lambda: leader.tallies >= done + n, f"{n} tallies")
 
 
 def first(joined: pb.JoinResponse, secret: bytes | None = None) -> pb.NodeFrame:
@@ -73,7 +78,7 @@ def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():
         assert item.stream == 3 and item.end.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
         link.receive(relayed(2, first(joined["p2"])))  # behind the last number: not a new stream
         assert not link.out and "p2" not in leader.streams
-        await asyncio.sleep(0.05)  # tallies run: nothing was decided
+        await tallies(leader)  # nothing was decided in them
         assert leader.state.generation == 1 and leader.streams["p1"].stream_id == 1
 
         with pytest.raises(InvalidArgument, match="name its job"):
@@ -92,7 +97,7 @@ def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit()
         assert set(leader.streams) == {"p1", "p2"}
         link.close()  # the relay's stream ended: its nodes reconnect elsewhere
         assert not leader.streams
-        await asyncio.sleep(0.05)
+        await tallies(leader)
         assert leader.state.generation == 1 and len(leader.state.members) == 2
 
         again = RelayLink(leader, "relay:2", stream_end)
@@ -107,7 +112,7 @@ def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit()
 
 def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_stream_its_own():
     async def scenario():
-        clock = [0.0]
+        clock = FakeClock()
         leader, joined = await led_job(clock)
         direct = leader.attach(pb.NodeFrame(job="job", node_id="p2", member_id=joined["p2"].member_id,
                                             term=joined["p2"].term, session_secret=joined["p2"].session_secret))
@@ -117,8 +122,8 @@ def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_s
         while not direct.queue.empty():
             direct.queue.get_nowait()
 
-        clock[0] += TIMING.heartbeat_timeout_s / 4  # the next pulse period: the direct stream is in it
-        leader._pulse(clock[0])
+        clock.advance(TIMING.heartbeat_timeout_s / 4)  # the next pulse period: the direct stream is in it
+        await until(lambda: not direct.queue.empty(), "the leader's next tick pulsed")
         assert direct.queue.get_nowait().generation == 1  # a direct node's own
         assert len(link.out) == 1  # nothing per relayed node: the pulse waits for the link's next message
         down = link.take()
@@ -154,7 +159,7 @@ def test_a_frame_in_flight_on_a_superseded_stream_does_not_bring_back_the_leader
     forwards nothing): a frame of its old stream arriving after the move must not make the leader
     judge its silence, which only the relay does now (the soak's etcd data loss with relays)."""
     async def scenario():
-        clock = []
+        clock = FakeClock()
         leader, joined = await led_job(clock)
         p1 = joined["p1"]
         frame = pb.NodeFrame(job="job", node_id="p1", member_id=p1.member_id, term=p1.term,
@@ -164,9 +169,9 @@ def test_a_frame_in_flight_on_a_superseded_stream_does_not_bring_back_the_leader
         link.receive(relayed(1, first(p1)))  # the node's newer session, through a relay
         assert leader.streams["p1"].link is link
         leader.on_frame(direct, frame)  # still in flight on the old stream
-        clock[0] += 3 * TIMING.heartbeat_timeout_s  # p2 never streamed: it goes; p1's relay vouches for it
+        clock.advance(3 * TIMING.heartbeat_timeout_s)  # p2 never streamed: it goes; p1's relay vouches for it
         await until(lambda: leader.state.member("p2") is None, "p2 found silent")
-        await asyncio.sleep(0.05)
+        await tallies(leader)  # p1's silence would have been judged in them as p2's was
         assert leader.state.member("p1") is not None
         assert not [e for e in leader.state.history if "p1" in e.nodes and e.kind == "node_silent"]
         await leader.stop("test over", resigned=True)
@@ -211,20 +216,21 @@ def test_a_relay_spreads_the_leaders_pulse_over_its_nodes_and_forwards_frames_to
         # Its own address as the leader's: the call ends at once, and the relay's end stays to test.
         relay = Relay("job", "relay:1", "relay:1", security=ClientSecurity(), find_leader=nowhere, window_s=0.01,
                       connect_s=0.0, heartbeat_timeout_s=0.8, progress_s=0.1)
-        await until(relay._task.done, "the relay's call over")
+        await until(lambda: not relay.accepting, "the relay's call over")
         relay.nodes = {i: RelayedNode(i, f"n{i}") for i in range(1, 1001)}
         nodes = list(relay.nodes.values())
-        relay._fan_out(pb.RelayDown(pulse=pb.Directive(term=1, generation=1)))
+        relay.fan_out(pb.RelayDown(pulse=pb.Directive(term=1, generation=1)))
         await asyncio.sleep(0)
         assert 0 < sum(n.queue.qsize() for n in nodes) <= PULSE_SLICE
         del relay.nodes[1000]  # hangs up before its slice
-        await asyncio.sleep(2 * relay.pulse_spread_s)
+        # The last slice reached node 999 in the same pass that passed over node 1000:
+        await until(lambda: nodes[998].queue.qsize(), "the last slice sent")
         assert [n.queue.qsize() for n in nodes] == [1] * 999 + [0]
         assert nodes[0].queue.get_nowait().directive.term == 1
         # What a relay forwards is read in full: the leader does not see every frame of the node,
         # so a steps_only frame may not refer to the frame the leader saw last.
         forwarded = pb.NodeFrame(job="job", node_id="n1", steps_only=True)
-        relay._forward(1, forwarded)
+        relay.frame(nodes[0], forwarded)  # the node's first: forwarded at once
         assert not forwarded.steps_only and relay.batch
 
     asyncio.run(scenario())

@@ -124,7 +124,7 @@ def test_a_session_lost_as_it_replaces_a_lost_one_is_replaced_too():
             twins.coordination.expire(twins.coordination.leader_session("j"))
             led = await until(lambda: replica.leaders.get("j") not in (None, old) and replica.leaders["j"],
                               "j led again on a session that lives")
-            assert led.term > old.term and replica._session.alive()
+            assert led.term > old.term and replica.ready()
 
     asyncio.run(scenario())
 
@@ -147,7 +147,7 @@ def test_a_replica_started_while_etcd_is_unreachable_serves_once_it_is_back():
         twins.coordination.make_unavailable()
         replica = Replica(twins.store, twins.coordination, ReplicaConfig(address="127.0.0.1:1"))
         starting = asyncio.ensure_future(replica.start())
-        await asyncio.sleep(0.3)  # session grants refused, retried with backoff
+        await until(lambda: twins.coordination.refused >= 2, "a session grant refused, and again after a backoff")
         assert not starting.done() and not replica.ready()
         twins.coordination.make_available()
         await asyncio.wait_for(starting, 5)
@@ -190,7 +190,8 @@ def test_an_unavailable_store_for_one_job_holds_its_decisions_and_no_other_jobs(
             try:
                 await asyncio.wait_for(joining[0], 5)
                 assert good.state.member("m") is not None
-                await asyncio.sleep(0.2)  # ten of bad's ticks: each decides the join again, and is deferred
+                refused = twins.store.refused  # ten of bad's tallies: each decides the join again, and is deferred
+                await until(lambda: twins.store.refused >= refused + 10, "ten writes of bad's join refused")
                 assert not joining[1].done() and bad.state.member("m") is None and bad.lost_reason is None
                 twins.store.make_available()
                 await asyncio.wait_for(joining[1], 5)

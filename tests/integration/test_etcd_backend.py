@@ -22,6 +22,7 @@ from muster.coordinator.etcd.election import Election, LeaderKey
 from muster.coordinator.etcd.server import EtcdCluster, EtcdServer, EtcdStartError, find_etcd_binary
 from muster.coordinator.etcd.session import Session
 from muster.coordinator.etcd.store import JobStore
+from muster.local import FakeClock
 from muster.net import free_port
 
 TTL_S = 2
@@ -224,21 +225,21 @@ def test_session_stays_alive_while_renewing(etcd_client):
 
 @pytest.mark.timeout(30)
 def test_session_reports_itself_dead_when_renewals_stop_past_deadline(etcd_client):
-    now = [1000.0]
-    session = Session(etcd_client, TTL_S, clock=lambda: now[0]).start()
+    clock = FakeClock(1000.0)
+    session = Session(etcd_client, TTL_S, clock=clock).start()
     reasons: queue.Queue[str | None] = queue.Queue()
     session.add_listener(lambda: reasons.put(session.lost_reason))
     try:
         assert session.alive()
         assert session.alive(now=1000.0 + 1.3)
         assert not session.alive(now=1000.0 + 1.34)  # deadline is 2/3 of the 2 s TTL
-        now[0] += 1.5  # as if the process had been SIGSTOPped past the deadline
+        clock.advance(1.5)  # as if the process had been SIGSTOPped past the deadline
         assert not session.alive()  # at once, whatever the renew thread is doing
         assert session.lost.wait(TTL_S)
         assert session.lost_reason == "renew_deadline"
         assert reasons.get(timeout=1.0) == "renew_deadline"  # listeners run just after `lost` is set
         assert reasons.empty()
-        now[0] = 1000.0  # loss is permanent, even if the clock looked fine again
+        clock.now = 1000.0  # loss is permanent, even if the clock looked fine again
         assert not session.alive()
     finally:
         session.close()
@@ -248,16 +249,16 @@ def test_session_reports_itself_dead_when_renewals_stop_past_deadline(etcd_clien
 def test_a_lease_granted_past_the_renew_deadline_is_refused_and_revoked(etcd_client, monkeypatch):
     # etcd frozen as the grant was sent answers it when thawed, later than the renew deadline: such a
     # session would be born lost (a replica once sat on one for good); the grant is refused instead
-    now = [1000.0]
+    clock = FakeClock(1000.0)
     granted = []
 
     def late_grant(ttl):
         lease = type(etcd_client).lease(etcd_client, ttl)
         granted.append(lease.id)
-        now[0] += 1.5  # the grant took 1.5 s; the deadline is 2/3 of the 2 s TTL
+        clock.advance(1.5)  # the grant took 1.5 s; the deadline is 2/3 of the 2 s TTL
         return lease
     monkeypatch.setattr(etcd_client, "lease", late_grant)
-    session = Session(etcd_client, TTL_S, clock=lambda: now[0])
+    session = Session(etcd_client, TTL_S, clock=clock)
     with pytest.raises(EtcdUnavailable, match="past the renew deadline"):
         session.start()
     assert etcd_client.get_lease_info(granted[0]).TTL == -1  # revoked, not left to expire

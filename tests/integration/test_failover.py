@@ -63,7 +63,11 @@ def test_exactly_one_replica_leads_and_after_sigkill_the_standby_leads_within_tt
         # agents reconnect within the grace period: nobody is evicted, the generation stays
         for a in agents:
             await a.wait_for(lambda x: x.term == new_term, 5, "reconnect to the new leader")
-        await asyncio.sleep(1.0)
+        # four of the new leader's pulses each (1 s of its clock: a pulse every heartbeat timeout / 4),
+        # which carry any generation it decided meanwhile
+        pulses = [a.session.pulses for a in agents]
+        for a, heard in zip(agents, pulses):
+            await a.wait_for(lambda x: x.session.pulses >= heard + 4, 5, "four pulses of the new leader")
         assert all(a.generation == generation for a in agents)
         state = stored_state(etcd_client, "kill")
         assert len(state.members) == 2 and state.generation == generation

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from muster.client import Coordinators
-from muster.local import json_lines, record_time
+from muster.local import record_time
 from muster.v1 import muster_pb2 as pb
 
 SCRIPT = Path(__file__).parent / "scripts" / "teardown.py"

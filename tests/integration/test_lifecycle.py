@@ -70,8 +70,13 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         await nodes[1].wait_for(lambda n: n.session.finishing, 5, "the leader says the job is finishing")
         nodes[1].exits.append(pb.RankExit(local_rank=0, pid=10_000, exit_code=-6))  # a crash now: no re-form
         nodes[1].session.send_now()
-        await asyncio.sleep(0.5)
-        assert all(n.assignment().generation == g for n in nodes), "nothing re-forms a finishing job"
+        # two of the leader's pulses each after it (a pulse period and more: many tallies), which carry
+        # any generation it decided for the crash
+        pulses = [n.session.pulses for n in nodes]
+        for n, heard in zip(nodes, pulses):
+            await n.wait_for(lambda x: x.session.pulses >= heard + 2, 5, "two pulses after the crash")
+        assert all(n.generation == g and n.assignment().generation == g for n in nodes), \
+            "nothing re-forms a finishing job"
         return nodes
 
     async def scenario():
@@ -99,9 +104,9 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         stale.session.joined_run = 1
         stale.session.leader = again[0].leader
         stale.start()
-        await asyncio.sleep(1.0)
         # told how its run ended, so that its agent exits with that outcome's code
-        assert stale.errors and isinstance(stale.errors[0], JobEnded)
+        await stale.wait_for(lambda x: x.errors, 5, "the stale node's session ended")
+        assert isinstance(stale.errors[0], JobEnded)
         assert (stale.errors[0].end.run, stale.errors[0].end.outcome) == (1, "failed")
         for n in again:
             n.finished = True
@@ -136,7 +141,7 @@ def test_every_rank_completing_succeeds_and_a_spare_is_told(coordinators):
         await worker.wait_for(active, 10, "its map")
         await spare.wait_for(lambda n: n.assignment().role == pb.ROLE_SPARE, 10, "a spare's place")
         worker.finished = True
-        await asyncio.sleep(0.3)
+        await worker.wait_for(lambda n: n.session.finishing, 5, "the leader heard the rank finish")
         await worker.session.leave(finished=True, reason="done")
         await spare.wait_for(lambda n: n.errors, 5, "the end of the run")
         assert isinstance(spare.errors[0], JobEnded) and spare.errors[0].end.outcome == "succeeded"
@@ -226,7 +231,7 @@ def test_delete_removes_a_record_now_and_operator_verbs_need_an_operator_token(c
         node.start()
         await node.wait_for(active, 10, "its map")
         node.finished = True
-        await asyncio.sleep(0.3)
+        await node.wait_for(lambda n: n.session.finishing, 5, "the leader heard the rank finish")
         await node.session.leave(finished=True)
         await node.stop()
 

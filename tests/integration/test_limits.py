@@ -55,9 +55,10 @@ def test_jobs_nodes_and_frames_are_limited(coordinators):
             # (INTERNAL, "Failed execute_batch") instead of the server's status: that is in its log
             assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
             status = await stub.Status(pb.StatusRequest(job="two"))  # still serving
-        step = calm.step
-        await asyncio.sleep(0.5)
-        assert calm.step > step and not calm.errors  # the well-behaved node streams on
+        step, pulses = calm.step, calm.session.pulses
+        await calm.wait_for(lambda x: x.step >= step + 10 and x.session.pulses >= pulses + 2, 10,
+                            "ten more frames and two more of the leader's pulses")
+        assert not calm.errors  # the well-behaved node streams on
         await calm.stop()
         return status
 

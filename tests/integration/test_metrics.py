@@ -54,9 +54,13 @@ def test_metrics_and_probes_follow_a_job_through_a_silent_node(coordinators):
             g = nodes[0].assignment().generation
             nodes[2].silent = True
             await nodes[0].wait_for(lambda x: x.assignment().generation > g, 10, "next generation")
-            await asyncio.sleep(1.5)  # the survivors report steps in it: the recovery completes
             leader = nodes[0].leader
             standby = next(a for a in metrics if a != leader)
+            # the survivors report steps in it: the recovery completes, and is measured
+            deadline = asyncio.get_running_loop().time() + 10
+            while (await asyncio.to_thread(scrape, metrics[leader])).get(("muster_recovery_seconds_count", job), 0) < 1:
+                assert asyncio.get_running_loop().time() < deadline, "the recovery was not measured in 10 s"
+                await asyncio.sleep(0.1)
             # off the loop: the simulated nodes keep streaming meanwhile
             at_leader, at_standby = await asyncio.gather(asyncio.to_thread(scrape, metrics[leader]),
                                                          asyncio.to_thread(scrape, metrics[standby]))

@@ -56,11 +56,34 @@ def evictions(address: str, job: str) -> list:
     return [e for e in events if e.kind in EVICTIONS]
 
 
-async def steps_advance(nodes, seconds: float = 0.5) -> None:
+async def steps_advance(nodes, steps: int = 5) -> None:
+    """Every node steps `steps` more (one a frame, 20 a second)."""
     before = {n.node_id: n.step for n in nodes}
-    await asyncio.sleep(seconds)
-    assert all(n.step > before[n.node_id] for n in nodes), \
-        f"a node stopped stepping: {[(n.node_id, before[n.node_id], n.step, n.errors) for n in nodes]}"
+    for node in nodes:
+        await node.wait_for(lambda x: x.step >= before[x.node_id] + steps, 5, f"{steps} more steps")
+
+
+async def pulses_heard(nodes, pulses: int) -> None:
+    """Every node hears `pulses` more of the leader's pulses (one each heartbeat timeout / 4 of the
+    leader's clock, through its relay or not): that much of the leader's time went by since, and a
+    generation decided meanwhile reached every node (a pulse carries it)."""
+    before = {n.node_id: n.session.pulses for n in nodes}
+    for node in nodes:
+        await node.wait_for(lambda x: x.session.pulses >= before[x.node_id] + pulses, 10, f"{pulses} more pulses")
+
+
+async def leader_heard_progress(address: str, job: str, node_ids: list[str], times: int) -> None:
+    """The leader saw each of `node_ids`' steps advance `times` times (a relay forwards held progress
+    once per --relay-progress)."""
+    seen: dict[str, set[int]] = {n: set() for n in node_ids}
+    deadline = time.monotonic() + 15
+    with Coordinators([address], timeout_s=2) as c:
+        while min(len(s) for s in seen.values()) <= times:
+            assert time.monotonic() < deadline, f"the leader's view of relayed progress: {seen}"
+            for r in (await asyncio.to_thread(c.call, "Status", pb.StatusRequest(job=job))).jobs[0].ranks:
+                if r.node in seen:
+                    seen[r.node].add(r.step)
+            await asyncio.sleep(0.1)
 
 
 async def exit_decided_s(nodes, exiting, local_rank: int) -> float:
@@ -125,7 +148,9 @@ def test_a_relay_forwards_only_changes_and_judges_silence_itself(coordinators):
         nodes = await stepping_job(addresses, "quiet", names_spread(addresses, 3))
         leader = leader_of(replicas, "quiet")
         relayed = [n for n in nodes if n.session.relay != leader.address]
-        await asyncio.sleep(3)  # steady: every node steps at each of its 20 frames a second
+        # steady: every node steps at each of its 20 frames a second, and the leader has seen the
+        # relayed ones' progress forwarded three times (the smoothed rate has settled meanwhile)
+        await leader_heard_progress(leader.address, "quiet", [n.node_id for n in relayed], 3)
         with Coordinators([leader.address], timeout_s=2) as c:
             health = c.call("Status", pb.StatusRequest(job="quiet")).jobs[0].health
         # The leader reads its 3 direct nodes' frames (60/s) and the relayed ones' progress about
@@ -204,8 +229,9 @@ def test_a_killed_relay_moves_its_nodes_and_nobody_is_evicted(coordinators):
         moved = [n for n in nodes if n.session.relay == victim.address]
         generation = nodes[0].generation
         victim.kill()
-        # past the heartbeat timeout (1 s): the moved nodes stream elsewhere, nothing decided
-        await asyncio.sleep(2.5)
+        # six pulses (1.5 s of the leader's clock, past the heartbeat timeout of 1 s) heard by every
+        # node, the moved ones on their new streams: nothing decided meanwhile
+        await pulses_heard(nodes, 6)
         await steps_advance(nodes)
         assert all(n.generation == generation and not n.errors for n in nodes)
         assert not evictions(leader.address, "relaykill")
@@ -228,11 +254,14 @@ def test_a_frozen_relay_is_left_by_its_nodes_before_anyone_is_evicted(coordinato
         generation = nodes[0].generation
         victim.signal(signal.SIGSTOP)  # its streams stay open and carry nothing
         try:
-            await asyncio.sleep(2.5)  # past the heartbeat timeout (1 s) and then some
+            await asyncio.to_thread(wait_until, lambda: leader.find("relay_silent", job="relaystop",
+                                                                    relay=victim.address), 10, "the relay found silent")
+            # and six pulses (1.5 s of the leader's clock) heard by every node, those of the frozen
+            # relay once they left it: past the heartbeat timeout (1 s) and then some, nothing decided
+            await pulses_heard(nodes, 6)
             await steps_advance(nodes)
             assert all(n.generation == generation and not n.errors for n in nodes)
             assert not evictions(leader.address, "relaystop")
-            assert leader.find("relay_silent", job="relaystop", relay=victim.address)
         finally:
             victim.signal(signal.SIGCONT)
         for n in nodes:
@@ -307,7 +336,9 @@ def test_a_forged_relay_stream_cannot_attach_or_end_a_node(coordinators):
                 await asyncio.wait_for(call.read(), 5)
             assert not_leader.value.code() == grpc.StatusCode.UNAVAILABLE
             assert dict(not_leader.value.trailing_metadata())["muster-leader"] == leader.address
-        await asyncio.sleep(1.5)
+        # the forged messages were read before the refusal that ended the call: two pulses more (a
+        # pulse period and more, many tallies) would carry any generation they made to every node
+        await pulses_heard(nodes, 2)
         await steps_advance(nodes)
         assert all(n.generation == generation and not n.errors for n in nodes)
         assert not evictions(leader.address, "forged")

@@ -90,9 +90,10 @@ def test_a_finishing_job_is_never_reformed_and_its_finished_ranks_say_so():
         a.slots[0].finished, a.slots[0].proc = True, FakeProcess()
         assert a.finishing()
         reports = a.hub.reports()
+        tasks = asyncio.all_tasks()
         a._on_directive(pb.Directive(term=1, generation=3, assignment=pb.Assignment(
             generation=3, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)))
-        await asyncio.sleep(0.05)  # a reconcile would have started the ranks by now
+        assert asyncio.all_tasks() == tasks  # no reconcile (nor port publication) was even begun
         older = FakeSession(joined_run=0)  # a coordinator that predates runs refuses the state
         a.session = older
         return reports, a.slots[1].starts, a.hub.reports()

@@ -5,18 +5,11 @@ import pytest
 
 from muster.coordinator.errors import ResourceExhausted
 from muster.coordinator.server import FrameBudget
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from muster.local import FakeClock
 
 
 def test_a_session_bursts_two_seconds_worth_then_is_held_to_its_rate():
-    clock = Clock()
+    clock = FakeClock(0.0)
     budget = FrameBudget(10, clock)
     for _ in range(20):
         budget.spend()
@@ -27,7 +20,7 @@ def test_a_session_bursts_two_seconds_worth_then_is_held_to_its_rate():
 
 
 def test_a_relay_stream_spends_for_all_its_node_streams_at_once():
-    clock = Clock()
+    clock = FakeClock(0.0)
     budget = FrameBudget(10, clock)
     clock.now += 2.0
     budget.spend(frames=150, streams=10)  # refilled at 10 x 10 frames/s, up to 10 x 20
@@ -38,7 +31,7 @@ def test_a_relay_stream_spends_for_all_its_node_streams_at_once():
 
 
 def test_a_relay_stream_holds_a_message_of_first_frames_ahead_of_the_streams_they_attach():
-    clock = Clock()
+    clock = FakeClock(0.0)
     budget = FrameBudget(10, clock, floor=1024)
     budget.spend(frames=1024, streams=1)  # attaching: nothing attached yet
     with pytest.raises(ResourceExhausted):

@@ -1,5 +1,6 @@
 import pytest
 
+from muster.local import FakeClock
 from muster.net import Backoff, join_host_port, split_host_port
 
 
@@ -35,10 +36,10 @@ def test_backoff_starts_over_when_reset():
 
 
 def test_backoff_starts_over_after_a_quiet_period_and_not_within_one():
-    now = [0.0]
-    backoff = Backoff(0.2, 5.0, reset_after_s=60.0, clock=lambda: now[0])
+    clock = FakeClock(0.0)
+    backoff = Backoff(0.2, 5.0, reset_after_s=60.0, clock=clock)
     for step in (0.2, 0.4, 0.8):
         assert step <= backoff.next() < 2 * step
-        now[0] += 59.0  # each retry within the quiet period of the one before: still doubling
-    now[0] += 2.0  # 61 s since the last retry
+        clock.advance(59.0)  # each retry within the quiet period of the one before: still doubling
+    clock.advance(2.0)  # 61 s since the last retry
     assert 0.2 <= backoff.next() < 0.4

@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from muster.local import FakeClock, until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -70,23 +71,27 @@ def test_a_frame_that_only_advances_steps_says_so_and_the_first_of_a_stream_neve
 
 
 class Unavailable(pb_grpc.CoordinatorServicer):
-    """A replica that can do nothing for anyone (etcd out): every Session refused at once."""
+    """A replica that can do nothing for anyone (etcd out): every Session refused at once; when each
+    attempt came, on the node's (fake) clock."""
 
-    def __init__(self):
-        self.attempts = 0
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+        self.attempts: list[float] = []
 
     async def Session(self, request_iterator, context):
-        self.attempts += 1
+        self.attempts.append(self.clock())
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no leader: etcd unreachable")
         yield  # an async generator, as the real handler
 
 
 def test_a_node_refused_again_and_again_backs_off_but_comes_back_at_once_first():
-    """During an etcd outage every node of a large job retried at once ~25 times a second."""
+    """During an etcd outage every node of a large job retried at once ~25 times a second. The
+    waits between attempts are taken on a fake clock: 3 s of them in a fraction of a second."""
 
-    async def scenario() -> int:
+    async def scenario() -> list[float]:
+        clock = FakeClock(0.0)
         server = grpc.aio.server()
-        refusing = Unavailable()
+        refusing = Unavailable(clock)
         pb_grpc.add_CoordinatorServicer_to_server(refusing, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -94,16 +99,19 @@ def test_a_node_refused_again_and_again_backs_off_but_comes_back_at_once_first()
             s = NodeSession(f"127.0.0.1:{port}", NodeIdentity("job", "node-a", 1, "127.0.0.1", 1), reports=list,
                             on_directive=lambda d: None)
             s.heartbeat_timeout_s = 2.0  # waits of at most 0.25-0.5 s
+            s.retry_sleep = clock.sleep
             running = asyncio.create_task(s.run())
-            await asyncio.sleep(0.15)
-            first = refusing.attempts
-            await asyncio.sleep(2.85)
+            await until(lambda: clock.now >= 3.0, "3 s of retries on the fake clock")
             await s.stop()
             await asyncio.wait_for(running, 5)
-            return first, refusing.attempts
+            return refusing.attempts
         finally:
             await server.stop(None)
 
-    first, in_3s = asyncio.run(scenario())
-    assert first >= 2  # the first retries are tens of ms apart: a lost stream is taken up at once
-    assert 6 <= in_3s <= 16  # 0.02, 0.04, ... doubling to 0.25 (jittered to twice): not ~100
+    attempts = asyncio.run(scenario())
+    assert len([t for t in attempts if t < 0.15]) >= 2  # the first retries are tens of ms apart: taken up at once
+    assert 6 <= len([t for t in attempts if t < 3.0]) <= 16  # 0.02, 0.04, ... doubling to 0.25 (jittered to twice): not ~100
+    waits = [b - a for a, b in zip(attempts, attempts[1:])]
+    for i, wait in enumerate(waits):  # each wait exactly its doubling step's, jittered up to twice it
+        step = min(0.02 * 2 ** i, 0.25)
+        assert step - 1e-9 <= wait < 2 * step + 1e-9, (i, wait)
