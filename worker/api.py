@@ -263,7 +263,7 @@ class Worker:
             return
         base = self.link.base
         if latest.abort_previous or self.step >= latest.switch_at_step or (
-                base is not None and base.generation > self.generation and self._placed(base)):
+                base is not None and base.generation > self.generation and placed(base, self._slot)):
             self._reform(discard=False)  # (an abort came with a planned switch after it: form the abort's group)
         else:
             self.link.changed.set()  # a planned switch ahead: look again at the next boundary
@@ -296,7 +296,7 @@ class Worker:
             if self._error is not None:
                 self._raise_error()
             self._check_drain()
-            target = self._target(after)
+            target = to_form(self.link.latest, self.link.base, self._slot, after)
             if target is not None:
                 return target
             if hold and time.monotonic() > deadline:
@@ -365,21 +365,6 @@ class Worker:
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
                  step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
                  store_s=round(self.comm.store_s, 4), barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
-
-    def _target(self, after: int) -> pb.Assignment | None:
-        """The generation to form, newer than `after`: the latest, unless that is a planned switch
-        away from a group this rank has a place in but has not formed yet (an abort just before it):
-        then that group first; its ranks train in it up to the switch. A rank that is new in the
-        planned one forms it at once and waits there for the others."""
-        latest, base = self.link.latest, self.link.base
-        if not self._placed(latest) or latest.generation <= after:
-            return None
-        if immediate(latest) or base is None or base.generation <= after or not self._placed(base):
-            return latest
-        return base
-
-    def _placed(self, a: pb.Assignment | None) -> bool:
-        return a is not None and a.role == pb.ROLE_ACTIVE and self._slot in a.local_ranks
 
     def _superseded(self, generation: int, at_once: bool) -> bool:
         """Abandon the group being formed? For a newer one formed at once, yes; a group formed at
@@ -457,3 +442,20 @@ class Worker:
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation)]
 
+
+def placed(a: pb.Assignment | None, slot: int) -> bool:
+    """`a` gives local rank `slot` a place in its group."""
+    return a is not None and a.role == pb.ROLE_ACTIVE and slot in a.local_ranks
+
+
+def to_form(latest: pb.Assignment | None, base: pb.Assignment | None, slot: int,
+            after: int) -> pb.Assignment | None:
+    """The generation to form, newer than `after`: the latest, unless that is a planned switch away
+    from a group (`base`) this rank has a place in but has not formed yet (an abort just before it):
+    then that group first; its ranks train in it up to the switch. A rank that is new in the
+    planned one forms it at once and waits there for the others."""
+    if not placed(latest, slot) or latest.generation <= after:
+        return None
+    if immediate(latest) or base is None or base.generation <= after or not placed(base, slot):
+        return latest
+    return base

@@ -81,3 +81,18 @@ def test_a_drain_ends_training_as_the_step_after_the_agreed_one_begins():
     with pytest.raises(Drained):
         with w.step_scope():
             pass
+
+
+def test_the_group_to_form_is_an_unformed_abort_before_the_planned_switch_that_follows_it():
+    from muster.worker.api import to_form
+
+    def gen(g, slots=(0, 1), *, abort=False, switch_at=0):
+        return pb.Assignment(generation=g, role=pb.ROLE_ACTIVE, local_ranks=list(slots), abort_previous=abort,
+                             switch_at_step=switch_at)
+    aborted, planned = gen(3, abort=True), gen(4, switch_at=50)
+    assert to_form(planned, aborted, 0, after=2) == aborted  # train in the abort's group up to the switch
+    assert to_form(planned, aborted, 0, after=3) == planned  # formed it: the switch is next
+    assert to_form(planned, gen(3, slots=(1,), abort=True), 0, after=2) == planned  # no place in it: skip
+    assert to_form(gen(5, abort=True), planned, 0, after=2).generation == 5  # a newer abort wins at once
+    assert to_form(gen(5, slots=(1,)), None, 0, after=2) is None  # no place for this rank
+    assert to_form(gen(2), None, 0, after=2) is None  # nothing newer
