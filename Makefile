@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo docs bench protos clean
+.PHONY: venv test demo docs bench gpu-check protos clean
 
 # torch is pinned first: a plain `torch` requirement would pull the CUDA build.
 $(STAMP): pyproject.toml
@@ -44,6 +44,12 @@ bench: $(STAMP)
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
 	$(BIN)/python bench/churn.py > bench/results/churn.json
 	$(BIN)/python bench/churn.py --retain-finished 15s > bench/results/churn_retention.json
+
+# On a machine with CUDA: tests/gpu and the NCCL recovery benchmark (bench/results/nccl.json), a
+# one-screen summary against the targets. Without CUDA it says so and passes (GPU_CHECK_ARGS=--require-gpu
+# fails instead). A GPU machine without a registry: bench/gpu_check.sh.
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \

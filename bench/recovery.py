@@ -1,5 +1,6 @@
-"""What a fault costs a job under Muster: N ranks of examples/train_ddp.py (worker library, gloo on
-CPU) against a real etcd and two coordinator replicas. Prints one JSON object.
+"""What a fault costs a job under Muster: N ranks of examples/train_ddp.py (worker library; gloo on
+CPU, or --backend nccl with the ranks sharing the visible GPUs) against a real etcd and two
+coordinator replicas. Prints one JSON object.
 
   kill       SIGKILL one rank (repeatedly; a replacement joins in between):
              detection_s     kill -> the leader's decision (its log)
@@ -8,12 +9,19 @@ CPU) against a real etcd and two coordinator replicas. Prints one JSON object.
                              highest completed before); survivors_lost: survivors not in the new group
              rejoin_s        replacement started -> its first step in the group (process start,
                              torch import, join, planned switch, state transfer)
+             phases          where the survivors' reform went, p50/max over survivors and faults,
+                             from their group_formed records: abort_s, destroy_s, store_s,
+                             barrier_s (store included), init_s, sync_s (state broadcast), form_s,
+                             seconds (the whole reform), and first_collective_s (group formed ->
+                             its first step done, one --step-sleep included)
+             healthy_evictions  eviction decisions naming a node other than the victim's
   hang       SIGSTOP one rank: detection by the heartbeat timeout, then as above (hang_to_step_s)
   failover   SIGKILL the coordinator leader while training: time until the standby serves, steps
              discarded, evictions, generation changes (all should be 0)
   step_api   the training thread's cost of `with worker.step_scope():`
 
     python bench/recovery.py --ranks 4,8,16 --kills 5
+    python bench/recovery.py --backend nccl --ranks 8 --kills 5 --hangs 3 --failovers 0
 """
 
 from __future__ import annotations
@@ -31,10 +39,13 @@ from pathlib import Path
 from muster import logs
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, TrainingProcess, record_time, wait_until
+from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_time, wait_until
 from muster.worker import Worker, WorkerConfig
 
 JOB = "bench"
+HEARTBEAT_TIMEOUT_S = 2.0
+# The group_formed fields timed by the worker (read where present: older workers log fewer).
+PHASES = ("abort_s", "destroy_s", "store_s", "barrier_s", "init_s", "sync_s", "form_s", "seconds")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -69,18 +80,19 @@ def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
 class Fleet:
     """etcd, two coordinator replicas and N library ranks (each its own node) of one job."""
 
-    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float):
-        self.workdir, self.ranks, self.step_sleep_s = workdir, ranks, step_sleep_s
+    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str):
+        self.workdir, self.ranks, self.step_sleep_s, self.backend = workdir, ranks, step_sleep_s, backend
         self.etcd = EtcdServer(workdir / "etcd").start()
         self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",
-                                            ["--heartbeat-timeout", "2.0"]).start() for i in range(2)]
+                                            ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]).start()
+                         for i in range(2)]
         self.addresses = [r.address for r in self.replicas]
         self.procs: list[TrainingProcess] = []
 
     def launch(self, n: int) -> list[TrainingProcess]:
         new = [TrainingProcess(self.addresses, JOB, self.workdir / f"rank-{len(self.procs) + i}.log",
                                steps=10**9, step_sleep_s=self.step_sleep_s, min_nodes=self.ranks - 1,
-                               max_nodes=self.ranks).start() for i in range(n)]
+                               max_nodes=self.ranks, env=rank_env(self.backend)).start() for i in range(n)]
         self.procs.extend(new)
         return new
 
@@ -99,7 +111,10 @@ class Fleet:
         return max(p.steps()[-1]["generation"] for p in self.alive() if p.steps())
 
     def decisions(self, since: float, kinds: set[str]) -> list[float]:
-        return [record_time(r) for rep in self.replicas for r in rep.find("membership_changed")
+        return [record_time(r) for r in self.changes(since, kinds)]
+
+    def changes(self, since: float, kinds: set[str]) -> list[dict]:
+        return [r for rep in self.replicas for r in rep.find("membership_changed")
                 if r["kind"] in kinds and record_time(r) >= since]
 
     def leader(self) -> CoordinatorProcess:
@@ -121,7 +136,8 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
     sig, kinds = {"kill": (signal.SIGKILL, {"process_exited"}),
                   "hang": (signal.SIGSTOP, {"node_silent", "rank_stalled"})}[how]
     recoveries, detections, lost, rejoins = [], [], [], []
-    survivors_lost = 0
+    phases: dict[str, list[float]] = {}
+    survivors_lost = healthy_evictions = 0
     for _ in range(faults):
         live = fleet.alive()
         victim = random.choice(live)
@@ -136,12 +152,16 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
             for p in survivors:
                 new = [r for r in p.steps() if r["generation"] > generation]
                 if new:
-                    firsts.append(new[0])
+                    firsts.append((p, new[0]))
                 elif p.proc.poll() is None:
                     return None  # still reforming
             return firsts
 
-        firsts = wait_until(first_new_steps, 60, "survivors stepping in the new group")
+        stepped = wait_until(first_new_steps, 60, "survivors stepping in the new group")
+        firsts = [r for _, r in stepped]
+        for p, first in stepped:
+            for name, value in reform_phases(p, first).items():
+                phases.setdefault(name, []).append(value)
         survivors_lost += sum(1 for p in survivors if p.proc.poll() is not None)
         recoveries.append(max(record_time(r) for r in firsts) - at)
         lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
@@ -151,9 +171,23 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         (joiner,) = fleet.launch(1)
         fleet.full()
         rejoins.append(record_time(joiner.steps()[0]) - started)
+        victim_node = victim.records("node_joined")[0]["node"]
+        healthy_evictions += sum(len(set(r["nodes"]) - {victim_node}) for r in fleet.changes(at, EVICTIONS))
     return {"detection_s": summary(detections), f"{how}_to_step_s": summary(recoveries),
             "steps_lost": {"max": max(lost), "total": sum(lost)}, "survivors_lost": survivors_lost,
-            "rejoin_s": summary(rejoins)}
+            "healthy_evictions": healthy_evictions, "rejoin_s": summary(rejoins),
+            "phases": {name: {"p50": round(statistics.median(v), 4), "max": round(max(v), 4)}
+                       for name, v in phases.items()}}
+
+
+def reform_phases(p: TrainingProcess, first: dict) -> dict[str, float]:
+    """Where a survivor's reform into the generation of its step record `first` went."""
+    formed = [r for r in p.records("group_formed") if r["generation"] == first["generation"]]
+    if not formed:
+        return {}
+    out = {name: formed[-1][name] for name in PHASES if name in formed[-1]}
+    out["first_collective_s"] = record_time(first) - record_time(formed[-1])
+    return out
 
 
 def failover_cycles(fleet: Fleet, kills: int) -> dict:
@@ -175,13 +209,15 @@ def failover_cycles(fleet: Fleet, kills: int) -> dict:
         # the dead replica comes back at its address, as a standby
         i = fleet.replicas.index(leader)
         fleet.replicas[i] = CoordinatorProcess([fleet.etcd.endpoint], fleet.workdir / f"coordinator-{i}-{len(served)}.log",
-                                               ["--heartbeat-timeout", "2.0"], listen=leader.address).start()
+                                               ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
+                                               listen=leader.address).start()
     return {"kills": kills, "standby_serves_s": summary(served), "steps_discarded": discarded,
             "evictions": evictions, "generation_changes": generation_changes}
 
 
-def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_sleep_s: float) -> dict:
-    fleet = Fleet(workdir, ranks, step_sleep_s)
+def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_sleep_s: float,
+        backend: str) -> dict:
+    fleet = Fleet(workdir, ranks, step_sleep_s, backend)
     try:
         fleet.launch(ranks)
         fleet.full()
@@ -198,6 +234,8 @@ def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", default="8", help="rank counts, comma-separated (default 8)")
+    p.add_argument("--backend", choices=("gloo", "nccl", "nccl-twin"), default="gloo",
+                   help="the ranks' MUSTER_BACKEND (nccl: the ranks share the visible GPUs)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--hangs", type=int, default=2)
     p.add_argument("--failovers", type=int, default=2)
@@ -205,12 +243,14 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
-    result = {"benchmark": "recovery", "step_sleep_s": args.step_sleep, "step_api": step_api_cost_us(), "runs": []}
+    result = {"benchmark": "recovery", "backend": args.backend, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+              "step_sleep_s": args.step_sleep, "step_api": step_api_cost_us(), "runs": []}
     with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
         for ranks in [int(r) for r in args.ranks.split(",")]:
             workdir = (args.workdir or Path(d)) / f"ranks-{ranks}"
             workdir.mkdir(parents=True, exist_ok=True)
-            result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, args.step_sleep))
+            result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, args.step_sleep,
+                                      args.backend))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -161,6 +162,23 @@ class CoordinatorProcess(_Child):
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+
+
+_RANK_IDS = itertools.count()
+
+
+def rank_env(backend: str) -> dict[str, str]:
+    """The environment of one more library rank on this machine, on `backend` (gloo, nccl,
+    nccl-twin). NCCL refuses two ranks of one host on one GPU: a NCCL_HOSTID of its own makes each
+    process a host of its own to NCCL (reached over its network transport), and the ranks take the
+    visible GPUs in turn, so any number of ranks share them."""
+    n = next(_RANK_IDS)
+    env = {"MUSTER_BACKEND": backend, "NCCL_HOSTID": f"h{os.getpid()}-{n}"}
+    if backend == "nccl":
+        import torch  # here only: the rest of this module runs without it
+
+        env["LOCAL_RANK"] = str(n % max(1, torch.cuda.device_count()))
+    return env
 
 
 class TrainingProcess(_Child):

@@ -1,0 +1,161 @@
+"""`make gpu-check`: the GPU path in one command, on a machine with CUDA.
+
+1. `pytest tests/gpu`: a rank killed, the store host killed, a rank hung (SIGSTOP), a rank joining
+   and a planned leave, at 4 and 8 ranks sharing the visible GPUs (one NCCL_HOSTID per process);
+2. `bench/recovery.py --backend nccl --ranks 8` (kills and hangs, per-phase timings), its JSON
+   written to bench/results/nccl.json;
+3. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
+   beside their targets (PASS/MISS).
+
+Without CUDA it says so in one line and exits 0 (CI), or 2 with --require-gpu. `--backend gloo`
+or `nccl-twin` runs the same harness on CPU (no CUDA check; results to .muster/).
+Exit status: 0 when the tests passed and the benchmark ran (a missed target is reported, not
+failed), 1 when a test or the benchmark failed, 2 without CUDA under --require-gpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KILL_TARGET_S = 0.3  # kill -> every survivor stepping again, p50, 8 ranks on one GPU
+HANG_MARGIN_S = 0.3  # hang -> every survivor stepping again, p50: the heartbeat timeout + this
+
+
+def run_bounded(cmd: list[str], timeout_s: float, *, capture: bool = False,
+                env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run `cmd` (its output on the terminal, or stdout returned with `capture`). Past `timeout_s`
+    it gets SIGINT, on which pytest and the benchmark end the processes they started, then
+    SIGKILL; the exit status is then None."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE if capture else None, text=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out or ""
+    except subprocess.TimeoutExpired:
+        print(f"gpu-check: {' '.join(cmd[1:3])} ran past {timeout_s:g}s: interrupted", file=sys.stderr)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        return None, ""
+
+
+def run_tests(backend: str, select: str, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="muster-gpu-check-") as d:
+        junit = Path(d) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "tests/gpu", f"--junitxml={junit}",
+               *(["-k", select] if select else [])]
+        started = time.monotonic()
+        code, _ = run_bounded(cmd, timeout_s, env={**os.environ, "MUSTER_GPU_TEST_BACKEND": backend})
+        counts = {"passed": 0, "failed": 0, "skipped": 0, "seconds": round(time.monotonic() - started)}
+        if junit.exists():
+            suite = ET.parse(junit).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+            counts.update(failed=n["failures"] + n["errors"], skipped=n["skipped"],
+                          passed=n["tests"] - n["failures"] - n["errors"] - n["skipped"])
+        counts["ok"] = code == 0 and counts["failed"] == 0
+        return counts
+
+
+def run_bench(args: argparse.Namespace) -> dict | None:
+    cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend, "--ranks", str(args.ranks),
+           "--kills", str(args.kills), "--hangs", str(args.hangs), "--failovers", "0"]
+    code, out = run_bounded(cmd, args.bench_timeout, capture=True)  # its logs (stderr) go to the terminal
+    if code != 0:
+        print(f"gpu-check: bench/recovery.py failed ({'timed out' if code is None else f'exit {code}'})",
+              file=sys.stderr)
+        return None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(out)
+    return json.loads(out)
+
+
+def platform(torch) -> str:
+    if not torch.cuda.is_available():
+        return f"CPU, torch {torch.__version__}"
+    names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+    nccl = torch.cuda.nccl.version()
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    return (f"{', '.join(names)} x{torch.cuda.device_count()}, torch {torch.__version__} "
+            f"(CUDA {torch.version.cuda}), NCCL {nccl}")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | None) -> list[str]:
+    lines = [f"== gpu-check: {args.backend} on {where}",
+             f"tests/gpu        {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
+             f"in {tests['seconds']} s{'' if tests['ok'] else '  FAILED'}"]
+    if bench is None:
+        return lines + ["recovery         no results (the benchmark failed)"]
+    run = bench["runs"][0]
+    faults = {name: run[name] for name in ("kill", "hang") if name in run}
+    targets = {"kill": KILL_TARGET_S, "hang": bench["heartbeat_timeout_s"] + HANG_MARGIN_S}
+    lines += [f"recovery         {run['ranks']} ranks, {args.kills} kills, {args.hangs} hangs "
+              f"-> {os.path.relpath(args.out)}",
+              f"{'every survivor steps':20}{'p50':>8} {'max':>8}   target"]
+    for name, f in faults.items():
+        p50, top = f[f"{name}_to_step_s"]["p50"], f[f"{name}_to_step_s"]["max"]
+        lines.append(f"  after a {name:10}{p50:8.3f} {top:8.3f}   p50 <= {targets[name]:g} s"
+                     f"{'':6}{verdict(p50 <= targets[name])}")
+    for label, key in [("survivors lost", "survivors_lost"), ("healthy evicted", "healthy_evictions")]:
+        total = sum(f[key] for f in faults.values())
+        lines.append(f"  {label:18}{total:8d} {'':8}   0{'':17}{verdict(total == 0)}")
+    lines.append(f"{'phase, s':22}" + "".join(f"{name + ' p50/max':>17}  " for name in faults).rstrip())
+    for phase in faults["kill"]["phases"]:
+        cells = [f"{f['phases'][phase]['p50']:.4f}/{f['phases'][phase]['max']:.4f}" if phase in f["phases"] else "-"
+                 for f in faults.values()]
+        lines.append(f"  {phase:20}" + "".join(f"{c:>17}  " for c in cells).rstrip())
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=("nccl", "nccl-twin", "gloo"), default="nccl",
+                   help="the ranks' backend; gloo and nccl-twin run on CPU, without the CUDA check")
+    p.add_argument("--require-gpu", action="store_true", help="without CUDA, fail (exit 2) instead of skipping")
+    p.add_argument("--ranks", type=int, default=8, help="ranks of the benchmark (default 8)")
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--hangs", type=int, default=3)
+    p.add_argument("-k", dest="select", default="", help="pytest -k expression for tests/gpu (e.g. ranks4)")
+    p.add_argument("--out", type=Path, help="the benchmark's JSON (default bench/results/nccl.json; "
+                                            ".muster/gpu-check-BACKEND.json for a CPU backend)")
+    p.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds for all of tests/gpu")
+    p.add_argument("--bench-timeout", type=float, default=1200.0, help="seconds for the benchmark")
+    args = p.parse_args()
+    args.out = args.out or ROOT / ("bench/results/nccl.json" if args.backend == "nccl"
+                                   else f".muster/gpu-check-{args.backend}.json")
+    import torch  # after the arguments: --help answers without it
+
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        would = (f"pytest tests/gpu and bench/recovery.py --backend nccl --ranks {args.ranks} --kills {args.kills} "
+                 f"--hangs {args.hangs}")
+        if args.require_gpu:
+            print(f"gpu-check: FAILED: --require-gpu and no CUDA device (torch {torch.__version__}); "
+                  f"{would} not run", file=sys.stderr)
+            return 2
+        print(f"gpu-check: skipped, no CUDA device (torch {torch.__version__}): would run {would}")
+        return 0
+    where = platform(torch)
+    tests = run_tests(args.backend, args.select, args.tests_timeout)
+    bench = run_bench(args)
+    print("\n".join(summary(args, where, tests, bench)))
+    return 0 if tests["ok"] and bench is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
