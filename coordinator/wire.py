@@ -179,6 +179,8 @@ class Assignments:
             shared.store_address = rm.store_address
             shared.master_address = rm.master_address
             shared.store_prefix = store_prefix(state)
+            shared.shrink_of = rm.shrink_of
+            shared.excluded_ranks.extend(rm.excluded_ranks)
         self.active = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
         self.active.assignment.role = pb.ROLE_ACTIVE
         self.unplaced = pb.Directive(term=state.term, generation=state.generation, assignment=shared)

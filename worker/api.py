@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
-from muster.worker.comm import Comm, GroupSpec, Superseded, exit_stuck, interface_of, is_comm_failure
+from muster.worker.comm import Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -77,6 +77,9 @@ class WorkerConfig:
     # gloo's network interface (GLOO_SOCKET_IFNAME); empty: the interface holding `host`, where it is
     # local (gloo's own choice, the hostname's address, may be one the peers cannot reach)
     gloo_interface: str = ""
+    # Loss-only generations shrink the old group (NCCL's comm shrink) instead of forming a new one;
+    # off until measured on a GPU (MUSTER_NCCL_SHRINK=1).
+    shrink: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -103,6 +106,7 @@ class WorkerConfig:
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
             security=ClientSecurity.from_env(env),
             gloo_interface=env.get("GLOO_SOCKET_IFNAME", ""),
+            shrink=env.get("MUSTER_NCCL_SHRINK", "") == "1",
         )
 
 
@@ -139,7 +143,7 @@ class _StepScope:
             return False
         if not issubclass(exc_type, Exception) or issubclass(exc_type, WorkerError):
             return False
-        outside = is_comm_failure(exc)
+        outside = w.backend.is_transport_failure(exc)
         if not outside and not w._membership_changed(w.config.abort_wait_s):
             return False  # not ours: the script's own error
         w._redos += 1
@@ -147,6 +151,8 @@ class _StepScope:
             log.error("step_failed_repeatedly", step=w.step + 1, attempts=w._redos, error=str(exc)[:200])
             return False  # the same step failed in every fresh group: the script's error after all
         log.info("step_discarded", step=w.step + 1, generation=w.generation, error=str(exc)[:200])
+        if outside and w.config.shrink:  # the abort generation may shrink the group: let it come before aborting
+            w._membership_changed(w.config.abort_wait_s)
         w._reform(discard=True, hold=f"a collective of generation {w.generation} failed: {str(exc)[:200]}")
         return True  # swallowed: the loop redoes the step
 
@@ -175,7 +181,8 @@ class Worker:
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
-        self._device = torch.device("cuda", config.local_rank) if config.backend == "nccl" else torch.device("cpu")
+        self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
+        self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -191,7 +198,7 @@ class Worker:
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
         c = self.config
-        self.comm = Comm(c.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
+        self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
         self.link.open(self._connect)
         self._reform(discard=False)
@@ -242,8 +249,8 @@ class Worker:
         cached = self._ddp.get(id(module))
         if cached is None or cached[0] != self.generation:
             kwargs.setdefault("init_sync", False)  # the state sync already made replicas identical
-            if self.config.backend == "nccl":
-                kwargs.setdefault("device_ids", [self.config.local_rank])
+            if self.device.type == "cuda":
+                kwargs.setdefault("device_ids", [self.device.index])
             cached = self._ddp[id(module)] = (self.generation, DistributedDataParallel(module, **kwargs))
         return cached[1]
 
@@ -317,34 +324,45 @@ class Worker:
         timeout, and a failure while forming holds the same way."""
         started = time.perf_counter()
         step, us, state, phase, _ = self._progress
+        after = self.generation
+        latest = self.link.latest
+        if self.config.shrink and placed(latest, self._slot) and latest.abort_previous and latest.shrink_of == after:
+            # the abort generation is here: shrink into it (or wait for the abort thread doing so)
+            if self.comm.shrink_into(self._spec(latest), lambda: self._superseded(latest.generation, True)):
+                hold = ""
+        # A shrink in flight on the abort thread ends first: DDP's teardown below and the new
+        # group's init on that thread deadlock (seen with gloo).
+        self.comm.settle()
         if discard:
             self.state.discard_step()
         self._ddp.clear()
-        after = self.generation
         if hold:
             self.comm.abort(after + 1)  # peers blocked on this rank fail now instead of at the timeout
             latest = self.link.latest
             if latest is None or latest.generation <= after:
                 log.info("rank_holding", generation=after, step=self.step, cause=hold,
                             hold_timeout_s=self.config.hold_timeout_s)
-        self.comm.destroy()
+        self.comm.destroy(keep_after=after)  # a group shrunk into the next generation stays
         deadline = time.monotonic() + self.config.hold_timeout_s
         while True:
             # Waiting for the others is not a stall; holding says that this generation broke.
             self._progress = (step, us, "holding" if hold else "forming", "", after)
             a = self._wait_for_place(after, hold, deadline)
-            spec = GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(self._slot), a.world_size,
-                             self.config.local_rank, a.store_address, a.store_prefix)
+            spec = self._spec(a)
             self._progress = (step, us, "forming", "", spec.generation)
             self._forming = True
             try:
                 formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=immediate(a):
                                           self._superseded(g, i))
-                source, step = self.state.sync(self.step, spec.rank, spec.world_size, self._device)
+                synced = time.perf_counter()
+                source, step = self.state.sync(self.step, spec.rank, spec.world_size, self.device)
+                sync_s = time.perf_counter() - synced
                 break
             except Superseded:
                 pass
-            except (RuntimeError, dist.DistError) as exc:  # a fault during the reform itself: hold for the next
+            # A fault during the reform itself: hold for the next. (ValueError: an abort that came
+            # as this group formed left NCCL's torch without a group for the state exchange.)
+            except (RuntimeError, ValueError) as exc:
                 log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200],
                             hold_left_s=round(max(0.0, deadline - time.monotonic()), 1))  # then HoldExpired
                 after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
@@ -361,10 +379,19 @@ class Worker:
             # signal): the step boundaries look at it from now on.
             self.link.changed.set()
         took = time.perf_counter() - started
-        self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step})
+        phases = {**self.comm.phases, "sync_s": sync_s}
+        self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step, **phases})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
                  step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
-                 store_s=round(self.comm.store_s, 4), barrier_s=round(self.comm.barrier_s, 4), steps_behind=lost)
+                 steps_behind=lost, backend=self.backend.name, shrunk=self.comm.shrunk,
+                 **{k: round(v, 4) for k, v in phases.items()})
+
+    def _spec(self, a: pb.Assignment) -> GroupSpec:
+        """This rank's group in `a`, which places it."""
+        shrink = self.config.shrink and a.shrink_of > 0
+        return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(self._slot), a.world_size,
+                         self.config.local_rank, a.store_address, a.store_prefix,
+                         a.shrink_of if shrink else 0, tuple(a.excluded_ranks) if shrink else ())
 
     def _superseded(self, generation: int, at_once: bool) -> bool:
         """Abandon the group being formed? For a newer one formed at once, yes; a group formed at
@@ -418,6 +445,19 @@ class Worker:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming."""
         threading.Thread(target=self.comm.abort, args=(below_generation,), name="muster-abort", daemon=True).start()
 
+    def _abort_or_shrink(self, a: pb.Assignment) -> None:
+        """An abort generation that offers a shrink and places this rank: the old group is shrunk
+        into the new one where every survivor can (Comm.shrink_into), else aborted."""
+        spec = self._spec(a)
+        if not spec.shrink_of:
+            return self._abort(a.generation)
+
+        def leave() -> None:
+            if not self.comm.shrink_into(spec, lambda: self._superseded(spec.generation, True)):
+                self.comm.abort(spec.generation)
+
+        threading.Thread(target=leave, name="muster-abort", daemon=True).start()
+
     def _on_directive(self, d: pb.Directive) -> None:
         """On the link thread, after the mailbox has it."""
         if d.HasField("assignment"):
@@ -428,7 +468,9 @@ class Worker:
                 # takes the slot back.
                 self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
-            if a.abort_previous:
+            if a.abort_previous and placed(a, self._slot):
+                self._abort_or_shrink(a)
+            elif a.abort_previous:
                 self._abort(a.generation)
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)

@@ -34,6 +34,8 @@ CONNECT_ATTEMPT_S = 1.0  # first attempt of a store client's connect (doubled af
 CONNECT_ATTEMPT_MAX_S = 4.0
 ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still running this long: the process exits
 STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process for the slot
+SHRINK_AGREE_S = 2.0  # survivors agree on a shrink within this (every one says it can), else all form anew
+SHRINK_EXIT_S = 30.0  # a shrink still running this long (a survivor died in it): the process exits
 
 
 class Superseded(Exception):
@@ -61,18 +63,153 @@ def exit_stuck(cause: str, waited_s: float) -> None:
     os._exit(STUCK_EXIT_CODE)
 
 
-# How a broken group shows itself: gloo raises a plain RuntimeError from its transport (a peer
-# closed or reset the connection), NCCL its own errors; torch's c10d raises DistError subclasses.
-_COMM_MARKERS = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL", "nccl",
-                 "ProcessGroup", "Socket Timeout", "timed out", "Timed out")
+# ---- backends: what differs between gloo and NCCL, behind one small interface ------------------
+
+# How a broken group shows itself, in the texts torch raises (pinned by tests/unit/test_comm_backends.py).
+# Gloo: a plain RuntimeError from its transport when a peer closed or reset a connection, or when
+# an abort shut this process's sockets down.
+GLOO_TRANSPORT = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "Socket Timeout",
+                  "timed out", "Timed out")
+# NCCL: a DistBackendError for every NCCL failure, the script's own too. NCCL's result names tell
+# them apart: a peer that died or an aborted communicator is the group's; a bad argument or a CUDA
+# error is not (the process cannot go on in-process after the latter: it ends and is restarted).
+NCCL_ABORTED = ("NCCL communicator was aborted", "NCCL communicator encountered error set by ProcessGroupNCCL")
+NCCL_TRANSPORT = (*NCCL_ABORTED, "ncclRemoteError", "remote process exited or there was a network error",
+                  "ncclSystemError", "unhandled system error", "Watchdog caught collective operation timeout",
+                  "NCCL timeout in:",
+                  # after _abort_process_group torch keeps no default group: a collective the abort beat
+                  "Default process group has not been initialized")
+NCCL_NOT_TRANSPORT = ("ncclInvalidArgument", "ncclInvalidUsage", "invalid argument", "invalid usage",
+                      "ncclUnhandledCudaError", "unhandled cuda error")
+# The watchdog's settings for a rank that aborts its groups itself (the _abort_process_group
+# docstring: error handling off). Set where the environment leaves them unset, before the first
+# group: with torch's defaults a peer's death takes every survivor down (TearDown/SkipCleanUp) or
+# makes each dump the flight recorder and C++ stacks; with these a reform prints group_aborted.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN": "0",
+            "TORCH_FR_BUFFER_SIZE": "0"}  # the flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.10)
+NCCL_TEARS_DOWN = {"1", "3"}  # TearDown, SkipCleanUp: the watchdog ends the process on a peer's death
 
 
-def is_comm_failure(exc: BaseException) -> bool:
-    """An error of the process group (a peer died, hung or was aborted), not of the script."""
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
+def _says(exc: BaseException, texts: tuple[str, ...]) -> bool:
+    return any(t in str(exc) for t in texts)
 
+
+class Gloo:
+    """CPU tensors. Gloo's abort does not end a collective blocked on a hung peer (measured): an
+    abort shuts down the sockets the group opened instead, which makes it fail at once."""
+
+    name = torch_backend = "gloo"
+    can_shrink = False
+
+    def prepare(self, env: dict[str, str]) -> None:
+        pass
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def init_options(self, device: torch.device) -> dict:
+        return {}
+
+    def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
+        return _shutdown_peer_sockets(sockets, keep_ports)
+
+    def is_transport_failure(self, exc: BaseException) -> bool:
+        return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and _says(exc, GLOO_TRANSPORT))
+
+
+class Nccl:
+    """One GPU per rank, taken round-robin from the visible ones (ranks may share a GPU, each
+    process with its own NCCL_HOSTID). Eager init (`device_id`): the communicator is made while
+    forming, so a reform pays for it before the first step rather than inside it. An abort is
+    NCCL's own (`ncclCommAbort` on every communicator, from any thread), which also clears torch's
+    group registry: `Comm.destroy` then has nothing left to destroy."""
+
+    name = torch_backend = "nccl"
+    can_shrink = hasattr(dist, "shrink_group")  # torch >= 2.10 (NCCL >= 2.27, or torch raises: a full form)
+
+    def prepare(self, env: dict[str, str]) -> None:
+        """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
+        `muster run` passes on to unmodified scripts) would end every survivor of a peer's death
+        before Muster's abort: for a library rank it is turned off, and the change logged."""
+        if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in NCCL_TEARS_DOWN:
+            log.info("nccl_error_handling_off", was=env["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
+                     why="Muster aborts and reforms the group; the watchdog would end the process")
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        for name, value in NCCL_ENV.items():
+            env.setdefault(name, value)
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+    def init_options(self, device: torch.device) -> dict:
+        return {"device_id": device}
+
+    def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
+        if dist.is_initialized():  # (torch asserts on an abort with no group left)
+            dist.distributed_c10d._abort_process_group()
+        return 0
+
+    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: set[int],
+               keep_ports: set[int]) -> None:
+        """The survivors make `spec`'s group from the current one, whose in-flight work is aborted
+        first (SHRINK_ABORT): no store, no new bootstrap. It numbers them in their old order, which
+        is the leader's map for a loss-only generation (rankmap.excluded_ranks); checked."""
+        group = dist.shrink_group(list(spec.excluded), shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        if (group.rank(), group.size()) != (spec.rank, spec.world_size):
+            raise RuntimeError(f"the shrunk group made this rank {group.rank()} of {group.size()}; generation "
+                               f"{spec.generation}'s map says {spec.rank} of {spec.world_size}")
+
+    def is_transport_failure(self, exc: BaseException) -> bool:
+        if _says(exc, NCCL_NOT_TRANSPORT) and not _says(exc, NCCL_ABORTED):  # (an abort quotes its cause)
+            return False
+        return isinstance(exc, dist.DistError) or (isinstance(exc, (RuntimeError, ValueError))
+                                                   and _says(exc, NCCL_TRANSPORT))
+
+
+class NcclTwin(Nccl):
+    """NCCL's decisions over gloo, so that CI drives on CPU the paths an NCCL rank takes: the
+    abort that clears torch's registry (so no destroy follows, and a collective the abort beat
+    finds no group), NCCL's error classification, the watchdog settings, and the shrink of a
+    loss-only generation (agreement, fallback, the reform that finds its group formed). What it
+    cannot be is NCCL itself: no CUDA, no eager init, a shrink that is a new gloo group of the
+    survivors, and sockets shut as gloo's abort needs."""
+
+    name = "nccl-twin"
+    torch_backend = "gloo"
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def init_options(self, device: torch.device) -> dict:
+        return {}
+
+    can_shrink = True
+
+    def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
+        super().abort(sockets, keep_ports)
+        return _shutdown_peer_sockets(sockets, keep_ports)
+
+    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: set[int],
+               keep_ports: set[int]) -> None:
+        """As NCCL's: the old group's work aborted, then a group of the survivors alone, numbered by
+        the map (gloo cannot shrink: its group is made anew on the agreed store, survivors only)."""
+        self.abort(sockets, keep_ports)
+        dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+
+    def is_transport_failure(self, exc: BaseException) -> bool:
+        return super().is_transport_failure(exc) or (isinstance(exc, RuntimeError) and _says(exc, GLOO_TRANSPORT))
+
+
+Backend = Gloo | Nccl
+BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (Gloo, Nccl, NcclTwin)}
+
+
+def backend_named(name: str) -> Backend:
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}: one of {', '.join(BACKENDS)}") from None
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -82,6 +219,8 @@ class GroupSpec:
     local_rank: int
     store_address: str  # host:port of rank 0's store
     store_prefix: str
+    shrink_of: int = 0  # the leader offered a shrink of this generation's group (0: none, or not wanted)
+    excluded: tuple[int, ...] = ()  # with shrink_of: its ranks left out
 
 
 def interface_of(address: str) -> str | None:
@@ -139,8 +278,8 @@ def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
         except OSError:
             continue  # closed already
         try:
-            if s.type != socket.SOCK_STREAM:
-                continue
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue  # (a number gloo closed may be reused by the agent's unix socket)
             peer, local = s.getpeername(), s.getsockname()
             if peer[1] in keep_ports or local[1] in keep_ports:
                 continue
@@ -154,13 +293,14 @@ def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
 
 
 class Comm:
-    def __init__(self, backend: str, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True,
+    def __init__(self, backend: str | Backend, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True,
                  gloo_interface: str | None = None):
         """`gloo_interface`: the network interface gloo's connections use (None: gloo's own choice,
         the address of the hostname)."""
-        self.backend = backend
+        self.backend = backend_named(backend) if isinstance(backend, str) else backend
+        self.backend.prepare(os.environ)
         self.host = host
-        if backend == "gloo" and gloo_interface:
+        if self.backend.torch_backend == "gloo" and gloo_interface:
             # Gloo takes its interface from the environment only (init_process_group passes it no
             # options), so the one chosen at the edge is handed on to it that way.
             os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface
@@ -173,17 +313,24 @@ class Comm:
         self._lock = threading.Lock()
         self._sockets: set[int] = set()
         self._abort_below = 0  # generations below this are to be aborted
+        self._aborted = False  # the current group's abort is done (NCCL's may not run twice: its registry is gone)
         # The store connection of the last generation formed: the next generation on the same store
         # uses it again (its address, the client, its sockets). Every new connection costs c10d a
         # reverse-DNS lookup of the peer's address on each side (SocketImpl formats it with
         # getnameinfo), the store host's in its one event-loop thread: a lookup that goes unanswered
         # held every rank of the generation for the resolver's timeout (5 s), seen at 16 ranks.
         self._client: tuple[str, dist.Store, set[int]] | None = None
-        self.store_s = 0.0  # of the last form(): connecting to the generation's store (0 when kept)
-        self.barrier_s = 0.0  # of the last form(): connecting, then waiting for every rank to arrive
+        # Where the last reform's time went, in seconds: the abort of the old group (on the abort
+        # thread), destroying it, connecting to the new store (0 when kept), the arrival barrier
+        # (connecting included) and the backend's init.
+        self.phases = {"abort_s": 0.0, "destroy_s": 0.0, "store_s": 0.0, "barrier_s": 0.0, "init_s": 0.0}
         self._forming: tuple[int, set[int]] | None = None  # generation being formed, its store connections
         self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
         self._attempts = 0
+        self._settled = threading.Event()  # no shrink in flight
+        self._settled.set()
+        self._shrinking = 0  # the generation a shrink was started for (by either thread)
+        self.shrunk = False  # the current group was made by a shrink
 
     @property
     def formed(self) -> bool:
@@ -232,14 +379,22 @@ class Comm:
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
         started = time.monotonic()
+        if self.spec == spec:
+            return 0.0  # the abort thread shrank the old group into this one
+        if self.spec is not None:
+            self.destroy()  # a shrunk group that a newer generation superseded
+        self.shrunk = False
         client, connections = self._store(spec, abandoned, started)
-        self.store_s = time.monotonic() - started
+        self.phases["store_s"] = time.monotonic() - started
         with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
             if spec.generation < self._abort_below:  # aborted while connecting: nothing would cut the waits below
                 raise Superseded(f"generation {spec.generation} abandoned while connecting to its store")
             self._forming = (spec.generation, connections)
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
+            if spec.shrink_of:  # this rank forms anew: no shrink of this generation (see abort_or_shrink)
+                store.compare_set(f"shrink/{spec.rank}", "", "0")
+                store.compare_set("shrink/decision", "", "full")
             if store.add(f"arrived/{spec.rank}", 1) != 1:
                 raise StoreKeyTaken(f"store key arrived/{spec.rank} was set before rank {spec.rank} arrived: planted "
                                     f"on the store of generation {spec.generation}, which is not formed")
@@ -256,11 +411,8 @@ class Comm:
                                               f"within {self.timeout.total_seconds():g}s ({', '.join(missing[:8])})")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.01)
-            self.barrier_s = time.monotonic() - started  # the rest of forming is the backend's connect
+            self.phases["barrier_s"] = time.monotonic() - started  # the rest of forming is the backend's connect
             before = _socket_fds()
-            options = {}
-            if self.backend == "nccl":
-                options["device_id"] = torch.device("cuda", spec.local_rank)
             # A rank that dies between the barrier and publishing its address would hold every other
             # in the backend's store reads for the whole timeout: bound them (the host of the store
             # cannot cut its own connection).
@@ -271,8 +423,9 @@ class Comm:
                 if spec.generation < self._abort_below:  # abandoned between the barrier and here
                     self._watch_connect(spec.generation)
             try:
-                dist.init_process_group(self.backend, store=store, rank=spec.rank, world_size=spec.world_size,
-                                        timeout=self.timeout, **options)
+                dist.init_process_group(self.backend.torch_backend, store=store, rank=spec.rank,
+                                        world_size=spec.world_size, timeout=self.timeout,
+                                        **self.backend.init_options(self.backend.device(spec.local_rank)))
             finally:
                 with self._lock:
                     self._connecting = None
@@ -285,11 +438,90 @@ class Comm:
             self._sockets = _socket_fds() - before
             if client is not self.server and not cut:
                 self._client = (spec.store_address, client, connections)
-            self.spec = spec
+            self.spec, self._aborted = spec, False
             late_abort = spec.generation < self._abort_below
         if late_abort:
             self.abort(spec.generation + 1)
+        self.phases["init_s"] = time.monotonic() - started - self.phases["barrier_s"]
         return time.monotonic() - started
+
+    def shrink_into(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
+        """Leave the current group by shrinking it into `spec`'s, for an abort generation where the
+        leader offered it (loss-only), the backend can, this process is in that group and every
+        survivor agrees on the generation's store. Every survivor shrinks, or none does: the first
+        verdict written wins. Called by the abort thread and the training thread, whichever comes
+        first: the other waits for it. False: the caller aborts the group as ever."""
+        with self._lock:
+            if self._shrinking == spec.generation:
+                mine = False  # the other thread is at it
+            elif (self.backend.can_shrink and spec.shrink_of and self.spec is not None and not self._aborted
+                  and self.spec.generation == spec.shrink_of):
+                mine, self._shrinking = True, spec.generation
+                self._settled.clear()
+            else:
+                return False
+        if not mine:
+            self.settle()
+            return self.spec == spec
+        watch = threading.Timer(SHRINK_EXIT_S, lambda: self._settled.is_set() or exit_stuck(
+            f"shrinking generation {spec.shrink_of}'s group into {spec.generation}'s", SHRINK_EXIT_S))
+        watch.daemon = True
+        watch.start()
+        try:
+            return self._shrink(spec, abandoned)
+        except Exception as exc:  # the group is in no known state: the caller aborts what is left of it
+            log.warning("shrink_failed", generation=spec.generation, error=str(exc)[:200])
+            return False
+        finally:
+            self._settled.set()
+            watch.cancel()
+
+    def _shrink(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
+        started = time.monotonic()
+        try:
+            client, connections = self._store(spec, abandoned, started)
+        except (Superseded, RuntimeError):
+            return False
+        try:
+            store = dist.PrefixStore(spec.store_prefix + "/", client)
+            if not self._agreed(store, spec, abandoned):
+                return False
+            agreed = time.monotonic()
+            before = _socket_fds()
+            with self._lock:  # (the old group's sockets may be closed, their numbers reused by the new store's)
+                keep = {self.store_port, split_host_port(self.spec.store_address)[1],
+                        split_host_port(spec.store_address)[1]}
+            self.backend.shrink(spec, dist.PrefixStore(spec.store_prefix + "/shrunk/", client),
+                                min(self.timeout, CONNECT_TIMEOUT), self._sockets, keep)
+            with self._lock:
+                self.spec, self._aborted, self.shrunk = spec, False, True
+                self._sockets = _socket_fds() - before
+            self.phases.update(abort_s=time.monotonic() - agreed, destroy_s=0.0, init_s=0.0,
+                               store_s=0.0, barrier_s=agreed - started)
+        finally:
+            with self._lock:  # kept for the next generation on the same store, as form() keeps it
+                if client is not self.server:
+                    self._client = (spec.store_address, client, connections)
+        log.info("group_shrunk", generation=spec.generation, of=spec.shrink_of, excluded=list(spec.excluded)[:16],
+                 rank=spec.rank, world_size=spec.world_size, agree_s=round(self.phases["barrier_s"], 4),
+                 shrink_s=round(self.phases["abort_s"], 4))
+        return True
+
+    def _agreed(self, store: dist.PrefixStore, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
+        """This rank can shrink: does every survivor? A rank that forms anew (its key "0"), one not
+        heard within SHRINK_AGREE_S or a newer generation makes it "full" for everyone."""
+        if store.compare_set(f"shrink/{spec.rank}", "", "1") != b"1":
+            return False  # this rank's training thread got there first, forming anew
+        keys = [f"shrink/{r}" for r in range(spec.world_size)]
+        deadline, verdict = time.monotonic() + SHRINK_AGREE_S, "full"
+        while not store.check(["shrink/decision"]):
+            if store.check(keys):
+                verdict = "shrink" if set(store.multi_get(keys)) == {b"1"} else "full"
+                break
+            if abandoned() or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        return store.compare_set("shrink/decision", "", verdict) == b"shrink"
 
     def abort(self, below_generation: int) -> bool:
         """Make the current group's collectives fail now if its generation is below the given one.
@@ -303,15 +535,14 @@ class Comm:
                 if self._connecting is not None:
                     self._watch_connect(forming[0])
             spec = self.spec
-            if spec is None or spec.generation >= below_generation:
+            if spec is None or spec.generation >= below_generation or self._aborted:
                 return False
-            if self.backend == "nccl":
-                dist.distributed_c10d._abort_process_group()
-                n = -1
-            else:
-                n = _shutdown_peer_sockets(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]})
-                self._sockets = set()
-        log.info("group_aborted", generation=spec.generation, sockets=n)
+            started = time.monotonic()
+            n = self.backend.abort(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]})
+            self._sockets, self._aborted = set(), True
+            self.phases["abort_s"] = time.monotonic() - started
+        log.info("group_aborted", generation=spec.generation, backend=self.backend.name, sockets=n,
+                 seconds=round(self.phases["abort_s"], 4))
         return True
 
     def _watch_connect(self, generation: int) -> None:
@@ -331,11 +562,21 @@ class Comm:
         timer.daemon = True
         timer.start()
 
-    def destroy(self) -> None:
+    def settle(self) -> None:
+        """Wait for a shrink in flight on another thread (bounded: past SHRINK_EXIT_S the process exits)."""
+        self._settled.wait(SHRINK_EXIT_S)
+
+    def destroy(self, *, keep_after: int | None = None) -> None:
         """Leave the current group (after an abort, or at a planned switch). Its store connection
-        stays for the next generation on the same store."""
+        stays for the next generation on the same store. A shrink in flight ends first; `keep_after`:
+        a group the abort thread shrank into a generation above it stays (the reform finds it formed)."""
+        self.settle()
         with self._lock:
+            if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
+                return
             self.spec = None
             self._sockets = set()
-        if dist.is_initialized():
+        started = time.monotonic()
+        if dist.is_initialized():  # (not after NCCL's abort, which cleared torch's registry)
             dist.destroy_process_group()
+        self.phases["destroy_s"] = time.monotonic() - started

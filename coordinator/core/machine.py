@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
-from muster.coordinator.core.rankmap import assign_ranks, rank0_address
+from muster.coordinator.core.rankmap import assign_ranks, excluded_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Outcome, Phase, RankMap
 from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, MusterError, NotFound,
                                        PermissionDenied, ResourceExhausted, Unavailable)
@@ -414,7 +414,9 @@ def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[st
         return nxt, True, ()
     abort = f.unplanned or state.phase is Phase.WAITING
     switch_at = 0 if abort else _switch_at(state, ctx)
-    nxt = replace(_publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at),
+    excluded = excluded_ranks(previous, assignment.placements) if abort else ()
+    nxt = replace(_publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at,
+                           shrink=(previous.generation, excluded) if excluded else (0, ())),
                   phase=Phase.RUNNING)
     mode = "abort" if abort else f"switch after step {switch_at}"
     f.log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
@@ -539,7 +541,8 @@ def _switch_at(state: JobState, ctx: Context) -> int:
     return min(max(ctx.max_step + lead, pending), MAX_STEP)
 
 
-def _publish(state: JobState, placements, world_size: int, *, abort: bool, switch_at: int) -> JobState:
+def _publish(state: JobState, placements, world_size: int, *, abort: bool, switch_at: int,
+             shrink: tuple[int, tuple[int, ...]] = (0, ())) -> JobState:
     generation = state.generation + 1
     rank_map = RankMap(
         generation=generation,
@@ -549,6 +552,8 @@ def _publish(state: JobState, placements, world_size: int, *, abort: bool, switc
         master_address=rank0_address(state.members, placements, master=True),
         abort_previous=abort,
         switch_at_step=switch_at,
+        shrink_of=shrink[0],
+        excluded_ranks=shrink[1],
     )
     return replace(state, generation=generation, rank_map=rank_map)
 

@@ -59,6 +59,24 @@ def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobS
     )
 
 
+def excluded_ranks(previous: RankMap | None, placements: Sequence[Placement]) -> tuple[int, ...]:
+    """The ranks of `previous` that a loss-only map leaves out, or () when the map is not one:
+    every rank it places held a rank in `previous`, and the survivors keep their order (the i-th
+    rank of the new map is the i-th surviving rank of the old). Its ranks can then shrink the old
+    group's communicator (NCCL's comm shrink numbers survivors so) instead of making a new one."""
+    if previous is None:
+        return ()
+    kept: list[int] = []
+    for p in placements:
+        before = previous.placement(p.node_id)
+        if before is None or not set(p.slots) <= set(before.slots):
+            return ()  # a node or a slot that joined: a full init
+        kept.extend(before.rank_of(slot) for slot in p.slots)
+    if len(kept) >= previous.world_size or any(b <= a for a, b in zip(kept, kept[1:])):
+        return ()  # nobody left, or the order changed
+    return tuple(sorted(set(range(previous.world_size)).difference(kept)))
+
+
 def rank0_address(members: Sequence[Member], placements: Sequence[Placement], *, master: bool = False) -> str:
     """The store of a generation lives on the node holding its rank 0 (`master`: the port its
     rank 0 hosts a plain env:// store on, "" when the node offers none)."""

@@ -100,6 +100,8 @@ class RankMap:
     abort_previous: bool
     switch_at_step: int  # planned: switch after this step; 0 with abort
     master_address: str = ""  # rank 0's node host:master_port, for scripts without the library
+    shrink_of: int = 0  # loss-only: the generation whose group survivors may shrink (rankmap.shrink_of)
+    excluded_ranks: tuple[int, ...] = ()  # with shrink_of: its ranks this map leaves out
 
     @cached_property
     def _by_node(self) -> dict[str, Placement]:
@@ -255,6 +257,8 @@ def encode(state: JobState) -> bytes:
             "abort_previous": _json(rm.abort_previous),
             "switch_at_step": _json(rm.switch_at_step),
             "master_address": _json(rm.master_address),
+            "shrink_of": _json(rm.shrink_of),
+            "excluded_ranks": _json(list(rm.excluded_ranks)),
             "placements": _array(p.json for p in rm.placements),
         }),
         "history": _json([
@@ -308,6 +312,8 @@ def decode(data: bytes) -> JobState:
             abort_previous=rm["abort_previous"],
             switch_at_step=rm["switch_at_step"],
             master_address=rm.get("master_address", ""),
+            shrink_of=rm.get("shrink_of", 0),
+            excluded_ranks=tuple(rm.get("excluded_ranks", ())),
             placements=tuple(
                 Placement(p["node_id"], p["node_rank"], p["rank_offset"], tuple(p["slots"])) for p in rm["placements"]
             ),

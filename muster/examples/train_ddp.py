@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     data = DataPosition()
     try:
         worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer, data=data)
+        model.to(worker.device)  # before start: NCCL exchanges the state as tensors on this rank's GPU
         worker.start()
         while worker.step < args.steps:
             with worker.step_scope() as step:
                 time.sleep(args.step_sleep)
-                x, y = batch(worker.step, worker.rank, worker.world_size)
+                x, y = (t.to(worker.device) for t in batch(worker.step, worker.rank, worker.world_size))
                 loss = torch.nn.functional.mse_loss(worker.ddp(model)(x), y)
                 loss.backward()
                 optimizer.step()

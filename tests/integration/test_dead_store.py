@@ -2,7 +2,8 @@
 "kill a node: NOT RECOVERED"): node0's rank is killed; its replacement gets the generation
 that takes it back, hosted by node1's store, but node1's agent was killed meanwhile. The abort
 generation that follows (node1 silent) must be formed at once: c10d's TCPStore constructor
-retries a refused connect for the whole form timeout (300 s) and nothing could abandon it."""
+retries a refused connect for the whole form timeout (300 s) and nothing could abandon it.
+Run on gloo and on the NCCL-shaped twin (NCCL's abort and destroy rules over gloo)."""
 
 import os
 import signal
@@ -17,9 +18,11 @@ HEARTBEAT_TIMEOUT = ["--heartbeat-timeout", "15"]
 
 
 @pytest.mark.timeout(180)
-def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators, agents):
+@pytest.mark.parametrize("backend", ["gloo", "nccl-twin"])
+def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators, agents, backend):
     (leader,) = coordinators(1, extra=HEARTBEAT_TIMEOUT)
-    a, b = agents([leader.address], "deadstore", ["node0", "node1"], slots=1, steps=10**6)
+    a, b = agents([leader.address], "deadstore", ["node0", "node1"], slots=1, steps=10**6,
+                  env={"MUSTER_BACKEND": backend})
     wait_until(lambda: all(n.steps(0) and n.steps(0)[-1]["world_size"] == 2 and n.steps(0)[-1]["step"] >= 10
                            for n in (a, b)), 90, "both ranks past step 10")
     started = len(a.rank_pids(0))
@@ -51,7 +54,7 @@ def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators,
         raise AssertionError("the replacement never formed the abort generation; its log:\n"
                              + a.rank_logs(0)[-1].read_text()[-3000:]) from None
     formed = [r for r in json_lines(a.rank_logs(0)[-1], "group_formed") if r["generation"] == abort[0]["generation"]]
-    assert formed, "no group_formed record for the abort generation"
+    assert formed and formed[0]["backend"] == backend, "no group_formed record for the abort generation"
     took = record_time(formed[0]) - record_time(abort[0])
     assert took < 5.0, f"the abort generation formed {took:.1f}s after it was published"
     assert a.proc.poll() is None, "node0's agent exited"

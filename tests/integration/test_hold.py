@@ -25,9 +25,12 @@ def last_steps(agents):
 
 
 @pytest.mark.timeout(180)
-def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, coordinators, agents, tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "nccl-twin"])
+def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, coordinators, agents, tmp_path,
+                                                                        backend):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    a, b = agents([leader.address], "hold", ["a", "b"], steps=10**6, step_sleep_s=0.05)
+    a, b = agents([leader.address], "hold", ["a", "b"], steps=10**6, step_sleep_s=0.05,
+                  env={"MUSTER_BACKEND": backend})
     wait_until(lambda: len(last_steps([a, b])) == 4 and min(r["step"] for r in last_steps([a, b]).values()) >= 10,
                90, "every rank past step 10")
     survivors = {(n, s): n.rank_pids(s)[-1] for n in (a, b) for s in (0, 1) if (n, s) != (b, 1)}
@@ -57,6 +60,8 @@ def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, c
                 f"{n.node_id}/{s} went back: {steps}"
         kinds = {r["kind"] for r in replacement.find("membership_changed")}
         assert kinds & {"rank_exited", "group_broken"}, kinds
+        formed = [r for n in (a, b) for s in (0, 1) for log in n.rank_logs(s) for r in json_lines(log, "group_formed")]
+        assert {r["backend"] for r in formed} == {backend}
     finally:
         replacement.stop()
 

@@ -1,5 +1,7 @@
 """The worker library with real gloo process groups, a real coordinator and a real etcd: ranks
-are killed, hung and added, and the survivors keep training in-process."""
+are killed, hung and added, and the survivors keep training in-process. The kill and hang cases
+run again on the NCCL-shaped twin (`nccl-twin`: NCCL's abort, error classification and destroy
+rules over gloo), the paths an NCCL rank takes."""
 
 import signal
 from collections import defaultdict
@@ -39,11 +41,21 @@ def running(ranks, at_least=8):
     wait_until(lambda: all(p.last_step >= at_least for p in ranks), 60, f"all ranks past step {at_least}")
 
 
+def assert_reformed_on(backend, ranks, after_generation):
+    """Every reform after `after_generation` went through `backend`, and the logs stay readable: no
+    c10d "waitForInput ... timed out" warning from the arrival barrier."""
+    formed = [r for p in ranks for r in p.records("group_formed") if r["generation"] > after_generation]
+    assert formed and {r["backend"] for r in formed} == {backend}
+    assert not [p for p in ranks if "waitForInput" in p.log_path.read_text()]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("victim_rank", [2, 0], ids=["rank2", "rank0_store_moves"])
-def test_survivors_of_a_killed_rank_continue_in_process(coordinators, training, victim_rank):
+@pytest.mark.parametrize("victim_rank,backend", [(2, "gloo"), (0, "gloo"), (0, "nccl-twin")],
+                         ids=["rank2", "rank0_store_moves", "rank0_store_moves_nccl_twin"])
+def test_survivors_of_a_killed_rank_continue_in_process(coordinators, training, victim_rank, backend):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    ranks = training([leader.address], "kill", 4, steps=STEPS, min_nodes=3, max_nodes=4)
+    ranks = training([leader.address], "kill", 4, steps=STEPS, min_nodes=3, max_nodes=4,
+                     env={"MUSTER_BACKEND": backend})
     running(ranks)
     victim = next(p for p in ranks if rank_of(p) == victim_rank)
     survivors = [p for p in ranks if p is not victim]
@@ -63,12 +75,15 @@ def test_survivors_of_a_killed_rank_continue_in_process(coordinators, training, 
         assert store_after and store_after.isdisjoint(store_before), "the store moved with rank 0"
     kinds = [r["kind"] for r in leader.find("membership_changed")]
     assert "process_exited" in kinds
+    assert_reformed_on(backend, survivors, generation)
 
 
 @pytest.mark.timeout(120)
-def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, training):
+@pytest.mark.parametrize("backend", ["gloo", "nccl-twin"])
+def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, training, backend):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    ranks = training([leader.address], "hang", 4, steps=STEPS, min_nodes=3, max_nodes=4)
+    ranks = training([leader.address], "hang", 4, steps=STEPS, min_nodes=3, max_nodes=4,
+                     env={"MUSTER_BACKEND": backend})
     running(ranks)
     victim = next(p for p in ranks if rank_of(p) == 1)
     survivors = [p for p in ranks if p is not victim]
@@ -85,6 +100,7 @@ def test_a_hung_rank_is_evicted_and_once_resumed_is_fenced_out(coordinators, tra
     assert_contiguous_and_identical(survivors, generation)
     evicted = [r for r in leader.find("membership_changed") if r["kind"] in ("node_silent", "rank_stalled")]
     assert evicted and evicted[0]["nodes"] == [victim.records("node_joined")[0]["node"]]
+    assert_reformed_on(backend, survivors, generation)
 
 
 @pytest.mark.timeout(120)

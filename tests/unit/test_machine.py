@@ -194,3 +194,21 @@ def test_a_large_state_is_stored_compressed_and_reads_back():
     assert decode(data) == big
     small = running()
     assert encode(small)[:1] == b"{" and decode(encode(small)) == small
+
+
+def test_a_loss_only_abort_names_the_group_to_shrink_and_the_ranks_it_leaves_out():
+    # ranks 0,1 on n1, 2,3 on n2, 4,5 on n3: n2 lost -> survivors 0,1,4,5 keep their order
+    rm = decide(running(), [NodeLost("n2", "node_silent", "x")], ctx(now=5)).state.rank_map
+    assert (rm.shrink_of, rm.excluded_ranks) == (1, (2, 3))
+    rm = decide(running(), [SlotDown("n1", 0, "rank_exited", "exit code -9")], ctx(now=5)).state.rank_map
+    assert (rm.shrink_of, rm.excluded_ranks) == (1, (0,))  # rank 0 too: the store moves, the survivors shrink
+    state = decide(running(), [NodeLost("n1", "node_silent", "x")], ctx(now=5)).state
+    assert decode(encode(state)).rank_map.excluded_ranks == (0, 1)
+
+
+def test_an_abort_that_adds_a_rank_or_a_planned_switch_forms_a_new_group():
+    state = decide(running(), [join(4)], ctx(now=5)).state  # a spare
+    rm = decide(state, [NodeLost("n1", "node_silent", "x")], ctx(now=6)).state.rank_map
+    assert rm.abort_previous and (rm.shrink_of, rm.excluded_ranks) == (0, ())  # n4 promoted: a full init
+    rm = decide(running(), [Leave("n3", immediate=False, reason="SIGTERM")], ctx(now=5, max_step=10)).state.rank_map
+    assert not rm.abort_previous and rm.shrink_of == 0  # planned: its ranks switch at a step, no abort

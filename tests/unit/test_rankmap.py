@@ -99,3 +99,38 @@ def test_below_min_nodes_the_job_cannot_run_and_says_why():
     a = assign_ranks([member(1)], None, JobSpec(2, 4, 1))
     assert not a.runnable
     assert "min_nodes=2" in a.reason
+
+
+def test_excluded_ranks_only_for_a_map_that_only_removes_ranks_in_order():
+    from muster.coordinator.core.rankmap import excluded_ranks
+
+    members = [member(1), member(2), member(3)]
+    before = as_map(assign_ranks(members, None, JobSpec(1, 3, 1)))
+    assert excluded_ranks(None, before.placements) == ()
+    assert excluded_ranks(before, before.placements) == ()  # nobody left out
+    lost_n2 = assign_ranks([members[0], members[2]], before, JobSpec(1, 3, 1))
+    assert excluded_ranks(before, lost_n2.placements) == (2, 3)
+    lost_slot = assign_ranks([member(1), member(2, down={1}), member(3)], before, JobSpec(1, 3, 1))
+    assert excluded_ranks(before, lost_slot.placements) == (3,)
+    joined = assign_ranks([members[0], members[2], member(4)], before, JobSpec(1, 3, 1))
+    assert excluded_ranks(before, joined.placements) == ()  # n4 is new: a full init
+
+
+@settings(max_examples=200, deadline=None)
+@given(nodes_strategy, spec_strategy, st.data())
+def test_a_shrink_renumbers_survivors_exactly_as_the_new_map_does(members, spec, data):
+    """NCCL's comm shrink numbers the survivors in their old order: wherever the leader offers a
+    shrink, that order is the new map's ranks."""
+    from muster.coordinator.core.rankmap import excluded_ranks
+
+    before = assign_ranks(members, None, spec)
+    if not before.runnable:
+        return
+    lost = data.draw(st.sets(st.sampled_from([m.node_id for m in members])))
+    after = assign_ranks([m for m in members if m.node_id not in lost], as_map(before), spec)
+    excluded = excluded_ranks(as_map(before), after.placements)
+    if excluded:
+        old, new = global_ranks(before), global_ranks(after)
+        survivors = sorted(set(range(before.world_size)) - set(excluded))
+        assert sorted(new, key=new.get) == sorted(new, key=old.get)  # the same order
+        assert [old[k] for k in sorted(new, key=new.get)] == survivors
