@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -200,7 +200,7 @@ class Worker:
         c = self.config
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
-        self.link.open(self._connect)
+        self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
         self._reform(discard=False)
         return self
 
@@ -326,10 +326,9 @@ class Worker:
         step, us, state, phase, _ = self._progress
         after = self.generation
         latest = self.link.latest
-        if self.config.shrink and placed(latest, self._slot) and latest.abort_previous and latest.shrink_of == after:
-            # the abort generation is here: shrink into it (or wait for the abort thread doing so)
-            if self.comm.shrink_into(self._spec(latest), lambda: self._superseded(latest.generation, True)):
-                hold = ""
+        if placed(latest, self._slot) and latest.abort_previous and self.comm.shrink_into(
+                self._group(latest), lambda: self._superseded(latest.generation, True)):
+            hold = ""  # the abort generation is here, and the old group shrank into it (on either thread)
         # A shrink in flight on the abort thread ends first: DDP's teardown below and the new
         # group's init on that thread deadlock (seen with gloo).
         self.comm.settle()
@@ -348,7 +347,7 @@ class Worker:
             # Waiting for the others is not a stall; holding says that this generation broke.
             self._progress = (step, us, "holding" if hold else "forming", "", after)
             a = self._wait_for_place(after, hold, deadline)
-            spec = self._spec(a)
+            spec = self._group(a)
             self._progress = (step, us, "forming", "", spec.generation)
             self._forming = True
             try:
@@ -386,12 +385,8 @@ class Worker:
                  steps_behind=lost, backend=self.backend.name, shrunk=self.comm.shrunk,
                  **{k: round(v, 4) for k, v in phases.items()})
 
-    def _spec(self, a: pb.Assignment) -> GroupSpec:
-        """This rank's group in `a`, which places it."""
-        shrink = self.config.shrink and a.shrink_of > 0
-        return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(self._slot), a.world_size,
-                         self.config.local_rank, a.store_address, a.store_prefix,
-                         a.shrink_of if shrink else 0, tuple(a.excluded_ranks) if shrink else ())
+    def _group(self, a: pb.Assignment) -> GroupSpec:
+        return group_spec(a, self._slot, self.config.local_rank, self.config.shrink)
 
     def _superseded(self, generation: int, at_once: bool) -> bool:
         """Abandon the group being formed? For a newer one formed at once, yes; a group formed at
@@ -403,18 +398,6 @@ class Worker:
                                            and (immediate(latest) or not at_once))
 
     # ---- background thread -----------------------------------------------------------
-
-    def _connect(self, on_directive) -> NodeSession | RankLink:
-        c = self.config
-        if c.agent_socket:
-            return RankLink(c.agent_socket, self._slot, c.agent_secret, report=lambda: self._reports()[0],
-                            on_directive=on_directive)
-        identity = NodeIdentity(c.job, c.node_id, 1, c.host, self.comm.store_port,
-                                pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
-                                           world_size_multiple=c.world_size_multiple),
-                                is_process=True, agent_pid=os.getpid())
-        return NodeSession(c.coordinators, identity, reports=self._reports, on_directive=on_directive,
-                           security=c.security)
 
     def _fail(self, error: WorkerError, cause: BaseException | None = None) -> None:
         if self._closing:
@@ -441,22 +424,12 @@ class Worker:
             return
         exit_stuck(str(error), STUCK_EXIT_S)
 
-    def _abort(self, below_generation: int) -> None:
-        """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming."""
-        threading.Thread(target=self.comm.abort, args=(below_generation,), name="muster-abort", daemon=True).start()
-
-    def _abort_or_shrink(self, a: pb.Assignment) -> None:
-        """An abort generation that offers a shrink and places this rank: the old group is shrunk
-        into the new one where every survivor can (Comm.shrink_into), else aborted."""
-        spec = self._spec(a)
-        if not spec.shrink_of:
-            return self._abort(a.generation)
-
-        def leave() -> None:
-            if not self.comm.shrink_into(spec, lambda: self._superseded(spec.generation, True)):
-                self.comm.abort(spec.generation)
-
-        threading.Thread(target=leave, name="muster-abort", daemon=True).start()
+    def _abort(self, below_generation: int, into: GroupSpec | None = None) -> None:
+        """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming.
+        `into`: the group this rank has in the abort generation, which may shrink the old one."""
+        abandoned = (lambda: self._superseded(into.generation, True)) if into is not None else None
+        threading.Thread(target=self.comm.leave, args=(below_generation, into, abandoned), name="muster-abort",
+                         daemon=True).start()
 
     def _on_directive(self, d: pb.Directive) -> None:
         """On the link thread, after the mailbox has it."""
@@ -468,10 +441,8 @@ class Worker:
                 # takes the slot back.
                 self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
-            if a.abort_previous and placed(a, self._slot):
-                self._abort_or_shrink(a)
-            elif a.abort_previous:
-                self._abort(a.generation)
+            if a.abort_previous:
+                self._abort(a.generation, self._group(a) if placed(a, self._slot) else None)
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
         elif d.HasField("drain"):
@@ -485,9 +456,29 @@ class Worker:
                               generation=generation)]
 
 
+def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],
+            on_directive: Callable[[pb.Directive], None]) -> NodeSession | RankLink:
+    """The rank's link: to its agent under `muster run`, else to the coordinator as a one-slot node."""
+    if c.agent_socket:
+        return RankLink(c.agent_socket, slot, c.agent_secret, report=lambda: reports()[0], on_directive=on_directive)
+    identity = NodeIdentity(c.job, c.node_id, 1, c.host, store_port,
+                            pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
+                                       world_size_multiple=c.world_size_multiple),
+                            is_process=True, agent_pid=os.getpid())
+    return NodeSession(c.coordinators, identity, reports=reports, on_directive=on_directive, security=c.security)
+
+
 def placed(a: pb.Assignment | None, slot: int) -> bool:
     """`a` gives local rank `slot` a place in its group."""
     return a is not None and a.role == pb.ROLE_ACTIVE and slot in a.local_ranks
+
+
+def group_spec(a: pb.Assignment, slot: int, local_rank: int, shrink: bool) -> GroupSpec:
+    """Local rank `slot`'s group in `a`, which places it (`shrink`: take up a shrink it offers)."""
+    shrink = shrink and a.shrink_of > 0
+    return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(slot), a.world_size, local_rank,
+                     a.store_address, a.store_prefix, a.shrink_of if shrink else 0,
+                     tuple(a.excluded_ranks) if shrink else ())
 
 
 def to_form(latest: pb.Assignment | None, base: pb.Assignment | None, slot: int,

@@ -105,6 +105,9 @@ class Gloo:
     def prepare(self, env: dict[str, str]) -> None:
         pass
 
+    def release(self) -> None:
+        pass  # (its groups stay in torch's registry after an abort: destroy_process_group ends them)
+
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
 
@@ -128,6 +131,12 @@ class Nccl:
     name = torch_backend = "nccl"
     can_shrink = hasattr(dist, "shrink_group")  # torch >= 2.10 (NCCL >= 2.27, or torch raises: a full form)
 
+    def __init__(self) -> None:
+        # Groups aborted out of torch's registry, kept until release(): otherwise the last reference
+        # is DDP's reducer, and its dealloc (GIL held) joins the group's threads, one of which waits
+        # for the GIL to drop a Python object: a deadlock, seen on the twin.
+        self.aborted: list[dist.ProcessGroup] = []
+
     def prepare(self, env: dict[str, str]) -> None:
         """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
         `muster run` passes on to unmodified scripts) would end every survivor of a peer's death
@@ -147,8 +156,18 @@ class Nccl:
 
     def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
         if dist.is_initialized():  # (torch asserts on an abort with no group left)
+            self.aborted.extend(dist.distributed_c10d._world.pg_map)
             dist.distributed_c10d._abort_process_group()
         return 0
+
+    def release(self) -> None:
+        """End the aborted groups' threads (shutdown releases the GIL), once nothing uses them."""
+        groups, self.aborted = self.aborted, []
+        for group in groups:
+            try:
+                group.shutdown()
+            except Exception as exc:  # already ended: nothing left to release
+                log.debug("group_release_failed", error=str(exc)[:200])
 
     def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: set[int],
                keep_ports: set[int]) -> None:
@@ -211,6 +230,24 @@ def backend_named(name: str) -> Backend:
     except KeyError:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(BACKENDS)}") from None
 
+def agreed(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
+    """This rank can shrink into `spec`'s group: can every survivor? One that forms anew (its key
+    "0"), one not heard within SHRINK_AGREE_S, or a newer generation makes it "full" for everyone;
+    the first verdict written holds for all."""
+    if store.compare_set(f"shrink/{spec.rank}", "", "1") != b"1":
+        return False  # this rank's training thread got there first, forming anew
+    keys = [f"shrink/{r}" for r in range(spec.world_size)]
+    deadline, verdict = time.monotonic() + SHRINK_AGREE_S, "full"
+    while not store.check(["shrink/decision"]):
+        if store.check(keys):
+            verdict = "shrink" if set(store.multi_get(keys)) == {b"1"} else "full"
+            break
+        if abandoned() or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    return store.compare_set("shrink/decision", "", verdict) == b"shrink"
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     generation: int
@@ -251,6 +288,11 @@ def _socket_fds() -> set[int]:
     return fds
 
 
+def _is_tcp(s: socket.socket) -> bool:
+    """A TCP socket (a unix one, e.g. the link to the agent, has no port to compare)."""
+    return s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6)
+
+
 def _store_connections(fds: set[int], store_port: int) -> set[int]:
     """Among new sockets (other threads open some too), those connected to the store's port."""
     found = set()
@@ -260,7 +302,7 @@ def _store_connections(fds: set[int], store_port: int) -> set[int]:
         except OSError:
             continue
         try:
-            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == store_port:
+            if _is_tcp(s) and s.getpeername()[1] == store_port:
                 found.add(fd)
         except OSError:
             pass
@@ -278,7 +320,7 @@ def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
         except OSError:
             continue  # closed already
         try:
-            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+            if not _is_tcp(s):
                 continue  # (a number gloo closed may be reused by the agent's unix socket)
             peer, local = s.getpeername(), s.getsockname()
             if peer[1] in keep_ports or local[1] in keep_ports:
@@ -445,6 +487,13 @@ class Comm:
         self.phases["init_s"] = time.monotonic() - started - self.phases["barrier_s"]
         return time.monotonic() - started
 
+    def leave(self, below_generation: int, into: GroupSpec | None = None,
+              abandoned: Callable[[], bool] | None = None) -> None:
+        """For an abort generation: shrink the current group `into` this rank's group in it where
+        it can (shrink_into), else abort it."""
+        if into is None or not into.shrink_of or not self.shrink_into(into, abandoned):
+            self.abort(below_generation)
+
     def shrink_into(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
         """Leave the current group by shrinking it into `spec`'s, for an abort generation where the
         leader offered it (loss-only), the backend can, this process is in that group and every
@@ -484,9 +533,9 @@ class Comm:
             return False
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
-            if not self._agreed(store, spec, abandoned):
+            if not agreed(store, spec, abandoned):
                 return False
-            agreed = time.monotonic()
+            agreed_at = time.monotonic()
             before = _socket_fds()
             with self._lock:  # (the old group's sockets may be closed, their numbers reused by the new store's)
                 keep = {self.store_port, split_host_port(self.spec.store_address)[1],
@@ -496,8 +545,8 @@ class Comm:
             with self._lock:
                 self.spec, self._aborted, self.shrunk = spec, False, True
                 self._sockets = _socket_fds() - before
-            self.phases.update(abort_s=time.monotonic() - agreed, destroy_s=0.0, init_s=0.0,
-                               store_s=0.0, barrier_s=agreed - started)
+            self.phases.update(abort_s=time.monotonic() - agreed_at, destroy_s=0.0, init_s=0.0,
+                               store_s=0.0, barrier_s=agreed_at - started)
         finally:
             with self._lock:  # kept for the next generation on the same store, as form() keeps it
                 if client is not self.server:
@@ -506,22 +555,6 @@ class Comm:
                  rank=spec.rank, world_size=spec.world_size, agree_s=round(self.phases["barrier_s"], 4),
                  shrink_s=round(self.phases["abort_s"], 4))
         return True
-
-    def _agreed(self, store: dist.PrefixStore, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
-        """This rank can shrink: does every survivor? A rank that forms anew (its key "0"), one not
-        heard within SHRINK_AGREE_S or a newer generation makes it "full" for everyone."""
-        if store.compare_set(f"shrink/{spec.rank}", "", "1") != b"1":
-            return False  # this rank's training thread got there first, forming anew
-        keys = [f"shrink/{r}" for r in range(spec.world_size)]
-        deadline, verdict = time.monotonic() + SHRINK_AGREE_S, "full"
-        while not store.check(["shrink/decision"]):
-            if store.check(keys):
-                verdict = "shrink" if set(store.multi_get(keys)) == {b"1"} else "full"
-                break
-            if abandoned() or time.monotonic() > deadline:
-                break
-            time.sleep(0.002)
-        return store.compare_set("shrink/decision", "", verdict) == b"shrink"
 
     def abort(self, below_generation: int) -> bool:
         """Make the current group's collectives fail now if its generation is below the given one.
@@ -571,6 +604,7 @@ class Comm:
         stays for the next generation on the same store. A shrink in flight ends first; `keep_after`:
         a group the abort thread shrank into a generation above it stays (the reform finds it formed)."""
         self.settle()
+        self.backend.release()
         with self._lock:
             if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
                 return

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec, Superseded, _socket_fds
+from muster.worker.comm import Comm, GroupSpec, Superseded, _is_tcp, _socket_fds
 from muster.local import wait_until
 
 
@@ -26,7 +26,7 @@ def connections(port: int) -> set[int]:
     for fd in _socket_fds():
         s = socket.socket(fileno=fd)
         try:
-            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+            if _is_tcp(s) and s.getpeername()[1] == port:
                 found.add(s.getsockname()[1])
         except OSError:
             pass
@@ -112,3 +112,22 @@ def test_a_generation_aborted_while_connecting_to_its_store_waits_on_nothing():
     with pytest.raises(Superseded):
         comm.form(spec(1, server, world_size=2), abandoned=lambda: False)  # rank 1 never arrives
     assert not dist.PrefixStore("generation-1/", server).check(["arrived/0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_unix_socket_among_the_new_fds_is_no_store_connection():
+    """Under `muster run` the rank's link to its agent is a unix socket, opened or reopened at any
+    time: it is never taken for a connection of the store's, nor shut down by an abort."""
+    import socket
+
+    from muster.worker.comm import _shutdown_peer_sockets, _store_connections
+
+    a, b = socket.socketpair()
+    try:
+        fds = {a.fileno(), b.fileno()}
+        assert _store_connections(fds, 29500) == set() and _shutdown_peer_sockets(fds, set()) == 0
+        a.sendall(b"x")
+        assert b.recv(1) == b"x"  # still open
+    finally:
+        a.close()
+        b.close()
