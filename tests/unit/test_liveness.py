@@ -4,10 +4,12 @@ import json
 import statistics
 from dataclasses import replace
 
+from muster.coordinator.core import liveness
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness, RankReport, Recovery
 from muster.coordinator.core.machine import Context, Join, Regroup, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
+from muster.coordinator.core.stalls import judge_ranks
 from muster.coordinator.core.state import JobState
 from muster.v1 import muster_pb2 as pb
 from muster.worker.crash_report import FAILURES
@@ -408,12 +410,11 @@ def test_a_generation_larger_than_one_look_is_judged_over_several_tallies():
     assert [(f.kind, f.node_id) for f in found] == [("rank_not_formed", "n2999")] and tallies == 3
 
 
-def test_nodes_that_progress_together_are_judged_spread_over_tallies():
+def test_nodes_that_progress_together_are_judged_spread_over_tallies(monkeypatch):
     state = big_job(1000)
     live = Liveness(TIMING, now=0)  # progress floor 1 s: each node judged again within 0.5-1 s of its progress
     judged = []
-    judge = live._judge
-    live._judge = lambda *a: (judged.append(1), judge(*a))[1]
+    monkeypatch.setattr(liveness, "judge_ranks", lambda *a: (judged.append(1), judge_ranks(*a))[1])
     per_tally = []
     for tick in range(1, 200):
         now = tick * 0.05

@@ -1,0 +1,59 @@
+"""The exit bookkeeping: slots whose rank a node reports exited or restarting in place, and the
+pids of failed processes, so that a new process in such a slot counts as its recovery.
+"""
+
+from __future__ import annotations
+
+from muster.coordinator.core.kinds import FailureKind
+from muster.coordinator.core.live_records import REPORTED, Failure, NodeLive, RankReport, placed
+from muster.coordinator.core.state import RankMap
+
+
+class ExitBook:
+    def __init__(self) -> None:
+        self.failed_pids: dict[tuple[str, int], int] = {}  # (node, slot) -> the pid that failed there (-1: none yet)
+        self.reported: set[tuple[str, int]] = set()  # slots reporting exited or restarting
+
+    def note(self, key: tuple[str, int], state: str) -> None:
+        """A slot's new state: reported exits and restarts are indexed."""
+        if state in REPORTED:
+            self.reported.add(key)
+        else:
+            self.reported.discard(key)
+
+    def forget(self, node_id: str, slots) -> None:
+        for slot in slots:
+            self.reported.discard((node_id, slot))
+        for key in [k for k in self.failed_pids if k[0] == node_id]:
+            del self.failed_pids[key]
+
+    def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
+        """The slot's process failed; a different pid in that slot later means it came back."""
+        self.failed_pids[(node_id, local_rank)] = pid or -1
+
+    def came_back(self, node_id: str, r: RankReport) -> bool:
+        """Whether `r` is a new process in a failed slot (then no longer failed)."""
+        failed_pid = self.failed_pids.get((node_id, r.local_rank))
+        if failed_pid is not None and r.pid and r.pid != failed_pid and r.state != "exited":
+            del self.failed_pids[(node_id, r.local_rank)]
+            return True
+        return False
+
+    def in_map(self, rm: RankMap | None, nodes: dict[str, NodeLive]) -> list[Failure]:
+        """Slots of the map whose rank a node reports as exited, or as restarting in place in the
+        current generation: an exit report that went to a previous leader is not lost. Acted on
+        even during the grace, like any exit; the pid of an exited rank is remembered so that a new
+        process in the slot counts as its recovery. A restarting slot keeps its place: the job
+        re-forms once with its replacement. O(slots reporting so), in the order of the map."""
+        if rm is None or not self.reported:
+            return []
+        found = []
+        for p, slot, r in placed(self.reported, rm, nodes):
+            if r.state == "exited":
+                self.mark_failed(p.node_id, slot, r.pid)
+                found.append((p.node_rank, slot, Failure(FailureKind.RANK_EXITED, p.node_id, slot,
+                                                         f"reported exited (pid {r.pid})")))
+            elif r.generation == rm.generation:
+                found.append((p.node_rank, slot, Failure(FailureKind.RANK_RESTARTED, p.node_id, slot,
+                                                         f"local rank {slot} (pid {r.pid}) is restarting in place")))
+        return [f for _, _, f in sorted(found, key=lambda x: x[:2])]

@@ -1,0 +1,92 @@
+"""What liveness keeps and finds: a rank's report as a frame carries it (`RankReport`), what the
+leader keeps of each node and rank (`NodeLive`, `RankLive`), and what it finds (`Failure`,
+`Divergence`, `Recovery`). Plain records, shared by `liveness` and the parts it delegates to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from muster.coordinator.core.kinds import FailureKind
+from muster.coordinator.core.state import Placement, RankMap
+
+
+@dataclass(slots=True)  # one per rank of the job: no per-object dict
+class RankLive:
+    pid: int = 0
+    step: int = 0
+    step_time_s: float = 0.0
+    state: str = "starting"  # starting | running | long_phase | forming | holding | exited | unmonitored | restarting
+    phase: str = ""
+    heard_ms_ago: int = 0
+    progress_at: float = 0.0  # when the step last advanced (a published generation counts too: `Liveness.published`)
+    phase_since: float | None = None
+    digest_step: int = 0
+    digest: bytes = b""
+    generation: int = 0  # of the group it is in, or forming
+
+
+@dataclass(slots=True)
+class NodeLive:
+    last_frame_at: float
+    generation: int = 0
+    ranks: dict[int, RankLive] = field(default_factory=dict)
+    top_step: int = 0  # the highest step of its ranks in its last frame
+    heard_slot: int = -1  # the `SilenceWheel` slot that holds it (by its last frame); -1: none
+    early: float = 0.0  # in [0, 0.5): how much of the progress timeout's floor its judgements come early
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    node_id: str  # "" for the group kinds
+    local_rank: int | None
+    reason: str
+    since: float | None = None  # when its first signal came: the last frame, report or progress
+
+
+UNMONITORED = frozenset({"unmonitored", "restarting"})  # scripts without the library: no steps to judge
+NO_PROGRESS = UNMONITORED | {"exited", "finished"}  # reports that say nothing of a library rank's progress
+REPORTED = frozenset({"exited", "restarting"})  # acted on as reported, not at a deadline
+WAITING = frozenset({"long_phase", "forming", "holding"})  # phases timed from when they began
+
+
+class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x cheaper than a dataclass
+    local_rank: int
+    pid: int
+    step: int
+    step_time_s: float
+    state: str
+    heard_ms_ago: int = 0
+    phase: str = ""
+    digest_step: int = 0
+    digest: bytes = b""
+    generation: int = 0  # of the group the rank is in or forming (0: none yet)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    step: int
+    ranks: tuple[int, ...]  # ranks whose parameters differ from the majority (all, without one)
+    nodes: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A new generation's recovery under way: decided at `decided_at`, the job then at `step`."""
+
+    generation: int
+    decided_at: float
+    step: int
+
+
+def placed(slots: Iterable[tuple[str, int]], rm: RankMap,
+           nodes: dict[str, NodeLive]) -> Iterator[tuple[Placement, int, RankLive]]:
+    """Of indexed slots (node, local rank), those `rm` places: (placement, slot, its rank)."""
+    for node_id, slot in slots:
+        p = rm.placement(node_id)
+        if p is not None and slot in p.slots:
+            yield p, slot, nodes[node_id].ranks[slot]
