@@ -51,8 +51,9 @@ from muster.coordinator.etcd.client import connect
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.etcd.store import JobStore
-from muster.coordinator.leader import JobLeader, NodeStream
+from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
+from muster.coordinator.streams import NodeStream
 from muster.coordinator.twins import MemoryJobStore
 from muster.local import CoordinatorProcess, SimulatedNode, wait_until
 from muster.v1 import muster_pb2 as pb

@@ -46,10 +46,11 @@ from muster import logs
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.state import encode
 from muster.coordinator.coordination import LeaderKey
-from muster.coordinator.leader import JobLeader, NodeStream
+from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import RelayLink
 from muster.coordinator.server import stream_end
+from muster.coordinator.streams import NodeStream
 from muster.coordinator.twins import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 

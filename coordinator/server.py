@@ -20,9 +20,9 @@ from google.protobuf.message_factory import GetMessageClass
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
-from muster.coordinator.leader import CLOSE
 from muster.coordinator.relay import MAX_ITEMS, Relay, RelayedNode, RelayLink, check_size
 from muster.coordinator.replica import Replica
+from muster.coordinator.streams import CLOSE
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 

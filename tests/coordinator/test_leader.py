@@ -16,8 +16,9 @@ from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
 from muster.coordinator.coordination import LeaderKey
-from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader, NodeStream
+from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader
 from muster.coordinator.leadership import Leadership
+from muster.coordinator.streams import NodeStream
 from muster.coordinator.twins import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 

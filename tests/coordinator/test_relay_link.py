@@ -15,10 +15,11 @@ from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind
 from muster.coordinator.errors import InvalidArgument, ResourceExhausted
 from muster.coordinator.coordination import LeaderKey
-from muster.coordinator.leader import JobLeader, NodeStream, Pulses
+from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink
 from muster.coordinator.server import CoordinatorServicer, FrameBudget, stream_end
+from muster.coordinator.streams import NodeStream, Pulses
 from muster.coordinator.twins import MemoryJobStore
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb

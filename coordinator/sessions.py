@@ -1,0 +1,155 @@
+"""A node's Session stream as its job's leader reads it: who may join or open one (the member, with
+its secret) and what its frames say. A frame is validated completely before liveness records it;
+what needs a decision (an exit, a slot back, a script done) becomes an event for the tally."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from muster.coordinator import wire
+from muster.coordinator.core.kinds import FailureKind
+from muster.coordinator.core.liveness import Liveness
+from muster.coordinator.core.machine import Finishing, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp
+from muster.coordinator.core.policy import JobSpec
+from muster.coordinator.core.state import JobState, Member, NodeKind
+from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from muster.coordinator.leader_stats import LeaderStats
+from muster.coordinator.streams import NodeStream
+from muster.v1 import muster_pb2 as pb
+
+
+def secret_hash(secret: bytes) -> str:
+    """What the state keeps of a session secret: its SHA-256, never the secret."""
+    return hashlib.sha256(secret).hexdigest()
+
+
+def check_joinable(state: JobState, requested: JobSpec) -> None:
+    """A node joins the job as it exists: the sizes it asks for are the job's (unless its spec was lost)."""
+    for name in ("min_nodes", "max_nodes", "world_size_multiple"):
+        want = getattr(requested, name)
+        if want and want != getattr(state.spec, name) and not state.spec_lost:
+            raise FailedPrecondition(
+                f"job {state.job!r} exists with {name}={getattr(state.spec, name)}; this node asks for {want}"
+            )
+
+
+def member_of(state: JobState, node_id: str, member_id: int) -> Member:
+    member = state.member(node_id)
+    if member is None:
+        raise NotFound(f"node {node_id!r} is not a member of job {state.job!r}: join first")
+    if member.member_id != member_id:
+        raise FailedPrecondition(
+            f"member {member_id} of node {node_id!r} is stale (current member {member.member_id}); "
+            "it was evicted or replaced: rejoin"
+        )
+    return member
+
+
+def authenticate(member: Member, secret: bytes) -> None:
+    """Only the node that joined as this member holds its secret: a stranger who guessed the
+    member_id may not replace its stream or make it leave."""
+    if not member.admits(secret_hash(secret)):
+        raise PermissionDenied(f"node {member.node_id!r} did not present the session secret of member "
+                               f"{member.member_id}; only the node that joined as it may use it")
+
+
+def check_first(first: pb.NodeFrame, state: JobState) -> None:
+    """A session's first frame, before the leader looks its node up."""
+    wire.check_node(first.node_id)
+    wire.check_rejoin(first)
+    if first.run and first.run != state.run:
+        raise FailedPrecondition(f"run {first.run} of job {state.job!r} has ended; the job's name runs run "
+                                 f"{state.run} now")
+
+
+def rejoin_of(first: pb.NodeFrame) -> Rejoin:
+    """The member a node that is no member says it was (a lost state rebuilt): for the core to take back."""
+    r = first.rejoin
+    return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
+                  r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec))
+
+
+def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> Member:
+    """The member a session's first frame opens a stream for (`current`: the node's stream now)."""
+    member = member_of(state, first.node_id, first.member_id)
+    authenticate(member, first.session_secret)
+    if (current is not None and current.member_id == member.member_id and first.stream_seq
+            and current.seq > first.stream_seq):
+        # A first frame a relay still held from before the node moved on: the newer stream stays.
+        raise FailedPrecondition(f"stream {first.stream_seq} of node {member.node_id!r} is stale: "
+                                 f"its stream {current.seq} is newer")
+    return member
+
+
+class FrameReader:
+    """Every frame of one job's streams, under one leader's term."""
+
+    def __init__(self, term: int, live: Liveness, stats: LeaderStats, clock: Callable[[], float]):
+        self.term = term
+        self.live = live
+        self.stats = stats
+        self._clock = clock
+        self._finishing_asked = False
+
+    def read(self, stream: NodeStream, frame: pb.NodeFrame, state: JobState) -> list[MembershipEvent]:
+        """Validate one frame completely, then record it; the events it calls for."""
+        if frame.job != stream.job or frame.node_id != stream.node_id or frame.member_id != stream.member_id:
+            raise InvalidArgument("every frame of a session must carry the job, node_id and member_id of its first")
+        member = member_of(state, frame.node_id, frame.member_id)
+        # The hot path: a frame that only advances steps is read for three fields a rank.
+        fast = (frame.steps_only and not frame.exits and stream.local_ranks is not None
+                and len(frame.ranks) == len(stream.local_ranks))
+        steps = wire.frame_steps(frame) if fast else None
+        reports = None if fast else wire.check_frame_ranks(frame, member)
+        if frame.term > max(self.term, stream.term_ahead):
+            # Not trusted blindly (a bad client could depose the leader): were this leader stale,
+            # its session and fenced writes would tell it.
+            raise FailedPrecondition(f"frame term {frame.term} is ahead of this leader's term {self.term}")
+        if frame.generation > state.generation:
+            raise FailedPrecondition(
+                f"frame generation {frame.generation} is ahead of the job's generation {state.generation}"
+            )
+        now = self._clock()
+        self.stats.framed()
+        vouched = stream.link is not None
+        if fast:
+            if self.live.advance(member.node_id, frame.generation, stream.local_ranks, steps, now, vouched=vouched):
+                return []
+            reports = wire.check_frame_ranks(frame, member)  # not the ranks it had: read it all
+        if frame.exits:
+            self.stats.signalled(now)
+        events: list[MembershipEvent] = []
+        if not self._finishing_asked and not state.frozen:
+            done = next((r for r in reports if r.state == "finished"), None)
+            if done is not None:
+                self._finishing_asked = True
+                events.append(Finishing(member.node_id, f"local rank {done.local_rank} (pid {done.pid}) of node "
+                                                        f"{member.node_id!r} completed its script: the job is ending"))
+        recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=vouched)
+        stream.local_ranks = tuple(r.local_rank for r in reports)
+        if frame.exits:
+            events += self._exits(member, frame, state)
+        if recovered:
+            events.append(SlotsUp(member.node_id, tuple(recovered)))
+        return events
+
+    def _exits(self, member: Member, frame: pb.NodeFrame, state: JobState) -> list[MembershipEvent]:
+        rm = state.rank_map
+        placement = rm.placement(member.node_id) if rm else None
+        events: list[MembershipEvent] = []
+        for e in frame.exits:
+            how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
+            if member.kind is NodeKind.PROCESS:
+                events.append(NodeLost(member.node_id, FailureKind.PROCESS_EXITED, f"pid {e.pid} {how}"))
+            elif e.restarting and placement is not None and e.local_rank in placement.slots:
+                # Restart semantics (a script without the library): the job re-forms once, with the
+                # replacement in the same place. A node still on an older generation is restarted by
+                # the newer map already: its rank's exit is no new fault.
+                if frame.generation == state.generation:
+                    events.append(Regroup(FailureKind.RANK_RESTARTED, f"local rank {e.local_rank}: pid {e.pid} "
+                                          f"{how}; its agent restarts it in place", (member.node_id,)))
+            else:
+                self.live.mark_failed(member.node_id, e.local_rank, e.pid)
+                events.append(SlotDown(member.node_id, e.local_rank, FailureKind.RANK_EXITED, f"pid {e.pid} {how}"))
+        return events
