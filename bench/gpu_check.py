@@ -3,7 +3,8 @@
 1. `pytest tests/gpu`: a rank killed, the store host killed, a rank hung (SIGSTOP), a rank joining
    and a planned leave, at 4 and 8 ranks sharing the visible GPUs (one NCCL_HOSTID per process);
 2. `bench/recovery.py --backend nccl --ranks 8` (kills and hangs, per-phase timings), its JSON
-   written to bench/results/nccl.json;
+   written to bench/results/nccl.json; then its kills again with MUSTER_NCCL_SHRINK=1 (survivors
+   shrink the group instead of forming anew) to bench/results/nccl_shrink.json;
 3. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
    beside their targets (PASS/MISS).
 
@@ -69,17 +70,18 @@ def run_tests(backend: str, select: str, timeout_s: float) -> dict:
         return counts
 
 
-def run_bench(args: argparse.Namespace) -> dict | None:
+def run_bench(args: argparse.Namespace, out: Path, shrink: bool = False) -> dict | None:
     cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend, "--ranks", str(args.ranks),
-           "--kills", str(args.kills), "--hangs", str(args.hangs), "--failovers", "0"]
-    code, out = run_bounded(cmd, args.bench_timeout, capture=True)  # its logs (stderr) go to the terminal
+           "--kills", str(args.kills), "--hangs", "0" if shrink else str(args.hangs), "--failovers", "0",
+           *(["--shrink"] if shrink else [])]
+    code, text = run_bounded(cmd, args.bench_timeout, capture=True)  # its logs (stderr) go to the terminal
     if code != 0:
-        print(f"gpu-check: bench/recovery.py failed ({'timed out' if code is None else f'exit {code}'})",
-              file=sys.stderr)
+        print(f"gpu-check: bench/recovery.py{' --shrink' if shrink else ''} failed "
+              f"({'timed out' if code is None else f'exit {code}'})", file=sys.stderr)
         return None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(out)
-    return json.loads(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return json.loads(text)
 
 
 def platform(torch) -> str:
@@ -96,7 +98,8 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | None) -> list[str]:
+def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | None,
+            shrunk: dict | None) -> list[str]:
     lines = [f"== gpu-check: {args.backend} on {where}",
              f"tests/gpu        {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
              f"in {tests['seconds']} s{'' if tests['ok'] else '  FAILED'}"]
@@ -120,7 +123,11 @@ def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | Non
         cells = [f"{f['phases'][phase]['p50']:.4f}/{f['phases'][phase]['max']:.4f}" if phase in f["phases"] else "-"
                  for f in faults.values()]
         lines.append(f"  {phase:20}" + "".join(f"{c:>17}  " for c in cells).rstrip())
-    return lines
+    if shrunk is None:
+        return lines + ["shrinking        no results (the benchmark with --shrink failed)"]
+    kill = shrunk["runs"][0]["kill"]
+    return lines + [f"  {'kill, shrinking':20}{kill['kill_to_step_s']['p50']:8.3f} {kill['kill_to_step_s']['max']:8.3f}"
+                    f"   (MUSTER_NCCL_SHRINK=1; survivors lost {kill['survivors_lost']})"]
 
 
 def main() -> int:
@@ -152,9 +159,10 @@ def main() -> int:
         return 0
     where = platform(torch)
     tests = run_tests(args.backend, args.select, args.tests_timeout)
-    bench = run_bench(args)
-    print("\n".join(summary(args, where, tests, bench)))
-    return 0 if tests["ok"] and bench is not None else 1
+    bench = run_bench(args, args.out)
+    shrunk = run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), shrink=True)
+    print("\n".join(summary(args, where, tests, bench, shrunk)))
+    return 0 if tests["ok"] and bench is not None and shrunk is not None else 1
 
 
 if __name__ == "__main__":

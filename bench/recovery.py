@@ -80,8 +80,9 @@ def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
 class Fleet:
     """etcd, two coordinator replicas and N library ranks (each its own node) of one job."""
 
-    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str):
+    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str, shrink: bool = False):
         self.workdir, self.ranks, self.step_sleep_s, self.backend = workdir, ranks, step_sleep_s, backend
+        self.env = {"MUSTER_NCCL_SHRINK": "1"} if shrink else {}  # loss-only generations shrink the group
         self.etcd = EtcdServer(workdir / "etcd").start()
         self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",
                                             ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]).start()
@@ -92,7 +93,8 @@ class Fleet:
     def launch(self, n: int) -> list[TrainingProcess]:
         new = [TrainingProcess(self.addresses, JOB, self.workdir / f"rank-{len(self.procs) + i}.log",
                                steps=10**9, step_sleep_s=self.step_sleep_s, min_nodes=self.ranks - 1,
-                               max_nodes=self.ranks, env=rank_env(self.backend)).start() for i in range(n)]
+                               max_nodes=self.ranks, env={**rank_env(self.backend), **self.env}).start()
+               for i in range(n)]
         self.procs.extend(new)
         return new
 
@@ -216,8 +218,8 @@ def failover_cycles(fleet: Fleet, kills: int) -> dict:
 
 
 def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_sleep_s: float,
-        backend: str) -> dict:
-    fleet = Fleet(workdir, ranks, step_sleep_s, backend)
+        backend: str, shrink: bool = False) -> dict:
+    fleet = Fleet(workdir, ranks, step_sleep_s, backend, shrink)
     try:
         fleet.launch(ranks)
         fleet.full()
@@ -236,6 +238,8 @@ def main() -> int:
     p.add_argument("--ranks", default="8", help="rank counts, comma-separated (default 8)")
     p.add_argument("--backend", choices=("gloo", "nccl", "nccl-twin"), default="gloo",
                    help="the ranks' MUSTER_BACKEND (nccl: the ranks share the visible GPUs)")
+    p.add_argument("--shrink", action="store_true",
+                   help="MUSTER_NCCL_SHRINK=1: survivors of a loss shrink the group (nccl, nccl-twin)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--hangs", type=int, default=2)
     p.add_argument("--failovers", type=int, default=2)
@@ -243,14 +247,15 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")
-    result = {"benchmark": "recovery", "backend": args.backend, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+    result = {"benchmark": "recovery", "backend": args.backend, "shrink": args.shrink,
+              "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
               "step_sleep_s": args.step_sleep, "step_api": step_api_cost_us(), "runs": []}
     with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
         for ranks in [int(r) for r in args.ranks.split(",")]:
             workdir = (args.workdir or Path(d)) / f"ranks-{ranks}"
             workdir.mkdir(parents=True, exist_ok=True)
             result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, args.step_sleep,
-                                      args.backend))
+                                      args.backend, args.shrink))
     print(json.dumps(result, indent=2))
     return 0
 
