@@ -109,6 +109,21 @@ def _generation(agents) -> int:
     return max((steps[-1]["generation"] for steps in _rank_runs(agents).values()), default=0)
 
 
+def _report(coordinators: list[str], faults: list[Fault], out: Path) -> None:
+    """The job's membership history, as the coordinators recorded it, and what each fault cost."""
+    with Coordinators(coordinators) as c:
+        events = c.call("Events", pb.EventsRequest(job=JOB)).events
+    print("\nmembership history:")
+    for e in events:
+        print(f"  g{e.generation:<3} term {e.term:<5} {e.kind:<16} {','.join(e.nodes):<14} {e.reason}")
+    print("\nrecovery:")
+    for f in faults:
+        took = f"{f.recovered_s:.2f}s" if f.recovered_s is not None else "NOT RECOVERED"
+        print(f"  {f.name:<16} {took:>14}   {f.detail}")
+    print(f"\ntimeline written to {out}")
+    print(json.dumps({f.name: f.recovered_s for f in faults}))
+
+
 def run(duration_s: float = 60.0, nodes: int = 3, slots: int = 2, out: Path = Path("muster-demo.png")) -> int:
     with tempfile.TemporaryDirectory(prefix="muster-demo-") as d:
         work = Path(d)
@@ -172,18 +187,7 @@ def run(duration_s: float = 60.0, nodes: int = 3, slots: int = 2, out: Path = Pa
                 print(_table([r.address for r in replicas if r.proc.poll() is None]), flush=True)
                 time.sleep(1.0)
             _timeline(agents, faults, started, out)
-            live = [r.address for r in replicas if r.proc.poll() is None]
-            with Coordinators(live) as c:
-                events = c.call("Events", pb.EventsRequest(job=JOB)).events
-            print("\nmembership history:")
-            for e in events:
-                print(f"  g{e.generation:<3} term {e.term:<5} {e.kind:<16} {','.join(e.nodes):<14} {e.reason}")
-            print("\nrecovery:")
-            for f in faults:
-                took = f"{f.recovered_s:.2f}s" if f.recovered_s is not None else "NOT RECOVERED"
-                print(f"  {f.name:<16} {took:>14}   {f.detail}")
-            print(f"\ntimeline written to {out}")
-            print(json.dumps({f.name: f.recovered_s for f in faults}))
+            _report([r.address for r in replicas if r.proc.poll() is None], faults, out)
             return 0 if all(f.recovered_s is not None for f in faults) else 1
         finally:
             for a in agents:
