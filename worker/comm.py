@@ -196,14 +196,13 @@ class NcclTwin(Nccl):
 
     name = "nccl-twin"
     torch_backend = "gloo"
+    can_shrink = True
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
 
     def init_options(self, device: torch.device) -> dict:
         return {}
-
-    can_shrink = True
 
     def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
         super().abort(sockets, keep_ports)
@@ -434,7 +433,7 @@ class Comm:
             self._forming = (spec.generation, connections)
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
-            if spec.shrink_of:  # this rank forms anew: no shrink of this generation (see abort_or_shrink)
+            if spec.shrink_of:  # this rank forms anew: no shrink of this generation (see shrink_into)
                 store.compare_set(f"shrink/{spec.rank}", "", "0")
                 store.compare_set("shrink/decision", "", "full")
             if store.add(f"arrived/{spec.rank}", 1) != 1:
