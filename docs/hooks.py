@@ -507,7 +507,19 @@ def render_recovery(d: dict) -> str:
     api = d.get("step_api")
     if api:
         rows.append(["per-step cost of `step_scope` on the training thread", f"{num(api['median_us'])} µs median"])
-    return table(["what", "measured"], rows)
+    return table(["what", "measured"], rows) + "".join(reform_phases(r) for r in d["runs"])
+
+
+def reform_phases(run: dict) -> str:
+    """Where a survivor's reform went (its `group_formed` record), p50 / max over survivors and faults."""
+    faults = [f for f in ("kill", "hang") if run[f].get("phases")]
+    if not faults:
+        return ""
+    names = list(run[faults[0]]["phases"])
+    rows = [[f"`{name}`", *(f"{s(run[f]['phases'][name]['p50'])} / {s(run[f]['phases'][name]['max'])}"
+                            for f in faults)] for name in names]
+    return f"\nWhere a survivor's reform went at {run['ranks']} ranks, p50 / max:\n\n" + \
+        table(["phase", *(f"after a {f}" for f in faults)], rows)
 
 
 def render_capacity(d: dict) -> str:

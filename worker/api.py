@@ -77,8 +77,8 @@ class WorkerConfig:
     # gloo's network interface (GLOO_SOCKET_IFNAME); empty: the interface holding `host`, where it is
     # local (gloo's own choice, the hostname's address, may be one the peers cannot reach)
     gloo_interface: str = ""
-    # Loss-only generations shrink the old group (NCCL's comm shrink) instead of forming a new one;
-    # off until measured on a GPU (MUSTER_NCCL_SHRINK=1).
+    # Loss-only generations shrink the old group (NCCL's comm shrink) instead of forming a new one
+    # (MUSTER_NCCL_SHRINK=1). Off: on an H200 (torch 2.11, NCCL 2.28.9) it crashed every survivor.
     shrink: bool = False
 
     @classmethod
@@ -198,6 +198,9 @@ class Worker:
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
         c = self.config
+        if c.shrink and self.backend.name == "nccl":
+            log.warning("nccl_shrink_unproven", why="on torch 2.11 + NCCL 2.28.9 (H200) every survivor of a "
+                        "shrink crashed (heap corruption); see docs/guide/nccl.md")
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
