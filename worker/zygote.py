@@ -244,9 +244,7 @@ class Zygote:
         reply = await answer
         if "error" in reply:
             raise ZygoteLost(reply["error"])
-        # Answered before the zygote can reap the rank: its exit always comes after this.
-        rank = self._ranks[reply["pid"]] = WarmProcess(reply["pid"])
-        return rank
+        return reply["rank"]
 
     def _on_readable(self) -> None:
         while True:
@@ -266,6 +264,8 @@ class Zygote:
                 if rank is not None:
                     rank._ended(m["code"])
             elif "id" in m:
+                if "pid" in m:  # known before the next message is read, which may be its exit already
+                    m["rank"] = self._ranks[m["pid"]] = WarmProcess(m["pid"])
                 future = self._pending.pop(m["id"], None)
                 if future is not None and not future.done():
                     future.set_result(m)

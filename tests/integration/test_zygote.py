@@ -2,10 +2,14 @@
 report their exit status, and die with the zygote."""
 
 import asyncio
+import json
 import os
+import select
 import signal
+import socket
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -61,7 +65,6 @@ def test_a_forked_rank_sees_its_own_argv_env_cwd_stdio_and_exit_status(tmp_path,
             zygote.close()
 
     run(main())
-    import json
 
     seen = json.loads((tmp_path / "out.txt").read_text())
     assert seen == {"argv": [str(path), "--lr", "0.1"], "rank": "3", "agent": None, "cwd": str(tmp_path),
@@ -129,3 +132,33 @@ def test_a_forked_rank_marks_its_completion_before_teardown_and_a_failing_one_do
 
     run(main())
     assert (tmp_path / "done.mark").exists() and not (tmp_path / "failing.mark").exists()
+
+
+
+@pytest.mark.timeout(30)
+def test_the_exit_of_a_rank_gone_before_the_agent_reads_its_pid_still_ends_it():
+    """A loaded agent may read the zygote's answer and the rank's exit in one go: the exit must
+    still reach the rank's handle (it was dropped, and the slot waited on a dead rank). The test
+    plays the zygote's end of the channel, so both messages wait before the agent reads either."""
+
+    async def main():
+        agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        agent_end.setblocking(False)
+        zygote = Zygote(agent_end, SimpleNamespace(returncode=0))
+        try:
+            zygote_end.send(json.dumps({"ready": 1}).encode())
+            spawning = asyncio.ensure_future(zygote.spawn(Program("rank.py", False, (), False), {}, (0, 1, 2)))
+            while not select.select([zygote_end], [], [], 0)[0]:
+                await asyncio.sleep(0.005)  # until the request is sent
+            request, fds, _, _ = socket.recv_fds(zygote_end, 1 << 20, 3)
+            for fd in fds:
+                os.close(fd)
+            zygote_end.send(json.dumps({"id": json.loads(request)["id"], "pid": 4242}).encode())
+            zygote_end.send(json.dumps({"exited": 4242, "code": 3}).encode())
+            rank = await spawning
+            assert await asyncio.wait_for(rank.wait(), 5) == 3
+        finally:
+            zygote._lose("test over", closing=True)
+            zygote_end.close()
+
+    run(main())
