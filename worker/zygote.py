@@ -121,7 +121,20 @@ def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: 
     _fresh_stdio(request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import otherwise
+    _fresh_random()
     run(Program(request["target"], request["module"], tuple(request["args"]), request["unbuffered"]))
+
+
+def _fresh_random() -> None:
+    """Random state as a new interpreter has it. `random` reseeds itself at a fork; numpy's global
+    generator and torch's default one, each seeded from the OS at its import, would otherwise be
+    the zygote's in every rank: the same draws on every rank of the node and at every restart."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()  # (the CPU one: the zygote never started CUDA)
 
 
 def _fresh_stdio(unbuffered: bool) -> None:

@@ -162,3 +162,27 @@ def test_the_exit_of_a_rank_gone_before_the_agent_reads_its_pid_still_ends_it():
             zygote_end.close()
 
     run(main())
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_draw_their_own_random_numbers(tmp_path):
+    """random, numpy and torch are seeded from the OS in a new interpreter: two ranks forked from
+    one zygote (which imported numpy and torch, seeding both) must not share their draws."""
+    path = script(tmp_path, """
+        import json, random
+        import numpy, torch
+        print(json.dumps([random.random(), float(numpy.random.rand()), torch.rand(1).item()]))
+    """)
+
+    async def main():
+        zygote = await Zygote.start(dict(os.environ), GUARD, preload=("numpy", "torch"))
+        try:
+            for name in ("a", "b"):
+                rank = await _spawn(zygote, Program(str(path), False, (), False), tmp_path, name=name)
+                assert await rank.wait() == 0
+        finally:
+            zygote.close()
+
+    run(main())
+    a, b = (json.loads((tmp_path / f"{n}.txt").read_text()) for n in ("a", "b"))
+    assert all(x != y for x, y in zip(a, b)), (a, b)
