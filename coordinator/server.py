@@ -20,7 +20,7 @@ from google.protobuf.message_factory import GetMessageClass
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
-from muster.coordinator.relay import MAX_ITEMS, Relay, RelayedNode, RelayLink, check_size
+from muster.coordinator.relay import MAX_ITEMS, RelayedNode, RelayLink, check_size
 from muster.coordinator.replica import Replica
 from muster.coordinator.streams import CLOSE
 from muster.v1 import muster_pb2 as pb
@@ -229,7 +229,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Relay(self, request_iterator, context):
         """The leader's end of a relay's stream (see `muster.coordinator.relay`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
-        link = reader = None
+        link = reader = lost = None
         try:
             self.relay_role(context)
             first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
@@ -242,6 +242,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             log.info("relay_attached", job=first.job, relay=link.relay)
             yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
             reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
+            lost = asyncio.create_task(leader.leadership.lost.wait())
             timeout_s = self.replica.config.timing.heartbeat_timeout_s
             while not reader.done() or link.pending:
                 if reader.done() and reader.result() is not None:
@@ -251,10 +252,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if link.pending:
                     yield link.take()
                     continue
-                try:  # a lost leadership wakes nobody: look at it every tick
-                    await asyncio.wait_for(link.ready.wait(), self.replica.config.tick_s * 4)
-                except TimeoutError:
-                    pass
+                # Woken by a reply to carry, the leadership's loss, the reader's end, or the moment
+                # the relay would count as silent (or as carrying nothing).
+                now = asyncio.get_running_loop().time()
+                due = link.heard_at + timeout_s / 2 if link.streams else link.carried_at + timeout_s
+                ready = asyncio.ensure_future(link.ready.wait())
+                await asyncio.wait((ready, lost, reader), timeout=max(0.0, due - now) + 0.01,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                ready.cancel()
                 if leader.lost_reason is not None and not link.pending:
                     raise errors.NotLeader(first.job, "")
                 now = asyncio.get_running_loop().time()
@@ -273,8 +278,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             log.info("relay_refused", code=STATUS_OF[type(exc)].name, error=str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
-            if reader:
-                reader.cancel()
+            for task in (reader, lost):
+                if task:
+                    task.cancel()
             if link:
                 link.close()
 
