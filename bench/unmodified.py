@@ -152,15 +152,16 @@ LAUNCHERS = ("torchrun", "muster-run", "muster-rdzv")
 
 
 def launcher_argv(launcher: str, node: int, nodes: int, per_node: int, max_restarts: int, tag: str,
-                  endpoint: str, script: list[str]) -> list[str]:
-    """One node's command. torchrun: c10d rendezvous at `endpoint`; muster-run: `muster run --
-    torchrun …` against the coordinator at `endpoint`; muster-rdzv: torchrun --rdzv-backend=muster."""
+                  endpoint: str, script: list[str], muster_options: tuple[str, ...] = ()) -> list[str]:
+    """One node's command. torchrun: c10d rendezvous at `endpoint`; muster-run: `muster run
+    [muster_options] -- torchrun …` against the coordinator at `endpoint`; muster-rdzv: torchrun
+    --rdzv-backend=muster."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     if launcher == "muster-run":
         return [str(Path(sys.executable).with_name("muster")), "--log-level", "info", "run", "--coordinator", endpoint,
                 "--job", tag[:12], "--node-id", f"node{node}", "--nodes", f"{nodes}:{nodes}",
-                "--max-restarts", str(max_restarts), "--warm-start", "--", torchrun, "--nproc-per-node", str(per_node),
-                *script]
+                "--max-restarts", str(max_restarts), "--warm-start", *muster_options, "--", torchrun,
+                "--nproc-per-node", str(per_node), *script]
     backend = "muster" if launcher == "muster-rdzv" else "c10d"
     return [torchrun, "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", backend,
             "--rdzv-endpoint", endpoint, "--rdzv-id", tag[:12], "--local-addr", "127.0.0.1",

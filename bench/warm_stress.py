@@ -42,8 +42,11 @@ class Job:
         env = {**os.environ, "MUSTER_BENCH_RUN": self.tag, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", "0.05",
                   "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", "5"]
+        # Kills seconds apart are a crash loop to the agent, whose backoff (doubled per crash) would
+        # hold the job for the slot: this measures the starts, so restarts are immediate.
         self.agents = [Agent(i, launcher_argv("muster-run", i, nodes, ranks // nodes, 3 * cycles + 10, self.tag,
-                                              coordinator, script), env, workdir / f"node-{i}.log")
+                                              coordinator, script, ("--restart-backoff", "0")),
+                             env, workdir / f"node-{i}.log")
                        for i in range(nodes)]
 
     def mark(self) -> list[int]:

@@ -142,6 +142,7 @@ class RankSupervisor:
         if self.program is not None:  # the runner marks its completion there
             slot.completed_file = os.path.join(self.files, f"completed-slot{slot.index}-{slot.starts}")
         env = self._env(slot, master)
+        generation = self.node.assignment.generation  # the map its environment is from (a newer may come below)
         slot.rank = int(env["RANK"]) if "RANK" in env else None
         out = err = None
         slot.log_path = slot.stderr = None
@@ -172,7 +173,9 @@ class RankSupervisor:
                 out.close()
             if err is not None:
                 os.close(err)
-        slot.generation = self.node.assignment.generation
+        # Not the map current now: one that arrived while the process started must find it stale
+        # and restart it, or it would wait for good on the older generation's MASTER_PORT.
+        slot.generation = generation
         slot.started_at = time.monotonic()
         slot.stopping = False
         if slot.restarting:  # its replacement speaks for the slot now

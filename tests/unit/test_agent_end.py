@@ -138,3 +138,34 @@ def test_a_rank_ending_without_completing_once_another_finished_is_not_restarted
     assert [left["finished"] for left in session.left] == [True]  # the leader records the failure from the exit
     assert ("muster run: node 'n' of job 'j' failed: rank 1 (slot 1) ended (exit code 5) without completing its "
             "script as the job was finishing") in capsys.readouterr().err
+
+
+def test_a_rank_started_as_a_newer_map_arrives_keeps_the_generation_of_its_environment(tmp_path):
+    """Its env (RANK, MASTER_PORT) is the map's current when its start began; a map arriving while
+    the process starts must find it stale, or it waits for good on the older MASTER_PORT (seen
+    under warm_stress: a rank logged in generation 16 with generation 15's port)."""
+    from muster.worker.runner import Program
+    from muster.worker.zygote import WarmProcess
+
+    async def scenario():
+        a = agent(FakeSession(), slots=1)
+        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
+        a.assignment = pb.Assignment(generation=15, role=pb.ROLE_ACTIVE, local_ranks=[0], world_size=1)
+        seen = {}
+
+        class ForkingAsTheMapChanges:
+            async def spawn(self, program: Program, env: dict, stdio) -> WarmProcess:
+                seen.update(env)
+                a.assignment = pb.Assignment(generation=16, role=pb.ROLE_ACTIVE, local_ranks=[0], world_size=1)
+                return WarmProcess(4242)
+
+            def close(self) -> None:
+                pass
+
+        a.ranks.zygote = ForkingAsTheMapChanges()
+        await a.ranks.start(a.slots[0], ("127.0.0.1", "1500"))
+        return seen, a.slots[0]
+
+    env, slot = within(scenario())
+    assert env["MUSTER_GENERATION"] == "15" and env["MASTER_PORT"] == "1500"
+    assert slot.generation == 15
