@@ -191,122 +191,132 @@ def wire_page() -> str:
         "checked in; `make protos` regenerates them and a test fails when they are stale.\n",
     ]
     for fd in descriptors.file:
-        out += proto_file(fd)
+        out += ProtoPage(fd).render()
     return "\n".join(out)
 
 
-def proto_file(fd) -> list[str]:
-    comments = {tuple(loc.path): loc for loc in fd.source_code_info.location}
-    source = (PROTOS / fd.name).read_text().splitlines()
+class ProtoPage:
+    """One .proto file's section of the wire page: its services, then its messages and enums in
+    the file's order, each with the comments written beside it."""
 
-    def said(path) -> str:
+    def __init__(self, fd):
+        self.fd = fd
+        self.comments = {tuple(loc.path): loc for loc in fd.source_code_info.location}
+        self.source = (PROTOS / fd.name).read_text().splitlines()
+        self.maps = {}  # ".pkg.Msg.FooEntry" -> (key field, value field)
+        self._collect_maps(f".{fd.package}", fd.message_type)
+        self.out: list[str] = []
+
+    def _collect_maps(self, prefix, messages) -> None:
+        for m in messages:
+            if m.options.map_entry:
+                key, value = m.field
+                self.maps[f"{prefix}.{m.name}"] = (key, value)
+            self._collect_maps(f"{prefix}.{m.name}", m.nested_type)
+
+    def said(self, path) -> str:
         """The comment lines above an element at its own indentation, then the comment after it on
         its line with the lines continuing it in the same column. (protoc gives a continued
         trailing comment's second line to the next field as its leading comment.)"""
-        loc = comments.get(tuple(path))
+        loc = self.comments.get(tuple(path))
         if loc is None:
             return ""
         line, column = loc.span[0], loc.span[1]
         above = []
-        for text in reversed(source[:line]):
+        for text in reversed(self.source[:line]):
             if not text.strip().startswith("//") or text.index("//") != column:
                 break
             above.insert(0, text.strip()[2:].strip())
         after = []
         end = loc.span[2] if len(loc.span) == 4 else line
-        if "//" in source[end] and loc.path[-2:-1] == [2] and len(loc.path) > 2:
-            at = source[end].index("//")
-            after.append(source[end][at + 2:].strip())
-            for text in source[end + 1:]:
+        if "//" in self.source[end] and loc.path[-2:-1] == [2] and len(loc.path) > 2:
+            at = self.source[end].index("//")
+            after.append(self.source[end][at + 2:].strip())
+            for text in self.source[end + 1:]:
                 if not text.strip().startswith("//") or text.index("//") != at:
                     break
                 after.append(text.strip()[2:].strip())
         return "\n".join(above + after)
 
+    @staticmethod
     def paragraph(text: str) -> str:
         return "\n".join(line.strip() for line in text.splitlines()) + "\n" if text else ""
 
-    def link(type_name: str) -> str:
-        short = type_name.removeprefix(f".{fd.package}.")
+    def link(self, type_name: str) -> str:
+        short = type_name.removeprefix(f".{self.fd.package}.")
         return f"[{short}](#{slugify(short, '-')})"
 
-    maps = {}  # ".pkg.Msg.FooEntry" -> "map<K, V>"
-
-    def collect_maps(prefix, messages):
-        for m in messages:
-            if m.options.map_entry:
-                key, value = m.field
-                maps[f"{prefix}.{m.name}"] = (key, value)
-            collect_maps(f"{prefix}.{m.name}", m.nested_type)
-
-    collect_maps(f".{fd.package}", fd.message_type)
-
-    def type_of(f) -> str:
+    def type_of(self, f) -> str:
         from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
 
-        if f.type_name in maps:
-            key, value = maps[f.type_name]
-            return f"map<{type_of(key)}, {type_of(value)}>"
+        if f.type_name in self.maps:
+            key, value = self.maps[f.type_name]
+            return f"map<{self.type_of(key)}, {self.type_of(value)}>"
         if f.type in (F.TYPE_MESSAGE, F.TYPE_ENUM):
-            name = link(f.type_name)
+            name = self.link(f.type_name)
         else:
             name = F.Type.Name(f.type).removeprefix("TYPE_").lower()
         if f.label == F.LABEL_REPEATED:
             return f"repeated {name}"
         return ("optional " if f.proto3_optional else "") + name
 
-    header = comments.get((12,))
-    out = [f"From `protos/{fd.name}`, package `{fd.package}`:\n",
-           paragraph(header.leading_comments.strip() if header else ""), "## Services\n"]
-    for si, service in enumerate(fd.service):
-        out.append(f"### service {service.name}\n")
-        out.append(paragraph(said([6, si])))
+    def render(self) -> list[str]:
+        fd, header = self.fd, self.comments.get((12,))
+        self.out = [f"From `protos/{fd.name}`, package `{fd.package}`:\n",
+                    self.paragraph(header.leading_comments.strip() if header else ""), "## Services\n"]
+        for si, service in enumerate(fd.service):
+            self.service([6, si], service)
+        self.out += ["## Messages and enums\n", "In the order of the file.\n"]
+        # Messages and enums in the file's order: by the line each starts at.
+        items = [(self._line((4, i), i), "m", i, m) for i, m in enumerate(fd.message_type)]
+        items += [(self._line((5, i), i), "e", i, e) for i, e in enumerate(fd.enum_type)]
+        for _, kind, i, item in sorted(items, key=lambda t: t[0]):
+            if kind == "m":
+                self.message([4, i], item, "")
+            else:
+                self.enum([5, i], item, "")
+        return self.out
+
+    def _line(self, path: tuple, default: int) -> int:
+        return self.comments[path].span[0] if path in self.comments else default
+
+    def service(self, path, service) -> None:
+        self.out.append(f"### service {service.name}\n")
+        self.out.append(self.paragraph(self.said(path)))
         rows = []
         for mi, m in enumerate(service.method):
             stream_in = "stream " if m.client_streaming else ""
             stream_out = "stream " if m.server_streaming else ""
-            rows.append([f"`{m.name}`", f"{stream_in}{link(m.input_type)}", f"{stream_out}{link(m.output_type)}",
-                         said([6, si, 2, mi])])
-        out.append(table(["RPC", "request", "response", "what it does"], rows))
+            rows.append([f"`{m.name}`", f"{stream_in}{self.link(m.input_type)}",
+                         f"{stream_out}{self.link(m.output_type)}", self.said(path + [2, mi])])
+        self.out.append(table(["RPC", "request", "response", "what it does"], rows))
 
-    def message(path, m, prefix):
+    def message(self, path, m, prefix) -> None:
         if m.options.map_entry:
             return
         name = f"{prefix}{m.name}"
-        out.append(f"### {name}\n")
-        out.append(paragraph(said(path)))
+        self.out.append(f"### {name}\n")
+        self.out.append(self.paragraph(self.said(path)))
         if m.field:
             rows = []
             for fi, f in enumerate(m.field):
                 oneof = ""
                 if f.HasField("oneof_index") and not f.proto3_optional:
                     oneof = f"(one of `{m.oneof_decl[f.oneof_index].name}`) "
-                rows.append([f"`{f.name}`", f.number, type_of(f), oneof + said(path + [2, fi])])
-            out.append(table(["field", "#", "type", "meaning"], rows))
+                rows.append([f"`{f.name}`", f.number, self.type_of(f), oneof + self.said(path + [2, fi])])
+            self.out.append(table(["field", "#", "type", "meaning"], rows))
         else:
-            out.append("No fields.\n")
+            self.out.append("No fields.\n")
         for ei, e in enumerate(m.enum_type):
-            enum(path + [4, ei], e, f"{name}.")
+            self.enum(path + [4, ei], e, f"{name}.")
         for ni, nested in enumerate(m.nested_type):
-            message(path + [3, ni], nested, f"{name}.")
+            self.message(path + [3, ni], nested, f"{name}.")
 
-    def enum(path, e, prefix):
-        out.append(f"### {prefix}{e.name}\n")
-        out.append(paragraph(said(path)))
-        out.append(table(["value", "#", "meaning"],
-                         [[f"`{v.name}`", v.number, said(path + [2, vi])] for vi, v in enumerate(e.value)]))
-
-    out.append("## Messages and enums\n")
-    out.append("In the order of the file.\n")
-    # Messages and enums in the file's order: by the line each starts at.
-    items = [(comments[(4, i)].span[0] if (4, i) in comments else i, "m", i, m) for i, m in enumerate(fd.message_type)]
-    items += [(comments[(5, i)].span[0] if (5, i) in comments else i, "e", i, e) for i, e in enumerate(fd.enum_type)]
-    for _, kind, i, item in sorted(items, key=lambda t: t[0]):
-        if kind == "m":
-            message([4, i], item, "")
-        else:
-            enum([5, i], item, "")
-    return out
+    def enum(self, path, e, prefix) -> None:
+        self.out.append(f"### {prefix}{e.name}\n")
+        self.out.append(self.paragraph(self.said(path)))
+        self.out.append(table(["value", "#", "meaning"],
+                              [[f"`{v.name}`", v.number, self.said(path + [2, vi])] for vi, v in enumerate(e.value)]))
 
 
 # --- exit status and metrics -------------------------------------------------------------------------
