@@ -168,6 +168,86 @@ def launcher_argv(launcher: str, node: int, nodes: int, per_node: int, max_resta
             "--max-restarts", str(max_restarts), *script]
 
 
+class Nodes:
+    """The agents of one job started by a launcher, read through their output: every rank's step
+    records, in arrival order."""
+
+    def __init__(self, argvs: list[list[str]], env: dict, workdir: Path, name: str, tag: str):
+        self.tag = tag
+        self.agents: list[Agent] = []
+        self.agents += [Agent(i, argv, env, workdir / f"{name}-{i}.log") for i, argv in enumerate(argvs)]
+
+    def check(self) -> None:
+        for a in self.agents:
+            if a.proc.poll() is not None:
+                raise RuntimeError(f"agent {a.index} exited ({a.proc.returncode}): see {a.log_path}")
+
+    def marks(self) -> list[int]:
+        return [len(a.steps) for a in self.agents]
+
+    def records_since(self, mark: list[int]) -> list[dict]:
+        """Step records that arrived after `mark` (in arrival order: each rank's in its own order)."""
+        self.check()
+        out = []
+        for a, m in zip(self.agents, mark):
+            with a.lock:
+                out += a.steps[m:]
+        return out
+
+    def latest(self, mark: list[int]) -> dict[int, dict]:
+        return {r["rank"]: r for r in self.records_since(mark)}
+
+    def stepping_past(self, target: int, mark: list[int], ranks: int):
+        def check():
+            current = self.latest(mark)
+            return len(current) == ranks and min(r["step"] for r in current.values()) >= target and current
+        return check
+
+    def stepping_from_new_processes(self, mark: list[int], old: set[int], ranks: int):
+        """A predicate: every rank's first step record after `mark` from a process not in `old`."""
+        def check():
+            new = {}
+            for r in self.records_since(mark):
+                if r["pid"] not in old:
+                    new.setdefault(r["rank"], r)
+            return len(new) == ranks and new
+        return check
+
+    def workers(self) -> set[int]:
+        return set().union(*(a.workers() for a in self.agents))
+
+    def events(self) -> list[tuple[int, float, str]]:
+        return sorted((a.index, t, msg) for a in self.agents for t, msg in a.snapshot_events())
+
+    def stop(self) -> int:
+        """Stop the agents; end any worker that outlived its agent (ours by the marker in its
+        environment). Returns how many did."""
+        for a in self.agents:
+            a.stop()
+        leftovers = tagged_pids(self.tag)
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not tagged_pids(self.tag), 10, "no worker processes left")
+        return len(leftovers)
+
+
+def restart_phases(window: list[tuple[int, float, str]], killed_at: float, recovered_at: float, nodes: int,
+                   phases: dict[str, list[float]]) -> int:
+    """The agents' view of one kill's interval: reaction, (failed rounds,) rendezvous, spawn; adds
+    to `phases` and returns the restarts the kill took (1 = the first restart worked)."""
+    reacted = min((t for _, t, msg in window if any(k in msg for k in REACTIONS)), default=None)
+    starts = {i: t for i, t, msg in window if "Starting worker group" in msg}  # each agent's last
+    rdzv = {i: t for i, t, msg in window if "Rendezvous'ing worker group" in msg and t <= starts.get(i, 0)}
+    if reacted is not None and starts and rdzv:
+        spawned, rdzv_began = max(starts.values()), min(rdzv.values())
+        phases["detect"].append(reacted - killed_at)
+        phases["stop"].append(rdzv_began - reacted)
+        phases["rendezvous"].append(spawned - rdzv_began)
+        phases["worker_start"].append(recovered_at - spawned)
+    return max((sum(1 for j, _, msg in window if j == i and "Starting worker group" in msg) for i in range(nodes)),
+               default=0)
+
+
 def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s: float, checkpoint_every: int,
                 max_restarts: int, share_store: bool, result: dict, launcher: str = "torchrun",
                 coordinator: str = "") -> None:
@@ -182,95 +262,48 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
     endpoint = coordinator or f"127.0.0.1:{free_port('127.0.0.1')}"
     script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", str(step_sleep_s),
               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
-    agents: list[Agent] = []
-
-    def check_agents() -> None:
-        for a in agents:
-            if a.proc.poll() is not None:
-                raise RuntimeError(f"torchrun agent {a.index} exited ({a.proc.returncode}): see {a.log_path}")
-
-    def marks() -> list[int]:
-        return [len(a.steps) for a in agents]
-
-    def records_since(mark: list[int]) -> list[dict]:
-        """Step records that arrived after `mark` (in arrival order: each rank's in its own order)."""
-        check_agents()
-        out = []
-        for a, m in zip(agents, mark):
-            with a.lock:
-                out += a.steps[m:]
-        return out
-
-    def latest(mark: list[int]) -> dict[int, dict]:
-        return {r["rank"]: r for r in records_since(mark)}
-
-    def stepping_past(target: int, mark: list[int]):
-        def check():
-            current = latest(mark)
-            return len(current) == ranks and min(r["step"] for r in current.values()) >= target and current
-        return check
-
     recoveries, lost, restarted, rounds, victims = [], [], [], [], []
     phases: dict[str, list[float]] = {"detect": [], "stop": [], "rendezvous": [], "worker_start": []}
     result.update(launcher=launcher, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
                   max_restarts=max_restarts, step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
+    started = time.time()
+    job = Nodes([launcher_argv(launcher, i, nodes, ranks // nodes, max_restarts, tag, endpoint, script)
+                 for i in range(nodes)], env, workdir, launcher, tag)
     try:
-        started = time.time()
-        agents += [Agent(i, launcher_argv(launcher, i, nodes, ranks // nodes, max_restarts, tag, endpoint, script),
-                         env, workdir / f"{launcher}-{i}.log") for i in range(nodes)]
-        group = marks()  # where the current group's records begin
-        wait_until(stepping_past(1, group), 120, "all ranks stepping", 0.05)
+        group = job.marks()  # where the current group's records begin
+        wait_until(job.stepping_past(1, group, ranks), 120, "all ranks stepping", 0.05)
         firsts: dict[int, dict] = {}
-        for r in records_since(group):
+        for r in job.records_since(group):
             firsts.setdefault(r["rank"], r)
         result["start_to_step_s"] = round(max(r["time"] for r in firsts.values()) - started, 3)
-        wait_until(stepping_past(checkpoint_every + 1, group), 120, "all ranks stepping", 0.1)
+        wait_until(job.stepping_past(checkpoint_every + 1, group, ranks), 120, "all ranks stepping", 0.1)
         for _ in range(kills):
             # land the kill at a random phase of the checkpoint cycle
-            first = min(r["step"] for r in latest(group).values())
-            current = wait_until(stepping_past(first + checkpoint_every + random.randrange(checkpoint_every), group),
-                                 120, "the group stepping before the kill", 0.1)
-            workers = set().union(*(a.workers() for a in agents))
+            first = min(r["step"] for r in job.latest(group).values())
+            current = wait_until(job.stepping_past(first + checkpoint_every + random.randrange(checkpoint_every),
+                                                   group, ranks), 120, "the group stepping before the kill", 0.1)
+            workers = job.workers()
             victim_rank = random.randrange(ranks)
             victim = current[victim_rank]["pid"]
             if victim not in workers:  # only ever signal a worker of our own agents
                 raise RuntimeError(f"rank {victim_rank} (pid {victim}) is not a live worker of our agents")
-            old_pids = {r["pid"] for r in records_since(group)} | workers
-            mark = marks()
+            old_pids = {r["pid"] for r in job.records_since(group)} | workers
+            mark = job.marks()
             killed_at = time.time()
             os.kill(victim, signal.SIGKILL)
             victims.append(victim_rank)
-
-            def recovered(mark=mark, old_pids=old_pids):
-                new = {}
-                for r in records_since(mark):
-                    if r["pid"] not in old_pids and r["rank"] not in new:
-                        new[r["rank"]] = r
-                return len(new) == ranks and new
-
-            firsts = wait_until(recovered, 60, "every rank stepping after the restart")
+            firsts = wait_until(job.stepping_from_new_processes(mark, old_pids, ranks), 60,
+                                "every rank stepping after the restart")
             recovered_at = max(r["time"] for r in firsts.values())
             group_pids = {r["pid"] for r in current.values()}
-            completed_before = max(r["step"] for r in records_since(group)
+            completed_before = max(r["step"] for r in job.records_since(group)
                                    if r["pid"] in group_pids and r["time"] <= killed_at)
             group = mark
-            events = sorted((a.index, t, msg) for a in agents for t, msg in a.snapshot_events())
             recoveries.append(recovered_at - killed_at)
             lost.append(max(0, completed_before - min(r["step"] for r in firsts.values()) + 1))
             restarted.append(sum(1 for pid in workers if not process_alive(pid)))
-            # the agents' view of the same interval: reaction, (failed rounds,) rendezvous, spawn
-            window = [(i, t, msg) for i, t, msg in events if killed_at <= t <= recovered_at]
-            reacted = min((t for _, t, msg in window if any(k in msg for k in REACTIONS)), default=None)
-            starts = {i: t for i, t, msg in window if "Starting worker group" in msg}  # each agent's last
-            rdzv = {i: t for i, t, msg in window if "Rendezvous'ing worker group" in msg and t <= starts.get(i, 0)}
-            rounds.append(max((sum(1 for j, _, msg in window if j == i and "Starting worker group" in msg)
-                               for i in range(nodes)), default=0))
-            if reacted is not None and starts and rdzv:
-                spawned, rdzv_began = max(starts.values()), min(rdzv.values())
-                phases["detect"].append(reacted - killed_at)
-                phases["stop"].append(rdzv_began - reacted)
-                phases["rendezvous"].append(spawned - rdzv_began)
-                phases["worker_start"].append(recovered_at - spawned)
+            window = [(i, t, msg) for i, t, msg in job.events() if killed_at <= t <= recovered_at]
+            rounds.append(restart_phases(window, killed_at, recovered_at, nodes, phases))
             result.update(
                 victim_ranks=victims,
                 kill_to_step_s=summary(recoveries),
@@ -281,13 +314,7 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
                 phases_s={k: summary(v) for k, v in phases.items() if v},
             )
     finally:
-        for a in agents:
-            a.stop()
-        leftovers = tagged_pids(tag)
-        for pid in leftovers:  # workers that outlived their agent: ours by the marker in their environment
-            os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: not tagged_pids(tag), 10, "no worker processes left")
-        result["workers_left_after_stop"] = len(leftovers)
+        result["workers_left_after_stop"] = job.stop()
 
 
 @contextmanager

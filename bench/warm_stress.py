@@ -28,63 +28,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from recovery import summary  # noqa: E402
-from unmodified import TRAIN, Agent, launcher_argv, muster_coordinator, tagged_pids  # noqa: E402
+from unmodified import TRAIN, Nodes, launcher_argv, muster_coordinator  # noqa: E402
 
 from muster import logs  # noqa: E402
 from muster.local import wait_until  # noqa: E402
 
 
-class Job:
-    """The nodes of one job, read through their agents' output."""
-
-    def __init__(self, workdir: Path, coordinator: str, nodes: int, ranks: int, cycles: int):
-        self.ranks, self.tag = ranks, uuid.uuid4().hex
-        env = {**os.environ, "MUSTER_BENCH_RUN": self.tag, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", "0.05",
-                  "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", "5"]
-        # Kills seconds apart are a crash loop to the agent, whose backoff (doubled per crash) would
-        # hold the job for the slot: this measures the starts, so restarts are immediate.
-        self.agents = [Agent(i, launcher_argv("muster-run", i, nodes, ranks // nodes, 3 * cycles + 10, self.tag,
-                                              coordinator, script, ("--restart-backoff", "0")),
-                             env, workdir / f"node-{i}.log")
-                       for i in range(nodes)]
-
-    def mark(self) -> list[int]:
-        return [len(a.steps) for a in self.agents]
-
-    def since(self, mark: list[int]) -> list[dict]:
-        for a in self.agents:
-            if a.proc.poll() is not None:
-                raise RuntimeError(f"agent {a.index} exited ({a.proc.returncode}): see {a.log_path}")
-        out = []
-        for a, m in zip(self.agents, mark):
-            with a.lock:
-                out += a.steps[m:]
-        return out
-
-    def workers(self) -> set[int]:
-        return set().union(*(a.workers() for a in self.agents))
-
-    def stepping_from_new_processes(self, mark: list[int], old: set[int]):
-        """Every rank's first step record after `mark` from a process not in `old`, or None."""
-        new = {}
-        for r in self.since(mark):
-            if r["pid"] not in old:
-                new.setdefault(r["rank"], r)
-        return new if len(new) == self.ranks else None
-
-    def stop(self) -> int:
-        for a in self.agents:
-            a.stop()
-        left = tagged_pids(self.tag)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        return len(left)
+def start_job(workdir: Path, coordinator: str, nodes: int, ranks: int, cycles: int) -> Nodes:
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "MUSTER_BENCH_RUN": tag, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", "0.05",
+              "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", "5"]
+    # Kills seconds apart are a crash loop to the agent, whose backoff (doubled per crash) would
+    # hold the job for the slot: this measures the starts, so restarts are immediate.
+    return Nodes([launcher_argv("muster-run", i, nodes, ranks // nodes, 3 * cycles + 10, tag, coordinator, script,
+                                ("--restart-backoff", "0")) for i in range(nodes)], env, workdir, "node", tag)
 
 
-def stuck_report(job: Job, mark: list[int], old: set[int]) -> dict:
+def stuck_report(job: Nodes, mark: list[int], old: set[int]) -> dict:
     """What the ranks that never reached their first step were doing."""
-    stepped = {r["pid"] for r in job.since(mark)}
+    stepped = {r["pid"] for r in job.records_since(mark)}
     stuck = sorted(job.workers() - old - stepped)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     stacks = {}
@@ -93,19 +56,20 @@ def stuck_report(job: Job, mark: list[int], old: set[int]) -> dict:
             done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
             stacks[pid] = (done.stdout or done.stderr)[-3000:]
     tails = {a.index: a.log_path.read_text(errors="replace").splitlines()[-40:] for a in job.agents}
-    return {"stuck_pids": stuck, "ranks_stepping": sorted({r["rank"] for r in job.since(mark) if r["pid"] not in old}),
+    return {"stuck_pids": stuck,
+            "ranks_stepping": sorted({r["rank"] for r in job.records_since(mark) if r["pid"] not in old}),
             "stacks": stacks, "agent_log_tails": tails}
 
 
-def cycles(job: Job, count: int, bound_s: float, result: dict) -> None:
+def cycles(job: Nodes, ranks: int, count: int, bound_s: float, result: dict) -> None:
     recoveries, starts = [], 0
     kinds = {"stepping": 0, "starting": 0}
-    wait_until(lambda: job.stepping_from_new_processes([0] * len(job.agents), set()), 180, "the job's first steps")
+    wait_until(job.stepping_from_new_processes([0] * len(job.agents), set(), ranks), 180, "the job's first steps")
     for i in range(count):
         old = job.workers()
-        mark = job.mark()
-        current = {r["rank"]: r["pid"] for r in job.since([0] * len(job.agents))}
-        victim = current[random.randrange(job.ranks)]
+        mark = job.marks()
+        current = {r["rank"]: r["pid"] for r in job.records_since([0] * len(job.agents))}
+        victim = current[random.randrange(ranks)]
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         kinds["stepping"] += 1
@@ -119,7 +83,7 @@ def cycles(job: Job, count: int, bound_s: float, result: dict) -> None:
             except ProcessLookupError:
                 pass
         try:
-            firsts = wait_until(lambda: job.stepping_from_new_processes(mark, old), bound_s,
+            firsts = wait_until(job.stepping_from_new_processes(mark, old, ranks), bound_s,
                                 "every rank stepping from a new process")
         except AssertionError:
             result["no_first_step"] = {"cycle": i, **stuck_report(job, mark, old)}
@@ -147,9 +111,9 @@ def main() -> int:
         workdir = args.workdir or Path(d)
         workdir.mkdir(parents=True, exist_ok=True)
         with muster_coordinator(workdir) as coordinator:
-            job = Job(workdir, coordinator, args.nodes, args.ranks, args.cycles)
+            job = start_job(workdir, coordinator, args.nodes, args.ranks, args.cycles)
             try:
-                cycles(job, args.cycles, args.bound, result)
+                cycles(job, args.ranks, args.cycles, args.bound, result)
             except (RuntimeError, AssertionError) as exc:
                 result["error"] = str(exc)
                 rc = 1
