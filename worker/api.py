@@ -198,9 +198,6 @@ class Worker:
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
         c = self.config
-        if c.shrink and self.backend.name == "nccl":
-            log.warning("nccl_shrink_unproven", why="on torch 2.11 + NCCL 2.28.9 (H200) every survivor of a "
-                        "shrink crashed (heap corruption); see docs/guide/nccl.md")
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
@@ -353,6 +350,7 @@ class Worker:
             spec = self._group(a)
             self._progress = (step, us, "forming", "", spec.generation)
             self._forming = True
+            before_form_s = time.perf_counter() - started  # the old group's teardown, the wait for a place
             try:
                 formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=immediate(a):
                                           self._superseded(g, i))
@@ -381,7 +379,7 @@ class Worker:
             # signal): the step boundaries look at it from now on.
             self.link.changed.set()
         took = time.perf_counter() - started
-        phases = {**self.comm.phases, "sync_s": sync_s}
+        phases = {**self.comm.phases, "sync_s": sync_s, "before_form_s": before_form_s}
         self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step, **phases})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
                  step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),

@@ -36,6 +36,7 @@ ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still run
 STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process for the slot
 SHRINK_AGREE_S = 2.0  # survivors agree on a shrink within this (every one says it can), else all form anew
 SHRINK_EXIT_S = 30.0  # a shrink still running this long (a survivor died in it): the process exits
+BARRIER_LATE_S = 1.0  # an arrival barrier waiting this long names the ranks not there yet (once)
 
 
 class Superseded(Exception):
@@ -147,6 +148,9 @@ class Nccl:
             env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         for name, value in NCCL_ENV.items():
             env.setdefault(name, value)
+        if env.get("MUSTER_NCCL_SHRINK") == "1" and self.name == "nccl":
+            log.warning("nccl_shrink_unproven", why="on torch 2.11 with NCCL 2.28.9 (one H200) every survivor of a "
+                        "shrink crashed (heap corruption); see docs/guide/nccl.md")
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
@@ -440,12 +444,20 @@ class Comm:
                 raise StoreKeyTaken(f"store key arrived/{spec.rank} was set before rank {spec.rank} arrived: planted "
                                     f"on the store of generation {spec.generation}, which is not formed")
             keys = [f"arrived/{r}" for r in range(spec.world_size)]
-            delay = 0.001
+            delay, arrived, named = 0.001, time.monotonic(), False
             # A barrier that a newer generation can abandon; polled with check() (store.wait with a
             # short timeout logs a c10d warning on every miss).
             while not store.check(keys):
                 if abandoned():
                     raise Superseded(f"generation {spec.generation} abandoned while forming")
+                if not named and time.monotonic() - arrived > BARRIER_LATE_S:
+                    # Every rank waits for the last to arrive: name it, so that its own log (its
+                    # group_formed: before_form_s, store_s) says where the time went.
+                    named = True
+                    missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
+                    log.warning("barrier_waiting", generation=spec.generation, rank=spec.rank,
+                                waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
+                                missing_count=len(missing))
                 if time.monotonic() - started > self.timeout.total_seconds():
                     missing = [k for k in keys if not store.check([k])]
                     raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not arrive "
@@ -603,13 +615,13 @@ class Comm:
         stays for the next generation on the same store. A shrink in flight ends first; `keep_after`:
         a group the abort thread shrank into a generation above it stays (the reform finds it formed)."""
         self.settle()
+        started = time.monotonic()  # (NCCL's release, the aborted groups' shutdown, counted too)
         self.backend.release()
         with self._lock:
             if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
                 return
             self.spec = None
             self._sockets = set()
-        started = time.monotonic()
         if dist.is_initialized():  # (not after NCCL's abort, which cleared torch's registry)
             dist.destroy_process_group()
         self.phases["destroy_s"] = time.monotonic() - started
