@@ -10,11 +10,14 @@ coordinator replicas. Prints one JSON object.
              rejoin_s        replacement started -> its first step in the group (process start,
                              torch import, join, planned switch, state transfer)
              phases          where the survivors' reform went, p50/max over survivors and faults,
-                             from their group_formed records: abort_s, destroy_s, store_s,
+                             from their group_formed records: abort_s, destroy_s, before_form_s
+                             (reform start -> its form: teardown, the wait for a place), store_s,
                              barrier_s (store included), init_s, sync_s (state broadcast), form_s,
                              seconds (the whole reform), and first_collective_s (group formed ->
                              its first step done, one --step-sleep included)
              healthy_evictions  eviction decisions naming a node other than the victim's
+             late_arrivals   the ranks the arrival barrier waited for over 1 s (barrier_waiting),
+                             with their group_formed phases: where the late rank's time went
   hang       SIGSTOP one rank: detection by the heartbeat timeout, then as above (hang_to_step_s)
   failover   SIGKILL the coordinator leader while training: time until the standby serves, steps
              discarded, evictions, generation changes (all should be 0)
@@ -45,7 +48,7 @@ from muster.worker import Worker, WorkerConfig
 JOB = "bench"
 HEARTBEAT_TIMEOUT_S = 2.0
 # The group_formed fields timed by the worker (read where present: older workers log fewer).
-PHASES = ("abort_s", "destroy_s", "store_s", "barrier_s", "init_s", "sync_s", "form_s", "seconds")
+PHASES = ("abort_s", "destroy_s", "before_form_s", "store_s", "barrier_s", "init_s", "sync_s", "form_s", "seconds")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -137,7 +140,7 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
     """SIGKILL (how="kill") or SIGSTOP ("hang") one rank at a time; time the answer; refill."""
     sig, kinds = {"kill": (signal.SIGKILL, {"process_exited"}),
                   "hang": (signal.SIGSTOP, {"node_silent", "rank_stalled"})}[how]
-    recoveries, detections, lost, rejoins = [], [], [], []
+    recoveries, detections, lost, rejoins, late = [], [], [], [], []
     phases: dict[str, list[float]] = {}
     survivors_lost = healthy_evictions = 0
     for _ in range(faults):
@@ -164,6 +167,7 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         for p, first in stepped:
             for name, value in reform_phases(p, first).items():
                 phases.setdefault(name, []).append(value)
+        late.extend(late_arrivals(stepped))
         survivors_lost += sum(1 for p in survivors if p.proc.poll() is not None)
         recoveries.append(max(record_time(r) for r in firsts) - at)
         lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
@@ -179,7 +183,19 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
             "steps_lost": {"max": max(lost), "total": sum(lost)}, "survivors_lost": survivors_lost,
             "healthy_evictions": healthy_evictions, "rejoin_s": summary(rejoins),
             "phases": {name: {"p50": round(statistics.median(v), 4), "max": round(max(v), 4)}
-                       for name, v in phases.items()}}
+                       for name, v in phases.items()},
+            "late_arrivals": late}
+
+
+def late_arrivals(stepped: list[tuple[TrainingProcess, dict]]) -> list[dict]:
+    """The ranks that the new generation's arrival barrier waited for past the worker's
+    BARRIER_LATE_S (its barrier_waiting records), with their own reform's phases."""
+    generation = stepped[0][1]["generation"] if stepped else 0
+    missing = {r for p, _ in stepped for w in p.records("barrier_waiting") if w["generation"] == generation
+               for r in w["missing"]}
+    return [{"generation": generation, "rank": f["rank"], **{k: f[k] for k in PHASES if k in f}}
+            for p, first in stepped for f in p.records("group_formed")
+            if f["generation"] == generation and f["rank"] in missing]
 
 
 def reform_phases(p: TrainingProcess, first: dict) -> dict[str, float]:

@@ -452,12 +452,14 @@ class Comm:
                     raise Superseded(f"generation {spec.generation} abandoned while forming")
                 if not named and time.monotonic() - arrived > BARRIER_LATE_S:
                     # Every rank waits for the last to arrive: name it, so that its own log (its
-                    # group_formed: before_form_s, store_s) says where the time went.
-                    named = True
+                    # group_formed: before_form_s, store_s) says where the time went. (A rank new
+                    # in a planned switch waits here for the others' switch step: expected.)
                     missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
-                    log.warning("barrier_waiting", generation=spec.generation, rank=spec.rank,
-                                waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
-                                missing_count=len(missing))
+                    named = bool(missing)  # (none: they all came since the check above)
+                    if named:
+                        log.info("barrier_waiting", generation=spec.generation, rank=spec.rank,
+                                 waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
+                                 missing_count=len(missing))
                 if time.monotonic() - started > self.timeout.total_seconds():
                     missing = [k for k in keys if not store.check([k])]
                     raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not arrive "

@@ -26,6 +26,7 @@ def test_recovery_bench_kill_hang_and_failover():
     for fault in ("kill", "hang"):
         assert run[fault]["survivors_lost"] == 0 and run[fault]["steps_lost"]["max"] == 0
         assert run[fault]["detection_s"]["all"] and run[fault]["rejoin_s"]["all"]
+        assert isinstance(run[fault]["late_arrivals"], list)  # the ranks a barrier waited for, when any
     assert run["failover"] | {"standby_serves_s": None} == {
         "kills": 1, "standby_serves_s": None, "steps_discarded": 0, "evictions": 0, "generation_changes": 0}
 

@@ -46,6 +46,7 @@ def assert_reformed_on(backend, ranks, after_generation):
     c10d "waitForInput ... timed out" warning from the arrival barrier."""
     formed = [r for p in ranks for r in p.records("group_formed") if r["generation"] > after_generation]
     assert formed and {r["backend"] for r in formed} == {backend}
+    assert all("before_form_s" in r for r in formed), "a late rank's own record says where its time went"
     assert not [p for p in ranks if "waitForInput" in p.log_path.read_text()]
 
 
