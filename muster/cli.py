@@ -448,9 +448,10 @@ def _run_parser(sub) -> None:
     r.add_argument("--restart-backoff", type=float, default=1.0,
                    help="a rank crashing again soon after its restart waits this long before the next one (doubled "
                         "with each crash in a row; the first restart is immediate)")
-    r.add_argument("--warm-start", action="store_true",
+    r.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
                    help="fork Python ranks from a per-node zygote that imported torch once, so a restart reaches "
-                        "the script's first line in milliseconds (experimental; default: every rank a new interpreter)")
+                        "the script's first line in milliseconds (default: on; --no-warm-start makes every rank a "
+                        "new interpreter; other commands always start cold)")
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")

@@ -30,7 +30,7 @@ class AgentConfig:
     form_timeout_s: float = 600.0  # no place in a generation within this long (a hot spare waits on): exit 1
     wait_report_s: float = 10.0  # while waiting for a place, say what for this often
     job_id: str = ""  # the job as the user named it (torchrun's --rdzv-id); `job` is the coordinator's name
-    warm_start: bool = False  # fork Python ranks from a zygote that imported `preload` once (see zygote)
+    warm_start: bool = True  # fork Python ranks from a zygote that imported `preload` once (see zygote)
     preload: tuple[str, ...] = PRELOAD
     env: dict[str, str] = field(default_factory=dict)
     security: ClientSecurity = field(default_factory=ClientSecurity)  # token, TLS

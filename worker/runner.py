@@ -19,9 +19,14 @@ import os
 import runpy
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 
 COMPLETED_FILE_ENV = "MUSTER_COMPLETED_FILE"
+# Where the rank writes the installed packages it imported, for the warm-start zygote to learn.
+IMPORTS_FILE_ENV = "MUSTER_IMPORTS_FILE"
+IMPORTS_AFTER_ENV = "MUSTER_IMPORTS_AFTER"  # seconds after its start (default IMPORTS_AFTER_S)
+IMPORTS_AFTER_S = 20.0  # a script's imports are done by then, short of a very slow start
 _RUNPY_FILE = runpy.run_path.__code__.co_filename  # "<frozen runpy>" on 3.11
 _kept: list[dict] = []  # the program's globals: they die in teardown, as under `python SCRIPT`
 
@@ -65,6 +70,12 @@ def run(program: Program) -> None:
     """Run `program` as __main__ in this process; mark its completion for the agent."""
     marker = os.environ.pop(COMPLETED_FILE_ENV, "")  # the program's own children have no say
     pid = os.getpid()  # a child the program forks that returns through here completes nothing
+    imports_file = os.environ.pop(IMPORTS_FILE_ENV, "")
+    after_s = float(os.environ.pop(IMPORTS_AFTER_ENV, "") or IMPORTS_AFTER_S)
+    if imports_file:
+        timer = threading.Timer(after_s, _record_imports, (imports_file, _packages()))
+        timer.daemon = True
+        timer.start()
     sys.argv = [program.target, *program.args]
     try:
         if program.module:
@@ -84,6 +95,27 @@ def run(program: Program) -> None:
         raise
     _mark(marker, pid)
     _kept.append(namespace)
+
+
+def _packages() -> set[str]:
+    """The installed packages imported so far (top-level names): a package is a module whose file
+    is under site-packages or dist-packages, never the script's own modules beside it."""
+    found = set()
+    for name in [n for n in list(sys.modules) if "." not in n]:
+        path = getattr(sys.modules.get(name), "__file__", None) or ""
+        if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
+            found.add(name)
+    return found
+
+
+def _record_imports(path: str, before: set[str]) -> None:
+    """The packages the program imported since its start, for the agent (written whole, then renamed)."""
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            f.write("\n".join(sorted(_packages() - before)))
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass  # the agent's directory is gone: so is the agent
 
 
 def _mark(path: str, pid: int) -> None:

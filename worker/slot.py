@@ -57,6 +57,7 @@ class Slot:
     stderr: StderrTail | None = None  # without --log-dir: its process's stderr, passed through
     error_file: str = ""  # TORCHELASTIC_ERROR_FILE of its process (scripts using torch's @record)
     completed_file: str = ""  # created by the runner once its process's script completed
+    imports_file: str = ""  # written by the runner: the packages its process imported (warm starts)
     hung: bool = False  # its process outlived --exit-timeout after its script completed, and was ended
     last_crash: Crash | None = None
 

@@ -21,10 +21,10 @@ from muster.worker.crash_report import exit_words, failure_report, last_failure
 from muster.worker.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import SLOT_SECRET_ENV
-from muster.worker.runner import COMPLETED_FILE_ENV, python_program, runner_argv
+from muster.worker.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
 from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
 from muster.worker.waiting import QUERY_WAIT_S, query
-from muster.worker.zygote import WarmProcess, Zygote, ZygoteLost
+from muster.worker.zygote import WarmProcess, WarmStarts, ZygoteLost
 
 log = structlog.get_logger(__name__)
 
@@ -37,7 +37,7 @@ RANK_ENV = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, SLOT_SECRET_ENV,
+    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, SLOT_SECRET_ENV,
     # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
     # or etcd (and trackers that record a process's environment would keep them).
     "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
@@ -77,21 +77,22 @@ class RankSupervisor:
         # Python programs run through the runner, which marks their completion; others as they are.
         self.program = python_program(node.config.argv)
         self.argv = runner_argv(self.program) if self.program is not None else list(node.config.argv)
-        self.zygote: Zygote | None = None
+        self.warm: WarmStarts | None = None
 
     @property
     def log(self):
         return self.node.log
 
     async def start_zygote(self) -> None:
-        """--warm-start: the zygote's imports run while the node joins."""
+        """Warm starts: the zygote's imports run while the node joins."""
         c = self.node.config
         if c.warm_start and self.program is not None:
-            self.zygote = await Zygote.start(self.base_env(), self.guard(), c.preload)
+            self.warm = WarmStarts(self.base_env(), self.guard(), c.preload)
+            await self.warm.start()
 
     def close(self) -> None:
-        if self.zygote is not None:
-            self.zygote.close()
+        if self.warm is not None:
+            self.warm.close()
 
     def _env(self, slot: Slot, master: tuple[str, str] | None) -> dict[str, str]:
         """torchrun's environment for the slot's process, from the current map only: what torchrun
@@ -115,6 +116,8 @@ class RankSupervisor:
             env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
         if slot.completed_file:
             env[COMPLETED_FILE_ENV] = slot.completed_file
+        if slot.imports_file:
+            env[IMPORTS_FILE_ENV] = slot.imports_file
         if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
             rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
             env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
@@ -141,6 +144,8 @@ class RankSupervisor:
         slot.error_file = os.path.join(self.files, f"error-slot{slot.index}-{slot.starts}.json")
         if self.program is not None:  # the runner marks its completion there
             slot.completed_file = os.path.join(self.files, f"completed-slot{slot.index}-{slot.starts}")
+        # and, for warm starts, says which packages it imported: later starts fork with them loaded
+        slot.imports_file = os.path.join(self.files, f"imports-slot{slot.index}-{slot.starts}") if self.warm else ""
         env = self._env(slot, master)
         generation = self.node.assignment.generation  # the map its environment is from (a newer may come below)
         slot.rank = int(env["RANK"]) if "RANK" in env else None
@@ -157,14 +162,14 @@ class RankSupervisor:
             slot.stderr = StderrTail(read_end)
         try:
             slot.proc = None
-            if self.zygote is not None:
+            if self.warm is not None:
                 stdio = (0, out.fileno() if out else 1, out.fileno() if out else err)  # as a child would inherit
                 try:
-                    slot.proc = await self.zygote.spawn(self.program, env, stdio)
+                    slot.proc = await self.warm.spawn(self.program, env, stdio)
                 except ZygoteLost as exc:
                     self.log.warning("warm_start_off", why=str(exc), message="starting ranks cold from now on")
-                    self.zygote.close()
-                    self.zygote = None
+                    self.warm.close()
+                    self.warm = None
             if slot.proc is None:
                 slot.proc = await asyncio.create_subprocess_exec(
                     *self.guard(), *self.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
@@ -268,6 +273,8 @@ class RankSupervisor:
                 slot.finished = True
                 self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
                 self.node.session.send_now()  # the leader hears at once that the job is finishing
+            if slot.imports_file and os.path.exists(slot.imports_file):
+                self._learn(slot.imports_file)
         escalation = ((None, self.node.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None))
         for send, wait_s in escalation:
             if send is not None:
@@ -279,6 +286,17 @@ class RankSupervisor:
             if done:
                 break
         return exited.result()
+
+    def _learn(self, path: str) -> None:
+        """The packages a rank imported, for the zygote's successor (read once)."""
+        try:
+            with open(path) as f:
+                packages = f.read().split()
+            os.unlink(path)
+        except OSError:
+            return
+        if self.warm is not None:
+            self.warm.learn(packages)
 
     def _lost_as_finishing(self, slot: Slot, pid: int, code: int, *, report: bool) -> None:
         """A rank that ended without completing its script once the job was finishing: reported as

@@ -53,10 +53,19 @@ def main() -> None:
     channel = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
     for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
-        try:
-            import_module(name)
-        except Exception as exc:  # the script will meet (and report) the same error itself
-            _send(channel, {"preload_failed": name, "error": f"{type(exc).__name__}: {exc}"})
+        _preload(channel, name)
+    # Learned modules (the ranks' own imports) must leave the process as fork-safe as the given
+    # ones did: no thread started, no CUDA. The first that does not ends this zygote, unused; the
+    # agent starts the next one without it.
+    threads = _threads()
+    for name in filter(None, sys.argv[3].split(",") if len(sys.argv) > 3 else ()):
+        _preload(channel, name)
+        torch = sys.modules.get("torch")
+        why = ("it starts a thread at import" if _threads() > threads else
+               "it initialises CUDA at import" if torch is not None and torch.cuda.is_initialized() else None)
+        if why:
+            _send(channel, {"unsafe": name, "why": why})
+            return
     zygote = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -90,6 +99,17 @@ def main() -> None:
                     return  # the rank ran: the interpreter exits as after `python SCRIPT`
                 _close(fds)
                 _send(channel, {"id": request["id"], "pid": pid})
+
+
+def _preload(channel: socket.socket, name: str) -> None:
+    try:
+        import_module(name)
+    except Exception as exc:  # the script will meet (and report) the same error itself
+        _send(channel, {"preload_failed": name, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 def _reap(channel: socket.socket) -> None:
@@ -216,15 +236,19 @@ class Zygote:
         self._ranks: dict[int, WarmProcess] = {}
         self._ready = asyncio.get_running_loop().create_future()
         self.lost = False
+        self.retiring = False  # a successor serves new ranks: this one ends with its last rank
+        self.unsafe: tuple[str, str] | None = None  # a learned module it refused, and why
+        self.failed: list[str] = []  # modules whose import failed in it
         asyncio.get_running_loop().add_reader(channel.fileno(), self._on_readable)
 
     @classmethod
-    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD) -> Zygote:
+    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD,
+                    learned: tuple[str, ...] = ()) -> Zygote:
         agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             process = await asyncio.create_subprocess_exec(
                 *guard, sys.executable, "-m", "muster.worker.zygote", str(zygote_end.fileno()), ",".join(preload),
-                env=env, pass_fds=(zygote_end.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+                ",".join(learned), env=env, pass_fds=(zygote_end.fileno(),), stdin=asyncio.subprocess.DEVNULL)
         finally:
             zygote_end.close()
         agent_end.setblocking(False)
@@ -276,6 +300,9 @@ class Zygote:
                 rank = self._ranks.pop(m["exited"], None)
                 if rank is not None:
                     rank._ended(m["code"])
+                if self.retiring and not self._ranks:
+                    self.close()
+                    return
             elif "id" in m:
                 if "pid" in m:  # known before the next message is read, which may be its exit already
                     m["rank"] = self._ranks[m["pid"]] = WarmProcess(m["pid"])
@@ -286,7 +313,10 @@ class Zygote:
                 if not self._ready.done():
                     self._ready.set_result(m["ready"])
             elif "preload_failed" in m:
+                self.failed.append(m["preload_failed"])
                 log.warning("warm_start_preload_failed", module=m["preload_failed"], error=m["error"])
+            elif "unsafe" in m:
+                self.unsafe = (m["unsafe"], m["why"])
 
     def _lose(self, why: str, *, closing: bool = False) -> None:
         """The zygote is gone: so are its ranks (PDEATHSIG). Each is reported killed."""
@@ -311,6 +341,80 @@ class Zygote:
         self._lose("closed by the agent", closing=True)
         if self.process.returncode is None:
             self.process.kill()
+
+    def retire(self) -> None:
+        """A successor serves new ranks: end with the last of this one's (now, if it has none)."""
+        self.retiring = True
+        if not self._ranks:
+            self.close()
+
+
+class WarmStarts:
+    """The node's zygote, and its successors: a rank reports the installed packages it imported
+    (the runner, IMPORTS_FILE_ENV), and a new zygote that imported them too takes over for later
+    starts, so a restart skips the script's heavy imports (transformers, accelerate, ...) as it
+    skips torch's. A module that would leave the zygote unsafe to fork (a thread, CUDA) is named
+    once and left to the ranks; the zygote serving ranks is never changed in place."""
+
+    def __init__(self, env: dict[str, str], guard: list[str], preload: tuple[str, ...]):
+        self.env, self.guard, self.preload = env, guard, tuple(preload)
+        self.learned: tuple[str, ...] = ()
+        self.refused: set[str] = set()
+        self.zygote: Zygote | None = None
+        self._retired: list[Zygote] = []  # predecessors still serving their ranks
+        self._learning: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.zygote = await Zygote.start(self.env, self.guard, self.preload)
+
+    async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int]) -> WarmProcess:
+        if self.zygote is None:
+            raise ZygoteLost("closed")
+        return await self.zygote.spawn(program, env, stdio)
+
+    def learn(self, packages: list[str]) -> None:
+        """A rank imported these: a successor imports the new ones (one at a time)."""
+        known = set(self.preload) | set(self.learned) | self.refused
+        new = [p for p in packages if p not in known]
+        if new and self.zygote is not None and (self._learning is None or self._learning.done()):
+            self._learning = asyncio.ensure_future(self._succeed(new))
+
+    async def _succeed(self, new: list[str]) -> None:
+        want = [*self.learned, *new]
+        while want:
+            successor = await Zygote.start(self.env, self.guard, self.preload, tuple(want))
+            try:
+                await successor.ready()
+            except ZygoteLost as exc:
+                if successor.unsafe is None:
+                    log.warning("warm_start_learning_failed", modules=want, why=str(exc))
+                    return
+                name, why = successor.unsafe
+                self.refused.add(name)
+                want.remove(name)
+                log.warning("warm_start_preload_refused", module=name, why=why, message="left to each rank to import")
+                continue
+            except BaseException:
+                successor.close()
+                raise
+            self.refused.update(successor.failed)
+            self.learned = tuple(m for m in want if m not in successor.failed)
+            if self.zygote is None:  # closed meanwhile
+                successor.close()
+                return
+            previous, self.zygote = self.zygote, successor
+            previous.retire()
+            self._retired = [z for z in [*self._retired, previous] if not z.lost]
+            log.info("warm_start_learned", modules=list(self.learned))
+            return
+
+    def close(self) -> None:
+        if self._learning is not None:
+            self._learning.cancel()
+        for zygote in [*self._retired, self.zygote]:
+            if zygote is not None:
+                zygote.close()
+        self.zygote, self._retired = None, []
 
 
 if __name__ == "__main__":

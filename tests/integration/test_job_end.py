@@ -28,7 +28,7 @@ def run_job(coordinators, agents, tmp_path, job: str, teardown: str, warm: bool,
     out = tmp_path / "steps"
     out.mkdir()
     command = [sys.executable, "-u", str(SCRIPT), "--steps", str(STEPS), "--out", str(out), "--teardown", teardown]
-    extra = ["--exit-timeout", str(exit_timeout_s)] + (["--warm-start"] if warm else [])
+    extra = ["--exit-timeout", str(exit_timeout_s)] + ["--warm-start" if warm else "--no-warm-start"]
     nodes = agents([leader.address], job, ["a", "b"], nodes="2:2", command=command, extra=extra)
     for node in nodes:  # (bounded generously: four ranks importing torch on a loaded 2-core machine)
         try:

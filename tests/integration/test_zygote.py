@@ -15,7 +15,7 @@ import pytest
 
 from muster.local import process_alive, wait_until
 from muster.worker.runner import COMPLETED_FILE_ENV, Program
-from muster.worker.zygote import Zygote, ZygoteLost
+from muster.worker.zygote import WarmStarts, Zygote, ZygoteLost
 
 GUARD = [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
 
@@ -186,3 +186,48 @@ def test_forked_ranks_draw_their_own_random_numbers(tmp_path):
     run(main())
     a, b = (json.loads((tmp_path / f"{n}.txt").read_text()) for n in ("a", "b"))
     assert all(x != y for x, y in zip(a, b)), (a, b)
+
+
+@pytest.mark.timeout(120)
+def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_to_the_ranks(tmp_path, caplog):
+    """A rank records the installed packages it imported (the runner, after MUSTER_IMPORTS_AFTER);
+    a successor zygote imports them and serves later starts, which find them loaded. One that starts
+    a thread at import is named once and left to the ranks; the zygote serving ranks is kept."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    (site / "heavy_pkg.py").write_text("")
+    (site / "threading_pkg.py").write_text("import threading, time\n"
+                                           "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    path = script(tmp_path, """
+        import sys
+        print(sorted(m for m in ("heavy_pkg", "threading_pkg") if m in sys.modules), flush=True)
+        import heavy_pkg, threading_pkg, time
+        time.sleep(float(sys.argv[1]))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    async def main():
+        warm = WarmStarts(env, GUARD, ("json",))
+        await warm.start()
+        try:
+            imports = tmp_path / "imports"
+            first = await _spawn(warm, Program(str(path), False, ("30",), False), tmp_path,
+                                 {**env, "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.2"}, "first")
+            await asyncio.to_thread(wait_until, imports.exists, 30, "the rank's imports recorded")
+            assert imports.read_text().split() == ["heavy_pkg", "threading_pkg"]
+            serving = warm.zygote
+            warm.learn(imports.read_text().split())
+            await asyncio.wait_for(warm._learning, 60)
+            assert warm.learned == ("heavy_pkg",) and warm.refused == {"threading_pkg"}
+            assert warm.zygote is not serving and serving.retiring and not serving.lost  # its rank still runs
+            second = await _spawn(warm, Program(str(path), False, ("0",), False), tmp_path, env, "second")
+            assert await second.wait() == 0
+            first.kill()
+            assert await first.wait() == -signal.SIGKILL
+            await asyncio.to_thread(wait_until, lambda: serving.lost, 10, "the retired zygote to end with its rank")
+        finally:
+            warm.close()
+
+    run(main())
+    assert (tmp_path / "first.txt").read_text() == "[]\n"
+    assert (tmp_path / "second.txt").read_text() == "['heavy_pkg']\n"

@@ -162,7 +162,7 @@ def test_a_rank_started_as_a_newer_map_arrives_keeps_the_generation_of_its_envir
             def close(self) -> None:
                 pass
 
-        a.ranks.zygote = ForkingAsTheMapChanges()
+        a.ranks.warm = ForkingAsTheMapChanges()
         await a.ranks.start(a.slots[0], ("127.0.0.1", "1500"))
         return seen, a.slots[0]
 
