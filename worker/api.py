@@ -48,6 +48,7 @@ from muster.worker.state import TrainingState
 log = structlog.get_logger(__name__)
 
 STUCK_EXIT_S = 10.0  # a fenced rank whose training thread does not raise within this long exits
+WAIT_REPORT_S = 10.0  # a rank waiting for a place in a newer generation says so this often
 
 _STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
            "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING, "holding": pb.RANK_STATE_HOLDING}
@@ -297,7 +298,9 @@ class Worker:
     def _wait_for_place(self, after: int, hold: str, deadline: float) -> pb.Assignment:
         """Block until an assignment newer than generation `after` gives this rank a place (spares
         and waiting jobs wait). Holding (`hold` says why), no longer than `deadline`; otherwise
-        bounded by the link: a coordinator not heard from for the hold timeout ends the wait."""
+        bounded by the link: a coordinator not heard from for the hold timeout ends the wait.
+        It says what it waits for every WAIT_REPORT_S."""
+        began = report_at = time.monotonic()
         while True:
             self.link.changed.clear()
             if self._error is not None:
@@ -306,16 +309,9 @@ class Worker:
             target = to_form(self.link.latest, self.link.base, self._slot, after)
             if target is not None:
                 return target
-            if hold and time.monotonic() > deadline:
-                log.error("hold_expired", generation=after, held_s=self.config.hold_timeout_s, cause=hold)
-                raise HoldExpired(f"held {self.config.hold_timeout_s:g}s for a new generation after {hold}; none came "
-                                  f"(the coordinator was last heard {self.link.silent_s():.0f}s ago): giving up")
-            silent_s = 0.0 if hold else self.link.silent_s()
-            if silent_s > self.config.hold_timeout_s:
-                log.error("coordinator_lost", generation=after, silent_s=round(silent_s, 1),
-                          hold_timeout_s=self.config.hold_timeout_s)
-                raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
-                                      f"in generation > {after} (hold timeout {self.config.hold_timeout_s:g}s)")
+            if time.monotonic() >= report_at + WAIT_REPORT_S:
+                report_at = report_waiting(self.link, after, hold, began, deadline)
+            give_up_waiting(self.link, self.config.hold_timeout_s, after, hold, deadline)
             self.link.changed.wait(0.1)
 
     def _reform(self, *, discard: bool, hold: str = "") -> None:
@@ -472,6 +468,31 @@ def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], l
 def placed(a: pb.Assignment | None, slot: int) -> bool:
     """`a` gives local rank `slot` a place in its group."""
     return a is not None and a.role == pb.ROLE_ACTIVE and slot in a.local_ranks
+
+
+def give_up_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, deadline: float) -> None:
+    """Raise if a rank waiting for a place after generation `after` has waited long enough: holding
+    (`hold` says why) past `deadline`, or otherwise with the coordinator silent for the hold timeout."""
+    if hold and time.monotonic() > deadline:
+        log.error("hold_expired", generation=after, held_s=hold_timeout_s, cause=hold)
+        raise HoldExpired(f"held {hold_timeout_s:g}s for a new generation after {hold}; none came "
+                          f"(the coordinator was last heard {link.silent_s():.0f}s ago): giving up")
+    silent_s = 0.0 if hold else link.silent_s()
+    if silent_s > hold_timeout_s:
+        log.error("coordinator_lost", generation=after, silent_s=round(silent_s, 1), hold_timeout_s=hold_timeout_s)
+        raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
+                              f"in generation > {after} (hold timeout {hold_timeout_s:g}s)")
+
+
+def report_waiting(link: Link, after: int, hold: str, began: float, deadline: float) -> float:
+    """A rank waiting for a place in a generation after `after` says what it waits for; returns now."""
+    now = time.monotonic()
+    latest = link.latest
+    log.info("rank_waiting", after_generation=after, waited_s=round(now - began, 1),
+             latest_generation=latest.generation if latest is not None else None,
+             cause=hold or "no place for this rank yet", coordinator_silent_s=round(link.silent_s(), 1),
+             gives_up_in_s=round(deadline - now, 1) if hold else None)
+    return now
 
 
 def group_spec(a: pb.Assignment, slot: int, local_rank: int, shrink: bool) -> GroupSpec:
