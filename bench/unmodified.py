@@ -140,7 +140,11 @@ class Agent:
 
 def _children(pid: int) -> list[int]:
     pids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # it exited meanwhile
+        return []
+    for task in tasks:
         try:
             pids += [int(p) for p in (task / "children").read_text().split()]
         except OSError:
