@@ -54,7 +54,8 @@ def speak(socket_path: str, reports: list[pb.RankReport], secret: str | None) ->
 @pytest.mark.timeout(120)
 def test_a_process_of_the_same_user_cannot_speak_for_a_slot_on_the_agents_socket(coordinators, agents):
     (leader,) = coordinators(1)
-    (node,) = agents([leader.address], "socket-abuse", ["a"], nodes="1:1", steps=100_000)
+    # Cold starts: a forked rank's /proc/PID/environ is its zygote's, not the environment it runs with.
+    (node,) = agents([leader.address], "socket-abuse", ["a"], nodes="1:1", steps=100_000, extra=["--no-warm-start"])
     wait_until(lambda: all(node.steps(s) and node.steps(s)[-1]["step"] >= 5 for s in (0, 1)), 60, "both ranks stepping")
     (socket_path,) = glob.glob(os.path.join(tempfile.gettempdir(), f"muster-agent-{node.proc.pid}-*", "ranks.sock"))
     pids = [node.rank_pids(s)[-1] for s in (0, 1)]
@@ -83,7 +84,9 @@ def test_a_process_of_the_same_user_cannot_speak_for_a_slot_on_the_agents_socket
 
 
 @pytest.mark.timeout(120)
-def test_ranks_inherit_neither_the_agents_token_nor_an_etcd_password(coordinators, agents, tmp_path, monkeypatch):
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_ranks_inherit_neither_the_agents_token_nor_an_etcd_password(coordinators, agents, tmp_path, monkeypatch,
+                                                                     warm):
     token = "t" * 24
     (tmp_path / "tokens").write_text(f"ranks-env {token}\n")
     (tmp_path / "token").write_text(token + "\n")
@@ -92,8 +95,13 @@ def test_ranks_inherit_neither_the_agents_token_nor_an_etcd_password(coordinator
     monkeypatch.setenv("MUSTER_TOKEN", "w" * 24)
     monkeypatch.setenv("MUSTER_ETCD_PASSWORD", "p" * 24)
     (node,) = agents([leader.address], "ranks-env", ["a"], nodes="1:1", steps=100_000,
-                     extra=["--token-file", str(tmp_path / "token")])
+                     extra=["--token-file", str(tmp_path / "token"), "--warm-start" if warm else "--no-warm-start"])
     wait_until(lambda: all(node.steps(s) for s in (0, 1)), 60, "both ranks stepping")
+    if warm:  # /proc/PID/environ of a forked rank is its zygote's: no secret of any kind in it either
+        for s in (0, 1):
+            env = environ_of(node.rank_pids(s)[-1])
+            assert not {"MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD", SLOT_SECRET_ENV} & set(env), sorted(env)
+        return
     for s in (0, 1):
         env = environ_of(node.rank_pids(s)[-1])
         assert env["LOCAL_RANK"] == str(s) and len(env[SLOT_SECRET_ENV]) == 32
