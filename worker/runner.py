@@ -72,11 +72,20 @@ def run(program: Program) -> None:
     pid = os.getpid()  # a child the program forks that returns through here completes nothing
     imports_file = os.environ.pop(IMPORTS_FILE_ENV, "")
     after_s = float(os.environ.pop(IMPORTS_AFTER_ENV, "") or IMPORTS_AFTER_S)
-    if imports_file:
-        timer = threading.Timer(after_s, _record_imports, (imports_file, _packages()))
+    timer = threading.Timer(after_s, _record_imports, (imports_file, _packages())) if imports_file else None
+    if timer is not None:
         timer.daemon = True
         timer.start()
     sys.argv = [program.target, *program.args]
+    try:
+        _run(program, marker, pid)
+    finally:
+        if timer is not None:  # gone before teardown: a live (daemon) thread changes what finalization frees
+            timer.cancel()
+            timer.join()
+
+
+def _run(program: Program, marker: str, pid: int) -> None:
     try:
         if program.module:
             sys.path[0] = os.getcwd()
@@ -127,11 +136,11 @@ def _mark(path: str, pid: int) -> None:
 
 
 def _from_program(hook):
-    """`hook` shown the traceback from the program's first frame on, past `run` and runpy's frames
+    """`hook` shown the traceback from the program's first frame on, past `run`, `_run` and runpy's frames
     (the interpreter's printer reads the exception's own __traceback__, not the hook's argument)."""
     def excepthook(kind, value, tb):
         here = tb
-        while here is not None and here.tb_frame.f_code is not run.__code__:
+        while here is not None and here.tb_frame.f_code is not _run.__code__:
             here = here.tb_next
         here = here.tb_next if here is not None else None
         while here is not None and here.tb_frame.f_code.co_filename == _RUNPY_FILE:

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from muster.local import wait_until
 from muster.worker.runner import COMPLETED_FILE_ENV, Program, python_program, runner_argv
 
 SEEN = """
@@ -87,3 +88,31 @@ def test_a_module_runs_as_with_python_dash_m(tmp_path):
     code, out, _, marked = run(tmp_path, SEEN, "-x", module=True)
     assert code == 0 and marked
     assert json.loads(out) == {**json.loads(run(tmp_path, SEEN, "-x", runner=False, module=True)[1]), "marker": None}
+
+
+def test_recording_the_imports_changes_nothing_of_the_programs_teardown(tmp_path):
+    """The recording timer is gone before interpreter teardown: a live thread there changes what
+    finalization frees (an object aborting in __del__ did not run it)."""
+    script = tmp_path / "aborts_in_teardown.py"
+    script.write_text("import os\nclass A:\n    def __del__(self):\n        os.abort()\nx = A()\n")
+    env = {**os.environ, "MUSTER_IMPORTS_FILE": str(tmp_path / "imports")}
+    done = subprocess.run([sys.executable, "-m", "muster.worker.runner", str(script)], env=env, timeout=60)
+    assert done.returncode == -signal.SIGABRT
+
+
+def test_a_rank_records_the_installed_packages_it_imported(tmp_path):
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    (site / "some_pkg.py").write_text("")
+    (tmp_path / "local_mod.py").write_text("")
+    script = tmp_path / "train.py"
+    script.write_text("import time, some_pkg, local_mod\ntime.sleep(30)\n")
+    imports = tmp_path / "imports"
+    env = {**os.environ, "PYTHONPATH": str(site), "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.1"}
+    proc = subprocess.Popen([sys.executable, "-m", "muster.worker.runner", str(script)], env=env)
+    try:
+        wait_until(imports.exists, 30, "the imports recorded")
+        assert imports.read_text().split() == ["some_pkg"]  # installed, not the script's own module
+    finally:
+        proc.kill()
+        proc.wait(10)
