@@ -289,13 +289,16 @@ class NodeAgent:
             return
         self._leaving = True
         given_up = any(s.given_up for s in self.slots)
+        # A node giving up leaves now, not at a step boundary like a drain: the leader must not take
+        # the job's last node going for an operator's drain (the run ended "stopped", and this agent
+        # exited 3 when that news beat its own verdict).
         await self._leave("every local rank completed" if all(s.finished for s in self.slots)
                           else "every local slot finished, ended or was given up",
-                          finished=not given_up and any(s.finished for s in self.slots))
+                          finished=not given_up and any(s.finished for s in self.slots), immediate=given_up)
 
-    async def _leave(self, reason: str, *, finished: bool) -> None:
+    async def _leave(self, reason: str, *, finished: bool, immediate: bool = False) -> None:
         try:
-            await self.session.leave(reason=reason, finished=finished)
+            await self.session.leave(reason=reason, finished=finished, immediate=immediate)
         except Exception as exc:  # the coordinator will see the node go silent instead
             self.log.warning("leave_failed", error=str(exc))
         c = self.config

@@ -150,6 +150,9 @@ def test_a_crash_looping_slot_is_given_up_after_its_restart_budget(coordinators,
     exits = wait_until(lambda: [r for r in leader.find("membership_changed") if r["kind"] == "rank_exited"], 10,
                        "the leader's decision on the crash")
     assert "exit code 7" in exits[0]["reason"]
+    # and the run is recorded as failed, not as drained by an operator
+    ended = wait_until(lambda: [r for r in leader.find("run_ended") if "outcome" in r], 10, "the run's end")
+    assert [r["outcome"] for r in ended] == ["failed"], ended
 
 
 def muster_run(coordinator: str, job: str, node_id: str, out_dir, *args: str, command=(), env=None):
