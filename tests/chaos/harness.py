@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -36,6 +37,7 @@ from muster.v1 import muster_pb2 as pb
 
 Slot = tuple[str, int]  # (node id, local rank)
 
+CHAOS_RUN_ENV = "MUSTER_CHAOS_RUN"  # marks the processes of one chaos run (see Chaos.tag)
 # The coordinators' timing in the harness (flags below; --grace comes from muster.local.FAST).
 HEARTBEAT_TIMEOUT_S = 2.0
 SESSION_TTL_S = 3
@@ -211,6 +213,9 @@ class Chaos:
         self.incarnations: dict[str, list[AgentProcess]] = defaultdict(list)
         self.faults: list[Fault] = []
         self.pids: set[int] = set()  # every process started, for the orphan check
+        # In the environment of every process it starts (ranks inherit it from their agents): over a
+        # long soak on a busy machine a PID of the run is reused by someone else's process.
+        self.tag = f"{CHAOS_RUN_ENV}={uuid.uuid4().hex}"
         self.started_at = 0.0
         self.full_at = 0.0  # first time at full strength: stalls are counted from here
         self._n_replicas = replicas
@@ -221,6 +226,7 @@ class Chaos:
 
     def start(self, timeout_s: float = 120.0) -> Chaos:
         self.started_at = time.time()
+        os.environ[CHAOS_RUN_ENV] = self.tag.split("=", 1)[1]
         self.etcd.start()
         self.pids.update(m.pid for m in self.etcd.members)
         for _ in range(self._n_replicas):
@@ -240,8 +246,16 @@ class Chaos:
             r.stop()
         self.etcd.stop()
         self.pids.update(run.pid for run in self.runs())
+        os.environ.pop(CHAOS_RUN_ENV, None)
         time.sleep(0.5)  # ranks die with their agent (PR_SET_PDEATHSIG): give them a moment
-        return sorted(pid for pid in self.pids if process_alive(pid))
+        return sorted(pid for pid in self.pids if process_alive(pid) and self._ours(pid))
+
+    def _ours(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return self.tag.encode() in f.read().split(b"\0")
+        except OSError:
+            return False
 
     def restart_coordinator(self) -> CoordinatorProcess:
         """A new replica; in place of a dead one (same address, as a StatefulSet pod comes back), if any."""
