@@ -67,101 +67,135 @@ def _ms(values: list[float]) -> dict:
 RELAY_BATCH_S = 0.02
 
 
-async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: float, tick_s: float,
-                   steady_s: float, relay_progress_s: float | None = None) -> dict:
-    nodes = ranks // slots
-    relayed = relay_progress_s is not None
-    interval = relay_progress_s if relayed else 1 / rate
-    timing = Timing(heartbeat_interval_s=interval, heartbeat_timeout_s=heartbeat_timeout_s, grace_s=1.0)
-    state = running_state(nodes, slots)
-    encode(state)  # as a leader that wrote it before: members keep their encoded text
-    clock = [0.0]
-    leader = JobLeader(state, leadership=Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"), MemoryJobStore()),
-                       address="127.0.0.1:7600", timing=timing, tick_s=tick_s, clock=lambda: clock[0])
-    frames, streams, phases = {}, {}, {}
-    link = RelayLink(leader, "relay", stream_end) if relayed else None
-    for i, m in enumerate(state.members):
-        streams[m.node_id] = leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind, link=link,
-                                                                    stream_id=i + 1)
-        frames[m.node_id] = pb.NodeFrame(job=JOB, node_id=m.node_id, member_id=m.member_id, term=1,
-                                         generation=state.generation, ranks=[
-                                             pb.RankReport(local_rank=s, pid=10_000 + s, step=1, step_time_us=50_000,
-                                                           state=pb.RANK_STATE_RUNNING) for s in range(slots)])
-        phases[m.node_id] = zlib.crc32(m.node_id.encode()) / 2**32 * interval
-    by_phase = sorted(phases, key=phases.get)
-    victim = random.Random(7).choice(by_phase)
-    killed_at = last_frame_of_victim = None
-    frame_cost, frame_count, quiet_ticks = [], 0, []
-    decided = change_s = change_stall_s = None
-    reported = False
-    step = 1
-    t = 0.0
-    while decided is None and t < steady_s + 10 * heartbeat_timeout_s:
-        t0, t = t, t + tick_s
-        step += 1
-        # The nodes whose phase falls in (t0, t] of the interval send a frame.
-        lo, hi = t0 % interval, t % interval
-        due = [n for n in by_phase if (lo < phases[n] <= hi if lo < hi else (phases[n] > lo or phases[n] <= hi))]
-        if killed_at is None and t >= steady_s:
-            killed_at = t
-        if relayed and last_frame_of_victim is not None and not reported and \
-                t >= _relay_reports_at(last_frame_of_victim, heartbeat_timeout_s):
-            reported = True
-            leader.silent_at_relay(streams[victim], int((t - last_frame_of_victim) * 1000))
+class Simulation:
+    """One leader and its nodes on a simulated clock: the nodes' frames due each tick, the tally,
+    the directives read; one node (the victim) stops sending at `steady_s`."""
+
+    def __init__(self, ranks: int, slots: int, rate: float, heartbeat_timeout_s: float, tick_s: float,
+                 relay_progress_s: float | None):
+        self.nodes, self.slots, self.tick_s = ranks // slots, slots, tick_s
+        self.heartbeat_timeout_s, self.relay_progress_s = heartbeat_timeout_s, relay_progress_s
+        self.relayed = relay_progress_s is not None
+        self.interval = relay_progress_s if self.relayed else 1 / rate
+        self.timing = Timing(heartbeat_interval_s=self.interval, heartbeat_timeout_s=heartbeat_timeout_s, grace_s=1.0)
+        state = running_state(self.nodes, slots)
+        encode(state)  # as a leader that wrote it before: members keep their encoded text
+        self.clock = [0.0]
+        self.leader = JobLeader(state, leadership=Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"),
+                                                             MemoryJobStore()),
+                                address="127.0.0.1:7600", timing=self.timing, tick_s=tick_s,
+                                clock=lambda: self.clock[0])
+        self.frames, self.streams, self.phases = {}, {}, {}
+        self.link = RelayLink(self.leader, "relay", stream_end) if self.relayed else None
+        for i, m in enumerate(state.members):
+            self.streams[m.node_id] = self.leader.streams[m.node_id] = NodeStream(
+                JOB, m.node_id, m.member_id, m.kind, link=self.link, stream_id=i + 1)
+            self.frames[m.node_id] = pb.NodeFrame(job=JOB, node_id=m.node_id, member_id=m.member_id, term=1,
+                                                  generation=state.generation, ranks=[
+                                                      pb.RankReport(local_rank=s, pid=10_000 + s, step=1,
+                                                                    step_time_us=50_000, state=pb.RANK_STATE_RUNNING)
+                                                      for s in range(slots)])
+            self.phases[m.node_id] = zlib.crc32(m.node_id.encode()) / 2**32 * self.interval
+        self.by_phase = sorted(self.phases, key=self.phases.get)
+        self.victim = random.Random(7).choice(self.by_phase)
+        self.killed_at = self.last_frame_of_victim = None
+        self.reported = False
+        self.frame_cost: list[float] = []
+        self.frame_count = 0
+        self.quiet_ticks: list[float] = []
+        self.decided = self.change_s = self.change_stall_s = None
+
+    def due(self, t0: float, t: float) -> list[str]:
+        """The nodes whose phase falls in (t0, t] of the interval."""
+        lo, hi = t0 % self.interval, t % self.interval
+        return [n for n in self.by_phase
+                if (lo < self.phases[n] <= hi if lo < hi else (self.phases[n] > lo or self.phases[n] <= hi))]
+
+    def send(self, t: float, step: int, due: list[str]) -> None:
+        """The due nodes' frames (the victim's, once killed, not) into the leader, timed."""
         batch = []
         for node_id in due:
-            if killed_at is not None and node_id == victim:
+            if self.killed_at is not None and node_id == self.victim:
                 continue
-            frame = frames[node_id]
+            frame = self.frames[node_id]
             for r in frame.ranks:
                 r.step = step
-            frame.generation = leader.state.generation
-            batch.append((streams[node_id], frame))
-            if node_id == victim:
-                last_frame_of_victim = t
-        clock[0] = t
+            frame.generation = self.leader.state.generation
+            batch.append((self.streams[node_id], frame))
+            if node_id == self.victim:
+                self.last_frame_of_victim = t
+        self.clock[0] = t
         began = time.thread_time()
         for stream, frame in batch:
-            leader.on_frame(stream, frame)
+            self.leader.on_frame(stream, frame)
         if batch:
-            frame_cost.append((time.thread_time() - began) / len(batch))
-            frame_count += len(batch)
-        generation = leader.state.generation
+            self.frame_cost.append((time.thread_time() - began) / len(batch))
+            self.frame_count += len(batch)
+
+    async def tally(self, t: float) -> None:
+        """One tally, timed; a changed generation is the decision."""
+        generation = self.leader.state.generation
         gaps: list[float] = []
         watching = asyncio.ensure_future(_loop_gaps(gaps))
         began = time.process_time()
-        await leader.tally_once()
+        await self.leader.tally_once()
         took = time.process_time() - began
         watching.cancel()
-        if leader.state.generation != generation:
-            decided, change_s, change_stall_s = t, took, max(gaps, default=0.0)
-        elif t > 2 * timing.grace_s:  # past the takeover grace and every node's first judgement
-            quiet_ticks.append(took)
-        for stream in streams.values():
+        if self.leader.state.generation != generation:
+            self.decided, self.change_s, self.change_stall_s = t, took, max(gaps, default=0.0)
+        elif t > 2 * self.timing.grace_s:  # past the takeover grace and every node's first judgement
+            self.quiet_ticks.append(took)
+        for stream in self.streams.values():
             while not stream.queue.empty():  # the nodes read their directives
                 stream.queue.get_nowait()
-        while link is not None and link.out:  # the relays read theirs
-            link.take()
-    evicted = [e.nodes for e in leader.state.history if e.kind in ("node_silent", "rank_silent", "rank_stalled")]
-    frame_us = statistics.median(frame_cost) * 1e6
-    return {
-        "ranks": nodes * slots,
-        "nodes": nodes,
-        "mode": f"relayed (progress every {relay_progress_s} s)" if relayed else "direct",
-        "frames_per_s_per_node": 1 / interval,
-        "heartbeat_timeout_s": heartbeat_timeout_s,
-        "tick_s": tick_s,
-        "frames": frame_count,
-        "frame_us": {"p50": round(frame_us, 2), "p99": round(percentile(frame_cost, 0.99) * 1e6, 2)},
-        "tick_ms": _ms(quiet_ticks),
-        "detection_s": round(decided - last_frame_of_victim, 3) if decided else None,
-        "change_ms": round(change_s * 1e3, 1) if change_s else None,
-        "change_loop_held_ms": round(change_stall_s * 1e3, 1) if change_stall_s is not None else None,
-        "new_world_size": leader.state.rank_map.world_size if leader.state.rank_map else 0,
-        "evicted": [n for nodes_ in evicted for n in nodes_],
-        "victim": victim,
-        "leader_cpu_cores": round(frame_us * 1e-6 * nodes / interval + statistics.median(quiet_ticks) / tick_s, 3),
-    }
+        while self.link is not None and self.link.out:  # the relays read theirs
+            self.link.take()
+
+    async def run(self, steady_s: float) -> None:
+        step, t = 1, 0.0
+        while self.decided is None and t < steady_s + 10 * self.heartbeat_timeout_s:
+            t0, t = t, t + self.tick_s
+            step += 1
+            if self.killed_at is None and t >= steady_s:
+                self.killed_at = t
+            if self.relayed and self.last_frame_of_victim is not None and not self.reported and \
+                    t >= _relay_reports_at(self.last_frame_of_victim, self.heartbeat_timeout_s):
+                self.reported = True
+                self.leader.silent_at_relay(self.streams[self.victim],
+                                            int((t - self.last_frame_of_victim) * 1000))
+            self.send(t, step, self.due(t0, t))
+            await self.tally(t)
+
+    def report(self) -> dict:
+        leader, nodes = self.leader, self.nodes
+        evicted = [e.nodes for e in leader.state.history if e.kind in ("node_silent", "rank_silent", "rank_stalled")]
+        frame_us = statistics.median(self.frame_cost) * 1e6
+        return {
+            "ranks": nodes * self.slots,
+            "nodes": nodes,
+            "mode": f"relayed (progress every {self.relay_progress_s} s)" if self.relayed else "direct",
+            "frames_per_s_per_node": 1 / self.interval,
+            "heartbeat_timeout_s": self.heartbeat_timeout_s,
+            "tick_s": self.tick_s,
+            "frames": self.frame_count,
+            "frame_us": {"p50": round(frame_us, 2), "p99": round(percentile(self.frame_cost, 0.99) * 1e6, 2)},
+            "tick_ms": _ms(self.quiet_ticks),
+            "detection_s": round(self.decided - self.last_frame_of_victim, 3) if self.decided else None,
+            "change_ms": round(self.change_s * 1e3, 1) if self.change_s else None,
+            "change_loop_held_ms": round(self.change_stall_s * 1e3, 1) if self.change_stall_s is not None else None,
+            "new_world_size": leader.state.rank_map.world_size if leader.state.rank_map else 0,
+            "evicted": [n for nodes_ in evicted for n in nodes_],
+            "victim": self.victim,
+            "leader_cpu_cores": round(frame_us * 1e-6 * nodes / self.interval
+                                      + statistics.median(self.quiet_ticks) / self.tick_s, 3),
+        }
+
+
+async def simulate(ranks: int, slots: int, rate: float, heartbeat_timeout_s: float, tick_s: float,
+                   steady_s: float, relay_progress_s: float | None = None) -> dict:
+    sim = Simulation(ranks, slots, rate, heartbeat_timeout_s, tick_s, relay_progress_s)
+    await sim.run(steady_s)
+    return sim.report()
 
 
 async def _loop_gaps(gaps: list[float]) -> None:
