@@ -388,6 +388,20 @@ def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: 
         etcd.stop()
 
 
+async def _idle_cpu(coordinator: CoordinatorProcess, clients: Clients) -> tuple[float, float]:
+    """The leader's CPU (and its loop's) besides node frames (ticks, pulses, the probe): every node
+    paused a moment."""
+    await asyncio.to_thread(clients.pause, True)
+    await asyncio.sleep(0.3)
+    idle0, idle_loop0, idle_t0 = cpu_seconds(coordinator.pid), loop_seconds(coordinator.pid), time.monotonic()
+    await asyncio.sleep(IDLE_S)
+    idle_s = time.monotonic() - idle_t0
+    cores = (cpu_seconds(coordinator.pid) - idle0) / idle_s, (loop_seconds(coordinator.pid) - idle_loop0) / idle_s
+    await asyncio.to_thread(clients.pause, False)
+    await asyncio.sleep(0.5)
+    return cores
+
+
 async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nodes: int, rate: float, slots: int,
                    window_s: float, warmup_s: float, started: float, timeout_s: float) -> dict:
     coordinator, relays = coordinators[0], coordinators[1:]
@@ -402,16 +416,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         probing = asyncio.create_task(_probe(stub, sampling, stop, relays[0].address if relays else ""))
         await asyncio.sleep(warmup_s + window_s)  # the probe job forms, the nodes settle; then latency samples
         sampling.clear()
-        # The leader's CPU besides node frames (ticks, pulses, the probe): every node paused a moment.
-        await asyncio.to_thread(clients.pause, True)
-        await asyncio.sleep(0.3)
-        idle0, idle_loop0, idle_t0 = cpu_seconds(coordinator.pid), loop_seconds(coordinator.pid), time.monotonic()
-        await asyncio.sleep(IDLE_S)
-        idle_s = time.monotonic() - idle_t0
-        idle_cores = (cpu_seconds(coordinator.pid) - idle0) / idle_s
-        idle_loop_cores = (loop_seconds(coordinator.pid) - idle_loop0) / idle_s
-        await asyncio.to_thread(clients.pause, False)
-        await asyncio.sleep(0.5)
+        idle_cores, idle_loop_cores = await _idle_cpu(coordinator, clients)
         # Both ends counted at once: the leader's view (Status) and what the clients sent.
         (t0, seen0, _), (c0, sent0, _) = await asyncio.gather(_steps(stub, JOB), asyncio.to_thread(clients.count))
         leader_cpu0, leader_loop0, client_cpu0 = (cpu_seconds(coordinator.pid), loop_seconds(coordinator.pid),
@@ -559,6 +564,35 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     state = running_state(nodes, slots)
     build_s = time.perf_counter() - t0
     victims = random.Random(1).sample([m.node_id for m in state.members], 2 + reps)
+    decide_ms, lost, aged = decide_costs(state, victims, slots, reps)
+    blob, aged_blob = encode(lost), encode(aged)  # (before the leader runs: it shares the members)
+    leader = streaming_leader(state, slots)
+    frame_us = frame_cost_us(leader, state, slots)
+    tick_s, change_s = asyncio.run(leader_path(leader, nodes, victims[2:2 + reps], reps))
+    node_ids = [m.node_id for m in lost.members]
+    return {
+        "ranks": nodes * slots,
+        "nodes": nodes,
+        "repetitions": reps,
+        "build_s": round(build_s, 2),
+        "decide_ms": decide_ms,
+        "encode_ms": median_ms(lambda: encode(lost), reps),
+        "state_bytes": len(blob),
+        "decode_ms": median_ms(lambda: decode(blob), reps),
+        "encode_full_history_ms": median_ms(lambda: encode(aged), reps),
+        "state_bytes_full_history": len(aged_blob),
+        "tick_ms": round(tick_s * 1e3, 3),
+        "leader_change_ms": round(change_s * 1e3, 3),
+        "assignments_ms": median_ms(lambda: [a.directive(n) for a in [wire.Assignments(lost, "bench")] for n in node_ids], reps),
+        "frame_us": round(frame_us, 2),
+        **status_costs(leader, reps),
+    }
+
+
+def decide_costs(state, victims: list[str], slots: int, reps: int) -> tuple[dict, object, object]:
+    """What `decide` costs for a node lost, a slot down and a join; the state after the loss, and
+    that state with a long-running job's full history (history_limit events, every other one a
+    generation event listing every node of its map: the history grows with the job size)."""
     ctx = context(100.0)
     decided = {}
 
@@ -574,26 +608,25 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     }
     assert all(d.new_generation for d in decided.values())
     lost = decided["node_lost"].state
-    blob = encode(lost)
-    # A long-running job's history is full: history_limit events, every other one a generation
-    # event, which lists every node of its map (so the history grows with the job size).
     silent, generation = decided["node_lost"].events
-    aged = replace(lost, history=(silent, generation) * (TIMING.history_limit // 2))
-    aged_blob = encode(aged)
+    return decide_ms, lost, replace(lost, history=(silent, generation) * (TIMING.history_limit // 2))
 
-    # The leader itself: every node streaming, every rank reporting, out of its takeover grace.
-    clock = [0.0]
 
-    # Its writes go to the in-memory store: encoded and written in a thread as on etcd, less etcd itself.
+def streaming_leader(state, slots: int) -> JobLeader:
+    """The leader itself: every node streaming, every rank reporting, out of its takeover grace. Its
+    writes go to the in-memory store: encoded and written in a thread as on etcd, less etcd itself."""
+    clock = [100.0]
     leadership = Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"), MemoryJobStore())
     leader = JobLeader(state, leadership=leadership, address="127.0.0.1:7600", timing=TIMING, tick_s=0.05,
                        clock=lambda: clock[0])
-    clock[0] = 100.0
     for m in state.members:
         leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind)
         leader.live.observe(m.node_id, state.generation, rank_reports(slots, 1000), clock[0])
+    return leader
 
-    # One frame as JobLeader.on_frame handles it (validation, member lookup, liveness).
+
+def frame_cost_us(leader: JobLeader, state, slots: int) -> float:
+    """One frame as JobLeader.on_frame handles it (validation, member lookup, liveness)."""
     members = {m.node_id: m for m in state.members}
     sample = random.Random(2).choices(list(members), k=500)
     frames = [pb.NodeFrame(job=JOB, node_id=n, member_id=members[n].member_id, term=1, generation=state.generation,
@@ -602,28 +635,33 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     t0 = time.perf_counter()
     for f in frames:
         leader.on_frame(leader.streams[f.node_id], f)
-    frame_us = (time.perf_counter() - t0) / len(frames) * 1e6
+    return (time.perf_counter() - t0) / len(frames) * 1e6
 
-    async def leader_path() -> tuple[float, float]:
-        encode(leader.state)  # as a leader that wrote it before: members keep their encoded text
-        for _ in range(nodes // 256 + 2):  # the first judgement of every node after the takeover grace
-            await leader.tally_once()
-        tick = []
-        for _ in range(reps):  # a tally with nothing queued: what every tick costs
-            t = time.process_time()
-            await leader.tally_once()
-            tick.append(time.process_time() - t)
-        change = []
-        for victim in victims[2:2 + reps]:  # failures, decide, persist (encode), adopt (every node's directive)
-            t = time.process_time()  # CPU of the process (the encoding runs in a thread): load elsewhere does not count
-            await leader.tally_once(NodeLost(victim, "node_silent", "bench"))
-            change.append(time.process_time() - t)
-            for stream in leader.streams.values():
-                stream.queue = asyncio.Queue()  # drop the directives nobody reads
-        return statistics.median(tick), statistics.median(change)
 
-    tick_s, change_s = asyncio.run(leader_path())
-    node_ids = [m.node_id for m in lost.members]
+async def leader_path(leader: JobLeader, nodes: int, victims: list[str], reps: int) -> tuple[float, float]:
+    """The median CPU of a tally with nothing queued (what every tick costs), and of one that
+    decides a node's loss: failures, decide, persist (encode), adopt (every node's directive)."""
+    encode(leader.state)  # as a leader that wrote it before: members keep their encoded text
+    for _ in range(nodes // 256 + 2):  # the first judgement of every node after the takeover grace
+        await leader.tally_once()
+    tick = []
+    for _ in range(reps):
+        t = time.process_time()
+        await leader.tally_once()
+        tick.append(time.process_time() - t)
+    change = []
+    for victim in victims:
+        t = time.process_time()  # CPU of the process (the encoding runs in a thread): load elsewhere does not count
+        await leader.tally_once(NodeLost(victim, "node_silent", "bench"))
+        change.append(time.process_time() - t)
+        for stream in leader.streams.values():
+            stream.queue = asyncio.Queue()  # drop the directives nobody reads
+    return statistics.median(tick), statistics.median(change)
+
+
+def status_costs(leader: JobLeader, reps: int) -> dict:
+    """A default Status, one node's page, the job summary: their time, size and the longest the
+    loop waits on one."""
     middle = leader.state.rank_map.placements[len(leader.state.rank_map.placements) // 2]
     one_node = wire.Page(node=middle.node_id)
 
@@ -646,20 +684,6 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
         return round(max(gaps) * 1e3, 3)
 
     return {
-        "ranks": nodes * slots,
-        "nodes": nodes,
-        "repetitions": reps,
-        "build_s": round(build_s, 2),
-        "decide_ms": decide_ms,
-        "encode_ms": median_ms(lambda: encode(lost), reps),
-        "state_bytes": len(blob),
-        "decode_ms": median_ms(lambda: decode(blob), reps),
-        "encode_full_history_ms": median_ms(lambda: encode(aged), reps),
-        "state_bytes_full_history": len(aged_blob),
-        "tick_ms": round(tick_s * 1e3, 3),
-        "leader_change_ms": round(change_s * 1e3, 3),
-        "assignments_ms": median_ms(lambda: [a.directive(n) for a in [wire.Assignments(lost, "bench")] for n in node_ids], reps),
-        "frame_us": round(frame_us, 2),
         "status_ms": median_ms(lambda: asyncio.run(leader.status()), reps),
         "status_bytes": asyncio.run(leader.status()).ByteSize(),
         "status_stall_ms": max(asyncio.run(status_stall()) for _ in range(reps)),
