@@ -1,13 +1,12 @@
-"""Who may talk to the coordinator: TLS on its port (mTLS when a client CA is given) and per-job
-bearer tokens. This is the server's side; what callers send is `muster.security`."""
+"""Who may talk to the coordinator: per-job bearer tokens, and under mTLS the replicas' certificate
+for relaying. This is the server's side; what callers send, and the TLS files of either end
+(`TlsFiles`), is `muster.security`."""
 
 from __future__ import annotations
 
 import hmac
 import ssl
 from pathlib import Path
-
-import grpc
 
 from muster.coordinator.errors import PermissionDenied, Unauthenticated
 from muster.security import TOKEN_METADATA
@@ -85,11 +84,4 @@ def check_replica_certificate(auth_context: dict, replica_cert: bytes) -> None:
     if not replica_cert or not presented or first_certificate(presented[0]) != replica_cert:
         raise PermissionDenied("Relay is a replica's call: under mTLS it needs the certificate the replicas present "
                                "to each other (--peer-tls-cert)")
-
-
-def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path | None = None) -> grpc.ServerCredentials:
-    """TLS for the coordinator's port; with `client_ca`, clients must present a certificate it signed."""
-    root = Path(client_ca).read_bytes() if client_ca else None
-    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())],
-                                       root_certificates=root, require_client_auth=root is not None)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -29,7 +29,7 @@ from muster.coordinator import wire
 from muster.coordinator.auth import Tokens
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.net import Backoff
-from muster.security import ClientSecurity
+from muster.security import ClientSecurity, TlsFiles
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -231,12 +231,12 @@ class PeerAccess:
     """How a replica calls another (a relay calls the leader): its client TLS and, where tokens are
     required, the relay token from the tokens file."""
 
-    tls: ClientSecurity = ClientSecurity()
+    tls: TlsFiles = TlsFiles()  # --peer-tls-*
     tokens: Tokens | None = None
 
     def security(self) -> ClientSecurity:
         """The same for every job: relaying is a replica's role (`Tokens.check_relay`), not a job's."""
-        return replace(self.tls, token=self.tokens.relay_token() if self.tokens else "")
+        return ClientSecurity(self.tokens.relay_token() if self.tokens else "", self.tls)
 
 
 def signature(frame: pb.NodeFrame, heard_quantum_ms: float) -> tuple:

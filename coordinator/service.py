@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from muster.coordinator.auth import Tokens, first_certificate, server_credentials
+from muster.coordinator.auth import Tokens, first_certificate
 from muster.coordinator.etcd.client import EtcdAccess, connect
 from muster.coordinator.etcd.election import EtcdCoordination
 from muster.coordinator.etcd.server import EtcdServer
@@ -20,7 +20,7 @@ from muster.coordinator.relay import PeerAccess
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
 from muster.net import join_host_port, split_host_port
-from muster.security import ClientSecurity
+from muster.security import TlsFiles
 
 log = structlog.get_logger(__name__)
 
@@ -34,18 +34,18 @@ class ServeConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
     tokens_file: str = ""  # per-job tokens required when set
-    tls: tuple[str, str, str | None] | None = None  # (cert, key, client CA for mTLS or None)
+    tls: TlsFiles = TlsFiles()  # served where it has a cert; its CA, if any, signs the clients' (mTLS)
     etcd_access: EtcdAccess = EtcdAccess()  # TLS and user of an external etcd
-    peer_tls: tuple[str, str, str] = ("", "", "")  # (CA, cert, key): a relay's TLS when it calls the leader
-    replica: dict = field(default_factory=dict)  # ReplicaConfig fields except the address
+    peer_tls: TlsFiles = TlsFiles()  # a relay's TLS when it calls the leader
+    replica: ReplicaConfig = ReplicaConfig()  # its address is set once the port is bound
 
 
 def _replica_cert(config: ServeConfig) -> bytes | None:
     """Under mTLS, the certificate a Relay caller must present: the one replicas present to each
     other (b"": none given, so none may relay); None without mTLS."""
-    if not (config.tls and config.tls[2]):
+    if not (config.tls.cert and config.tls.ca):
         return None
-    return first_certificate(Path(config.peer_tls[1]).read_bytes()) if config.peer_tls[1] else b""
+    return first_certificate(Path(config.peer_tls.cert).read_bytes()) if config.peer_tls.cert else b""
 
 
 async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
@@ -61,9 +61,9 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
     try:
         client = connect(endpoints, access=config.etcd_access if embedded is None else EtcdAccess())
         tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
-        peers = PeerAccess(ClientSecurity("", *config.peer_tls), tokens)
-        replica = Replica(JobStore(client), EtcdCoordination(client), ReplicaConfig(**config.replica), peers=peers)
-        credentials = server_credentials(*config.tls) if config.tls else None
+        replica = Replica(JobStore(client), EtcdCoordination(client), config.replica,
+                          peers=PeerAccess(config.peer_tls, tokens))
+        credentials = config.tls.server_credentials() if config.tls.cert else None
         server, port = await create_server(replica, config.listen, max_message_bytes=config.max_message_bytes,
                                            tokens=tokens, credentials=credentials, replica_cert=_replica_cert(config))
         if tokens is not None and not tokens.relay_token():
@@ -77,8 +77,8 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         if config.metrics_listen:
             health = HealthServer(replica.metrics, replica.ready, config.metrics_listen).start()
         log.info("coordinator_serving", listen=join_host_port(host, port), advertise=address, etcd=endpoints,
-                 metrics=health.address if health else None, tls="mtls" if config.tls and config.tls[2] else
-                 "tls" if config.tls else "off", tokens=tokens is not None)
+                 metrics=health.address if health else None, tls="mtls" if config.tls.cert and config.tls.ca else
+                 "tls" if config.tls.cert else "off", tokens=tokens is not None)
         if ready is not None:
             ready.set()
         stop = asyncio.Event()

@@ -24,6 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
+    from muster.coordinator.replica import ReplicaConfig
     from muster.coordinator.service import ServeConfig, serve
 
     try:
@@ -40,13 +41,23 @@ def _serve(args: argparse.Namespace) -> int:
             waiting_timeout_s=args.waiting_timeout,
             stop_grace_s=args.stop_grace,
         ).validate()
-        retain_s = duration(args.retain_finished)
-        spec = JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate()
-        limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate()
         if args.relay_min_nodes < 1 or not 0 < args.relay_batch <= 1:
             raise ValueError(f"--relay-min-nodes must be at least 1 (got {args.relay_min_nodes}) and --relay-batch "
                              f"within (0, 1] seconds (got {args.relay_batch})")
+        replica = ReplicaConfig(
+            timing=timing,
+            default_spec=JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate(),
+            tick_s=args.tick,
+            session_ttl_s=args.session_ttl,
+            limits=Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate(),
+            relay=not args.no_relay,
+            relay_min_nodes=args.relay_min_nodes,
+            relay_batch_s=args.relay_batch,
+            retain_finished_s=duration(args.retain_finished),
+        )
         etcd_access = _etcd_access(args)
+        tls = _tls_files(args, "tls_client_ca", "tls_cert", "tls_key")
+        peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
     except (InvalidPolicy, OSError, ValueError) as exc:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 2
@@ -58,12 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         metrics_listen=args.metrics_listen,
         tokens_file=args.tokens or "",
-        tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        tls=tls,
         etcd_access=etcd_access,
-        replica=dict(timing=timing, default_spec=spec, tick_s=args.tick, session_ttl_s=args.session_ttl,
-                     limits=limits, relay=not args.no_relay, relay_min_nodes=args.relay_min_nodes,
-                     relay_batch_s=args.relay_batch, retain_finished_s=retain_s),
-        peer_tls=(args.peer_tls_ca or "", args.peer_tls_cert or "", args.peer_tls_key or ""),
+        replica=replica,
+        peer_tls=peer_tls,
     )
     try:
         # uvloop: a quarter less of the event loop's CPU per node frame than asyncio's own loop
@@ -100,9 +109,15 @@ def _etcd_access(args: argparse.Namespace):
             password = os.environ.get("MUSTER_ETCD_PASSWORD", "")
         if not password:
             raise ValueError("--etcd-user needs a password: --etcd-password-file FILE or $MUSTER_ETCD_PASSWORD")
-    if bool(args.etcd_cert) != bool(args.etcd_key):
-        raise ValueError("--etcd-cert and --etcd-key go together")
-    return EtcdAccess(args.etcd_cacert or "", args.etcd_cert or "", args.etcd_key or "", args.etcd_user or "", password)
+    return EtcdAccess(_tls_files(args, "etcd_cacert", "etcd_cert", "etcd_key"), args.etcd_user or "", password)
+
+
+def _tls_files(args: argparse.Namespace, ca: str, cert: str, key: str):
+    """The TLS files three flags name (by their dests), checked: errors name the flags."""
+    from muster.security import TlsFiles
+
+    names = (ca, cert, key)
+    return TlsFiles(*(getattr(args, n) or "" for n in names)).check(tuple("--" + n.replace("_", "-") for n in names))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -177,7 +192,7 @@ def _security(args: argparse.Namespace):
     from muster.security import ClientSecurity
 
     token = _secret_file(args.token_file, "--token-file") if args.token_file else args.token
-    return ClientSecurity(token, args.tls_ca, args.tls_cert, args.tls_key)
+    return ClientSecurity(token, _tls_files(args, "tls_ca", "tls_cert", "tls_key"))
 
 
 def _secret_file(path: str, flag: str) -> str:

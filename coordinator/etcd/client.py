@@ -19,7 +19,7 @@ import structlog
 
 from muster.coordinator.errors import StoreError, StoreUnavailable
 from muster.net import RECONNECT_OPTIONS
-from muster.security import channel_credentials
+from muster.security import TlsFiles
 
 log = structlog.get_logger(__name__)
 
@@ -130,14 +130,9 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
 class EtcdAccess:
     """How to reach a secured etcd: TLS (a CA; a client certificate) and a user for its auth."""
 
-    cacert: str = ""
-    cert: str = ""
-    key: str = ""
+    tls: TlsFiles = TlsFiles()
     user: str = ""
     password: str = field(default="", repr=False)  # never in a repr: a traceback with locals would show it
-
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        return channel_credentials(self.cacert, self.cert, self.key)
 
 
 def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAccess = EtcdAccess()) -> Client:
@@ -153,7 +148,7 @@ def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAcc
         raise ValueError("at least one etcd endpoint is required")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    creds = access.credentials()
+    creds = access.tls.channel_credentials()
     client = etcd3.MultiEndpointEtcd3Client(
         [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S,
                         opts=list(RECONNECT_OPTIONS)) for h, p in parsed],

@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from muster.net import free_port
+from muster.security import TlsFiles
 
 log = structlog.get_logger(__name__)
 
@@ -108,10 +109,10 @@ class EtcdServer:
         initial_cluster_state: str = "new",
         binary: str | None = None,
         log_path: Path | None = None,
-        tls: tuple[str, str, str] | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
-        self.tls = tls  # (cert, key, client CA): clients speak TLS and present a certificate it signed
+        self.tls = tls  # clients speak TLS and present a certificate signed by its CA
         self.name = name
         self.host = host
         # Ports are fixed at construction so peer URLs can be shared with the
@@ -159,7 +160,7 @@ class EtcdServer:
             # Revisions older than an hour are compacted: without it the db grows with every write a
             # deployment ever made (each run's state, leases, records) until etcd's quota stops it.
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
-            *(["--cert-file", self.tls[0], "--key-file", self.tls[1], "--trusted-ca-file", self.tls[2],
+            *(["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--trusted-ca-file", self.tls.ca,
                 "--client-cert-auth"] if self.tls else []),
         ]
 
@@ -288,8 +289,8 @@ class EtcdServer:
         try:
             context = None
             if self.tls:  # its own certificate is signed by the client CA in tests; present it
-                context = ssl.create_default_context(cafile=self.tls[2])
-                context.load_cert_chain(self.tls[0], self.tls[1])
+                context = ssl.create_default_context(cafile=self.tls.ca)
+                context.load_cert_chain(self.tls.cert, self.tls.key)
             with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
                 body = json.loads(resp.read() or b"{}")
         except (urllib.error.URLError, OSError, ValueError):

@@ -13,6 +13,7 @@ from test_security import _cert, _write  # noqa: E402  (the same on-the-fly PKI)
 
 from muster.coordinator.etcd.server import EtcdServer, find_etcd_binary  # noqa: E402
 from muster.local import CoordinatorProcess, SimulatedNode  # noqa: E402
+from muster.security import TlsFiles  # noqa: E402
 from muster.v1 import muster_pb2 as pb  # noqa: E402
 
 
@@ -22,7 +23,7 @@ def secured_etcd(tmp_path):
     ca_pem, _ = _write(tmp_path / "etcd-ca", ca_key, ca)
     server = _write(tmp_path / "etcd-server", *_cert("etcd", ca_key, ca.subject, ip="127.0.0.1"))
     client = _write(tmp_path / "coordinator", *_cert("coordinator", ca_key, ca.subject))
-    etcd = EtcdServer(tmp_path / "etcd", tls=(server[0], server[1], ca_pem)).start()
+    etcd = EtcdServer(tmp_path / "etcd", tls=TlsFiles(ca_pem, *server)).start()
     etcdctl = Path(find_etcd_binary()).with_name("etcdctl")
 
     def ctl(*args: str, user: str = "") -> None:

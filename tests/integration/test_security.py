@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID  # noqa: E402
 
 from muster.client import relay_of  # noqa: E402
 from muster.local import SimulatedNode  # noqa: E402
-from muster.security import ClientSecurity  # noqa: E402
+from muster.security import ClientSecurity, TlsFiles  # noqa: E402
 from muster.v1 import muster_pb2 as pb  # noqa: E402
 from muster.v1 import muster_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -78,12 +78,12 @@ def test_mtls_and_job_tokens(coordinators, pki):
                                        "--tokens", pki["tokens"]])
     assert leader.find("coordinator_serving")[0]["tls"] == "mtls"
     client_cert, client_key = pki["client"]
-    good = ClientSecurity(TOKEN_A, pki["ca"], client_cert, client_key)
+    good = ClientSecurity(TOKEN_A, TlsFiles(pki["ca"], client_cert, client_key))
 
     # plaintext and TLS without a client certificate do not get through the handshake
     with grpc.insecure_channel(leader.address) as ch:
         assert code_of(lambda: join(pb_grpc.CoordinatorStub(ch), "job-a", "n", TOKEN_A)) == grpc.StatusCode.UNAVAILABLE
-    with ClientSecurity(TOKEN_A, pki["ca"]).channel(leader.address) as ch:
+    with ClientSecurity(TOKEN_A, TlsFiles(pki["ca"])).channel(leader.address) as ch:
         assert code_of(lambda: join(pb_grpc.CoordinatorStub(ch), "job-a", "n", TOKEN_A)) == grpc.StatusCode.UNAVAILABLE
 
     with good.channel(leader.address) as ch:
@@ -126,7 +126,7 @@ def test_tls_without_client_certificates_and_a_bad_tokens_file(coordinators, pki
     cert, key = pki["server"]
     (leader,) = coordinators(1, extra=["--tls-cert", cert, "--tls-key", key])
     assert leader.find("coordinator_serving")[0]["tls"] == "tls"
-    with ClientSecurity("", pki["ca"]).channel(leader.address) as ch:  # no token needed: none configured
+    with ClientSecurity(tls=TlsFiles(pki["ca"])).channel(leader.address) as ch:  # no token needed: none configured
         assert join(pb_grpc.CoordinatorStub(ch), "open", "n").member_id
     bad = tmp_path / "bad-tokens"
     bad.write_text("job-a short\n")
@@ -170,7 +170,7 @@ def test_a_relay_calls_the_leader_with_the_replicas_certificate_and_an_operators
                                       "--tokens", pki["tokens"], "--relay-min-nodes", "2", "--peer-tls-ca", pki["ca"],
                                       "--peer-tls-cert", replica_cert, "--peer-tls-key", replica_key])
     addresses = [r.address for r in replicas]
-    good = ClientSecurity(TOKEN_A, pki["ca"], client_cert, client_key)
+    good = ClientSecurity(TOKEN_A, TlsFiles(pki["ca"], client_cert, client_key))
 
     async def nodes_stream_through_the_relay():
         names = [f"n{i}" for i in range(64)]
@@ -194,7 +194,7 @@ def test_a_relay_calls_the_leader_with_the_replicas_certificate_and_an_operators
     assert relayed and leader.find("relay_attached", job="job-a", relay=standby.address)
 
     # an agent's certificate is no replica's, even with the operator's token (security review 3, F2)
-    with ClientSecurity(OPERATOR, pki["ca"], client_cert, client_key).channel(leader.address) as ch:
+    with ClientSecurity(OPERATOR, TlsFiles(pki["ca"], client_cert, client_key)).channel(leader.address) as ch:
         up = iter([pb.RelayUp(job="job-a", relay="agent")])
         assert code_of(lambda: list(pb_grpc.CoordinatorStub(ch).Relay(up, timeout=5, metadata=(
             ("authorization", f"Bearer {OPERATOR}"),)))) == grpc.StatusCode.PERMISSION_DENIED

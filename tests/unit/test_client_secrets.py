@@ -5,14 +5,14 @@ import pytest
 
 from muster.cli import _security, parser
 from muster.coordinator.etcd.client import EtcdAccess
-from muster.security import ClientSecurity
+from muster.security import ClientSecurity, TlsFiles
 
 TOKEN = "s3cr3t-" * 4
 
 
 def test_the_token_and_the_etcd_password_are_absent_from_reprs():
-    assert TOKEN not in repr(ClientSecurity(TOKEN, "ca.pem"))
-    assert "ca.pem" in repr(ClientSecurity(TOKEN, "ca.pem"))
+    assert TOKEN not in repr(ClientSecurity(TOKEN, TlsFiles("ca.pem")))
+    assert "ca.pem" in repr(ClientSecurity(TOKEN, TlsFiles("ca.pem")))
     assert TOKEN not in repr(EtcdAccess(user="muster", password=TOKEN))
 
 
