@@ -57,6 +57,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
         etcd_access = _etcd_access(args)
         tls = _tls_files(args, "tls_client_ca", "tls_cert", "tls_key")
+        if tls.ca and not tls.cert:  # mTLS without TLS would serve plaintext, checking nobody
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked "
+                             "only over TLS")
         peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
     except (InvalidPolicy, OSError, ValueError) as exc:
         print(f"muster serve: {exc}", file=sys.stderr)

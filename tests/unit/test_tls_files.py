@@ -37,3 +37,10 @@ def test_the_environment_s_files_are_checked_naming_the_variables(tmp_path):
 def test_no_files_is_plaintext():
     assert TlsFiles().check(("--tls-ca", "--tls-cert", "--tls-key")) == TlsFiles()
     assert TlsFiles().channel_credentials() is None
+
+
+def test_a_client_ca_without_a_serving_certificate_is_refused(tmp_path, capsys):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    assert _serve(parser().parse_args(["serve", "--tls-client-ca", str(ca)])) == 2
+    assert "--tls-client-ca needs --tls-cert and --tls-key" in capsys.readouterr().err
