@@ -247,8 +247,15 @@ class Chaos:
         self.etcd.stop()
         self.pids.update(run.pid for run in self.runs())
         os.environ.pop(CHAOS_RUN_ENV, None)
-        time.sleep(0.5)  # ranks die with their agent (PR_SET_PDEATHSIG): give them a moment
-        return sorted(pid for pid in self.pids if process_alive(pid) and self._ours(pid))
+
+        def left() -> list[int]:
+            return sorted(pid for pid in self.pids if process_alive(pid) and self._ours(pid))
+
+        try:  # ranks die with their agent (PR_SET_PDEATHSIG), a moment after it
+            wait_until(lambda: not left(), 5, "the run's processes to end")
+        except AssertionError:
+            pass  # the caller reports them
+        return left()
 
     def _ours(self, pid: int) -> bool:
         try:
