@@ -32,6 +32,7 @@ from muster.coordinator.core.state import JobState
 __all__ = ["Divergence", "Failure", "Liveness", "RankReport", "Recovery"]  # the records callers import from here
 
 JUDGED_PER_TALLY = 256  # nodes whose ranks one tally judges at most (a few ms)
+TAKEOVER_UNHEARD_TIMEOUTS = 4  # the grace goes on this many heartbeat timeouts while no node reaches a new leader
 
 
 class Liveness:
@@ -40,6 +41,7 @@ class Liveness:
         self.nodes: dict[str, NodeLive] = {}
         self.step_times: deque[float] = deque(maxlen=256)
         self.grace_until = now
+        self.taken_over_at: float | None = None  # a takeover no node's frame has reached yet
         self.published: tuple[int, float] = (0, now)  # the current map's generation, and since when it is due
         # Indexes kept by `observe`, so that a tally looks only at what changed:
         self._wheel = SilenceWheel(timing.heartbeat_timeout_s)
@@ -52,14 +54,30 @@ class Liveness:
     def start_grace(self, node_ids, now: float) -> None:
         """A new leader: every known node gets grace_s to reconnect before silence counts."""
         self.grace_until = now + self.timing.grace_s
+        self.taken_over_at = now
         floor = self.timing.progress_timeout_s or self.timing.progress_floor_s
         for node_id in node_ids:
             node = self._node(node_id, now)
             self._wheel.heard(node_id, node, now)
             self._deadlines.arm(node_id, self.grace_until + node.early * floor)  # spread: not every node in one tally
 
+    def _first_frame_since_takeover(self, now: float) -> None:
+        """The path to this leader works again: past the grace, every node's silence counts from now
+        (the others come the same way, moments later), not from the takeover."""
+        self.taken_over_at = None
+        if now >= self.grace_until:
+            for node_id, node in self.nodes.items():
+                self._wheel.heard(node_id, node, now)
+
     def in_grace(self, now: float) -> bool:
-        return now < self.grace_until
+        """The takeover grace; prolonged, by up to TAKEOVER_UNHEARD_TIMEOUTS heartbeat timeouts, while
+        no node at all has reached this leader: every node silent at once after a takeover is the
+        path to the new leader (a relay, or nodes still trying a frozen predecessor), not every
+        node dead (a run ended 'every node was lost' so in a soak)."""
+        if now < self.grace_until:
+            return True
+        return self.taken_over_at is not None and \
+            now < self.grace_until + TAKEOVER_UNHEARD_TIMEOUTS * self.timing.heartbeat_timeout_s
 
     def track(self, node_id: str, now: float) -> None:
         if node_id not in self.nodes:
@@ -103,6 +121,8 @@ class Liveness:
         `vouched`: it came through a relay, which judges the node's silence and forwards frames
         that only advance steps now and then: the node leaves the wheel until `unvouched` or
         `silent_since`."""
+        if self.taken_over_at is not None:
+            self._first_frame_since_takeover(now)
         node = self.nodes.get(node_id)
         if node is None:
             node = self._node(node_id, now)

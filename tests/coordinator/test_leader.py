@@ -11,6 +11,7 @@ import json
 import pytest
 from muster.local import FakeClock, until
 
+from muster.coordinator.core.liveness import TAKEOVER_UNHEARD_TIMEOUTS
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
@@ -93,8 +94,9 @@ def test_the_old_leader_is_fenced_once_the_new_one_wrote():
         await asyncio.wait_for(old.join("n1"), 2)
         new = Led(store, new_clock, term=2)  # takes over from the stored state, with a grace period
         assert new.leader.state == stored(store)
-        new_clock.now += TIMING.grace_s + TIMING.heartbeat_timeout_s
-        # n1 was the job's only node: its eviction ends the run (failed), recorded by the new leader
+        # n1 never reaches the new leader: the grace runs on (bounded) while no node has, then n1,
+        # the job's only node, is evicted, which ends the run (failed), recorded by the new leader
+        new_clock.now += TIMING.grace_s + (TAKEOVER_UNHEARD_TIMEOUTS + 1) * TIMING.heartbeat_timeout_s
         await until(lambda: new.leader.ended, "the new leader's eviction of silent n1 stored")
         assert stored(store) is None and json.loads(store.runs("job")[0][2])["outcome"] == "failed"
         old_clock.now += TIMING.heartbeat_timeout_s + 0.1  # the old leader, as if resumed, decides the same

@@ -499,3 +499,27 @@ def test_a_steps_only_frame_for_other_ranks_or_another_generation_records_nothin
     assert not live.advance("n0", 2, [0], [(2, 1, 0)], 0.1)  # a new generation: read in full
     assert not live.advance("n9", 1, [0], [(2, 1, 0)], 0.1)  # never seen
     assert live.nodes["n0"].ranks[0].step == 1
+
+
+def test_a_takeover_no_node_reaches_goes_on_in_grace_and_then_judges_from_the_first_frame():
+    """Every node silent at once after a takeover is the path to the new leader (nodes behind a
+    relay tied to the frozen predecessor, or trying it first), not every node dead: the grace goes
+    on, bounded, until the first frame; from then on each node's silence counts from that frame."""
+    state = job()
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1"], now=100)  # grace 5 s, heartbeat timeout 2 s
+    assert live.failures(state, 107.5) == []  # past the grace and a heartbeat timeout: nobody judged
+    live.observe("n0", 1, report(1), 110)
+    assert not live.in_grace(110.1)
+    live.observe("n0", 1, report(2), 111.5)
+    assert live.failures(state, 111.9) == []  # n1 gets a heartbeat timeout from the first frame
+    assert [f.node_id for f in live.failures(state, 112.1)] == ["n1"]
+
+
+def test_a_takeover_nobody_ever_reaches_ends_its_grace_within_the_bound():
+    state = job()
+    live = Liveness(TIMING, now=0)
+    live.start_grace(["n0", "n1"], now=0)
+    bound = TIMING.grace_s + liveness.TAKEOVER_UNHEARD_TIMEOUTS * TIMING.heartbeat_timeout_s
+    assert live.in_grace(bound - 0.1) and live.failures(state, bound - 0.1) == []
+    assert sorted(f.node_id for f in live.failures(state, bound + 0.1)) == ["n0", "n1"]
