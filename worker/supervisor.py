@@ -274,7 +274,7 @@ class RankSupervisor:
                 self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
                 self.node.session.send_now()  # the leader hears at once that the job is finishing
             if slot.imports_file and os.path.exists(slot.imports_file):
-                self._learn(slot.imports_file)
+                self._learn(slot)
         escalation = ((None, self.node.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None))
         for send, wait_s in escalation:
             if send is not None:
@@ -287,8 +287,10 @@ class RankSupervisor:
                 break
         return exited.result()
 
-    def _learn(self, path: str) -> None:
-        """The packages a rank imported, for the zygote's successor (read once)."""
+    def _learn(self, slot: Slot) -> None:
+        """The packages a rank imported, for the zygote's successor (read once: the slot stops
+        looking for its file)."""
+        path, slot.imports_file = slot.imports_file, ""
         try:
             with open(path) as f:
                 packages = f.read().split()

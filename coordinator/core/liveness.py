@@ -41,7 +41,7 @@ class Liveness:
         self.nodes: dict[str, NodeLive] = {}
         self.step_times: deque[float] = deque(maxlen=256)
         self.grace_until = now
-        self.taken_over_at: float | None = None  # a takeover no node's frame has reached yet
+        self.unheard_since_takeover = False  # a takeover no node's frame has reached yet
         self.published: tuple[int, float] = (0, now)  # the current map's generation, and since when it is due
         # Indexes kept by `observe`, so that a tally looks only at what changed:
         self._wheel = SilenceWheel(timing.heartbeat_timeout_s)
@@ -54,7 +54,7 @@ class Liveness:
     def start_grace(self, node_ids, now: float) -> None:
         """A new leader: every known node gets grace_s to reconnect before silence counts."""
         self.grace_until = now + self.timing.grace_s
-        self.taken_over_at = now
+        self.unheard_since_takeover = True
         floor = self.timing.progress_timeout_s or self.timing.progress_floor_s
         for node_id in node_ids:
             node = self._node(node_id, now)
@@ -64,7 +64,7 @@ class Liveness:
     def _first_frame_since_takeover(self, now: float) -> None:
         """The path to this leader works again: past the grace, every node's silence counts from now
         (the others come the same way, moments later), not from the takeover."""
-        self.taken_over_at = None
+        self.unheard_since_takeover = False
         if now >= self.grace_until:
             for node_id, node in self.nodes.items():
                 self._wheel.heard(node_id, node, now)
@@ -76,7 +76,7 @@ class Liveness:
         node dead (a run ended 'every node was lost' so in a soak)."""
         if now < self.grace_until:
             return True
-        return self.taken_over_at is not None and \
+        return self.unheard_since_takeover and \
             now < self.grace_until + TAKEOVER_UNHEARD_TIMEOUTS * self.timing.heartbeat_timeout_s
 
     def track(self, node_id: str, now: float) -> None:
@@ -121,7 +121,7 @@ class Liveness:
         `vouched`: it came through a relay, which judges the node's silence and forwards frames
         that only advance steps now and then: the node leaves the wheel until `unvouched` or
         `silent_since`."""
-        if self.taken_over_at is not None:
+        if self.unheard_since_takeover:
             self._first_frame_since_takeover(now)
         node = self.nodes.get(node_id)
         if node is None:
