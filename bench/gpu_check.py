@@ -73,7 +73,8 @@ def run_tests(backend: str, select: str, timeout_s: float) -> dict:
 def run_bench(args: argparse.Namespace, out: Path, shrink: bool = False) -> dict | None:
     cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend, "--ranks", str(args.ranks),
            "--kills", str(args.kills), "--hangs", "0" if shrink else str(args.hangs), "--failovers", "0",
-           *(["--shrink"] if shrink else [])]
+           *(["--shrink"] if shrink else []),
+           *(["--workdir", str(args.logs / ("shrink" if shrink else "plain"))] if args.logs else [])]
     code, text = run_bounded(cmd, args.bench_timeout, capture=True)  # its logs (stderr) go to the terminal
     if code != 0:
         print(f"gpu-check: bench/recovery.py{' --shrink' if shrink else ''} failed "
@@ -123,6 +124,8 @@ def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | Non
         cells = [f"{f['phases'][phase]['p50']:.4f}/{f['phases'][phase]['max']:.4f}" if phase in f["phases"] else "-"
                  for f in faults.values()]
         lines.append(f"  {phase:20}" + "".join(f"{c:>17}  " for c in cells).rstrip())
+    if not args.shrink:
+        return lines + ["shrinking        not run (--no-shrink)"]
     if shrunk is None:
         return lines + ["shrinking        no results (the benchmark with --shrink failed)"]
     kill = shrunk["runs"][0]["kill"]
@@ -143,6 +146,9 @@ def main() -> int:
                                             ".muster/gpu-check-BACKEND.json for a CPU backend)")
     p.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds for all of tests/gpu")
     p.add_argument("--bench-timeout", type=float, default=1200.0, help="seconds for the benchmark")
+    p.add_argument("--logs", type=Path, help="keep the benchmark's coordinator and rank logs here")
+    p.add_argument("--shrink", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the kills with MUSTER_NCCL_SHRINK=1 (default on)")
     args = p.parse_args()
     args.out = args.out or ROOT / ("bench/results/nccl.json" if args.backend == "nccl"
                                    else f".muster/gpu-check-{args.backend}.json")
@@ -160,9 +166,10 @@ def main() -> int:
     where = platform(torch)
     tests = run_tests(args.backend, args.select, args.tests_timeout)
     bench = run_bench(args, args.out)
-    shrunk = run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), shrink=True)
+    shrunk = (run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), shrink=True)
+              if args.shrink else None)
     print("\n".join(summary(args, where, tests, bench, shrunk)))
-    return 0 if tests["ok"] and bench is not None and shrunk is not None else 1
+    return 0 if tests["ok"] and bench is not None and (shrunk is not None or not args.shrink) else 1
 
 
 if __name__ == "__main__":

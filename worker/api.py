@@ -44,6 +44,7 @@ from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.state import TrainingState
+from muster.worker.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
 
@@ -177,6 +178,7 @@ class Worker:
         self._error: WorkerError | None = None
         self._error_seen = threading.Event()  # the training thread has raised it
         self._forming = False  # the training thread is inside Comm.form
+        self._unwinding = Unwinding()
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
         self._redos = 0  # attempts of the current step discarded in a row
         self._digest: tuple[int, bytes] = (0, b"")
@@ -321,6 +323,7 @@ class Worker:
         started = time.perf_counter()
         step, us, state, phase, _ = self._progress
         after = self.generation
+        self._unwinding.began(after)
         latest = self.link.latest
         if placed(latest, self._slot) and latest.abort_previous and self.comm.shrink_into(
                 self._group(latest), lambda: self._superseded(latest.generation, True)):
@@ -425,8 +428,13 @@ class Worker:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming.
         `into`: the group this rank has in the abort generation, which may shrink the old one."""
         abandoned = (lambda: self._superseded(into.generation, True)) if into is not None else None
-        threading.Thread(target=self.comm.leave, args=(below_generation, into, abandoned), name="muster-abort",
-                         daemon=True).start()
+        broken = self.generation
+
+        def leave() -> None:
+            self.comm.leave(below_generation, into, abandoned)
+            if 0 < broken < below_generation and not self._closing:  # the training thread must leave it now
+                self._unwinding.watch(broken, below_generation)
+        threading.Thread(target=leave, name="muster-abort", daemon=True).start()
 
     def _on_directive(self, d: pb.Directive) -> None:
         """On the link thread, after the mailbox has it."""
