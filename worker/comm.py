@@ -32,7 +32,18 @@ log = structlog.get_logger(__name__)
 CONNECT_TIMEOUT = timedelta(seconds=30)  # the backend's store reads while a group connects
 CONNECT_ATTEMPT_S = 1.0  # first attempt of a store client's connect (doubled after each failure, up to the max)
 CONNECT_ATTEMPT_MAX_S = 4.0
-ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still running this long: the process exits
+# Gloo's connect waits for every peer under the group's timeout, and nothing from outside cuts it:
+# a peer that died after publishing its address (a second fault during a reform) held this rank,
+# and the newer generation's group waiting for it, that long. So a gloo group connects under a
+# short timeout of its own and gets the group's timeout once connected. Measured on torch 2.13:
+# gloo reads the peers' addresses under that timeout, and a rank accepting a dead peer's
+# connection waits 5 times it (a connecting one is refused at once). 1 s: every rank has passed
+# the arrival barrier, so its address follows within milliseconds; a large group's full mesh
+# gets 2 ms a rank more.
+GLOO_CONNECT_MIN_S = 1.0
+GLOO_CONNECT_PER_RANK_S = 0.002
+GLOO_ACCEPT_WAITS = 5  # the accepting side's wait, in connect timeouts
+ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still running this long past its bound: exit
 STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process for the slot
 SHRINK_AGREE_S = 2.0  # survivors agree on a shrink within this (every one says it can), else all form anew
 SHRINK_EXIT_S = 30.0  # a shrink still running this long (a survivor died in it): the process exits
@@ -102,6 +113,7 @@ class Gloo:
 
     name = torch_backend = "gloo"
     can_shrink = False
+    bounded_connect = True  # see GLOO_CONNECT_MIN_S
 
     def prepare(self, env: dict[str, str]) -> None:
         pass
@@ -131,6 +143,7 @@ class Nccl:
 
     name = torch_backend = "nccl"
     can_shrink = hasattr(dist, "shrink_group")  # torch >= 2.10 (NCCL >= 2.27, or torch raises: a full form)
+    bounded_connect = False  # NCCL's bootstrap has its own timeouts; its init pays for CUDA too
 
     def __init__(self) -> None:
         # Groups aborted out of torch's registry, kept until release(): otherwise the last reference
@@ -201,6 +214,7 @@ class NcclTwin(Nccl):
     name = "nccl-twin"
     torch_backend = "gloo"
     can_shrink = True
+    bounded_connect = True
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
@@ -372,6 +386,7 @@ class Comm:
         self._forming: tuple[int, set[int]] | None = None  # generation being formed, its store connections
         self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
         self._attempts = 0
+        self._connect_s = 0.0  # its bound, seconds
         self._settled = threading.Event()  # no shrink in flight
         self._settled.set()
         self._shrinking = 0  # the generation a shrink was started for (by either thread)
@@ -471,16 +486,20 @@ class Comm:
             # A rank that dies between the barrier and publishing its address would hold every other
             # in the backend's store reads for the whole timeout: bound them (the host of the store
             # cannot cut its own connection).
-            store.set_timeout(min(self.timeout, CONNECT_TIMEOUT))
+            connect = self._connect_bound(spec.world_size)
+            store.set_timeout(min(connect, CONNECT_TIMEOUT))
             with self._lock:
                 self._attempts += 1
                 self._connecting = self._attempts
+                self._connect_s = connect.total_seconds()
                 if spec.generation < self._abort_below:  # abandoned between the barrier and here
                     self._watch_connect(spec.generation)
             try:
                 dist.init_process_group(self.backend.torch_backend, store=store, rank=spec.rank,
-                                        world_size=spec.world_size, timeout=self.timeout,
+                                        world_size=spec.world_size, timeout=connect,
                                         **self.backend.init_options(self.backend.device(spec.local_rank)))
+                if connect != self.timeout:
+                    dist.distributed_c10d._set_pg_timeout(self.timeout)
             finally:
                 with self._lock:
                     self._connecting = None
@@ -591,20 +610,28 @@ class Comm:
                  seconds=round(self.phases["abort_s"], 4))
         return True
 
+    def _connect_bound(self, world_size: int) -> timedelta:
+        """The timeout a group of `world_size` connects under (GLOO_CONNECT_MIN_S)."""
+        if not self.backend.bounded_connect:
+            return self.timeout
+        return min(self.timeout, timedelta(seconds=max(GLOO_CONNECT_MIN_S, GLOO_CONNECT_PER_RANK_S * world_size)))
+
     def _watch_connect(self, generation: int) -> None:
-        """The backend's connect of an abandoned generation (under the lock). Gloo connecting to a
-        peer that died after publishing its address waits out its own timeout (20-30 s and more
-        seen), and no socket shutdown reaches it: the newer generation's group would wait as long
-        for this rank. Given a few seconds to fail on its own, it ends the process instead."""
+        """The backend's connect of an abandoned generation (under the lock). A gloo connect ends
+        within its bound (then the rank goes on to the newer generation); one still running
+        ABANDONED_CONNECT_EXIT_S past it (or NCCL's, which has none of ours) is stuck in a call
+        nothing reaches, and the newer generation's group would wait as long for this rank: the
+        process ends instead, for its agent to start a fresh one."""
         attempt = self._connecting
+        bound = (GLOO_ACCEPT_WAITS * self._connect_s if self.backend.bounded_connect else 0.0) + ABANDONED_CONNECT_EXIT_S
 
         def check() -> None:
             with self._lock:
                 stuck = self._connecting == attempt
             if stuck:
-                exit_stuck(f"connecting the abandoned generation {generation}'s group", ABANDONED_CONNECT_EXIT_S)
+                exit_stuck(f"connecting the abandoned generation {generation}'s group", bound)
 
-        timer = threading.Timer(ABANDONED_CONNECT_EXIT_S, check)
+        timer = threading.Timer(bound, check)
         timer.daemon = True
         timer.start()
 
