@@ -1,11 +1,11 @@
 """Muster against plain torchrun, in one run on one machine: for each rank count, the same model
 (examples/train_ddp.py under Muster, examples/train_plain.py under torchrun with c10d and restart
-semantics) loses one rank to SIGKILL several times. Then the unmodified case: the same plain
-script, on --nodes agents, under the three launchers (torchrun c10d, `muster run -- torchrun`,
-torchrun --rdzv-backend=muster). Prints one JSON object with every side and the ratios
+semantics) loses one rank to SIGKILL several times. Then the unmodified case: the plain script
+(with --scripts plain,trainer also a Hugging Face Trainer script), on --nodes agents, under the
+three launchers (torchrun c10d, `muster run -- torchrun`, torchrun --rdzv-backend=muster). Prints one JSON object with every side and the ratios
 (torchrun / Muster; above 1 means Muster is better).
 
-    python bench/side_by_side.py --ranks 4,8,16 --kills 5 [--unmodified-ranks 4 --nodes 2]
+    python bench/side_by_side.py --ranks 4,8,16 --kills 5 [--unmodified-ranks 4 --nodes 2 --scripts plain,trainer]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=5, help="torchrun side: steps between checkpoints")
     p.add_argument("--unmodified-ranks", default="4", help="rank counts of the unmodified case ('' skips it)")
     p.add_argument("--nodes", type=int, default=2, help="agents (nodes) in the unmodified case")
+    p.add_argument("--scripts", default="plain", help="the unmodified case's scripts, comma-separated: plain, "
+                                                      "trainer (Hugging Face Trainer: needs transformers, accelerate)")
     args = p.parse_args()
     logs.configure("warning")
     out: dict = {"benchmark": "side_by_side", "torch": torch.__version__, "step_sleep_s": args.step_sleep,
@@ -61,14 +63,15 @@ def main() -> int:
                           "steps_lost_total": f"{torchrun['steps_lost']['total']} vs {muster['steps_lost']['total']}",
                           "processes_restarted_per_kill": f"{ranks} vs 1"},
             })
-        out["unmodified"] = [unmodified_case(Path(d) / f"unmodified-{ranks}", ranks, args)
+        out["unmodified"] = [unmodified_case(Path(d) / f"unmodified-{script}-{ranks}", ranks, args, script)
+                             for script in args.scripts.split(",") if script
                              for ranks in [int(r) for r in args.unmodified_ranks.split(",") if r]]
     print(json.dumps(out, indent=2))
     return 0
 
 
-def unmodified_case(work: Path, ranks: int, args: argparse.Namespace) -> dict:
-    """The plain script under each launcher, side by side (each its own fresh job)."""
+def unmodified_case(work: Path, ranks: int, args: argparse.Namespace, script: str) -> dict:
+    """An unmodified script under each launcher, side by side (each its own fresh job)."""
     sides = {}
     with unmodified.muster_coordinator(work) as coordinator:
         for launcher in unmodified.LAUNCHERS:
@@ -77,14 +80,14 @@ def unmodified_case(work: Path, ranks: int, args: argparse.Namespace) -> dict:
             try:
                 unmodified.kill_cycles(work / launcher, ranks, args.nodes, args.kills, args.step_sleep,
                                        args.checkpoint_every, 3 * args.kills, False, result, launcher,
-                                       coordinator if launcher != "torchrun" else "")
+                                       coordinator if launcher != "torchrun" else "", unmodified.SCRIPTS[script])
             except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
                 result["error"] = str(exc)
             sides[launcher] = {k: result.get(k) for k in ("start_to_step_s", "kill_to_step_s", "steps_lost",
                                                           "workers_restarted", "restart_rounds", "error")
                                if k in result}
     t = sides["torchrun"].get("kill_to_step_s")
-    return {"ranks": ranks, "nodes": args.nodes, **sides, "ratio": {
+    return {"script": script, "ranks": ranks, "nodes": args.nodes, **sides, "ratio": {
         f"kill_to_step_p50_{name}": ratio(t["p50"], sides[name]["kill_to_step_s"]["p50"])
         for name in ("muster-run", "muster-rdzv") if t and sides[name].get("kill_to_step_s")}}
 

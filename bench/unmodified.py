@@ -53,7 +53,11 @@ from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, process_alive, wait_until
 from muster.net import free_port
 
-TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train_plain.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# plain: a DDP script with torch.save snapshots; trainer: a Hugging Face Trainer script (a small
+# GPT-2, save_steps), which needs `pip install transformers accelerate`
+SCRIPTS = {"plain": EXAMPLES / "train_plain.py", "trainer": EXAMPLES / "train_trainer.py"}
+TRAIN = SCRIPTS["plain"]
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"
 # the agents' glog-style lines: "I1121 13:01:25.529000 14013 torch/.../api.py:942] message"
 AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +(\d+) \S+\] (.*)$")
@@ -254,7 +258,7 @@ def restart_phases(window: list[tuple[int, float, str]], killed_at: float, recov
 
 def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s: float, checkpoint_every: int,
                 max_restarts: int, share_store: bool, result: dict, launcher: str = "torchrun",
-                coordinator: str = "") -> None:
+                coordinator: str = "", script_path: Path = TRAIN) -> None:
     """Fills `result` as it goes, so a run that fails midway still reports what it measured.
     `coordinator`: the Muster coordinator's address (the muster launchers)."""
     if ranks % nodes:
@@ -264,11 +268,11 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
     if not share_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     endpoint = coordinator or f"127.0.0.1:{free_port('127.0.0.1')}"
-    script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", str(step_sleep_s),
+    script = [str(script_path), "--steps", str(10**9), "--step-sleep", str(step_sleep_s),
               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
     recoveries, lost, restarted, rounds, victims = [], [], [], [], []
     phases: dict[str, list[float]] = {"detect": [], "stop": [], "rendezvous": [], "worker_start": []}
-    result.update(launcher=launcher, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
+    result.update(launcher=launcher, script=script_path.name, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
                   max_restarts=max_restarts, step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
     started = time.time()
     job = Nodes([launcher_argv(launcher, i, nodes, ranks // nodes, max_restarts, tag, endpoint, script)
@@ -338,6 +342,7 @@ def muster_coordinator(workdir: Path):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
+    p.add_argument("--script", choices=SCRIPTS, default="plain", help="the unmodified script (default plain)")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1, help="torchrun agents on this machine, ranks/nodes workers each")
     p.add_argument("--kills", type=int, default=5)
@@ -357,7 +362,8 @@ def main() -> int:
         try:
             with muster_coordinator(workdir) if args.launcher != "torchrun" else nullcontext("") as coordinator:
                 kill_cycles(workdir, args.ranks, args.nodes, args.kills, args.step_sleep, args.checkpoint_every,
-                            args.max_restarts or 3 * args.kills, args.share_store, result, args.launcher, coordinator)
+                            args.max_restarts or 3 * args.kills, args.share_store, result, args.launcher, coordinator,
+                            SCRIPTS[args.script])
         except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
             result["error"] = str(exc)
             rc = 1

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 
 COMPLETED_FILE_ENV = "MUSTER_COMPLETED_FILE"
-# Where the rank writes the installed packages it imported, for the warm-start zygote to learn.
+# Where the rank writes the installed modules it imported, for the warm-start zygote to learn.
 IMPORTS_FILE_ENV = "MUSTER_IMPORTS_FILE"
 IMPORTS_AFTER_ENV = "MUSTER_IMPORTS_AFTER"  # seconds after its start (default IMPORTS_AFTER_S)
 IMPORTS_AFTER_S = 20.0  # a script's imports are done by then, short of a very slow start
@@ -72,7 +72,7 @@ def run(program: Program) -> None:
     pid = os.getpid()  # a child the program forks that returns through here completes nothing
     imports_file = os.environ.pop(IMPORTS_FILE_ENV, "")
     after_s = float(os.environ.pop(IMPORTS_AFTER_ENV, "") or IMPORTS_AFTER_S)
-    timer = threading.Timer(after_s, _record_imports, (imports_file, _packages())) if imports_file else None
+    timer = threading.Timer(after_s, _record_imports, (imports_file, _modules())) if imports_file else None
     if timer is not None:
         timer.daemon = True
         timer.start()
@@ -106,22 +106,24 @@ def _run(program: Program, marker: str, pid: int) -> None:
     _kept.append(namespace)
 
 
-def _packages() -> set[str]:
-    """The installed packages imported so far (top-level names): a package is a module whose file
-    is under site-packages or dist-packages, never the script's own modules beside it."""
-    found = set()
-    for name in [n for n in list(sys.modules) if "." not in n]:
-        path = getattr(sys.modules.get(name), "__file__", None) or ""
+def _modules() -> list[str]:
+    """The installed modules imported so far, submodules included, in the order they were first
+    imported: files under site-packages or dist-packages, never the script's own modules beside it.
+    (Packages that load their submodules lazily, as transformers does, import little themselves.)"""
+    found = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
         if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
-            found.add(name)
+            found.append(name)
     return found
 
 
-def _record_imports(path: str, before: set[str]) -> None:
-    """The packages the program imported since its start, for the agent (written whole, then renamed)."""
+def _record_imports(path: str, before: list[str]) -> None:
+    """The modules the program imported since its start, for the agent (written whole, then renamed)."""
+    known = set(before)
     try:
         with open(f"{path}.tmp", "w") as f:
-            f.write("\n".join(sorted(_packages() - before)))
+            f.write("\n".join(m for m in _modules() if m not in known))
         os.replace(f"{path}.tmp", path)
     except OSError:
         pass  # the agent's directory is gone: so is the agent

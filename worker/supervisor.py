@@ -288,17 +288,17 @@ class RankSupervisor:
         return exited.result()
 
     def _learn(self, slot: Slot) -> None:
-        """The packages a rank imported, for the zygote's successor (read once: the slot stops
+        """The modules a rank imported, for the zygote's successor (read once: the slot stops
         looking for its file)."""
         path, slot.imports_file = slot.imports_file, ""
         try:
             with open(path) as f:
-                packages = f.read().split()
+                modules = f.read().split()
             os.unlink(path)
         except OSError:
             return
         if self.warm is not None:
-            self.warm.learn(packages)
+            self.warm.learn(modules)
 
     def _lost_as_finishing(self, slot: Slot, pid: int, code: int, *, report: bool) -> None:
         """A rank that ended without completing its script once the job was finishing: reported as

@@ -43,6 +43,7 @@ PR_SET_PDEATHSIG = 1
 # What every rank of a DDP script imports; DDP's constructor imports torch._dynamo (1.2 s of CPU alone).
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 MAX_MESSAGE = 1 << 20  # a rank's argv and environment
+MAX_LEARNED = 3000  # learned modules (~30 bytes each): the message fits a socket's default buffer
 READY_WAIT_S = 120.0  # for the zygote's imports: a cold import of torch on a loaded node takes seconds
 
 
@@ -54,11 +55,12 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
     for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
         _preload(channel, name)
-    # Learned modules (the ranks' own imports) must leave the process as fork-safe as the given
-    # ones did: no thread started, no CUDA. The first that does not ends this zygote, unused; the
-    # agent starts the next one without it.
+    # Learned modules (the ranks' own imports: hundreds, so the agent's first message rather than
+    # argv) must leave the process as fork-safe as the given ones did: no thread started, no CUDA.
+    # The first that does not ends this zygote, unused; the agent starts the next one without it.
+    learned = json.loads(channel.recv(MAX_MESSAGE) or b"[]")
     threads = _threads()
-    for name in filter(None, sys.argv[3].split(",") if len(sys.argv) > 3 else ()):
+    for name in learned:
         _preload(channel, name)
         torch = sys.modules.get("torch")
         why = ("it starts a thread at import" if _threads() > threads else
@@ -248,10 +250,11 @@ class Zygote:
         try:
             process = await asyncio.create_subprocess_exec(
                 *guard, sys.executable, "-m", "muster.worker.zygote", str(zygote_end.fileno()), ",".join(preload),
-                ",".join(learned), env=env, pass_fds=(zygote_end.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+                env=env, pass_fds=(zygote_end.fileno(),), stdin=asyncio.subprocess.DEVNULL)
         finally:
             zygote_end.close()
         agent_end.setblocking(False)
+        agent_end.send(json.dumps(list(learned)).encode())  # into an empty buffer: read after its imports
         return cls(agent_end, process)
 
     async def ready(self, timeout_s: float = READY_WAIT_S) -> None:
@@ -350,7 +353,7 @@ class Zygote:
 
 
 class WarmStarts:
-    """The node's zygote, and its successors: a rank reports the installed packages it imported
+    """The node's zygote, and its successors: a rank reports the installed modules it imported
     (the runner, IMPORTS_FILE_ENV), and a new zygote that imported them too takes over for later
     starts, so a restart skips the script's heavy imports (transformers, accelerate, ...) as it
     skips torch's. A module that would leave the zygote unsafe to fork (a thread, CUDA) is named
@@ -372,10 +375,11 @@ class WarmStarts:
             raise ZygoteLost("closed")
         return await self.zygote.spawn(program, env, stdio)
 
-    def learn(self, packages: list[str]) -> None:
-        """A rank imported these: a successor imports the new ones (one at a time)."""
+    def learn(self, modules: list[str]) -> None:
+        """A rank imported these: a successor imports the new ones (one successor at a time, and
+        at most MAX_LEARNED modules in all: the list is one message to the zygote)."""
         known = set(self.preload) | set(self.learned) | self.refused
-        new = [p for p in packages if p not in known]
+        new = [m for m in modules if m not in known][:MAX_LEARNED - len(self.learned)]
         if new and self.zygote is not None and (self._learning is None or self._learning.done()):
             self._learning = asyncio.ensure_future(self._succeed(new))
 
@@ -387,7 +391,7 @@ class WarmStarts:
                 await successor.ready()
             except ZygoteLost as exc:
                 if successor.unsafe is None:
-                    log.warning("warm_start_learning_failed", modules=want, why=str(exc))
+                    log.warning("warm_start_learning_failed", modules=len(want), why=str(exc))
                     return
                 name, why = successor.unsafe
                 self.refused.add(name)
@@ -405,7 +409,8 @@ class WarmStarts:
             previous, self.zygote = self.zygote, successor
             previous.retire()
             self._retired = [z for z in [*self._retired, previous] if not z.lost]
-            log.info("warm_start_learned", modules=list(self.learned))
+            log.info("warm_start_learned", modules=len(self.learned),
+                     packages=sorted({m.split(".")[0] for m in self.learned})[:32])
             return
 
     def close(self) -> None:

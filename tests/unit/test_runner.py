@@ -100,19 +100,23 @@ def test_recording_the_imports_changes_nothing_of_the_programs_teardown(tmp_path
     assert done.returncode == -signal.SIGABRT
 
 
-def test_a_rank_records_the_installed_packages_it_imported(tmp_path):
+def test_a_rank_records_the_installed_modules_it_imported_submodules_included(tmp_path):
+    """Submodules too: a package that loads them lazily (transformers) imports little itself."""
     site = tmp_path / "site-packages"
-    site.mkdir()
+    (site / "lazy_pkg").mkdir(parents=True)
     (site / "some_pkg.py").write_text("")
+    (site / "lazy_pkg" / "__init__.py").write_text("")
+    (site / "lazy_pkg" / "trainer.py").write_text("")
     (tmp_path / "local_mod.py").write_text("")
     script = tmp_path / "train.py"
-    script.write_text("import time, some_pkg, local_mod\ntime.sleep(30)\n")
+    script.write_text("import time, some_pkg, local_mod\nimport lazy_pkg.trainer\ntime.sleep(30)\n")
     imports = tmp_path / "imports"
     env = {**os.environ, "PYTHONPATH": str(site), "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.1"}
     proc = subprocess.Popen([sys.executable, "-m", "muster.worker.runner", str(script)], env=env)
     try:
         wait_until(imports.exists, 30, "the imports recorded")
-        assert imports.read_text().split() == ["some_pkg"]  # installed, not the script's own module
+        # installed, not the script's own module; in the order imported
+        assert imports.read_text().split() == ["some_pkg", "lazy_pkg", "lazy_pkg.trainer"]
     finally:
         proc.kill()
         proc.wait(10)

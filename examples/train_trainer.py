@@ -1,0 +1,79 @@
+"""A Hugging Face Trainer script with no Muster code: a small GPT-2 built from a config, random
+tokens, DDP over gloo on CPU, a checkpoint every few steps (`save_steps`), resumed from the last one
+at start. It stands for the scripts people run under torchrun; the benchmarks time its restarts.
+Needs `pip install transformers accelerate` (not a Muster dependency).
+
+    muster run --coordinator HOST:PORT --job NAME --slots 2 -- python examples/train_trainer.py --checkpoint-dir /tmp/ckpt
+
+Each completed step prints one JSON record ({"event": "step", ...}, the keys of
+examples/train_plain.py) from a TrainerCallback: the benchmarks read those.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import IterableDataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+VOCAB, CONTEXT = 512, 64
+
+
+class RandomTokens(IterableDataset):
+    """Endless batches of random token ids, a fixed stream per rank."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
+        while True:
+            ids = torch.randint(0, VOCAB, (CONTEXT,), generator=g)
+            yield {"input_ids": ids, "labels": ids}
+
+
+class StepRecords(TrainerCallback):
+    def __init__(self, step_sleep_s: float, resumed_from: int):
+        self.step_sleep_s, self.resumed_from = step_sleep_s, resumed_from
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # one write per record: ranks may share a stdout (torchrun)
+        sys.stdout.write(json.dumps({"event": "step", "step": state.global_step, "rank": args.process_index,
+                                     "world_size": args.world_size, "generation": restart,
+                                     "resumed_from": self.resumed_from, "restart_count": restart,
+                                     "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                                     "pid": os.getpid(), "time": time.time()}) + "\n")
+        sys.stdout.flush()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--checkpoint-dir", type=Path, required=True)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2))
+    last = get_last_checkpoint(args.checkpoint_dir) if args.checkpoint_dir.is_dir() else None
+    training = TrainingArguments(
+        output_dir=str(args.checkpoint_dir), max_steps=args.steps, per_device_train_batch_size=4,
+        learning_rate=1e-3, save_strategy="steps", save_steps=args.checkpoint_every, save_total_limit=2,
+        logging_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
+        disable_tqdm=True)
+    resumed_from = int(last.rsplit("-", 1)[1]) if last else 0
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(),
+                      callbacks=[StepRecords(args.step_sleep, resumed_from)])
+    trainer.train(resume_from_checkpoint=last)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
