@@ -37,6 +37,8 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=5, help="torchrun side: steps between checkpoints")
     p.add_argument("--unmodified-ranks", default="4", help="rank counts of the unmodified case ('' skips it)")
     p.add_argument("--nodes", type=int, default=2, help="agents (nodes) in the unmodified case")
+    p.add_argument("--warmup", type=float, default=unmodified.WARMUP_S,
+                   help="unmodified case: seconds from a job's start to its first kill")
     p.add_argument("--scripts", default="plain", help="the unmodified case's scripts, comma-separated: plain, "
                                                       "trainer (Hugging Face Trainer: needs transformers, accelerate)")
     args = p.parse_args()
@@ -80,7 +82,8 @@ def unmodified_case(work: Path, ranks: int, args: argparse.Namespace, script: st
             try:
                 unmodified.kill_cycles(work / launcher, ranks, args.nodes, args.kills, args.step_sleep,
                                        args.checkpoint_every, 3 * args.kills, False, result, launcher,
-                                       coordinator if launcher != "torchrun" else "", unmodified.SCRIPTS[script])
+                                       coordinator if launcher != "torchrun" else "", unmodified.SCRIPTS[script],
+                                       args.warmup)
             except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
                 result["error"] = str(exc)
             sides[launcher] = {k: result.get(k) for k in ("start_to_step_s", "kill_to_step_s", "steps_lost",

@@ -58,6 +58,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # GPT-2, save_steps), which needs `pip install transformers accelerate`
 SCRIPTS = {"plain": EXAMPLES / "train_plain.py", "trainer": EXAMPLES / "train_trainer.py"}
 TRAIN = SCRIPTS["plain"]
+WARMUP_S = 25.0
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"
 # the agents' glog-style lines: "I1121 13:01:25.529000 14013 torch/.../api.py:942] message"
 AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +(\d+) \S+\] (.*)$")
@@ -258,7 +259,7 @@ def restart_phases(window: list[tuple[int, float, str]], killed_at: float, recov
 
 def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s: float, checkpoint_every: int,
                 max_restarts: int, share_store: bool, result: dict, launcher: str = "torchrun",
-                coordinator: str = "", script_path: Path = TRAIN) -> None:
+                coordinator: str = "", script_path: Path = TRAIN, warmup_s: float = 0.0) -> None:
     """Fills `result` as it goes, so a run that fails midway still reports what it measured.
     `coordinator`: the Muster coordinator's address (the muster launchers)."""
     if ranks % nodes:
@@ -272,7 +273,7 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
     recoveries, lost, restarted, rounds, victims = [], [], [], [], []
     phases: dict[str, list[float]] = {"detect": [], "stop": [], "rendezvous": [], "worker_start": []}
-    result.update(launcher=launcher, script=script_path.name, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
+    result.update(launcher=launcher, script=script_path.name, warmup_s=warmup_s, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
                   max_restarts=max_restarts, step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
     started = time.time()
     job = Nodes([launcher_argv(launcher, i, nodes, ranks // nodes, max_restarts, tag, endpoint, script)
@@ -285,6 +286,9 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
             firsts.setdefault(r["rank"], r)
         result["start_to_step_s"] = round(max(r["time"] for r in firsts.values()) - started, 3)
         wait_until(job.stepping_past(checkpoint_every + 1, group, ranks), 120, "all ranks stepping", 0.1)
+        # A job runs a while before its first fault: long enough for warm starts to have learned
+        # the ranks' imports (the runner records them IMPORTS_AFTER_S after a rank's start).
+        time.sleep(max(0.0, started + warmup_s - time.time()))
         for _ in range(kills):
             # land the kill at a random phase of the checkpoint cycle
             first = min(r["step"] for r in job.latest(group).values())
@@ -343,6 +347,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
     p.add_argument("--script", choices=SCRIPTS, default="plain", help="the unmodified script (default plain)")
+    p.add_argument("--warmup", type=float, default=WARMUP_S,
+                   help=f"seconds from the start to the first kill (default {WARMUP_S:g}: warm starts learn a rank's "
+                        "imports after 20 s)")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1, help="torchrun agents on this machine, ranks/nodes workers each")
     p.add_argument("--kills", type=int, default=5)
@@ -363,7 +370,7 @@ def main() -> int:
             with muster_coordinator(workdir) if args.launcher != "torchrun" else nullcontext("") as coordinator:
                 kill_cycles(workdir, args.ranks, args.nodes, args.kills, args.step_sleep, args.checkpoint_every,
                             args.max_restarts or 3 * args.kills, args.share_store, result, args.launcher, coordinator,
-                            SCRIPTS[args.script])
+                            SCRIPTS[args.script], args.warmup)
         except (RuntimeError, AssertionError) as exc:  # report what was measured, and why it stopped
             result["error"] = str(exc)
             rc = 1

@@ -474,7 +474,7 @@ def render_side_by_side(d: dict) -> str:
              f"completed steps redone, {kills} kills: Muster / torchrun", "processes restarted per kill",
              "Muster: kill → leader's decision p50", "torchrun: starting the workers p50"], rows))
     for u in d.get("unmodified", []):
-        names = {"torchrun": "`torchrun --rdzv-backend c10d`", "muster-run": "`muster run --warm-start -- torchrun …`",
+        names = {"torchrun": "`torchrun --rdzv-backend c10d`", "muster-run": "`muster run -- torchrun …` (warm starts)",
                  "muster-rdzv": "`torchrun --rdzv-backend=muster`"}
         base = u["torchrun"]["kill_to_step_s"]["p50"]
         rows = []
@@ -487,7 +487,8 @@ def render_side_by_side(d: dict) -> str:
             rows.append([label, s(r["start_to_step_s"]), f"{s(k['p50'])} ({num(k['max'])})",
                          f"{num(base / k['p50'])}×", r["steps_lost"]["total"],
                          num(sum(per_kill) / len(per_kill), 2), sum(r.get("restart_rounds", []))])
-        out.append(f"{u['nodes']} nodes × {u['ranks'] // u['nodes']} ranks, unmodified script:\n\n" + table(
+        script = {"plain": "`examples/train_plain.py`", "trainer": "`examples/train_trainer.py` (Hugging Face Trainer)"}
+        out.append(f"{u['nodes']} nodes × {u['ranks'] // u['nodes']} ranks, {script[u.get('script', 'plain')]}:\n\n" + table(
             ["launcher", "start → every rank's first step", "kill → every rank stepping p50 (max)", "torchrun / it",
              "completed steps redone", "workers restarted per kill", "restart rounds in all"], rows))
     return "\n".join(out)
