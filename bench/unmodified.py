@@ -58,7 +58,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # GPT-2, save_steps), which needs `pip install transformers accelerate`
 SCRIPTS = {"plain": EXAMPLES / "train_plain.py", "trainer": EXAMPLES / "train_trainer.py"}
 TRAIN = SCRIPTS["plain"]
-WARMUP_S = 25.0
+WARMUP_S = 40.0  # the ranks' imports recorded at 20 s, then a successor zygote imports them
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"
 # the agents' glog-style lines: "I1121 13:01:25.529000 14013 torch/.../api.py:942] message"
 AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +(\d+) \S+\] (.*)$")
@@ -349,7 +349,7 @@ def main() -> int:
     p.add_argument("--script", choices=SCRIPTS, default="plain", help="the unmodified script (default plain)")
     p.add_argument("--warmup", type=float, default=WARMUP_S,
                    help=f"seconds from the start to the first kill (default {WARMUP_S:g}: warm starts learn a rank's "
-                        "imports after 20 s)")
+                        "imports 20 s into its life)")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1, help="torchrun agents on this machine, ranks/nodes workers each")
     p.add_argument("--kills", type=int, default=5)

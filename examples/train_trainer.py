@@ -1,5 +1,5 @@
-"""A Hugging Face Trainer script with no Muster code: a small GPT-2 built from a config, random
-tokens, DDP over gloo on CPU, a checkpoint every few steps (`save_steps`), resumed from the last one
+"""A Hugging Face Trainer script with no Muster code: a small GPT-2 built from a config, a dataset
+of random tokens, DDP over gloo on CPU, a checkpoint every few steps (`save_steps`), resumed from the last one
 at start. It stands for the scripts people run under torchrun; the benchmarks time its restarts.
 Needs `pip install transformers accelerate` (not a Muster dependency).
 
@@ -17,21 +17,24 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-VOCAB, CONTEXT = 512, 64
+VOCAB, CONTEXT, SAMPLES = 512, 64, 100_000
 
 
-class RandomTokens(IterableDataset):
-    """Endless batches of random token ids, a fixed stream per rank."""
+class RandomTokens(Dataset):
+    """Random token ids, the same for an index on every run: a map-style dataset, as most are, so
+    a resumed Trainer skips the batches it has seen by index instead of producing them again."""
 
-    def __iter__(self):
-        g = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
-        while True:
-            ids = torch.randint(0, VOCAB, (CONTEXT,), generator=g)
-            yield {"input_ids": ids, "labels": ids}
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, VOCAB, (CONTEXT,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
 
 
 class StepRecords(TrainerCallback):
@@ -53,6 +56,14 @@ class StepRecords(TrainerCallback):
         sys.stdout.flush()
 
 
+def last_complete_checkpoint(directory: Path) -> str | None:
+    """The newest checkpoint the Trainer finished writing. It writes a checkpoint-N directory in
+    place, trainer_state.json last: a rank killed during a save leaves one without it, which
+    get_last_checkpoint would pick and train() would refuse ("Can't find a valid checkpoint")."""
+    done = [d for d in directory.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if (d / TRAINER_STATE_NAME).exists()]
+    return str(max(done, key=lambda d: int(d.name.rsplit("-", 1)[1]))) if done else None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=100)
@@ -61,8 +72,9 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=5)
     args = p.parse_args()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2))
-    last = get_last_checkpoint(args.checkpoint_dir) if args.checkpoint_dir.is_dir() else None
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    last = last_complete_checkpoint(args.checkpoint_dir)
     training = TrainingArguments(
         output_dir=str(args.checkpoint_dir), max_steps=args.steps, per_device_train_batch_size=4,
         learning_rate=1e-3, save_strategy="steps", save_steps=args.checkpoint_every, save_total_limit=2,

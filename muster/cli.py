@@ -465,7 +465,7 @@ def _run_parser(sub) -> None:
                    "--max-restarts, else 3)")
     r.add_argument("--restart-backoff", type=float, default=1.0,
                    help="a rank crashing again soon after its restart waits this long before the next one (doubled "
-                        "with each crash in a row; the first restart is immediate)")
+                        "with each crash in a row; the first restart, and one after a SIGKILL, is immediate)")
     r.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
                    help="fork Python ranks from a per-node zygote that imported torch once, so a restart reaches "
                         "the script's first line in milliseconds (default: on; --no-warm-start makes every rank a "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,14 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker.zygote import WarmProcess
 
 CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
+
+
+def outside_crash_loop(code: int, lived_s: float) -> bool:
+    """A rank's exit that starts no crash loop (restarted at once): it ran past CRASH_LOOP_S, or
+    it was SIGKILLed, which comes from outside the script (the OOM killer, an operator, a fault
+    injector). Two kills of one slot seconds apart are two faults, not a script that cannot start;
+    the restart budget still bounds a slot killed on every start."""
+    return lived_s > CRASH_LOOP_S or code == -signal.SIGKILL
 TAIL_LINES = 20  # of a given-up slot's stderr, in its report
 TAIL_BYTES = 64 * 1024
 

@@ -22,7 +22,7 @@ from muster.worker.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import SLOT_SECRET_ENV
 from muster.worker.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
-from muster.worker.slot import CRASH_LOOP_S, Crash, Slot, StderrTail, error_message, read_tail
+from muster.worker.slot import Crash, Slot, StderrTail, error_message, outside_crash_loop, read_tail
 from muster.worker.waiting import QUERY_WAIT_S, query
 from muster.worker.zygote import WarmProcess, WarmStarts, ZygoteLost
 
@@ -233,7 +233,7 @@ class RankSupervisor:
         slot.failed_pid = proc.pid  # reported exited (or restarting) until a replacement speaks for the slot
         slot.crashed_in = a.generation if a else 0
         slot.restarting = in_place
-        slot.crashes = 1 if time.monotonic() - slot.started_at > CRASH_LOOP_S else slot.crashes + 1
+        slot.crashes = 1 if outside_crash_loop(code, time.monotonic() - slot.started_at) else slot.crashes + 1
         self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code,
                                                    restarting=in_place))
         self.node.session.send_now()  # the leader hears of it within milliseconds

@@ -3,6 +3,7 @@ orders give the outcome's exit status, a finishing job is never re-formed, finis
 reported as such."""
 
 import asyncio
+import signal
 import sys
 
 import pytest
@@ -12,6 +13,7 @@ from muster.worker.agent import NodeAgent
 from muster.worker.agent_config import AgentConfig
 from muster.worker.node_session import JobEnded
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED
+from muster.worker.slot import CRASH_LOOP_S, outside_crash_loop
 from muster.worker.supervisor import RankSupervisor
 
 
@@ -169,3 +171,11 @@ def test_a_rank_started_as_a_newer_map_arrives_keeps_the_generation_of_its_envir
     env, slot = within(scenario())
     assert env["MUSTER_GENERATION"] == "15" and env["MASTER_PORT"] == "1500"
     assert slot.generation == 15
+
+
+def test_a_sigkill_starts_no_crash_loop_however_soon_it_came():
+    """Killed from outside (the OOM killer, an operator, a fault injector): restarted at once; a
+    script's own quick crash continues the loop and backs off."""
+    assert outside_crash_loop(-signal.SIGKILL, 1.0)
+    assert not outside_crash_loop(1, 1.0) and not outside_crash_loop(-signal.SIGSEGV, 1.0)
+    assert outside_crash_loop(1, CRASH_LOOP_S + 1)
