@@ -1,8 +1,10 @@
-"""MASTER_ADDR/MASTER_PORT of each generation, for scripts without the worker library: as
-torchrun's rendezvous does, the node of rank 0 picks a fresh port for each generation and publishes
-it in its store under the generation's prefix, so a new rank 0 never binds its predecessor's port
-and no rank reaches the store of an older generation. Library ranks need none of it (they form
-their groups on the generation's store themselves)."""
+"""MASTER_ADDR/MASTER_PORT of each generation, for scripts without the worker library: the agent
+of rank 0's node serves a fresh TCPStore for each generation and publishes its port in its own
+store under the generation's prefix, so no rank reaches the store of an older generation. The
+ranks use it as torchrun's workers use their agent's (TORCHELASTIC_USE_AGENT_STORE=True: every
+rank a client): it is up before any rank starts, where a store hosted by rank 0's process made
+the others retry their connect until it came (c10d's backoff: up to 0.7 s of a restart). Library
+ranks need none of it (they form their groups on the generation's store themselves)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from datetime import timedelta
 
 import structlog
 
-from muster.net import free_port, split_host_port
+from muster.net import split_host_port
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -32,6 +34,7 @@ class MasterPorts:
         self._library, self._assignment, self._ended, self._planted = library, assignment, ended, planted
         self._clients: dict[str, object] = {}  # other nodes' stores, by address
         self._found: dict[int, asyncio.Future] = {}  # generation -> its (MASTER_ADDR, MASTER_PORT)
+        self._served: dict[int, object] = {}  # generation -> the TCPStore this agent serves its ranks
 
     async def of(self, a: pb.Assignment) -> tuple[str, str] | None:
         """The master address of generation `a`; None: the node has no rank in it, or a newer map
@@ -61,13 +64,16 @@ class MasterPorts:
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
             from muster.worker.comm import StoreKeyTaken, publish
 
-            port = str(free_port(self.host))
+            served = await asyncio.to_thread(serve_store, self.host)
             try:
-                await asyncio.to_thread(publish, self.store, key, port)
+                await asyncio.to_thread(publish, self.store, key, str(served.port))
             except StoreKeyTaken as exc:  # nodes that read it first would use someone else's port
                 self._planted(a.generation, exc)
                 return None
-            return host, port
+            self._served[a.generation] = served
+            stale = [self._served.pop(g) for g in list(self._served) if g < a.generation - 1]  # their ranks are gone
+            await asyncio.to_thread(stale.clear)  # the last references: each server joins its thread there
+            return host, str(served.port)
         # Never a guess: ranks that disagree on the port would wait in init_process_group for good.
         # Rank 0's node publishes within moments; if it is gone, the leader's next map says so.
         warned = False
@@ -98,3 +104,11 @@ class MasterPorts:
         except Exception:
             self._clients.pop(address, None)
             raise
+
+
+def serve_store(host: str):
+    """A TCPStore server on a free port, for one generation's ranks (blocking: a thread)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=MASTER_PORT_WAIT_S))

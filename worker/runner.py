@@ -15,6 +15,7 @@ status, and an uncaught exception's traceback without this module's or runpy's f
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import shutil
@@ -83,6 +84,10 @@ def run(program: Program) -> None:
         if timer is not None:  # gone before teardown: a live (daemon) thread changes what finalization frees
             timer.cancel()
             timer.join()
+        # A forked rank inherits the zygote's frozen objects (gc.freeze): collectable again for
+        # teardown, whose order of freeing they change otherwise (a global's __del__ found its
+        # module's names already None).
+        gc.unfreeze()
 
 
 def _run(program: Program, marker: str, pid: int) -> None:

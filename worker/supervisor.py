@@ -107,7 +107,8 @@ class RankSupervisor:
             "MUSTER_GENERATION": str(a.generation), "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
             "TORCHELASTIC_RUN_ID": c.job_id or c.job,
             "TORCHELASTIC_RESTART_COUNT": str(slot.restarts), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
-            "TORCHELASTIC_USE_AGENT_STORE": "False", "ROLE_NAME": "default",
+            # a script's ranks use the store their agent serves (master_port); a library rank none
+            "TORCHELASTIC_USE_AGENT_STORE": str(not self.node.library), "ROLE_NAME": "default",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
             "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
