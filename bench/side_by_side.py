@@ -92,7 +92,7 @@ def unmodified_case(work: Path, ranks: int, args: argparse.Namespace, script: st
     t = sides["torchrun"].get("kill_to_step_s")
     return {"script": script, "ranks": ranks, "nodes": args.nodes, **sides, "ratio": {
         f"kill_to_step_p50_{name}": ratio(t["p50"], sides[name]["kill_to_step_s"]["p50"])
-        for name in ("muster-run", "muster-rdzv") if t and sides[name].get("kill_to_step_s")}}
+        for name in ("muster-run", "muster-run-cold", "muster-rdzv") if t and sides[name].get("kill_to_step_s")}}
 
 
 if __name__ == "__main__":

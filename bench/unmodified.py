@@ -157,20 +157,20 @@ def _children(pid: int) -> list[int]:
     return pids
 
 
-LAUNCHERS = ("torchrun", "muster-run", "muster-rdzv")
+LAUNCHERS = ("torchrun", "muster-run", "muster-run-cold", "muster-rdzv")
 
 
 def launcher_argv(launcher: str, node: int, nodes: int, per_node: int, max_restarts: int, tag: str,
                   endpoint: str, script: list[str], muster_options: tuple[str, ...] = ()) -> list[str]:
     """One node's command. torchrun: c10d rendezvous at `endpoint`; muster-run: `muster run
-    [muster_options] -- torchrun …` against the coordinator at `endpoint`; muster-rdzv: torchrun
-    --rdzv-backend=muster."""
+    [muster_options] -- torchrun …` against the coordinator at `endpoint` (muster-run-cold: with
+    --no-warm-start); muster-rdzv: torchrun --rdzv-backend=muster."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    if launcher == "muster-run":
+    if launcher.startswith("muster-run"):
         return [str(Path(sys.executable).with_name("muster")), "--log-level", "info", "run", "--coordinator", endpoint,
                 "--job", tag[:12], "--node-id", f"node{node}", "--nodes", f"{nodes}:{nodes}",
-                "--max-restarts", str(max_restarts), "--warm-start", *muster_options, "--", torchrun,
-                "--nproc-per-node", str(per_node), *script]
+                "--max-restarts", str(max_restarts), "--no-warm-start" if launcher == "muster-run-cold" else "--warm-start",
+                *muster_options, "--", torchrun, "--nproc-per-node", str(per_node), *script]
     backend = "muster" if launcher == "muster-rdzv" else "c10d"
     return [torchrun, "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", backend,
             "--rdzv-endpoint", endpoint, "--rdzv-id", tag[:12], "--local-addr", "127.0.0.1",

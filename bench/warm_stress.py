@@ -39,10 +39,9 @@ def start_job(workdir: Path, coordinator: str, nodes: int, ranks: int, cycles: i
     env = {**os.environ, "MUSTER_BENCH_RUN": tag, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     script = [str(TRAIN), "--steps", str(10**9), "--step-sleep", "0.05",
               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", "5"]
-    # Kills seconds apart are a crash loop to the agent, whose backoff (doubled per crash) would
-    # hold the job for the slot: this measures the starts, so restarts are immediate.
-    return Nodes([launcher_argv("muster-run", i, nodes, ranks // nodes, 3 * cycles + 10, tag, coordinator, script,
-                                ("--restart-backoff", "0")) for i in range(nodes)], env, workdir, "node", tag)
+    # (a SIGKILLed rank starts no crash loop: restarted at once, however soon the kills come)
+    return Nodes([launcher_argv("muster-run", i, nodes, ranks // nodes, 3 * cycles + 10, tag, coordinator, script)
+                  for i in range(nodes)], env, workdir, "node", tag)
 
 
 def stuck_report(job: Nodes, mark: list[int], old: set[int]) -> dict:

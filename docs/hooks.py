@@ -475,6 +475,7 @@ def render_side_by_side(d: dict) -> str:
              "Muster: kill → leader's decision p50", "torchrun: starting the workers p50"], rows))
     for u in d.get("unmodified", []):
         names = {"torchrun": "`torchrun --rdzv-backend c10d`", "muster-run": "`muster run -- torchrun …` (warm starts)",
+                 "muster-run-cold": "`muster run --no-warm-start -- torchrun …`",
                  "muster-rdzv": "`torchrun --rdzv-backend=muster`"}
         base = u["torchrun"]["kill_to_step_s"]["p50"]
         rows = []

@@ -71,7 +71,7 @@ def test_capacity_bench_quick_through_a_relay():
 @pytest.mark.timeout(120)
 def test_unmodified_script_bench_under_muster_run():
     result = bench("unmodified.py", "--launcher", "muster-run", "--ranks", "2", "--nodes", "1", "--kills", "1",
-                   timeout_s=110)
+                   "--warmup", "0", timeout_s=110)
     assert "error" not in result and result["start_to_step_s"] > 0
     assert result["kill_to_step_s"]["all"] and result["workers_restarted"]["per_kill"] == [2]
     assert result["workers_left_after_stop"] == 0
@@ -99,3 +99,13 @@ def test_churn_bench_runs_every_job_and_reports_growth():
         restart = result["restart"][etcd]
         assert "exited" not in restart and 0 < restart["readyz_s"] and 0 < restart["first_join_s"]
     assert result["restart"]["empty_etcd"]["first_join_code"] == "OK"
+
+
+@pytest.mark.timeout(150)
+def test_warm_stress_bench_every_restarted_rank_reaches_its_first_step():
+    """bench/warm_stress.py in short: a worker killed per cycle, in some cycles a rank the restart
+    had just forked killed too; every rank of every restart must step."""
+    result = bench("warm_stress.py", "--cycles", "4", "--nodes", "2", "--ranks", "4", timeout_s=140)
+    assert "error" not in result, result.get("no_first_step")
+    assert result["cycles"] == 4 and result["rank_starts_reached_first_step"] == 4 * 4
+    assert result["workers_left_after_stop"] == 0
