@@ -62,12 +62,14 @@ class Liveness:
             self._deadlines.arm(node_id, self.grace_until + node.early * floor)  # spread: not every node in one tally
 
     def _first_frame_since_takeover(self, now: float) -> None:
-        """The path to this leader works again: past the grace, every node's silence counts from now
-        (the others come the same way, moments later), not from the takeover."""
+        """The path to this leader works again: every node's silence counts from now (the others
+        come the same way, moments later), not from the takeover, so none is judged before a
+        heartbeat timeout after the first frame, nor before the grace ends. (Counted from the
+        takeover, a first frame just inside the grace left the others nothing: a soak's successor
+        judged two healthy nodes silent 50 ms after the first one reached it.)"""
         self.unheard_since_takeover = False
-        if now >= self.grace_until:
-            for node_id, node in self.nodes.items():
-                self._wheel.heard(node_id, node, now)
+        for node_id, node in self.nodes.items():
+            self._wheel.heard(node_id, node, now)
 
     def in_grace(self, now: float) -> bool:
         """The takeover grace; prolonged, by up to TAKEOVER_UNHEARD_TIMEOUTS heartbeat timeouts, while

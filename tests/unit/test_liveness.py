@@ -84,8 +84,10 @@ def test_grace_after_a_leader_change_suppresses_silence_and_stalls():
     live = Liveness(TIMING, now=100)
     live.start_grace(["n0", "n1"], now=100)
     assert live.failures(state, 104.9) == []
-    live.observe("n0", 1, report(1), 104.9)
-    assert [f.node_id for f in live.failures(state, 105.1)] == ["n1"]
+    live.observe("n0", 1, report(1), 103.0)
+    live.observe("n0", 1, report(2), 104.5)
+    assert live.failures(state, 104.9) == []  # in grace, whoever is silent
+    assert [f.node_id for f in live.failures(state, 105.1)] == ["n1"]  # silent since the first frame and the grace
 
 
 def test_agent_reported_silent_rank_is_a_rank_failure():
@@ -514,6 +516,19 @@ def test_a_takeover_no_node_reaches_goes_on_in_grace_and_then_judges_from_the_fi
     live.observe("n0", 1, report(2), 111.5)
     assert live.failures(state, 111.9) == []  # n1 gets a heartbeat timeout from the first frame
     assert [f.node_id for f in live.failures(state, 112.1)] == ["n1"]
+
+
+def test_a_first_frame_just_inside_the_grace_leaves_the_others_a_heartbeat_timeout():
+    """The first node reaches the new leader moments before its grace ends: the others, on their
+    way the same path, are judged a heartbeat timeout after that frame, not at the grace's end."""
+    state = job()
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1"], now=100)  # grace 5 s, heartbeat timeout 2 s
+    live.observe("n0", 1, report(1), 104.9)
+    live.observe("n0", 1, report(2), 106.0)
+    live.observe("n0", 1, report(3), 106.8)
+    assert live.failures(state, 106.8) == []
+    assert [f.node_id for f in live.failures(state, 107.0)] == ["n1"]
 
 
 def test_a_takeover_nobody_ever_reaches_ends_its_grace_within_the_bound():
