@@ -1,9 +1,10 @@
 """Muster against plain torchrun, in one run on one machine: for each rank count, the same model
 (examples/train_ddp.py under Muster, examples/train_plain.py under torchrun with c10d and restart
 semantics) loses one rank to SIGKILL several times. Then the unmodified case: the plain script
-(with --scripts plain,trainer also a Hugging Face Trainer script), on --nodes agents, under the
-three launchers (torchrun c10d, `muster run -- torchrun`, torchrun --rdzv-backend=muster). Prints one JSON object with every side and the ratios
-(torchrun / Muster; above 1 means Muster is better).
+(with --scripts plain,trainer also a Hugging Face Trainer script), on --nodes agents, under each
+launcher (torchrun c10d, `muster run -- torchrun` with and without warm starts, torchrun
+--rdzv-backend=muster). Prints one JSON object with every side and the ratios (torchrun / Muster;
+above 1 means Muster is better).
 
     python bench/side_by_side.py --ranks 4,8,16 --kills 5 [--unmodified-ranks 4 --nodes 2 --scripts plain,trainer]
 """

@@ -169,8 +169,8 @@ def launcher_argv(launcher: str, node: int, nodes: int, per_node: int, max_resta
     if launcher.startswith("muster-run"):
         return [str(Path(sys.executable).with_name("muster")), "--log-level", "info", "run", "--coordinator", endpoint,
                 "--job", tag[:12], "--node-id", f"node{node}", "--nodes", f"{nodes}:{nodes}",
-                "--max-restarts", str(max_restarts), "--no-warm-start" if launcher == "muster-run-cold" else "--warm-start",
-                *muster_options, "--", torchrun, "--nproc-per-node", str(per_node), *script]
+                "--max-restarts", str(max_restarts),
+                "--no-warm-start" if launcher == "muster-run-cold" else "--warm-start", *muster_options, "--", torchrun, "--nproc-per-node", str(per_node), *script]
     backend = "muster" if launcher == "muster-rdzv" else "c10d"
     return [torchrun, "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--rdzv-backend", backend,
             "--rdzv-endpoint", endpoint, "--rdzv-id", tag[:12], "--local-addr", "127.0.0.1",
@@ -273,8 +273,8 @@ def kill_cycles(workdir: Path, ranks: int, nodes: int, kills: int, step_sleep_s:
               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-every", str(checkpoint_every)]
     recoveries, lost, restarted, rounds, victims = [], [], [], [], []
     phases: dict[str, list[float]] = {"detect": [], "stop": [], "rendezvous": [], "worker_start": []}
-    result.update(launcher=launcher, script=script_path.name, warmup_s=warmup_s, ranks=ranks, nodes=nodes, kills=kills, share_store=share_store,
-                  max_restarts=max_restarts, step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
+    result.update(launcher=launcher, script=script_path.name, warmup_s=warmup_s, ranks=ranks, nodes=nodes,
+                  kills=kills, share_store=share_store, max_restarts=max_restarts, step_sleep_s=step_sleep_s, checkpoint_every=checkpoint_every)
     started = time.time()
     job = Nodes([launcher_argv(launcher, i, nodes, ranks // nodes, max_restarts, tag, endpoint, script)
                  for i in range(nodes)], env, workdir, launcher, tag)

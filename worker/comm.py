@@ -623,7 +623,8 @@ class Comm:
         nothing reaches, and the newer generation's group would wait as long for this rank: the
         process ends instead, for its agent to start a fresh one."""
         attempt = self._connecting
-        bound = (GLOO_ACCEPT_WAITS * self._connect_s if self.backend.bounded_connect else 0.0) + ABANDONED_CONNECT_EXIT_S
+        waits = GLOO_ACCEPT_WAITS * self._connect_s if self.backend.bounded_connect else 0.0
+        bound = waits + ABANDONED_CONNECT_EXIT_S
 
         def check() -> None:
             with self._lock:

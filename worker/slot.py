@@ -16,6 +16,8 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker.zygote import WarmProcess
 
 CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
+TAIL_LINES = 20  # of a given-up slot's stderr, in its report
+TAIL_BYTES = 64 * 1024
 
 
 def outside_crash_loop(code: int, lived_s: float) -> bool:
@@ -24,8 +26,6 @@ def outside_crash_loop(code: int, lived_s: float) -> bool:
     injector). Two kills of one slot seconds apart are two faults, not a script that cannot start;
     the restart budget still bounds a slot killed on every start."""
     return lived_s > CRASH_LOOP_S or code == -signal.SIGKILL
-TAIL_LINES = 20  # of a given-up slot's stderr, in its report
-TAIL_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)

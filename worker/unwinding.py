@@ -43,8 +43,8 @@ class Unwinding:
         with self._changed:
             if self._changed.wait_for(lambda: self._left >= generation, UNWIND_LATE_S):
                 return True
-        log.info("abort_not_yet_seen", generation=generation, aborted_by=aborted_by, waited_s=round(time.monotonic() - started, 3),
-                 training_thread_at=where(self.training_thread))
+        log.info("abort_not_yet_seen", generation=generation, aborted_by=aborted_by,
+                 waited_s=round(time.monotonic() - started, 3), training_thread_at=where(self.training_thread))
         return False
 
 
