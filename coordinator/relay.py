@@ -357,6 +357,8 @@ class Relay:
         self._urgent = asyncio.Event()
         self._sent: list[pb.RelayUp] = []  # batches of the current call, until a leader accepts it
         self._accepted = False
+        self._heard_at = 0.0  # the current call's last message from the leader
+        self._elected = ""  # the leader etcd named when the current call's went silent
         self._task = asyncio.create_task(self._run(), name=f"relay:{job}")
         self.log = log.bind(job=job, relay=address)
 
@@ -430,11 +432,14 @@ class Relay:
         if not address or address == self.address:
             return False, "no other replica leads the job", ""
         self._sent, self._accepted = [], False
+        self._heard_at, self._elected = self._clock(), ""
         async with self.security.aio_channel(address) as channel:
             call = pb_grpc.CoordinatorStub(channel).Relay(metadata=self.security.metadata)
             writer = asyncio.create_task(self._write(call))
+            following = asyncio.create_task(self._follow_election(call, address))
             try:
                 async for down in call:
+                    self._heard_at = self._clock()
                     if not self._accepted:  # the leader's first, empty answer
                         self._accepted, self._sent = True, []
                         self.log.info("relay_accepted", leader=address, nodes=len(self.nodes))
@@ -442,12 +447,37 @@ class Relay:
                 return self._accepted, "the leader ended it", ""
             except grpc.aio.AioRpcError as exc:
                 return self._accepted, f"{exc.code().name}: {exc.details()}", leader_hint(exc)
+            except asyncio.CancelledError:
+                if not self._elected or asyncio.current_task().cancelling():
+                    raise  # the relay is closing
+                return self._accepted, f"{address} went silent and etcd elected {self._elected}", self._elected
             finally:
                 writer.cancel()
+                following.cancel()
                 for up in reversed(self._sent):
                     self.batch.put_back(up)
                 if self.batch:
                     self._pending.set()
+
+    async def _follow_election(self, call, address: str) -> None:
+        """End the call once `address` has sent nothing for half the heartbeat timeout (it pulses
+        every quarter) and etcd names another leader, this replica included. A frozen leader keeps
+        the call open (its socket still takes writes) and the nodes on it trust their relay, which
+        answers: without this they reached the successor only on their own timeouts, some too late
+        for its takeover grace, and were evicted. A leader that is only slow stays elected and keeps
+        the call; so does one etcd cannot name (an outage, or nobody elected yet)."""
+        silent_s = 4 * self.keepalive_s
+        while True:
+            await asyncio.sleep(self.keepalive_s)
+            if self._clock() - self._heard_at <= silent_s:
+                continue
+            elected = await self._find_leader(self.job)
+            if elected and elected != address:
+                self.log.info("relay_leader_moved", silent=address, elected=elected,
+                              silent_s=round(self._clock() - self._heard_at, 2), nodes=len(self.nodes))
+                self._elected = elected
+                call.cancel()
+                return
 
     async def _write(self, call) -> None:
         """Send a batch once per window (at once when urgent) until the last node hung up."""

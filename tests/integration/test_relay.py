@@ -300,6 +300,42 @@ def test_relays_follow_a_new_leader_after_the_leader_is_killed(coordinators):
 
 
 @pytest.mark.timeout(90)
+def test_relays_leave_a_frozen_leader_for_its_successor_and_nobody_is_evicted(coordinators):
+    """A frozen leader keeps its relays' calls open (its socket takes writes) and the relays answer
+    their nodes: each relay must notice the silence, ask etcd, and move its nodes on once a standby
+    is elected, all in time for the successor's takeover grace (2 s), counted from the first frame."""
+    replicas = coordinators(3, RELAY)
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "leaderstop", names_spread(addresses, 2))
+        old = leader_of(replicas, "leaderstop")
+        generation = nodes[0].generation
+        old.signal(signal.SIGSTOP)
+        try:
+            survivors = [r for r in replicas if r is not old]
+            new = await asyncio.to_thread(wait_until, lambda: leader_of(survivors, "leaderstop"), 10, "a new leader")
+            with Coordinators([new.address], timeout_s=2) as c:
+                term = c.call("Status", pb.StatusRequest(job="leaderstop", brief=True)).jobs[0].term
+            for n in nodes:
+                await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+            # each survivor's relay left the frozen leader on etcd's word, not on a timeout of its nodes'
+            for r in survivors:
+                moved = r.find("relay_leader_moved", job="leaderstop")
+                assert moved and moved[0]["silent"] == old.address and moved[0]["elected"] == new.address, moved
+            await pulses_heard(nodes, 8)  # 2 s of the new leader's clock: its grace over, and a heartbeat timeout
+            await steps_advance(nodes)
+            assert all(n.generation == generation and not n.errors for n in nodes)
+            assert not evictions(new.address, "leaderstop")
+        finally:
+            old.signal(signal.SIGCONT)
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
 def test_a_forged_relay_stream_cannot_attach_or_end_a_node(coordinators):
     replicas = coordinators(2, RELAY)
     addresses = [r.address for r in replicas]
