@@ -35,6 +35,7 @@ class JobGauges:
     live_ranks: int = 0
     world_size: int = 0
     spares: int = 0
+    stragglers: int = 0  # ranks named stragglers now
 
 
 class Metrics:
@@ -84,12 +85,14 @@ class _GaugeCollector:
                                             labels=["job"]),
             "world_size": GaugeMetricFamily("muster_world_size", "Ranks in the current map", labels=["job"]),
             "spares": GaugeMetricFamily("muster_spare_nodes", "Member nodes the map does not use", labels=["job"]),
+            "stragglers": GaugeMetricFamily("muster_stragglers", "Ranks whose compute is persistently above the "
+                                            "job's median (--straggler-factor)", labels=["job"]),
         }
         for g in self.gauges():
             families["leader"].add_metric([g.job], 1 if g.led else 0)
             if not g.led:
                 continue
-            for name in ("term", "generation", "live_ranks", "world_size", "spares"):
+            for name in ("term", "generation", "live_ranks", "world_size", "spares", "stragglers"):
                 families[name].add_metric([g.job], getattr(g, name))
         ready = GaugeMetricFamily("muster_ready", "1 while this replica holds a live etcd session")
         ready.add_metric([], 1 if self.ready() else 0)

@@ -22,6 +22,7 @@ from muster.coordinator.campaigns import Campaigns
 from muster.coordinator.coordination import Coordination, LeaderKey
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
+from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.errors import NotLeader, StoreUnavailable
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
@@ -47,6 +48,7 @@ class ReplicaConfig:
     balance_delay_s: float = 0.1  # per job already led (up to 5), before campaigning for another
     leader_wait_s: float = 3.0  # a Join for a new job waits this long for its election
     limits: Limits = Limits()
+    stragglers: StragglerPolicy = StragglerPolicy()
     relay: bool = True  # relay node streams of jobs this replica does not lead (--no-relay: refuse them)
     relay_min_nodes: int = 64  # a job relays from this many nodes (members, or its min_nodes) on
     relay_batch_s: float = 0.02  # a relay's batch window (exits and hang-ups go at once)
@@ -180,6 +182,7 @@ class Replica:
             timing=self.config.timing,
             tick_s=self.config.tick_s,
             limits=self.config.limits,
+            stragglers=self.config.stragglers,
             metrics=self.metrics,
             retain_s=self.config.retain_finished_s,
         )

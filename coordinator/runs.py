@@ -42,7 +42,8 @@ class Runs:
             s = leader.state
             found.append(JobGauges(job, led=True, term=leader.term, generation=s.generation,
                                    live_ranks=leader.live_ranks(),
-                                   world_size=s.rank_map.world_size if s.rank_map else 0, spares=len(s.spares)))
+                                   world_size=s.rank_map.world_size if s.rank_map else 0, spares=len(s.spares),
+                                   stragglers=len(leader.stragglers.named)))
         return found
 
     async def admit(self, job: str, requested: JobSpec) -> None:

@@ -156,7 +156,7 @@ class Streams(dict[str, NodeStream]):
             stream = self.get(node_id)
             if stream:
                 stream.send(pb.Directive(term=term, generation=state.generation, drain=pb.Drain(
-                    after_step=after_step, reason=state.outcome_reason if stopped else "graceful leave",
+                    after_step=after_step, reason=state.outcome_reason if stopped else reason_for(state, node_id),
                     stop=stopped)))
 
     def bind(self, stream: NodeStream, state: JobState, term: int) -> None:

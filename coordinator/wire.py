@@ -146,17 +146,17 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
                 or len(phase) > MAX_PHASE_CHARS or len(digest) > MAX_DIGEST_BYTES or state is None):
             _refuse_rank(r, slots)
         reports.append(RankReport(local_rank, r.pid, step, r.step_time_us / 1e6, state, r.heard_ms_ago, phase,
-                                  digest_step, digest, generation))
+                                  digest_step, digest, generation, r.compute_us / 1e6))
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")
     return reports
 
 
-def frame_steps(frame: pb.NodeFrame) -> list[tuple[int, int, int]]:
-    """(step, step_time_us, heard_ms_ago) of each rank of a `steps_only` frame, checked: the three
-    fields such a frame is read for (`check_frame_ranks` reads the rest)."""
-    steps = [(r.step, r.step_time_us, r.heard_ms_ago) for r in frame.ranks]
+def frame_steps(frame: pb.NodeFrame) -> list[tuple[int, int, int, int]]:
+    """(step, step_time_us, heard_ms_ago, compute_us) of each rank of a `steps_only` frame, checked:
+    the four fields such a frame is read for (`check_frame_ranks` reads the rest)."""
+    steps = [(r.step, r.step_time_us, r.heard_ms_ago, r.compute_us) for r in frame.ranks]
     if steps and max(steps)[0] > MAX_STEP:
         raise InvalidArgument(f"a step of this frame is {max(steps)[0]}; at most {MAX_STEP}")
     return steps
@@ -355,7 +355,8 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
                 continue
             ranks.append(pb.RankStatus(rank=p.rank_offset + index, local_rank=slot, node=p.node_id,
                                        node_rank=p.node_rank, pid=r.pid if r else 0, step=r.step if r else 0,
-                                       state=rank_state))
+                                       state=rank_state, compute_us=int(r.compute_s * 1e6) if r else 0,
+                                       straggler_factor=r.straggler_factor if r else 0.0))
     return ranks, ""
 
 

@@ -24,6 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
+    from muster.coordinator.core.stragglers import StragglerPolicy
     from muster.coordinator.replica import ReplicaConfig
     from muster.coordinator.service import ServeConfig, serve
 
@@ -50,6 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
             tick_s=args.tick,
             session_ttl_s=args.session_ttl,
             limits=Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate(),
+            stragglers=StragglerPolicy(args.straggler_action, args.straggler_factor, args.straggler_min_steps,
+                                       duration(args.straggler_window), args.straggler_replace_max),
             relay=not args.no_relay,
             relay_min_nodes=args.relay_min_nodes,
             relay_batch_s=args.relay_batch,
@@ -297,10 +300,13 @@ def _status(args: argparse.Namespace) -> int:
             h = j["health"]
             print(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions {int(h['evictions'])}"
                   f"  last detection {h['last_detection_s']:.3f}s  last recovery {h['last_recovery_s']:.3f}s")
-        print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10}  STATE")
+        print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10} {'COMPUTE':>9} "
+              f"{'STRAGGLER':>9}  STATE")
         for r in j["ranks"]:
+            compute = f"{r['compute_us'] / 1000:.1f}ms" if r["compute_us"] else "-"
+            straggler = f"{r['straggler_factor']:.2f}x" if r["straggler_factor"] else "-"
             print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
-                  f"{r['step']:>10}  {r['state']}")
+                  f"{r['step']:>10} {compute:>9} {straggler:>9}  {r['state']}")
         if j["next_page_token"]:
             print(f"  more ranks: --page-token {j['next_page_token']} (or --all)")
         if "summary" in j:
@@ -423,6 +429,21 @@ def _serve_parser(sub) -> None:
                    "run then ends whoever is left (default %(default)s s)")
     g.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
                    "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
+    g = s.add_argument_group("stragglers: ranks persistently slower than the job's median")
+    g.add_argument("--straggler-action", default="report", metavar="off|report|replace",
+                   help="report: name them (an event, the muster_stragglers metric, a column of muster status); "
+                        "replace: also take the straggling node out at a planned step, a hot spare taking its "
+                        "place, never below min_nodes; off: neither (default %(default)s)")
+    g.add_argument("--straggler-factor", type=float, default=1.5,
+                   help="a rank straggles while its compute (forward and backward, before the gradients' "
+                        "all-reduce) is this many times the job's median (default %(default)s)")
+    g.add_argument("--straggler-min-steps", type=int, default=20,
+                   help="steps a rank must straggle for before it is named (default %(default)s)")
+    g.add_argument("--straggler-window", default="10m",
+                   help="replace: at most --straggler-replace-max nodes of a job per this window (default "
+                        "%(default)s): a host-wide slowdown must not take out everyone")
+    g.add_argument("--straggler-replace-max", type=int, default=1,
+                   help="nodes replace takes out per window (default %(default)s)")
     g = s.add_argument_group("limits: what one caller or job may cost")
     g.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
     g.add_argument("--max-jobs", type=int, default=1_000, help="running jobs this deployment accepts (finished "

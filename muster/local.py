@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -97,6 +98,42 @@ class _Child:
             os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process must run to die
             self.proc.kill()  # an agent's ranks follow it (PR_SET_PDEATHSIG)
             self.proc.wait(5)
+
+
+class Throttle:
+    """Slow a process from outside, as a throttled GPU or a noisy neighbour would: SIGSTOP it for
+    `stopped` of every `period_s`, SIGCONT it for the rest (any program can be slowed so; a short
+    period keeps it well within any heartbeat timeout). `stop` leaves it running."""
+
+    def __init__(self, pid: int, stopped: float = 0.6, period_s: float = 0.1):
+        if not 0 < stopped < 1 or period_s <= 0:
+            raise ValueError(f"a throttle stops a process for a share of its period in (0, 1), not {stopped}")
+        self.pid, self.stopped, self.period_s = pid, stopped, period_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"throttle-{pid}", daemon=True)
+
+    def start(self) -> Throttle:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.period_s * self.stopped)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(self.period_s * (1 - self.stopped))
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
 
 
 class CoordinatorProcess(_Child):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
+from muster.worker.compute_clock import ComputeClock
 from muster.worker.comm import Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
@@ -137,6 +138,7 @@ class _StepScope:
             w.step += 1
             self.completed = True
             w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "", w.generation)
+            w._compute.step_done(self.started)
             w._redos = 0
             if w._digest_every and w.step % w._digest_every == 0:
                 w._digest = (w.step, w.state.digest())
@@ -184,6 +186,7 @@ class Worker:
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
+        self._compute = ComputeClock()  # compute vs waiting, for the leader's straggler watch
         self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
 
@@ -255,6 +258,7 @@ class Worker:
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
             cached = self._ddp[id(module)] = (self.generation, DistributedDataParallel(module, **kwargs))
+            self._compute.watch(module)
         return cached[1]
 
     # ---- step boundary ---------------------------------------------------------------
@@ -458,7 +462,7 @@ class Worker:
         digest_step, digest = self._digest
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
-                              generation=generation)]
+                              generation=generation, compute_us=self._compute.compute_us())]
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],

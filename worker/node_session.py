@@ -35,7 +35,8 @@ RECONNECT_MOST_S = 1.0  # and at most heartbeat_timeout/8 (then this) apart whil
 
 
 def shape(frame: pb.NodeFrame) -> tuple:
-    """What a frame reports but its ranks' steps, step times and heard_ms_ago (`NodeFrame.steps_only`)."""
+    """What a frame reports but its ranks' steps, step and compute times and heard_ms_ago
+    (`NodeFrame.steps_only`)."""
     return (frame.term, frame.generation, [(r.local_rank, r.pid, r.state, r.phase, r.generation, r.digest_step, r.digest)
                                            for r in frame.ranks])
 

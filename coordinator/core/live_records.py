@@ -26,6 +26,8 @@ class RankLive:
     digest_step: int = 0
     digest: bytes = b""
     generation: int = 0  # of the group it is in, or forming
+    compute_s: float = 0.0  # median compute part of its latest steps (RankReport.compute_us; 0: not measured)
+    straggler_factor: float = 0.0  # named a straggler: its compute over the job's median (0: not named)
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x
     digest_step: int = 0
     digest: bytes = b""
     generation: int = 0  # of the group the rank is in or forming (0: none yet)
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)

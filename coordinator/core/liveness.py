@@ -153,6 +153,7 @@ class Liveness:
                 self._group.note((node_id, r.local_rank), r.state)
                 self._deadlines.arm(node_id, now)  # a new state: its deadlines are found at the next tally
             live.pid, live.step, live.step_time_s, live.generation = r.pid, r.step, r.step_time_s, r.generation
+            live.compute_s = r.compute_s
             live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
             if r.heard_ms_ago > lost_ms:
                 self._deadlines.arm(node_id, now)  # its agent lost it: judged at the next tally
@@ -166,10 +167,10 @@ class Liveness:
         return recovered
 
     def advance(self, node_id: str, generation: int, local_ranks: Sequence[int],
-                steps: Sequence[tuple[int, int, int]], now: float, *, vouched: bool = False) -> bool:
+                steps: Sequence[tuple[int, int, int, int]], now: float, *, vouched: bool = False) -> bool:
         """Record a frame that only advances steps (`NodeFrame.steps_only`): `steps` holds
-        (step, step_time_us, heard_ms_ago) for each rank of `local_ranks`, whose other fields are as
-        last observed. The hot path: three numbers a rank. False, recording nothing, when these are
+        (step, step_time_us, heard_ms_ago, compute_us) for each rank of `local_ranks`, whose other
+        fields are as last observed. The hot path: four numbers a rank. False, recording nothing, when these are
         not the node's ranks (the frame is then read in full)."""
         node = self.nodes.get(node_id)
         if node is None or node.generation != generation:
@@ -181,14 +182,14 @@ class Liveness:
         self._wheel.heard(node_id, node, now, vouched)
         lost_ms = self.timing.heartbeat_timeout_s * 1000
         top_step = 0
-        for live, (step, step_time_us, heard_ms_ago) in zip(lives, steps):
+        for live, (step, step_time_us, heard_ms_ago, compute_us) in zip(lives, steps):
             top_step = max(top_step, step)
             if step != live.step:
                 if step > live.step and step_time_us:
                     self.step_times.append(step_time_us / 1e6)
                 live.progress_at = now
                 live.step, live.step_time_s = step, step_time_us / 1e6
-            live.heard_ms_ago = heard_ms_ago
+            live.heard_ms_ago, live.compute_s = heard_ms_ago, compute_us / 1e6
             if heard_ms_ago > lost_ms:
                 self._deadlines.arm(node_id, now)  # its agent lost it: judged at the next tally
         if steps:

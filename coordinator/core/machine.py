@@ -100,6 +100,15 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class Straggling:
+    """Ranks of a node compute persistently slower than the job's: recorded in the history (no
+    membership change; under `replace` a Leave of the node follows)."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Regroup:
     """The running group is broken though nobody is found failed (its ranks hold after a failed
     collective, or it did not form in time), or a rank of a script without the library is being
@@ -130,7 +139,8 @@ class Tick:
     """Nothing happened but time passed (forming and waiting deadlines)."""
 
 
-MembershipEvent = Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Regroup | Finishing | Stop | Tick
+MembershipEvent = (Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Straggling | Regroup | Finishing
+                   | Stop | Tick)
 
 
 @dataclass(frozen=True)
@@ -322,6 +332,11 @@ def _on_diverged(f: _Fold, index: int, ev: Diverged) -> None:
     f.changed = True
 
 
+def _on_straggling(f: _Fold, index: int, ev: Straggling) -> None:
+    f.note("straggler", ev.reason, ev.node_id)
+    f.changed = True
+
+
 def _on_finishing(f: _Fold, index: int, ev: Finishing) -> None:
     if not f.finishing and not f.state.ended:
         f.finishing = f.changed = True
@@ -346,8 +361,8 @@ def _on_regroup(f: _Fold, index: int, ev: Regroup) -> None:
 
 
 _FOLD = {Rejoin: _on_rejoin, Join: _on_join, Leave: _on_leave, NodeLost: _on_lost, SlotDown: _on_slot_down,
-         SlotsUp: _on_slots_up, Diverged: _on_diverged, Finishing: _on_finishing, Stop: _on_stop,
-         Regroup: _on_regroup}
+         SlotsUp: _on_slots_up, Diverged: _on_diverged, Straggling: _on_straggling, Finishing: _on_finishing,
+         Stop: _on_stop, Regroup: _on_regroup}
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:

@@ -23,8 +23,8 @@ def job(n=2):
     return decide(JobState("job", JobSpec(1, n, 1)), [Join(f"n{i}", "h", 1, 1) for i in range(n)], c).state
 
 
-def report(step, state="running", pid=100, step_time_s=0.05, heard_ms_ago=0):
-    return [RankReport(0, pid, step, step_time_s, state, heard_ms_ago)]
+def report(step, state="running", pid=100, step_time_s=0.05, heard_ms_ago=0, compute_s=0.0):
+    return [RankReport(0, pid, step, step_time_s, state, heard_ms_ago, compute_s=compute_s)]
 
 
 def steady(live, node, start, steps, now, dt=0.05):
@@ -480,13 +480,14 @@ def test_a_steps_only_frame_records_what_the_full_frame_would():
         now = i * 0.05
         for live in (full, fast):
             live.observe("n1", 1, report(1), now)
-        full.observe("n0", 1, report(step, heard_ms_ago=heard), now)
+        full.observe("n0", 1, report(step, heard_ms_ago=heard, compute_s=0.03), now)
         if i == 0:
-            fast.observe("n0", 1, report(step, heard_ms_ago=heard), now)
+            fast.observe("n0", 1, report(step, heard_ms_ago=heard, compute_s=0.03), now)
         else:
-            assert fast.advance("n0", 1, [0], [(step, 50_000, heard)], now)
+            assert fast.advance("n0", 1, [0], [(step, 50_000, heard, 30_000)], now)
     a, b = full.nodes["n0"].ranks[0], fast.nodes["n0"].ranks[0]
-    assert (a.step, a.progress_at, a.heard_ms_ago, a.step_time_s) == (b.step, b.progress_at, b.heard_ms_ago, b.step_time_s)
+    assert (a.step, a.progress_at, a.heard_ms_ago, a.step_time_s, a.compute_s) == \
+        (b.step, b.progress_at, b.heard_ms_ago, b.step_time_s, b.compute_s)
     assert list(full.step_times) == list(fast.step_times)
     end = len(frames) * 0.05
     assert [(f.kind, f.node_id) for f in fast.failures(state, end)] == [(f.kind, f.node_id)
@@ -497,9 +498,9 @@ def test_a_steps_only_frame_records_what_the_full_frame_would():
 def test_a_steps_only_frame_for_other_ranks_or_another_generation_records_nothing():
     live = Liveness(TIMING, now=0)
     live.observe("n0", 1, report(1), 0)
-    assert not live.advance("n0", 1, [0, 1], [(2, 1, 0), (2, 1, 0)], 0.1)  # rank 1 never reported
-    assert not live.advance("n0", 2, [0], [(2, 1, 0)], 0.1)  # a new generation: read in full
-    assert not live.advance("n9", 1, [0], [(2, 1, 0)], 0.1)  # never seen
+    assert not live.advance("n0", 1, [0, 1], [(2, 1, 0, 0), (2, 1, 0, 0)], 0.1)  # rank 1 never reported
+    assert not live.advance("n0", 2, [0], [(2, 1, 0, 0)], 0.1)  # a new generation: read in full
+    assert not live.advance("n9", 1, [0], [(2, 1, 0, 0)], 0.1)  # never seen
     assert live.nodes["n0"].ranks[0].step == 1
 
 

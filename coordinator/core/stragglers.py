@@ -1,0 +1,122 @@
+"""Stragglers: ranks whose compute is persistently above the job's.
+
+A synchronous job runs at the speed of its slowest rank and nothing dies, so nothing else recovers
+from a slow one. Each rank reports the median of its latest steps' compute times
+(`RankReport.compute_us`: forward and backward, before the gradients' all-reduce; the healthy ranks
+spend the difference waiting in it). A rank is named once its compute has stayed at least `factor`
+times the job's median for `min_steps` of its steps, and cleared once it is back under half that
+margin (hysteresis: a rank near the threshold does not flap). A node whose measured ranks are all
+named is named as the node. Pure: the leader feeds it what its liveness holds and acts on the
+result (an event, the metric, Status, and under `replace` a planned leave of the node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from muster.coordinator.core.live_records import NodeLive
+from muster.coordinator.core.state import Placement
+
+ACTIONS = ("off", "report", "replace")
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    action: str = "report"  # off | report | replace (a planned leave of the straggling node)
+    factor: float = 1.5  # compute over the job's median at which a rank straggles
+    min_steps: int = 20  # steps it must straggle for before it is named
+    replace_window_s: float = 600.0  # `replace` takes out at most `replace_per_window` nodes per window
+    replace_per_window: int = 1
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"straggler action {self.action!r} is not one of {', '.join(ACTIONS)}")
+        if not self.factor > 1.0:
+            raise ValueError(f"straggler factor {self.factor} must be above 1")
+        if self.min_steps < 1 or self.replace_per_window < 0 or self.replace_window_s <= 0:
+            raise ValueError("straggler min_steps must be at least 1, the replace window positive")
+
+    @property
+    def clear_below(self) -> float:
+        return 1.0 + (self.factor - 1.0) / 2
+
+
+@dataclass(frozen=True)
+class Straggler:
+    node_id: str
+    local_ranks: tuple[int, ...]  # its ranks named
+    factor: float  # the highest compute among them over the job's median
+    loss: float  # the share of the job's step time lost to it: its excess compute over the step time
+    whole_node: bool  # every measured rank of the node straggles
+
+    def describe(self) -> str:
+        who = f"node {self.node_id!r}" if self.whole_node else \
+            f"node {self.node_id!r} local rank(s) {list(self.local_ranks)}"
+        return f"{who} computes {self.factor:.2f}x the job's median; about {self.loss:.0%} of the job's throughput lost"
+
+
+@dataclass
+class StragglerWatch:
+    policy: StragglerPolicy
+    _since: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, local rank) -> step it began to straggle at
+    named: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, local rank) -> its factor
+
+    def assess(self, placements: Iterable[Placement], nodes: Mapping[str, NodeLive],
+               step_time_s: float) -> tuple[list[Straggler], list[str]]:
+        """The map's running ranks as the liveness holds them: the stragglers named by this look (one
+        per node) and the nodes cleared. Each rank's `straggler_factor` is set (0: not named)."""
+        measured = []  # (node_id, local_rank, step, compute_s, live)
+        for p in placements:
+            node = nodes.get(p.node_id)
+            for slot in p.slots:
+                live = node.ranks.get(slot) if node else None
+                if live is not None and live.state == "running" and live.compute_s > 0:
+                    measured.append((p.node_id, slot, live.step, live.compute_s, live))
+        if len(measured) < 2:
+            return [], self._clear_all()
+        computes = sorted(m[3] for m in measured)
+        median = computes[(len(computes) - 1) // 2]  # the lower median: of two ranks, the faster
+        named_now: dict[str, list[tuple[int, float]]] = {}
+        cleared: set[str] = set()
+        by_node: dict[str, int] = {}
+        seen = set()
+        for node_id, slot, step, compute_s, live in measured:
+            key = (node_id, slot)
+            seen.add(key)
+            by_node[node_id] = by_node.get(node_id, 0) + 1
+            ratio = compute_s / median
+            if key in self.named:
+                if ratio < self.policy.clear_below:
+                    del self.named[key]
+                    self._since.pop(key, None)
+                    cleared.add(node_id)
+                else:
+                    self.named[key] = ratio
+            elif ratio >= self.policy.factor:
+                since = self._since.setdefault(key, step)
+                if step - since >= self.policy.min_steps:
+                    self.named[key] = ratio
+                    named_now.setdefault(node_id, []).append((slot, ratio))
+            else:
+                self._since.pop(key, None)
+            live.straggler_factor = round(self.named.get(key, 0.0), 2)
+        for key in [k for k in self.named if k not in seen]:  # left the map, or stopped reporting
+            del self.named[key]
+            cleared.add(key[0])
+        for key in [k for k in self._since if k not in seen]:
+            del self._since[key]
+        found = []
+        for node_id, ranks in named_now.items():
+            factor = max(r for _, r in ranks)
+            every = [s for (n, s) in self.named if n == node_id]
+            loss = min(1.0, max(0.0, (factor - 1.0) * median / step_time_s)) if step_time_s > 0 else 0.0
+            found.append(Straggler(node_id, tuple(sorted(every)), round(factor, 2), round(loss, 3),
+                                   whole_node=len(every) == by_node[node_id]))
+        return found, sorted(cleared - {n for n, _ in self.named})
+
+    def _clear_all(self) -> list[str]:
+        cleared = sorted({n for n, _ in self.named})
+        self.named.clear()
+        self._since.clear()
+        return cleared

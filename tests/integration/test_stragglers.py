@@ -1,0 +1,84 @@
+"""Stragglers on real processes: ranks of examples/train_ddp.py on gloo, a real coordinator and
+etcd, one rank slowed from outside (SIGSTOP/SIGCONT on a duty cycle: `Throttle`). Its compute
+(the simulated 50 ms of work, forward and backward) stretches while the others wait for it in the
+all-reduce; the leader names it, and under `replace` a hot spare takes its node's place at a
+planned step. The work is a sleep, which a throttle stretches only when it ends in a stopped
+window (by s^2 P / 2 on average: 84 ms at 75% of 0.3 s, ~2.3x the healthy ranks' ~65 ms here)."""
+
+import grpc
+import pytest
+
+from muster.client import Coordinators
+from muster.local import Throttle, wait_until
+from muster.v1 import muster_pb2 as pb
+
+FAST_STRAGGLERS = ["--heartbeat-timeout", "2.0", "--straggler-min-steps", "10"]
+
+
+def node_of(p) -> str:
+    return wait_until(lambda: p.records("node_joined"), 30, "the rank's node_joined record")[0]["node"]
+
+
+def ranks_status(address: str, job: str) -> list[pb.RankStatus]:
+    with Coordinators([address], timeout_s=5) as c:
+        return list(c.call("Status", pb.StatusRequest(job=job)).jobs[0].ranks)
+
+
+def measured(address: str, job: str, world: int) -> bool:
+    try:
+        ranks = ranks_status(address, job)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:  # not created yet
+            raise
+        return False
+    return len(ranks) == world and all(r.compute_us and r.state == "running" for r in ranks)
+
+
+@pytest.mark.timeout(150)
+def test_a_throttled_rank_is_named_with_its_node_and_cleared_once_it_runs_freely(coordinators, training):
+    (leader,) = coordinators(1, extra=FAST_STRAGGLERS)
+    ranks = training([leader.address], "slow", 4, steps=100_000, min_nodes=4, max_nodes=4)
+    wait_until(lambda: measured(leader.address, "slow", 4), 60, "every rank reporting its compute")
+    generation = max(r["generation"] for p in ranks for r in p.steps())
+    victim = ranks[2]
+    throttle = Throttle(victim.pid, stopped=0.75, period_s=0.3).start()
+    try:
+        named = wait_until(lambda: leader.find("straggler_named"), 60, "a straggler named")
+        assert [r["node"] for r in named] == [node_of(victim)], named
+        assert named[0]["factor"] >= 1.5 and named[0]["whole_node"] and 0 < named[0]["loss"] < 1
+        factors = {r.node: r.straggler_factor for r in ranks_status(leader.address, "slow")}
+        assert factors.pop(node_of(victim)) >= 1.5 and not any(factors.values()), factors
+        with Coordinators([leader.address], timeout_s=5) as c:
+            events = c.call("Events", pb.EventsRequest(job="slow")).events
+        (event,) = [e for e in events if e.kind == "straggler"]
+        assert list(event.nodes) == [node_of(victim)] and "the job's median" in event.reason
+    finally:
+        throttle.stop()
+    wait_until(lambda: leader.find("straggler_cleared", node=node_of(victim)), 60, "the straggler cleared")
+    assert len(leader.find("straggler_named")) == 1  # nobody else, then or since
+    assert all(p.proc.poll() is None for p in ranks)  # reported only: nobody evicted, nothing re-formed
+    assert max(r["generation"] for p in ranks for r in p.steps()) == generation
+
+
+@pytest.mark.timeout(180)
+def test_replace_swaps_a_straggling_node_for_the_spare_at_a_planned_step(coordinators, training):
+    (leader,) = coordinators(1, extra=[*FAST_STRAGGLERS, "--straggler-action", "replace"])
+    ranks = training([leader.address], "swap", 4, steps=100_000, min_nodes=2, max_nodes=3)
+    wait_until(lambda: measured(leader.address, "swap", 3), 60, "three ranks reporting their compute, one spare")
+    in_map = {r.node for r in ranks_status(leader.address, "swap")}
+    spare = next(p for p in ranks if node_of(p) not in in_map)
+    victim = next(p for p in ranks if p is not spare)
+    throttle = Throttle(victim.pid, stopped=0.75, period_s=0.3).start()
+    try:
+        wait_until(lambda: leader.find("straggler_named", node=node_of(victim)), 60, "the straggler named")
+        victim.wait(60)  # drained at the planned step, told why, it leaves
+    finally:
+        throttle.stop()
+    left = wait_until(lambda: leader.find("membership_changed", kind="node_left"), 10, "the planned leave")
+    assert left[0]["nodes"] == [node_of(victim)] and "straggler replaced" in left[0]["reason"]
+    assert "graceful" in left[0]["reason"]  # at a step boundary: nothing aborted
+    wait_until(lambda: node_of(spare) in {r.node for r in ranks_status(leader.address, "swap")}, 30,
+               "the spare in the map")
+    wait_until(lambda: measured(leader.address, "swap", 3), 60, "three ranks stepping again")
+    assert not leader.find("straggler_named", node=node_of(spare))
+    assert "straggler replaced" in victim.log_path.read_text()

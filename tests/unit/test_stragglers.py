@@ -1,0 +1,108 @@
+"""The straggler watch (pure): named after min_steps above the factor, cleared with hysteresis,
+a whole node named as the node, noise and too few ranks name nobody."""
+
+import random
+
+import pytest
+
+from muster.coordinator.core.live_records import NodeLive, RankLive
+from muster.coordinator.core.state import Placement
+from muster.coordinator.core.stragglers import StragglerPolicy, StragglerWatch
+
+POLICY = StragglerPolicy(factor=1.5, min_steps=10)
+
+
+def job(nodes: int = 4, slots: int = 2):
+    placements = [Placement(f"n{i}", i, i * slots, tuple(range(slots))) for i in range(nodes)]
+    live = {p.node_id: NodeLive(0.0, ranks={s: RankLive(state="running") for s in p.slots}) for p in placements}
+    return placements, live
+
+
+def steps(placements, live, watch, computes: dict[tuple[str, int], float], n: int, base: float = 0.1):
+    """`n` steps of every rank, each reporting `base` compute or its entry in `computes`; what was
+    named and cleared over them."""
+    named, cleared = [], []
+    for _ in range(n):
+        for node_id, node in live.items():
+            for slot, r in node.ranks.items():
+                r.step += 1
+                r.compute_s = computes.get((node_id, slot), base)
+        found, gone = watch.assess(placements, live, step_time_s=0.3)
+        named += found
+        cleared += gone
+    return named, cleared
+
+
+def test_a_slow_rank_is_named_after_min_steps_with_its_factor_and_the_loss():
+    placements, live = job()
+    watch = StragglerWatch(POLICY)
+    named, _ = steps(placements, live, watch, {("n2", 1): 0.2}, 10)
+    assert named == []  # 10 steps seen above, the first one sets the start: not yet
+    named, _ = steps(placements, live, watch, {("n2", 1): 0.2}, 1)
+    assert [(s.node_id, s.local_ranks, s.factor, s.whole_node) for s in named] == [("n2", (1,), 2.0, False)]
+    assert named[0].loss == pytest.approx(0.1 / 0.3, abs=0.01)  # its excess compute over the step time
+    assert live["n2"].ranks[1].straggler_factor == 2.0 and live["n2"].ranks[0].straggler_factor == 0
+    assert "local rank(s) [1]" in named[0].describe()
+    named, _ = steps(placements, live, watch, {("n2", 1): 0.2}, 30)
+    assert named == []  # named once
+
+
+def test_every_rank_of_a_node_slow_names_the_node_and_hysteresis_clears_it_only_below_half_the_margin():
+    placements, live = job()
+    watch = StragglerWatch(POLICY)
+    slow = {("n1", 0): 0.3, ("n1", 1): 0.3}
+    named, _ = steps(placements, live, watch, slow, 12)
+    assert [(s.node_id, s.whole_node) for s in named] == [("n1", True)]
+    assert "node 'n1' computes 3.00x" in named[0].describe()
+    _, cleared = steps(placements, live, watch, {("n1", 0): 0.13, ("n1", 1): 0.13}, 5)  # 1.3x: above 1.25
+    assert cleared == [] and len(watch.named) == 2
+    _, cleared = steps(placements, live, watch, {}, 1)
+    assert cleared == ["n1"] and watch.named == {}
+    assert live["n1"].ranks[0].straggler_factor == 0
+
+
+def test_a_rank_that_dips_under_the_factor_starts_its_count_again():
+    placements, live = job()
+    watch = StragglerWatch(POLICY)
+    steps(placements, live, watch, {("n0", 0): 0.2}, 8)
+    steps(placements, live, watch, {}, 1)
+    named, _ = steps(placements, live, watch, {("n0", 0): 0.2}, 10)
+    assert named == []
+    named, _ = steps(placements, live, watch, {("n0", 0): 0.2}, 1)
+    assert [s.node_id for s in named] == ["n0"]
+
+
+def test_noise_around_the_median_names_nobody():
+    placements, live = job(nodes=16, slots=8)
+    watch = StragglerWatch(POLICY)
+    rng = random.Random(5)
+    for _ in range(300):  # every rank's window median jitters by up to 20%
+        named, _ = steps(placements, live, watch, {(p.node_id, s): 0.1 * rng.uniform(0.85, 1.2)
+                                                   for p in placements for s in p.slots}, 1)
+        assert named == []
+
+
+def test_fewer_than_two_measured_ranks_or_ranks_not_running_are_not_judged():
+    placements, live = job(nodes=2, slots=1)
+    watch = StragglerWatch(POLICY)
+    live["n1"].ranks[0].state = "forming"
+    named, _ = steps(placements, live, watch, {("n0", 0): 1.0}, 30)
+    assert named == []
+    live["n1"].ranks[0].state = "running"
+    named, _ = steps(placements, live, watch, {("n0", 0): 1.0}, 11)
+    assert [s.node_id for s in named] == ["n0"]  # of two ranks, the slower is judged against the faster
+
+
+def test_a_named_rank_that_leaves_the_map_is_cleared():
+    placements, live = job()
+    watch = StragglerWatch(POLICY)
+    steps(placements, live, watch, {("n3", 0): 0.5}, 11)
+    assert watch.named
+    found, cleared = watch.assess(placements[:3], live, 0.3)
+    assert found == [] and cleared == ["n3"] and watch.named == {}
+
+
+@pytest.mark.parametrize("kwargs", [{"action": "evict"}, {"factor": 1.0}, {"min_steps": 0}, {"replace_window_s": 0}])
+def test_a_bad_policy_is_refused(kwargs):
+    with pytest.raises(ValueError):
+        StragglerPolicy(**kwargs)
