@@ -49,6 +49,7 @@ def test_compound_sequence(tmp_path):
     finally:
         report = chaos.report()
         leftovers = chaos.stop()
-        print(json.dumps(summary(chaos, report, seed=SEED, began=began, first_step=first_step,
-                                 stopped_by=stopped_by), indent=2))
+        out = summary(chaos, report, seed=SEED, began=began, first_step=first_step, stopped_by=stopped_by)
+        print(json.dumps(out, indent=2))
     assert not leftovers, f"processes left behind: {leftovers}"
+    assert not out["stragglers_named"], f"healthy ranks named stragglers through the faults: {out['stragglers_named']}"

@@ -58,6 +58,7 @@ def test_soak(request, tmp_path):
     print(json.dumps(out, indent=2))
     assert not leftovers, f"processes left behind: {leftovers}"
     assert stopped_by is None, f"the soak stopped (seed {seed}): {stopped_by}"
+    assert not out["stragglers_named"], f"seed {seed}: healthy ranks named stragglers: {out['stragglers_named']}"
     assert not out["wedges"] and not out["ranks_lost_to_outside_faults"], \
         f"seed {seed}: {out['wedges']} wedge(s), {out['ranks_lost_to_outside_faults']} rank(s) lost to faults " \
         f"outside them; see {tmp_path / 'report.json'}"

@@ -1,0 +1,116 @@
+"""Stragglers, end to end: how soon a slowed rank is named, and the job's throughput before, during
+and after `--straggler-action replace` swaps its node for the hot spare.
+
+One etcd, one coordinator (`--straggler-action replace`), N+1 ranks of examples/train_ddp.py
+under the worker library on gloo (each its own node; N in the map, one hot spare). For each slowdown
+in `--slowdowns`, a fresh job: once every rank steps, one rank of the map is throttled from outside
+(`muster.local.Throttle`: SIGSTOP/SIGCONT on a duty cycle) until the leader has replaced it. The
+work per step is a sleep (`--step-sleep`), which a throttle stretches by ~s^2 P / 2 (stopped s of
+every period P): the slowdowns' duty cycles are chosen for about 1.5x and 3x the healthy compute,
+and the factor the leader measured is reported beside them.
+
+Prints JSON: per slowdown, the throttle, the factor named, detection (throttle → named) in
+seconds and in the victim's steps, the replacement (named → the spare in the map) and the job's
+steps/s before, while slowed and after the swap (from the ranks' own step records)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from muster import logs
+from muster.coordinator.etcd.server import EtcdServer
+from muster.local import CoordinatorProcess, Throttle, TrainingProcess, record_time, wait_until
+
+# slowdown name -> (stopped share, period s): with 50 ms of sleep a step, ~1.5x and ~3x its compute
+SLOWDOWNS = {"1.5x": (0.6, 0.25), "3x": (0.8, 0.5)}
+WINDOW_S = 6.0  # seconds of steps each throughput figure is taken over
+
+
+def steps_per_s(procs: list[TrainingProcess], since: float, until: float) -> float:
+    """The job's steps per second over [since, until]: the fastest rank's steps there (all ranks step
+    together), per second."""
+    best = 0
+    for p in procs:
+        best = max(best, sum(1 for r in p.steps() if since <= record_time(r) <= until))
+    return round(best / max(until - since, 1e-9), 2)
+
+
+def one(workdir: Path, ranks: int, step_sleep_s: float, name: str, min_steps: int) -> dict:
+    stopped, period_s = SLOWDOWNS[name]
+    etcd = EtcdServer(workdir / "etcd").start()
+    leader = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log",
+                                ["--heartbeat-timeout", "2.0", "--straggler-action", "replace",
+                                 "--straggler-min-steps", str(min_steps)]).start()
+    procs = [TrainingProcess([leader.address], "straggle", workdir / f"rank-{i}.log", steps=10**9,
+                             step_sleep_s=step_sleep_s, min_nodes=ranks - 1, max_nodes=ranks).start()
+             for i in range(ranks + 1)]
+    throttle = None
+    try:
+        wait_until(lambda: sum(1 for p in procs if len(p.steps()) >= 40) == ranks, 180, "the map's ranks stepping")
+        stepping = [p for p in procs if p.steps()]
+        time.sleep(WINDOW_S)
+        began = time.time()
+        before = steps_per_s(stepping, began - WINDOW_S, began)
+        victim = stepping[-1]
+        step_at_throttle = victim.last_step
+        throttle = Throttle(victim.pid, stopped, period_s).start()
+        named = wait_until(lambda: leader.find("straggler_named"), 120, "the straggler named")[0]
+        named_at = record_time(named)
+        step_at_named = max([r["step"] for r in victim.steps() if record_time(r) <= named_at] or [step_at_throttle])
+        during = steps_per_s(stepping, began + (named_at - began) / 2, named_at)
+        left = wait_until(lambda: leader.find("membership_changed", kind="node_left"), 60, "the node's planned leave")
+        spare = next(p for p in procs if p not in stepping)
+        wait_until(lambda: len(spare.steps()) >= 5, 60, "the spare stepping in the map")
+        swapped_at = record_time(spare.steps()[0])
+        time.sleep(WINDOW_S + 1)
+        after = steps_per_s([p for p in procs if p is not victim], swapped_at + 1, swapped_at + 1 + WINDOW_S)
+        return {
+            "slowdown": name, "throttle": {"stopped": stopped, "period_s": period_s},
+            "factor_named": named["factor"], "loss_named": named["loss"], "whole_node": named["whole_node"],
+            "detection_s": round(named_at - began, 2), "detection_steps": step_at_named - step_at_throttle,
+            "left_after_named_s": round(record_time(left[0]) - named_at, 2),
+            "spare_stepping_after_named_s": round(swapped_at - named_at, 2),
+            "steps_per_s": {"before": before, "slowed": during, "after_swap": after},
+            "others_named": [r["node"] for r in leader.find("straggler_named")[1:]],
+        }
+    finally:
+        if throttle is not None:
+            throttle.stop()
+        for p in procs:
+            p.stop()
+        leader.stop()
+        etcd.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4, help="ranks in the map (one more runs as the spare)")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute a step")
+    p.add_argument("--slowdowns", default="1.5x,3x", help=f"of {', '.join(SLOWDOWNS)}")
+    p.add_argument("--min-steps", type=int, default=20, help="--straggler-min-steps")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args()
+    logs.configure("warning")
+    results = []
+    for name in [s.strip() for s in args.slowdowns.split(",") if s.strip()]:
+        if name not in SLOWDOWNS:
+            print(f"stragglers.py: unknown slowdown {name!r}; known: {', '.join(SLOWDOWNS)}", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="muster-stragglers-") as tmp:
+            results.append(one(Path(tmp), args.ranks, args.step_sleep, name, args.min_steps))
+    out = {"bench": "stragglers", "ranks": args.ranks, "spares": 1, "step_sleep_s": args.step_sleep,
+           "min_steps": args.min_steps, "backend": "gloo", "results": results}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
