@@ -19,10 +19,10 @@ from muster.coordinator import wire
 from muster.coordinator.core.kinds import GROUP_KINDS, FailureKind
 from muster.coordinator.core.liveness import Divergence, Failure, Liveness
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
-                                             Regroup, SlotDown, SlotsUp, Stop, Straggling, Tick, decide)
+                                             Regroup, SlotDown, SlotsUp, Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
-from muster.coordinator.core.stragglers import Straggler, StragglerPolicy, StragglerWatch
+from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
 from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
@@ -31,6 +31,7 @@ from muster.coordinator.metrics import Metrics
 from muster.coordinator.run_end import RunEnd
 from muster.coordinator.sessions import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
                                          rejoin_of, secret_hash)
+from muster.coordinator.straggler_duty import StragglerDuty
 from muster.coordinator.streams import NodeStream, Streams
 from muster.v1 import muster_pb2 as pb
 
@@ -42,8 +43,6 @@ log = structlog.get_logger(__name__)
 # 12,500 nodes, set off by a change's directives): the GC's view is frozen once the takeover grace
 # is over (every node heard) and after each new generation (refcounting still frees them).
 LARGE_JOB_NODES = 1_000
-# Stragglers are looked for this often, and less often in large jobs: a look is O(ranks) (~0.5 µs a rank).
-STRAGGLER_EVERY_S, STRAGGLER_RANKS_PER_S = 1.0, 20_000
 
 
 def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
@@ -130,9 +129,7 @@ class JobLeader:
         self._graced = True  # the takeover grace has not ended yet
         self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.metrics, self.log)
         self.ended = False  # the run ended and its record was written: the job is no more
-        self.stragglers = StragglerWatch(stragglers)
-        self._stragglers_at = now  # the next look for stragglers
-        self._replaced: list[float] = []  # when `replace` took nodes out, within its window
+        self.stragglers = StragglerDuty(stragglers, now, self.log)
 
     @property
     def lost_reason(self) -> str | None:
@@ -212,7 +209,7 @@ class JobLeader:
             self.stats.signalled(at)
         if diverged is not None:
             self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
-        events = [event for event, _ in batch] + found + self._look_for_stragglers(now)
+        events = [event for event, _ in batch] + found + self.stragglers.look(now, self.state, self.live, self.streams)
         if self.state.phase is not Phase.RUNNING or self.state.ended:
             events.append(Tick())  # forming, waiting and draining deadlines
         if not events:
@@ -232,41 +229,6 @@ class JobLeader:
         settle(batch, decision)
         if self.state.ended and await self._run_end.carried_out(self.state, now, self.streams):
             self.ended = True
-
-    def _look_for_stragglers(self, now: float) -> list[MembershipEvent]:
-        """Every STRAGGLER_EVERY_S of a running job: name new stragglers (logged, in the history)
-        and under `replace` take the node out at a planned step, within the policy's window and
-        never below min_nodes."""
-        policy, state = self.stragglers.policy, self.state
-        if policy.action == "off" or now < self._stragglers_at or state.phase is not Phase.RUNNING \
-                or state.finishing or state.ended or state.rank_map is None:
-            return []
-        placements = state.rank_map.placements
-        self._stragglers_at = now + STRAGGLER_EVERY_S + sum(len(p.slots) for p in placements) / STRAGGLER_RANKS_PER_S
-        found, cleared = self.stragglers.assess(placements, self.live.nodes, self.live.median_step_time() or 0.0)
-        for node_id in cleared:
-            self.log.info("straggler_cleared", node=node_id)
-        events: list[MembershipEvent] = []
-        for s in found:
-            self.log.warning("straggler_named", node=s.node_id, local_ranks=list(s.local_ranks), factor=s.factor,
-                             loss=s.loss, whole_node=s.whole_node)
-            events.append(Straggling(s.node_id, s.describe()))
-            if policy.action == "replace":
-                events.extend(self._replace(s, now))
-        return events
-
-    def _replace(self, s: Straggler, now: float) -> list[MembershipEvent]:
-        policy = self.stragglers.policy
-        self._replaced = [t for t in self._replaced if now - t < policy.replace_window_s]
-        remaining = len(self.state.members) - 1
-        if len(self._replaced) >= policy.replace_per_window or remaining < self.state.spec.min_nodes:
-            why = "its window's replacements are spent" if remaining >= self.state.spec.min_nodes else \
-                f"the job would fall below min_nodes {self.state.spec.min_nodes}"
-            self.log.warning("straggler_kept", node=s.node_id, reason=why)
-            return []
-        self._replaced.append(now)
-        self.streams.depart(s.node_id)
-        return [Leave(s.node_id, False, f"straggler replaced: {s.describe()}")]
 
     async def _persist(self, decision: Decision, batch: list[Queued]) -> bool:
         """Write the decision's state, fenced on the term; whether it was written. Nothing of the

@@ -429,21 +429,7 @@ def _serve_parser(sub) -> None:
                    "run then ends whoever is left (default %(default)s s)")
     g.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
                    "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
-    g = s.add_argument_group("stragglers: ranks persistently slower than the job's median")
-    g.add_argument("--straggler-action", default="report", metavar="off|report|replace",
-                   help="report: name them (an event, the muster_stragglers metric, a column of muster status); "
-                        "replace: also take the straggling node out at a planned step, a hot spare taking its "
-                        "place, never below min_nodes; off: neither (default %(default)s)")
-    g.add_argument("--straggler-factor", type=float, default=1.5,
-                   help="a rank straggles while its compute (forward and backward, before the gradients' "
-                        "all-reduce) is this many times the job's median (default %(default)s)")
-    g.add_argument("--straggler-min-steps", type=int, default=20,
-                   help="steps a rank must straggle for before it is named (default %(default)s)")
-    g.add_argument("--straggler-window", default="10m",
-                   help="replace: at most --straggler-replace-max nodes of a job per this window (default "
-                        "%(default)s): a host-wide slowdown must not take out everyone")
-    g.add_argument("--straggler-replace-max", type=int, default=1,
-                   help="nodes replace takes out per window (default %(default)s)")
+    _straggler_flags(s)
     g = s.add_argument_group("limits: what one caller or job may cost")
     g.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
     g.add_argument("--max-jobs", type=int, default=1_000, help="running jobs this deployment accepts (finished "
@@ -467,6 +453,24 @@ def _serve_parser(sub) -> None:
     g.add_argument("--peer-tls-key", help="its private key (PEM)")
     s.set_defaults(func=_serve, verb="serve")
 
+
+
+def _straggler_flags(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("stragglers: ranks persistently slower than the job's median")
+    g.add_argument("--straggler-action", default="report", metavar="off|report|replace",
+                   help="report: name them (an event, the muster_stragglers metric, a column of muster status); "
+                        "replace: also take the straggling node out at a planned step, a hot spare taking its "
+                        "place, never below min_nodes; off: neither (default %(default)s)")
+    g.add_argument("--straggler-factor", type=float, default=1.5,
+                   help="a rank straggles while its compute (forward and backward, before the gradients' "
+                        "all-reduce) is this many times the job's median (default %(default)s)")
+    g.add_argument("--straggler-min-steps", type=int, default=20,
+                   help="steps a rank must straggle for before it is named (default %(default)s)")
+    g.add_argument("--straggler-window", default="10m",
+                   help="replace: at most --straggler-replace-max nodes of a job per this window (default "
+                        "%(default)s): a host-wide slowdown must not take out everyone")
+    g.add_argument("--straggler-replace-max", type=int, default=1,
+                   help="nodes replace takes out per window (default %(default)s)")
 
 def _run_parser(sub) -> None:
     r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",

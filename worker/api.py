@@ -118,12 +118,13 @@ class _StepScope:
     afterwards whether it counted (False: discarded by a membership change, to be redone).
     Reusable; allocation-free on success."""
 
-    __slots__ = ("worker", "started", "completed")
+    __slots__ = ("worker", "started", "completed", "compute")
 
     def __init__(self, worker: Worker):
         self.worker = worker
         self.started = 0.0
         self.completed = False
+        self.compute = ComputeClock()  # compute vs waiting, for the leader's straggler watch
 
     def __enter__(self) -> _StepScope:
         if self.worker.link.changed.is_set():
@@ -138,7 +139,7 @@ class _StepScope:
             w.step += 1
             self.completed = True
             w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "", w.generation)
-            w._compute.step_done(self.started)
+            self.compute.step_done(self.started)
             w._redos = 0
             if w._digest_every and w.step % w._digest_every == 0:
                 w._digest = (w.step, w.state.digest())
@@ -186,7 +187,6 @@ class Worker:
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
-        self._compute = ComputeClock()  # compute vs waiting, for the leader's straggler watch
         self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
 
@@ -243,8 +243,7 @@ class Worker:
         try:
             yield
         finally:
-            step, us, _, _, generation = self._progress
-            self._progress = (step, us, "running", "", generation)
+            self._progress = (*self._progress[:2], "running", "", self._progress[4])
 
     def ddp(self, module: torch.nn.Module | None = None, **kwargs) -> torch.nn.Module:
         """A DistributedDataParallel wrapper over the current group, rebuilt after every reform
@@ -258,7 +257,7 @@ class Worker:
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
             cached = self._ddp[id(module)] = (self.generation, DistributedDataParallel(module, **kwargs))
-            self._compute.watch(module)
+            self._scope.compute.watch(module)
         return cached[1]
 
     # ---- step boundary ---------------------------------------------------------------
@@ -462,7 +461,7 @@ class Worker:
         digest_step, digest = self._digest
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
-                              generation=generation, compute_us=self._compute.compute_us())]
+                              generation=generation, compute_us=self._scope.compute.compute_us())]
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],

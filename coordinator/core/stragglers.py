@@ -59,8 +59,9 @@ class Straggler:
 @dataclass
 class StragglerWatch:
     policy: StragglerPolicy
-    _since: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, local rank) -> step it began to straggle at
-    named: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, local rank) -> its factor
+    # (node, local rank) -> the step it began to straggle at; and -> its factor, once named
+    _since: dict[tuple[str, int], int] = field(default_factory=dict)
+    named: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def assess(self, placements: Iterable[Placement], nodes: Mapping[str, NodeLive],
                step_time_s: float) -> tuple[list[Straggler], list[str]]:

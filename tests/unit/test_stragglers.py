@@ -106,3 +106,15 @@ def test_a_named_rank_that_leaves_the_map_is_cleared():
 def test_a_bad_policy_is_refused(kwargs):
     with pytest.raises(ValueError):
         StragglerPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--straggler-action", "evict"], "straggler action 'evict' is not one of off, report, replace"),
+    (["--straggler-factor", "0.9"], "straggler factor 0.9 must be above 1"),
+    (["--straggler-window", "soon"], "'soon' is no duration"),
+])
+def test_muster_serve_refuses_a_bad_straggler_policy_with_a_clear_message(flags, message, capsys):
+    from muster.cli import _serve, parser
+
+    assert _serve(parser().parse_args(["serve", *flags])) == 2
+    assert message in capsys.readouterr().err
