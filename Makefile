@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 demo: $(STAMP)
 	$(BIN)/muster --log-level warning demo --duration 45
