@@ -12,8 +12,11 @@ from collections import Counter, defaultdict
 
 from harness import AFTERMATH_S, HEAL_BOUND_S, LIVENESS_BOUND_S, Chaos
 
+from muster.local import record_time
+
 # The single faults of test_faults.py, each answered by the job (see docs/reliability.md's table).
-TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform"]
+TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform",
+         "slow_rank"]
 # Whole-deployment faults, each a scenario of the harness with its repair.
 COMPOUND = [
     "etcd_outage",  # every etcd member SIGKILLed (10 s; the soak: up to 2 minutes), restarted with its data: nothing changes
@@ -86,9 +89,10 @@ def summary(chaos: Chaos, report: dict, *, seed: int, began: float, first_step: 
         "longest_stall_s": report["longest_stall_s"],  # max gap between two steps of the job
         "longest_stall_by_kind": {k: max(f["stall_s"] for f in faults if f["kind"] == k)
                                   for k in sorted({f["kind"] for f in faults})},
-        # no fault slows a rank: a straggler named here is a false positive (docs/guide/stragglers.md)
+        # stragglers named but the throttled ranks' nodes (slow_rank): false positives (docs/guide/stragglers.md)
         "stragglers_named": [{k: r.get(k) for k in ("node", "factor", "timestamp")}
-                             for replica in chaos.replicas for r in replica.find("straggler_named")],
+                             for replica in chaos.replicas for r in replica.find("straggler_named")
+                             if not any(f["slowed"] == r["node"] and f["at"] <= record_time(r) for f in faults)],
         "ranks_lost_to_outside_faults": len(lost),
         "lost": lost,
         "wedges": len(wedges),

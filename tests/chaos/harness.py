@@ -32,7 +32,8 @@ from muster.client import Coordinators
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.client import connect
 from muster.coordinator.etcd.server import EtcdCluster
-from muster.local import AgentProcess, CoordinatorProcess, json_lines, process_alive, record_time, wait_until
+from muster.local import (AgentProcess, CoordinatorProcess, Throttle, json_lines, process_alive, record_time,
+                          wait_until)
 from muster.v1 import muster_pb2 as pb
 
 Slot = tuple[str, int]  # (node id, local rank)
@@ -60,6 +61,10 @@ COORDINATORS_DOWN_S = 20.0  # every coordinator killed, then restarted at its ad
 # TTL), so no leader is left to hear of it.
 KILL_INTO_OUTAGE_S = 4.0
 STEP_DOWN_BOUND_S = 5.0  # a resumed, frozen leader logs that it lost the job within this
+# A throttled rank (stopped 75% of every 0.3 s: ~2.5x its compute) -> its node named a straggler:
+# --straggler-min-steps (20) of the job's slowed steps (~4 a second), after the rank's window median
+# (32 steps) crossed the factor (~16 steps), with a margin for a loaded box.
+STRAGGLER_BOUND_S = 30.0
 HOSTILE_SETTLE_S = HEARTBEAT_TIMEOUT_S + 1.0  # after the hostile client: time for an eviction to show
 AFTERMATH_S = HEARTBEAT_TIMEOUT_S + 3.0  # after the last fault of a sequence: time for a late consequence to show
 # Faults after which a new leader may lead. Its grace (nodes reconnect before anyone is evicted
@@ -115,13 +120,15 @@ class Fault:
     problems: list[str] = field(default_factory=list)  # other broken invariants, each a precise message
     stall_s: float | None = None  # longest gap between two steps of the job from this fault to the next
     frozen: tuple[CoordinatorProcess, int] | None = field(default=None, repr=False)  # (leader, its term)
+    slowed: str | None = None  # the node of the rank a throttle slows (slow_rank)
+    throttle: Throttle | None = field(default=None, repr=False)
 
     @property
     def since(self) -> float:
         return self.healed_at or self.at
 
     def summary(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pids_before", "frozen")}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pids_before", "frozen", "throttle")}
         d["victims"] = [f"{n}/{s}" for n, s in self.victims]
         d["expect"] = sorted(self.expect)
         return d
@@ -425,6 +432,34 @@ class Chaos:
     def resume(self, fault: Fault) -> None:
         os.kill(fault.pids_before[fault.victims[0]], signal.SIGCONT)
 
+    def slow_rank(self) -> Fault:
+        """Throttle a rank from outside (SIGSTOP 75% of every 0.3 s): nothing dies, the job slows to
+        its pace; `unthrottle` checks that its node was named a straggler, and nobody else."""
+        slot = self.rank_slot()
+        pid = self.current()[slot].pid
+        throttle = Throttle(pid, stopped=0.75, period_s=0.3)
+        fault = self._inject("throttle rank", f"rank pid {pid} at {slot[0]}/{slot[1]}, stopped 75% of every 0.3 s",
+                             [], membership=False, expect={"straggler"}, action=throttle.start)
+        fault.slowed, fault.throttle = slot[0], throttle
+        return fault
+
+    def unthrottle(self, fault: Fault) -> None:
+        def named(node: str | None = None) -> list[dict]:
+            return [r for rep in self.replicas for r in rep.find("straggler_named")
+                    if record_time(r) >= fault.at and (node is None or r["node"] == node)]
+        try:
+            first = wait_until(lambda: named(fault.slowed), STRAGGLER_BOUND_S, f"{fault.slowed} named a straggler")[0]
+            fault.detected_s = round(record_time(first) - fault.at, 3)
+            fault.notes.append(f"named {fault.detected_s} s after the throttle began: {first['factor']}x, "
+                               f"{first['loss']:.0%} of the job's throughput lost")
+        except AssertionError as exc:
+            fault.problems.append(f"{fault.name}: {exc} (coordinator logs: {self.coordinator_logs()})")
+        finally:
+            fault.throttle.stop()
+        others = [r["node"] for r in named() if r["node"] != fault.slowed]
+        if others:
+            fault.problems.append(f"{fault.name}: healthy nodes named stragglers: {others}")
+
     def kill_agent(self, node: str | None = None) -> Fault:
         node = node or self.rng.choice(sorted(n for n in self.agents if n != self.rank_slot(0)[0]))
         agent = self.agents[node]
@@ -727,7 +762,7 @@ class Chaos:
     SCENARIOS = {
         # the table of single faults (test_faults.SEQUENCE) ...
         "rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform",
-        "partition",
+        "slow_rank", "partition",
         # ... and the compound ones
         "etcd_outage", "etcd_freeze", "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage",
         "rank_in_coordinators_down", "leader_frozen_at_reform", "hostile_client",
@@ -763,6 +798,7 @@ class Chaos:
             "agent_in_coordinators_down": (lambda: self.coordinators_down(kill="agent"),
                                            lambda f: self.restart_agent(f.victims[0][0])),
             "leader_frozen_at_reform": (self.freeze_leader_at_reform, self.resume_leader),
+            "slow_rank": (self.slow_rank, self.unthrottle),
             "hostile_client": (self.hostile_client, None),
             "relay": (self.kill_relay, lambda f: self.restart_coordinator()),
         }[name]

@@ -16,6 +16,7 @@ SEQUENCE = [
     "etcd_leader",  # SIGKILL the etcd leader: nothing changes
     "rank_and_leader",  # two at once: the exit report dies with the leader
     "during_reform",  # a second rank killed as the first one's new generation is published
+    "slow_rank",  # a rank throttled from outside: its node named a straggler, nobody else; nothing changes
 ]
 
 
