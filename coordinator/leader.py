@@ -129,7 +129,7 @@ class JobLeader:
         self._graced = True  # the takeover grace has not ended yet
         self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.metrics, self.log)
         self.ended = False  # the run ended and its record was written: the job is no more
-        self.stragglers = StragglerDuty(stragglers, now, self.log)
+        self.stragglers = StragglerDuty(stragglers.for_job(state.spec), now, self.log)
 
     @property
     def lost_reason(self) -> str | None:

@@ -26,7 +26,8 @@ def secret_hash(secret: bytes) -> str:
 
 def check_joinable(state: JobState, requested: JobSpec) -> None:
     """A node joins the job as it exists: the sizes it asks for are the job's (unless its spec was lost)."""
-    for name in ("min_nodes", "max_nodes", "world_size_multiple"):
+    for name in ("min_nodes", "max_nodes", "world_size_multiple", "straggler_action", "straggler_factor",
+                 "straggler_min_steps"):
         want = getattr(requested, name)
         if want and want != getattr(state.spec, name) and not state.spec_lost:
             raise FailedPrecondition(

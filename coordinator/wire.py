@@ -130,7 +130,8 @@ def check_rejoin(first: pb.NodeFrame) -> None:
 
 
 def spec_of(msg: pb.JobSpec) -> JobSpec:
-    return JobSpec(msg.min_nodes, msg.max_nodes, msg.world_size_multiple)
+    return JobSpec(msg.min_nodes, msg.max_nodes, msg.world_size_multiple, msg.straggler_action,
+                   round(msg.straggler_factor, 4), msg.straggler_min_steps)  # a float32 on the wire
 
 
 def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:

@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
+from muster.coordinator.core.policy import STRAGGLER_ACTIONS
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.zygote import PRELOAD
 
@@ -130,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     from muster.client import parse_addresses
     from muster.worker.agent import NodeAgent
     from muster.worker.agent_config import AgentConfig
+    from muster.coordinator.core.policy import JobSpec
     from muster.worker.launch import LaunchError, job_name, parse_nodes, plan
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -149,9 +151,10 @@ def _run(args: argparse.Namespace) -> int:
                 raise LaunchError(f"--{flag.replace('_', '-')} must be at least 0")
         if args.max_restarts is not None and args.max_restarts < 0:
             raise LaunchError("--max-restarts must be at least 0")
+        JobSpec(straggler_factor=args.straggler_factor, straggler_min_steps=args.straggler_min_steps).validate()
         coordinators = parse_addresses(args.coordinator)
         job = job_name(args.job)
-    except ValueError as exc:  # LaunchError, a bad coordinator address
+    except ValueError as exc:  # LaunchError, a bad coordinator address or straggler policy
         print(f"muster run: {exc}", file=sys.stderr)
         return 2
     for note in launch.notes:
@@ -170,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         host=args.host,
         nodes=nodes or launch.nodes,
         world_size_multiple=args.world_size_multiple,
+        stragglers=(args.straggler_action, args.straggler_factor, args.straggler_min_steps),
         max_restarts=3 if max_restarts is None else max_restarts,
         restart_backoff_s=args.restart_backoff,
         log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -485,6 +489,11 @@ def _run_parser(sub) -> None:
     r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")
     r.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
     r.add_argument("--world-size-multiple", type=int, default=0)
+    g = r.add_argument_group("the job's straggler policy, if this node creates the job (default: the deployment's, "
+                             "muster serve --straggler-*)")
+    g.add_argument("--straggler-action", choices=STRAGGLER_ACTIONS, default="")
+    g.add_argument("--straggler-factor", type=float, default=0.0, help="compute over the job's median (above 1)")
+    g.add_argument("--straggler-min-steps", type=int, default=0, help="steps a rank must straggle for")
     r.add_argument("--max-restarts", type=int, help="restarts of a slot, whatever the cause (its crash, a new map "
                    "for a script without the library), before it is given up and reported (default: torchrun's "
                    "--max-restarts, else 3)")

@@ -92,7 +92,8 @@ class NodeAgent:
         server.add_insecure_port(f"unix:{socket_path}")
         await server.start()
         spec = pb.JobSpec(min_nodes=c.nodes[0] if c.nodes else 0, max_nodes=c.nodes[1] if c.nodes else 0,
-                          world_size_multiple=c.world_size_multiple)
+                          world_size_multiple=c.world_size_multiple, straggler_action=c.stragglers[0],
+                          straggler_factor=c.stragglers[1], straggler_min_steps=c.stragglers[2])
         self.session = NodeSession(
             c.coordinators,
             NodeIdentity(c.job, c.node_id, c.slots, c.host, store.port, spec, agent_pid=os.getpid(),

@@ -20,6 +20,7 @@ class AgentConfig:
     host: str = "127.0.0.1"  # the address other nodes reach this node at
     nodes: tuple[int, int] | None = None  # (min, max) nodes when this agent creates the job
     world_size_multiple: int = 0
+    stragglers: tuple[str, float, int] = ("", 0.0, 0)  # the job's (action, factor, min steps) if it creates it
     max_restarts: int = 3  # per slot, whatever the cause (a crash, a new map); beyond it the slot is given up
     restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
     log_dir: Path | None = None  # each rank's output to LOG_DIR/<node>-slot<K>-<n>.log

@@ -69,6 +69,7 @@ class WorkerConfig:
     min_nodes: int = 0  # job size, used when this rank creates the job (0: the coordinator's default)
     max_nodes: int = 0
     world_size_multiple: int = 0
+    stragglers: tuple[str, float, int] = ("", 0.0, 0)  # the job's straggler policy, if this rank creates it
     digest_every: int = 0  # steps between parameter digests sent to the coordinator (0: never)
     abort_wait_s: float = 5.0  # after an error of the script's own, how long to wait for an abort anyway
     form_timeout_s: float = 300.0
@@ -103,6 +104,8 @@ class WorkerConfig:
             min_nodes=int(env.get("MUSTER_MIN_NODES", "0")),
             max_nodes=int(env.get("MUSTER_MAX_NODES", "0")),
             world_size_multiple=int(env.get("MUSTER_WORLD_SIZE_MULTIPLE", "0")),
+            stragglers=(env.get("MUSTER_STRAGGLER_ACTION", ""), float(env.get("MUSTER_STRAGGLER_FACTOR", "0")),
+                        int(env.get("MUSTER_STRAGGLER_MIN_STEPS", "0"))),
             digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
             agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
             agent_secret=env.get(SLOT_SECRET_ENV, ""),
@@ -471,7 +474,8 @@ def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], l
         return RankLink(c.agent_socket, slot, c.agent_secret, report=lambda: reports()[0], on_directive=on_directive)
     identity = NodeIdentity(c.job, c.node_id, 1, c.host, store_port,
                             pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
-                                       world_size_multiple=c.world_size_multiple),
+                                       world_size_multiple=c.world_size_multiple, straggler_action=c.stragglers[0],
+                                       straggler_factor=c.stragglers[1], straggler_min_steps=c.stragglers[2]),
                             is_process=True, agent_pid=os.getpid())
     return NodeSession(c.coordinators, identity, reports=reports, on_directive=on_directive, security=c.security)
 

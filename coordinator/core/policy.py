@@ -15,6 +15,8 @@ MAX_NODES = 100_000
 # below 2**64: arithmetic on them (a switch step ahead, a generation plus one) stays in uint64.
 MAX_STEP = 2**48
 MAX_GENERATION = 2**48
+STRAGGLER_ACTIONS = ("off", "report", "replace")
+MAX_STRAGGLER_FACTOR, MAX_STRAGGLER_MIN_STEPS = 100.0, 1_000_000
 
 
 class InvalidPolicy(ValueError):
@@ -28,6 +30,10 @@ class JobSpec:
     min_nodes: int = 1
     max_nodes: int = MAX_NODES
     world_size_multiple: int = 1
+    # The job's straggler policy; "" and 0: the deployment's (`StragglerPolicy.for_job`).
+    straggler_action: str = ""
+    straggler_factor: float = 0.0
+    straggler_min_steps: int = 0
 
     def validate(self) -> JobSpec:
         if not 1 <= self.min_nodes <= MAX_NODES:
@@ -38,7 +44,19 @@ class JobSpec:
             )
         if not 1 <= self.world_size_multiple <= 65_536:
             raise InvalidPolicy(f"world_size_multiple must be in 1..65536, got {self.world_size_multiple}")
+        if self.straggler_action and self.straggler_action not in STRAGGLER_ACTIONS:
+            raise InvalidPolicy(f"straggler_action must be one of {', '.join(STRAGGLER_ACTIONS)} (or empty), "
+                                f"got {self.straggler_action[:40]!r}")
+        if self.straggler_factor and not 1.0 < self.straggler_factor <= MAX_STRAGGLER_FACTOR:
+            raise InvalidPolicy(f"straggler_factor must be in (1, {MAX_STRAGGLER_FACTOR:g}], got {self.straggler_factor}")
+        if not 0 <= self.straggler_min_steps <= MAX_STRAGGLER_MIN_STEPS:
+            raise InvalidPolicy(f"straggler_min_steps must be in 0..{MAX_STRAGGLER_MIN_STEPS}, "
+                                f"got {self.straggler_min_steps}")
         return self
+
+    @property
+    def stragglers(self) -> tuple[str, float, int]:
+        return self.straggler_action, self.straggler_factor, self.straggler_min_steps
 
     def merged_over(self, default: JobSpec) -> JobSpec:
         """Fields left at zero (proto default) take the coordinator's default."""
@@ -46,6 +64,8 @@ class JobSpec:
             min_nodes=self.min_nodes or default.min_nodes,
             max_nodes=self.max_nodes or max(default.max_nodes, self.min_nodes),
             world_size_multiple=self.world_size_multiple or default.world_size_multiple,
+            straggler_action=self.straggler_action, straggler_factor=self.straggler_factor,
+            straggler_min_steps=self.straggler_min_steps,
         )
 
 

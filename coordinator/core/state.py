@@ -195,9 +195,15 @@ class JobState:
         return replace(self, members=tuple(sorted(members, key=lambda m: m.seq)))
 
 
+def _spec_doc(spec: JobSpec) -> dict:
+    """The spec's fields, its straggler policy only where the job sets one: a replica of the version
+    before job straggler policies reads every other job's spec during a rolling upgrade."""
+    return {k: v for k, v in vars(spec).items() if not k.startswith("straggler_") or v}
+
+
 def encode_spec(spec: JobSpec, run: int) -> bytes:
     """A job's spec as etcd keeps it: its sizes and the run of its name it was created for."""
-    return _json({**vars(spec), "run": run}).encode()
+    return _json({**_spec_doc(spec), "run": run}).encode()
 
 
 def decode_spec(data: bytes) -> tuple[JobSpec, int]:
@@ -235,7 +241,7 @@ def encode(state: JobState) -> bytes:
     doc = {
         "schema": _json(SCHEMA),
         "job": _json(state.job),
-        "spec": _json(vars(state.spec)),
+        "spec": _json(_spec_doc(state.spec)),
         "term": _json(state.term),
         "generation": _json(state.generation),
         "phase": _json(state.phase.value),

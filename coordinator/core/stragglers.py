@@ -13,12 +13,11 @@ result (an event, the metric, Status, and under `replace` a planned leave of the
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from muster.coordinator.core.live_records import NodeLive
+from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.coordinator.core.state import Placement
-
-ACTIONS = ("off", "report", "replace")
 
 
 @dataclass(frozen=True)
@@ -30,12 +29,17 @@ class StragglerPolicy:
     replace_per_window: int = 1
 
     def __post_init__(self):
-        if self.action not in ACTIONS:
-            raise ValueError(f"straggler action {self.action!r} is not one of {', '.join(ACTIONS)}")
+        if self.action not in STRAGGLER_ACTIONS:
+            raise ValueError(f"straggler action {self.action!r} is not one of {', '.join(STRAGGLER_ACTIONS)}")
         if not self.factor > 1.0:
             raise ValueError(f"straggler factor {self.factor} must be above 1")
         if self.min_steps < 1 or self.replace_per_window < 0 or self.replace_window_s <= 0:
             raise ValueError("straggler min_steps must be at least 1, the replace window positive")
+
+    def for_job(self, spec: JobSpec) -> StragglerPolicy:
+        """The deployment's policy with what the job's spec sets (validated there) in its place."""
+        return replace(self, action=spec.straggler_action or self.action, factor=spec.straggler_factor or self.factor,
+                       min_steps=spec.straggler_min_steps or self.min_steps)
 
     @property
     def clear_below(self) -> float:

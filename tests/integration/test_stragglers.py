@@ -62,8 +62,10 @@ def test_a_throttled_rank_is_named_with_its_node_and_cleared_once_it_runs_freely
 
 @pytest.mark.timeout(180)
 def test_replace_swaps_a_straggling_node_for_the_spare_at_a_planned_step(coordinators, training):
-    (leader,) = coordinators(1, extra=[*FAST_STRAGGLERS, "--straggler-action", "replace"])
-    ranks = training([leader.address], "swap", 4, steps=100_000, min_nodes=2, max_nodes=3)
+    """`replace` set by the job (its spec, from the rank that creates it), the deployment's being `report`."""
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    ranks = training([leader.address], "swap", 4, steps=100_000, min_nodes=2, max_nodes=3,
+                     env={"MUSTER_STRAGGLER_ACTION": "replace", "MUSTER_STRAGGLER_MIN_STEPS": "10"})
     wait_until(lambda: measured(leader.address, "swap", 3), 60, "three ranks reporting their compute, one spare")
     in_map = {r.node for r in ranks_status(leader.address, "swap")}
     spare = next(p for p in ranks if node_of(p) not in in_map)

@@ -118,3 +118,19 @@ def test_muster_serve_refuses_a_bad_straggler_policy_with_a_clear_message(flags,
 
     assert _serve(parser().parse_args(["serve", *flags])) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_job_s_spec_sets_its_own_policy_over_the_deployment_s_and_is_kept_as_older_replicas_read_it():
+    from muster.coordinator.core.policy import InvalidPolicy, JobSpec
+    from muster.coordinator.core.state import decode_spec, encode_spec
+
+    deployment = StragglerPolicy(action="report", factor=1.5, min_steps=20)
+    own = JobSpec(2, 4, 1, straggler_action="replace", straggler_min_steps=50).validate()
+    assert deployment.for_job(own) == StragglerPolicy(action="replace", factor=1.5, min_steps=50)
+    assert deployment.for_job(JobSpec()) == deployment
+    assert decode_spec(encode_spec(own, 3)) == (own, 3)
+    assert b"straggler" not in encode_spec(JobSpec(2, 4, 1), 1)  # no policy of its own: as before
+    for bad in ({"straggler_action": "evict"}, {"straggler_factor": 0.5}, {"straggler_factor": float("nan")},
+                {"straggler_min_steps": -1}):
+        with pytest.raises(InvalidPolicy, match=next(iter(bad))):
+            JobSpec(**bad).validate()

@@ -44,14 +44,20 @@ ROLE_WAITING: Role
 ROLE_EVICTED: Role
 
 class JobSpec(_message.Message):
-    __slots__ = ("min_nodes", "max_nodes", "world_size_multiple")
+    __slots__ = ("min_nodes", "max_nodes", "world_size_multiple", "straggler_action", "straggler_factor", "straggler_min_steps")
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_ACTION_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     min_nodes: int
     max_nodes: int
     world_size_multiple: int
-    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ...) -> None: ...
+    straggler_action: str
+    straggler_factor: float
+    straggler_min_steps: int
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ..., straggler_action: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_min_steps: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process", "master_port")
