@@ -134,3 +134,24 @@ def test_a_job_s_spec_sets_its_own_policy_over_the_deployment_s_and_is_kept_as_o
                 {"straggler_min_steps": -1}):
         with pytest.raises(InvalidPolicy, match=next(iter(bad))):
             JobSpec(**bad).validate()
+
+
+def test_a_node_asking_another_straggler_policy_than_the_job_s_is_refused():
+    from muster.coordinator.core.policy import JobSpec
+    from muster.coordinator.core.state import JobState
+    from muster.coordinator.errors import FailedPrecondition
+    from muster.coordinator.sessions import check_joinable
+
+    state = JobState("j", JobSpec(1, 4, 1, straggler_action="replace"))
+    check_joinable(state, JobSpec(0, 0, 0))  # asking nothing: the job's
+    check_joinable(state, JobSpec(0, 0, 0, straggler_action="replace"))
+    with pytest.raises(FailedPrecondition, match="straggler_action=replace; this node asks for report"):
+        check_joinable(state, JobSpec(0, 0, 0, straggler_action="report"))
+
+
+def test_muster_run_refuses_a_bad_straggler_policy_naming_the_field(capsys):
+    from muster.cli import main
+
+    assert main(["run", "--coordinator", "127.0.0.1:1", "--job", "j", "--straggler-factor", "0.5", "--",
+                 "python", "x.py"]) == 2
+    assert "straggler_factor must be in (1, 100], got 0.5" in capsys.readouterr().err
