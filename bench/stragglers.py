@@ -1,13 +1,14 @@
 """Stragglers, end to end: how soon a slowed rank is named, and the job's throughput before, during
 and after `--straggler-action replace` swaps its node for the hot spare.
 
-One etcd, one coordinator (`--straggler-action replace`), N+1 ranks of examples/train_ddp.py
+One etcd, one coordinator (`--straggler-action replace --straggler-factor F`), N+1 ranks of examples/train_ddp.py
 under the worker library on gloo (each its own node; N in the map, one hot spare). For each slowdown
 in `--slowdowns`, a fresh job: once every rank steps, one rank of the map is throttled from outside
 (`muster.local.Throttle`: SIGSTOP/SIGCONT on a duty cycle) until the leader has replaced it. The
-work per step is a sleep (`--step-sleep`), which a throttle stretches by ~s^2 P / 2 (stopped s of
-every period P): the slowdowns' duty cycles are chosen for about 1.5x and 3x the healthy compute,
-and the factor the leader measured is reported beside them.
+work per step is slept in 2 ms slices (`--step-sleep`), which a throttle stretches as it would
+real work (about 1/(1-s) stopped s of every 50 ms; 0.4 and 0.75 measured 1.5x and 3.0x here), and
+the factor the leader measured is reported beside them. The default factor here is 1.3: a 1.5x
+rank is on the edge of the deployment default's 1.5.
 
 Prints JSON: per slowdown, the throttle, the factor named, detection (throttle → named) in
 seconds and in the victim's steps, the replacement (named → the spare in the map) and the job's
@@ -26,8 +27,8 @@ from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, Throttle, TrainingProcess, record_time, wait_until
 
-# slowdown name -> (stopped share, period s): with 50 ms of sleep a step, ~1.5x and ~3x its compute
-SLOWDOWNS = {"1.5x": (0.6, 0.25), "3x": (0.8, 0.5)}
+# slowdown name -> (stopped share, period s): ~1.5x and ~3x a rank's compute
+SLOWDOWNS = {"1.5x": (0.4, 0.05), "3x": (0.75, 0.05)}
 WINDOW_S = 6.0  # seconds of steps each throughput figure is taken over
 
 
@@ -40,12 +41,12 @@ def steps_per_s(procs: list[TrainingProcess], since: float, until: float) -> flo
     return round(best / max(until - since, 1e-9), 2)
 
 
-def one(workdir: Path, ranks: int, step_sleep_s: float, name: str, min_steps: int) -> dict:
+def one(workdir: Path, ranks: int, step_sleep_s: float, name: str, min_steps: int, factor: float) -> dict:
     stopped, period_s = SLOWDOWNS[name]
     etcd = EtcdServer(workdir / "etcd").start()
     leader = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log",
                                 ["--heartbeat-timeout", "2.0", "--straggler-action", "replace",
-                                 "--straggler-min-steps", str(min_steps)]).start()
+                                 "--straggler-min-steps", str(min_steps), "--straggler-factor", str(factor)]).start()
     procs = [TrainingProcess([leader.address], "straggle", workdir / f"rank-{i}.log", steps=10**9,
                              step_sleep_s=step_sleep_s, min_nodes=ranks - 1, max_nodes=ranks).start()
              for i in range(ranks + 1)]
@@ -93,6 +94,7 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute a step")
     p.add_argument("--slowdowns", default="1.5x,3x", help=f"of {', '.join(SLOWDOWNS)}")
     p.add_argument("--min-steps", type=int, default=20, help="--straggler-min-steps")
+    p.add_argument("--factor", type=float, default=1.3, help="--straggler-factor")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     logs.configure("warning")
@@ -102,9 +104,9 @@ def main() -> int:
             print(f"stragglers.py: unknown slowdown {name!r}; known: {', '.join(SLOWDOWNS)}", file=sys.stderr)
             return 2
         with tempfile.TemporaryDirectory(prefix="muster-stragglers-") as tmp:
-            results.append(one(Path(tmp), args.ranks, args.step_sleep, name, args.min_steps))
+            results.append(one(Path(tmp), args.ranks, args.step_sleep, name, args.min_steps, args.factor))
     out = {"bench": "stragglers", "ranks": args.ranks, "spares": 1, "step_sleep_s": args.step_sleep,
-           "min_steps": args.min_steps, "backend": "gloo", "results": results}
+           "min_steps": args.min_steps, "factor": args.factor, "backend": "gloo", "results": results}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -51,13 +51,13 @@ class Straggler:
     node_id: str
     local_ranks: tuple[int, ...]  # its ranks named
     factor: float  # the highest compute among them over the job's median
-    loss: float  # the share of the job's step time lost to it: its excess compute over the step time
+    loss: float  # at most this share of the job's step time is lost to it: its excess compute over the step time
     whole_node: bool  # every measured rank of the node straggles
 
     def describe(self) -> str:
         who = f"node {self.node_id!r}" if self.whole_node else \
             f"node {self.node_id!r} local rank(s) {list(self.local_ranks)}"
-        return f"{who} computes {self.factor:.2f}x the job's median; about {self.loss:.0%} of the job's throughput lost"
+        return f"{who} computes {self.factor:.2f}x the job's median; up to {self.loss:.0%} of the job's throughput lost"
 
 
 @dataclass

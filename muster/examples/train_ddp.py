@@ -32,6 +32,18 @@ class DataPosition:
         self.epoch = state["epoch"]
 
 
+COMPUTE_SLICE_S = 0.002
+
+
+def simulated_compute(seconds: float) -> None:
+    """Sleep in 2 ms slices: like real work, it takes longer when the process is slowed from outside
+    (SIGSTOP on a duty cycle, `muster.local.Throttle`); one long sleep ends on time however long
+    the process was stopped meanwhile."""
+    slices = max(1, round(seconds / COMPUTE_SLICE_S)) if seconds > 0 else 0
+    for _ in range(slices):
+        time.sleep(seconds / slices)
+
+
 def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic per (step, rank, world size): a redone step sees the same data."""
     g = torch.Generator().manual_seed(step * 1_000_003 + rank * 7919 + world_size)
@@ -59,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.start()
         while worker.step < args.steps:
             with worker.step_scope() as step:
-                time.sleep(args.step_sleep)
+                simulated_compute(args.step_sleep)
                 x, y = (t.to(worker.device) for t in batch(worker.step, worker.rank, worker.world_size))
                 loss = torch.nn.functional.mse_loss(worker.ddp(model)(x), y)
                 loss.backward()

@@ -2,8 +2,9 @@
 etcd, one rank slowed from outside (SIGSTOP/SIGCONT on a duty cycle: `Throttle`). Its compute
 (the simulated 50 ms of work, forward and backward) stretches while the others wait for it in the
 all-reduce; the leader names it, and under `replace` a hot spare takes its node's place at a
-planned step. The work is a sleep, which a throttle stretches only when it ends in a stopped
-window (by s^2 P / 2 on average: 84 ms at 75% of 0.3 s, ~2.3x the healthy ranks' ~65 ms here)."""
+planned step. The simulated work sleeps in 2 ms slices, so a throttle stretches it as it would
+real work: stopped 60% of every 50 ms, ~2.4x the healthy ranks' ~65 ms here (a period longer than
+a step would phase-lock the job to the throttle and put the stops in the all-reduce instead)."""
 
 import grpc
 import pytest
@@ -41,7 +42,7 @@ def test_a_throttled_rank_is_named_with_its_node_and_cleared_once_it_runs_freely
     wait_until(lambda: measured(leader.address, "slow", 4), 60, "every rank reporting its compute")
     generation = max(r["generation"] for p in ranks for r in p.steps())
     victim = ranks[2]
-    throttle = Throttle(victim.pid, stopped=0.75, period_s=0.3).start()
+    throttle = Throttle(victim.pid, stopped=0.6, period_s=0.05).start()
     try:
         named = wait_until(lambda: leader.find("straggler_named"), 60, "a straggler named")
         assert [r["node"] for r in named] == [node_of(victim)], named
@@ -70,7 +71,7 @@ def test_replace_swaps_a_straggling_node_for_the_spare_at_a_planned_step(coordin
     in_map = {r.node for r in ranks_status(leader.address, "swap")}
     spare = next(p for p in ranks if node_of(p) not in in_map)
     victim = next(p for p in ranks if p is not spare)
-    throttle = Throttle(victim.pid, stopped=0.75, period_s=0.3).start()
+    throttle = Throttle(victim.pid, stopped=0.6, period_s=0.05).start()
     try:
         wait_until(lambda: leader.find("straggler_named", node=node_of(victim)), 60, "the straggler named")
         victim.wait(60)  # drained at the planned step, told why, it leaves
