@@ -72,23 +72,27 @@ class StragglerWatch:
         """The map's running ranks as the liveness holds them: the stragglers named by this look (one
         per node) and the nodes cleared. Each rank's `straggler_factor` is set (0: not named)."""
         measured = []  # (node_id, local_rank, step, compute_s, live)
+        in_map: set[tuple[str, int]] = set()
         for p in placements:
             node = nodes.get(p.node_id)
             for slot in p.slots:
+                in_map.add((p.node_id, slot))
                 live = node.ranks.get(slot) if node else None
                 if live is not None and live.state == "running" and live.compute_s > 0:
                     measured.append((p.node_id, slot, live.step, live.compute_s, live))
+        # A rank that left the map is cleared; one in it but not measured now (forming after a
+        # reform, in a long phase) keeps what it was: a reform must not clear and name it again.
+        cleared = {k[0] for k in self.named if k not in in_map}
+        self.named = {k: v for k, v in self.named.items() if k in in_map}
+        self._since = {k: v for k, v in self._since.items() if k in in_map}
         if len(measured) < 2:
-            return [], self._clear_all()
+            return [], sorted(cleared - {n for n, _ in self.named})
         computes = sorted(m[3] for m in measured)
         median = computes[(len(computes) - 1) // 2]  # the lower median: of two ranks, the faster
         named_now: dict[str, list[tuple[int, float]]] = {}
-        cleared: set[str] = set()
         by_node: dict[str, int] = {}
-        seen = set()
         for node_id, slot, step, compute_s, live in measured:
             key = (node_id, slot)
-            seen.add(key)
             by_node[node_id] = by_node.get(node_id, 0) + 1
             ratio = compute_s / median
             if key in self.named:
@@ -106,11 +110,6 @@ class StragglerWatch:
             else:
                 self._since.pop(key, None)
             live.straggler_factor = round(self.named.get(key, 0.0), 2)
-        for key in [k for k in self.named if k not in seen]:  # left the map, or stopped reporting
-            del self.named[key]
-            cleared.add(key[0])
-        for key in [k for k in self._since if k not in seen]:
-            del self._since[key]
         found = []
         for node_id, ranks in named_now.items():
             factor = max(r for _, r in ranks)
@@ -119,9 +118,3 @@ class StragglerWatch:
             found.append(Straggler(node_id, tuple(sorted(every)), round(factor, 2), round(loss, 3),
                                    whole_node=len(every) == by_node[node_id]))
         return found, sorted(cleared - {n for n, _ in self.named})
-
-    def _clear_all(self) -> list[str]:
-        cleared = sorted({n for n, _ in self.named})
-        self.named.clear()
-        self._since.clear()
-        return cleared

@@ -93,6 +93,22 @@ def test_fewer_than_two_measured_ranks_or_ranks_not_running_are_not_judged():
     assert [s.node_id for s in named] == ["n0"]  # of two ranks, the slower is judged against the faster
 
 
+def test_a_reform_neither_clears_a_named_rank_nor_names_it_again():
+    placements, live = job()
+    watch = StragglerWatch(POLICY)
+    named, _ = steps(placements, live, watch, {("n3", 0): 0.5}, 11)
+    assert [s.node_id for s in named] == ["n3"]
+    for node in live.values():  # every rank forming the next group: nothing measured
+        for r in node.ranks.values():
+            r.state = "forming"
+    assert watch.assess(placements, live, 0.3) == ([], [])
+    for node in live.values():
+        for r in node.ranks.values():
+            r.state = "running"
+    named, cleared = steps(placements, live, watch, {("n3", 0): 0.5}, 30)
+    assert named == [] and cleared == [] and ("n3", 0) in watch.named
+
+
 def test_a_named_rank_that_leaves_the_map_is_cleared():
     placements, live = job()
     watch = StragglerWatch(POLICY)
