@@ -166,8 +166,8 @@ def test_a_node_asking_another_straggler_policy_than_the_job_s_is_refused():
 
 
 def test_muster_run_refuses_a_bad_straggler_policy_naming_the_field(capsys):
-    from muster.cli import main
+    from muster.cli import _run, parser  # not main(): it would point structlog at the captured stderr
 
-    assert main(["run", "--coordinator", "127.0.0.1:1", "--job", "j", "--straggler-factor", "0.5", "--",
-                 "python", "x.py"]) == 2
+    assert _run(parser().parse_args(["run", "--coordinator", "127.0.0.1:1", "--job", "j", "--straggler-factor",
+                                     "0.5", "--", "python", "x.py"])) == 2
     assert "straggler_factor must be in (1, 100], got 0.5" in capsys.readouterr().err
