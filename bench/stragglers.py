@@ -41,6 +41,43 @@ def steps_per_s(procs: list[TrainingProcess], since: float, until: float) -> flo
     return round(best / max(until - since, 1e-9), 2)
 
 
+def per_step_cost_us(rounds: int = 7, iterations: int = 5000) -> dict:
+    """What the evidence costs the training thread: the hook in backward (a tiny model's backward
+    with and without it) and the sample a step takes (`step_scope` with and without one)."""
+    import statistics
+
+    import torch
+
+    from muster.worker import Worker, WorkerConfig
+    from muster.worker.compute_clock import ComputeClock
+
+    bare_model, hooked_model, x = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1), torch.randn(2, 4)
+    ComputeClock().watch(hooked_model)
+
+    def backward_us(model) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            model(x).sum().backward()
+        return (time.perf_counter() - t0) / iterations * 1e6
+
+    scope = Worker(WorkerConfig(coordinators=("127.0.0.1:1",), job="bench", node_id="bench")).step_scope()
+
+    def scope_us(sample: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iterations * 20):
+            with scope:
+                if sample:
+                    scope.compute._gradients_ready(None)
+        return (time.perf_counter() - t0) / (iterations * 20) * 1e6
+
+    backward_us(bare_model), backward_us(hooked_model)  # warm
+    # interleaved, each difference taken within one round: a busy machine shifts both alike
+    hook = statistics.median(backward_us(hooked_model) - backward_us(bare_model) for _ in range(rounds))
+    sample = statistics.median(scope_us(True) - scope_us(False) for _ in range(rounds))
+    return {"hook_us": round(hook, 2), "sample_us": round(sample, 2), "total_us": round(hook + sample, 2),
+            "budget_us": 20}
+
+
 def one(workdir: Path, ranks: int, step_sleep_s: float, name: str, min_steps: int, factor: float) -> dict:
     stopped, period_s = SLOWDOWNS[name]
     etcd = EtcdServer(workdir / "etcd").start()
@@ -99,6 +136,7 @@ def main() -> int:
     args = p.parse_args()
     logs.configure("warning")
     results = []
+    cost = per_step_cost_us()
     for name in [s.strip() for s in args.slowdowns.split(",") if s.strip()]:
         if name not in SLOWDOWNS:
             print(f"stragglers.py: unknown slowdown {name!r}; known: {', '.join(SLOWDOWNS)}", file=sys.stderr)
@@ -106,7 +144,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="muster-stragglers-") as tmp:
             results.append(one(Path(tmp), args.ranks, args.step_sleep, name, args.min_steps, args.factor))
     out = {"bench": "stragglers", "ranks": args.ranks, "spares": 1, "step_sleep_s": args.step_sleep,
-           "min_steps": args.min_steps, "factor": args.factor, "backend": "gloo", "results": results}
+           "min_steps": args.min_steps, "factor": args.factor, "backend": "gloo",
+           "per_step_cost": cost, "results": results}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
