@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
-from muster.coordinator.core.policy import STRAGGLER_ACTIONS
+from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.zygote import PRELOAD
 
@@ -24,7 +24,7 @@ from muster.worker.zygote import PRELOAD
 def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
-    from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits, Timing
+    from muster.coordinator.core.policy import InvalidPolicy, Limits, Timing
     from muster.coordinator.core.stragglers import StragglerPolicy
     from muster.coordinator.replica import ReplicaConfig
     from muster.coordinator.service import ServeConfig, serve
@@ -131,7 +131,6 @@ def _run(args: argparse.Namespace) -> int:
     from muster.client import parse_addresses
     from muster.worker.agent import NodeAgent
     from muster.worker.agent_config import AgentConfig
-    from muster.coordinator.core.policy import JobSpec
     from muster.worker.launch import LaunchError, job_name, parse_nodes, plan
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -458,7 +457,6 @@ def _serve_parser(sub) -> None:
     s.set_defaults(func=_serve, verb="serve")
 
 
-
 def _straggler_flags(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("stragglers: ranks persistently slower than the job's median")
     g.add_argument("--straggler-action", default="report", metavar="off|report|replace",
@@ -475,6 +473,7 @@ def _straggler_flags(s: argparse.ArgumentParser) -> None:
                         "%(default)s): a host-wide slowdown must not take out everyone")
     g.add_argument("--straggler-replace-max", type=int, default=1,
                    help="nodes replace takes out per window (default %(default)s)")
+
 
 def _run_parser(sub) -> None:
     r = sub.add_parser("run", help="node agent: run a command (or a torchrun command line) on this node's slots",

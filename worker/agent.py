@@ -42,7 +42,7 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words
 from muster.worker.master_port import MasterPorts
-from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
+from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
 from muster.worker.slot import Slot
 from muster.worker.rank_hub import RankHub, process_state
@@ -91,9 +91,7 @@ class NodeAgent:
         pb_grpc.add_NodeAgentServicer_to_server(self.hub, server)
         server.add_insecure_port(f"unix:{socket_path}")
         await server.start()
-        spec = pb.JobSpec(min_nodes=c.nodes[0] if c.nodes else 0, max_nodes=c.nodes[1] if c.nodes else 0,
-                          world_size_multiple=c.world_size_multiple, straggler_action=c.stragglers[0],
-                          straggler_factor=c.stragglers[1], straggler_min_steps=c.stragglers[2])
+        spec = job_spec(*(c.nodes or (0, 0)), c.world_size_multiple, c.stragglers)
         self.session = NodeSession(
             c.coordinators,
             NodeIdentity(c.job, c.node_id, c.slots, c.host, store.port, spec, agent_pid=os.getpid(),

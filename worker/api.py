@@ -42,7 +42,7 @@ from muster.worker.compute_clock import ComputeClock
 from muster.worker.comm import Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
-from muster.worker.node_session import NodeIdentity, NodeSession
+from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.state import TrainingState
 from muster.worker.unwinding import Unwinding
@@ -473,9 +473,7 @@ def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], l
     if c.agent_socket:
         return RankLink(c.agent_socket, slot, c.agent_secret, report=lambda: reports()[0], on_directive=on_directive)
     identity = NodeIdentity(c.job, c.node_id, 1, c.host, store_port,
-                            pb.JobSpec(min_nodes=c.min_nodes, max_nodes=c.max_nodes,
-                                       world_size_multiple=c.world_size_multiple, straggler_action=c.stragglers[0],
-                                       straggler_factor=c.stragglers[1], straggler_min_steps=c.stragglers[2]),
+                            job_spec(c.min_nodes, c.max_nodes, c.world_size_multiple, c.stragglers),
                             is_process=True, agent_pid=os.getpid())
     return NodeSession(c.coordinators, identity, reports=reports, on_directive=on_directive, security=c.security)
 

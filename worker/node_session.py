@@ -34,6 +34,15 @@ RECONNECT_FIRST_S = 0.02  # a lost stream is taken up again at once: recovery wa
 RECONNECT_MOST_S = 1.0  # and at most heartbeat_timeout/8 (then this) apart while nothing answers
 
 
+def job_spec(min_nodes: int, max_nodes: int, world_size_multiple: int,
+             stragglers: tuple[str, float, int]) -> pb.JobSpec:
+    """The spec a node asks for when it creates the job (0 and "": the coordinator's defaults);
+    `stragglers` is the job's (action, factor, min steps)."""
+    action, factor, min_steps = stragglers
+    return pb.JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, world_size_multiple=world_size_multiple,
+                      straggler_action=action, straggler_factor=factor, straggler_min_steps=min_steps)
+
+
 def shape(frame: pb.NodeFrame) -> tuple:
     """What a frame reports but its ranks' steps, step and compute times and heard_ms_ago
     (`NodeFrame.steps_only`)."""

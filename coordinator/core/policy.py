@@ -54,10 +54,6 @@ class JobSpec:
                                 f"got {self.straggler_min_steps}")
         return self
 
-    @property
-    def stragglers(self) -> tuple[str, float, int]:
-        return self.straggler_action, self.straggler_factor, self.straggler_min_steps
-
     def merged_over(self, default: JobSpec) -> JobSpec:
         """Fields left at zero (proto default) take the coordinator's default."""
         return JobSpec(

@@ -63,6 +63,23 @@ async def steps_advance(nodes, steps: int = 5) -> None:
         await node.wait_for(lambda x: x.step >= before[x.node_id] + steps, 5, f"{steps} more steps")
 
 
+async def train_on_unchanged(nodes, generation: int, leader_address: str, job: str) -> None:
+    """Every node steps on in `generation`, without an error, and the leader evicted nobody."""
+    await steps_advance(nodes)
+    assert all(n.generation == generation and not n.errors for n in nodes)
+    assert not evictions(leader_address, job)
+
+
+async def new_leader_reached(survivors, job: str, nodes):
+    """The replica among `survivors` that leads `job` once its term reached every node."""
+    new = await asyncio.to_thread(wait_until, lambda: leader_of(survivors, job), 10, "a new leader")
+    with Coordinators([new.address], timeout_s=2) as c:
+        term = c.call("Status", pb.StatusRequest(job=job, brief=True)).jobs[0].term
+    for n in nodes:
+        await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+    return new
+
+
 async def pulses_heard(nodes, pulses: int) -> None:
     """Every node hears `pulses` more of the leader's pulses (one each heartbeat timeout / 4 of the
     leader's clock, through its relay or not): that much of the leader's time went by since, and a
@@ -232,9 +249,7 @@ def test_a_killed_relay_moves_its_nodes_and_nobody_is_evicted(coordinators):
         # six pulses (1.5 s of the leader's clock, past the heartbeat timeout of 1 s) heard by every
         # node, the moved ones on their new streams: nothing decided meanwhile
         await pulses_heard(nodes, 6)
-        await steps_advance(nodes)
-        assert all(n.generation == generation and not n.errors for n in nodes)
-        assert not evictions(leader.address, "relaykill")
+        await train_on_unchanged(nodes, generation, leader.address, "relaykill")
         assert all(n.session.leader != victim.address for n in moved)
         for n in nodes:
             await n.stop()
@@ -259,9 +274,7 @@ def test_a_frozen_relay_is_left_by_its_nodes_before_anyone_is_evicted(coordinato
             # and six pulses (1.5 s of the leader's clock) heard by every node, those of the frozen
             # relay once they left it: past the heartbeat timeout (1 s) and then some, nothing decided
             await pulses_heard(nodes, 6)
-            await steps_advance(nodes)
-            assert all(n.generation == generation and not n.errors for n in nodes)
-            assert not evictions(leader.address, "relaystop")
+            await train_on_unchanged(nodes, generation, leader.address, "relaystop")
         finally:
             victim.signal(signal.SIGCONT)
         for n in nodes:
@@ -281,18 +294,12 @@ def test_relays_follow_a_new_leader_after_the_leader_is_killed(coordinators):
         generation = nodes[0].generation
         old.kill()
         survivors = [r for r in replicas if r is not old]
-        new = await asyncio.to_thread(wait_until, lambda: leader_of(survivors, "leaderkill"), 10, "a new leader")
-        with Coordinators([new.address], timeout_s=2) as c:
-            term = c.call("Status", pb.StatusRequest(job="leaderkill", brief=True)).jobs[0].term
-        for n in nodes:
-            await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+        new = await new_leader_reached(survivors, "leaderkill", nodes)
         standby = next(r for r in survivors if r is not new)
         # the surviving standby relays its nodes to the new leader
         await asyncio.to_thread(wait_until, lambda: new.find("relay_attached", job="leaderkill", relay=standby.address),
                                 8, "the standby relaying to the new leader")
-        await steps_advance(nodes)
-        assert all(n.generation == generation and not n.errors for n in nodes)
-        assert not evictions(new.address, "leaderkill")
+        await train_on_unchanged(nodes, generation, new.address, "leaderkill")
         for n in nodes:
             await n.stop()
 
@@ -314,19 +321,13 @@ def test_relays_leave_a_frozen_leader_for_its_successor_and_nobody_is_evicted(co
         old.signal(signal.SIGSTOP)
         try:
             survivors = [r for r in replicas if r is not old]
-            new = await asyncio.to_thread(wait_until, lambda: leader_of(survivors, "leaderstop"), 10, "a new leader")
-            with Coordinators([new.address], timeout_s=2) as c:
-                term = c.call("Status", pb.StatusRequest(job="leaderstop", brief=True)).jobs[0].term
-            for n in nodes:
-                await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+            new = await new_leader_reached(survivors, "leaderstop", nodes)
             # each survivor's relay left the frozen leader on etcd's word, not on a timeout of its nodes'
             for r in survivors:
                 moved = r.find("relay_leader_moved", job="leaderstop")
                 assert moved and moved[0]["silent"] == old.address and moved[0]["elected"] == new.address, moved
             await pulses_heard(nodes, 8)  # 2 s of the new leader's clock: its grace over, and a heartbeat timeout
-            await steps_advance(nodes)
-            assert all(n.generation == generation and not n.errors for n in nodes)
-            assert not evictions(new.address, "leaderstop")
+            await train_on_unchanged(nodes, generation, new.address, "leaderstop")
         finally:
             old.signal(signal.SIGCONT)
         for n in nodes:
@@ -375,9 +376,7 @@ def test_a_forged_relay_stream_cannot_attach_or_end_a_node(coordinators):
         # the forged messages were read before the refusal that ended the call: two pulses more (a
         # pulse period and more, many tallies) would carry any generation they made to every node
         await pulses_heard(nodes, 2)
-        await steps_advance(nodes)
-        assert all(n.generation == generation and not n.errors for n in nodes)
-        assert not evictions(leader.address, "forged")
+        await train_on_unchanged(nodes, generation, leader.address, "forged")
         for n in nodes:
             await n.stop()
 
