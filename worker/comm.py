@@ -127,7 +127,7 @@ class Gloo:
     def init_options(self, device: torch.device) -> dict:
         return {}
 
-    def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
+    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
         return _shutdown_peer_sockets(sockets, keep_ports)
 
     def is_transport_failure(self, exc: BaseException) -> bool:
@@ -171,7 +171,7 @@ class Nccl:
     def init_options(self, device: torch.device) -> dict:
         return {"device_id": device}
 
-    def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
+    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
         if dist.is_initialized():  # (torch asserts on an abort with no group left)
             self.aborted.extend(dist.distributed_c10d._world.pg_map)
             dist.distributed_c10d._abort_process_group()
@@ -186,7 +186,7 @@ class Nccl:
             except Exception as exc:  # already ended: nothing left to release
                 log.debug("group_release_failed", error=str(exc)[:200])
 
-    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: set[int],
+    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: dict[int, str],
                keep_ports: set[int]) -> None:
         """The survivors make `spec`'s group from the current one, whose in-flight work is aborted
         first (SHRINK_ABORT): no store, no new bootstrap. It numbers them in their old order, which
@@ -222,11 +222,11 @@ class NcclTwin(Nccl):
     def init_options(self, device: torch.device) -> dict:
         return {}
 
-    def abort(self, sockets: set[int], keep_ports: set[int]) -> int:
+    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
         super().abort(sockets, keep_ports)
         return _shutdown_peer_sockets(sockets, keep_ports)
 
-    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: set[int],
+    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: dict[int, str],
                keep_ports: set[int]) -> None:
         """As NCCL's: the old group's work aborted, then a group of the survivors alone, numbered by
         the map (gloo cannot shrink: its group is made anew on the agreed store, survivors only)."""
@@ -294,15 +294,25 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def _socket_fds() -> set[int]:
-    fds = set()
+def _sockets() -> dict[int, str]:
+    """This process's sockets: descriptor -> 'socket:[inode]'. A socket is known by its inode: a
+    descriptor's number is reused as soon as it is closed (an old group's sockets close whenever its
+    last reference goes, possibly while the next group connects), its inode is not."""
+    found = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-    return fds
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+def _new_sockets(before: dict[int, str]) -> dict[int, str]:
+    """The sockets opened since `before` was taken (by any thread)."""
+    known = set(before.values())
+    return {fd: inode for fd, inode in _sockets().items() if inode not in known}
 
 
 def _is_tcp(s: socket.socket) -> bool:
@@ -310,35 +320,37 @@ def _is_tcp(s: socket.socket) -> bool:
     return s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6)
 
 
-def _store_connections(fds: set[int], store_port: int) -> set[int]:
+def _store_connections(found: dict[int, str], store_port: int) -> dict[int, str]:
     """Among new sockets (other threads open some too), those connected to the store's port."""
-    found = set()
-    for fd in fds:
+    connections = {}
+    for fd, inode in found.items():
         try:
             s = socket.socket(fileno=fd)
         except OSError:
             continue
         try:
             if _is_tcp(s) and s.getpeername()[1] == store_port:
-                found.add(fd)
+                connections[fd] = inode
         except OSError:
             pass
         finally:
             s.detach()
-    return found
+    return connections
 
 
-def _shutdown_peer_sockets(fds: set[int], keep_ports: set[int]) -> int:
-    """Shut down connected sockets among `fds` (never listeners: gloo's accept loop dies on those)."""
+def _shutdown_peer_sockets(found: dict[int, str], keep_ports: set[int]) -> int:
+    """Shut down connected sockets among `found` (never listeners: gloo's accept loop dies on those)."""
     done = 0
-    for fd in fds:
+    for fd, inode in found.items():
         try:
+            if os.readlink(f"/proc/self/fd/{fd}") != inode:
+                continue  # closed, its number reused by another socket or file
             s = socket.socket(fileno=fd)
         except OSError:
             continue  # closed already
         try:
             if not _is_tcp(s):
-                continue  # (a number gloo closed may be reused by the agent's unix socket)
+                continue
             peer, local = s.getpeername(), s.getsockname()
             if peer[1] in keep_ports or local[1] in keep_ports:
                 continue
@@ -370,7 +382,7 @@ class Comm:
         self.store_port = self.server.port if self.server is not None else 0
         self.spec: GroupSpec | None = None
         self._lock = threading.Lock()
-        self._sockets: set[int] = set()
+        self._sockets: dict[int, str] = {}  # the group's: descriptor -> inode
         self._abort_below = 0  # generations below this are to be aborted
         self._aborted = False  # the current group's abort is done (NCCL's may not run twice: its registry is gone)
         # The store connection of the last generation formed: the next generation on the same store
@@ -378,12 +390,12 @@ class Comm:
         # reverse-DNS lookup of the peer's address on each side (SocketImpl formats it with
         # getnameinfo), the store host's in its one event-loop thread: a lookup that goes unanswered
         # held every rank of the generation for the resolver's timeout (5 s), seen at 16 ranks.
-        self._client: tuple[str, dist.Store, set[int]] | None = None
+        self._client: tuple[str, dist.Store, dict[int, str]] | None = None
         # Where the last reform's time went, in seconds: the abort of the old group (on the abort
         # thread), destroying it, connecting to the new store (0 when kept), the arrival barrier
         # (connecting included) and the backend's init.
         self.phases = {"abort_s": 0.0, "destroy_s": 0.0, "store_s": 0.0, "barrier_s": 0.0, "init_s": 0.0}
-        self._forming: tuple[int, set[int]] | None = None  # generation being formed, its store connections
+        self._forming: tuple[int, dict[int, str]] | None = None  # generation being formed, its store connections
         self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
         self._attempts = 0
         self._connect_s = 0.0  # its bound, seconds
@@ -396,7 +408,7 @@ class Comm:
     def formed(self) -> bool:
         return self.spec is not None
 
-    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool], started: float) -> tuple[dist.Store, set[int]]:
+    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool], started: float) -> tuple[dist.Store, dict[int, str]]:
         """A client of the generation's store and its sockets (none for this process's own store):
         the previous generation's when the store is the same. Its host may have died (a node lost as
         the map was published): c10d's TCPStore constructor retries a refused connect for the whole
@@ -404,13 +416,13 @@ class Comm:
         short attempts; between them a newer generation abandons this one (Superseded)."""
         host, port = split_host_port(spec.store_address)
         if self.server is not None and port == self.store_port and host in (self.host, "127.0.0.1", "localhost"):
-            return self.server, set()
+            return self.server, {}
         with self._lock:
             kept, self._client = self._client, None  # in use: kept again once this generation forms
         if kept is not None and kept[0] == spec.store_address:
             return kept[1], kept[2]
         del kept  # another store: the old connection closes
-        before = _socket_fds()
+        before = _sockets()
         attempt_s, delay, error = CONNECT_ATTEMPT_S, 0.005, "no answer"
         while True:
             if abandoned():
@@ -434,7 +446,7 @@ class Comm:
                 attempt_s = min(attempt_s * 2, CONNECT_ATTEMPT_MAX_S)
                 continue
             client.set_timeout(self.timeout)
-            return client, _store_connections(_socket_fds() - before, port)
+            return client, _store_connections(_new_sockets(before), port)
 
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
@@ -482,7 +494,7 @@ class Comm:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.01)
             self.phases["barrier_s"] = time.monotonic() - started  # the rest of forming is the backend's connect
-            before = _socket_fds()
+            before = _sockets()
             # A rank that dies between the barrier and publishing its address would hold every other
             # in the backend's store reads for the whole timeout: bound them (the host of the store
             # cannot cut its own connection).
@@ -509,7 +521,7 @@ class Comm:
                 cut = self._forming is None  # an abort shut its store connection down
                 self._forming = None  # its fds may be reused once the client goes
         with self._lock:
-            self._sockets = _socket_fds() - before
+            self._sockets = _new_sockets(before)
             if client is not self.server and not cut:
                 self._client = (spec.store_address, client, connections)
             self.spec, self._aborted = spec, False
@@ -568,7 +580,7 @@ class Comm:
             if not agreed(store, spec, abandoned):
                 return False
             agreed_at = time.monotonic()
-            before = _socket_fds()
+            before = _sockets()
             with self._lock:  # (the old group's sockets may be closed, their numbers reused by the new store's)
                 keep = {self.store_port, split_host_port(self.spec.store_address)[1],
                         split_host_port(spec.store_address)[1]}
@@ -576,7 +588,7 @@ class Comm:
                                 min(self.timeout, CONNECT_TIMEOUT), self._sockets, keep)
             with self._lock:
                 self.spec, self._aborted, self.shrunk = spec, False, True
-                self._sockets = _socket_fds() - before
+                self._sockets = _new_sockets(before)
             self.phases.update(abort_s=time.monotonic() - agreed_at, destroy_s=0.0, init_s=0.0,
                                store_s=0.0, barrier_s=agreed_at - started)
         finally:
@@ -604,10 +616,10 @@ class Comm:
                 return False
             started = time.monotonic()
             n = self.backend.abort(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]})
-            self._sockets, self._aborted = set(), True
+            self._sockets, self._aborted = {}, True
             self.phases["abort_s"] = time.monotonic() - started
         log.info("group_aborted", generation=spec.generation, backend=self.backend.name, sockets=n,
-                 seconds=round(self.phases["abort_s"], 4))
+                 peers=spec.world_size - 1, seconds=round(self.phases["abort_s"], 4))
         return True
 
     def _connect_bound(self, world_size: int) -> timedelta:
@@ -651,7 +663,7 @@ class Comm:
             if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
                 return
             self.spec = None
-            self._sockets = set()
+            self._sockets = {}
         if dist.is_initialized():  # (not after NCCL's abort, which cleared torch's registry)
             dist.destroy_process_group()
         self.phases["destroy_s"] = time.monotonic() - started

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec, Superseded, _is_tcp, _socket_fds
+from muster.worker.comm import Comm, GroupSpec, Superseded, _is_tcp, _new_sockets, _shutdown_peer_sockets, _sockets
 from muster.local import wait_until
 
 
@@ -23,7 +23,7 @@ def connections(port: int) -> set[int]:
     import socket
 
     found = set()
-    for fd in _socket_fds():
+    for fd in _sockets():
         s = socket.socket(fileno=fd)
         try:
             if _is_tcp(s) and s.getpeername()[1] == port:
@@ -120,14 +120,48 @@ def test_a_unix_socket_among_the_new_fds_is_no_store_connection():
     time: it is never taken for a connection of the store's, nor shut down by an abort."""
     import socket
 
-    from muster.worker.comm import _shutdown_peer_sockets, _store_connections
+    from muster.worker.comm import _store_connections
 
+    before = _sockets()
     a, b = socket.socketpair()
     try:
-        fds = {a.fileno(), b.fileno()}
-        assert _store_connections(fds, 29500) == set() and _shutdown_peer_sockets(fds, set()) == 0
+        found = _new_sockets(before)
+        assert set(found) == {a.fileno(), b.fileno()}
+        assert _store_connections(found, 29500) == {} and _shutdown_peer_sockets(found, set()) == 0
         a.sendall(b"x")
         assert b.recv(1) == b"x"  # still open
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_that_reuses_an_old_descriptor_number_is_the_groups_and_an_old_one_is_left_alone():
+    """A group's sockets are known by inode: one whose descriptor number an older socket had (an
+    aborted group's sockets close whenever its last reference goes, possibly while the next group
+    connects) is still found new, and so shut by the next abort; a number recorded for a socket
+    since closed, and now another's, is not shut down."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    old = socket.create_connection(("127.0.0.1", port))
+    old_peer, _ = listener.accept()
+    before = _sockets()
+    number = old.fileno()
+    old.close()  # its number is free: the next socket takes it
+    new = socket.create_connection(("127.0.0.1", port))
+    new_peer, _ = listener.accept()
+    try:
+        assert new.fileno() == number
+        found = _new_sockets(before)
+        assert number in found and new_peer.fileno() in found
+        stale = {fd: inode for fd, inode in before.items() if fd == number}  # the closed socket, as recorded
+        assert _shutdown_peer_sockets(stale, set()) == 0
+        new.sendall(b"x")
+        assert new_peer.recv(1) == b"x"  # left alone
+        assert _shutdown_peer_sockets({number: found[number]}, set()) == 1
+        assert new_peer.recv(1) == b""  # shut: its peer sees the end
+    finally:
+        for s in (new, new_peer, old_peer, listener):
+            s.close()
