@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of simulated compute per step")
     p.add_argument("--checkpoint-dir", type=Path, required=True)
     p.add_argument("--checkpoint-every", type=int, default=5)
     args = p.parse_args()
@@ -38,8 +38,10 @@ def main() -> int:
         start = state["step"]
     ddp = DistributedDataParallel(model)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    slices = max(1, round(args.step_sleep / 0.002))
     for step in range(start + 1, args.steps + 1):
-        time.sleep(args.step_sleep)
+        for _ in range(slices if args.step_sleep > 0 else 0):
+            time.sleep(args.step_sleep / slices)  # simulated compute: slowed as real work is by a throttled process
         g = torch.Generator().manual_seed(step * 1_000_003 + rank * 7919 + world)
         x = torch.randn(16, 32, generator=g)
         loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))

@@ -182,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
         wait_report_s=args.wait_report,
         exit_timeout_s=args.exit_timeout,
         warm_start=args.warm_start,
+        step_probe=args.step_probe,
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
         security=_security(args),
     )
@@ -503,6 +504,10 @@ def _run_parser(sub) -> None:
                    help="fork Python ranks from a per-node zygote that imported torch once, so a restart reaches "
                         "the script's first line in milliseconds (default: on; --no-warm-start makes every rank a "
                         "new interpreter; other commands always start cold)")
+    r.add_argument("--step-probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure each step of a Python rank that does not use the worker library (hooks on its "
+                        "first optimizer's step and on the gradient computed last, installed at its start), for "
+                        "the straggler watch and `muster status`; never judged for stalls (default: on)")
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
+from muster.worker import step_probe
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.comm import Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
@@ -121,13 +122,14 @@ class _StepScope:
     afterwards whether it counted (False: discarded by a membership change, to be redone).
     Reusable; allocation-free on success."""
 
-    __slots__ = ("worker", "started", "completed", "compute")
+    __slots__ = ("worker", "started", "completed", "compute", "digest_every")
 
     def __init__(self, worker: Worker):
         self.worker = worker
         self.started = 0.0
         self.completed = False
         self.compute = ComputeClock()  # compute vs waiting, for the leader's straggler watch
+        self.digest_every = worker.config.digest_every
 
     def __enter__(self) -> _StepScope:
         if self.worker.link.changed.is_set():
@@ -144,7 +146,7 @@ class _StepScope:
             w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "", w.generation)
             self.compute.step_done(self.started)
             w._redos = 0
-            if w._digest_every and w.step % w._digest_every == 0:
+            if self.digest_every and w.step % self.digest_every == 0:
                 w._digest = (w.step, w.state.digest())
             if w.link.changed.is_set():
                 w._boundary()
@@ -180,7 +182,6 @@ class Worker:
         # Under an agent this rank is one of its node's slots; alone, it is a one-slot node.
         self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
-        self._digest_every = config.digest_every
         self._error: WorkerError | None = None
         self._error_seen = threading.Event()  # the training thread has raised it
         self._forming = False  # the training thread is inside Comm.form
@@ -207,6 +208,7 @@ class Worker:
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
         c = self.config
+        step_probe.detach()  # the runner's, for scripts without the library: this rank reports its own steps
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))

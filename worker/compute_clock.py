@@ -30,11 +30,15 @@ class ComputeClock:
     def watch(self, module: torch.nn.Module) -> None:
         """Hook the gradient `module` computes last. Without a parameter that takes gradients
         (or before torch 2.2) nothing is measured and the rank reports 0."""
-        first = next((p for p in module.parameters() if p.requires_grad), None)
-        if first is None or id(first) in self._hooked or not hasattr(first, "register_post_accumulate_grad_hook"):
+        self.watch_parameter(next((p for p in module.parameters() if p.requires_grad), None))
+
+    def watch_parameter(self, param: torch.Tensor | None) -> None:
+        """Hook `param`'s gradient: the step's compute ends with the last hooked gradient computed."""
+        if param is None or not param.requires_grad or id(param) in self._hooked or \
+                not hasattr(param, "register_post_accumulate_grad_hook"):
             return
-        first.register_post_accumulate_grad_hook(self._gradients_ready)
-        self._hooked.add(id(first))
+        param.register_post_accumulate_grad_hook(self._gradients_ready)
+        self._hooked.add(id(param))
 
     def _gradients_ready(self, _param) -> None:
         self.ready_at = time.perf_counter()

@@ -10,6 +10,11 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+def prefix() -> list[str]:
+    """The command line that runs what follows it so that it dies with this process, even on SIGKILL."""
+    return [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
+
+
 def main() -> None:
     parent, argv = int(sys.argv[1]), sys.argv[2:]
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -65,9 +65,10 @@ class RankHub(pb_grpc.NodeAgentServicer):
                     slot.heard_at = now
                 r.heard_ms_ago = int((now - slot.heard_at) * 1000)
                 reports.append(r)
-            elif slot.alive and not node.library:
-                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid,
-                                             state=pb.RANK_STATE_UNMONITORED))
+            elif slot.alive and not node.library:  # its steps, if its probe measures them, never judged for stalls
+                step, step_time_us, compute_us = slot.steps.read() if slot.steps is not None else (0, 0, 0)
+                reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid, state=pb.RANK_STATE_UNMONITORED,
+                                             step=step, step_time_us=step_time_us, compute_us=compute_us))
             elif slot.restarting:  # until its replacement starts: the job is to re-form with the slot
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_RESTARTING,
                                              generation=slot.crashed_in))

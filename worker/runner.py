@@ -7,7 +7,8 @@ work, whatever its process does next: torch and gloo destructors abort (SIGABRT)
 teardown, and its agent must count the rank as finished, never run it again. The mark is a file
 the agent names in $MUSTER_COMPLETED_FILE (in its private directory): created before teardown, it
 survives a SIGKILL or an abort that follows. An uncaught exception or another exit status is no
-completion. The warm-start zygote runs its ranks through `run` too.
+completion. The warm-start zygote runs its ranks through `run` too. Where the agent asks for it, the
+runner also installs the step probe (`step_probe`): the script's steps and compute time, unmodified.
 
 The program sees what `python SCRIPT` shows it: `sys.argv`, `sys.path[0]`, `__main__`, its exit
 status, and an uncaught exception's traceback without this module's or runpy's frames.
@@ -22,6 +23,8 @@ import shutil
 import sys
 import threading
 from dataclasses import dataclass
+
+from muster.worker import step_probe
 
 COMPLETED_FILE_ENV = "MUSTER_COMPLETED_FILE"
 # Where the rank writes the installed modules it imported, for the warm-start zygote to learn.
@@ -77,6 +80,7 @@ def run(program: Program) -> None:
     if timer is not None:
         timer.daemon = True
         timer.start()
+    step_probe.attach(os.environ.pop(step_probe.STEP_FILE_ENV, ""))
     sys.argv = [program.target, *program.args]
     try:
         _run(program, marker, pid)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from muster.v1 import muster_pb2 as pb
+from muster.worker.step_probe import StepFile
 from muster.worker.zygote import WarmProcess
 
 CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
@@ -67,6 +68,7 @@ class Slot:
     error_file: str = ""  # TORCHELASTIC_ERROR_FILE of its process (scripts using torch's @record)
     completed_file: str = ""  # created by the runner once its process's script completed
     imports_file: str = ""  # written by the runner: the packages its process imported (warm starts)
+    steps: StepFile | None = None  # where its process's step probe writes (a script without the library)
     hung: bool = False  # its process outlived --exit-timeout after its script completed, and was ended
     last_crash: Crash | None = None
 

@@ -16,6 +16,7 @@ from typing import Protocol
 import structlog
 
 from muster.v1 import muster_pb2 as pb
+from muster.worker import orphan_guard
 from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words, failure_report, last_failure
 from muster.worker.master_port import MasterPorts
@@ -23,6 +24,7 @@ from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import SLOT_SECRET_ENV
 from muster.worker.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
 from muster.worker.slot import Crash, Slot, StderrTail, error_message, outside_crash_loop, read_tail
+from muster.worker.step_probe import STEP_FILE_ENV, StepFile
 from muster.worker.waiting import QUERY_WAIT_S, query
 from muster.worker.zygote import WarmProcess, WarmStarts, ZygoteLost
 
@@ -38,6 +40,7 @@ RANK_ENV = frozenset({
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
     "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, SLOT_SECRET_ENV,
+    STEP_FILE_ENV,
     # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
     # or etcd (and trackers that record a process's environment would keep them).
     "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
@@ -87,7 +90,7 @@ class RankSupervisor:
         """Warm starts: the zygote's imports run while the node joins."""
         c = self.node.config
         if c.warm_start and self.program is not None:
-            self.warm = WarmStarts(self.base_env(), self.guard(), c.preload)
+            self.warm = WarmStarts(self.base_env(), orphan_guard.prefix(), c.preload)
             await self.warm.start()
 
     def close(self) -> None:
@@ -119,6 +122,8 @@ class RankSupervisor:
             env[COMPLETED_FILE_ENV] = slot.completed_file
         if slot.imports_file:
             env[IMPORTS_FILE_ENV] = slot.imports_file
+        if slot.steps is not None:
+            env[STEP_FILE_ENV] = slot.steps.path
         if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
             rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
             env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
@@ -134,10 +139,6 @@ class RankSupervisor:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
-    def guard(self) -> list[str]:
-        """The exec wrapper that makes a process die with the agent, even on SIGKILL (orphan_guard)."""
-        return [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
-
     async def start(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
         c = self.node.config
         slot.starts += 1
@@ -147,6 +148,8 @@ class RankSupervisor:
             slot.completed_file = os.path.join(self.files, f"completed-slot{slot.index}-{slot.starts}")
         # and, for warm starts, says which packages it imported: later starts fork with them loaded
         slot.imports_file = os.path.join(self.files, f"imports-slot{slot.index}-{slot.starts}") if self.warm else ""
+        slot.steps = StepFile(os.path.join(self.files, f"steps-slot{slot.index}-{slot.starts}")) \
+            if self.program is not None and c.step_probe and not self.node.library else None
         env = self._env(slot, master)
         generation = self.node.assignment.generation  # the map its environment is from (a newer may come below)
         slot.rank = int(env["RANK"]) if "RANK" in env else None
@@ -173,7 +176,7 @@ class RankSupervisor:
                     self.warm = None
             if slot.proc is None:
                 slot.proc = await asyncio.create_subprocess_exec(
-                    *self.guard(), *self.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
+                    *orphan_guard.prefix(), *self.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
         finally:
             if out is not None:
                 out.close()

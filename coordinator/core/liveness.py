@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from muster.coordinator.core.exits import ExitBook
 from muster.coordinator.core.groups import DigestTally, GroupWatch
 from muster.coordinator.core.live_records import (
-    NO_PROGRESS, WAITING, Divergence, Failure, NodeLive, RankLive, RankReport, Recovery)
+    NO_PROGRESS, UNMONITORED, WAITING, Divergence, Failure, NodeLive, RankLive, RankReport, Recovery)
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.silence import SilenceWheel
 from muster.coordinator.core.stalls import Deadlines, calibrated_timeout, judge_ranks
@@ -136,7 +136,8 @@ class Liveness:
         exits, failed_pids = self._exits, self._exits.failed_pids
         top_step = 0
         for r in reports:
-            top_step = max(top_step, r.step)
+            if r.state not in UNMONITORED:  # a script's steps (its probe's) restart with its process: no step of the job
+                top_step = max(top_step, r.step)
             live = node.ranks.get(r.local_rank)
             if live is None:
                 live = node.ranks[r.local_rank] = RankLive(progress_at=now)
@@ -183,7 +184,8 @@ class Liveness:
         lost_ms = self.timing.heartbeat_timeout_s * 1000
         top_step = 0
         for live, (step, step_time_us, heard_ms_ago, compute_us) in zip(lives, steps):
-            top_step = max(top_step, step)
+            if live.state not in UNMONITORED:
+                top_step = max(top_step, step)
             if step != live.step:
                 if step > live.step and step_time_us:
                     self.step_times.append(step_time_us / 1e6)
@@ -214,8 +216,9 @@ class Liveness:
     def recovered(self, state: JobState, recovery: Recovery, now: float) -> tuple[bool, float | None]:
         """Whether `recovery` is over, and how long it took: until every node of its map reported
         the generation and a step past the one at the decision (None: another map superseded it,
-        or there is nothing to run). Nodes found recovered stay so: each tally goes on from the
-        first that was not."""
+        or there is nothing to run; never for a script's ranks, whose steps count from their
+        process's start). Nodes found recovered stay so: each tally goes on from the first that
+        was not."""
         rm = state.rank_map
         if rm is None or rm.generation != recovery.generation:
             return True, None
@@ -224,7 +227,7 @@ class Liveness:
         for p in rm.placements[i:]:
             node = self.nodes.get(p.node_id)
             if node is None or node.generation < recovery.generation or not any(
-                    r.step > recovery.step for s, r in node.ranks.items() if s in p.slots):
+                    r.step > recovery.step and r.state not in UNMONITORED for s, r in node.ranks.items() if s in p.slots):
                 self._recovery = (recovery.generation, i)
                 return False, None
             i += 1

@@ -20,6 +20,11 @@ from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.coordinator.core.state import Placement
 
 
+# A library rank stepping; a script's rank under `muster run`, measured by its step probe (never
+# judged for stalls, but its compute is evidence as a library rank's is).
+MEASURED = frozenset({"running", "unmonitored"})
+
+
 @dataclass(frozen=True)
 class StragglerPolicy:
     action: str = "report"  # off | report | replace (a planned leave of the straggling node)
@@ -78,7 +83,7 @@ class StragglerWatch:
             for slot in p.slots:
                 in_map.add((p.node_id, slot))
                 live = node.ranks.get(slot) if node else None
-                if live is not None and live.state == "running" and live.compute_s > 0:
+                if live is not None and live.state in MEASURED and live.compute_s > 0:
                     measured.append((p.node_id, slot, live.step, live.compute_s, live))
         # A rank that left the map is cleared; one in it but not measured now (forming after a
         # reform, in a long phase) keeps what it was: a reform must not clear and name it again.
@@ -104,6 +109,8 @@ class StragglerWatch:
                     self.named[key] = ratio
             elif ratio >= self.policy.factor:
                 since = self._since.setdefault(key, step)
+                if step < since:  # a new process in the slot (a script's rank restarted) counts from 0
+                    since = self._since[key] = step
                 if step - since >= self.policy.min_steps:
                     self.named[key] = ratio
                     named_now.setdefault(node_id, []).append((slot, ratio))

@@ -6,6 +6,9 @@ planned step. The simulated work sleeps in 2 ms slices, so a throttle stretches 
 real work: stopped 60% of every 50 ms, ~2.4x the healthy ranks' ~65 ms here (a period longer than
 a step would phase-lock the job to the throttle and put the stops in the all-reduce instead)."""
 
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -14,6 +17,7 @@ from muster.local import Throttle, wait_until
 from muster.v1 import muster_pb2 as pb
 
 FAST_STRAGGLERS = ["--heartbeat-timeout", "2.0", "--straggler-min-steps", "10"]
+PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_plain.py"  # no Muster code in it
 
 
 def node_of(p) -> str:
@@ -25,14 +29,14 @@ def ranks_status(address: str, job: str) -> list[pb.RankStatus]:
         return list(c.call("Status", pb.StatusRequest(job=job)).jobs[0].ranks)
 
 
-def measured(address: str, job: str, world: int) -> bool:
+def measured(address: str, job: str, world: int, state: str = "running") -> bool:
     try:
         ranks = ranks_status(address, job)
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.NOT_FOUND:  # not created yet
             raise
         return False
-    return len(ranks) == world and all(r.compute_us and r.state == "running" for r in ranks)
+    return len(ranks) == world and all(r.compute_us and r.state == state for r in ranks)
 
 
 @pytest.mark.timeout(150)
@@ -84,4 +88,60 @@ def test_replace_swaps_a_straggling_node_for_the_spare_at_a_planned_step(coordin
                "the spare in the map")
     wait_until(lambda: measured(leader.address, "swap", 3), 60, "three ranks stepping again")
     assert not leader.find("straggler_named", node=node_of(spare))
+    assert "straggler replaced" in victim.log_path.read_text()
+
+
+def plain_script(tmp_path) -> list[str]:
+    return [sys.executable, str(PLAIN), "--steps", "100000", "--step-sleep", "0.05",
+            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "50"]
+
+
+@pytest.mark.timeout(150)
+def test_an_unmodified_script_is_measured_by_its_probe_and_its_throttled_rank_named(coordinators, agents, tmp_path):
+    """`muster run` of a script with no Muster code: the runner's step probe measures each rank's
+    steps and compute; the leader shows them (the ranks stay unmonitored: no stall verdicts) and
+    names the rank slowed from outside, as it does a library rank."""
+    (leader,) = coordinators(1, extra=FAST_STRAGGLERS)
+    nodes = agents([leader.address], "plainslow", ["a", "b", "c"], slots=1, nodes="3:3",
+                   command=plain_script(tmp_path))
+    wait_until(lambda: measured(leader.address, "plainslow", 3, "unmonitored"), 90, "every rank's probe reporting")
+    ranks = ranks_status(leader.address, "plainslow")
+    assert all(r.step > 0 and 0 < r.compute_us for r in ranks), ranks
+    victim = nodes[1]
+    throttle = Throttle(victim.rank_pids(0)[-1], stopped=0.6, period_s=0.05).start()
+    try:
+        named = wait_until(lambda: leader.find("straggler_named"), 60, "a straggler named")
+        assert [r["node"] for r in named] == ["b"] and named[0]["factor"] >= 1.5, named
+    finally:
+        throttle.stop()
+    wait_until(lambda: leader.find("straggler_cleared", node="b"), 60, "the straggler cleared")
+    assert len(leader.find("straggler_named")) == 1
+    assert all(len(a.rank_pids(0)) == 1 for a in nodes)  # reported only: no rank restarted, no stall found
+    assert {r["kind"] for r in leader.find("membership_changed")} == {"node_joined", "formed", "straggler"}
+
+
+@pytest.mark.timeout(180)
+def test_replace_swaps_an_unmodified_scripts_straggling_node_for_the_spare(coordinators, agents, tmp_path):
+    """The job's `replace` policy set on `muster run`: the node of a throttled rank leaves at a planned
+    step (its agent told why, exit 3), the spare takes its place, the script restarts from its checkpoint."""
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    policy = ["--straggler-action", "replace", "--straggler-min-steps", "10"]
+    nodes = agents([leader.address], "plainswap", ["a", "b", "c"], slots=1, nodes="2:2", extra=policy,
+                   command=plain_script(tmp_path))
+    wait_until(lambda: measured(leader.address, "plainswap", 2, "unmonitored"), 90, "two ranks measured, one spare")
+    in_map = {r.node for r in ranks_status(leader.address, "plainswap")}
+    (spare,) = [a for a in nodes if a.node_id not in in_map]
+    victim = next(a for a in nodes if a.node_id in in_map)
+    throttle = Throttle(victim.rank_pids(0)[-1], stopped=0.6, period_s=0.05).start()
+    try:
+        wait_until(lambda: leader.find("straggler_named", node=victim.node_id), 60, "the straggler named")
+        assert victim.proc.wait(60) == 3  # drained: the coordinator's order
+    finally:
+        throttle.stop()
+    left = wait_until(lambda: leader.find("membership_changed", kind="node_left"), 10, "the planned leave")
+    assert left[0]["nodes"] == [victim.node_id] and "straggler replaced" in left[0]["reason"]
+    wait_until(lambda: spare.node_id in {r.node for r in ranks_status(leader.address, "plainswap")}, 30,
+               "the spare in the map")
+    wait_until(lambda: measured(leader.address, "plainswap", 2, "unmonitored"), 60, "both ranks stepping again")
+    assert not leader.find("straggler_named", node=spare.node_id)
     assert "straggler replaced" in victim.log_path.read_text()

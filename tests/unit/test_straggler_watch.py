@@ -171,3 +171,24 @@ def test_muster_run_refuses_a_bad_straggler_policy_naming_the_field(capsys):
     assert _run(parser().parse_args(["run", "--coordinator", "127.0.0.1:1", "--job", "j", "--straggler-factor",
                                      "0.5", "--", "python", "x.py"])) == 2
     assert "straggler_factor must be in (1, 100], got 0.5" in capsys.readouterr().err
+
+
+def test_a_scripts_unmonitored_ranks_are_judged_and_a_restarted_process_counts_its_steps_anew():
+    """Ranks of a script without the library (`unmonitored`, measured by the step probe) are judged
+    as library ranks are; a slot's new process counts its steps from 0 again, and its straggling
+    is counted from its own steps, not from its predecessor's."""
+    placements, live = job()
+    for node in live.values():
+        for r in node.ranks.values():
+            r.state = "unmonitored"
+    watch = StragglerWatch(POLICY)
+    steps(placements, live, watch, {}, 20)
+    steps(placements, live, watch, {("n3", 0): 0.2}, 2)  # straggling since its step 21
+    live["n3"].ranks[0].step = 0  # restarted: its probe starts over
+    named, _ = steps(placements, live, watch, {("n3", 0): 0.2}, 10)
+    assert named == []
+    named, _ = steps(placements, live, watch, {("n3", 0): 0.2}, 1)  # its 11th step straggling: named
+    assert [(s.node_id, s.local_ranks) for s in named] == [("n3", (0,))]
+    live["n3"].ranks[1].state = "restarting"  # between processes: not measured, and not named
+    named, _ = steps(placements, live, watch, {("n3", 1): 0.5}, 20)
+    assert named == [] and live["n3"].ranks[1].straggler_factor == 0

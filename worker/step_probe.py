@@ -1,0 +1,165 @@
+"""Steps and compute time from a script that does not use the library, with no change to it.
+
+Under `muster run` the runner installs a probe in each Python rank (`attach`): a global optimizer
+step post-hook (every `optimizer.step()` of the script's first optimizer is a step) and, once that
+optimizer has stepped, a post-accumulate-grad hook on the first parameter of each of its parameter
+groups (the gradients backward computes last: `ComputeClock`). A step's compute is the time from the
+previous step's end until its gradients were all computed: data loading, forward and backward, the
+rest being the wait for the others in the gradients' all-reduce and the update. Torch is never
+imported for it: installed when the script imports torch (or at once, in a rank forked from a zygote
+that imported it). The probe never fails the script: a probe that cannot be installed reports nothing.
+
+Where it goes: a small file of the agent's (`StepFile`, named in $MUSTER_STEP_FILE), mapped into
+both processes. The rank writes (step, step time, median compute) at each step as one record between
+two copies of a sequence number (a read that finds them unequal met a write, and is retried), no
+system call on the training thread; the agent reads it whenever it builds its node's frame. The rank stays `unmonitored` for the leader: its
+steps feed the straggler watch and `muster status`, never a stall verdict (a script may pause for
+anything). A library rank removes the probe when it starts (`detach`): it reports its own steps.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import mmap
+import os
+import struct
+import sys
+import time
+import weakref
+
+STEP_FILE_ENV = "MUSTER_STEP_FILE"
+# seq, step, step_time_us, compute_us, seq: written whole; a read that finds the two seqs unequal
+# met a write and is retried
+_RECORD = struct.Struct("<QQIIQ")
+SIZE = _RECORD.size
+_U32 = 0xFFFFFFFF
+MEDIAN_EVERY = 4  # steps between two medians of the compute window (a sort of 32 on the training thread)
+
+
+class StepFile:
+    """The agent's side: the file of one process it starts, read at each frame (in the agent's
+    private directory, removed with it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self._last = (0, 0, 0)
+
+    def read(self) -> tuple[int, int, int]:
+        """(step, step_time_us, compute_us) as the rank last wrote them; the last whole read while it writes."""
+        for _ in range(3):
+            head, step, step_time_us, compute_us, tail = _RECORD.unpack_from(self._map, 0)
+            if head == tail:
+                self._last = (step, step_time_us, compute_us)
+                break
+        return self._last
+
+
+# ---- in the rank ------------------------------------------------------------------------------
+
+_probe: StepProbe | None = None
+
+
+class StepProbe:
+    __slots__ = ("_map", "_clock", "_optimizer", "_handle", "_seq", "_compute_us", "step", "started")
+
+    def __init__(self, board: mmap.mmap, clock):
+        self._map = board
+        self._clock = clock
+        self._optimizer = None  # weakref to the optimizer whose steps count (the script's first)
+        self._handle = None
+        self._seq = 0
+        self._compute_us = 0
+        self.step = 0
+        self.started = time.perf_counter()
+
+    def stepped(self, optimizer, _args, _kwargs) -> None:
+        """The global optimizer post-step hook: one step of the script's first optimizer completed.
+        (A few µs of the training thread a step: one record written whole, a median every few steps.)"""
+        mine = self._optimizer() if self._optimizer is not None else None
+        if mine is not optimizer:
+            if mine is not None:
+                return  # another optimizer of the script (a GAN's second)
+            self._optimizer = weakref.ref(optimizer)
+            for group in optimizer.param_groups:
+                self._clock.watch_parameter(next(iter(group["params"]), None))
+        now = time.perf_counter()
+        started, clock = self.started, self._clock
+        clock.step_done(started)
+        self.step = step = self.step + 1
+        if step % MEDIAN_EVERY == 1:
+            self._compute_us = min(clock.compute_us(), _U32)
+        self._seq = seq = self._seq + 1
+        _RECORD.pack_into(self._map, 0, seq, step, min(int((now - started) * 1e6), _U32), self._compute_us, seq)
+        self.started = now
+
+
+def attach(path: str) -> None:
+    """In a rank the runner starts: install the probe now if torch is loaded (a warm start), else
+    once the script imports torch."""
+    if not path:
+        return
+    if "torch" in sys.modules:
+        _install(path)
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch", lambda: _install(path)))
+
+
+def detach() -> None:
+    """The rank uses the library, which reports its steps itself."""
+    global _probe
+    if _probe is not None and _probe._handle is not None:
+        _probe._handle.remove()
+    _probe = None
+
+
+def _install(path: str) -> None:
+    global _probe
+    if _probe is not None:
+        return
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from muster.worker.compute_clock import ComputeClock
+
+        fd = os.open(path, os.O_RDWR)
+        try:
+            board = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        _probe = StepProbe(board, ComputeClock())
+        _probe._handle = register_optimizer_step_post_hook(_probe.stepped)
+        os.register_at_fork(after_in_child=detach)  # a child the script forks (a data loader's worker) writes nothing
+    except Exception as exc:  # an old torch, the agent's file gone: the rank runs, unmeasured
+        print(f"muster: steps are not measured in this rank ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then` once module `name` has been imported (its loader's exec_module returned)."""
+
+    def __init__(self, name: str, then):
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; and the finders below find the module itself
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module):
+            exec_module(module)
+            if module.__name__ == fullname:  # a loader shared by several modules (a zip) runs the rest as it was
+                then()
+
+        spec.loader.exec_module = exec_then  # this import's loader (a file's is made for it)
+        return spec
