@@ -23,6 +23,19 @@ class InvalidPolicy(ValueError):
     """A policy value is out of range; the message names the field."""
 
 
+def check_stragglers(action: str, factor: float, min_steps: int, *, unset_ok: bool) -> None:
+    """A straggler policy's values, a deployment's (`muster serve`) or a job's (its spec, where ""
+    and 0 are unset: the deployment's stands)."""
+    if not (unset_ok and not action) and action not in STRAGGLER_ACTIONS:
+        raise InvalidPolicy(f"straggler_action must be one of {', '.join(STRAGGLER_ACTIONS)}"
+                            f"{' (or empty)' if unset_ok else ''}, got {action[:40]!r}")
+    if not (unset_ok and not factor) and not 1.0 < factor <= MAX_STRAGGLER_FACTOR:
+        raise InvalidPolicy(f"straggler_factor must be in (1, {MAX_STRAGGLER_FACTOR:g}], got {factor}")
+    if not (0 if unset_ok else 1) <= min_steps <= MAX_STRAGGLER_MIN_STEPS:
+        raise InvalidPolicy(f"straggler_min_steps must be in {0 if unset_ok else 1}..{MAX_STRAGGLER_MIN_STEPS}, "
+                            f"got {min_steps}")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a job asks for. Fixed when the job is created."""
@@ -44,14 +57,7 @@ class JobSpec:
             )
         if not 1 <= self.world_size_multiple <= 65_536:
             raise InvalidPolicy(f"world_size_multiple must be in 1..65536, got {self.world_size_multiple}")
-        if self.straggler_action and self.straggler_action not in STRAGGLER_ACTIONS:
-            raise InvalidPolicy(f"straggler_action must be one of {', '.join(STRAGGLER_ACTIONS)} (or empty), "
-                                f"got {self.straggler_action[:40]!r}")
-        if self.straggler_factor and not 1.0 < self.straggler_factor <= MAX_STRAGGLER_FACTOR:
-            raise InvalidPolicy(f"straggler_factor must be in (1, {MAX_STRAGGLER_FACTOR:g}], got {self.straggler_factor}")
-        if not 0 <= self.straggler_min_steps <= MAX_STRAGGLER_MIN_STEPS:
-            raise InvalidPolicy(f"straggler_min_steps must be in 0..{MAX_STRAGGLER_MIN_STEPS}, "
-                                f"got {self.straggler_min_steps}")
+        check_stragglers(self.straggler_action, self.straggler_factor, self.straggler_min_steps, unset_ok=True)
         return self
 
     def merged_over(self, default: JobSpec) -> JobSpec:

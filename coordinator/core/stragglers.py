@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from muster.coordinator.core.live_records import NodeLive
-from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
+from muster.coordinator.core.policy import InvalidPolicy, JobSpec, check_stragglers
 from muster.coordinator.core.state import Placement
 
 
@@ -34,12 +34,10 @@ class StragglerPolicy:
     replace_per_window: int = 1
 
     def __post_init__(self):
-        if self.action not in STRAGGLER_ACTIONS:
-            raise ValueError(f"straggler action {self.action!r} is not one of {', '.join(STRAGGLER_ACTIONS)}")
-        if not self.factor > 1.0:
-            raise ValueError(f"straggler factor {self.factor} must be above 1")
-        if self.min_steps < 1 or self.replace_per_window < 0 or self.replace_window_s <= 0:
-            raise ValueError("straggler min_steps must be at least 1, the replace window positive")
+        check_stragglers(self.action, self.factor, self.min_steps, unset_ok=False)
+        if self.replace_per_window < 0 or not self.replace_window_s > 0:
+            raise InvalidPolicy(f"the straggler replace window must be positive and its count at least 0, got "
+                                f"{self.replace_per_window} per {self.replace_window_s} s")
 
     def for_job(self, spec: JobSpec) -> StragglerPolicy:
         """The deployment's policy with what the job's spec sets (validated there) in its place."""

@@ -118,15 +118,17 @@ def test_a_named_rank_that_leaves_the_map_is_cleared():
     assert found == [] and cleared == ["n3"] and watch.named == {}
 
 
-@pytest.mark.parametrize("kwargs", [{"action": "evict"}, {"factor": 1.0}, {"min_steps": 0}, {"replace_window_s": 0}])
+@pytest.mark.parametrize("kwargs", [{"action": "evict"}, {"action": ""}, {"factor": 1.0}, {"factor": 101.0},
+                                    {"factor": float("nan")}, {"min_steps": 0}, {"replace_window_s": 0}])
 def test_a_bad_policy_is_refused(kwargs):
     with pytest.raises(ValueError):
         StragglerPolicy(**kwargs)
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--straggler-action", "evict"], "straggler action 'evict' is not one of off, report, replace"),
-    (["--straggler-factor", "0.9"], "straggler factor 0.9 must be above 1"),
+    (["--straggler-action", "evict"], "straggler_action must be one of off, report, replace, got 'evict'"),
+    (["--straggler-factor", "0.9"], "straggler_factor must be in (1, 100], got 0.9"),
+    (["--straggler-min-steps", "0"], "straggler_min_steps must be in 1..1000000, got 0"),
     (["--straggler-window", "soon"], "'soon' is no duration"),
 ])
 def test_muster_serve_refuses_a_bad_straggler_policy_with_a_clear_message(flags, message, capsys):
