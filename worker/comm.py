@@ -363,6 +363,38 @@ def _shutdown_peer_sockets(found: dict[int, str], keep_ports: set[int]) -> int:
     return done
 
 
+def arrive(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], started: float,
+           timeout_s: float) -> None:
+    """The arrival barrier of `spec`'s generation on its store: this rank's arrival, then every
+    rank's, abandonable by a newer generation (Superseded) and bounded by `timeout_s` from `started`."""
+    if store.add(f"arrived/{spec.rank}", 1) != 1:
+        raise StoreKeyTaken(f"store key arrived/{spec.rank} was set before rank {spec.rank} arrived: planted "
+                            f"on the store of generation {spec.generation}, which is not formed")
+    keys = [f"arrived/{r}" for r in range(spec.world_size)]
+    delay, arrived, named = 0.001, time.monotonic(), False
+    # A barrier that a newer generation can abandon; polled with check() (store.wait with a
+    # short timeout logs a c10d warning on every miss).
+    while not store.check(keys):
+        if abandoned():
+            raise Superseded(f"generation {spec.generation} abandoned while forming")
+        if not named and time.monotonic() - arrived > BARRIER_LATE_S:
+            # Every rank waits for the last to arrive: name it, so that its own log (its
+            # group_formed: before_form_s, store_s) says where the time went. (A rank new
+            # in a planned switch waits here for the others' switch step: expected.)
+            missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
+            named = bool(missing)  # (none: they all came since the check above)
+            if named:
+                log.info("barrier_waiting", generation=spec.generation, rank=spec.rank,
+                         waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
+                         missing_count=len(missing))
+        if time.monotonic() - started > timeout_s:
+            missing = [k for k in keys if not store.check([k])]
+            raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not arrive "
+                                      f"within {timeout_s:g}s ({', '.join(missing[:8])})")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
 class Comm:
     def __init__(self, backend: str | Backend, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True,
                  gloo_interface: str | None = None):
@@ -467,32 +499,7 @@ class Comm:
             if spec.shrink_of:  # this rank forms anew: no shrink of this generation (see shrink_into)
                 store.compare_set(f"shrink/{spec.rank}", "", "0")
                 store.compare_set("shrink/decision", "", "full")
-            if store.add(f"arrived/{spec.rank}", 1) != 1:
-                raise StoreKeyTaken(f"store key arrived/{spec.rank} was set before rank {spec.rank} arrived: planted "
-                                    f"on the store of generation {spec.generation}, which is not formed")
-            keys = [f"arrived/{r}" for r in range(spec.world_size)]
-            delay, arrived, named = 0.001, time.monotonic(), False
-            # A barrier that a newer generation can abandon; polled with check() (store.wait with a
-            # short timeout logs a c10d warning on every miss).
-            while not store.check(keys):
-                if abandoned():
-                    raise Superseded(f"generation {spec.generation} abandoned while forming")
-                if not named and time.monotonic() - arrived > BARRIER_LATE_S:
-                    # Every rank waits for the last to arrive: name it, so that its own log (its
-                    # group_formed: before_form_s, store_s) says where the time went. (A rank new
-                    # in a planned switch waits here for the others' switch step: expected.)
-                    missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
-                    named = bool(missing)  # (none: they all came since the check above)
-                    if named:
-                        log.info("barrier_waiting", generation=spec.generation, rank=spec.rank,
-                                 waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
-                                 missing_count=len(missing))
-                if time.monotonic() - started > self.timeout.total_seconds():
-                    missing = [k for k in keys if not store.check([k])]
-                    raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not arrive "
-                                              f"within {self.timeout.total_seconds():g}s ({', '.join(missing[:8])})")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.01)
+            arrive(store, spec, abandoned, started, self.timeout.total_seconds())
             self.phases["barrier_s"] = time.monotonic() - started  # the rest of forming is the backend's connect
             before = _sockets()
             # A rank that dies between the barrier and publishing its address would hold every other
