@@ -52,14 +52,17 @@ PULSE_SLICE = 64  # node streams a relay pulses per turn of its loop
 def fold(older: pb.NodeFrame, newer: pb.NodeFrame) -> pb.NodeFrame:
     """`newer` superseding `older` within one batch: the newer ranks and view win; the older's exits
     come first and are kept, and so are a first frame's secret and identity (the leader
-    authenticates the stream with them). `newer` is updated in place and returned."""
+    authenticates the stream with them) and its stream's number (by which the leader refuses a
+    stream the node has since replaced: without it, a first frame held while the relay had no
+    leader displaced the node's newer direct stream, and the node took that for its eviction).
+    `newer` is updated in place and returned."""
     if older.exits:
         exits = [*older.exits, *newer.exits]
         del newer.exits[:]
         newer.exits.extend(exits)
     if older.session_secret and not newer.session_secret:
         newer.session_secret = older.session_secret
-        newer.via_relay = older.via_relay
+        newer.via_relay, newer.run, newer.stream_seq = older.via_relay, older.run, older.stream_seq
         if older.HasField("rejoin"):
             newer.rejoin.CopyFrom(older.rejoin)
     return newer

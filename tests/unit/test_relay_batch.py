@@ -39,11 +39,15 @@ def test_exits_of_superseded_frames_are_merged_into_the_latest_in_order():
 
 def test_a_first_frame_superseded_keeps_its_secret_and_identity():
     batch = FrameBatch()
-    batch.add(4, frame("a", 0, secret=b"s" * 32))
+    first = frame("a", 0, secret=b"s" * 32)
+    first.stream_seq, first.run = 7, 2
+    batch.add(4, first)
     batch.add(4, frame("a", 1))
     (rf,) = batch.take("j", "r").frames
     assert rf.frame.session_secret == b"s" * 32 and rf.frame.via_relay
     assert rf.frame.rejoin.node_id == "a" and rf.frame.ranks[0].step == 1
+    # its stream's number: a leader refuses it as stale once the node opened a newer stream elsewhere
+    assert (rf.frame.stream_seq, rf.frame.run) == (7, 2)
 
 
 def test_a_hang_up_asks_for_a_flush_and_the_pending_frame_still_goes():
