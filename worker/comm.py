@@ -294,7 +294,7 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def _sockets() -> dict[int, str]:
+def _socket_inodes() -> dict[int, str]:
     """This process's sockets: descriptor -> 'socket:[inode]'. A socket is known by its inode: a
     descriptor's number is reused as soon as it is closed (an old group's sockets close whenever its
     last reference goes, possibly while the next group connects), its inode is not."""
@@ -312,7 +312,7 @@ def _sockets() -> dict[int, str]:
 def _new_sockets(before: dict[int, str]) -> dict[int, str]:
     """The sockets opened since `before` was taken (by any thread)."""
     known = set(before.values())
-    return {fd: inode for fd, inode in _sockets().items() if inode not in known}
+    return {fd: inode for fd, inode in _socket_inodes().items() if inode not in known}
 
 
 def _is_tcp(s: socket.socket) -> bool:
@@ -440,7 +440,8 @@ class Comm:
     def formed(self) -> bool:
         return self.spec is not None
 
-    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool], started: float) -> tuple[dist.Store, dict[int, str]]:
+    def _store(self, spec: GroupSpec, abandoned: Callable[[], bool],
+               started: float) -> tuple[dist.Store, dict[int, str]]:
         """A client of the generation's store and its sockets (none for this process's own store):
         the previous generation's when the store is the same. Its host may have died (a node lost as
         the map was published): c10d's TCPStore constructor retries a refused connect for the whole
@@ -454,7 +455,7 @@ class Comm:
         if kept is not None and kept[0] == spec.store_address:
             return kept[1], kept[2]
         del kept  # another store: the old connection closes
-        before = _sockets()
+        before = _socket_inodes()
         attempt_s, delay, error = CONNECT_ATTEMPT_S, 0.005, "no answer"
         while True:
             if abandoned():
@@ -501,7 +502,7 @@ class Comm:
                 store.compare_set("shrink/decision", "", "full")
             arrive(store, spec, abandoned, started, self.timeout.total_seconds())
             self.phases["barrier_s"] = time.monotonic() - started  # the rest of forming is the backend's connect
-            before = _sockets()
+            before = _socket_inodes()
             # A rank that dies between the barrier and publishing its address would hold every other
             # in the backend's store reads for the whole timeout: bound them (the host of the store
             # cannot cut its own connection).
@@ -587,7 +588,7 @@ class Comm:
             if not agreed(store, spec, abandoned):
                 return False
             agreed_at = time.monotonic()
-            before = _sockets()
+            before = _socket_inodes()
             with self._lock:  # (the old group's sockets may be closed, their numbers reused by the new store's)
                 keep = {self.store_port, split_host_port(self.spec.store_address)[1],
                         split_host_port(spec.store_address)[1]}

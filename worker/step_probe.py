@@ -12,9 +12,10 @@ that imported it). The probe never fails the script: a probe that cannot be inst
 Where it goes: a small file of the agent's (`StepFile`, named in $MUSTER_STEP_FILE), mapped into
 both processes. The rank writes (step, step time, median compute) at each step as one record between
 two copies of a sequence number (a read that finds them unequal met a write, and is retried), no
-system call on the training thread; the agent reads it whenever it builds its node's frame. The rank stays `unmonitored` for the leader: its
-steps feed the straggler watch and `muster status`, never a stall verdict (a script may pause for
-anything). A library rank removes the probe when it starts (`detach`): it reports its own steps.
+system call on the training thread; the agent reads it whenever it builds its node's frame. The
+rank stays `unmonitored` for the leader: its steps feed the straggler watch and `muster status`,
+never a stall verdict (a script may pause for anything). A library rank removes the probe when it
+starts (`detach`): it reports its own steps.
 """
 
 from __future__ import annotations
@@ -63,17 +64,16 @@ class StepFile:
 
 # ---- in the rank ------------------------------------------------------------------------------
 
-_probe: StepProbe | None = None
+_hook = None  # the installed probe's optimizer hook (a RemovableHandle), once installed
 
 
 class StepProbe:
-    __slots__ = ("_map", "_clock", "_optimizer", "_handle", "_seq", "_compute_us", "step", "started")
+    __slots__ = ("_map", "_clock", "_optimizer", "_seq", "_compute_us", "step", "started")
 
     def __init__(self, board: mmap.mmap, clock):
         self._map = board
         self._clock = clock
         self._optimizer = None  # weakref to the optimizer whose steps count (the script's first)
-        self._handle = None
         self._seq = 0
         self._compute_us = 0
         self.step = 0
@@ -113,15 +113,15 @@ def attach(path: str) -> None:
 
 def detach() -> None:
     """The rank uses the library, which reports its steps itself."""
-    global _probe
-    if _probe is not None and _probe._handle is not None:
-        _probe._handle.remove()
-    _probe = None
+    global _hook
+    if _hook is not None:
+        _hook.remove()
+    _hook = None
 
 
 def _install(path: str) -> None:
-    global _probe
-    if _probe is not None:
+    global _hook
+    if _hook is not None:
         return
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -133,8 +133,7 @@ def _install(path: str) -> None:
             board = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
-        _probe = StepProbe(board, ComputeClock())
-        _probe._handle = register_optimizer_step_post_hook(_probe.stepped)
+        _hook = register_optimizer_step_post_hook(StepProbe(board, ComputeClock()).stepped)
         os.register_at_fork(after_in_child=detach)  # a child the script forks (a data loader's worker) writes nothing
     except Exception as exc:  # an old torch, the agent's file gone: the rank runs, unmeasured
         print(f"muster: steps are not measured in this rank ({type(exc).__name__}: {exc})", file=sys.stderr)

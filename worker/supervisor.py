@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import subprocess
 import sys
 import time
 from typing import Protocol
@@ -176,7 +177,7 @@ class RankSupervisor:
                     self.warm = None
             if slot.proc is None:
                 slot.proc = await asyncio.create_subprocess_exec(
-                    *orphan_guard.prefix(), *self.argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else err)
+                    *orphan_guard.prefix(), *self.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else err)
         finally:
             if out is not None:
                 out.close()

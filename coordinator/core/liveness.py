@@ -136,7 +136,7 @@ class Liveness:
         exits, failed_pids = self._exits, self._exits.failed_pids
         top_step = 0
         for r in reports:
-            if r.state not in UNMONITORED:  # a script's steps (its probe's) restart with its process: no step of the job
+            if r.state not in UNMONITORED:  # a script's steps (its probe's) restart with its process: not the job's
                 top_step = max(top_step, r.step)
             live = node.ranks.get(r.local_rank)
             if live is None:
@@ -227,7 +227,8 @@ class Liveness:
         for p in rm.placements[i:]:
             node = self.nodes.get(p.node_id)
             if node is None or node.generation < recovery.generation or not any(
-                    r.step > recovery.step and r.state not in UNMONITORED for s, r in node.ranks.items() if s in p.slots):
+                    r.step > recovery.step and r.state not in UNMONITORED
+                    for s, r in node.ranks.items() if s in p.slots):
                 self._recovery = (recovery.generation, i)
                 return False, None
             i += 1

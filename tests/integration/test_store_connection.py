@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec, Superseded, _is_tcp, _new_sockets, _shutdown_peer_sockets, _sockets
+from muster.worker.comm import (Comm, GroupSpec, Superseded, _is_tcp, _new_sockets, _shutdown_peer_sockets,
+                                 _socket_inodes)
 from muster.local import wait_until
 
 
@@ -23,7 +24,7 @@ def connections(port: int) -> set[int]:
     import socket
 
     found = set()
-    for fd in _sockets():
+    for fd in _socket_inodes():
         s = socket.socket(fileno=fd)
         try:
             if _is_tcp(s) and s.getpeername()[1] == port:
@@ -122,7 +123,7 @@ def test_a_unix_socket_among_the_new_fds_is_no_store_connection():
 
     from muster.worker.comm import _store_connections
 
-    before = _sockets()
+    before = _socket_inodes()
     a, b = socket.socketpair()
     try:
         found = _new_sockets(before)
@@ -147,7 +148,7 @@ def test_a_socket_that_reuses_an_old_descriptor_number_is_the_groups_and_an_old_
     port = listener.getsockname()[1]
     old = socket.create_connection(("127.0.0.1", port))
     old_peer, _ = listener.accept()
-    before = _sockets()
+    before = _socket_inodes()
     number = old.fileno()
     old.close()  # its number is free: the next socket takes it
     new = socket.create_connection(("127.0.0.1", port))

@@ -7,17 +7,17 @@ import os
 import select
 import signal
 import socket
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 
 from muster.local import process_alive, wait_until
+from muster.worker import orphan_guard
 from muster.worker.runner import COMPLETED_FILE_ENV, Program
 from muster.worker.zygote import WarmStarts, Zygote, ZygoteLost
 
-GUARD = [sys.executable, "-m", "muster.worker.orphan_guard", str(os.getpid())]
+GUARD = orphan_guard.prefix()
 
 
 def run(coro):
