@@ -101,6 +101,11 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT"
             "TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN": "0",
             "TORCH_FR_BUFFER_SIZE": "0"}  # the flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.10)
 NCCL_TEARS_DOWN = {"1", "3"}  # TearDown, SkipCleanUp: the watchdog ends the process on a peer's death
+# Since torch 2.8 a watchdog that sees a collective fail (a peer's death, before Muster's abort)
+# sleeps 4x this (default 15 s: a minute) "for the flight recorder", dump or not, and releasing
+# the aborted group joins that thread: the rank missed the next group's barrier and was evicted
+# as stalled (H200, 2026-11-26). Forced, whatever the environment says.
+NCCL_DUMP_WAIT = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
 
 
 def _says(exc: BaseException, texts: tuple[str, ...]) -> bool:
@@ -154,11 +159,16 @@ class Nccl:
     def prepare(self, env: dict[str, str]) -> None:
         """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
         `muster run` passes on to unmodified scripts) would end every survivor of a peer's death
-        before Muster's abort: for a library rank it is turned off, and the change logged."""
+        before Muster's abort, and one that sleeps after a failure holds the reform
+        (NCCL_DUMP_WAIT): for a library rank both are turned off, and a change logged."""
         if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in NCCL_TEARS_DOWN:
             log.info("nccl_error_handling_off", was=env["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
                      why="Muster aborts and reforms the group; the watchdog would end the process")
             env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        if env.get(NCCL_DUMP_WAIT, "0") != "0":
+            log.info("nccl_dump_wait_off", was=env[NCCL_DUMP_WAIT],
+                     why="the watchdog sleeps 4x this after a failed collective; releasing the group waits for it")
+        env[NCCL_DUMP_WAIT] = "0"
         for name, value in NCCL_ENV.items():
             env.setdefault(name, value)
         if env.get("MUSTER_NCCL_SHRINK") == "1" and self.name == "nccl":

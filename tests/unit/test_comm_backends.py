@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import NCCL_ENV, Gloo, Nccl, NcclTwin, backend_named
+from muster.worker.comm import NCCL_DUMP_WAIT, NCCL_ENV, Gloo, Nccl, NcclTwin, backend_named
 
 V = "NCCL version 2.27.3"
 # A peer died, hung or the communicator was aborted: the group's failure.
@@ -79,7 +79,11 @@ def test_gloo_errors_of_the_group_are_held_on_and_the_scripts_are_raised():
 def test_an_nccl_rank_runs_with_the_watchdog_that_never_ends_a_survivor():
     env = {}
     Nccl().prepare(env)
-    assert env == NCCL_ENV and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert env == {**NCCL_ENV, NCCL_DUMP_WAIT: "0"} and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    # the watchdog's sleep after a failed collective (4x this) would hold the reform: forced off
+    env = {NCCL_DUMP_WAIT: "15000"}
+    Nccl().prepare(env)
+    assert env[NCCL_DUMP_WAIT] == "0"
     # torchrun's default (passed on by `muster run`) and torch's own tear the process down: off
     for tears_down in ("1", "3"):
         env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": tears_down}
