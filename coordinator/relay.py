@@ -204,6 +204,9 @@ class RelayLink:
                                               f"{self.job!r}")
                     self.streams[rf.stream] = self.leader.attach(rf.frame, link=self, stream_id=rf.stream)
             except MusterError as exc:  # ends that stream alone, with its precise status
+                log.info("relayed_stream_refused", job=self.job, relay=self.relay, stream=rf.stream,
+                         node=rf.frame.node_id[:256], member=rf.frame.member_id, stream_seq=rf.frame.stream_seq,
+                         error=str(exc)[:300])
                 self.push(rf.stream, exc)
                 if stream is not None:
                     del self.streams[rf.stream]

@@ -51,8 +51,9 @@ def authenticate(member: Member, secret: bytes) -> None:
     """Only the node that joined as this member holds its secret: a stranger who guessed the
     member_id may not replace its stream or make it leave."""
     if not member.admits(secret_hash(secret)):
+        presented = "presented another secret" if secret else "presented none"
         raise PermissionDenied(f"node {member.node_id!r} did not present the session secret of member "
-                               f"{member.member_id}; only the node that joined as it may use it")
+                               f"{member.member_id} ({presented}); only the node that joined as it may use it")
 
 
 def check_first(first: pb.NodeFrame, state: JobState) -> None:

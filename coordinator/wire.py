@@ -121,6 +121,8 @@ def check_rejoin(first: pb.NodeFrame) -> None:
     check_secret(first.session_secret)
     if not first.HasField("rejoin"):
         return
+    if not first.session_secret:  # else a lost state would keep the hash of nothing as the member's
+        raise InvalidArgument("a first frame with rejoin must present the node's session_secret")
     try:
         check_join(first.rejoin)
     except InvalidArgument as exc:

@@ -1,5 +1,5 @@
 """A hostile client on a coordinator's port, for the chaos suite: garbage bytes, oversized names,
-a duplicate node, and a node's Session and Leave with guessed member_ids and no session secret.
+a duplicate node, and a node's Session (a guessed secret) and Leave (none) with guessed member_ids.
 
 Each probe returns an `Outcome`: what was sent and what came back (a gRPC status code name,
 "OK" when the coordinator accepted it, or what the raw socket saw). The harness decides what is
@@ -139,16 +139,16 @@ def _keep(o: Outcome, member_id: int, real_member_id: int) -> bool:
 def impostor_session(stub: pb_grpc.CoordinatorStub, job: str, node: str, real_member_id: int,
                      slots: int) -> list[Outcome]:
     """Count member_ids up (the real one among them) on a Session that speaks for `node` (its
-    rejoin identity and all) without the secret, reporting a rank exit. Stops at the first one
+    rejoin identity and all) with a guessed secret, reporting a rank exit. Stops at the first one
     accepted: one shows the hole, more would only break more."""
     out = []
     rejoin = pb.JoinRequest(job=job, node_id=node, slots=slots, host="127.0.0.1", store_port=1)
     for member_id in _guesses(real_member_id):
-        frames = [pb.NodeFrame(job=job, node_id=node, member_id=member_id, rejoin=rejoin),
+        frames = [pb.NodeFrame(job=job, node_id=node, member_id=member_id, rejoin=rejoin, session_secret=b"guessed"),
                   pb.NodeFrame(job=job, node_id=node, member_id=member_id,
                                exits=[pb.RankExit(local_rank=0, pid=1, exit_code=-9)])]
         o = _call(f"Session as {node!r} with guessed member_id {member_id}"
-                  + (" (the real one)" if member_id == real_member_id else "") + ", no secret, reporting an exit",
+                  + (" (the real one)" if member_id == real_member_id else "") + ", a guessed secret, reporting an exit",
                   lambda: _session(stub, frames))
         if _keep(o, member_id, real_member_id):
             out.append(o)
@@ -187,7 +187,7 @@ def attack(leader: str, replicas: list[str], job: str, node: str, real_member_id
         out += impostor_join(stub, job, node, slots)
         between(f"a Join as existing node {node}")
         out += impostor_session(stub, job, node, real_member_id, slots)
-        between(f"Sessions as {node} with guessed member_ids and no secret")
+        between(f"Sessions as {node} with guessed member_ids and secret")
         out += impostor_leave(stub, job, node, real_member_id)
         between(f"Leaves of {node} with guessed member_ids and no secret")
     return out

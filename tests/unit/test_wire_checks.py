@@ -78,9 +78,13 @@ def test_rejoin_is_checked_by_joins_rules_and_names_its_frame():
     wire.check_rejoin(pb.NodeFrame(**frame))
     wire.check_rejoin(pb.NodeFrame(**frame, session_secret=b"s" * 64, rejoin=join_request()))
     assert "session_secret" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, session_secret=b"s" * 65))
+    frame["session_secret"] = b"s"
     assert refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(host="a b"))).startswith("rejoin: host")
     assert "slots" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(slots=0)))
     assert "job and node_id" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(node_id="n1")))
+    # a claim of membership without the secret: a lost state would keep the hash of nothing as its member's
+    del frame["session_secret"]
+    assert "session_secret" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request()))
 
 
 def ranks(**report):
