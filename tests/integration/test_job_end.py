@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from muster.client import Coordinators
-from muster.local import record_time
+from muster.local import record_time, wait_until
 from muster.v1 import muster_pb2 as pb
 
 SCRIPT = Path(__file__).parent / "scripts" / "teardown.py"
@@ -73,10 +73,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def stepping(nodes, at_least: int = 5) -> None:
-    deadline = time.monotonic() + 90
-    while not all(n.steps(s) and n.steps(s)[-1]["step"] >= at_least for n in nodes for s in (0, 1)):
-        assert time.monotonic() < deadline, f"every rank past step {at_least}"
-        time.sleep(0.2)
+    wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= at_least for n in nodes for s in (0, 1)), 90,
+               f"every rank past step {at_least}", interval_s=0.2)
 
 
 @pytest.mark.timeout(150)

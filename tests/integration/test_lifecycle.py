@@ -8,14 +8,13 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
 
 from muster.client import Coordinators
-from muster.local import SimulatedNode
+from muster.local import SimulatedNode, wait_until
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import JobEnded
@@ -30,16 +29,6 @@ def active(node):
 def jobs(addresses, job: str = "") -> list[pb.JobRecord]:
     with Coordinators(addresses, timeout_s=5) as c:
         return list(c.call("Jobs", pb.JobsRequest(job=job)).jobs)
-
-
-def eventually(predicate, what: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = predicate()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -85,17 +74,20 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         for n in nodes:
             await n.session.leave(finished=True, reason="done")
             await n.stop()
-        (record,) = eventually(lambda: [j for j in jobs(addresses, "a") if j.outcome != "running"], "run 1 recorded")
+        (record,) = wait_until(lambda: [j for j in jobs(addresses, "a") if j.outcome != "running"], 10.0,
+                               "run 1 recorded", interval_s=0.1)
         assert (record.run, record.outcome) == (1, "failed") and "rank 1" in record.reason  # the crash while finishing
         # Nothing of it stays on any replica, and --max-jobs 1 counts running jobs only.
-        eventually(lambda: all('job="a"' not in scrape(p) for p in ports), "every replica forgot job a")
+        wait_until(lambda: all('job="a"' not in scrape(p) for p in ports), 10.0, "every replica forgot job a",
+                   interval_s=0.1)
         assert any('muster_runs_ended_total{outcome="failed"} 1.0' in scrape(p) for p in ports), [[l for l in scrape(p).splitlines() if 'runs_ended' in l] for p in ports]
         assert not list(etcd_client.get_prefix("/muster/v1/election/a/"))
         assert not list(etcd_client.get_prefix("/muster/v1/specs/"))
         b = SimulatedNode(addresses, "b", "x", slots=1)
         await b.join()
         await b.session.leave(finished=True)
-        eventually(lambda: all('job="b"' not in scrape(p) for p in ports), "every replica forgot job b")
+        wait_until(lambda: all('job="b"' not in scrape(p) for p in ports), 10.0, "every replica forgot job b",
+                   interval_s=0.1)
         # The same name again: run 2, from generation 1, never joined by run 1's nodes.
         again = await run_once("a", 2)
         assert again[0].assignment().generation == 1
@@ -113,8 +105,8 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         for n in again:
             await n.session.leave(finished=True, reason="done")
             await n.stop()
-        runs = eventually(lambda: [(j.run, j.outcome) for j in jobs(addresses, "a") if j.outcome != "running"]
-                          if len(jobs(addresses, "a")) == 2 else None, "both runs listed")
+        runs = wait_until(lambda: [(j.run, j.outcome) for j in jobs(addresses, "a") if j.outcome != "running"]
+                          if len(jobs(addresses, "a")) == 2 else None, 10.0, "both runs listed", interval_s=0.1)
         assert sorted(runs) == [(1, "failed"), (2, "failed")]
 
     asyncio.run(scenario())
@@ -208,9 +200,10 @@ def test_drain_one_node_then_delete_and_retention(coordinators):
         await nodes[0].session.leave(finished=True, reason="done")
 
     asyncio.run(scenario())
-    eventually(lambda: [j for j in jobs([leader.address], "d") if j.outcome == "succeeded"], "the run recorded")
+    wait_until(lambda: [j for j in jobs([leader.address], "d") if j.outcome == "succeeded"], 10.0, "the run recorded",
+               interval_s=0.1)
     # etcd deletes the record once its retention ends (its lease: etcd's shortest TTL is a few seconds)
-    eventually(lambda: not jobs([leader.address], "d"), "the record gone after --retain-finished", timeout_s=15)
+    wait_until(lambda: not jobs([leader.address], "d"), 15, "the record gone after --retain-finished", interval_s=0.1)
 
 
 def test_delete_removes_a_record_now_and_operator_verbs_need_an_operator_token(coordinators, tmp_path):
@@ -236,8 +229,8 @@ def test_delete_removes_a_record_now_and_operator_verbs_need_an_operator_token(c
         await node.stop()
 
     asyncio.run(scenario())
-    listed = eventually(lambda: "succeeded" in (out := cli("jobs", "--coordinator", leader.address, *operator)).stdout
-                        and out, "the finished run listed")
+    listed = wait_until(lambda: "succeeded" in (out := cli("jobs", "--coordinator", leader.address, *operator)).stdout
+                        and out, 10.0, "the finished run listed", interval_s=0.1)
     assert "job-a" in listed.stdout
     deleted = cli("delete", "--coordinator", leader.address, "job-a", *operator)
     assert deleted.returncode == 0 and "deleted 1" in deleted.stdout, deleted.stderr
