@@ -24,12 +24,12 @@ TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0,
 @pytest.mark.timeout(90)
 def test_a_fault_in_one_jobs_leadership_drops_only_that_job_until_it_is_gone(etcd, monkeypatch):
     faults = {"tally": False, "load": 0}  # load: how many loads of the faulty job failed
-    tally, load_state = JobLeader._tally, None
+    tally, load_state = JobLeader.tally_once, None
 
-    async def faulty_tally(self):
+    async def faulty_tally(self, *events):
         if self.job == "bad" and faults["tally"]:
             raise RuntimeError("injected tally fault")
-        await tally(self)
+        await tally(self, *events)
 
     def faulty_load(job):
         if job == "bad" and faults["load"] >= 0:
@@ -58,7 +58,7 @@ def test_a_fault_in_one_jobs_leadership_drops_only_that_job_until_it_is_gone(etc
             good, bad = replica.leaders["good"], replica.leaders["bad"]
             good_stream = good.streams["n"]
 
-            monkeypatch.setattr(JobLeader, "_tally", faulty_tally)
+            monkeypatch.setattr(JobLeader, "tally_once", faulty_tally)
             faults["tally"] = True
             await until(lambda: replica.leaders.get("bad") is not bad, "the faulty job dropped", timeout_s=5)
             assert bad.lost_reason.startswith("tally failed: RuntimeError")
