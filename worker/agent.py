@@ -191,6 +191,9 @@ class NodeAgent:
                  + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")
             self.finish(code)
         except Evicted as exc:
+            if self.drain is not None:  # its leave was planned: gone from the job as ordered, not evicted
+                self.log.info("drain_left", reason=str(exc))  # _drain_node exits once its ranks are done
+                return
             self.log.error("node_evicted", reason=str(exc))
             self.finish(EXIT_FAILED)
         except grpc.aio.AioRpcError as exc:

@@ -98,6 +98,25 @@ def test_an_operators_drain_and_stop_end_agents_with_the_stopped_code(coordinato
     assert "stopped by an operator" in a.log_path.read_text()
 
 
+@pytest.mark.timeout(150)
+def test_a_drained_node_whose_ranks_are_slow_to_exit_still_ends_with_the_stopped_code(coordinators, agents):
+    # Its ranks linger 8 s in teardown (a loaded machine took 7 s to end a torch process); meanwhile
+    # the leader dies and the node, reconnecting, hears that it is no member: it left as ordered.
+    replicas = coordinators(2)
+    command = [sys.executable, "-u", str(SCRIPT.with_name("slow_exit.py")), "8", "--steps", "100000",
+               "--step-sleep", "0.05"]
+    a, b = agents([r.address for r in replicas], "linger", ["a", "b"], nodes="1:2", command=command)
+    stepping([a, b])
+    (leader,) = [r for r in replicas if r.leads("linger")]
+    drained = cli("drain", "--coordinator", leader.address, "--job", "linger", "--node", "b")
+    assert drained.returncode == 0, drained.stderr
+    wait_until(lambda: len(b.records("rank_completed")) == 2, 30, "b's ranks through their last step")
+    leader.kill()
+    assert b.wait(60) == 3, b.log_path.read_text()[-3000:]
+    assert b.records("drain_left") and not b.records("node_evicted")
+    assert a.proc.poll() is None
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_a_rank_aborting_in_teardown_after_its_script_completed_is_finished_not_restarted(
