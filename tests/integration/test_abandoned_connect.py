@@ -59,11 +59,9 @@ def test_a_rank_connecting_an_abandoned_generation_fails_it_within_its_bound_and
         time.sleep(0.05)
         peer.kill()
         peer.wait(10)
-        started = time.monotonic()
         rank = subprocess.Popen([sys.executable, "-c", RANK, str(server.port), PREFIX],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = rank.communicate(timeout=60)
-        took = time.monotonic() - started
     finally:
         for proc in (peer, rank):
             if proc is not None and proc.poll() is None:
@@ -71,4 +69,7 @@ def test_a_rank_connecting_an_abandoned_generation_fails_it_within_its_bound_and
                 proc.wait(10)
     assert rank.returncode == 0 and out.startswith("failed"), (rank.returncode, out, err[-2000:])
     assert "rank_exited_stuck" not in out + err
-    assert took < 1.0 + GLOO_ACCEPT_WAITS * GLOO_CONNECT_MIN_S + 8, f"took {took:.1f}s: {out} {err[-2000:]}"
+    # timed inside the rank, from its form on: its interpreter and torch import (15 s at a load of 10
+    # here) are not the bound's
+    failed_after = float(out.split("failed after ")[1].split("s:")[0])
+    assert failed_after < 1.0 + GLOO_ACCEPT_WAITS * GLOO_CONNECT_MIN_S + 3, f"{out} {err[-2000:]}"
