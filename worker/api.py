@@ -143,7 +143,9 @@ class _StepScope:
         if exc_type is None:
             w.step += 1
             self.completed = True
-            w._progress = (w.step, int((time.perf_counter() - self.started) * 1e6), "running", "", w.generation)
+            us = int((time.perf_counter() - self.started) * 1e6)
+            w._progress = (w.step, us, "running", "", w.generation)
+            w._unwinding.stepped(us)
             self.compute.step_done(self.started)
             w._redos = 0
             if self.digest_every and w.step % self.digest_every == 0:
@@ -185,7 +187,7 @@ class Worker:
         self._error: WorkerError | None = None
         self._error_seen = threading.Event()  # the training thread has raised it
         self._forming = False  # the training thread is inside Comm.form
-        self._unwinding = Unwinding()
+        self._unwinding = Unwinding(excused=lambda: self._closing or self._progress[2] == "long_phase")
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
         self._redos = 0  # attempts of the current step discarded in a row
         self._digest: tuple[int, bytes] = (0, b"")

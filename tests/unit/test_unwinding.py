@@ -4,6 +4,7 @@ import threading
 
 from structlog.testing import capture_logs
 
+from muster.worker import unwinding
 from muster.worker.unwinding import Unwinding
 
 
@@ -54,3 +55,60 @@ def test_a_training_thread_elsewhere_is_named_with_where_it_is():
     [record] = logs
     assert record["event"] == "abort_not_yet_seen" and record["generation"] == 2 and record["aborted_by"] == 3
     assert any("busy_in_the_script" in frame for frame in record["training_thread_at"])
+
+
+def stuck_rank(monkeypatch, steps: int, step_us: int, excused: bool = False):
+    """An Unwinding whose training thread sits in a call until released, after `steps` steps of
+    `step_us`; exit_stuck recorded rather than ending this process."""
+    monkeypatch.setattr(unwinding, "UNWIND_LATE_S", 0.05)
+    monkeypatch.setattr(unwinding, "UNWIND_EXIT_MIN_S", 0.3)
+    exits: list[tuple[str, float]] = []
+    monkeypatch.setattr(unwinding, "exit_stuck", lambda cause, waited_s: exits.append((cause, waited_s)))
+    u = Unwinding(excused=lambda: excused)
+    for _ in range(steps):
+        u.stepped(step_us)
+    release, entered = threading.Event(), threading.Event()
+
+    def in_a_call_the_abort_missed() -> None:
+        u.training_thread = threading.get_ident()
+        entered.set()
+        release.wait(10)
+
+    t = threading.Thread(target=in_a_call_the_abort_missed)
+    t.start()
+    entered.wait(5)
+    return u, exits, release, t
+
+
+def test_a_training_thread_still_in_the_aborted_group_after_a_few_of_its_steps_ends_the_process(monkeypatch):
+    u, exits, release, t = stuck_rank(monkeypatch, steps=20, step_us=50_000)
+    try:
+        assert not u.watch(2, aborted_by=3)
+    finally:
+        release.set()
+        t.join(5)
+    [(cause, waited_s)] = exits
+    assert waited_s == 0.3 and "has not left generation 2's group 0.3s after generation 3 aborted it" in cause
+    assert "in_a_call_the_abort_missed" in cause
+
+
+def test_the_bound_follows_the_longest_recent_step(monkeypatch):
+    u, exits, release, t = stuck_rank(monkeypatch, steps=20, step_us=200_000)
+    threading.Timer(0.4, u.began, args=(2,)).start()  # leaves after 0.4 s: within 3 steps of 0.2 s
+    try:
+        assert u.exit_after_s() > 0.55 and u.watch(2, aborted_by=3)
+    finally:
+        release.set()
+        t.join(5)
+    assert exits == []
+
+
+def test_no_exit_before_enough_steps_nor_when_excused(monkeypatch):
+    for steps, excused in ((3, False), (20, True)):  # a first step may be long; a long phase is declared
+        u, exits, release, t = stuck_rank(monkeypatch, steps=steps, step_us=50_000, excused=excused)
+        try:
+            assert not u.watch(2, aborted_by=3)
+        finally:
+            release.set()
+            t.join(5)
+        assert exits == []
