@@ -16,6 +16,7 @@ outage, the leader frozen as it publishes a reform, and a hostile client on the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -65,7 +66,7 @@ STEP_DOWN_BOUND_S = 5.0  # a resumed, frozen leader logs that it lost the job wi
 # --straggler-min-steps (20) of the job's slowed steps (~4 a second), after the rank's window median
 # (32 steps) crossed the factor (~16 steps), with a margin for a loaded box.
 STRAGGLER_BOUND_S = 30.0
-HOSTILE_SETTLE_S = HEARTBEAT_TIMEOUT_S + 1.0  # after the hostile client: time for an eviction to show
+HOSTILE_SETTLE_S = HEARTBEAT_TIMEOUT_S + 1.0  # after the hostile client: the ranks step on this long (an eviction shows)
 AFTERMATH_S = HEARTBEAT_TIMEOUT_S + 3.0  # after the last fault of a sequence: time for a late consequence to show
 # Faults after which a new leader may lead. Its grace (nodes reconnect before anyone is evicted
 # for silence) and then a heartbeat timeout must pass before the invariants are checked: an
@@ -744,7 +745,17 @@ class Chaos:
         fault = self._inject("hostile client", f"garbage, oversized names and an impostor of {node} (member "
                              f"{member_id}) against leader {leader.address}", [], membership=False, expect=set(),
                              action=attack)
-        time.sleep(HOSTILE_SETTLE_S)  # an evicted node or a broken stream shows by now
+        # Proved by progress, not by a sleep: every rank steps on for as long as silence would take
+        # to evict a node (a broken stream or an eviction shows by then).
+        settle_steps = math.ceil(HOSTILE_SETTLE_S / self.step_sleep_s)
+        after = self.last_steps()
+        try:
+            wait_until(lambda: all(s["step"] >= after[k]["step"] + settle_steps
+                                   for k, s in self.last_steps().items() if k in after),
+                       LIVENESS_BOUND_S + HOSTILE_SETTLE_S,
+                       f"every rank {settle_steps} steps on after the hostile client")
+        except AssertionError as exc:
+            changes.append(str(exc))
         look("the settle time")
         fault.notes.extend(str(o) for o in outcomes)
         for o in outcomes:
