@@ -48,7 +48,8 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
         assert table.returncode == 0 and "job cli" in table.stdout and "spares: n2" in table.stdout
         events = await asyncio.to_thread(muster, "events", "--coordinator", replicas[1].address, "--job", "cli", "--json")
         kinds = [e["kind"] for e in json.loads(events.stdout)["events"]]
-        assert kinds == ["node_joined", "node_joined", "formed", "node_joined"]
+        # (a spare that joins while the job runs may start its ranks first: recovered once they report)
+        assert [k for k in kinds if k != "rank_recovered"] == ["node_joined", "node_joined", "formed", "node_joined"]
         text = await asyncio.to_thread(muster, "events", "--coordinator", replicas[0].address, "--job", "cli")
         assert "formed" in text.stdout and "world_size=4 on 2 node(s)" in text.stdout
         for a in agents:
