@@ -69,6 +69,18 @@ def summary(values: list[float]) -> dict:
             "max": round(max(values), 4), "all": [round(v, 4) for v in values]}
 
 
+def p50_max(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per named phase, its median and max (rounded as the JSON shows them)."""
+    return {name: {"p50": round(statistics.median(v), 4), "max": round(max(v), 4)} for name, v in samples.items()}
+
+
+def settled(steps: list[dict], world_size: int) -> bool:
+    """A rank's step records end in SETTLED_STEPS steps of one generation of `world_size` ranks."""
+    s = steps[-SETTLED_STEPS:]
+    return (len(s) == SETTLED_STEPS and s[-1]["world_size"] == world_size
+            and all(r["generation"] == s[-1]["generation"] for r in s))
+
+
 def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
     """The training thread's cost of `with worker.step_scope():` (no network on this thread)."""
     worker = Worker(WorkerConfig(coordinators=("127.0.0.1:1",), job="bench", node_id="bench"))
@@ -115,11 +127,8 @@ class Fleet:
     def full(self, timeout_s: float = 180.0) -> None:
         """Every rank has taken SETTLED_STEPS steps in a group of all of them: the next fault lands
         in steady training, not in a new group's first steps (DDP's bucket rebuild, below)."""
-        def settled(p):
-            s = p.steps()[-SETTLED_STEPS:]
-            return (len(s) == SETTLED_STEPS and s[-1]["world_size"] == self.ranks
-                    and all(r["generation"] == s[-1]["generation"] for r in s))
-        wait_until(lambda: len(self.alive()) == self.ranks and all(settled(p) for p in self.alive()),
+        wait_until(lambda: len(self.alive()) == self.ranks
+                   and all(settled(p.steps(), self.ranks) for p in self.alive()),
                    timeout_s, "all ranks stepping together", interval_s=0.1)
 
     def generation(self) -> int:
@@ -192,8 +201,7 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
     return {"detection_s": summary(detections), f"{how}_to_step_s": summary(recoveries),
             "steps_lost": {"max": max(lost), "total": sum(lost)}, "survivors_lost": survivors_lost,
             "healthy_evictions": healthy_evictions, "rejoin_s": summary(rejoins),
-            "phases": {name: {"p50": round(statistics.median(v), 4), "max": round(max(v), 4)}
-                       for name, v in phases.items()},
+            "phases": p50_max(phases),
             "late_arrivals": late}
 
 

@@ -25,14 +25,13 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recovery import SETTLED_STEPS, summary
+from recovery import p50_max, settled, summary
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
@@ -62,11 +61,7 @@ class Ranks:
         return [(a, s) for a in self.agents for s in range(self.slots)]
 
     def settled(self, timeout_s: float = 180.0) -> None:
-        def steady(a, s):
-            steps = a.steps(s)[-SETTLED_STEPS:]
-            return (len(steps) == SETTLED_STEPS and steps[-1]["world_size"] == self.world
-                    and all(r["generation"] == steps[-1]["generation"] for r in steps))
-        wait_until(lambda: all(steady(a, s) for a, s in self.ranks()), timeout_s,
+        wait_until(lambda: all(settled(a.steps(s), self.world) for a, s in self.ranks()), timeout_s,
                    f"{self.world} ranks stepping together", interval_s=0.1)
 
     def stop(self) -> None:
@@ -92,8 +87,8 @@ def kill_cycles(ranks: Ranks, kills: int) -> dict:
     for _ in range(kills):
         agent, slot = random.choice(ranks.ranks())
         survivors = [(a, s) for a, s in ranks.ranks() if (a, s) != (agent, slot)]
-        generation = max(a.steps(s)[-1]["generation"] for a, s in ranks.ranks())
-        completed_before = max(a.steps(s)[-1]["step"] for a, s in ranks.ranks())
+        last = [a.steps(s)[-1] for a, s in ranks.ranks()]  # each rank's log read once
+        generation, completed_before = max(r["generation"] for r in last), max(r["step"] for r in last)
         pid = agent.rank_pids(slot)[-1]
         starts = len(agent.rank_logs(slot))
         at = time.time()
@@ -123,8 +118,7 @@ def kill_cycles(ranks: Ranks, kills: int) -> dict:
         ranks.settled()
     return {"kill_to_step_s": summary(recoveries), "restart_s": summary(restarts),
             "replacement_s": summary(replacements),
-            "replacement_phases": {name: {"p50": round(statistics.median(v), 4), "max": round(max(v), 4)}
-                                   for name, v in phases.items()},
+            "replacement_phases": p50_max(phases),
             "warm": f"{warm}/{kills}", "steps_lost": {"max": max(lost), "total": sum(lost)},
             "survivors_lost": survivors_lost}
 
