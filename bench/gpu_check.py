@@ -70,7 +70,8 @@ def run_tests(backend: str, select: str, timeout_s: float) -> dict:
         return counts
 
 
-def run_bench(args: argparse.Namespace, out: Path, shrink: bool = False) -> dict | None:
+def run_bench(args: argparse.Namespace, out: Path, where: str, shrink: bool = False) -> dict | None:
+    """bench/recovery.py's JSON, with the platform it ran on (`where`) added, written to `out`."""
     cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend, "--ranks", str(args.ranks),
            "--kills", str(args.kills), "--hangs", "0" if shrink else str(args.hangs), "--failovers", "0",
            *(["--shrink"] if shrink else []),
@@ -80,9 +81,10 @@ def run_bench(args: argparse.Namespace, out: Path, shrink: bool = False) -> dict
         print(f"gpu-check: bench/recovery.py{' --shrink' if shrink else ''} failed "
               f"({'timed out' if code is None else f'exit {code}'})", file=sys.stderr)
         return None
+    result = {**json.loads(text), "platform": where}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return json.loads(text)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def platform(torch) -> str:
@@ -165,8 +167,8 @@ def main() -> int:
         return 0
     where = platform(torch)
     tests = run_tests(args.backend, args.select, args.tests_timeout)
-    bench = run_bench(args, args.out)
-    shrunk = (run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), shrink=True)
+    bench = run_bench(args, args.out, where)
+    shrunk = (run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), where, shrink=True)
               if args.shrink else None)
     print("\n".join(summary(args, where, tests, bench, shrunk)))
     return 0 if tests["ok"] and bench is not None and (shrunk is not None or not args.shrink) else 1

@@ -392,7 +392,7 @@ def ms(x) -> str:
 def host(d: dict) -> str:
     h = d.get("host")
     if not h:
-        return ""
+        return d.get("platform", "")  # (gpu_check.py's: the card, torch, CUDA and NCCL)
     load_avg = h.get("loadavg_at_start")
     return f"{h.get('cpus', '?')} CPUs" + (f", load average {num(load_avg[0], 2)} at its start" if load_avg else "")
 
