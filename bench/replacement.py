@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from recovery import p50_max, settled, summary
 
 from muster import logs
+from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.server import EtcdServer
 from muster.local import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
 
@@ -129,7 +130,8 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.05)
-    p.add_argument("--switch-lead", type=float, default=0.5, help="the coordinator's --switch-lead (default 0.5)")
+    p.add_argument("--switch-lead", type=float, default=Timing.switch_lead_s,
+                   help="the coordinator's --switch-lead (default: its own, %(default)s)")
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
     logs.configure("warning")

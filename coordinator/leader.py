@@ -214,8 +214,10 @@ class JobLeader:
             events.append(Tick())  # forming, waiting and draining deadlines
         if not events:
             return
-        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, self.live.max_step(self.state),
-                      self.live.median_step_time(), prestart=self.live.runs_library(self.state),
+        step_time_s = self.live.median_step_time()
+        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
+                      self.live.max_step(self.state, now, step_time_s), step_time_s,
+                      prestart=self.live.runs_library(self.state),
                       max_members=self.limits.max_members,
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
         if len(self.state.members) >= LARGE_JOB_NODES:
@@ -225,7 +227,7 @@ class JobLeader:
             decision = decide(self.state, events, ctx)
         if decision.persist and not await self._persist(decision, batch):
             return
-        await self._adopt(decision, now, ctx.max_step)
+        await self._adopt(decision, now, self.live.max_step(self.state))  # (recovery counts from steps reported)
         settle(batch, decision)
         if self.state.ended and await self._run_end.carried_out(self.state, now, self.streams):
             self.ended = True

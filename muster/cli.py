@@ -426,9 +426,10 @@ def _serve_parser(sub) -> None:
     g.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
     g.add_argument("--form-timeout", type=float, default=60.0,
                    help="a generation not formed by then is decided again, naming the ranks that are missing")
-    g.add_argument("--switch-lead", type=float, default=0.5, help="a planned change (a node joins, a replacement "
-                   "rank returns, a drain) switches this many seconds of steps ahead, so every rank hears of it "
-                   "first; a replacement waits as long (default %(default)s s)")
+    g.add_argument("--switch-lead", type=float, default=0.2, help="a planned change (a node joins, a replacement "
+                   "rank returns, a drain) switches this many seconds of steps ahead of where the fastest rank is "
+                   "by now (its last report projected), so every rank hears of it first; a replacement waits as "
+                   "long (default %(default)s s; relayed jobs add --relay-progress)")
     g.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
     g = s.add_argument_group("a job's end: waiting, stopping, retention")
     g.add_argument("--waiting-timeout", type=float, default=600.0, help="a job below min_nodes after it ran this "

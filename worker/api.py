@@ -174,8 +174,7 @@ class Worker:
         self.config = config
         self.state = TrainingState()
         self.step = 0  # completed steps
-        self.rank = -1
-        self.world_size = 0
+        self.rank, self.world_size = -1, 0
         self.generation = 0  # of the group this rank is in
         self.comm: Comm | None = None
         # The background thread, and the mailbox it alone writes (the assignments, a drain).
@@ -456,7 +455,8 @@ class Worker:
                 # takes the slot back.
                 self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
-            if a.abort_previous:
+            # A planned switch heard past its step (a late map): the others left the group there; so does this rank.
+            if a.abort_previous or 0 < self.generation < a.generation and 0 < a.switch_at_step <= self.step:
                 self._abort(a.generation, self._group(a) if placed(a, self._slot) else None)
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)

@@ -94,8 +94,9 @@ class RankHub(pb_grpc.NodeAgentServicer):
                                 f"process (the agent sets it in that process's environment, {SLOT_SECRET_ENV})")
         loop = asyncio.get_running_loop()
         slot.report, slot.heard_at, slot.connected = first, loop.time(), True
-        if self.crash_answered(slot):
-            slot.failed_pid = 0  # the replacement speaks for the slot now
+        if slot.failed_pid and self.crash_answered(slot):
+            slot.failed_pid = 0  # the replacement speaks for the slot now: the leader places it at its next
+            node.session.send_now()  # tally, not a frame interval later
         node.library = True
         queue: asyncio.Queue = asyncio.Queue()
         if node.assignment is not None:

@@ -243,13 +243,20 @@ class Liveness:
         ordered = sorted(self.step_times)
         return ordered[len(ordered) // 2]
 
-    def max_step(self, state: JobState) -> int:
-        """The highest step a node of the map reported last (O(nodes), at a decision only)."""
+    def max_step(self, state: JobState, now: float | None = None, step_time_s: float | None = None) -> int:
+        """The highest step a node of the map reported last (O(nodes), at a decision only). With
+        `now` and the median step time: the step its ranks are likely at by now, each node's report
+        advanced by its frame's age over the step time (a frame is up to 1.5 heartbeat intervals old
+        at a tally), so that a planned switch's lead has only the map's delivery to cover."""
         rm = state.rank_map
         if rm is None:
             return 0
         nodes = self.nodes
-        return max((node.top_step for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
+        if now is None or not step_time_s:
+            return max((node.top_step for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
+        cap = self.timing.heartbeat_timeout_s  # a node silent longer is judged, not projected
+        return max((node.top_step + int(min(max(0.0, now - node.last_frame_at), cap) / step_time_s)
+                    for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
 
     def runs_library(self, state: JobState) -> bool:
         """Some rank of the map reports library progress (scripts without it are unmonitored)."""

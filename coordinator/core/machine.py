@@ -149,7 +149,7 @@ class Context:
     wall_ms: int  # for the history
     term: int
     timing: Timing
-    max_step: int = 0  # highest completed step in the current generation
+    max_step: int = 0  # highest completed step in the current generation (projected to `now` by the leader)
     step_time_s: float | None = None  # median step time, to turn switch_lead_s into steps
     # The running ranks use the worker library: an agent node joining the running job starts its
     # ranks first and takes a place once they report, so the others never wait for its start-up.

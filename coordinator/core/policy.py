@@ -85,7 +85,7 @@ class Timing:
     grace_s: float = 5.0  # after a leader change, before silence/stall evict anyone
     last_call_s: float = 0.5  # once min_nodes joined, wait this long for more before forming
     form_timeout_s: float = 60.0  # a generation not formed by then is decided again, the missing named
-    switch_lead_s: float = 0.5  # planned changes switch this far ahead (as steps)
+    switch_lead_s: float = 0.2  # planned changes switch this far ahead of the ranks' projected step (as steps)
     # A relay forwards a node's frames that only advance steps at most this often: the leader's
     # view of steps may lag by as much, so a relayed job's planned switches go this much further ahead.
     relay_progress_s: float = 1.0

@@ -118,6 +118,19 @@ def test_new_generation_resets_progress_so_reforming_is_not_a_stall():
     assert live.max_step(decide(state, [Tick()], Context(now=9, wall_ms=0, term=1, timing=TIMING)).state) == 20
 
 
+def test_the_step_a_planned_switch_counts_from_is_the_last_report_projected_to_now():
+    state = decide(job(), [Tick()], Context(now=0, wall_ms=0, term=1, timing=TIMING)).state
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(20), 10.0)
+    live.observe("n1", 1, report(18), 10.1)
+    assert live.max_step(state) == 20  # as reported
+    assert live.max_step(state, 10.15, 0.05) == 23  # n0's frame is 0.15 s old: 3 steps of 0.05 s since
+    assert live.max_step(state, 10.15, None) == 20  # no step time known yet: as reported
+    silent = TIMING.heartbeat_timeout_s
+    # a silent node is judged, not projected past the heartbeat timeout
+    assert live.max_step(state, 10.0 + 10 * silent, 0.05) == 20 + int(silent / 0.05)
+
+
 def test_a_rank_that_never_completes_a_step_is_stalled_after_the_startup_timeout():
     state = job()
     live = Liveness(TIMING, now=0)

@@ -56,6 +56,25 @@ def test_a_planned_switch_waits_for_its_step():
     assert w.generation == 1 and w.link.changed.is_set()
 
 
+def test_a_planned_switch_heard_past_its_step_leaves_the_group_at_once():
+    """A late map: the others switched at its step and left the group, so this rank's next
+    collective would wait for them; it aborts the group instead (and reforms at the failure)."""
+    w = worker()
+    aborted = []
+    w._abort = lambda below, into=None: aborted.append(below)
+    w.generation, w.step = 1, 6
+
+    def hear(generation, switch_at):
+        w._on_directive(pb.Directive(assignment=pb.Assignment(generation=generation, role=pb.ROLE_ACTIVE,
+                                                              switch_at_step=switch_at)))
+    hear(2, 9)  # ahead: the step boundary switches
+    w.step = 9
+    hear(3, 9)  # heard with its step done: the boundary may be behind, the next step's collective begun
+    w.step = 10
+    hear(4, 9)  # past it
+    assert aborted == [3, 4]
+
+
 def test_long_phase_is_reported_and_ends():
     w = worker()
     with w.long_phase("checkpoint"):
