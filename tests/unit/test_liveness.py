@@ -121,14 +121,13 @@ def test_new_generation_resets_progress_so_reforming_is_not_a_stall():
 def test_the_step_a_planned_switch_counts_from_is_the_last_report_projected_to_now():
     state = decide(job(), [Tick()], Context(now=0, wall_ms=0, term=1, timing=TIMING)).state
     live = Liveness(TIMING, now=0)
-    live.observe("n0", 1, report(20), 10.0)
-    live.observe("n1", 1, report(18), 10.1)
+    live.observe("n0", 1, report(20), 10.0)  # (times and steps of binary fractions: exact arithmetic)
+    live.observe("n1", 1, report(18), 10.125)
     assert live.max_step(state) == 20  # as reported
-    assert live.max_step(state, 10.15, 0.05) == 23  # n0's frame is 0.15 s old: 3 steps of 0.05 s since
-    assert live.max_step(state, 10.15, None) == 20  # no step time known yet: as reported
-    silent = TIMING.heartbeat_timeout_s
-    # a silent node is judged, not projected past the heartbeat timeout
-    assert live.max_step(state, 10.0 + 10 * silent, 0.05) == 20 + int(silent / 0.05)
+    assert live.max_step(state, 10.1875, 0.0625) == 23  # n0's frame is 0.1875 s old: 3 steps of 0.0625 s since
+    assert live.max_step(state, 10.1875, None) == 20  # no step time known yet: as reported
+    # a silent node is judged, not projected past the heartbeat timeout (2 s: 32 steps)
+    assert live.max_step(state, 30.0, 0.0625) == 20 + 32
 
 
 def test_a_rank_that_never_completes_a_step_is_stalled_after_the_startup_timeout():
