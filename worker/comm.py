@@ -524,6 +524,11 @@ class Comm:
                 self._connect_s = connect.total_seconds()
                 if spec.generation < self._abort_below:  # abandoned between the barrier and here
                     self._watch_connect(spec.generation)
+            # torch names the group from a counter it raises before connecting, and the group's store
+            # keys carry that name: an init that failed (a peer died as it connected) left this rank's
+            # counter one ahead of the others', whose keys it would wait for in vain at every retry.
+            # No group is left here, so the count starts again, as in a fresh process.
+            dist.distributed_c10d._world.group_count = 0
             try:
                 dist.init_process_group(self.backend.torch_backend, store=store, rank=spec.rank,
                                         world_size=spec.world_size, timeout=connect,
