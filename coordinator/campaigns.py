@@ -24,6 +24,20 @@ RETRY_FIRST_S, RETRY_MOST_S, RETRY_RESET_S = 0.2, 5.0, 60.0
 RETRY_ETCD_MOST_S = 0.5
 
 
+async def revoked(session: LeaseSession, within_s: float) -> bool:
+    """Revoke `session`'s lease, again while etcd does not answer, until it would have expired
+    anyway. One try was not enough: the client may still be on a member that is not back (after a
+    new session was granted through another), and the old keys then held every campaign for the
+    rest of their TTL (4 s in a 30 s etcd outage test)."""
+    loop = asyncio.get_running_loop()
+    deadline, backoff = loop.time() + within_s, Backoff(0.05, RETRY_ETCD_MOST_S)
+    while not await asyncio.to_thread(session.revoke):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(backoff.next())
+    return True
+
+
 @dataclass
 class _Campaign:
     election: JobElection
@@ -107,7 +121,7 @@ class Campaigns:
             # etcd answers again: the old lease's keys (this replica's leadership and candidacies) go now,
             # not a TTL after etcd came back (a restarted etcd renews every lease), which every new
             # campaign, ours and the other replicas', would wait for
-            await asyncio.to_thread(old.revoke)
+            await revoked(old, self._ttl_s)
             for job in sorted(self._jobs):
                 self.campaign(job)
         finally:

@@ -53,9 +53,11 @@ def test_a_throttled_rank_is_named_with_its_node_and_cleared_once_it_runs_freely
         assert named[0]["factor"] >= 1.5 and named[0]["whole_node"] and 0 < named[0]["loss"] < 1
         factors = {r.node: r.straggler_factor for r in ranks_status(leader.address, "slow")}
         assert factors.pop(node_of(victim)) >= 1.5 and not any(factors.values()), factors
-        with Coordinators([leader.address], timeout_s=5) as c:
-            events = c.call("Events", pb.EventsRequest(job="slow")).events
-        (event,) = [e for e in events if e.kind == "straggler"]
+        def recorded():  # the leader logs the straggler as it decides; the event is the persisted decision's
+            with Coordinators([leader.address], timeout_s=5) as c:
+                return [e for e in c.call("Events", pb.EventsRequest(job="slow")).events if e.kind == "straggler"]
+
+        (event,) = wait_until(recorded, 10, "the straggler event recorded")
         assert list(event.nodes) == [node_of(victim)] and "the job's median" in event.reason
     finally:
         throttle.stop()
