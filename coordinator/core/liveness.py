@@ -251,12 +251,15 @@ class Liveness:
         rm = state.rank_map
         if rm is None:
             return 0
-        nodes = self.nodes
-        if now is None or not step_time_s:
-            return max((node.top_step for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
         cap = self.timing.heartbeat_timeout_s  # a node silent longer is judged, not projected
-        return max((node.top_step + int(min(max(0.0, now - node.last_frame_at), cap) / step_time_s)
-                    for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
+
+        def reached(node: NodeLive) -> int:
+            if now is None or not step_time_s:
+                return node.top_step
+            return node.top_step + int(min(max(0.0, now - node.last_frame_at), cap) / step_time_s)
+
+        nodes = self.nodes
+        return max((reached(node) for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
 
     def runs_library(self, state: JobState) -> bool:
         """Some rank of the map reports library progress (scripts without it are unmonitored)."""
