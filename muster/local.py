@@ -311,6 +311,25 @@ def json_lines(path: Path, event: str | None = None) -> list[dict]:
     return out
 
 
+def progress_gap(records: list[dict]) -> str | None:
+    """Where a rank's log breaks training progress, or None. Its completed steps follow each other,
+    except that a reform may bring it forward to the step another rank completed (the state sync
+    takes the highest: a survivor whose step failed adopts the peer's that completed), never
+    backwards. A planned switch forms the new group inside the step's end, so its record follows
+    the group's."""
+    done, switched = None, False  # the step this process's state is at
+    for r in records:
+        if r.get("event") == "group_formed":
+            if done is not None and r["step"] < done:
+                return f"went back from step {done} to {r['step']}"
+            done, switched = r["step"], True
+        elif r.get("event") == "step":
+            if done is not None and r["step"] != done + 1 and not (switched and r["step"] == done):
+                return f"completed step {r['step']} after step {done}"
+            done, switched = r["step"], False
+    return None
+
+
 class SimulatedNode:
     """A simulated node agent over the real protocol (`NodeSession`): its active ranks complete one
     step per frame. `silent = True` makes it hang (frames stop, the stream stays open)."""
