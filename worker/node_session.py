@@ -229,8 +229,7 @@ class NodeSession:
         retry = Backoff(RECONNECT_FIRST_S, min(RECONNECT_MOST_S, self.heartbeat_timeout_s / 8))
         while not self._stopping:
             loop = asyncio.get_running_loop()
-            relayed = bool(self.relay) and self.relay != self.leader and loop.time() >= self._relay_avoided_until
-            address = self.relay if relayed else self.leader or self.addresses[0]
+            address, relayed = self._route(loop.time())
             self._leader_silent = False
             hint, evicted, ended = "", None, None
             heard = False
@@ -292,6 +291,14 @@ class NodeSession:
             if heard:
                 retry.reset()
             await self.retry_sleep(retry.next())
+
+    def _route(self, now: float) -> tuple[str, bool]:
+        """Where the next stream goes, and whether that is a relay: the relay, unless this node avoids
+        it for a while or just found it silent (a relay that was also the frozen leader was tried
+        again at once, and the new leader judged the node silent meanwhile); else the leader."""
+        relayed = bool(self.relay) and self.relay != self.leader and now >= self._relay_avoided_until \
+            and self._suspect.get(self.relay, 0) <= now
+        return (self.relay if relayed else self.leader or self.addresses[0]), relayed
 
     async def _probe(self, address: str) -> bool:
         """Does `address` lead the job and answer? (A frozen leader does not.)"""

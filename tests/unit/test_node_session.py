@@ -115,3 +115,18 @@ def test_a_node_refused_again_and_again_backs_off_but_comes_back_at_once_first()
     for i, wait in enumerate(waits):  # each wait exactly its doubling step's, jittered up to twice it
         step = min(0.02 * 2 ** i, 0.25)
         assert step - 1e-9 <= wait < 2 * step + 1e-9, (i, wait)
+
+
+def test_a_node_does_not_go_back_to_a_relay_it_just_found_silent():
+    """A soak froze the leader that was also a node's relay: the node found it silent, then streamed
+    through the same frozen replica as its relay for another 1.5 s, and the new leader judged it
+    silent meanwhile."""
+    s = session("node-a")
+    s.addresses = ["frozen:1", "new:1", "standby:1"]
+    s.relay, s.leader = "frozen:1", "new:1"
+    assert s._route(now=100.0) == ("frozen:1", True)  # a healthy relay carries the node
+    s._suspect["frozen:1"] = 104.0  # found silent at 100 (suspected two heartbeat timeouts)
+    assert s._route(now=100.0) == ("new:1", False)
+    assert s._route(now=104.5) == ("frozen:1", True)  # once the suspicion ends, the relay is tried again
+    s._relay_avoided_until = 110.0
+    assert s._route(now=105.0) == ("new:1", False)
