@@ -284,9 +284,13 @@ class AgentProcess(_Child):
     def rank_logs(self, slot: int) -> list[Path]:
         return sorted(self.log_dir.glob(f"{self.node_id}-slot{slot}-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
 
-    def steps(self, slot: int, start: int = -1) -> list[dict]:
+    def rank_records(self, slot: int, event: str | None = None, start: int = -1) -> list[dict]:
+        """The JSON records of one of a slot's rank logs (by default its latest process's)."""
         logs = self.rank_logs(slot)
-        return json_lines(logs[start], "step") if logs else []
+        return json_lines(logs[start], event) if logs else []
+
+    def steps(self, slot: int, start: int = -1) -> list[dict]:
+        return self.rank_records(slot, "step", start)
 
     def rank_pids(self, slot: int) -> list[int]:
         return [r["pid"] for r in self.records("rank_started") if r["slot"] == slot]

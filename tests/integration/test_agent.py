@@ -46,7 +46,7 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
         if (n, slot) != (b, 0):
             assert n.rank_pids(slot) == before, f"{n.node_id}/{slot} was restarted"
             assert n.steps(slot)[-1]["step"] == 300, f"{n.node_id}/{slot} did not train to the end"
-            assert not progress_gap(json_lines(n.rank_logs(slot)[-1])), f"{n.node_id}/{slot}"
+            assert not progress_gap(n.rank_records(slot)), f"{n.node_id}/{slot}"
     replacement = b.steps(0, start=-1)
     assert replacement[0]["step"] > 1 and replacement[0]["world_size"] == 4 and replacement[-1]["step"] == 300
     final = digests_by_step([a.steps(0), a.steps(1), b.steps(1), replacement], replacement[0]["generation"] - 1)
@@ -71,7 +71,7 @@ def test_a_killed_agent_takes_its_ranks_along_and_the_other_node_continues(coord
     for slot in (0, 1):
         steps = b.steps(slot)
         assert steps[-1]["step"] == 200 and steps[-1]["world_size"] == 2
-        gap = progress_gap(json_lines(b.rank_logs(slot)[-1]))
+        gap = progress_gap(b.rank_records(slot))
         assert not gap, f"b/{slot} {gap}"
     assert [r["kind"] for r in leader.find("membership_changed") if r["nodes"] == ["a"]][-1] == "node_silent"
 

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from muster.local import json_lines, record_time, wait_until
+from muster.local import record_time, wait_until
 
 # Long enough that node1, killed as the replacement starts, is not yet found failed when the
 # replacement reports: the leader then hands it the planned generation hosted by node1's dead store.
@@ -32,7 +32,7 @@ def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators,
 
     def placed():  # the generation that takes the replacement back, with node1 (its store) still in the map:
         # a planned switch, or an abort one when node1 was still re-forming after the kill (reforming)
-        return [r for r in json_lines(a.rank_logs(0)[-1], "assignment_received") if r["role"] == "ROLE_ACTIVE"]
+        return [r for r in a.rank_records(0, "assignment_received") if r["role"] == "ROLE_ACTIVE"]
 
     wait_until(placed, 40, "the replacement handed a place")
     generation = placed()[0]["generation"]
@@ -53,7 +53,7 @@ def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators,
     except AssertionError:
         raise AssertionError("the replacement never formed the abort generation; its log:\n"
                              + a.rank_logs(0)[-1].read_text()[-3000:]) from None
-    formed = [r for r in json_lines(a.rank_logs(0)[-1], "group_formed") if r["generation"] == abort[0]["generation"]]
+    formed = [r for r in a.rank_records(0, "group_formed") if r["generation"] == abort[0]["generation"]]
     assert formed and formed[0]["backend"] == backend, "no group_formed record for the abort generation"
     took = record_time(formed[0]) - record_time(abort[0])
     assert took < 5.0, f"the abort generation formed {took:.1f}s after it was published"

@@ -39,7 +39,7 @@ def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, c
     leader.kill()  # no coordinator answers from now on
     victim = b.rank_pids(1)[-1]
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: all(any(r.get("event") == "rank_holding" for r in json_lines(n.rank_logs(s)[-1]))
+    wait_until(lambda: all(any(r.get("event") == "rank_holding" for r in n.rank_records(s))
                            for (n, s) in survivors), 30, "every survivor holding")
     top = max(r["step"] for r in last_steps([a, b]).values())
 
@@ -55,7 +55,7 @@ def test_a_rank_killed_while_no_coordinator_answers_costs_only_that_rank(etcd, c
             60, "all four slots training again in a new generation")
         for (n, s), pid in survivors.items():
             assert n.rank_pids(s)[-1] == pid and process_alive(pid), f"survivor {n.node_id}/{s} lost its process"
-            gap = progress_gap(json_lines(n.rank_logs(s)[-1]))
+            gap = progress_gap(n.rank_records(s))
             assert not gap, f"{n.node_id}/{s} {gap}"
         kinds = {r["kind"] for r in replacement.find("membership_changed")}
         assert kinds & {"rank_exited", "group_broken"}, kinds
