@@ -997,11 +997,13 @@ class Chaos:
         fault.lost += [line for line in self.find_lost(fault) if line.split(" lost its process")[0] not in seen]
         by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
         for run in self.runs():
-            gap = progress_gap(json_lines(run.log)) if run.log.exists() else None
+            records = json_lines(run.log) if run.log.exists() else []  # read once: both checks walk it
+            gap = progress_gap(records)
             if gap:
                 fault.problems.append(f"{fault.name}: {run.node}/{run.slot} pid {run.pid} {gap} (log {run.log})")
-            for r in run.steps():
-                by_step[(r["generation"], r["step"])].add(r["digest"])
+            for r in records:
+                if r.get("event") == "step":
+                    by_step[(r["generation"], r["step"])].add(r["digest"])
         split = {k: v for k, v in by_step.items() if len(v) > 1}
         if split:
             fault.problems.append(f"{fault.name}: ranks differ at (generation, step) {sorted(split)[:5]}")
