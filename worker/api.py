@@ -398,13 +398,7 @@ class Worker:
         return group_spec(a, self._slot, self.config.local_rank, self.config.shrink)
 
     def _superseded(self, generation: int, at_once: bool) -> bool:
-        """Abandon the group being formed? For a newer one formed at once, yes; a group formed at
-        once is not abandoned for a planned switch away from it (its ranks must train to the
-        switch in it); one formed for a planned switch is, for any newer one (the others skip
-        to the newest at its step)."""
-        latest = self.link.latest
-        return self._error is not None or (latest is not None and latest.generation > generation
-                                           and (immediate(latest) or not at_once))
+        return self._error is not None or superseded(self.link.latest, generation, at_once)
 
     # ---- background thread -----------------------------------------------------------
 
@@ -518,6 +512,14 @@ def group_spec(a: pb.Assignment, slot: int, local_rank: int, shrink: bool) -> Gr
     return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(slot), a.world_size, local_rank,
                      a.store_address, a.store_prefix, a.shrink_of if shrink else 0,
                      tuple(a.excluded_ranks) if shrink else ())
+
+
+def superseded(latest: pb.Assignment | None, generation: int, at_once: bool) -> bool:
+    """Abandon the group of `generation` being formed (`at_once`: for an abort, not a planned
+    switch)? For a newer one formed at once, yes; a group formed at once is not abandoned for a
+    planned switch away from it (its ranks must train to the switch in it); one formed for a
+    planned switch is, for any newer one (the others skip to the newest at its step)."""
+    return latest is not None and latest.generation > generation and (immediate(latest) or not at_once)
 
 
 def to_form(latest: pb.Assignment | None, base: pb.Assignment | None, slot: int,
