@@ -376,6 +376,7 @@ class Worker:
                 after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
             finally:
                 self._forming = False
+            self._unwinding.began(spec.generation)  # (an abort may be watching for it to leave this one)
             self.comm.destroy()
         lost = self.step - step if step < self.step else 0
         self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
@@ -431,7 +432,9 @@ class Worker:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming.
         `into`: the group this rank has in the abort generation, which may shrink the old one."""
         abandoned = (lambda: self._superseded(into.generation, True)) if into is not None else None
-        broken = self.generation
+        # The group the training thread must leave: the one it steps in, or one formed that it syncs the
+        # state in (a chaos run wedged there, on a gloo pair the abort missed, with nothing watching).
+        broken = getattr(self.comm.spec, "generation", self.generation)
 
         def leave() -> None:
             self.comm.leave(below_generation, into, abandoned)

@@ -4,6 +4,7 @@ environment, what a step scope counts, and which errors it lets through."""
 import pytest
 import torch
 
+from muster.local import wait_until
 from muster.v1 import muster_pb2 as pb
 from muster.worker import Worker, WorkerConfig, WorkerError
 
@@ -115,3 +116,28 @@ def test_the_group_to_form_is_an_unformed_abort_before_the_planned_switch_that_f
     assert to_form(gen(5, abort=True), planned, 0, after=2).generation == 5  # a newer abort wins at once
     assert to_form(gen(5, slots=(1,)), None, 0, after=2) is None  # no place for this rank
     assert to_form(gen(2), None, 0, after=2) is None  # nothing newer
+
+
+def test_an_abort_watches_a_group_formed_but_not_yet_adopted():
+    """A chaos run aborted a group while the rank synced the state in it (formed, its generation
+    not yet the rank's): the abort watched the rank's older generation, which it had left, so
+    nothing bounded the sync stuck in the aborted group. The watch is for the formed group's."""
+    w = worker()
+
+    class Formed:
+        spec = type("Spec", (), {"generation": 12})()
+        left = []
+
+        def leave(self, below, into=None, abandoned=None):
+            self.left.append(below)
+
+    w.comm, w.generation = Formed(), 11
+    watched = []
+    w._unwinding.watch = lambda generation, aborted_by: watched.append((generation, aborted_by))
+    w._abort(13)
+    wait_until(lambda: watched, 5, "the abort thread's watch")
+    assert Formed.left == [13] and watched == [(12, 13)]
+    w.comm.spec = None  # torn down: the training thread is between groups, past the one it stepped in
+    w._abort(14)
+    wait_until(lambda: len(watched) == 2, 5, "the second abort's watch")
+    assert watched == [(12, 13), (11, 14)]
