@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of simulated compute per step")
+    p.add_argument("--grow-to", type=int, default=0, metavar="W",
+                   help="train until the group has W ranks (a node joined), then --steps steps more; "
+                        "every rank stops at the same step, the joiner too")
     p.add_argument("--perturb-at-step", type=int, default=0,
                    help="fault injection: nudge this rank's parameters after that step (divergence detection)")
     args = p.parse_args(argv)
@@ -69,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer, data=data)
         model.to(worker.device)  # before start: NCCL exchanges the state as tensors on this rank's GPU
         worker.start()
-        while worker.step < args.steps:
+        stop_at = None if args.grow_to else args.steps
+        while stop_at is None or worker.step < stop_at:
+            if stop_at is None and worker.world_size >= args.grow_to:
+                stop_at = worker.step + args.steps  # the step the grown group formed at: the same on every rank
             with worker.step_scope() as step:
                 simulated_compute(args.step_sleep)
                 x, y = (t.to(worker.device) for t in batch(worker.step, worker.rank, worker.world_size))

@@ -15,10 +15,12 @@ outage, the leader frozen as it publishes a reform, and a hostile client on the 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -137,19 +139,27 @@ class Fault:
 
 class NetNamespace:
     """A node behind a veth pair in its own network namespace, so it can be cut off (both ends
-    of the link down: packets are dropped, connections stay open, nothing is told)."""
+    of the link down: packets are dropped, connections stay open, nothing is told).
 
-    def __init__(self, name: str, subnet: int):
-        self.name = name
-        self.host_ip, self.node_ip = f"10.251.{subnet}.1", f"10.251.{subnet}.2"
-        self.host_dev, self.node_dev = f"{name}-h", f"{name}-n"
+    Named after its purpose and this process's PID, with a /30 of 10.251.0.0/16 that no other
+    namespace on the host holds (chosen under a host-wide lock): two suites on one machine never
+    delete or shadow each other's. `create` removes the namespaces of ours whose process is gone."""
+
+    LOCK = Path("/run/lock/muster-netns.lock")
+    OURS = re.compile(r"^mu([a-z]+)([0-9]+)$")
+
+    def __init__(self, purpose: str, pid: int = 0):
+        self.name = f"mu{purpose}{pid or os.getpid()}"
+        self.host_dev, self.node_dev = f"{self.name}-h", f"{self.name}-n"
+        assert len(self.host_dev) <= 15, f"interface name {self.host_dev!r} over Linux's 15 characters"
+        self.host_ip = self.node_ip = ""
 
     @staticmethod
     def unavailable() -> str | None:
         """Why namespaces cannot be made here, or None."""
         if os.geteuid() != 0:
             return "network namespaces need root"
-        probe = NetNamespace("mprobe", 250)
+        probe = NetNamespace("prob")
         try:
             probe.create()
         except (OSError, subprocess.CalledProcessError) as exc:
@@ -158,16 +168,27 @@ class NetNamespace:
             probe.delete()
         return None
 
-    def _ip(self, *args: str, inside: bool = False) -> None:
+    def _ip(self, *args: str, inside: bool = False) -> str:
         prefix = ["ip", "netns", "exec", self.name] if inside else []
-        subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, timeout=10)
+        return subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, text=True, timeout=10).stdout
 
     def create(self) -> NetNamespace:
-        self.delete()  # what a killed run of ours may have left
-        self._ip("netns", "add", self.name)
-        self._ip("link", "add", self.host_dev, "type", "veth", "peer", "name", self.node_dev)
-        self._ip("link", "set", self.node_dev, "netns", self.name)
-        self._ip("addr", "add", f"{self.host_ip}/30", "dev", self.host_dev)
+        self.LOCK.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            for line in self._ip("netns", "list").splitlines():
+                name = line.split()[0] if line.strip() else ""
+                found = self.OURS.match(name)
+                if found and (name == self.name or not process_alive(int(found[2]))):
+                    NetNamespace(found[1], int(found[2])).delete()  # a killed run's, or an earlier one of ours
+            held = {(int(c), int(d)) for c, d in re.findall(r"inet 10\.251\.(\d+)\.(\d+)/30",
+                                                            self._ip("-4", "-o", "addr", "show"))}
+            third, block = next(divmod(b, 64) for b in range(16384) if (b // 64, b % 64 * 4 + 1) not in held)
+            self.host_ip, self.node_ip = (f"10.251.{third}.{block * 4 + n}" for n in (1, 2))
+            self._ip("netns", "add", self.name)
+            self._ip("link", "add", self.host_dev, "type", "veth", "peer", "name", self.node_dev)
+            self._ip("link", "set", self.node_dev, "netns", self.name)
+            self._ip("addr", "add", f"{self.host_ip}/30", "dev", self.host_dev)
         self._ip("addr", "add", f"{self.node_ip}/30", "dev", self.node_dev, inside=True)
         self._ip("link", "set", "lo", "up", inside=True)
         self.heal()

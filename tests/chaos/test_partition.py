@@ -15,7 +15,7 @@ def test_a_partitioned_node_is_replaced_and_fenced_when_the_network_heals(tmp_pa
     why = NetNamespace.unavailable()
     if why:
         pytest.skip(why)
-    ns = NetNamespace("mpart", 1).create()
+    ns = NetNamespace("part").create()
     chaos = Chaos(tmp_path, etcd_members=1, job="partition", host=ns.host_ip, netns={"node2": ns})
     try:
         chaos.start()

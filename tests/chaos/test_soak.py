@@ -26,7 +26,7 @@ def test_soak(request, tmp_path):
     minutes = request.config.getoption("--soak")
     seed = int(os.environ.get("MUSTER_SOAK_SEED", time.time()))
     rng = random.Random(seed)
-    ns = None if NetNamespace.unavailable() else NetNamespace("msoak", 2).create()
+    ns = None if NetNamespace.unavailable() else NetNamespace("soak").create()
     relays = os.environ.get("MUSTER_SOAK_RELAYS", "") not in ("", "0")
     names = TABLE + COMPOUND + (["partition"] if ns else []) + (["relay"] if relays else [])
     only = [n.strip() for n in os.environ.get("MUSTER_SOAK_FAULTS", "").split(",") if n.strip()]
