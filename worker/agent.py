@@ -35,13 +35,13 @@ import tempfile
 import grpc
 import structlog
 
-from muster.client import TRANSIENT
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words
 from muster.worker.master_port import MasterPorts
+from muster.worker.membership import join, rejoin
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
 from muster.worker.slot import Slot
@@ -107,7 +107,7 @@ class NodeAgent:
                           "the coordinator (its job names are 1-63 of [a-z0-9._-])")
         streaming = watchdogs = None
         try:
-            joining = asyncio.ensure_future(self._join())
+            joining = asyncio.ensure_future(join(self))
             await asyncio.wait([joining, self._done], return_when=asyncio.FIRST_COMPLETED)
             if not joining.done():
                 joining.cancel()  # a signal while joining
@@ -143,65 +143,36 @@ class NodeAgent:
         say(f"{name}: draining node {self.config.node_id!r} at a step boundary ({name} again stops it at once)")
         asyncio.ensure_future(self._drain_node())
 
-    async def _join(self) -> bool:
-        """Join within --join-timeout, saying what is awaited. False: the agent is done (a refusal,
-        the timeout, a signal), its exit code set."""
-        c = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + c.join_timeout_s
-        addresses = ",".join(c.coordinators)
-        attempts = 0
-        while True:
-            remaining = max(0.0, deadline - loop.time())
-            attempts += 1
-            try:
-                # the first answer is awaited briefly: a coordinator that is not up yet is said at once
-                await self.session.join(retry_for_s=min(remaining, c.wait_report_s if attempts > 1 else 2.0))
-                return True
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in TRANSIENT:
-                    self.log.error("join_refused", code=exc.code().name, details=exc.details())
-                    say(f"the coordinator refused node {c.node_id!r} in job {c.job!r}: "
-                         f"{exc.code().name}: {exc.details()}")
-                    self.finish(EXIT_FAILED)
-                    return False
-                error = f"{exc.code().name}: {exc.details()}"
-            except TimeoutError as exc:
-                error = str(exc)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                self.log.error("join_timeout", join_timeout_s=c.join_timeout_s, error=error)
-                say(f"no coordinator at {addresses} accepted node {c.node_id!r} in job {c.job!r} within "
-                     f"{c.join_timeout_s:g}s (--join-timeout); last error: {error}")
-                self.finish(EXIT_FAILED)
-                return False
-            self.log.warning("join_waiting", coordinators=list(c.coordinators), error=error,
-                             message=f"waiting for a coordinator to accept the join ({error}); "
-                                     f"giving up in {remaining:.0f}s")
-
     async def _stream(self) -> None:
-        try:
-            await self.session.run()
-        except JobEnded as exc:  # the run ended (succeeded, failed, stopped): its ranks stop with the agent
-            end = exc.end
-            # a node draining on a signal ends the run itself when it is the last: its exit says the signal
-            code = 128 + self._signal if self._signal else exit_code(end.outcome)
-            self.log.info("job_ended", run=end.run, outcome=end.outcome, reason=end.reason, code=code)
-            say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
-                 + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")
-            self.finish(code)
-        except Evicted as exc:
-            if self.drain is not None:  # its leave was planned: gone from the job as ordered, not evicted
-                self.log.info("drain_left", reason=str(exc))  # _drain_node exits once its ranks are done
+        rejoins = 0  # in a row, none heard as a member since
+        while True:
+            try:
+                await self.session.run()
                 return
-            self.log.error("node_evicted", reason=str(exc))
-            self.finish(EXIT_FAILED)
-        except grpc.aio.AioRpcError as exc:
-            self.log.error("coordinator_refused", code=exc.code().name, details=exc.details())
-            self.finish(EXIT_FAILED)
-        except Exception:  # a bug must not leave the node joined and silent until the hold timeout
-            self.log.exception("stream_failed")
-            self.finish(EXIT_FAILED)
+            except JobEnded as exc:  # the run ended (succeeded, failed, stopped): its ranks stop with the agent
+                end = exc.end
+                # a node draining on a signal ends the run itself when it is the last: its exit says the signal
+                code = 128 + self._signal if self._signal else exit_code(end.outcome)
+                self.log.info("job_ended", run=end.run, outcome=end.outcome, reason=end.reason, code=code)
+                say(f"job {self.config.job!r} (run {end.run}) ended: {end.outcome}"
+                    + (f" ({end.reason})" if end.reason else "") + f"; node {self.config.node_id!r} exits {code}")
+                self.finish(code)
+                return
+            except Evicted as exc:
+                if self.drain is not None:  # its leave was planned: gone from the job as ordered, not evicted
+                    self.log.info("drain_left", reason=str(exc))  # _drain_node exits once its ranks are done
+                    return
+                rejoins = 0 if self.session.heard_as_member else rejoins + 1
+                if not await rejoin(self, exc, rejoins):
+                    return
+            except grpc.aio.AioRpcError as exc:
+                self.log.error("coordinator_refused", code=exc.code().name, details=exc.details())
+                self.finish(EXIT_FAILED)
+                return
+            except Exception:  # a bug must not leave the node joined and silent until the hold timeout
+                self.log.exception("stream_failed")
+                self.finish(EXIT_FAILED)
+                return
 
     def _store_key_planted(self, generation: int, exc: Exception) -> None:
         """Rank 0's key of a generation was there before it published: the node stops, loudly."""
@@ -220,6 +191,8 @@ class NodeAgent:
     # ---- directives ------------------------------------------------------------------
 
     def _on_directive(self, d: pb.Directive) -> None:
+        if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
+            return  # the session raises Evicted next: the node joins again or ends (_stream), its ranks held
         self.hub.deliver(d)
         if d.HasField("end"):
             return  # the session ends with JobEnded: _stream exits with the outcome
@@ -238,10 +211,6 @@ class NodeAgent:
                 slot.failed_pid = 0  # its replacement speaks for the slot from now on
         if a.start_ranks:
             self.library = True  # the leader asks for it only when the job's ranks use the library
-        if a.role == pb.ROLE_EVICTED:
-            self.log.error("node_evicted", reason=a.reason)
-            self.finish(EXIT_FAILED)
-            return
         if not self.draining and not self.finishing():  # a finishing job is never re-formed
             if a.role == pb.ROLE_ACTIVE and not self.library:
                 asyncio.ensure_future(self.masters.of(a))  # published (or fetched) at once

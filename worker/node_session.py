@@ -97,6 +97,7 @@ class NodeSession:
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
         self.joined_run = 0  # the run of the job's name this node joined (JoinResponse.run)
+        self.heard_as_member = False  # a directive came since the latest Join
         self.finishing = False  # the leader said a rank finished its script: the job is ending
         self.leader = ""
         self.relay = ""  # the replica this node streams through ("": straight to the leader)
@@ -155,6 +156,7 @@ class NodeSession:
         response = await self._unary("Join", self._join_request(), retry_for_s=retry_for_s)
         self.member_id = response.member_id
         self.joined_run = response.run
+        self.heard_as_member = False
         self.secret = response.session_secret
         self.term = response.term
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
@@ -312,6 +314,7 @@ class NodeSession:
     def _directive(self, d: pb.Directive) -> str | None:
         """Handle one directive; the reason if it evicts this node."""
         self._heard_from_leader = time.monotonic()
+        self.heard_as_member = True
         # The leader's, even when lower than one seen before: after etcd lost its data, terms
         # (etcd revisions) start again, and a frame ahead of its leader's term is refused.
         self.term = d.term

@@ -555,16 +555,19 @@ class Chaos:
 
     def heal(self, fault: Fault) -> None:
         """End a partition: the cut-off node must not have trained on alone; back on the network it
-        finds itself evicted and its agent exits, its ranks with it; a fresh agent rejoins."""
+        finds itself evicted and joins again as a new member, its ranks held (never taken back
+        silently as the member it was)."""
         node = fault.victims[0][0]
         cut_off = self.agents[node]
         others = [r["step"] for k, r in self.last_steps().items() if k[0] != node]
         stranded = max((r["step"] for run in self.runs() if run.node == node for r in run.steps()), default=0)
         assert stranded <= min(others), f"{node} trained on alone while cut off (step {stranded})"
         self.netns[node].heal()
-        assert cut_off.wait(60) != 0, f"{node} was taken back silently instead of being evicted"
-        fault.notes.append(f"{node}'s agent exited with {cut_off.proc.returncode} once the network healed")
-        self.restart_agent(node)
+        wait_until(lambda: cut_off.records("node_rejoining") or cut_off.proc.poll() is not None, 60,
+                   f"{node} to join again once the network healed")
+        assert cut_off.proc.poll() is None, f"{node}'s agent exited with {cut_off.proc.returncode} instead of joining again"
+        fault.notes.append(f"{node} joined again as a new member once the network healed (was member "
+                           f"{cut_off.records('node_rejoining')[-1]['member']})")
 
     # ---- compound faults: whole-deployment outages, a frozen leader, a hostile client ----
 

@@ -1,7 +1,7 @@
 """Chaos: a network partition. One node runs in its own network namespace behind a veth pair;
 its link is cut (packets dropped, connections left open, nobody told). The others replace it
 within the heartbeat timeout; while cut off its ranks complete no step; when the network heals
-the node finds itself evicted and its agent exits (its ranks with it), and a fresh agent rejoins.
+the node finds itself evicted and joins again as a new member, its ranks held, and the job re-forms.
 Needs root (network namespaces); skipped with the reason otherwise."""
 
 import pytest

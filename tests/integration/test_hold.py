@@ -78,3 +78,32 @@ def test_a_hold_ends_with_a_clear_message_once_the_hold_timeout_passes(coordinat
     assert code == 3 and stopped, ranks[0].log_path.read_text()[-2000:]
     assert "held 4s for a new generation" in stopped[-1]["error"]
     assert ranks[0].records("rank_holding"), "the survivor did not hold first"
+
+
+@pytest.mark.timeout(180)
+def test_a_node_removed_while_unheard_joins_again_with_its_ranks(coordinators, agents):
+    """The leader removes a node it cannot hear (node_silent): here its agent frozen past the
+    heartbeat timeout; in a soak, a node that reached a new leader just after its takeover grace once
+    every coordinator had been down. Alive again, the node is told it is no member: it joins again as
+    a new member, its ranks held (process and state kept), and the job re-forms at full strength."""
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    a, b = agents([leader.address], "unheard", ["a", "b"], steps=10**6, step_sleep_s=0.05)
+    wait_until(lambda: len(last_steps([a, b])) == 4 and min(r["step"] for r in last_steps([a, b]).values()) >= 10,
+               90, "every rank past step 10")
+    pids = {(n, s): n.rank_pids(s)[-1] for n in (a, b) for s in (0, 1)}
+
+    b.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: leader.find("membership_changed", kind="node_silent"), 30, "the leader to judge b silent")
+    finally:
+        b.signal(signal.SIGCONT)
+    removed = max(r["generation"] for r in leader.find("membership_changed", kind="node_silent"))
+    wait_until(lambda: b.records("node_rejoining"), 30, "b to join again")
+    wait_until(lambda: len(last_steps([a, b])) == 4 and all(
+        r["generation"] > removed and r["world_size"] == 4 for r in last_steps([a, b]).values()),
+        60, "all four ranks training together again after b was removed")
+    for (n, s), pid in pids.items():
+        assert n.rank_pids(s)[-1] == pid and process_alive(pid), f"{n.node_id}/{s} lost its process"
+    assert b.proc.poll() is None and not b.records("node_evicted")
+    joined = [r for r in leader.find("membership_changed", kind="node_joined") if r["nodes"] == ["b"]]
+    assert len(joined) == 2, joined  # its first join, and the one after its removal
