@@ -61,27 +61,15 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from h2_nodes import RawNode, pump  # noqa: E402
+from proc_cpu import cpu_seconds, loop_seconds  # noqa: E402
 from recovery import percentile  # noqa: E402
 
 JOB = "capacity"
 PROBE_JOB = "probe"  # a one-node job on the same leader process: its Status is O(1) to poll
 EVICTION_KINDS = {"node_silent", "rank_silent", "rank_stalled", "process_exited", "node_left"}
 HEARTBEAT_TIMEOUT_S = 5.0  # FAST's 1 s would evict nodes of a loaded 2-core host; the grace matches it
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.002  # the probe's Status polls after the first one
 IDLE_S = 1.5  # the leader's CPU with every node paused (well under the heartbeat timeout): its cost besides frames
-
-
-def cpu_seconds(pid: int, thread: int | None = None) -> float:
-    """user + system CPU of a process (all its threads), or of one of its threads, from /proc."""
-    with open(f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def loop_seconds(pid: int) -> float:
-    """CPU of a process's main thread: a coordinator's event loop (gRPC's own threads run beside it)."""
-    return cpu_seconds(pid, pid)
 
 
 # ---- part 1: heartbeat capacity ------------------------------------------------------------------

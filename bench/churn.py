@@ -62,8 +62,10 @@ from muster.net import Backoff, free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
+sys.path.insert(0, str(Path(__file__).parent))
+from proc_cpu import cpu_seconds  # noqa: E402
+
 ELECTION_PREFIX = f"{DEFAULT_PREFIX}/election/"  # coordinator/etcd/election.py: {prefix}/election/{job}/{lease}
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SERVE_DEFAULT_MAX_JOBS = 1_000  # `muster serve --max-jobs`'s default
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 200)]
@@ -95,10 +97,8 @@ def proc_status(pid: int) -> dict:
         for line in f:
             key, _, value = line.partition(":")
             fields[key] = value.strip()
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read().rsplit(")", 1)[1].split()
     return {"threads": int(fields["Threads"]), "rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
-            "cpu_s": round((int(stat[11]) + int(stat[12])) / CLK_TCK, 2)}
+            "cpu_s": round(cpu_seconds(pid), 2)}
 
 
 LEADER_GAUGE = re.compile(r'^muster_leader\{job="((?:[^"\\]|\\.)*)"\} ([0-9.e+-]+)$')

@@ -29,7 +29,7 @@ import grpc
 import uvloop
 
 sys.path.insert(0, os.path.dirname(__file__))
-from capacity import cpu_seconds, loop_seconds  # noqa: E402
+from proc_cpu import cpu_seconds, loop_seconds  # noqa: E402 (imports nothing heavy: each spawned process imports it)
 
 METHOD = "/floor.Floor/Stream"
 
@@ -69,7 +69,7 @@ async def _serve(conn, streams: int, windows: int, window_s: float) -> None:
                         "loop_us_per_message": round((loop_seconds(pid) - loop0) * 1e6 / n, 1) if n else None,
                         "process_us_per_message": round((cpu_seconds(pid) - cpu0) * 1e6 / n, 1) if n else None})
     conn.send(results)
-    await server.stop(None)
+    await asyncio.Event().wait()  # ended by the parent after the clients: stopping first would fail their writes
 
 
 def _server_main(conn, streams: int, windows: int, window_s: float, event_loop: str) -> None:
