@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from muster.worker.zygote import WarmProcess
 CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
 TAIL_LINES = 20  # of a given-up slot's stderr, in its report
 TAIL_BYTES = 64 * 1024
+PARTIAL_LINE_S = 0.5  # a rank's line with no end yet (a prompt, a progress bar) is passed on after this
 
 
 def outside_crash_loop(code: int, lived_s: float) -> bool:
@@ -100,21 +102,34 @@ class StderrTail:
         self._thread.start()
 
     def _pump(self) -> None:
+        # Whole lines only, so that a rank's line never shares one with the agent's own records
+        # (they go to the same stderr); one with no end yet is passed on after PARTIAL_LINE_S.
+        pending = b""
+        readable = select.poll()
+        readable.register(self._fd, select.POLLIN)
         try:
-            while chunk := os.read(self._fd, 65536):
+            while True:
+                if not readable.poll(PARTIAL_LINE_S * 1000 if pending else None):
+                    _write_out(pending)
+                    pending = b""
+                    continue
+                chunk = os.read(self._fd, 65536)
+                if not chunk:
+                    break
                 with self._lock:
                     self._tail += chunk
                     if len(self._tail) > 2 * TAIL_BYTES:
                         del self._tail[:-TAIL_BYTES]
-                try:
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(2, view):]
-                except OSError:
-                    pass  # the agent's stderr is gone: keep draining, the rank must not block
+                data = pending + chunk
+                end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+                if len(data) - end >= TAIL_BYTES:  # a line too long to hold back: passed on as it is
+                    end = len(data)
+                _write_out(data[:end])
+                pending = data[end:]
         except OSError:
             pass
         finally:
+            _write_out(pending)
             os.close(self._fd)
 
     def lines(self, n: int, wait_s: float = 1.0) -> tuple[str, ...]:
@@ -123,6 +138,17 @@ class StderrTail:
         self._thread.join(wait_s)
         with self._lock:
             return last_lines(bytes(self._tail[-TAIL_BYTES:]), n)
+
+
+def _write_out(data: bytes) -> None:
+    """Pass bytes on to the agent's stderr. If it is gone they are dropped: the pipe is drained on,
+    the rank must not block on it."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(2, view):]
+    except OSError:
+        pass
 
 
 def last_lines(data: bytes, n: int) -> tuple[str, ...]:

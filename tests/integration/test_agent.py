@@ -189,9 +189,8 @@ def test_a_script_failing_at_start_on_every_rank_ends_with_a_report_on_every_nod
     errs = {node: (tmp_path / f"{node}.err").read_text() for node in ("a", "b")}
     for node, err in errs.items():
         assert "muster run: job id 'BadArg' is job 'badarg-" in err  # mapped onto the coordinator's names
-        # The ranks share the agent's stderr: a rank's print (its text, then its newline: two writes)
-        # can have the agent's log line between them, so a record is read from its opening brace.
-        starts = [json.loads(line[line.index("{"):]) for line in err.splitlines() if '"rank_started"' in line]
+        # The ranks share the agent's stderr, in whole lines (test_stderr_tail): every record is a line.
+        starts = [json.loads(line) for line in err.splitlines() if '"rank_started"' in line]
         assert 2 <= len(starts) <= 6, "at most 1 + --max-restarts starts per slot"
         for slot in (0, 1):
             assert [r["restart_count"] for r in starts if r["slot"] == slot] == list(range(len(
