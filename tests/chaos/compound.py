@@ -95,6 +95,8 @@ def summary(chaos: Chaos, report: dict, *, seed: int, began: float, first_step: 
                              if not any(f["slowed"] == r["node"] and f["at"] <= record_time(r) for f in faults)],
         "ranks_lost_to_outside_faults": len(lost),
         "lost": lost,
+        # survivors the stuck-thread bound replaced within 3 s (gloo's wait, docs/limits.md): not lost, counted
+        "ranks_replaced_by_the_stuck_bound": sum(len(f.get("replaced_stuck", [])) for f in faults),
         "wedges": len(wedges),
         "wedged": wedges,
         "steps_made": report["highest_step"] - first_step,

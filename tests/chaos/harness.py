@@ -120,6 +120,10 @@ class Fault:
     bound_s: float = LIVENESS_BOUND_S  # the heal (else the fault) -> every surviving slot stepping again
     outage_s: float | None = None  # how long etcd or every coordinator was down (an outage's length)
     lost: list[str] = field(default_factory=list)  # survivors whose process changed (lost to a fault outside them)
+    # Survivors whose training thread gloo left in a wait that no closed connection ends (a peer killed
+    # while its message to this rank was half read): the stuck-thread bound replaced them within 3 s,
+    # their state taken from the others. Counted apart from `lost` (docs/limits.md, gloo's wait).
+    replaced_stuck: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # other broken invariants, each a precise message
     stall_s: float | None = None  # longest gap between two steps of the job from this fault to the next
     frozen: tuple[CoordinatorProcess, int] | None = field(default=None, repr=False)  # (leader, its term)
@@ -880,6 +884,8 @@ class Chaos:
             if key[0] in self.agents and self.agents[key[0]].proc.poll() is None and (
                     key not in current or current[key].pid != pid):
                 old = next((run for run in self.runs() if run.pid == pid), None)
+                if _replaced_stuck(old, last):
+                    continue
                 broken.append(f"rank {key[0]}/{key[1]} (pid {pid}) was replaced" +
                               (f"; its log {old.log} ends: {_tail(old.log, 2)}" if old else ""))
         if not broken:
@@ -938,13 +944,16 @@ class Chaos:
         fault.wedged = self._wedge_report(fault)
 
     def find_lost(self, fault: Fault) -> list[str]:
-        """Slots the fault did not target whose process changed: each with the log of the one lost."""
+        """Slots the fault did not target whose process changed: each with the log of the one lost
+        (one the stuck-thread bound replaced goes to the fault's `replaced_stuck` instead)."""
         current = self.current()
         lost = []
         for key, pid in fault.pids_before.items():
             if key in fault.victims or (key in current and current[key].pid == pid):
                 continue
             old = next((run for run in self.runs() if run.pid == pid), None)
+            if _replaced_stuck(old, fault):
+                continue
             now = f"now pid {current[key].pid}" if key in current else "the slot runs nothing now"
             agent = next((a for a in self.incarnations[key[0]] if old is not None and old.log.parent == a.log_dir), None)
             why = ""
@@ -1100,6 +1109,19 @@ def _answers(address: str, job: str) -> bool:
         return True
     except Exception:
         return False
+
+
+def _replaced_stuck(run: RankRun | None, fault: Fault) -> bool:
+    """Whether `run` ended itself by the stuck-thread bound, its training thread still in a group an
+    abort broke (rank_exited_stuck: gloo's wait on a message half read when its peer died is ended
+    by nothing but the op's timeout). Recorded on `fault` once."""
+    stuck = json_lines(run.log, "rank_exited_stuck") if run is not None and run.log.exists() else []
+    if not stuck or "has not left generation" not in stuck[-1].get("error", ""):
+        return False
+    line = f"{run.node}/{run.slot} pid {run.pid}: {stuck[-1]['error']}"
+    if line not in fault.replaced_stuck:
+        fault.replaced_stuck.append(line)
+    return True
 
 
 def _tail(path: Path, lines: int) -> list[str]:
