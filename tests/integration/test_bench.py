@@ -13,8 +13,12 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def bench(*args: str, timeout_s: float) -> dict:
-    done = subprocess.run([sys.executable, str(BENCH / args[0]), *args[1:]], capture_output=True, text=True,
-                          timeout=timeout_s)
+    try:
+        done = subprocess.run([sys.executable, str(BENCH / args[0]), *args[1:]], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:  # what it was doing, not only that it took long
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        raise AssertionError(f"{args[0]} ran past {timeout_s:g}s; its stderr ends: {err[-3000:]}") from None
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
