@@ -211,6 +211,9 @@ class NodeAgent:
                 slot.failed_pid = 0  # its replacement speaks for the slot from now on
         if a.start_ranks:
             self.library = True  # the leader asks for it only when the job's ranks use the library
+        else:
+            for slot in self.slots:
+                slot.kept_pid = 0  # placed: a slot listed down from now on is a failure (rank_hub)
         if not self.draining and not self.finishing():  # a finishing job is never re-formed
             if a.role == pb.ROLE_ACTIVE and not self.library:
                 asyncio.ensure_future(self.masters.of(a))  # published (or fetched) at once

@@ -446,12 +446,10 @@ class Worker:
         """On the link thread, after the mailbox has it."""
         if d.HasField("assignment"):
             a = d.assignment
-            if (self.generation or self._forming) and self._slot in a.down_local_ranks and not a.start_ranks:
+            if (self.generation or self._forming) and self._slot in a.down_local_ranks:
                 # This process held a place, or was forming one, and was declared failed (it hung, or
                 # never formed): its state is stale. A fresh process (the agent restarts this one)
-                # takes the slot back. Not on a node joining (start_ranks): its slots are listed down
-                # until a process reports from each, and one that is already there (its node rejoined
-                # after the leader removed it unheard) is that process; the state sync brings it up to date.
+                # takes the slot back.
                 self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
                 return
             # A planned switch heard past its step (a late map): the others left the group there; so does this rank.

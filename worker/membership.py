@@ -84,4 +84,6 @@ async def rejoin(node: Node, evicted: Evicted, rejoins: int) -> bool:
             node.log.warning("leave_failed", error=str(exc))
         node.finish(EXIT_FAILED)
         return False
+    for slot in node.slots:
+        slot.kept_pid = slot.proc.pid if slot.alive else 0
     return True

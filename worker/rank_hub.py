@@ -139,8 +139,12 @@ class RankHub(pb_grpc.NodeAgentServicer):
 def _for_rank(d: pb.Directive, slot: Slot) -> bool:
     """A replacement process is no member of the generation its predecessor crashed in (nor of an
     older one): while no coordinator has answered the crash (an outage), it waits for a newer one
-    instead of trying to join a group whose others have long formed."""
-    return not d.HasField("assignment") or d.assignment.generation > slot.crashed_in
+    instead of trying to join a group whose others have long formed. A process kept across its
+    node's rejoin is not told that its slot awaits a process (it would take itself for failed)."""
+    if not d.HasField("assignment"):
+        return True
+    a = d.assignment
+    return a.generation > slot.crashed_in and not (slot.kept and a.start_ranks and slot.index in a.down_local_ranks)
 
 
 def process_state(pid: int) -> str | None:

@@ -72,11 +72,19 @@ class Slot:
     imports_file: str = ""  # written by the runner: the packages its process imported (warm starts)
     steps: StepFile | None = None  # where its process's step probe writes (a script without the library)
     hung: bool = False  # its process outlived --exit-timeout after its script completed, and was ended
+    # The process that outlived the node's rejoin: until the new member is placed, the leader lists
+    # the slot as awaiting a process (start_ranks), which is not that one's failure (rank_hub).
+    kept_pid: int = 0
     last_crash: Crash | None = None
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def kept(self) -> bool:
+        """Its process is the one that outlived the node's rejoin (not yet placed since)."""
+        return self.alive and self.proc.pid == self.kept_pid
 
     @property
     def retired(self) -> bool:
