@@ -40,7 +40,7 @@ class TorchrunNode:
             self.kill_node()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(270)  # above its three bounded waits together (90 + 60 + 100 s)
 def test_torchrun_with_the_muster_backend_survives_the_loss_of_a_node(coordinators, tmp_path):
     (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
     # An id as torchrun takes it (uppercase): the backend maps it onto the coordinator's job names.
