@@ -69,6 +69,22 @@ class FakeClock:
         await asyncio.sleep(0)  # others run, as they would while this waited
 
 
+def tagged_processes(tag: str) -> list[int]:
+    """The live processes whose environment holds `tag` ("NAME=value"): what a run started with the
+    tag in its environment left running, its children's children included."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if tag.encode() in f.read().split(b"\0") and process_alive(int(name)):
+                    found.append(int(name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
 def process_alive(pid: int) -> bool:
     """True while `pid` runs; an exited process waiting to be reaped (a zombie) has exited."""
     try:

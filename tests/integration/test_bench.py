@@ -3,24 +3,52 @@ completed step lost, no eviction for a leader failover, a healthy leader under l
 timings are not asserted: this machine is shared and noisy."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+
+from muster.local import tagged_processes
+
+TAG_ENV = "MUSTER_BENCH_RUN"  # marks the processes of one benchmark run
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def bench(*args: str, timeout_s: float) -> dict:
+    """Run a benchmark; its JSON. Its processes carry a tag in their environment: whatever of its
+    deployment (etcd, coordinators, ranks) outlives it is named and ended. A benchmark killed at its
+    bound left its ranks training without a coordinator for an hour."""
+    tag = uuid.uuid4().hex
     try:
         done = subprocess.run([sys.executable, str(BENCH / args[0]), *args[1:]], capture_output=True, text=True,
-                              timeout=timeout_s)
+                              timeout=timeout_s, env={**os.environ, TAG_ENV: tag})
     except subprocess.TimeoutExpired as exc:  # what it was doing, not only that it took long
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
         raise AssertionError(f"{args[0]} ran past {timeout_s:g}s; its stderr ends: {err[-3000:]}") from None
+    finally:
+        left = end_tagged(f"{TAG_ENV}={tag}")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not left, f"{args[0]} left processes running: {left}"
     return json.loads(done.stdout)
+
+
+def end_tagged(tag: str) -> list[str]:
+    """End (by PID) every process carrying `tag`; their command lines."""
+    left = []
+    for pid in tagged_processes(tag):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                left.append(f"{pid}: {f.read().replace(bytes(1), b' ').decode(errors='replace')[:200]}")
+            os.kill(pid, signal.SIGCONT)  # a stopped process must run to die
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue  # ended meanwhile
+    return left
 
 
 @pytest.mark.timeout(150)
