@@ -69,20 +69,20 @@ class FakeClock:
         await asyncio.sleep(0)  # others run, as they would while this waited
 
 
+def carries_tag(pid: int, tag: str) -> bool:
+    """Whether process `pid`'s environment holds `tag` ("NAME=value"): started by a run that set it."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return tag.encode() in f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+
+
 def tagged_processes(tag: str) -> list[int]:
-    """The live processes whose environment holds `tag` ("NAME=value"): what a run started with the
-    tag in its environment left running, its children's children included."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if tag.encode() in f.read().split(b"\0") and process_alive(int(name)):
-                    found.append(int(name))
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
+    """The live processes whose environment holds `tag`: what a run started with the tag in its
+    environment left running, its children's children included."""
+    return [int(name) for name in os.listdir("/proc")
+            if name.isdigit() and carries_tag(int(name), tag) and process_alive(int(name))]
 
 
 def process_alive(pid: int) -> bool:

@@ -35,8 +35,8 @@ from muster.client import Coordinators
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.client import connect
 from muster.coordinator.etcd.server import EtcdCluster
-from muster.local import (AgentProcess, CoordinatorProcess, Throttle, json_lines, process_alive, progress_gap,
-                          record_time, wait_until)
+from muster.local import (AgentProcess, CoordinatorProcess, Throttle, carries_tag, json_lines, process_alive,
+                          progress_gap, record_time, wait_until)
 from muster.v1 import muster_pb2 as pb
 
 Slot = tuple[str, int]  # (node id, local rank)
@@ -282,7 +282,7 @@ class Chaos:
         os.environ.pop(CHAOS_RUN_ENV, None)
 
         def left() -> list[int]:
-            return sorted(pid for pid in self.pids if process_alive(pid) and self._ours(pid))
+            return sorted(pid for pid in self.pids if process_alive(pid) and carries_tag(pid, self.tag))
 
         try:  # ranks die with their agent (PR_SET_PDEATHSIG), a moment after it
             wait_until(lambda: not left(), 5, "the run's processes to end")
@@ -290,12 +290,6 @@ class Chaos:
             pass  # the caller reports them
         return left()
 
-    def _ours(self, pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                return self.tag.encode() in f.read().split(b"\0")
-        except OSError:
-            return False
 
     def restart_coordinator(self) -> CoordinatorProcess:
         """A new replica; in place of a dead one (same address, as a StatefulSet pod comes back), if any."""
