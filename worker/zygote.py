@@ -46,6 +46,9 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 MAX_MESSAGE = 1 << 20  # a rank's argv and environment
 MAX_LEARNED = 3000  # learned modules (~30 bytes each): the message fits a socket's default buffer
 READY_WAIT_S = 120.0  # for the zygote's imports: a cold import of torch on a loaded node takes seconds
+# For its answer to a fork (milliseconds): one that gives none (stopped, stuck) cannot report its
+# ranks' exits either, so it is ended with them and the node starts ranks cold.
+ANSWER_WAIT_S = 30.0
 
 
 # ---- the zygote process ------------------------------------------------------------------
@@ -269,7 +272,8 @@ class Zygote:
             self.close()
             raise ZygoteLost(f"its imports took longer than {timeout_s:g}s") from None
 
-    async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int]) -> WarmProcess:
+    async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int],
+                    answer_wait_s: float = ANSWER_WAIT_S) -> WarmProcess:
         """Fork a rank running `program` with `env` and these descriptors as its stdin, stdout, stderr."""
         await self.ready()
         if self.lost:
@@ -286,7 +290,12 @@ class Zygote:
             self._pending.pop(request_id, None)
             self._lose(f"send: {exc}")
             raise ZygoteLost(str(exc)) from None
-        reply = await answer
+        try:
+            reply = await asyncio.wait_for(answer, answer_wait_s)
+        except TimeoutError:
+            self._pending.pop(request_id, None)
+            self.close()
+            raise ZygoteLost(f"no answer to a fork in {answer_wait_s:g}s") from None
         if "error" in reply:
             raise ZygoteLost(reply["error"])
         return reply["rank"]

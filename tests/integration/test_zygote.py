@@ -94,6 +94,29 @@ def test_a_killed_rank_reports_its_signal_and_the_ranks_die_with_the_zygote(tmp_
 
 
 @pytest.mark.timeout(60)
+def test_a_zygote_that_does_not_answer_a_fork_is_ended_within_the_bound(tmp_path):
+    """A stopped zygote would leave the slot starting for good: past the bound it is ended (it could
+    not report its ranks' exits either) and the caller told, to start ranks cold."""
+    path = script(tmp_path, "import time\ntime.sleep(60)\n")
+
+    async def main():
+        zygote = await Zygote.start(dict(os.environ), GUARD, preload=())
+        await zygote.ready()
+        os.kill(zygote.process.pid, signal.SIGSTOP)
+        out = open(tmp_path / "out.txt", "wb")
+        try:
+            with pytest.raises(ZygoteLost, match="no answer to a fork in 1s"):
+                await zygote.spawn(Program(str(path), False, (), False), {"PATH": os.environ["PATH"]},
+                                   (0, out.fileno(), out.fileno()), answer_wait_s=1.0)
+        finally:
+            out.close()
+        assert zygote.lost
+        assert await asyncio.wait_for(zygote.process.wait(), 10) == -signal.SIGKILL
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
 def test_a_module_runs_as_with_python_dash_m(tmp_path, monkeypatch):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
