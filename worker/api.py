@@ -321,7 +321,7 @@ class Worker:
             if target is not None:
                 return target
             if time.monotonic() >= report_at + WAIT_REPORT_S:
-                report_at = report_waiting(self.link, after, hold, began, deadline)
+                report_at = report_waiting(self.link, self.config.hold_timeout_s, after, hold, began, deadline)
             give_up_waiting(self.link, self.config.hold_timeout_s, after, hold, deadline)
             self.link.changed.wait(0.1)
 
@@ -498,14 +498,20 @@ def give_up_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, de
                               f"in generation > {after} (hold timeout {hold_timeout_s:g}s)")
 
 
-def report_waiting(link: Link, after: int, hold: str, began: float, deadline: float) -> float:
-    """A rank waiting for a place in a generation after `after` says what it waits for; returns now."""
+def report_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, began: float, deadline: float) -> float:
+    """A rank waiting for a place in a generation after `after` says what it waits for and when it
+    gives up (see give_up_waiting); returns now."""
     now = time.monotonic()
     latest = link.latest
+    silent_s = link.silent_s()
+    if hold:
+        gives_up = {"gives_up_in_s": round(deadline - now, 1)}
+    else:  # while heard, the coordinator bounds the wait: it fails a run left waiting past its waiting timeout
+        gives_up = {"gives_up_in_s": round(max(0.0, hold_timeout_s - silent_s), 1),
+                    "gives_up_if": "the coordinator stays silent (it ends a run waiting past its waiting timeout)"}
     log.info("rank_waiting", after_generation=after, waited_s=round(now - began, 1),
              latest_generation=latest.generation if latest is not None else None,
-             cause=hold or "no place for this rank yet", coordinator_silent_s=round(link.silent_s(), 1),
-             gives_up_in_s=round(deadline - now, 1) if hold else None)
+             cause=hold or "no place for this rank yet", coordinator_silent_s=round(silent_s, 1), **gives_up)
     return now
 
 

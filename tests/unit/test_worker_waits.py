@@ -20,14 +20,15 @@ def link(silent_s: float, generation: int | None = 7):
 def test_a_waiting_rank_says_what_it_waits_for():
     now = time.monotonic()
     with capture_logs() as logs:
-        report_waiting(link(1.5), 7, "forming generation 7 failed: Connection reset", now - 12, now + 288)
-        report_waiting(link(0.2, None), 0, "", now - 10, now + 290)
+        report_waiting(link(1.5), 300, 7, "forming generation 7 failed: Connection reset", now - 12, now + 288)
+        report_waiting(link(0.2, None), 300, 0, "", now - 10, now + 290)
     holding, joining = logs
     assert holding["event"] == "rank_waiting" and holding["after_generation"] == 7
     assert holding["cause"].startswith("forming generation 7 failed") and holding["waited_s"] >= 12
     assert holding["latest_generation"] == 7 and holding["coordinator_silent_s"] == 1.5
     assert 287 <= holding["gives_up_in_s"] <= 288
-    assert joining["cause"] == "no place for this rank yet" and joining["gives_up_in_s"] is None
+    assert joining["cause"] == "no place for this rank yet" and joining["gives_up_in_s"] == 299.8
+    assert joining["gives_up_if"].startswith("the coordinator stays silent")
     assert joining["latest_generation"] is None
 
 
