@@ -105,8 +105,11 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         for n in again:
             await n.session.leave(finished=True, reason="done")
             await n.stop()
-        runs = wait_until(lambda: [(j.run, j.outcome) for j in jobs(addresses, "a") if j.outcome != "running"]
-                          if len(jobs(addresses, "a")) == 2 else None, 10.0, "both runs listed", interval_s=0.1)
+        def ended() -> list[tuple[int, str]] | None:  # run 2 is listed as running until its end is recorded
+            listed = [(j.run, j.outcome) for j in jobs(addresses, "a")]
+            return listed if len(listed) == 2 and all(outcome != "running" for _, outcome in listed) else None
+
+        runs = wait_until(ended, 10.0, "both runs listed as ended", interval_s=0.1)
         assert sorted(runs) == [(1, "failed"), (2, "failed")]
 
     asyncio.run(scenario())
