@@ -7,7 +7,8 @@ in this package and must start without importing torch."""
 from importlib import import_module
 
 _EXPORTS = {"Worker": "api", "WorkerConfig": "api", "WorkerError": "errors", "FencedOut": "errors",
-            "CoordinatorLost": "errors", "HoldExpired": "errors", "Drained": "errors", "RunEnded": "errors"}
+            "CoordinatorLost": "errors", "HoldExpired": "errors", "Drained": "errors", "RunEnded": "errors",
+            "StateMismatch": "errors"}
 __all__ = list(_EXPORTS)
 
 

@@ -45,7 +45,7 @@ from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpire
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.state import TrainingState
+from muster.worker.state import ReplicatedState
 from muster.worker.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
@@ -149,7 +149,7 @@ class _StepScope:
             self.compute.step_done(self.started)
             w._redos = 0
             if self.digest_every and w.step % self.digest_every == 0:
-                w._digest = (w.step, w.state.digest())
+                w._digest = (w.step, w.state.fingerprint(w.device))
             if w.link.changed.is_set():
                 w._boundary()
             return False
@@ -172,7 +172,7 @@ class _StepScope:
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.state = TrainingState()
+        self.state = ReplicatedState()
         self.step = 0  # completed steps
         self.rank, self.world_size = -1, 0
         self.generation = 0  # of the group this rank is in
@@ -203,7 +203,7 @@ class Worker:
         for name, obj in extras.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
-        self.state = TrainingState(model, optimizer, dict(extras))
+        self.state = ReplicatedState(model, optimizer, dict(extras))
         return self
 
     def start(self) -> Worker:
@@ -363,8 +363,11 @@ class Worker:
                 formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=immediate(a):
                                           self._superseded(g, i))
                 synced = time.perf_counter()
-                source, step = self.state.sync(self.step, spec.rank, spec.world_size, self.device)
-                sync_s = time.perf_counter() - synced
+                channel = self.comm.channel(lambda g=spec.generation, i=immediate(a): self._superseded(g, i))
+                sync = self.state.sync(self.step, channel, self.device,
+                                       progress=lambda phase, s=step, u=us, g=spec.generation:
+                                       setattr(self, "_progress", (s, u, "forming", phase, g)))
+                sync_s, step = time.perf_counter() - synced, sync.step
                 break
             except Superseded:
                 pass
@@ -388,11 +391,15 @@ class Worker:
             # signal): the step boundaries look at it from now on.
             self.link.changed.set()
         took = time.perf_counter() - started
-        phases = {**self.comm.phases, "sync_s": sync_s, "before_form_s": before_form_s}
-        self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step, **phases})
+        phases = {**self.comm.phases, **sync.phases, "transfer_s": sync.transfer_s, "sync_s": sync_s,
+                  "before_form_s": before_form_s}
+        moved = {"state": sync.role if sync.plan.moves else "agreed", "sources": list(sync.plan.sources)[:8],
+                 "bytes_sent": sync.sent, "bytes_received": sync.received}
+        self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step,
+                             **moved, **phases})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
-                 step=step, source=source, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
-                 steps_behind=lost, backend=self.backend.name, shrunk=self.comm.shrunk,
+                 step=step, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
+                 steps_behind=lost, backend=self.backend.name, shrunk=self.comm.shrunk, **moved,
                  **{k: round(v, 4) for k, v in phases.items()})
 
     def _group(self, a: pb.Assignment) -> GroupSpec:

@@ -380,29 +380,65 @@ def arrive(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], st
     if store.add(f"arrived/{spec.rank}", 1) != 1:
         raise StoreKeyTaken(f"store key arrived/{spec.rank} was set before rank {spec.rank} arrived: planted "
                             f"on the store of generation {spec.generation}, which is not formed")
-    keys = [f"arrived/{r}" for r in range(spec.world_size)]
-    delay, arrived, named = 0.001, time.monotonic(), False
-    # A barrier that a newer generation can abandon; polled with check() (store.wait with a
-    # short timeout logs a c10d warning on every miss).
+    arrived = time.monotonic()
+    named = False
+
+    def name_late() -> None:
+        # Every rank waits for the last to arrive: name it, so that its own log (its
+        # group_formed: before_form_s, store_s) says where the time went. (A rank new
+        # in a planned switch waits here for the others' switch step: expected.)
+        nonlocal named
+        if named or time.monotonic() - arrived <= BARRIER_LATE_S:
+            return
+        missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
+        named = bool(missing)  # (none: they all came since the last check)
+        if named:
+            log.info("barrier_waiting", generation=spec.generation, rank=spec.rank,
+                     waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
+                     missing_count=len(missing))
+
+    await_keys(store, spec, [f"arrived/{r}" for r in range(spec.world_size)], abandoned,
+               started + timeout_s, "arrive", name_late)
+
+
+def await_keys(store: dist.Store, spec: GroupSpec, keys: list[str], abandoned: Callable[[], bool],
+               deadline: float, what: str, waiting: Callable[[], None] = lambda: None) -> None:
+    """Until every key is on the generation's store: abandonable by a newer generation (Superseded),
+    bounded by `deadline` (monotonic). Polled with check(): store.wait with a short timeout logs a
+    c10d warning on every miss."""
+    delay = 0.001
     while not store.check(keys):
         if abandoned():
-            raise Superseded(f"generation {spec.generation} abandoned while forming")
-        if not named and time.monotonic() - arrived > BARRIER_LATE_S:
-            # Every rank waits for the last to arrive: name it, so that its own log (its
-            # group_formed: before_form_s, store_s) says where the time went. (A rank new
-            # in a planned switch waits here for the others' switch step: expected.)
-            missing = [r for r in range(spec.world_size) if not store.check([f"arrived/{r}"])]
-            named = bool(missing)  # (none: they all came since the check above)
-            if named:
-                log.info("barrier_waiting", generation=spec.generation, rank=spec.rank,
-                         waited_s=round(time.monotonic() - arrived, 3), missing=missing[:16],
-                         missing_count=len(missing))
-        if time.monotonic() - started > timeout_s:
+            raise Superseded(f"generation {spec.generation} abandoned while waiting for its ranks to {what}")
+        waiting()
+        if time.monotonic() > deadline:
             missing = [k for k in keys if not store.check([k])]
-            raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not arrive "
-                                      f"within {timeout_s:g}s ({', '.join(missing[:8])})")
+            raise dist.DistStoreError(f"generation {spec.generation}: {len(missing)} rank(s) did not {what} "
+                                      f"in time ({', '.join(missing[:8])})")
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
+
+
+class GroupChannel:
+    """The formed group's store, for what its ranks tell each other besides collectives (the state
+    transfer's cards, skeleton and verdicts: worker/state.py's Channel)."""
+
+    def __init__(self, store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], timeout_s: float):
+        self.store, self.spec, self.abandoned, self.timeout_s = store, spec, abandoned, timeout_s
+        self.rank, self.world_size = spec.rank, spec.world_size
+
+    def exchange(self, key: str, value: str | bytes) -> list[bytes]:
+        self.store.set(f"{key}/{self.rank}", value)
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        await_keys(self.store, self.spec, keys, self.abandoned, time.monotonic() + self.timeout_s, f"publish {key}")
+        return self.store.multi_get(keys)
+
+    def publish(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def fetch(self, key: str) -> bytes:
+        await_keys(self.store, self.spec, [key], self.abandoned, time.monotonic() + self.timeout_s, f"publish {key}")
+        return self.store.get(key)
 
 
 class Comm:
@@ -423,6 +459,7 @@ class Comm:
                        if host_store else None)
         self.store_port = self.server.port if self.server is not None else 0
         self.spec: GroupSpec | None = None
+        self._group_store: dist.Store | None = None  # the formed group's generation store (its prefix)
         self._lock = threading.Lock()
         self._sockets: dict[int, str] = {}  # the group's: descriptor -> inode
         self._abort_below = 0  # generations below this are to be aborted
@@ -547,12 +584,20 @@ class Comm:
             self._sockets = _new_sockets(before)
             if client is not self.server and not cut:
                 self._client = (spec.store_address, client, connections)
-            self.spec, self._aborted = spec, False
+            self.spec, self._aborted, self._group_store = spec, False, store
             late_abort = spec.generation < self._abort_below
         if late_abort:
             self.abort(spec.generation + 1)
         self.phases["init_s"] = time.monotonic() - started - self.phases["barrier_s"]
         return time.monotonic() - started
+
+    def channel(self, abandoned: Callable[[], bool]) -> GroupChannel:
+        """The formed group's store, bounded like the group's collectives and abandonable."""
+        with self._lock:
+            spec, store = self.spec, self._group_store
+        if spec is None or store is None:
+            raise RuntimeError("no group formed")
+        return GroupChannel(store, spec, abandoned, self.timeout.total_seconds())
 
     def leave(self, below_generation: int, into: GroupSpec | None = None,
               abandoned: Callable[[], bool] | None = None) -> None:
@@ -610,7 +655,7 @@ class Comm:
             self.backend.shrink(spec, dist.PrefixStore(spec.store_prefix + "/shrunk/", client),
                                 min(self.timeout, CONNECT_TIMEOUT), self._sockets, keep)
             with self._lock:
-                self.spec, self._aborted, self.shrunk = spec, False, True
+                self.spec, self._aborted, self.shrunk, self._group_store = spec, False, True, store
                 self._sockets = _new_sockets(before)
             self.phases.update(abort_s=time.monotonic() - agreed_at, destroy_s=0.0, init_s=0.0,
                                store_s=0.0, barrier_s=agreed_at - started)
@@ -685,7 +730,7 @@ class Comm:
         with self._lock:
             if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
                 return
-            self.spec = None
+            self.spec, self._group_store = None, None
             self._sockets = {}
         if dist.is_initialized():  # (not after NCCL's abort, which cleared torch's registry)
             dist.destroy_process_group()

@@ -25,6 +25,12 @@ class Drained(WorkerError):
     """This rank's node leaves the job (graceful drain): training here ends after `after_step`."""
 
 
+class StateMismatch(WorkerError):
+    """This rank cannot hold the job's training state: its model has another layout (the first
+    differing tensor is named), or what it received kept differing from the sources' fingerprint.
+    It never trains on a state that is not the others'; the job goes on without it."""
+
+
 class RunEnded(WorkerError):
     """The job's run ended (succeeded, failed, or stopped by an operator): nothing more to train
     here. Leave the training loop; `outcome` says how the run ended (muster.worker.outcome has its
@@ -36,4 +42,4 @@ class RunEnded(WorkerError):
         self.reason = end.reason
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "Evicted"]
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "Evicted"]

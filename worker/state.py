@@ -1,15 +1,50 @@
-"""The training state that must stay identical on every rank, and its transfer after a reform:
-the rank with the highest completed step (lowest rank on a tie) sends model, optimizer, step
-and extras to all; afterwards every rank holds bit-identical state."""
+"""The training state kept identical on every rank, and how it moves after a reform.
+
+StateTransfer is the seam: what a rank holds (its Card) and how, in a new group, it sends what the
+others lack and receives what it lacks. ReplicatedState is its first implementation: every rank
+holds the whole state (data parallel). After every reform:
+
+1. each rank publishes its Card on the generation's store (a fingerprint computed where the state
+   lives: on the GPU for CUDA tensors, xxh3 over host memory for CPU ones); every rank computes the
+   same plan (worker/transfer.py). Where every rank holds the reference, nothing else happens: a
+   survivor's sync costs one store round trip and one fingerprint, whatever the model's size.
+2. otherwise the first source publishes the skeleton (the state's structure, tensors replaced by
+   shape and dtype: the only thing pickled), and the reference's tensors move as broadcasts of at
+   most a bucket, striped over the sources, received in place (two staging buckets at most);
+   optimizer state a receiver lacks (Adam's, before its first step) is allocated from the skeleton.
+3. receivers check their new fingerprint against the reference's; a mismatch (a corrupted bucket)
+   is sent again, and a rank that still differs, or whose model has another layout, gets
+   StateMismatch: it never trains on a state that is not the others'.
+
+The training thread holds the GIL only briefly (collectives and tensor copies release it): the
+rank's link keeps reporting while gigabytes move, and a long transfer logs its progress.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import pickle
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
 import torch
 import torch.distributed as dist
+import xxhash
+
+from muster.worker.errors import StateMismatch
+from muster.worker.transfer import (BUCKET_BYTES, Card, Piece, SyncPlan, TensorRef, describe, flatten, paths,
+                                    pieces, plan, unflatten)
+
+log = structlog.get_logger(__name__)
+
+TRANSFER_ATTEMPTS = 3  # sends of the reference to receivers whose fingerprint still differs
+TRANSFER_MIN_S = 60.0  # a transfer is bounded by this plus TRANSFER_SLACK x its size at the rate measured
+TRANSFER_SLACK = 4.0
+PROGRESS_EVERY_S = 2.0
+_POSITION_WEIGHTS = 61  # the fingerprint's position-weighted sum cycles over this many words
 
 
 class Stateful(Protocol):
@@ -17,45 +52,290 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+class Channel(Protocol):
+    """What a transfer needs of the new group besides its collectives: its generation's store."""
+
+    rank: int
+    world_size: int
+
+    def exchange(self, key: str, value: str | bytes) -> list[bytes]:
+        """Publish this rank's value under `key`; every rank's, in rank order (bounded, abandonable)."""
+
+    def publish(self, key: str, value: bytes) -> None: ...
+
+    def fetch(self, key: str) -> bytes:
+        """The value under `key` once published (bounded, abandonable)."""
+
+
 @dataclass
-class TrainingState:
+class SyncResult:
+    step: int  # the step every rank now holds
+    plan: SyncPlan
+    role: str  # this rank's: source, receiver (or incompatible: it raised instead)
+    sent: int = 0  # bytes this rank broadcast
+    received: int = 0  # bytes this rank took into its state
+    transfer_s: float = 0.0
+    attempts: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class StateTransfer(Protocol):
+    """The seam between the reform and the state: what a rank holds, and how it gets what it lacks."""
+
+    def card(self, step: int, device: torch.device) -> Card: ...
+
+    def sync(self, step: int, channel: Channel, device: torch.device,
+             progress: Callable[[str], None] | None = None) -> SyncResult: ...
+
+    def discard_step(self) -> None: ...
+
+
+@dataclass
+class ReplicatedState:
     model: torch.nn.Module | None = None
     optimizer: Stateful | None = None
     extras: dict[str, Stateful] = field(default_factory=dict)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.model.state_dict().values()) if self.model is not None else []
+    bucket_bytes: int = BUCKET_BYTES
+    # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
+    on_received: Callable[[int, torch.Tensor], None] | None = None
 
     def discard_step(self) -> None:
         """Gradients of an aborted step must not leak into the redo."""
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
 
-    def sync(self, step: int, rank: int, world_size: int, device: torch.device) -> tuple[int, int]:
-        """Collective over the current group. Returns (source rank, the step everyone now holds)."""
-        steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-        dist.all_gather(steps, torch.tensor([step], dtype=torch.int64, device=device))
-        values = [int(s.item()) for s in steps]
-        best = max(values)
-        source = values.index(best)
-        for t in self.tensors():  # state_dict tensors share storage with parameters and buffers
-            dist.broadcast(t.data, source)
-        if self.optimizer is not None or self.extras:
-            payload = [{
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
-            } if rank == source else None]
-            dist.broadcast_object_list(payload, source, device=device)
-            if rank != source:
-                if self.optimizer is not None:
-                    self.optimizer.load_state_dict(payload[0]["optimizer"])
-                for name, obj in self.extras.items():
-                    obj.load_state_dict(payload[0]["extras"][name])
-        return source, best
+    # ---- what this rank holds ---------------------------------------------------------
 
-    def digest(self) -> bytes:
-        """16 bytes over every parameter and buffer, to compare replicas."""
-        h = hashlib.blake2b(digest_size=16)
-        for t in self.tensors():
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.digest()
+    def _tree(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict() if self.model is not None else {},
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "extras": {name: obj.state_dict() for name, obj in self.extras.items()}}
+
+    def _flat(self, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+        """The described skeleton (TensorRefs in place of tensors) and the tensors, in its order."""
+        leaves: list[tuple[str, torch.Tensor]] = []
+        skeleton = flatten(self._tree(), leaves)
+        tensors = [t for _, t in leaves]
+        refs = [TensorRef(i, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size(),
+                          t.device == device) for i, t in enumerate(tensors)]
+        return describe(skeleton, refs), tensors
+
+    def card(self, step: int, device: torch.device) -> Card:
+        described, tensors = self._flat(device)
+        return _card(step, described, tensors, device)
+
+    def fingerprint(self, device: torch.device) -> bytes:
+        """16 bytes over all the state (model, optimizer, extras), to compare replicas."""
+        described, tensors = self._flat(device)
+        return fingerprint(described, tensors, device)
+
+    # ---- after a reform ---------------------------------------------------------------
+
+    def sync(self, step: int, channel: Channel, device: torch.device,
+             progress: Callable[[str], None] | None = None) -> SyncResult:
+        started = time.perf_counter()
+        described, tensors = self._flat(device)
+        mine = _card(step, described, tensors, device)
+        fingerprinted = time.perf_counter()
+        p = plan([Card.decode(v) for v in channel.exchange("state/card", mine.encode())])
+        result = SyncResult(p.reference.step, p, p.role(channel.rank))
+        result.phases = {"fingerprint_s": fingerprinted - started, "agree_s": time.perf_counter() - fingerprinted}
+        if not p.moves:
+            return result
+        if channel.rank == p.sources[0]:
+            channel.publish("state/skeleton", pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL))
+        reference = pickle.loads(channel.fetch("state/skeleton"))
+        refs = sorted(paths(reference).values(), key=lambda r: r.index)
+        mismatch = first_mismatch(reference, described) if result.role == "incompatible" else ""
+        targets, fixups = (self._targets(reference, described, tensors, device) if result.role == "receiver"
+                           else (tensors if result.role == "source" else None, []))
+        cut = pieces(refs, self.bucket_bytes)
+        receivers, moved = p.receivers, time.perf_counter()
+        while True:
+            result.attempts += 1
+            taking = channel.rank in receivers
+            sent, received = _move(cut, p.sources, receivers, channel.rank, targets if taking or result.role == "source"
+                                   else None, device, self.bucket_bytes, _Progress(sum(r.nbytes for r in refs), progress),
+                                   self.on_received if taking else None)
+            result.sent, result.received = result.sent + sent, result.received + received
+            verdict = "ok"
+            if taking:
+                for original, received_into in fixups:
+                    original.copy_(received_into)
+                self._load(reference, targets)
+                got = self.card(p.reference.step, device)
+                verdict = "ok" if got.fingerprint == p.reference.fingerprint else "bad"
+            verdicts = channel.exchange(f"state/verdict/{result.attempts}", verdict)
+            bad = tuple(r for r in receivers if verdicts[r] != b"ok")
+            if bad:
+                log.warning("state_transfer_corrupted", attempt=result.attempts, ranks=list(bad)[:16],
+                            fingerprint=p.reference.fingerprint)
+            if not bad or result.attempts >= TRANSFER_ATTEMPTS:
+                break
+            receivers = bad
+        result.transfer_s = time.perf_counter() - moved
+        if mismatch:
+            raise StateMismatch(f"this rank's model cannot take the job's state: {mismatch}")
+        if channel.rank in bad:
+            raise StateMismatch(f"the state received from ranks {list(p.sources)[:8]} does not match their "
+                                f"fingerprint {p.reference.fingerprint} after {result.attempts} attempts")
+        return result
+
+    def _targets(self, reference: Any, described: Any, tensors: list[torch.Tensor],
+                 device: torch.device) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Where a receiver takes each of the reference's tensors: its own tensor at the same path
+        where it has one of that shape and dtype (in place), else a new one (optimizer state it has
+        not made yet). A non-contiguous one of its own is received beside it and copied in after."""
+        own = {path: tensors[r.index] for path, r in paths(described).items()}
+        targets: list[torch.Tensor] = []
+        fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        by_index = sorted(paths(reference).items(), key=lambda kv: kv[1].index)
+        for path, ref in by_index:
+            t = own.get(path)
+            if t is None or tuple(t.shape) != ref.shape or str(t.dtype).removeprefix("torch.") != ref.dtype:
+                t = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device=device if ref.on_device else "cpu")
+            elif not t.is_contiguous():
+                fixups.append((t, torch.empty_like(t, memory_format=torch.contiguous_format)))
+                t = fixups[-1][1]
+            targets.append(t.detach())
+        return targets, fixups
+
+    def _load(self, reference: Any, targets: list[torch.Tensor]) -> None:
+        """The received optimizer state and extras into their objects (the model's tensors were
+        received in place)."""
+        tree = unflatten(reference, targets)
+        if self.optimizer is not None and tree["optimizer"] is not None:
+            self.optimizer.load_state_dict(tree["optimizer"])
+        for name, obj in self.extras.items():
+            obj.load_state_dict(tree["extras"][name])
+
+
+def first_mismatch(reference: Any, described: Any) -> str:
+    """The first of the reference model's tensors this rank's model lacks or holds otherwise."""
+    want = paths(reference.get("model", {}))
+    have = paths(described.get("model", {}))
+    for path, ref in want.items():
+        mine = have.get(path)
+        if mine is None:
+            return f"the job's model has {path.lstrip('/')} {list(ref.shape)} {ref.dtype}; this one has no such tensor"
+        if (mine.shape, mine.dtype) != (ref.shape, ref.dtype):
+            return (f"{path.lstrip('/')} is {list(mine.shape)} {mine.dtype} here, "
+                    f"{list(ref.shape)} {ref.dtype} in the job's model")
+    extra = next(iter(set(have) - set(want)), None)
+    return f"this model has {extra.lstrip('/')}, which the job's lacks" if extra else "the models differ"
+
+
+def _card(step: int, described: Any, tensors: list[torch.Tensor], device: torch.device) -> Card:
+    layout = xxhash.xxh3_64(repr(sorted((p, r.shape, r.dtype) for p, r in paths(described["model"]).items())).encode())
+    return Card(step, fingerprint(described, tensors, device).hex(), layout.hexdigest())
+
+
+def fingerprint(described: Any, tensors: list[torch.Tensor], device: torch.device) -> bytes:
+    """xxh3-128 over the skeleton and every tensor's bits: host tensors hashed where they lie (no
+    copy), device tensors summed on the device (two wrapping int64 sums of their words, one
+    weighted by position), so that only 16 bytes a tensor cross to the host."""
+    h = xxhash.xxh3_128(pickle.dumps(described, protocol=4))
+    on_device = []
+    for t in tensors:
+        if t.device.type == "cpu":
+            h.update(memoryview(_bytes(t).numpy()))
+        else:
+            on_device.append(_device_sums(t))
+    if on_device:
+        h.update(torch.stack(on_device).cpu().numpy().tobytes())
+    return h.digest()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _device_sums(t: torch.Tensor) -> torch.Tensor:
+    b = _bytes(t)
+    words = b.view(torch.int32) if b.numel() % 4 == 0 and b.data_ptr() % 4 == 0 else b
+    n = words.numel() // _POSITION_WEIGHTS * _POSITION_WEIGHTS
+    weights = torch.arange(1, _POSITION_WEIGHTS + 1, dtype=torch.int64, device=t.device) * 2654435761
+    weighted = (words[:n].view(-1, _POSITION_WEIGHTS).sum(0, dtype=torch.int64) * weights).sum()
+    return torch.stack([words.sum(dtype=torch.int64), weighted])
+
+
+class _Progress:
+    """A transfer's progress in the rank's log (and its reported phase) every PROGRESS_EVERY_S,
+    and its bound: TRANSFER_MIN_S plus TRANSFER_SLACK times its size at the rate measured so far."""
+
+    def __init__(self, total: int, report: Callable[[str], None] | None):
+        self.total, self.report = total, report
+        self.started = self.said = time.monotonic()
+        self.done = 0
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        elapsed = now - self.started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        if rate and elapsed > TRANSFER_MIN_S + TRANSFER_SLACK * self.total / rate:
+            raise RuntimeError(f"state transfer stalled: {self.done >> 20} of {self.total >> 20} MiB in "
+                               f"{elapsed:.0f}s, past its bound")
+        if now - self.said >= PROGRESS_EVERY_S:
+            self.said = now
+            eta = (self.total - self.done) / rate if rate else None
+            log.info("state_transfer", done_mib=self.done >> 20, total_mib=self.total >> 20,
+                     rate_mib_s=round(rate / (1 << 20), 1), eta_s=round(eta, 1) if eta is not None else None)
+            if self.report is not None:
+                self.report(f"state transfer {self.done >> 20}/{self.total >> 20} MiB"
+                            + (f", {eta:.0f}s left" if eta is not None else ""))
+
+
+def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...], rank: int,
+          tensors: list[torch.Tensor] | None, device: torch.device, bucket_bytes: int, progress: _Progress,
+          on_received: Callable[[int, torch.Tensor], None] | None) -> tuple[int, int]:
+    """Broadcast every piece from its source (piece k from sources[k mod n]), two in flight. A
+    source sends from `tensors` (its own); a receiver takes into `tensors` (its targets); any other
+    rank takes each piece into staging and drops it. Returns (bytes sent, bytes received)."""
+    taking = rank in receivers
+    staging: list[torch.Tensor | None] = [None, None]
+    in_flight: deque = deque()
+    sent = received = 0
+
+    def stage(k: int, n: int) -> torch.Tensor:
+        if staging[k % 2] is None:
+            staging[k % 2] = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        return staging[k % 2][:n]
+
+    def finish() -> None:
+        k, work, piece, buf, took, unpack = in_flight.popleft()
+        work.wait()
+        if took and on_received is not None:
+            on_received(k, buf)
+        if unpack:
+            for index, a, b, off in piece.parts:
+                _bytes(tensors[index])[a:b].copy_(buf[off:off + b - a])
+        progress.advance(piece.nbytes)
+
+    for k, piece in enumerate(cut):
+        root = sources[k % len(sources)]
+        if len(in_flight) == 2:
+            finish()
+        in_place = piece.direct and tensors is not None and (rank == root or taking) and _in_place(
+            tensors[piece.parts[0][0]], device)
+        if in_place:
+            index, a, b, _ = piece.parts[0]
+            buf = _bytes(tensors[index])[a:b]
+        else:
+            buf = stage(k, piece.nbytes)
+            if rank == root:
+                for index, a, b, off in piece.parts:
+                    buf[off:off + b - a].copy_(_bytes(tensors[index])[a:b])
+        if rank == root:
+            sent += piece.nbytes
+        elif taking:
+            received += piece.nbytes
+        took = taking and rank != root
+        in_flight.append((k, dist.broadcast(buf, root, async_op=True), piece, buf, took, took and not in_place))
+    while in_flight:
+        finish()
+    return sent, received
+
+
+def _in_place(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device == device and t.is_contiguous()

@@ -1,7 +1,8 @@
-"""A tiny DDP model trained with the Muster worker library: gloo on CPU (NCCL with CUDA).
+"""A DDP model trained with the Muster worker library: gloo on CPU (NCCL with CUDA). Tiny by
+default; `--model 17M|134M|537M` trains square Linear layers with Adam, for real state sizes.
 
-Each rank logs one JSON line per completed step (rank, step, generation, world size, pid,
-parameter digest) to stdout, which the chaos tests, the demo and the benchmarks read.
+Each rank logs one JSON line per completed step (rank, step, generation, world size, pid, the
+state's fingerprint) to stdout, which the chaos tests, the demo and the benchmarks read.
     MUSTER_COORDINATOR=127.0.0.1:7600 MUSTER_JOB=demo python -m muster.examples.train_ddp --steps 100
 """
 
@@ -44,11 +45,25 @@ def simulated_compute(seconds: float) -> None:
         time.sleep(seconds / slices)
 
 
-def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Square Linear layers (width, layers): 17M = 4 x 2048^2, 134M = 8 x 4096^2, 537M = 8 x 8192^2 parameters;
+# with Adam, 16 bytes of state per parameter.
+MODELS = {"tiny": (32, 0), "17M": (2048, 4), "134M": (4096, 8), "537M": (8192, 8)}
+
+
+def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    width, layers = MODELS[name]
+    if not layers:
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-5)
+
+
+def batch(step: int, rank: int, world_size: int, width: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic per (step, rank, world size): a redone step sees the same data."""
     g = torch.Generator().manual_seed(step * 1_000_003 + rank * 7919 + world_size)
-    x = torch.randn(16, 32, generator=g)
-    return x, x.sum(dim=1, keepdim=True)
+    x = torch.randn(16, width, generator=g)
+    return x, x.sum(dim=1, keepdim=True) if width == 32 else x
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grow-to", type=int, default=0, metavar="W",
                    help="train until the group has W ranks (a node joined), then --steps steps more; "
                         "every rank stops at the same step, the joiner too")
+    p.add_argument("--model", choices=list(MODELS), default="tiny",
+                   help="the model's size (default tiny): 17M, 134M and 537M are square Linear layers with Adam")
+    p.add_argument("--digest-every", type=int, default=1, metavar="N",
+                   help="log the state's fingerprint every N steps (0: never; it reads all the state)")
     p.add_argument("--perturb-at-step", type=int, default=0,
                    help="fault injection: nudge this rank's parameters after that step (divergence detection)")
     args = p.parse_args(argv)
@@ -65,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     log = structlog.get_logger("train_ddp")
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, optimizer = build(args.model)
+    width = MODELS[args.model][0]
     data = DataPosition()
     try:
         worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer, data=data)
@@ -78,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_at = worker.step + args.steps  # the step the grown group formed at: the same on every rank
             with worker.step_scope() as step:
                 simulated_compute(args.step_sleep)
-                x, y = (t.to(worker.device) for t in batch(worker.step, worker.rank, worker.world_size))
+                x, y = (t.to(worker.device) for t in batch(worker.step, worker.rank, worker.world_size, width))
                 loss = torch.nn.functional.mse_loss(worker.ddp(model)(x), y)
                 loss.backward()
                 optimizer.step()
@@ -88,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             if worker.step == args.perturb_at_step:
                 with torch.no_grad():
                     next(model.parameters()).add_(1e-3)
+            digest = (worker.state.fingerprint(worker.device).hex()
+                      if args.digest_every and worker.step % args.digest_every == 0 else None)
             log.info("step", step=worker.step, rank=worker.rank, world_size=worker.world_size,
-                     generation=worker.generation, digest=worker.state.digest().hex(), loss=round(loss.item(), 6))
+                     generation=worker.generation, digest=digest, loss=round(loss.item(), 6))
         worker.close()
     except Drained as exc:  # this node leaves the job (graceful drain): a clean end here
         log.info("training_drained", step=worker.step, reason=str(exc))
