@@ -5,7 +5,11 @@
 2. `bench/recovery.py --backend nccl --ranks 8` (kills and hangs, per-phase timings), its JSON
    written to bench/results/nccl.json; then its kills again with MUSTER_NCCL_SHRINK=1 (survivors
    shrink the group instead of forming anew) to bench/results/nccl_shrink.json;
-3. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
+3. models of real size (--sizes, default 134M,537M: square Linear layers with Adam, 4 ranks on the
+   GPU): `bench/recovery.py --model ...` to bench/results/nccl_sizes.json: kill and hang -> every
+   survivor stepping, each survivor's state sync, the replacement's transfer rate beside a raw
+   broadcast of the same bytes, and the healthy ranks evicted (none allowed);
+4. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
    beside their targets (PASS/MISS).
 
 Without CUDA it says so in one line and exits 0 (CI), or 2 with --require-gpu. `--backend gloo`
@@ -30,6 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KILL_TARGET_S = 0.3  # kill -> every survivor stepping again, p50, 8 ranks on one GPU
 HANG_MARGIN_S = 0.3  # hang -> every survivor stepping again, p50: the heartbeat timeout + this
+SIZED_RANKS = 4  # the real-size rows: 4 ranks share the GPU (537M with Adam: 6.4 GB of state each)
+SIZED_KILLS = 2
+TRANSFER_SHARE = 0.5  # a replacement's state transfer at at least this share of a raw broadcast's rate
 
 
 def run_bounded(cmd: list[str], timeout_s: float, *, capture: bool = False,
@@ -70,12 +77,16 @@ def run_tests(backend: str, select: str, timeout_s: float) -> dict:
         return counts
 
 
-def run_bench(args: argparse.Namespace, out: Path, where: str, shrink: bool = False) -> dict | None:
-    """bench/recovery.py's JSON, with the platform it ran on (`where`) added, written to `out`."""
-    cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend, "--ranks", str(args.ranks),
-           "--kills", str(args.kills), "--hangs", "0" if shrink else str(args.hangs), "--failovers", "0",
+def run_bench(args: argparse.Namespace, out: Path, where: str, shrink: bool = False, sizes: str = "") -> dict | None:
+    """bench/recovery.py's JSON, with the platform it ran on (`where`) added, written to `out`.
+    `sizes`: models of real size at SIZED_RANKS ranks, instead of the tiny one at --ranks."""
+    cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend,
+           "--ranks", str(SIZED_RANKS if sizes else args.ranks), "--model", sizes or "tiny",
+           "--kills", str(SIZED_KILLS if sizes else args.kills),
+           "--hangs", "0" if shrink else str(min(1, args.hangs) if sizes else args.hangs), "--failovers", "0",
            *(["--shrink"] if shrink else []),
-           *(["--workdir", str(args.logs / ("shrink" if shrink else "plain"))] if args.logs else [])]
+           *(["--workdir", str(args.logs / ("shrink" if shrink else "sizes" if sizes else "plain"))]
+             if args.logs else [])]
     code, text = run_bounded(cmd, args.bench_timeout, capture=True)  # its logs (stderr) go to the terminal
     if code != 0:
         print(f"gpu-check: bench/recovery.py{' --shrink' if shrink else ''} failed "
@@ -135,6 +146,30 @@ def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | Non
                     f"   (MUSTER_NCCL_SHRINK=1; survivors lost {kill['survivors_lost']})"]
 
 
+def sized_summary(sized: dict | None, sizes: str) -> list[str]:
+    """The real-size rows: per model, the faults' recovery and what the state's movement cost."""
+    if not sizes:
+        return ["real sizes       not run (--sizes '')"]
+    if sized is None:
+        return ["real sizes       no results (the benchmark with --model failed)"]
+    lines = [f"{'real sizes, 4 ranks':22}{'kill p50':>9}{'hang p50':>9}{'sync p50':>9}{'steady':>8}"
+             f"{'rejoin':>8}{'MiB/s':>8}{'raw':>8}  evicted"]
+    for run in sized["runs"]:
+        kill, hang = run["kill"], run.get("hang")
+        state = kill.get("state", {})
+        rate = state.get("state_rate_mib_s", {}).get("p50", 0.0)
+        raw = run.get("raw_broadcast", {}).get("mib_s", 0.0)
+        evicted = kill["healthy_evictions"] + (hang["healthy_evictions"] if hang else 0)
+        lost = kill["survivors_lost"] + (hang["survivors_lost"] if hang else 0)
+        lines.append(f"  {run['model']:20}{kill['kill_to_step_s']['p50']:9.3f}"
+                     f"{hang['hang_to_step_s']['p50'] if hang else float('nan'):9.3f}"
+                     f"{kill['phases'].get('sync_s', {}).get('p50', float('nan')):9.3f}{run['steady_step_s']:8.3f}"
+                     f"{kill['rejoin_s']['p50']:8.2f}{rate:8.0f}{raw:8.0f}  {evicted}"
+                     f"   {verdict(evicted == 0 and lost == 0)}"
+                     f" transfer {verdict(bool(raw) and rate >= TRANSFER_SHARE * raw)}")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("nccl", "nccl-twin", "gloo"), default="nccl",
@@ -151,6 +186,10 @@ def main() -> int:
     p.add_argument("--logs", type=Path, help="keep the benchmark's coordinator and rank logs here")
     p.add_argument("--shrink", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the kills with MUSTER_NCCL_SHRINK=1 (default on)")
+    p.add_argument("--sizes", default="134M,537M",
+                   help="models of real size to run at 4 ranks (default 134M,537M; '' for none)")
+    p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True,
+                   help="run tests/gpu (default on; --no-tests for the benchmarks alone)")
     args = p.parse_args()
     args.out = args.out or ROOT / ("bench/results/nccl.json" if args.backend == "nccl"
                                    else f".muster/gpu-check-{args.backend}.json")
@@ -166,12 +205,16 @@ def main() -> int:
         print(f"gpu-check: skipped, no CUDA device (torch {torch.__version__}): would run {would}")
         return 0
     where = platform(torch)
-    tests = run_tests(args.backend, args.select, args.tests_timeout)
+    tests = (run_tests(args.backend, args.select, args.tests_timeout) if args.tests
+             else {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0, "ok": True})
+    sized = (run_bench(args, args.out.with_name(args.out.stem + "_sizes.json"), where, sizes=args.sizes)
+             if args.sizes else None)
     bench = run_bench(args, args.out, where)
     shrunk = (run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), where, shrink=True)
               if args.shrink else None)
-    print("\n".join(summary(args, where, tests, bench, shrunk)))
-    return 0 if tests["ok"] and bench is not None and (shrunk is not None or not args.shrink) else 1
+    print("\n".join(summary(args, where, tests, bench, shrunk) + sized_summary(sized, args.sizes)))
+    return 0 if (tests["ok"] and bench is not None and (shrunk is not None or not args.shrink)
+                 and (sized is not None or not args.sizes)) else 1
 
 
 if __name__ == "__main__":

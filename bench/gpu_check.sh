@@ -22,6 +22,10 @@ python=${PYTHON:-python3}
 venv=${VENV-.muster/gpu-venv}
 if [ -n "$venv" ]; then
     [ -x "$venv/bin/python" ] || "$python" -m venv --system-site-packages "$venv"
+    # A python that is itself a venv's (torch installed there, as on the lent GPU machines) has no
+    # system site-packages to inherit: the new venv is pointed at its site-packages instead.
+    "$python" -c 'import site; print("\n".join(site.getsitepackages()))' \
+        > "$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')/muster-base.pth"
     python=$venv/bin/python
 fi
 "$python" -c 'import torch' || { echo "gpu_check.sh: no torch in $python: install the machine's CUDA build first" >&2; exit 2; }

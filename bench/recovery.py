@@ -1,6 +1,7 @@
 """What a fault costs a job under Muster: N ranks of examples/train_ddp.py (worker library; gloo on
 CPU, or --backend nccl with the ranks sharing the visible GPUs) against a real etcd and two
-coordinator replicas. Prints one JSON object.
+coordinator replicas, for each model size asked (--model: tiny, or 17M/134M/537M parameters of
+square Linear layers with Adam, 12 bytes of state a parameter). Prints one JSON object.
 
   kill       SIGKILL one rank (repeatedly; a replacement joins in between):
              detection_s     kill -> the leader's decision (its log)
@@ -12,9 +13,13 @@ coordinator replicas. Prints one JSON object.
              phases          where the survivors' reform went, p50/max over survivors and faults,
                              from their group_formed records: abort_s, destroy_s, before_form_s
                              (reform start -> its form: teardown, the wait for a place), store_s,
-                             barrier_s (store included), init_s, sync_s (state broadcast), form_s,
-                             seconds (the whole reform), and first_collective_s (group formed ->
-                             its first step done, one --step-sleep included)
+                             barrier_s (store included), init_s, sync_s (the state's agreement and any
+                             transfer: fingerprint_s, agree_s, transfer_s, verify_s), form_s, seconds (the whole
+                             reform), and first_collective_s (group formed -> its first step done,
+                             one --step-sleep included)
+             state           bytes each survivor sent and received at the kill's reform (0 where the
+                             survivors agree), and the replacement's: bytes received, its transfer's
+                             seconds and rate (state_rate_mib_s)
              healthy_evictions  eviction decisions naming a node other than the victim's
              late_arrivals   the ranks the arrival barrier waited for over 1 s (barrier_waiting),
                              with their group_formed phases and, where the training thread was
@@ -23,8 +28,12 @@ coordinator replicas. Prints one JSON object.
   failover   SIGKILL the coordinator leader while training: time until the standby serves, steps
              discarded, evictions, generation changes (all should be 0)
   step_api   the training thread's cost of `with worker.step_scope():`
+  steady_step_s   a step's time in steady training; kill.reform_cost_s: kill_to_step_s p50 less it
+  raw_broadcast   one dist.broadcast of the state's bytes between the same number of processes,
+                  measured after the run (bench/raw_broadcast.py): the rate a transfer is held against
 
     python bench/recovery.py --ranks 4,8,16 --kills 5
+    python bench/recovery.py --ranks 4 --model tiny,17M --kills 3 --hangs 0 --failovers 0
     python bench/recovery.py --backend nccl --ranks 8 --kills 5 --hangs 3 --failovers 0
 """
 
@@ -46,10 +55,17 @@ from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_time, wait_until
 from muster.worker import Worker, WorkerConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import raw_broadcast  # noqa: E402  (beside this file)
+
 JOB = "bench"
 HEARTBEAT_TIMEOUT_S = 2.0
 # The group_formed fields timed by the worker (read where present: older workers log fewer).
-PHASES = ("abort_s", "destroy_s", "before_form_s", "store_s", "barrier_s", "init_s", "sync_s", "form_s", "seconds")
+PHASES = ("abort_s", "destroy_s", "before_form_s", "store_s", "barrier_s", "init_s", "fingerprint_s", "agree_s",
+          "transfer_s", "verify_s", "sync_s", "form_s", "seconds")
+# The example's --model sizes: parameters, and bytes of state with Adam (weights and two moments, 12 a parameter; grads are not moved).
+PARAMETERS = {"tiny": 2177, "17M": 4 * (2048 * 2048 + 2048), "134M": 8 * (4096 * 4096 + 4096),
+              "537M": 8 * (8192 * 8192 + 8192)}
 
 
 # A fault in a group's first steps finds a rank inside DDP's bucket rebuild (a broadcast, then a
@@ -57,6 +73,7 @@ PHASES = ("abort_s", "destroy_s", "before_form_s", "store_s", "barrier_s", "init
 # every survivor waited for it in the arrival barrier. Faults come in steady training here; that
 # window is a limit of its own (docs/guide/nccl.md).
 SETTLED_STEPS = 5
+FORM_TIMEOUT_S = 300.0  # every rank started (a 537M model is built on the host first) and stepping together
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,8 +120,11 @@ def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
 class Fleet:
     """etcd, two coordinator replicas and N library ranks (each its own node) of one job."""
 
-    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str, shrink: bool = False):
+    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str, shrink: bool = False,
+                 model: str = "tiny"):
         self.workdir, self.ranks, self.step_sleep_s, self.backend = workdir, ranks, step_sleep_s, backend
+        # A large model's fingerprint is not logged at every step (it reads all the state).
+        self.args = ("--model", model, "--digest-every", "1" if model == "tiny" else "0")
         self.env = {"MUSTER_NCCL_SHRINK": "1"} if shrink else {}  # loss-only generations shrink the group
         self.etcd = EtcdServer(workdir / "etcd").start()
         self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",
@@ -116,7 +136,8 @@ class Fleet:
     def launch(self, n: int) -> list[TrainingProcess]:
         new = [TrainingProcess(self.addresses, JOB, self.workdir / f"rank-{len(self.procs) + i}.log",
                                steps=10**9, step_sleep_s=self.step_sleep_s, min_nodes=self.ranks - 1,
-                               max_nodes=self.ranks, env={**rank_env(self.backend), **self.env}).start()
+                               max_nodes=self.ranks, env={**rank_env(self.backend), **self.env},
+                               args=self.args).start()
                for i in range(n)]
         self.procs.extend(new)
         return new
@@ -124,7 +145,7 @@ class Fleet:
     def alive(self) -> list[TrainingProcess]:
         return [p for p in self.procs if p.proc.poll() is None]
 
-    def full(self, timeout_s: float = 180.0) -> None:
+    def full(self, timeout_s: float = FORM_TIMEOUT_S) -> None:
         """Every rank has taken SETTLED_STEPS steps in a group of all of them: the next fault lands
         in steady training, not in a new group's first steps (DDP's bucket rebuild, below)."""
         wait_until(lambda: len(self.alive()) == self.ranks
@@ -161,6 +182,7 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
                   "hang": (signal.SIGSTOP, {"node_silent", "rank_stalled"})}[how]
     recoveries, detections, lost, rejoins, late = [], [], [], [], []
     phases: dict[str, list[float]] = {}
+    state: dict[str, list[float]] = {}
     survivors_lost = healthy_evictions = 0
     for _ in range(faults):
         live = fleet.alive()
@@ -186,6 +208,8 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         for p, first in stepped:
             for name, value in reform_phases(p, first).items():
                 phases.setdefault(name, []).append(value)
+            for name, value in moved(p, first["generation"], "survivor").items():
+                state.setdefault(name, []).append(value)
         late.extend(late_arrivals(stepped))
         survivors_lost += sum(1 for p in survivors if p.proc.poll() is not None)
         recoveries.append(max(record_time(r) for r in firsts) - at)
@@ -196,12 +220,14 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         (joiner,) = fleet.launch(1)
         fleet.full()
         rejoins.append(record_time(joiner.steps()[0]) - started)
+        for name, value in moved(joiner, joiner.steps()[0]["generation"], "replacement").items():
+            state.setdefault(name, []).append(value)
         victim_node = victim.records("node_joined")[0]["node"]
         healthy_evictions += sum(len(set(r["nodes"]) - {victim_node}) for r in fleet.changes(at, EVICTIONS))
     return {"detection_s": summary(detections), f"{how}_to_step_s": summary(recoveries),
             "steps_lost": {"max": max(lost), "total": sum(lost)}, "survivors_lost": survivors_lost,
             "healthy_evictions": healthy_evictions, "rejoin_s": summary(rejoins),
-            "phases": p50_max(phases),
+            "phases": p50_max(phases), "state": p50_max(state),
             "late_arrivals": late}
 
 
@@ -216,6 +242,28 @@ def late_arrivals(stepped: list[tuple[TrainingProcess, dict]]) -> list[dict]:
                                     if r["aborted_by"] == generation][-1:]}
             for p, first in stepped for f in p.records("group_formed")
             if f["generation"] == generation and f["rank"] in missing]
+
+
+def moved(p: TrainingProcess, generation: int, who: str) -> dict[str, float]:
+    """The state a rank moved forming `generation` (its group_formed record), named for `who`."""
+    formed = [r for r in p.records("group_formed") if r["generation"] == generation]
+    if not formed or "bytes_sent" not in formed[-1]:
+        return {}
+    f = formed[-1]
+    out = {f"{who}_sent_bytes": f["bytes_sent"], f"{who}_received_bytes": f["bytes_received"]}
+    if who == "replacement" and f["bytes_received"] and f.get("transfer_s"):
+        out["replacement_transfer_s"] = f["transfer_s"]
+        out["state_rate_mib_s"] = f["bytes_received"] / f["transfer_s"] / (1 << 20)
+    return out
+
+
+def steady_step_s(fleet: Fleet) -> float:
+    """The median time between the last steps of the ranks, in steady training."""
+    gaps = []
+    for p in fleet.alive():
+        times = [record_time(r) for r in p.steps()[-SETTLED_STEPS:]]
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    return round(statistics.median(gaps), 4) if gaps else 0.0
 
 
 def reform_phases(p: TrainingProcess, first: dict) -> dict[str, float]:
@@ -254,19 +302,25 @@ def failover_cycles(fleet: Fleet, kills: int) -> dict:
 
 
 def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_sleep_s: float,
-        backend: str, shrink: bool = False) -> dict:
-    fleet = Fleet(workdir, ranks, step_sleep_s, backend, shrink)
+        backend: str, shrink: bool = False, model: str = "tiny") -> dict:
+    fleet = Fleet(workdir, ranks, step_sleep_s, backend, shrink, model)
     try:
         fleet.launch(ranks)
-        fleet.full()
-        out = {"ranks": ranks, "kill": fault_cycles(fleet, kills, "kill")}
+        fleet.full(FORM_TIMEOUT_S)
+        steady = steady_step_s(fleet)
+        out = {"ranks": ranks, "model": model, "parameters": PARAMETERS[model], "steady_step_s": steady,
+               "kill": fault_cycles(fleet, kills, "kill")}
+        out["kill"]["reform_cost_s"] = round(out["kill"]["kill_to_step_s"]["p50"] - steady, 4)
         if hangs:
             out["hang"] = fault_cycles(fleet, hangs, "hang")
         if failovers:
             out["failover"] = failover_cycles(fleet, failovers)
-        return out
     finally:
         fleet.stop()
+    if model != "tiny":  # the link's own rate for the same bytes, measured with the fleet gone
+        out["raw_broadcast"] = raw_broadcast.measure(ranks, PARAMETERS[model] * 12,
+                                                     "nccl" if backend == "nccl" else "gloo")
+    return out
 
 
 def main() -> int:
@@ -276,22 +330,30 @@ def main() -> int:
                    help="the ranks' MUSTER_BACKEND (nccl: the ranks share the visible GPUs)")
     p.add_argument("--shrink", action="store_true",
                    help="MUSTER_NCCL_SHRINK=1: survivors of a loss shrink the group (nccl, nccl-twin)")
+    p.add_argument("--model", default="tiny,17M",
+                   help="model sizes, comma-separated: tiny, 17M, 134M, 537M (default tiny,17M)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--hangs", type=int, default=2)
     p.add_argument("--failovers", type=int, default=2)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
+    unknown = set(args.model.split(",")) - set(PARAMETERS)
+    if unknown:
+        p.error(f"--model: unknown {', '.join(sorted(unknown))} (tiny, 17M, 134M, 537M)")
     logs.configure("warning")
     result = {"benchmark": "recovery", "backend": args.backend, "shrink": args.shrink,
               "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
               "step_sleep_s": args.step_sleep, "step_api": step_api_cost_us(), "runs": []}
     with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
         for ranks in [int(r) for r in args.ranks.split(",")]:
-            workdir = (args.workdir or Path(d)) / f"ranks-{ranks}"
-            workdir.mkdir(parents=True, exist_ok=True)
-            result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, args.step_sleep,
-                                      args.backend, args.shrink))
+            for model in args.model.split(","):
+                workdir = (args.workdir or Path(d)) / f"ranks-{ranks}-{model}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                # A model of real size steps at its own pace: no simulated compute on top.
+                step_sleep = args.step_sleep if model == "tiny" else 0.0
+                result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, step_sleep,
+                                          args.backend, args.shrink, model))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -311,7 +311,8 @@ def _status(args: argparse.Namespace) -> int:
             compute = f"{r['compute_us'] / 1000:.1f}ms" if r["compute_us"] else "-"
             straggler = f"{r['straggler_factor']:.2f}x" if r["straggler_factor"] else "-"
             print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
-                  f"{r['step']:>10} {compute:>9} {straggler:>9}  {r['state']}")
+                  f"{r['step']:>10} {compute:>9} {straggler:>9}  {r['state']}"
+                  + (f" ({r['phase']})" if r.get("phase") else ""))
         if j["next_page_token"]:
             print(f"  more ranks: --page-token {j['next_page_token']} (or --all)")
         if "summary" in j:

@@ -44,6 +44,7 @@ TRANSFER_ATTEMPTS = 3  # sends of the reference to receivers whose fingerprint s
 TRANSFER_MIN_S = 60.0  # a transfer is bounded by this plus TRANSFER_SLACK x its size at the rate measured
 TRANSFER_SLACK = 4.0
 PROGRESS_EVERY_S = 2.0
+MAX_IN_FLIGHT = 4  # broadcasts issued ahead of the one awaited (a staged one also takes a staging buffer)
 _POSITION_WEIGHTS = 61  # the fingerprint's position-weighted sum cycles over this many words
 
 
@@ -74,7 +75,7 @@ class SyncResult:
     role: str  # this rank's: source, receiver (or incompatible: it raised instead)
     sent: int = 0  # bytes this rank broadcast
     received: int = 0  # bytes this rank took into its state
-    transfer_s: float = 0.0
+    transfer_s: float = 0.0  # the broadcasts alone (verify_s in phases: the fingerprint check after)
     attempts: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -150,13 +151,16 @@ class ReplicatedState:
         targets, fixups = (self._targets(reference, described, tensors, device) if result.role == "receiver"
                            else (tensors if result.role == "source" else None, []))
         cut = pieces(refs, self.bucket_bytes)
-        receivers, moved = p.receivers, time.perf_counter()
+        receivers = p.receivers
         while True:
             result.attempts += 1
             taking = channel.rank in receivers
+            began = time.perf_counter()
             sent, received = _move(cut, p.sources, receivers, channel.rank, targets if taking or result.role == "source"
                                    else None, device, self.bucket_bytes, _Progress(sum(r.nbytes for r in refs), progress),
                                    self.on_received if taking else None)
+            moved = time.perf_counter()
+            result.transfer_s += moved - began
             result.sent, result.received = result.sent + sent, result.received + received
             verdict = "ok"
             if taking:
@@ -166,6 +170,7 @@ class ReplicatedState:
                 got = self.card(p.reference.step, device)
                 verdict = "ok" if got.fingerprint == p.reference.fingerprint else "bad"
             verdicts = channel.exchange(f"state/verdict/{result.attempts}", verdict)
+            result.phases["verify_s"] = result.phases.get("verify_s", 0.0) + time.perf_counter() - moved
             bad = tuple(r for r in receivers if verdicts[r] != b"ok")
             if bad:
                 log.warning("state_transfer_corrupted", attempt=result.attempts, ranks=list(bad)[:16],
@@ -173,7 +178,6 @@ class ReplicatedState:
             if not bad or result.attempts >= TRANSFER_ATTEMPTS:
                 break
             receivers = bad
-        result.transfer_s = time.perf_counter() - moved
         if mismatch:
             raise StateMismatch(f"this rank's model cannot take the job's state: {mismatch}")
         if channel.rank in bad:
@@ -267,6 +271,8 @@ class _Progress:
         self.total, self.report = total, report
         self.started = self.said = time.monotonic()
         self.done = 0
+        if report is not None:  # (reported at once: the leader lets a group whose ranks move state form for longer)
+            report(f"state transfer 0/{total >> 20} MiB")
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
@@ -289,40 +295,43 @@ class _Progress:
 def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...], rank: int,
           tensors: list[torch.Tensor] | None, device: torch.device, bucket_bytes: int, progress: _Progress,
           on_received: Callable[[int, torch.Tensor], None] | None) -> tuple[int, int]:
-    """Broadcast every piece from its source (piece k from sources[k mod n]), two in flight. A
-    source sends from `tensors` (its own); a receiver takes into `tensors` (its targets); any other
-    rank takes each piece into staging and drops it. Returns (bytes sent, bytes received)."""
+    """Broadcast every piece from its source (piece k from sources[k mod n]), up to MAX_IN_FLIGHT
+    at once. A source sends from `tensors` (its own); a receiver takes into `tensors` (its
+    targets), in place where it can; a piece that is not in place goes through one of two staging
+    buffers, and any other rank takes it there and drops it. Returns (bytes sent, bytes received)."""
     taking = rank in receivers
-    staging: list[torch.Tensor | None] = [None, None]
+    free: list[torch.Tensor | None] = [None, None]  # the staging buffers not in use (made when first needed)
     in_flight: deque = deque()
     sent = received = 0
 
-    def stage(k: int, n: int) -> torch.Tensor:
-        if staging[k % 2] is None:
-            staging[k % 2] = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-        return staging[k % 2][:n]
-
     def finish() -> None:
-        k, work, piece, buf, took, unpack = in_flight.popleft()
+        k, work, piece, buf, staged, took, unpack = in_flight.popleft()
         work.wait()
         if took and on_received is not None:
             on_received(k, buf)
         if unpack:
             for index, a, b, off in piece.parts:
                 _bytes(tensors[index])[a:b].copy_(buf[off:off + b - a])
+        if staged is not None:
+            free.append(staged)
         progress.advance(piece.nbytes)
 
     for k, piece in enumerate(cut):
         root = sources[k % len(sources)]
-        if len(in_flight) == 2:
+        while len(in_flight) >= MAX_IN_FLIGHT:
             finish()
-        in_place = piece.direct and tensors is not None and (rank == root or taking) and _in_place(
-            tensors[piece.parts[0][0]], device)
-        if in_place:
+        staged = None
+        if piece.direct and tensors is not None and (rank == root or taking) and _in_place(
+                tensors[piece.parts[0][0]], device):
             index, a, b, _ = piece.parts[0]
             buf = _bytes(tensors[index])[a:b]
         else:
-            buf = stage(k, piece.nbytes)
+            while not free:
+                finish()
+            staged = free.pop()
+            if staged is None:
+                staged = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+            buf = staged[:piece.nbytes]
             if rank == root:
                 for index, a, b, off in piece.parts:
                     buf[off:off + b - a].copy_(_bytes(tensors[index])[a:b])
@@ -331,7 +340,8 @@ def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...]
         elif taking:
             received += piece.nbytes
         took = taking and rank != root
-        in_flight.append((k, dist.broadcast(buf, root, async_op=True), piece, buf, took, took and not in_place))
+        in_flight.append((k, dist.broadcast(buf, root, async_op=True), piece, buf, staged, took,
+                          took and staged is not None))
     while in_flight:
         finish()
     return sent, received

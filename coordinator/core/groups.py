@@ -92,6 +92,8 @@ class GroupWatch:
                     continue
                 if r.generation >= rm.generation and r.state in ("running", "long_phase", "starting"):
                     continue  # formed (starting: no step completed yet in this process)
+                if r.generation == rm.generation and r.state == "forming" and r.phase:
+                    continue  # formed, moving the state: its transfer has a bound of its own, by size and rate
                 if r.generation == rm.generation and r.state in ("forming", "holding"):
                     waiting.append((p, slot))
                 elif r.state in ("running", "long_phase") and not rm.abort_previous:

@@ -46,7 +46,7 @@ def simulated_compute(seconds: float) -> None:
 
 
 # Square Linear layers (width, layers): 17M = 4 x 2048^2, 134M = 8 x 4096^2, 537M = 8 x 8192^2 parameters;
-# with Adam, 16 bytes of state per parameter.
+# with Adam, 12 bytes of state per parameter (weights and two moments).
 MODELS = {"tiny": (32, 0), "17M": (2048, 4), "134M": (4096, 8), "537M": (8192, 8)}
 
 

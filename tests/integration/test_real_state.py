@@ -1,0 +1,65 @@
+"""A job with state of real size (the example's 17M model: square Linear layers with Adam, 200 MB a
+rank), real gloo ranks, a real coordinator with the 2 s heartbeat timeout: a kill moves no state
+among the survivors that agree and evicts nobody else; a joiner receives all of it (Adam's moments
+it has not made yet included) and every rank then holds the same state at every step."""
+
+import signal
+from collections import defaultdict
+
+import pytest
+
+from muster.local import wait_until
+
+HEARTBEAT = ["--heartbeat-timeout", "2.0"]
+SIZED = ("--model", "17M")
+STATE_BYTES = 4 * (2048 * 2048 + 2048) * 12 + 8 * 4  # weights, Adam's two moments and its 8 step counters
+
+
+def identical_from(ranks, generation):
+    by_step = defaultdict(set)
+    for p in ranks:
+        for r in p.steps():
+            if r["generation"] >= generation:
+                by_step[r["step"]].add(r["digest"])
+    assert by_step and all(len(d) == 1 for d in by_step.values()), dict(by_step)
+
+
+@pytest.mark.timeout(150)
+def test_a_kill_moves_no_state_among_agreeing_survivors(coordinators, training):
+    (leader,) = coordinators(1, extra=HEARTBEAT)
+    ranks = training([leader.address], "sized-kill", 3, steps=8, step_sleep_s=0.0, min_nodes=2, max_nodes=3,
+                     args=SIZED)
+    wait_until(lambda: all(p.last_step >= 2 for p in ranks), 90, "every rank past step 2")
+    victim = ranks[1]
+    survivors = [p for p in ranks if p is not victim]
+    generation = victim.steps()[-1]["generation"]
+    victim.signal(signal.SIGKILL)
+    for p in survivors:
+        assert p.wait(90) == 0, p.log_path.read_text()[-2000:]
+    formed = [r for p in survivors for r in p.records("group_formed") if r["generation"] > generation]
+    assert formed and all(r["state"] == "agreed" and r["bytes_sent"] == r["bytes_received"] == 0 for r in formed), formed
+    changes = leader.find("membership_changed")
+    victim_node = victim.records("node_joined")[0]["node"]
+    assert [c["kind"] for c in changes if c["kind"] not in ("node_joined", "formed")] and all(
+        c["nodes"] == [victim_node] for c in changes if c["kind"] in ("process_exited", "node_silent", "rank_stalled"))
+    assert not [c for c in changes if c["kind"] in ("node_silent", "rank_stalled")], "a healthy rank looked dead"
+    identical_from(survivors, generation + 1)
+
+
+@pytest.mark.timeout(150)
+def test_a_joiner_receives_the_whole_state_and_every_rank_ends_identical(coordinators, training):
+    (leader,) = coordinators(1, extra=HEARTBEAT)
+    grow = {"steps": 4, "step_sleep_s": 0.0, "min_nodes": 2, "max_nodes": 3, "args": (*SIZED, "--grow-to", "3")}
+    first = training([leader.address], "sized-join", 2, **grow)
+    wait_until(lambda: all(p.last_step >= 2 for p in first), 90, "the first ranks past step 2")
+    (joiner,) = training([leader.address], "sized-join", 1, **grow)
+    for p in first + [joiner]:
+        assert p.wait(120) == 0, p.log_path.read_text()[-2000:]
+    joined = joiner.steps()[0]["generation"]
+    (taken,) = [r for r in joiner.records("group_formed") if r["generation"] == joined]
+    assert taken["state"] == "receiver" and taken["bytes_received"] == STATE_BYTES, taken
+    sent = [r for p in first for r in p.records("group_formed") if r["generation"] == joined]
+    assert {r["state"] for r in sent} == {"source"} and sum(r["bytes_sent"] for r in sent) == STATE_BYTES
+    assert all(r["bytes_sent"] > 0 for r in sent), "both sources sent a share"
+    assert not [c for c in leader.find("membership_changed") if c["kind"] in ("node_silent", "rank_stalled")]
+    identical_from(first + [joiner], joined)
