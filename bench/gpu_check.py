@@ -6,7 +6,7 @@
    written to bench/results/nccl.json; then its kills again with MUSTER_NCCL_SHRINK=1 (survivors
    shrink the group instead of forming anew) to bench/results/nccl_shrink.json;
 3. models of real size (--sizes, default 134M,537M: square Linear layers with Adam, 4 ranks on the
-   GPU): `bench/recovery.py --model ...` to bench/results/nccl_sizes.json: kill and hang -> every
+   GPU): `bench/recovery.py --model SIZE` to bench/results/nccl_SIZE.json: kill and hang -> every
    survivor stepping, each survivor's state sync, the replacement's transfer rate beside a raw
    broadcast of the same bytes, and the healthy ranks evicted (none allowed);
 4. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
@@ -146,15 +146,17 @@ def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | Non
                     f"   (MUSTER_NCCL_SHRINK=1; survivors lost {kill['survivors_lost']})"]
 
 
-def sized_summary(sized: dict | None, sizes: str) -> list[str]:
+def sized_summary(sized: list[dict | None], sizes: str) -> list[str]:
     """The real-size rows: per model, the faults' recovery and what the state's movement cost."""
     if not sizes:
         return ["real sizes       not run (--sizes '')"]
-    if sized is None:
-        return ["real sizes       no results (the benchmark with --model failed)"]
     lines = [f"{'real sizes, 4 ranks':22}{'kill p50':>9}{'hang p50':>9}{'sync p50':>9}{'steady':>8}"
              f"{'rejoin':>8}{'MiB/s':>8}{'raw':>8}  evicted"]
-    for run in sized["runs"]:
+    for size, result in zip([z for z in sizes.split(",") if z], sized):
+        if result is None:
+            lines.append(f"  {size:20}no results (its benchmark failed)")
+            continue
+        run = result["runs"][0]
         kill, hang = run["kill"], run.get("hang")
         state = kill.get("state", {})
         rate = state.get("state_rate_mib_s", {}).get("p50", 0.0)
@@ -207,14 +209,15 @@ def main() -> int:
     where = platform(torch)
     tests = (run_tests(args.backend, args.select, args.tests_timeout) if args.tests
              else {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0, "ok": True})
-    sized = (run_bench(args, args.out.with_name(args.out.stem + "_sizes.json"), where, sizes=args.sizes)
-             if args.sizes else None)
+    # One run a model, so that a slow larger one cannot take the smaller one's figures with it.
+    sized = [run_bench(args, args.out.with_name(f"{args.out.stem}_{size}.json"), where, sizes=size)
+             for size in args.sizes.split(",") if size]
     bench = run_bench(args, args.out, where)
     shrunk = (run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), where, shrink=True)
               if args.shrink else None)
     print("\n".join(summary(args, where, tests, bench, shrunk) + sized_summary(sized, args.sizes)))
     return 0 if (tests["ok"] and bench is not None and (shrunk is not None or not args.shrink)
-                 and (sized is not None or not args.sizes)) else 1
+                 and None not in sized) else 1
 
 
 if __name__ == "__main__":

@@ -498,20 +498,25 @@ def render_side_by_side(d: dict) -> str:
 def render_recovery(d: dict) -> str:
     rows = []
     for r in d["runs"]:
-        k, h, f = r["kill"], r["hang"], r.get("failover")
-        n = r["ranks"]
+        k, h, f = r["kill"], r.get("hang"), r.get("failover")
+        model = r.get("model", "tiny")
+        n = f"{r['ranks']}" + (f" ({model} parameters, Adam)" if model != "tiny" else "")
         rows += [
             [f"kill -9 one rank of {n} → every survivor completed a step in the new group",
              f"p50 {s(k['kill_to_step_s']['p50'])}, p99 {s(k['kill_to_step_s']['p99'])}"],
             ["kill → the leader's decision (detection)", f"p50 {s(k['detection_s']['p50'])}"],
-            [f"SIGSTOP one rank of {n} (a hang) → survivors stepping",
-             f"p50 {s(h['hang_to_step_s']['p50'])}, p99 {s(h['hang_to_step_s']['p99'])}"],
-            ["hang → the leader's decision", f"p50 {s(h['detection_s']['p50'])}"],
-            ["completed steps lost / survivors lost (kills and hangs)",
-             f"{k['steps_lost']['total'] + h['steps_lost']['total']} / {k['survivors_lost'] + h['survivors_lost']}"],
-            ["replacement started → its first step in the group (kill / hang)",
-             f"p50 {s(k['rejoin_s']['p50'])} / {s(h['rejoin_s']['p50'])}"],
         ]
+        if h:
+            rows += [[f"SIGSTOP one rank of {n} (a hang) → survivors stepping",
+                      f"p50 {s(h['hang_to_step_s']['p50'])}, p99 {s(h['hang_to_step_s']['p99'])}"],
+                     ["hang → the leader's decision", f"p50 {s(h['detection_s']['p50'])}"]]
+        faults = [x for x in (k, h) if x]
+        rows += [["completed steps lost / survivors lost / healthy ranks evicted",
+                  f"{sum(x['steps_lost']['total'] for x in faults)} / {sum(x['survivors_lost'] for x in faults)}"
+                  f" / {sum(x['healthy_evictions'] for x in faults)}"],
+                 ["replacement started → its first step in the group" + (" (kill / hang)" if h else ""),
+                  f"p50 {s(k['rejoin_s']['p50'])}" + (f" / {s(h['rejoin_s']['p50'])}" if h else "")]]
+        rows += state_rows(r)
         if f:
             rows.append([f"SIGKILL the coordinator leader ({f['kills']}×) → standby serving",
                          f"p50 {s(f['standby_serves_s']['p50'])}; {f['steps_discarded']} steps discarded, "
@@ -522,16 +527,38 @@ def render_recovery(d: dict) -> str:
     return table(["what", "measured"], rows) + "".join(reform_phases(r) for r in d["runs"])
 
 
+def state_rows(run: dict) -> list[list]:
+    """What the state's movement cost at a kill: the survivors' (nothing, where they agree) and the
+    replacement's, beside a raw broadcast of the same bytes."""
+    k, rows = run["kill"], []
+    if "steady_step_s" in run:
+        rows.append(["a steady step / kill → step less one steady step (the reform's own cost)",
+                     f"{s(run['steady_step_s'])} / {s(k.get('reform_cost_s', 0))}"])
+    state = k.get("state") or {}
+    if "survivor_received_bytes" in state:
+        rows.append(["state each survivor sent / received at the kill's reform (p50, bytes)",
+                     f"{num(state['survivor_sent_bytes']['p50'])} / {num(state['survivor_received_bytes']['p50'])}"])
+    if "state_rate_mib_s" in state:
+        raw = run.get("raw_broadcast", {}).get("mib_s")
+        rows.append(["the replacement's state: MiB received in s, rate (a raw broadcast of the same bytes)",
+                     f"{num(state['replacement_received_bytes']['p50'] / 2**20)} MiB in "
+                     f"{s(state['replacement_transfer_s']['p50'])}, {num(state['state_rate_mib_s']['p50'])} MiB/s"
+                     + (f" ({num(raw)} MiB/s, {num(100 * state['state_rate_mib_s']['p50'] / raw, 2)}%)" if raw else "")])
+    return rows
+
+
 def reform_phases(run: dict) -> str:
     """Where a survivor's reform went (its `group_formed` record), p50 / max over survivors and faults."""
-    faults = [f for f in ("kill", "hang") if run[f].get("phases")]
+    faults = [f for f in ("kill", "hang") if run.get(f, {}).get("phases")]
     if not faults:
         return ""
     names = list(run[faults[0]]["phases"])
     rows = [[f"`{name}`", *(f"{s(run[f]['phases'][name]['p50'])} / {s(run[f]['phases'][name]['max'])}"
-                            for f in faults)] for name in names]
-    return f"\nWhere a survivor's reform went at {run['ranks']} ranks, p50 / max:\n\n" + \
-        table(["phase", *(f"after a {f}" for f in faults)], rows)
+                            if name in run[f]["phases"] else "-" for f in faults)] for name in names]
+    model = run.get("model", "tiny")
+    return (f"\nWhere a survivor's reform went at {run['ranks']} ranks"
+            + (f" ({model})" if model != "tiny" else "") + ", p50 / max:\n\n"
+            + table(["phase", *(f"after a {f}" for f in faults)], rows))
 
 
 def render_capacity(d: dict) -> str:

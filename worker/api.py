@@ -40,7 +40,7 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker import step_probe
 from muster.worker.compute_clock import ComputeClock
-from muster.worker.comm import Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
+from muster.worker.comm import NCCL_ABORTED, Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
@@ -204,7 +204,23 @@ class Worker:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
         self.state = ReplicatedState(model, optimizer, dict(extras))
+        if self.device.type == "cuda" and hasattr(optimizer, "register_step_pre_hook"):
+            optimizer.register_step_pre_hook(self._refuse_partial_step)
         return self
+
+    def _refuse_partial_step(self, optimizer, args, kwargs) -> None:
+        """Before the optimizer's step, on CUDA: the step's all-reduce runs on the GPU after the host
+        has moved on, and an abort that cuts it short leaves each rank with its own partial sums.
+        Applied, they would make every survivor's state different (seen on an H200: after a kill each
+        survivor held another state, and one rank's was sent to all). So the host waits for the
+        step's GPU work, and refuses the step if the group was aborted meanwhile: the step is then
+        discarded with its gradients and redone in the new group, the state untouched."""
+        if self.comm is None or not self.comm.formed:
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        if self.comm.aborted():
+            raise RuntimeError(f"{NCCL_ABORTED[0]} while step {self.step + 1}'s collectives ran: its gradients are "
+                               "partial, so the optimizer step is refused")
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""

@@ -591,6 +591,11 @@ class Comm:
         self.phases["init_s"] = time.monotonic() - started - self.phases["barrier_s"]
         return time.monotonic() - started
 
+    def aborted(self) -> bool:
+        """The current group was aborted (or is to be): its in-flight collectives may have been cut short."""
+        with self._lock:
+            return self.spec is None or self._aborted or self.spec.generation < self._abort_below
+
     def channel(self, abandoned: Callable[[], bool]) -> GroupChannel:
         """The formed group's store, bounded like the group's collectives and abandonable."""
         with self._lock:

@@ -141,3 +141,36 @@ def test_an_abort_watches_a_group_formed_but_not_yet_adopted():
     w._abort(14)
     wait_until(lambda: len(watched) == 2, 5, "the second abort's watch")
     assert watched == [(12, 13), (11, 14)]
+
+
+def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(monkeypatch):
+    """NCCL's all-reduce finishes on the GPU after the host moved on; cut short by an abort, its
+    partial sums must not reach the parameters (the step is discarded and redone instead)."""
+    from muster.worker.comm import Nccl
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "Stream", (), {"synchronize": lambda self: synced.append(device)})())
+
+    class Group:  # the formed group; `cut` once the abort thread aborted it
+        formed, cut = True, False
+
+        def aborted(self):
+            return self.cut
+
+    w = worker()
+    w.device = torch.device("cuda", 0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    w.register(model=model, optimizer=opt)
+    w.comm = Group()
+    model(torch.ones(1, 2)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # not aborted: the step applies, after waiting for the GPU
+    assert synced and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    kept = [p.detach().clone() for p in model.parameters()]
+    w.comm.cut = True
+    with pytest.raises(RuntimeError) as refused:
+        opt.step()
+    assert Nccl().is_transport_failure(refused.value), "the step scope discards it as a failure outside the rank"
+    assert all(torch.equal(a, b) for a, b in zip(kept, model.parameters()))
