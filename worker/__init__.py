@@ -8,7 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {"Worker": "api", "WorkerConfig": "api", "WorkerError": "errors", "FencedOut": "errors",
             "CoordinatorLost": "errors", "HoldExpired": "errors", "Drained": "errors", "RunEnded": "errors",
-            "StateMismatch": "errors"}
+            "StateMismatch": "errors", "ShardedStateRefused": "errors"}
 __all__ = list(_EXPORTS)
 
 

@@ -41,11 +41,12 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker import step_probe
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.comm import NCCL_ABORTED, Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
-from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
+from muster.worker.errors import (CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded,
+                                  ShardedStateRefused, WorkerError)
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.state import ReplicatedState
+from muster.worker.state import ReplicatedState, sharded
 from muster.worker.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
@@ -203,6 +204,13 @@ class Worker:
         for name, obj in extras.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
+        shard = sharded(model, optimizer)
+        if shard:
+            raise ShardedStateRefused(
+                f"sharded state cannot be recovered yet: {shard}. Muster keeps every rank's state "
+                "identical and sends it whole to a rank that lacks it; a lost shard needs a replica group "
+                "(HSDP: another replica holding the same shard) or a peer's in-memory snapshot of it, and "
+                "neither is built yet. Register a replicated model (DDP), or restart from your checkpoint")
         self.state = ReplicatedState(model, optimizer, dict(extras))
         if self.device.type == "cuda" and hasattr(optimizer, "register_step_pre_hook"):
             optimizer.register_step_pre_hook(self._refuse_partial_step)

@@ -31,6 +31,12 @@ class StateMismatch(WorkerError):
     It never trains on a state that is not the others'; the job goes on without it."""
 
 
+class ShardedStateRefused(WorkerError):
+    """`register` was given sharded state (FSDP/FSDP2, DTensor parameters, ZeroRedundancyOptimizer):
+    each rank holds a shard that no other rank has, which the library cannot recover yet. Refused,
+    never trained on as if it were replicated."""
+
+
 class RunEnded(WorkerError):
     """The job's run ended (succeeded, failed, or stopped by an operator): nothing more to train
     here. Leave the training loop; `outcome` says how the run ended (muster.worker.outcome has its
@@ -42,4 +48,4 @@ class RunEnded(WorkerError):
         self.reason = end.reason
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "Evicted"]
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardedStateRefused", "Evicted"]

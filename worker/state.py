@@ -23,6 +23,7 @@ rank's link keeps reporting while gigabytes move, and a long transfer logs its p
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -212,6 +213,28 @@ class ReplicatedState:
             self.optimizer.load_state_dict(tree["optimizer"])
         for name, obj in self.extras.items():
             obj.load_state_dict(tree["extras"][name])
+
+
+def sharded(model: torch.nn.Module | None, optimizer: Any) -> str:
+    """What of the state is sharded across ranks ("" if nothing): a rank's shard exists nowhere
+    else, so sending one rank's state to the others (this module's only plan) would corrupt it."""
+    # Looked up, not imported: a script using them has imported them (and importing FSDP costs others time).
+    fsdp, zero, dtensor = (sys.modules.get(m) for m in ("torch.distributed.fsdp", "torch.distributed.optim",
+                                                          "torch.distributed.tensor"))
+    fsdp_types = (fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp is not None else ()
+    distributed = (lambda t: isinstance(t, dtensor.DTensor)) if dtensor is not None else (lambda t: False)
+    for name, module in (model.named_modules() if model is not None and fsdp_types else ()):
+        if isinstance(module, fsdp_types):
+            return f"the model's {'module ' + repr(name) if name else 'root module'} is sharded by FSDP"
+    for name, t in (model.named_parameters() if model is not None else ()):
+        if distributed(t):
+            return f"the model's parameter {name!r} is a DTensor"
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return "the optimizer is a ZeroRedundancyOptimizer (each rank holds a shard of its state)"
+    for group in getattr(optimizer, "param_groups", ()):
+        if any(distributed(t) for t in group["params"]):
+            return "the optimizer's parameters are DTensors"
+    return ""
 
 
 def first_mismatch(reference: Any, described: Any) -> str:
