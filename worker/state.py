@@ -9,9 +9,10 @@ holds the whole state (data parallel). After every reform:
    same plan (worker/transfer.py). Where every rank holds the reference, nothing else happens: a
    survivor's sync costs one store round trip and one fingerprint, whatever the model's size.
 2. otherwise the first source publishes the skeleton (the state's structure, tensors replaced by
-   shape and dtype: the only thing pickled), and the reference's tensors move as broadcasts of at
-   most a bucket, striped over the sources, received in place (two staging buckets at most);
-   optimizer state a receiver lacks (Adam's, before its first step) is allocated from the skeleton.
+   shape and dtype: the only thing pickled), and the reference's tensors move in pieces of at most
+   a bucket, striped over the sources (point to point on gloo, broadcasts on NCCL), received in
+   place (two staging buckets at most); optimizer state a receiver lacks (Adam's, before its first
+   step) is allocated from the skeleton.
 3. receivers check their new fingerprint against the reference's; a mismatch (a corrupted bucket)
    is sent again, and a rank that still differs, or whose model has another layout, gets
    StateMismatch: it never trains on a state that is not the others'.
@@ -159,7 +160,7 @@ class ReplicatedState:
             began = time.perf_counter()
             sent, received = _move(cut, p.sources, receivers, channel.rank, targets if taking or result.role == "source"
                                    else None, device, self.bucket_bytes, _Progress(sum(r.nbytes for r in refs), progress),
-                                   self.on_received if taking else None)
+                                   self.on_received if taking else None, dist.get_backend() == "gloo")
             moved = time.perf_counter()
             result.transfer_s += moved - began
             result.sent, result.received = result.sent + sent, result.received + received
@@ -317,19 +318,24 @@ class _Progress:
 
 def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...], rank: int,
           tensors: list[torch.Tensor] | None, device: torch.device, bucket_bytes: int, progress: _Progress,
-          on_received: Callable[[int, torch.Tensor], None] | None) -> tuple[int, int]:
-    """Broadcast every piece from its source (piece k from sources[k mod n]), up to MAX_IN_FLIGHT
-    at once. A source sends from `tensors` (its own); a receiver takes into `tensors` (its
-    targets), in place where it can; a piece that is not in place goes through one of two staging
-    buffers, and any other rank takes it there and drops it. Returns (bytes sent, bytes received)."""
+          on_received: Callable[[int, torch.Tensor], None] | None, point_to_point: bool) -> tuple[int, int]:
+    """Send every piece from its source to the receivers, up to MAX_IN_FLIGHT at once. A source sends
+    from `tensors` (its own); a receiver takes into `tensors` (its targets), in place where it can; a
+    piece that is not in place goes through one of two staging buffers. Returns (bytes sent, received).
+
+    `point_to_point` (gloo): receiver j takes piece k from sources[(k + j) mod n], and nobody else
+    takes part: the bytes cross once, split over the sources. Otherwise (NCCL, whose point-to-point
+    calls would set up communicators of their own) piece k is broadcast from sources[k mod n] and the
+    other ranks take it into staging and drop it."""
     taking = rank in receivers
     free: list[torch.Tensor | None] = [None, None]  # the staging buffers not in use (made when first needed)
     in_flight: deque = deque()
     sent = received = 0
 
     def finish() -> None:
-        k, work, piece, buf, staged, took, unpack = in_flight.popleft()
-        work.wait()
+        k, works, piece, buf, staged, took, unpack = in_flight.popleft()
+        for work in works:
+            work.wait()
         if took and on_received is not None:
             on_received(k, buf)
         if unpack:
@@ -340,7 +346,16 @@ def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...]
         progress.advance(piece.nbytes)
 
     for k, piece in enumerate(cut):
-        root = sources[k % len(sources)]
+        destinations: tuple[int, ...] = ()
+        if not point_to_point:
+            root = sources[k % len(sources)]
+        elif taking:
+            root = sources[(k + receivers.index(rank)) % len(sources)]
+        else:
+            root = rank
+            destinations = tuple(r for j, r in enumerate(receivers) if sources[(k + j) % len(sources)] == rank)
+            if not destinations:
+                continue  # (not this source's piece for any receiver, or a rank that takes no part)
         while len(in_flight) >= MAX_IN_FLIGHT:
             finish()
         staged = None
@@ -358,13 +373,18 @@ def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...]
             if rank == root:
                 for index, a, b, off in piece.parts:
                     buf[off:off + b - a].copy_(_bytes(tensors[index])[a:b])
+        if not point_to_point:
+            works = [dist.broadcast(buf, root, async_op=True)]
+        elif taking:
+            works = [dist.irecv(buf, root)]
+        else:
+            works = [dist.isend(buf, r) for r in destinations]
         if rank == root:
-            sent += piece.nbytes
+            sent += piece.nbytes * max(1, len(destinations))
         elif taking:
             received += piece.nbytes
         took = taking and rank != root
-        in_flight.append((k, dist.broadcast(buf, root, async_op=True), piece, buf, staged, took,
-                          took and staged is not None))
+        in_flight.append((k, works, piece, buf, staged, took, took and staged is not None))
     while in_flight:
         finish()
     return sent, received
