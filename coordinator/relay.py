@@ -44,6 +44,7 @@ MAX_ITEMS = 1024
 # and this many messages' worth besides. A caller that reads none is cut off there.
 PENDING_MESSAGES = 4
 PULSE_SLICE = 64  # node streams a relay pulses per turn of its loop
+RETRY_MOST_S = 0.5  # a relay's attempts on the leader back off to this (or heartbeat_timeout/8), jittered x2
 
 
 # ---- folding (pure) --------------------------------------------------------------------------
@@ -351,6 +352,9 @@ class Relay:
         # An idle relay still writes (the leader takes a silent one for frozen), and this is also
         # how often silence and held progress are looked at.
         self.keepalive_s = heartbeat_timeout_s / 8
+        # Attempts on a leader not elected yet: its nodes must reach it within a heartbeat timeout of
+        # the first frame it hears (its takeover grace), so they come at most a quarter of one apart.
+        self.retry_most_s = min(RETRY_MOST_S, heartbeat_timeout_s / 8)
         self.pulse_spread_s = heartbeat_timeout_s / 8  # half the leader's pulse period: done before the next
         self._pulsing: asyncio.Task | None = None
         self.nodes: dict[int, RelayedNode] = {}
@@ -412,7 +416,7 @@ class Relay:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_s
-        backoff = Backoff(0.05, 0.5)
+        backoff = Backoff(0.05, self.retry_most_s)
         while True:
             accepted, reason, hint = await self._call(self.leader)
             self.leader = hint or self.leader

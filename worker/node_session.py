@@ -330,7 +330,10 @@ class NodeSession:
     async def _watch(self, call, channel, address: str, relayed: bool) -> None:
         """End a stream whose leader (or relay) went silent, but only once a probe confirms it is
         not serving: for a process node, closing its stream reads as its exit. A relay is given
-        half the heartbeat timeout: the leader, alive, counts this node's silence meanwhile."""
+        half the heartbeat timeout: the leader, alive, counts this node's silence meanwhile. The
+        probe waits a quarter of the timeout: a frozen leader is left within 1.5 timeouts of its
+        last pulse, before its successor's grace (a timeout after the first node reaches it) ends;
+        with a probe of a whole timeout, 2.25 timeouts, the nodes on it came after that."""
         loop = asyncio.get_running_loop()
         self._heard_at = loop.time()
         limit = self.heartbeat_timeout_s / (2 if relayed else 1)
@@ -350,7 +353,7 @@ class NodeSession:
         try:
             status = await pb_grpc.CoordinatorStub(channel).Status(
                 pb.StatusRequest(job=self.identity.job, brief=True),
-                timeout=self.heartbeat_timeout_s / (4 if relayed else 1),
+                timeout=self.heartbeat_timeout_s / 4,
                 metadata=self.security.metadata)
         except grpc.aio.AioRpcError:
             return False
