@@ -423,7 +423,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--progress-timeout", type=float, default=None, help="fixed stall timeout (default: calibrated)")
     g.add_argument("--progress-floor", type=float, default=10.0, help="lowest calibrated stall timeout")
     g.add_argument("--progress-factor", type=float, default=10.0, help="stall timeout = factor x p99 step time")
-    g.add_argument("--grace", type=float, default=5.0, help="after a leader change, seconds before evicting")
+    g.add_argument("--grace", type=float, default=5.0, help="after a leader change, the most seconds before "
+                   "evicting for silence (less once every node reconnected, or a heartbeat timeout after the first)")
     g.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
     g.add_argument("--form-timeout", type=float, default=60.0,
                    help="a generation not formed by then is decided again, naming the ranks that are missing")

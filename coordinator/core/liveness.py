@@ -42,6 +42,8 @@ class Liveness:
         self.step_times: deque[float] = deque(maxlen=256)
         self.grace_until = now
         self.unheard_since_takeover = False  # a takeover no node's frame has reached yet
+        self.opened_at = now  # a takeover's first frame: the path to this leader works from then
+        self._unattached: set[str] = set()  # members taken over that have sent this leader no frame yet
         self.published: tuple[int, float] = (0, now)  # the current map's generation, and since when it is due
         # Indexes kept by `observe`, so that a tally looks only at what changed:
         self._wheel = SilenceWheel(timing.heartbeat_timeout_s)
@@ -52,34 +54,46 @@ class Liveness:
         self._recovery: tuple[int, int] = (0, 0)  # (generation, placements found recovered so far)
 
     def start_grace(self, node_ids, now: float) -> None:
-        """A new leader: every known node gets grace_s to reconnect before silence counts."""
+        """A new leader: its members get time to reconnect before silence or a stall counts (`in_grace`)."""
         self.grace_until = now + self.timing.grace_s
         self.unheard_since_takeover = True
+        self._unattached = set(node_ids)
         floor = self.timing.progress_timeout_s or self.timing.progress_floor_s
-        for node_id in node_ids:
+        for node_id in self._unattached:
             node = self._node(node_id, now)
             self._wheel.heard(node_id, node, now)
             self._deadlines.arm(node_id, self.grace_until + node.early * floor)  # spread: not every node in one tally
 
     def _first_frame_since_takeover(self, now: float) -> None:
-        """The path to this leader works again: every node's silence counts from now (the others
-        come the same way, moments later), not from the takeover, so none is judged before a
-        heartbeat timeout after the first frame, nor before the grace ends. (Counted from the
-        takeover, a first frame just inside the grace left the others nothing: a soak's successor
-        judged two healthy nodes silent 50 ms after the first one reached it.)"""
+        """The path to this leader works again: the silence of the members not attached yet counts
+        from now (the others come the same way, moments later), not from the takeover, so none is
+        judged before a heartbeat timeout after the first frame. (Counted from the takeover, a first
+        frame just inside the grace left the others nothing: a soak's successor judged two healthy
+        nodes silent 50 ms after the first one reached it.)"""
         self.unheard_since_takeover = False
-        for node_id, node in self.nodes.items():
-            self._wheel.heard(node_id, node, now)
+        self.opened_at = now
+        for node_id in self._unattached:
+            self._wheel.heard(node_id, self.nodes[node_id], now)
 
     def in_grace(self, now: float) -> bool:
-        """The takeover grace; prolonged, by up to TAKEOVER_UNHEARD_TIMEOUTS heartbeat timeouts, while
-        no node at all has reached this leader: every node silent at once after a takeover is the
-        path to the new leader (a relay, or nodes still trying a frozen predecessor), not every
-        node dead (a run ended 'every node was lost' so in a soak)."""
-        if now < self.grace_until:
-            return True
-        return self.unheard_since_takeover and \
-            now < self.grace_until + TAKEOVER_UNHEARD_TIMEOUTS * self.timing.heartbeat_timeout_s
+        """The takeover grace: only exits act while members may still be on their way to this leader.
+        It ends once every member has attached (waiting longer hears nobody new: after an outage
+        that took a node, its loss was held for the whole grace), else a heartbeat timeout after the
+        first frame, or at grace_s if sooner: a member not attached by then is judged silent. A
+        healthy one is there before: the nodes, and the relays carrying them, retry at most an eighth
+        of the heartbeat timeout apart (jittered to a quarter), and those on a frozen predecessor find
+        it silent within 1.5 timeouts of its last pulse (`NodeSession._watch`): with the defaults
+        (timeout 2 s, lease TTL 3 s) half a timeout after its successor leads at the latest, which
+        is 2/3 of the TTL after the freeze at the earliest.
+        Prolonged past grace_s, by up to TAKEOVER_UNHEARD_TIMEOUTS heartbeat timeouts, while no node
+        at all has reached this leader: every node silent at once after a takeover is the path to
+        the new leader (a relay, or nodes still trying a frozen predecessor), not every node dead (a
+        run ended 'every node was lost' so in a soak)."""
+        if not self._unattached:
+            return False
+        if self.unheard_since_takeover:
+            return now < self.grace_until + TAKEOVER_UNHEARD_TIMEOUTS * self.timing.heartbeat_timeout_s
+        return now < min(self.grace_until, self.opened_at + self.timing.heartbeat_timeout_s)
 
     def track(self, node_id: str, now: float) -> None:
         if node_id not in self.nodes:
@@ -87,6 +101,7 @@ class Liveness:
             self._deadlines.arm(node_id, now)
 
     def forget(self, node_id: str) -> None:
+        self._unattached.discard(node_id)
         node = self.nodes.pop(node_id, None)
         self._deadlines.disarm(node_id)
         if node is not None:
@@ -123,8 +138,10 @@ class Liveness:
         `vouched`: it came through a relay, which judges the node's silence and forwards frames
         that only advance steps now and then: the node leaves the wheel until `unvouched` or
         `silent_since`."""
-        if self.unheard_since_takeover:
-            self._first_frame_since_takeover(now)
+        if self._unattached:
+            if self.unheard_since_takeover:
+                self._first_frame_since_takeover(now)
+            self._unattached.discard(node_id)
         node = self.nodes.get(node_id)
         if node is None:
             node = self._node(node_id, now)

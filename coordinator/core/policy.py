@@ -82,7 +82,7 @@ class Timing:
     progress_factor: float = 10.0  # calibrated timeout = factor x p99 step time
     startup_progress_timeout_s: float = 300.0  # before enough step times are known
     long_phase_timeout_s: float = 3600.0  # a declared long phase may last this long
-    grace_s: float = 5.0  # after a leader change, before silence/stall evict anyone
+    grace_s: float = 5.0  # after a leader change, at most this before silence/stall evict anyone (liveness.in_grace)
     last_call_s: float = 0.5  # once min_nodes joined, wait this long for more before forming
     form_timeout_s: float = 60.0  # a generation not formed by then is decided again, the missing named
     switch_lead_s: float = 0.2  # planned changes switch this far ahead of the ranks' projected step (as steps)

@@ -544,6 +544,61 @@ def test_a_first_frame_just_inside_the_grace_leaves_the_others_a_heartbeat_timeo
     assert [f.node_id for f in live.failures(state, 107.0)] == ["n1"]
 
 
+def test_a_member_that_does_not_reattach_is_judged_a_heartbeat_timeout_after_the_takeover_not_at_the_grace_end():
+    """Issue 40: a node lost during an etcd outage held the new leader's decision for its whole 5 s
+    grace although the survivors attached within 0.25 s of its election. The grace ends a heartbeat
+    timeout after the first frame: the node that never came is judged then."""
+    state = job(3)
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1", "n2"], now=100)  # grace 5 s, heartbeat timeout 2 s
+    live.observe("n0", 1, report(1), 100.1)
+    live.observe("n1", 1, report(1), 100.25)
+    for t in (100.5, 101.0, 101.5, 102.0):
+        live.observe("n0", 1, report(2), t)
+        live.observe("n1", 1, report(2), t)
+    assert live.in_grace(102.05) and live.failures(state, 102.05) == []
+    assert not live.in_grace(102.15)
+    assert [(f.node_id, f.kind) for f in live.failures(state, 102.15)] == [("n2", FailureKind.NODE_SILENT)]
+
+
+def test_the_grace_ends_once_every_member_has_attached():
+    """Nobody is left to wait for: a member silent again after it attached is judged as usual, a
+    heartbeat timeout after its last frame, not at the grace's end."""
+    state = job()
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1"], now=100)
+    live.observe("n0", 1, report(1), 100.1)
+    assert live.in_grace(100.2)
+    live.observe("n1", 1, report(1), 100.2)
+    assert not live.in_grace(100.2)
+    steady(live, "n0", 2, 50, 100.2)  # to 102.7; n1 silent since 100.2
+    assert [(f.node_id, f.kind) for f in live.failures(state, 102.3)][0] == ("n1", FailureKind.NODE_SILENT)
+
+
+def test_a_member_that_reattaches_within_a_heartbeat_timeout_of_the_first_frame_is_kept():
+    """The agents retry at most a quarter of the heartbeat timeout apart: one that comes after the
+    first frame, but within the heartbeat timeout of it, is not judged."""
+    state = job()
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1"], now=100)
+    live.observe("n0", 1, report(1), 100.1)
+    live.observe("n1", 1, report(1), 102.0)
+    for t in (102.5, 103.0):
+        live.observe("n0", 1, report(2), t)
+        live.observe("n1", 1, report(2), t)
+    assert live.failures(state, 103.1) == []
+
+
+def test_a_member_removed_during_the_grace_is_not_waited_for():
+    state = job(3)
+    live = Liveness(TIMING, now=100)
+    live.start_grace(["n0", "n1", "n2"], now=100)
+    live.observe("n0", 1, report(1), 100.1)
+    live.observe("n1", 1, report(1), 100.1)
+    live.forget("n2")  # its process exited: evicted during the grace
+    assert not live.in_grace(100.2)
+
+
 def test_a_takeover_nobody_ever_reaches_ends_its_grace_within_the_bound():
     state = job()
     live = Liveness(TIMING, now=0)
