@@ -42,7 +42,7 @@ from muster.v1 import muster_pb2 as pb
 Slot = tuple[str, int]  # (node id, local rank)
 
 CHAOS_RUN_ENV = "MUSTER_CHAOS_RUN"  # marks the processes of one chaos run (see Chaos.tag)
-# The coordinators' timing in the harness (flags below; --grace comes from muster.local.FAST).
+# The coordinators' timing in the harness (flags below; a Chaos may set another grace).
 HEARTBEAT_TIMEOUT_S = 2.0
 SESSION_TTL_S = 3
 GRACE_S = 2.0
@@ -50,9 +50,10 @@ GRACE_S = 2.0
 # surviving slot has completed a step again (in a new generation when one is the answer). The
 # slowest legitimate path is a rank killed during an etcd outage: the replicas' session and campaign
 # retries back off up to 2 s with jitter x2 (4 s); a campaign key of the old session outlives the
-# outage by its lease TTL (3 s); the new leader's grace (2 s) — exit reports act at once, but a death
-# it only learns from frames may wait for it —; a silent rank is found after the heartbeat timeout
-# (2 s); the survivors then re-form on two loaded cores (about 1 s). 4 + 3 + 2 + 2 + 1 = 12, plus a 3 s margin.
+# outage by its lease TTL (3 s); the new leader's grace (at most 2 s: a heartbeat timeout after the
+# first frame, less once every node attached) — exit reports act at once, but a death it only learns
+# from frames may wait for it —; a silent rank is found after the heartbeat timeout (2 s); the
+# survivors then re-form on two loaded cores (about 1 s). 4 + 3 + 2 + 2 + 1 = 12, plus a 3 s margin.
 LIVENESS_BOUND_S = 15.0
 # After a whole-deployment outage (etcd or every coordinator down), however long it lasted: the heal
 # -> every surviving slot stepping again. Reconnection is prompt (capped gRPC backoff, session retries
@@ -81,7 +82,8 @@ NEW_LEADER = frozenset({"leader", "rank_and_leader", "etcd_member", "etcd_leader
 # when that report was lost with the refused streams of the outage, the survivors found holding in a
 # broken group (after the heartbeat timeout).
 OUTAGE_KILL_EXPECT = frozenset({"rank_exited", "group_broken"})
-# A whole node lost during an outage: judged silent by the new leader after its grace.
+# A whole node lost during an outage: judged silent by the new leader a heartbeat timeout after the
+# survivors' first frame reached it (their attaching ends its grace; the lost node's never comes).
 OUTAGE_AGENT_EXPECT = frozenset({"node_silent", "group_broken"})
 
 
@@ -220,6 +222,7 @@ class Chaos:
 
     def __init__(self, workdir: Path, *, nodes: int = 3, slots: int = 2, replicas: int = 2, etcd_members: int = 3,
                  job: str = "chaos", step_sleep_s: float = 0.1, heartbeat_timeout_s: float = 2.0,
+                 grace_s: float = GRACE_S,
                  host: str = "127.0.0.1", netns: dict[str, NetNamespace] | None = None, seed: int | None = None,
                  strict: bool = True, relay_min_nodes: int = 0,
                  outages_s: tuple[float, float] | None = None):
@@ -237,7 +240,9 @@ class Chaos:
         self.step_sleep_s = step_sleep_s
         self.host = host  # what the coordinators and the nodes outside a namespace listen on
         self.netns = netns or {}
-        self.coordinator_flags = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--session-ttl", str(SESSION_TTL_S)]
+        self.grace_s = grace_s
+        self.coordinator_flags = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--session-ttl", str(SESSION_TTL_S),
+                                  "--grace", str(grace_s)]
         if relay_min_nodes:  # the nodes stream through the replicas their ids hash to, relayed to the leader
             self.coordinator_flags += ["--relay-min-nodes", str(relay_min_nodes)]
         self.etcd = EtcdCluster(workdir / "etcd", etcd_members)
@@ -857,7 +862,7 @@ class Chaos:
         leader = self.serving_leader()
         took = [record_time(r) for r in leader.find("leadership_acquired", job=self.job)] if leader else []
         if took and took[-1] >= fault.at:
-            self._sleep_until(took[-1] + GRACE_S + HEARTBEAT_TIMEOUT_S + 0.5)
+            self._sleep_until(took[-1] + self.grace_s + HEARTBEAT_TIMEOUT_S + 0.5)
 
     # ---- recovery and invariants -----------------------------------------------------
 
