@@ -135,3 +135,48 @@ def test_a_node_does_not_go_back_to_a_relay_it_just_found_silent():
     assert s._route(now=104.5) == ("frozen:1", True)  # once the suspicion ends, the relay is tried again
     s._relay_avoided_until = 110.0
     assert s._route(now=105.0) == ("new:1", False)
+
+
+class Frozen(pb_grpc.CoordinatorServicer):
+    """A leader that pulses each stream once and then freezes: streams stay open, nothing answers."""
+
+    def __init__(self) -> None:
+        self.sessions: list[float] = []  # when each stream came
+
+    async def Session(self, request_iterator, context):
+        self.sessions.append(time.monotonic())
+        yield pb.Directive(term=1)  # a pulse
+        await asyncio.sleep(60)  # ended by the node's cancel or the server's stop
+
+    async def Status(self, request, context):
+        await asyncio.sleep(60)
+        return pb.StatusResponse()
+
+
+def test_a_node_leaves_a_frozen_leader_within_one_and_a_half_heartbeat_timeouts():
+    """A new leader's grace ends a heartbeat timeout after the first frame reaches it, which comes
+    2/3 of the lease TTL after a freeze at the earliest: a node on the frozen leader must have left
+    it by then. Its probe waited a whole timeout (2.25 timeouts after the last pulse in all: with the
+    defaults, up to 2.5 s after the successor led); now a quarter of one."""
+    timeout_s = 2.0
+
+    async def scenario() -> list[float]:
+        server = grpc.aio.server()
+        frozen = Frozen()
+        pb_grpc.add_CoordinatorServicer_to_server(frozen, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            s = NodeSession(f"127.0.0.1:{port}", NodeIdentity("job", "node-a", 1, "127.0.0.1", 1), reports=list,
+                            on_directive=lambda d: None)
+            s.heartbeat_timeout_s = timeout_s
+            running = asyncio.create_task(s.run())
+            await until(lambda: len(frozen.sessions) >= 2, "the node to leave the frozen leader", timeout_s=8.0)
+            await s.stop()
+            await asyncio.wait_for(running, 5)
+            return frozen.sessions
+        finally:
+            await server.stop(None)
+
+    first, second = asyncio.run(scenario())[:2]
+    assert second - first <= 1.5 * timeout_s + 0.5, second - first  # the old probe: 4-4.5 s
