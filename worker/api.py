@@ -40,7 +40,8 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker import step_probe
 from muster.worker.compute_clock import ComputeClock
-from muster.worker.comm import NCCL_ABORTED, Comm, GroupSpec, Superseded, backend_named, exit_stuck, interface_of
+from muster.worker.comm import (NCCL_ABORTED, Comm, GroupSpec, StepCut, Superseded, backend_named, exit_stuck,
+                                interface_of)
 from muster.worker.errors import (CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded,
                                   ShardedStateRefused, WorkerError)
 from muster.worker.link import Link, immediate
@@ -156,7 +157,7 @@ class _StepScope:
             return False
         if not issubclass(exc_type, Exception) or issubclass(exc_type, WorkerError):
             return False
-        outside = w.backend.is_transport_failure(exc)
+        outside = isinstance(exc, StepCut) or w.backend.is_transport_failure(exc)
         if not outside and not w._membership_changed(w.config.abort_wait_s):
             return False  # not ours: the script's own error
         w._redos += 1
@@ -190,6 +191,7 @@ class Worker:
         self._unwinding = Unwinding(excused=lambda: self._closing or self._progress[2] == "long_phase")
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
         self._redos = 0  # attempts of the current step discarded in a row
+        self._cut_below = 0  # a step in a generation below this is cut short (its group was aborted)
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
@@ -214,7 +216,22 @@ class Worker:
         self.state = ReplicatedState(model, optimizer, dict(extras))
         if self.device.type == "cuda" and hasattr(optimizer, "register_step_pre_hook"):
             optimizer.register_step_pre_hook(self._refuse_partial_step)
+        if model is not None:
+            # A step in flight when its group is aborted is lost anyway; its compute goes on until its
+            # next collective fails (a second for a large model on a CPU). These checks, one per
+            # module with parameters as the forward reaches it and one per gradient as the backward
+            # makes it, end it at once instead.
+            for module in model.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    module.register_forward_pre_hook(self._cut_short)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._cut_short)
         return self
+
+    def _cut_short(self, *_) -> None:
+        if self.generation < self._cut_below and not self._closing:
+            raise StepCut(f"generation {self.generation} was aborted: the step in flight is cut short")
 
     def _refuse_partial_step(self, optimizer, args, kwargs) -> None:
         """Before the optimizer's step, on CUDA: the step's all-reduce runs on the GPU after the host
@@ -462,6 +479,7 @@ class Worker:
     def _abort(self, below_generation: int, into: GroupSpec | None = None) -> None:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming.
         `into`: the group this rank has in the abort generation, which may shrink the old one."""
+        self._cut_below = max(self._cut_below, below_generation)  # the step in flight stops at its next module
         abandoned = (lambda: self._superseded(into.generation, True)) if into is not None else None
         # The group the training thread must leave: the one it steps in, or one formed that it syncs the
         # state in (a chaos run wedged there, on a gloo pair the abort missed, with nothing watching).

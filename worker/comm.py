@@ -54,6 +54,10 @@ class Superseded(Exception):
     """A newer generation arrived while this one was forming."""
 
 
+class StepCut(RuntimeError):
+    """The training thread's step stopped at a module or a gradient: its group was aborted."""
+
+
 class StoreKeyTaken(RuntimeError):
     """A key only this process writes was already on the generation's store (which has no auth):
     planted there by someone who knew the prefix. Its value is never used: the generation fails."""

@@ -174,3 +174,23 @@ def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(
         opt.step()
     assert Nccl().is_transport_failure(refused.value), "the step scope discards it as a failure outside the rank"
     assert all(torch.equal(a, b) for a, b in zip(kept, model.parameters()))
+
+
+def test_a_step_in_flight_when_its_group_is_aborted_stops_at_its_next_module_or_gradient():
+    from muster.worker.comm import StepCut
+
+    w = worker()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    w.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    w.generation = 3
+    model(torch.ones(1, 2)).sum().backward()  # its group stands: nothing stops it
+    w._cut_below = 4  # the abort thread aborted generation 3
+    with pytest.raises(StepCut, match="generation 3 was aborted"):
+        model(torch.ones(1, 2))
+    w._cut_below = 0
+    loss = model(torch.ones(1, 2)).sum()
+    w._cut_below = 4  # aborted between the forward and the backward
+    with pytest.raises(StepCut):
+        loss.backward()
+    w.generation = 4  # formed anew: steps run again
+    model(torch.ones(1, 2)).sum().backward()
