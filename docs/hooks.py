@@ -513,7 +513,7 @@ def render_recovery(d: dict) -> str:
         faults = [x for x in (k, h) if x]
         rows += [["completed steps lost / survivors lost / healthy ranks evicted",
                   f"{sum(x['steps_lost']['total'] for x in faults)} / {sum(x['survivors_lost'] for x in faults)}"
-                  f" / {sum(x['healthy_evictions'] for x in faults)}"],
+                  f" / {sum(x.get('healthy_evictions', 0) for x in faults)}"],
                  ["replacement started → its first step in the group" + (" (kill / hang)" if h else ""),
                   f"p50 {s(k['rejoin_s']['p50'])}" + (f" / {s(h['rejoin_s']['p50'])}" if h else "")]]
         rows += state_rows(r)
