@@ -378,8 +378,41 @@ def _delete(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_ADDRESS = "127.0.0.1:7600"  # where `muster serve` listens, and where the other verbs look, by default
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch-muster")
+    except PackageNotFoundError:  # (run from a checkout that was never installed)
+        return "unknown (not installed)"
+
+
+def _coordinator_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", help=f"HOST:PORT[,HOST:PORT...] of any replicas (default $MUSTER_COORDINATOR, "
+                                         f"else {DEFAULT_ADDRESS})")
+
+
+def _job_flag(p: argparse.ArgumentParser, required: bool, help: str) -> None:
+    """--job, else $MUSTER_JOB (checked after parsing: a flag the environment supplies is not missing)."""
+    p.add_argument("--job", help=help)
+    p.set_defaults(job_required=required)
+
+
+def _from_environment(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if "coordinator" in args:
+        args.coordinator = args.coordinator or os.environ.get("MUSTER_COORDINATOR") or DEFAULT_ADDRESS
+    if "job" in args and args.job is None:
+        args.job = os.environ.get("MUSTER_JOB") or None
+        if args.job is None and getattr(args, "job_required", False):
+            p.error(f"muster {args.command}: --job is required (or set MUSTER_JOB)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="muster", description="Elastic rendezvous and heartbeat coordinator for PyTorch.")
+    p.add_argument("--version", action="version", version=f"muster {_version()}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs even on a terminal")
     sub = p.add_subparsers(dest="command", required=True)
@@ -404,7 +437,7 @@ def _serve_parser(sub) -> None:
                    "$MUSTER_ETCD_PASSWORD")
     g.add_argument("--etcd-password-file", help="a file holding the etcd user's password")
     g = s.add_argument_group("serving and security")
-    g.add_argument("--listen", default="127.0.0.1:7600", help="gRPC listen address (default %(default)s)")
+    g.add_argument("--listen", default=DEFAULT_ADDRESS, help="gRPC listen address (default %(default)s)")
     g.add_argument("--advertise", help="address workers use to reach this replica (default: the listen address)")
     g.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job; "
                    "'@relay': the replicas' own, to relay)")
@@ -488,9 +521,9 @@ def _run_parser(sub) -> None:
                        description="muster run --coordinator HOST:PORT --job NAME [--nodes MIN:MAX] [--slots N] "
                                    "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])",
                        epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
-    r.add_argument("--job", required=True, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no "
-                   "coordinator job name, e.g. MyRun, becomes myrun-HASH)")
+    _coordinator_flag(r)
+    _job_flag(r, True, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no coordinator job "
+                            "name, e.g. MyRun, becomes myrun-HASH; default $MUSTER_JOB)")
     r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
     r.add_argument("--slots", type=int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
     r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")
@@ -556,11 +589,11 @@ def _client_parsers(sub) -> None:
             ("delete", _delete, "delete a finished job's record(s) now rather than at their retention's end "
                                 "(operator)")):
         q = sub.add_parser(name, help=helptext)
-        q.add_argument("--coordinator", required=True, help="HOST:PORT[,HOST:PORT...] of any replicas")
+        _coordinator_flag(q)
         if name in ("stop", "delete"):
             q.add_argument("job", help="the job's name")
         else:
-            q.add_argument("--job", required=name in ("events", "drain"))
+            _job_flag(q, name in ("events", "drain"), help="the job's name (default $MUSTER_JOB)")
         if name in ("status", "events", "delete"):
             q.add_argument("--run", type=int, default=0, help="a finished run of the job (default: the running one, "
                            "else the latest)" if name != "delete" else "only this run (default: every retained run)")
@@ -594,7 +627,9 @@ def _client_security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    _from_environment(p, args)
     logs.configure(args.log_level, json=args.log_json)
     try:
         return args.func(args)

@@ -1,0 +1,40 @@
+"""The CLI's defaults that save typing: --coordinator and --job from the environment, then the
+address `muster serve` listens on; --version."""
+
+import subprocess
+import sys
+
+import pytest
+
+from muster.cli import DEFAULT_ADDRESS, _from_environment, parser
+
+
+def parsed(argv, monkeypatch, **env):
+    for name in ("MUSTER_COORDINATOR", "MUSTER_JOB"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    p = parser()
+    args = p.parse_args(argv)
+    _from_environment(p, args)
+    return args
+
+
+def test_the_coordinator_comes_from_the_flag_then_the_environment_then_the_serve_default(monkeypatch):
+    assert parsed(["status"], monkeypatch).coordinator == DEFAULT_ADDRESS == "127.0.0.1:7600"
+    assert parsed(["status"], monkeypatch, MUSTER_COORDINATOR="10.0.0.1:9").coordinator == "10.0.0.1:9"
+    assert parsed(["status", "--coordinator", "h:1"], monkeypatch, MUSTER_COORDINATOR="10.0.0.1:9").coordinator == "h:1"
+
+
+def test_the_job_comes_from_the_environment_where_a_verb_needs_one(monkeypatch, capsys):
+    assert parsed(["events"], monkeypatch, MUSTER_JOB="j").job == "j"
+    assert parsed(["run", "--", "python", "x.py"], monkeypatch, MUSTER_JOB="j").job == "j"
+    assert parsed(["status"], monkeypatch).job is None  # every job
+    with pytest.raises(SystemExit) as missing:
+        parsed(["events"], monkeypatch)
+    assert missing.value.code == 2 and "--job is required (or set MUSTER_JOB)" in capsys.readouterr().err
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "muster.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("muster ")
