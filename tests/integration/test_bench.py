@@ -53,7 +53,7 @@ def end_tagged(tag: str) -> list[str]:
 
 @pytest.mark.timeout(150)
 def test_recovery_bench_kill_hang_and_failover():
-    (run,) = bench("recovery.py", "--ranks", "3", "--kills", "1", "--hangs", "1", "--failovers", "1",
+    (run,) = bench("recovery.py", "--ranks", "3", "--model", "tiny", "--kills", "1", "--hangs", "1", "--failovers", "1",
                    timeout_s=140)["runs"]
     for fault in ("kill", "hang"):
         assert run[fault]["survivors_lost"] == 0 and run[fault]["steps_lost"]["max"] == 0
@@ -61,6 +61,19 @@ def test_recovery_bench_kill_hang_and_failover():
         assert isinstance(run[fault]["late_arrivals"], list)  # the ranks a barrier waited for, when any
     assert run["failover"] | {"standby_serves_s": None} == {
         "kills": 1, "standby_serves_s": None, "steps_discarded": 0, "evictions": 0, "generation_changes": 0}
+
+
+@pytest.mark.timeout(180)
+def test_recovery_bench_with_state_of_real_size():
+    """The 17M model's row: survivors move nothing, the replacement's bytes and rate beside a raw
+    broadcast of the same bytes."""
+    (run,) = bench("recovery.py", "--ranks", "2", "--model", "17M", "--kills", "1", "--hangs", "0",
+                   "--failovers", "0", timeout_s=170)["runs"]
+    state = run["kill"]["state"]
+    assert run["model"] == "17M" and run["steady_step_s"] > 0 and "reform_cost_s" in run["kill"]
+    assert state["survivor_received_bytes"]["max"] == 0 and state["survivor_sent_bytes"]["max"] == 0
+    assert state["replacement_received_bytes"]["p50"] == run["parameters"] * 12 + 8 * 4  # + Adam's 8 step counters
+    assert state["state_rate_mib_s"]["p50"] > 0 and run["raw_broadcast"]["bytes"] == run["parameters"] * 12
 
 
 @pytest.mark.timeout(150)
