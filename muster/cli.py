@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
+from muster.net import split_host_port
 from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.zygote import PRELOAD
@@ -66,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked "
                              "only over TLS")
         peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
+        _check_listen(args, bool(tls.cert))
     except (InvalidPolicy, OSError, ValueError) as exc:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 2
@@ -90,6 +93,29 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_listen(args: argparse.Namespace, tls: bool) -> None:
+    """The addresses, before anything starts (etcd included); and no open door by default: an
+    address beyond loopback needs TLS or tokens, or --insecure said out loud."""
+    for flag in ("listen", "advertise", "metrics_listen"):
+        if getattr(args, flag):
+            try:
+                split_host_port(getattr(args, flag))
+            except ValueError as exc:
+                raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
+    host, _ = split_host_port(args.listen)
+    if not (tls or args.tokens or args.insecure or _loopback(host)):
+        raise ValueError(f"--listen {args.listen} reaches beyond this host with neither TLS (--tls-cert) nor tokens "
+                         "(--tokens): anyone who reaches the port could stop or delete any job; add them, or "
+                         "--insecure to serve so anyway")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
 
 
 def duration(text: str) -> float:
@@ -444,6 +470,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     g.add_argument("--tls-key", help="the certificate's private key (PEM)")
     g.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
+    g.add_argument("--insecure", action="store_true",
+                   help="serve on an address beyond loopback with neither TLS nor tokens (refused without it: "
+                        "anyone reaching the port could stop or delete any job)")
     g.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
     g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")

@@ -38,3 +38,24 @@ def test_the_job_comes_from_the_environment_where_a_verb_needs_one(monkeypatch, 
 def test_version():
     out = subprocess.run([sys.executable, "-m", "muster.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("muster ")
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--listen", "nonsense"], "--listen: address 'nonsense' is not HOST:PORT"),
+    (["--listen", "127.0.0.1:7600", "--metrics-listen", "x"], "--metrics-listen: address 'x' is not HOST:PORT"),
+    (["--listen", "0.0.0.0:7600"], "reaches beyond this host with neither TLS (--tls-cert) nor tokens (--tokens)"),
+])
+def test_serve_refuses_a_bad_or_open_address_in_one_line_before_starting_anything(argv, says, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "muster.cli", "serve", "--data-dir", str(tmp_path), *argv],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and says in out.stderr, out.stderr
+    assert not (tmp_path / "etcd").exists(), "no etcd started for a refused command line"
+
+
+def test_an_open_address_is_served_with_tls_tokens_or_insecure():
+    from muster.cli import _check_listen
+
+    p = parser()
+    for extra in (["--insecure"], ["--tokens", "t"], ["--listen", "[::1]:7600"], ["--listen", "localhost:7600"]):
+        _check_listen(p.parse_args(["serve", "--listen", "0.0.0.0:7600", *extra]), tls=False)
+    _check_listen(p.parse_args(["serve", "--listen", "0.0.0.0:7600"]), tls=True)
