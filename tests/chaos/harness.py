@@ -245,6 +245,8 @@ class Chaos:
                                   "--grace", str(grace_s)]
         if relay_min_nodes:  # the nodes stream through the replicas their ids hash to, relayed to the leader
             self.coordinator_flags += ["--relay-min-nodes", str(relay_min_nodes)]
+        if not host.startswith("127."):  # a namespace's veth address: a private test network, no TLS or tokens
+            self.coordinator_flags.append("--insecure")
         self.etcd = EtcdCluster(workdir / "etcd", etcd_members)
         self.replicas: list[CoordinatorProcess] = []
         self.agents: dict[str, AgentProcess] = {}
