@@ -17,7 +17,7 @@ from itertools import islice
 
 from muster.coordinator.core.liveness import Liveness, RankReport
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_SLOTS, MAX_STEP, JobSpec
-from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, Placement, RankMap
+from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Outcome, Phase, Placement, RankMap
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound
 from muster.names import JOB_NAME, NODE_ID
 from muster.v1 import muster_pb2 as pb
@@ -377,7 +377,7 @@ def job_status(state: JobState, leader: str, term: int, live: Liveness | None, b
         term=term,
         generation=state.generation,
         world_size=rm.world_size if rm else 0,
-        phase=state.phase.value,
+        phase=state.phase.value if state.outcome is Outcome.RUNNING else "ended",  # no live phase once over
         live=live is not None,
         run=state.run,
         outcome=state.outcome.value,

@@ -319,8 +319,9 @@ def _status(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
     for j in jobs:
+        live = f"  phase {j['phase']}" if j["outcome"] == "running" else ""
         print(f"job {j['name']}  run {j['run']}  {j['outcome']}  leader {j['leader'] or '-'}  term {j['term']}  "
-              f"generation {j['generation']}  world_size {j['world_size']}  phase {j['phase']}")
+              f"generation {j['generation']}  world_size {j['world_size']}{live}")
         if j["outcome"] != "running":
             print(f"  ended {_when(j['ended_unix_ms'])}: {j['outcome_reason']}")
         if "summary" in j:  # the first page

@@ -178,3 +178,15 @@ def test_a_token_of_another_generation_or_beyond_the_job_is_refused():
     assert "beyond the job's world size 6" in refusal(InvalidArgument, wire.rank_page, state, None,
                                                       page(page_token="g1r7"))
     assert wire.rank_page(state, None, page(page_token="g1r6")) == ([], "")
+
+
+def test_a_finished_run_shows_its_outcome_and_no_live_phase():
+    from dataclasses import replace
+
+    from muster.coordinator.core.state import Outcome
+
+    state = running(2)
+    assert wire.job_status(state, "leader:1", 7, None, brief=True).phase == "running"
+    ended = replace(state, outcome=Outcome.SUCCEEDED, outcome_reason="every rank completed its script")
+    js = wire.job_status(ended, "", 7, None, brief=True)
+    assert (js.outcome, js.phase) == ("succeeded", "ended")
