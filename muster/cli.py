@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
@@ -300,13 +301,7 @@ def _status(args: argparse.Namespace) -> int:
     request = pb.StatusRequest(job=job, page_size=args.page_size, page_token=args.page_token or "",
                                node=args.node or "", states=states, run=args.run)
     response = _ask(args, "Status", request)
-    jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            for j in response.jobs]
-    for j in jobs:
-        for name in ("term", "generation", "run", "started_unix_ms", "ended_unix_ms"):
-            j[name] = int(j[name])
-        for r in j["ranks"]:
-            r["step"] = int(r["step"])
+    jobs = [as_json(j) for j in response.jobs]
     if args.json:
         named = next((j for j in jobs if j["name"] == job), None)
         print(json.dumps({
@@ -348,12 +343,34 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def as_json(message) -> dict:
+    """One JSON shape for every verb's --json: every scalar and list field present (its zero value
+    when unset: 0, "", []), 64-bit integers as numbers (protobuf's JSON writes them as strings)."""
+    def numbers(descriptor, d: dict) -> dict:
+        for f in descriptor.fields:
+            if f.name not in d:
+                continue
+            repeated = f.is_repeated
+            if f.message_type is not None and not f.message_type.GetOptions().map_entry:
+                for item in d[f.name] if repeated else [d[f.name]]:
+                    numbers(f.message_type, item)
+            elif f.type in _INT64:
+                d[f.name] = [int(x) for x in d[f.name]] if repeated else int(d[f.name])
+        return d
+    return numbers(message.DESCRIPTOR, MessageToDict(message, preserving_proto_field_name=True,
+                                                     always_print_fields_with_no_presence=True))
+
+
 def _events(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
     response = _ask(args, "Events", pb.EventsRequest(job=_job(args), run=args.run))
     if args.json:
-        print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(as_json(response), indent=2))
         return 0
     for e in response.events:
         print(f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} "
@@ -370,7 +387,7 @@ def _jobs(args: argparse.Namespace) -> int:
 
     response = _ask(args, "Jobs", pb.JobsRequest(job=_job(args)))
     if args.json:
-        print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(as_json(response), indent=2))
         return 0
     print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STARTED':<19} {'ENDED':<19} REASON")
     for j in response.jobs:

@@ -59,3 +59,15 @@ def test_an_open_address_is_served_with_tls_tokens_or_insecure():
     for extra in (["--insecure"], ["--tokens", "t"], ["--listen", "[::1]:7600"], ["--listen", "localhost:7600"]):
         _check_listen(p.parse_args(["serve", "--listen", "0.0.0.0:7600", *extra]), tls=False)
     _check_listen(p.parse_args(["serve", "--listen", "0.0.0.0:7600"]), tls=True)
+
+
+def test_json_has_one_shape_numbers_as_numbers_and_every_field_present():
+    from muster.cli import as_json
+    from muster.v1 import muster_pb2 as pb
+
+    assert as_json(pb.JobsResponse()) == {"jobs": []}  # (was {})
+    record = as_json(pb.JobsResponse(jobs=[pb.JobRecord(name="j", run=3, started_unix_ms=1_700_000_000_000)]))
+    (job,) = record["jobs"]
+    assert job["run"] == 3 and job["started_unix_ms"] == 1_700_000_000_000 and job["ended_unix_ms"] == 0
+    status = as_json(pb.JobStatus(name="j", term=2, ranks=[pb.RankStatus(rank=1, step=10**12)]))
+    assert status["term"] == 2 and status["ranks"][0]["step"] == 10**12 and status["spares"] == []
