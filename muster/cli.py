@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from muster import logs
-from muster.net import split_host_port
+from muster.net import address_towards, is_loopback, split_host_port
 from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.zygote import PRELOAD
@@ -106,17 +105,10 @@ def _check_listen(args: argparse.Namespace, tls: bool) -> None:
             except ValueError as exc:
                 raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
     host, _ = split_host_port(args.listen)
-    if not (tls or args.tokens or args.insecure or _loopback(host)):
+    if not (tls or args.tokens or args.insecure or is_loopback(host)):
         raise ValueError(f"--listen {args.listen} reaches beyond this host with neither TLS (--tls-cert) nor tokens "
                          "(--tokens): anyone who reaches the port could stop or delete any job; add them, or "
                          "--insecure to serve so anyway")
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve anywhere
-        return False
 
 
 def duration(text: str) -> float:
@@ -184,6 +176,12 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # LaunchError, a bad coordinator address or straggler policy
         print(f"muster run: {exc}", file=sys.stderr)
         return 2
+    host = args.host or address_towards(list(coordinators))
+    span = nodes or launch.nodes
+    multi_node = bool(span) and span[1] > 1
+    if is_loopback(host) and multi_node and not all(is_loopback(split_host_port(c)[0]) for c in coordinators):
+        print(f"muster run: this node's address is {host}, which other hosts cannot reach: pass --host "
+              "with an address of this host they can", file=sys.stderr)
     for note in launch.notes:
         print(f"muster run: {note}", file=sys.stderr)
     if job != args.job:
@@ -197,7 +195,7 @@ def _run(args: argparse.Namespace) -> int:
         node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
         slots=launch.slots or args.slots or 1,
         argv=tuple(launch.argv),
-        host=args.host,
+        host=host,
         nodes=nodes or launch.nodes,
         world_size_multiple=args.world_size_multiple,
         stragglers=(args.straggler_action, args.straggler_factor, args.straggler_min_steps),
@@ -451,7 +449,7 @@ def _from_environment(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if "job" in args and args.job is None:
         args.job = os.environ.get("MUSTER_JOB") or None
         if args.job is None and getattr(args, "job_required", False):
-            p.error(f"muster {args.command}: --job is required (or set MUSTER_JOB)")
+            p.error("--job is required (or set MUSTER_JOB)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -574,7 +572,8 @@ def _run_parser(sub) -> None:
     r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
     r.add_argument("--slots", type=int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
     r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")
-    r.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
+    r.add_argument("--host", help="address other nodes reach this node at (default: this host's address on the route "
+                                  "to the coordinator; 127.0.0.1 for a coordinator on loopback)")
     r.add_argument("--world-size-multiple", type=int, default=0)
     g = r.add_argument_group("the job's straggler policy, if this node creates the job (default: the deployment's, "
                              "muster serve --straggler-*)")

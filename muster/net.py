@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 import threading
@@ -26,6 +27,30 @@ def join_host_port(host: str, port: int) -> str:
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+
+
+def address_towards(addresses: list[str]) -> str:
+    """This host's address on the route to the first of `addresses` (HOST:PORT): what the others
+    of a job can reach it at, as torchrun and NCCL would pick it. A UDP socket's connect sends
+    nothing; it only asks the kernel for the route. 127.0.0.1 towards a coordinator on loopback (a
+    job on one machine); the host's FQDN where no route is known (a name that does not resolve)."""
+    for address in addresses:
+        host, port = split_host_port(address)
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family[0], socket.SOCK_DGRAM) as s:
+                s.connect(family[4])
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return socket.getfqdn()
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

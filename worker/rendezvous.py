@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousParameters, RendezvousStoreInfo,
                                                   RendezvousTimeoutError)
 
-from muster.net import free_port, split_host_port
+from muster.net import address_towards, free_port, split_host_port
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.comm import publish
@@ -55,7 +55,8 @@ class MusterRendezvousHandler(RendezvousHandler):
             log.info("rdzv_job_name_mapped", rdzv_id=self._run_id, job=self._job)
         self._addresses = params.endpoint
         self._security = security
-        self._host = params.local_addr or socket.getfqdn()
+        # As `muster run` picks it: the address on the route to the coordinator (torchrun's --local-addr wins)
+        self._host = params.local_addr or address_towards([a.strip() for a in params.endpoint.split(",") if a.strip()])
         self._spec = pb.JobSpec(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
         self._join_timeout_s = float(params.get("join_timeout", 600))
         self._rejoin_after_s = float(params.get("rejoin_after", 3.0))

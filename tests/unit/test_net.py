@@ -43,3 +43,22 @@ def test_backoff_starts_over_after_a_quiet_period_and_not_within_one():
         clock.advance(59.0)  # each retry within the quiet period of the one before: still doubling
     clock.advance(2.0)  # 61 s since the last retry
     assert 0.2 <= backoff.next() < 0.4
+
+
+def test_a_nodes_address_is_the_one_on_the_route_to_the_coordinator():
+    import socket
+
+    from muster.net import address_towards, is_loopback
+
+    assert address_towards(["127.0.0.1:7600"]) == "127.0.0.1"  # a job on one machine
+    assert is_loopback(address_towards(["localhost:7600"]))
+    # a coordinator at this host's own (non-loopback) address, if it has one: reached from that address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: a route, nothing sent
+            own = s.getsockname()[0]
+        except OSError:
+            own = ""
+    if own and not is_loopback(own):
+        assert address_towards([f"{own}:7600"]) == own
+    assert not is_loopback("10.0.0.1") and not is_loopback("coord.example") and is_loopback("::1")
