@@ -20,14 +20,14 @@ starts (`detach`): it reports its own steps.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import mmap
 import os
 import struct
 import sys
 import time
 import weakref
+
+from muster.worker.after_import import when_imported
 
 STEP_FILE_ENV = "MUSTER_STEP_FILE"
 # seq, step, step_time_us, compute_us, seq: written whole; a read that finds the two seqs unequal
@@ -103,12 +103,8 @@ class StepProbe:
 def attach(path: str) -> None:
     """In a rank the runner starts: install the probe now if torch is loaded (a warm start), else
     once the script imports torch."""
-    if not path:
-        return
-    if "torch" in sys.modules:
-        _install(path)
-    else:
-        sys.meta_path.insert(0, _AfterImport("torch", lambda: _install(path)))
+    if path:
+        when_imported("torch", lambda: _install(path))
 
 
 def detach() -> None:
@@ -137,28 +133,3 @@ def _install(path: str) -> None:
         os.register_at_fork(after_in_child=detach)  # a child the script forks (a data loader's worker) writes nothing
     except Exception as exc:  # an old torch, the agent's file gone: the rank runs, unmeasured
         print(f"muster: steps are not measured in this rank ({type(exc).__name__}: {exc})", file=sys.stderr)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `then` once module `name` has been imported (its loader's exec_module returned)."""
-
-    def __init__(self, name: str, then):
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # once; and the finders below find the module itself
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module, then = spec.loader.exec_module, self.then
-
-        def exec_then(module):
-            exec_module(module)
-            if module.__name__ == fullname:  # a loader shared by several modules (a zip) runs the rest as it was
-                then()
-
-        spec.loader.exec_module = exec_then  # this import's loader (a file's is made for it)
-        return spec
