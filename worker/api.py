@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
-from muster.worker import step_probe
+from muster.worker import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.comm import (NCCL_ABORTED, Comm, GroupSpec, StepCut, Superseded, backend_named, exit_stuck,
                                 interface_of)
@@ -251,6 +251,7 @@ class Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
         c = self.config
         step_probe.detach()  # the runner's, for scripts without the library: this rank reports its own steps
+        group_end.detach()  # the runner's too: the library destroys its groups at every reform
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))

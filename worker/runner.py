@@ -9,6 +9,8 @@ the agent names in $MUSTER_COMPLETED_FILE (in its private directory): created be
 survives a SIGKILL or an abort that follows. An uncaught exception or another exit status is no
 completion. The warm-start zygote runs its ranks through `run` too. Where the agent asks for it, the
 runner also installs the step probe (`step_probe`): the script's steps and compute time, unmodified.
+It always installs `group_end`: the script's destroy_process_group() frees its group without gloo's
+deadlock, and says that its collective work is done, should its process freeze before __main__ returns.
 
 The program sees what `python SCRIPT` shows it: `sys.argv`, `sys.path[0]`, `__main__`, its exit
 status, and an uncaught exception's traceback without this module's or runpy's frames.
@@ -24,7 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from muster.worker import step_probe
+from muster.worker import group_end, step_probe
 
 COMPLETED_FILE_ENV = "MUSTER_COMPLETED_FILE"
 # Where the rank writes the installed modules it imported, for the warm-start zygote to learn.
@@ -81,10 +83,12 @@ def run(program: Program) -> None:
         timer.daemon = True
         timer.start()
     step_probe.attach(os.environ.pop(step_probe.STEP_FILE_ENV, ""))
+    group_end.attach(f"{marker}{group_end.ENDED_SUFFIX}" if marker else "")
     sys.argv = [program.target, *program.args]
     try:
         _run(program, marker, pid)
     finally:
+        group_end.close()
         if timer is not None:  # gone before teardown: a live (daemon) thread changes what finalization frees
             timer.cancel()
             timer.join()

@@ -72,6 +72,7 @@ class Slot:
     imports_file: str = ""  # written by the runner: the packages its process imported (warm starts)
     steps: StepFile | None = None  # where its process's step probe writes (a script without the library)
     hung: bool = False  # its process outlived --exit-timeout after its script completed, and was ended
+    frozen: bool = False  # its script destroyed its process group, then its process ran no Python for --exit-timeout
     # The process that outlived the node's rejoin: until the new member is placed, the leader lists
     # the slot as awaiting a process (start_ranks), which is not that one's failure (rank_hub).
     kept_pid: int = 0

@@ -20,6 +20,7 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker import orphan_guard
 from muster.worker.agent_config import AgentConfig
 from muster.worker.crash_report import exit_words, failure_report, last_failure
+from muster.worker.group_end import ENDED_SUFFIX, EndedFile
 from muster.worker.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import SLOT_SECRET_ENV
@@ -209,8 +210,11 @@ class RankSupervisor:
             # never restarted; the job is ending (the ranks of a job finish together).
             slot.finished = True
             if code != 0 or slot.hung:
-                how = (f"hung in interpreter teardown, ended after --exit-timeout {self.node.config.exit_timeout_s:g}s"
-                       if slot.hung else "died in interpreter teardown")
+                timeout_s = self.node.config.exit_timeout_s
+                how = (f"hung (no Python ran for --exit-timeout {timeout_s:g}s after its destroy_process_group()), "
+                       "ended" if slot.frozen else
+                       f"hung in interpreter teardown, ended after --exit-timeout {timeout_s:g}s" if slot.hung else
+                       "died in interpreter teardown")
                 self.log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
                                  hung=slot.hung)
                 say(f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished")
@@ -268,8 +272,11 @@ class RankSupervisor:
     async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
         """Its process's exit code. While it runs, its script's completion (the runner's mark) is
         looked for: a process still running --exit-timeout after it is hung in interpreter teardown
-        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL."""
+        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL. So is one whose
+        script destroyed its process group and then ran no Python for --exit-timeout (group_end)."""
+        exit_timeout_s = self.node.config.exit_timeout_s
         exited = asyncio.ensure_future(proc.wait())
+        ended = EndedFile(slot.completed_file + ENDED_SUFFIX) if slot.completed_file else None
         while not slot.finished:
             done, _ = await asyncio.wait([exited], timeout=COMPLETION_POLL_S)
             if done:
@@ -278,14 +285,22 @@ class RankSupervisor:
                 slot.finished = True
                 self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
                 self.node.session.send_now()  # the leader hears at once that the job is finishing
+            elif ended is not None and ended.frozen_s() > exit_timeout_s:
+                # Its script destroyed its process group, then its interpreter ran nothing for the exit
+                # timeout (gloo's teardown deadlock, as main() returns): its work is done, it is hung.
+                slot.finished = slot.frozen = True
+                self.log.warning("rank_frozen_after_its_work", slot=slot.index, rank=slot.rank, pid=proc.pid,
+                                 exit_timeout_s=exit_timeout_s)
+                self.node.session.send_now()
             if slot.imports_file and os.path.exists(slot.imports_file):
                 self._learn(slot)
-        escalation = ((None, self.node.config.exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None))
+        escalation = ((None, 0.0 if slot.frozen else exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S),
+                      (proc.kill, None))
         for send, wait_s in escalation:
             if send is not None:
                 slot.hung = True
                 self.log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
-                                 exit_timeout_s=self.node.config.exit_timeout_s)
+                                 exit_timeout_s=exit_timeout_s)
                 send()
             done, _ = await asyncio.wait([exited], timeout=wait_s)
             if done:

@@ -138,3 +138,17 @@ def test_a_rank_hanging_in_teardown_is_ended_after_the_exit_timeout_and_counted_
     completed = record_time(next(r for r in node.records("rank_completed") if r["rank"] == 0))
     stopped = record_time(node.records("agent_stopped")[-1])
     assert 3 <= stopped - completed < 3 + 5, "ended within --exit-timeout and a few seconds"
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_frozen_after_destroying_its_group_is_ended_after_the_exit_timeout_and_counted_finished(
+        coordinators, agents, tmp_path):
+    # Frozen before its script returns, so the runner never marks it completed: what the agent knows is
+    # that the script destroyed its process group and then ran no Python (gloo's teardown deadlock, met
+    # by warm ranks; the agent's side is the same for cold ones).
+    nodes, said = run_job(coordinators, agents, tmp_path, "freeze", "freeze", True, exit_timeout_s=3)
+    assert said.endswith("then hung (no Python ran for --exit-timeout 3s after its destroy_process_group()), "
+                         "ended (killed by SIGTERM): counted as finished"), said
+    (node,) = [n for n in nodes if n.records("rank_frozen_after_its_work")]
+    (frozen,) = node.records("rank_frozen_after_its_work")
+    assert frozen["rank"] == 0

@@ -1,11 +1,14 @@
 """A plain DDP script (env://, gloo, no Muster code) whose rank 0 misbehaves in interpreter teardown
 once its steps are done, as torch/gloo destructors do under Hugging Face's Trainer:
 --teardown abort: a global object's __del__ calls os.abort() (SIGABRT) when the interpreter frees it;
---teardown hang: an atexit handler that never returns.
+--teardown hang: an atexit handler that never returns;
+--teardown freeze: before its script returns, a C call that never returns with the GIL held, as gloo's
+teardown deadlock does (a DDP wrapper freed as main() returns): no Python runs in the process again.
 Every rank appends "STEP PID" to OUT/rank-R.steps after each step."""
 
 import argparse
 import atexit
+import ctypes
 import os
 import time
 from pathlib import Path
@@ -24,7 +27,7 @@ class AbortsWhenFreed:
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--out", type=Path, required=True)
-p.add_argument("--teardown", choices=("abort", "hang"), required=True)
+p.add_argument("--teardown", choices=("abort", "hang", "freeze"), required=True)
 args = p.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -39,5 +42,7 @@ dist.destroy_process_group()
 if rank == 0:
     if args.teardown == "abort":
         freed_in_teardown = AbortsWhenFreed()
-    else:
+    elif args.teardown == "hang":
         atexit.register(time.sleep, 3600)
+    else:
+        ctypes.pythonapi.sleep(3600)  # (pythonapi: the GIL stays held)
