@@ -274,8 +274,9 @@ class AgentProcess(_Child):
     def __init__(self, coordinators: list[str], job: str, node_id: str, log_dir: Path, *, slots: int = 2,
                  nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05, host: str = "127.0.0.1",
                  command: list[str] | None = None, extra: list[str] | None = None, wrap: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, cwd: Path | None = None):
         self.node_id = node_id
+        self.cwd = cwd  # its ranks' too (what they write to relative paths)
         self.env = {**os.environ, **env} if env else None  # the agent's, which its ranks inherit
         self.log_dir = log_dir
         self.log_path = log_dir / f"agent-{node_id}.log"
@@ -291,7 +292,7 @@ class AgentProcess(_Child):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                                         start_new_session=True, cwd=self.cwd)
         return self
 
     def records(self, event: str | None = None) -> list[dict]:
