@@ -610,7 +610,9 @@ def _run_parser(sub) -> None:
     r.add_argument("--exit-timeout", type=float, default=30.0,
                    help="a rank whose script completed (its __main__ returned, or sys.exit(0)) but whose process "
                         "is still there this long after (hung in interpreter teardown) is sent SIGTERM, and SIGKILL "
-                        "5 s later; it counts as finished either way, and is never restarted (default %(default)s s)")
+                        "5 s later; so is one whose script called destroy_process_group() and whose process then "
+                        "ran no Python this long (frozen); it counts as finished either way, and is never restarted "
+                        "(default %(default)s s)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     _client_security_flags(r)
     r.set_defaults(func=_run, verb="run")
