@@ -210,14 +210,9 @@ class RankSupervisor:
             # never restarted; the job is ending (the ranks of a job finish together).
             slot.finished = True
             if code != 0 or slot.hung:
-                timeout_s = self.node.config.exit_timeout_s
-                how = (f"hung (no Python ran for --exit-timeout {timeout_s:g}s after its destroy_process_group()), "
-                       "ended" if slot.frozen else
-                       f"hung in interpreter teardown, ended after --exit-timeout {timeout_s:g}s" if slot.hung else
-                       "died in interpreter teardown")
                 self.log.warning("rank_finished_then_died", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
                                  hung=slot.hung)
-                say(f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished")
+                say(finished_then(slot, code, self.node.config.exit_timeout_s))
             await self.node.settle()
             return
         if self.node.finishing() and not self.node.draining:
@@ -272,9 +267,9 @@ class RankSupervisor:
     async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
         """Its process's exit code. While it runs, its script's completion (the runner's mark) is
         looked for: a process still running --exit-timeout after it is hung in interpreter teardown
-        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL. So is one whose
-        script destroyed its process group and then ran no Python for --exit-timeout (group_end)."""
-        exit_timeout_s = self.node.config.exit_timeout_s
+        (a destructor, a thread never joined), and is sent SIGTERM, then SIGKILL; so is one frozen
+        --exit-timeout after its script destroyed its process group (group_end)."""
+        timeout_s = self.node.config.exit_timeout_s
         exited = asyncio.ensure_future(proc.wait())
         ended = EndedFile(slot.completed_file + ENDED_SUFFIX) if slot.completed_file else None
         while not slot.finished:
@@ -285,22 +280,18 @@ class RankSupervisor:
                 slot.finished = True
                 self.log.info("rank_completed", slot=slot.index, rank=slot.rank, pid=proc.pid)
                 self.node.session.send_now()  # the leader hears at once that the job is finishing
-            elif ended is not None and ended.frozen_s() > exit_timeout_s:
-                # Its script destroyed its process group, then its interpreter ran nothing for the exit
-                # timeout (gloo's teardown deadlock, as main() returns): its work is done, it is hung.
+            elif ended is not None and ended.frozen_s() > timeout_s:  # its work done, then it froze
                 slot.finished = slot.frozen = True
-                self.log.warning("rank_frozen_after_its_work", slot=slot.index, rank=slot.rank, pid=proc.pid,
-                                 exit_timeout_s=exit_timeout_s)
+                self.log.warning("rank_frozen_after_its_work", slot=slot.index, rank=slot.rank, pid=proc.pid)
                 self.node.session.send_now()
             if slot.imports_file and os.path.exists(slot.imports_file):
                 self._learn(slot)
-        escalation = ((None, 0.0 if slot.frozen else exit_timeout_s), (proc.terminate, EXIT_KILL_GRACE_S),
-                      (proc.kill, None))
+        escalation = ((None, 0.0 if slot.frozen else timeout_s), (proc.terminate, EXIT_KILL_GRACE_S), (proc.kill, None))
         for send, wait_s in escalation:
             if send is not None:
                 slot.hung = True
                 self.log.warning("rank_exit_timeout", slot=slot.index, pid=proc.pid, sending=send.__name__,
-                                 exit_timeout_s=exit_timeout_s)
+                                 exit_timeout_s=timeout_s)
                 send()
             done, _ = await asyncio.wait([exited], timeout=wait_s)
             if done:
@@ -311,12 +302,7 @@ class RankSupervisor:
         """The modules a rank imported, for the zygote's successor (read once: the slot stops
         looking for its file)."""
         path, slot.imports_file = slot.imports_file, ""
-        try:
-            with open(path) as f:
-                modules = f.read().split()
-            os.unlink(path)
-        except OSError:
-            return
+        modules = read_imports(path)
         if self.warm is not None:
             self.warm.learn(modules)
 
@@ -388,6 +374,26 @@ class RankSupervisor:
         except TimeoutError:
             proc.kill()
             await proc.wait()
+
+
+def read_imports(path: str) -> list[str]:
+    """The modules in a rank's imports file, which goes ([] if it cannot be read)."""
+    try:
+        with open(path) as f:
+            modules = f.read().split()
+        os.unlink(path)
+    except OSError:
+        return []
+    return modules
+
+
+def finished_then(slot: Slot, code: int, exit_timeout_s: float) -> str:
+    """What a finished rank's process did after its work, for the person at the terminal."""
+    how = (f"hung (no Python ran for --exit-timeout {exit_timeout_s:g}s after its destroy_process_group()), ended"
+           if slot.frozen else
+           f"hung in interpreter teardown, ended after --exit-timeout {exit_timeout_s:g}s" if slot.hung else
+           "died in interpreter teardown")
+    return f"{slot.named} finished its script, then {how} ({exit_words(code)}): counted as finished"
 
 
 def say(message: str) -> None:
