@@ -40,14 +40,13 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
-from muster.worker.comm import (NCCL_ABORTED, Comm, GroupSpec, StepCut, Superseded, backend_named, exit_stuck,
-                                interface_of)
-from muster.worker.errors import (CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded,
-                                  ShardedStateRefused, WorkerError)
+from muster.worker.comm import Comm, GroupSpec, StepCut, Superseded, backend_named, exit_stuck, interface_of
+from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.state import ReplicatedState, sharded
+from muster.worker.state import ReplicatedState
+from muster.worker.step_guards import StepGuards
 from muster.worker.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
@@ -191,12 +190,13 @@ class Worker:
         self._unwinding = Unwinding(excused=lambda: self._closing or self._progress[2] == "long_phase")
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
         self._redos = 0  # attempts of the current step discarded in a row
-        self._cut_below = 0  # a step in a generation below this is cut short (its group was aborted)
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._scope = _StepScope(self)
         self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
+        self._guards = StepGuards(lambda: self.generation, lambda: self.step, lambda: self.comm,
+                                  lambda: self._closing, self.device)
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -206,46 +206,9 @@ class Worker:
         for name, obj in extras.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
-        shard = sharded(model, optimizer)
-        if shard:
-            raise ShardedStateRefused(
-                f"sharded state cannot be recovered yet: {shard}. Muster keeps every rank's state "
-                "identical and sends it whole to a rank that lacks it; a lost shard needs a replica group "
-                "(HSDP: another replica holding the same shard) or a peer's in-memory snapshot of it, and "
-                "neither is built yet. Register a replicated model (DDP), or restart from your checkpoint")
-        self.state = ReplicatedState(model, optimizer, dict(extras))
-        if self.device.type == "cuda" and hasattr(optimizer, "register_step_pre_hook"):
-            optimizer.register_step_pre_hook(self._refuse_partial_step)
-        if model is not None:
-            # A step in flight when its group is aborted is lost anyway; its compute goes on until its
-            # next collective fails (a second for a large model on a CPU). These checks, one per
-            # module with parameters as the forward reaches it and one per gradient as the backward
-            # makes it, end it at once instead.
-            for module in model.modules():
-                if next(module.parameters(recurse=False), None) is not None:
-                    module.register_forward_pre_hook(self._cut_short)
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._cut_short)
+        self.state = ReplicatedState.of(model, optimizer, dict(extras))
+        self._guards.install(model, optimizer)
         return self
-
-    def _cut_short(self, *_) -> None:
-        if self.generation < self._cut_below and not self._closing:
-            raise StepCut(f"generation {self.generation} was aborted: the step in flight is cut short")
-
-    def _refuse_partial_step(self, optimizer, args, kwargs) -> None:
-        """Before the optimizer's step, on CUDA: the step's all-reduce runs on the GPU after the host
-        has moved on, and an abort that cuts it short leaves each rank with its own partial sums.
-        Applied, they would make every survivor's state different (seen on an H200: after a kill each
-        survivor held another state, and one rank's was sent to all). So the host waits for the
-        step's GPU work, and refuses the step if the group was aborted meanwhile: the step is then
-        discarded with its gradients and redone in the new group, the state untouched."""
-        if self.comm is None or not self.comm.formed:
-            return
-        torch.cuda.current_stream(self.device).synchronize()
-        if self.comm.aborted():
-            raise RuntimeError(f"{NCCL_ABORTED[0]} while step {self.step + 1}'s collectives ran: its gradients are "
-                               "partial, so the optimizer step is refused")
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
@@ -480,7 +443,7 @@ class Worker:
     def _abort(self, below_generation: int, into: GroupSpec | None = None) -> None:
         """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming.
         `into`: the group this rank has in the abort generation, which may shrink the old one."""
-        self._cut_below = max(self._cut_below, below_generation)  # the step in flight stops at its next module
+        self._guards.aborted(below_generation)  # the step in flight stops at its next module or gradient
         abandoned = (lambda: self._superseded(into.generation, True)) if into is not None else None
         # The group the training thread must leave: the one it steps in, or one formed that it syncs the
         # state in (a chaos run wedged there, on a gloo pair the abort missed, with nothing watching).

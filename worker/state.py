@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from muster.worker.errors import StateMismatch
+from muster.worker.errors import ShardedStateRefused, StateMismatch
 from muster.worker.transfer import (BUCKET_BYTES, Card, Piece, SyncPlan, TensorRef, describe, flatten, paths,
                                     pieces, plan, unflatten)
 
@@ -103,6 +103,18 @@ class ReplicatedState:
     bucket_bytes: int = BUCKET_BYTES
     # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
     on_received: Callable[[int, torch.Tensor], None] | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module | None, optimizer: Stateful | None, extras: dict[str, Stateful]) -> ReplicatedState:
+        """The state to keep identical on every rank; sharded state is refused (ShardedStateRefused)."""
+        shard = sharded(model, optimizer)
+        if shard:
+            raise ShardedStateRefused(
+                f"sharded state cannot be recovered yet: {shard}. Muster keeps every rank's state "
+                "identical and sends it whole to a rank that lacks it; a lost shard needs a replica group "
+                "(HSDP: another replica holding the same shard) or a peer's in-memory snapshot of it, and "
+                "neither is built yet. Register a replicated model (DDP), or restart from your checkpoint")
+        return cls(model, optimizer, extras)
 
     def discard_step(self) -> None:
         """Gradients of an aborted step must not leak into the redo."""

@@ -143,6 +143,22 @@ def test_an_abort_watches_a_group_formed_but_not_yet_adopted():
     assert watched == [(12, 13), (11, 14)]
 
 
+class Group:
+    """A formed group whose abort thread may have aborted it (`cut`)."""
+    formed, cut = True, False
+
+    def aborted(self):
+        return self.cut
+
+
+def guards(generation=3, device="cpu"):
+    from muster.worker.step_guards import StepGuards
+
+    group, at = Group(), {"generation": generation}
+    return StepGuards(lambda: at["generation"], lambda: 7, lambda: group, lambda: False,
+                      torch.device(device)), group, at
+
+
 def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(monkeypatch):
     """NCCL's all-reduce finishes on the GPU after the host moved on; cut short by an abort, its
     partial sums must not reach the parameters (the step is discarded and redone instead)."""
@@ -151,46 +167,45 @@ def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(
     synced = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
         "Stream", (), {"synchronize": lambda self: synced.append(device)})())
-
-    class Group:  # the formed group; `cut` once the abort thread aborted it
-        formed, cut = True, False
-
-        def aborted(self):
-            return self.cut
-
-    w = worker()
-    w.device = torch.device("cuda", 0)
+    g, group, _ = guards(device="cuda")
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    w.register(model=model, optimizer=opt)
-    w.comm = Group()
+    g.install(None, opt)
     model(torch.ones(1, 2)).sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()  # not aborted: the step applies, after waiting for the GPU
     assert synced and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     kept = [p.detach().clone() for p in model.parameters()]
-    w.comm.cut = True
+    group.cut = True
     with pytest.raises(RuntimeError) as refused:
         opt.step()
     assert Nccl().is_transport_failure(refused.value), "the step scope discards it as a failure outside the rank"
+    assert "step 8" in str(refused.value)
     assert all(torch.equal(a, b) for a, b in zip(kept, model.parameters()))
 
 
 def test_a_step_in_flight_when_its_group_is_aborted_stops_at_its_next_module_or_gradient():
     from muster.worker.comm import StepCut
 
-    w = worker()
+    g, _, at = guards(generation=3)
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
-    w.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    w.generation = 3
+    g.install(model, torch.optim.SGD(model.parameters(), lr=0.1))
     model(torch.ones(1, 2)).sum().backward()  # its group stands: nothing stops it
-    w._cut_below = 4  # the abort thread aborted generation 3
+    g.aborted(4)  # the abort thread aborted generation 3
     with pytest.raises(StepCut, match="generation 3 was aborted"):
         model(torch.ones(1, 2))
-    w._cut_below = 0
+    at["generation"] = 4  # formed anew: steps run again
     loss = model(torch.ones(1, 2)).sum()
-    w._cut_below = 4  # aborted between the forward and the backward
+    g.aborted(5)  # aborted between the forward and the backward
     with pytest.raises(StepCut):
         loss.backward()
-    w.generation = 4  # formed anew: steps run again
-    model(torch.ones(1, 2)).sum().backward()
+
+
+def test_a_worker_guards_what_it_registers():
+    w = worker()
+    model = torch.nn.Linear(2, 1)
+    w.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    w.generation = 2
+    w._guards.aborted(3)
+    with pytest.raises(Exception, match="the step in flight is cut short"):
+        model(torch.ones(1, 2))
