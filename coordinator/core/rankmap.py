@@ -66,15 +66,22 @@ def excluded_ranks(previous: RankMap | None, placements: Sequence[Placement]) ->
     group's communicator (NCCL's comm shrink numbers survivors so) instead of making a new one."""
     if previous is None:
         return ()
-    kept: list[int] = []
+    # O(nodes), not O(ranks): a node's old ranks are a contiguous block, and its kept ones rise
+    # with its slots, so the order holds iff the blocks of the kept nodes still rise.
+    excluded: list[int] = []
+    end = 0  # the end of the last kept node's old block
     for p in placements:
         before = previous.placement(p.node_id)
-        if before is None or not set(p.slots) <= set(before.slots):
+        if before is None or (p.slots != before.slots and not set(p.slots) <= set(before.slots)):
             return ()  # a node or a slot that joined: a full init
-        kept.extend(before.rank_of(slot) for slot in p.slots)
-    if len(kept) >= previous.world_size or any(b <= a for a, b in zip(kept, kept[1:])):
-        return ()  # nobody left, or the order changed
-    return tuple(sorted(set(range(previous.world_size)).difference(kept)))
+        if before.rank_offset < end:
+            return ()  # the order changed
+        excluded.extend(range(end, before.rank_offset))  # whole nodes left out
+        if p.slots != before.slots:
+            excluded.extend(before.rank_of(s) for s in before.slots if s not in p.slots)
+        end = before.rank_offset + len(before.slots)
+    excluded.extend(range(end, previous.world_size))
+    return tuple(excluded)  # () when nobody was left out
 
 
 def rank0_address(members: Sequence[Member], placements: Sequence[Placement], *, master: bool = False) -> str:
