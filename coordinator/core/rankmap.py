@@ -42,7 +42,12 @@ def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobS
         take = min(len(member.usable_slots), target - offset)
         if take == 0:
             break
-        placements.append(Placement(member.node_id, len(placements), offset, member.usable_slots[:take]))
+        slots = member.usable_slots[:take]
+        # An unchanged placement is kept, with its encoded text: a change re-encodes only what moved.
+        p = previous.placement(member.node_id) if previous else None
+        if p is None or (p.node_rank, p.rank_offset, p.slots) != (len(placements), offset, slots):
+            p = Placement(member.node_id, len(placements), offset, slots)
+        placements.append(p)
         offset += take
     if len(placements) < spec.min_nodes:
         return Assignment(

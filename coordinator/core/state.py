@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from enum import Enum
+from json.encoder import encode_basestring_ascii
 
 from muster.coordinator.core.policy import JobSpec
 
@@ -86,8 +87,10 @@ class Placement:
 
     @cached_property
     def json(self) -> str:
-        # Formatted by hand, keys in `_json`'s order: a new map has new placements (3x faster than dumps).
-        return (f'{{"node_id":{_json(self.node_id)},"node_rank":{self.node_rank},"rank_offset":{self.rank_offset},'
+        # Formatted by hand, keys in `_json`'s order, the id escaped as `_json` escapes a str (without
+        # dumps' setup per call): a new map has new placements, 12.5k at 100k ranks.
+        return (f'{{"node_id":{encode_basestring_ascii(self.node_id)},"node_rank":{self.node_rank},'
+                f'"rank_offset":{self.rank_offset},'
                 f'"slots":[{",".join(map(str, self.slots))}]}}')
 
 

@@ -149,6 +149,21 @@ def test_state_round_trips_through_its_encoding():
     assert decode(encode(state)) == state
 
 
+def test_a_placements_text_is_its_fields_as_json_and_an_unchanged_one_is_kept_across_a_change():
+    import json
+
+    from muster.coordinator.core.state import Placement
+
+    p = Placement('n"\u00e9\\1', 3, 24, (0, 2))
+    assert p.json == json.dumps({"node_id": p.node_id, "node_rank": 3, "rank_offset": 24, "slots": [0, 2]},
+                                separators=(",", ":"), sort_keys=True)
+    state = running(4, JobSpec(2, 4, 1))
+    before = state.rank_map
+    after = decide(state, [NodeLost("n3", "node_silent", "x")], ctx(now=5)).state.rank_map
+    assert after.placements[:2] == before.placements[:2] and after.placements[0] is before.placements[0]
+    assert after.placements[2].node_id == "n4" and after.placements[2] is not before.placements[3]
+
+
 def test_divergence_is_recorded_without_a_new_generation():
     state = running()
     d = decide(state, [Diverged(("n2",), "step 10: ranks [2] differ")], ctx(now=5))
