@@ -537,11 +537,12 @@ def rank_reports(slots: int, step: int) -> list[RankReport]:
 
 
 def median_ms(fn, reps: int) -> float:
+    """The median CPU time of `fn` (this thread's: other load on the host does not count)."""
     samples = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        samples.append(time.perf_counter() - t0)
+        samples.append(time.thread_time() - t0)
     return round(statistics.median(samples) * 1e3, 3)
 
 
@@ -573,6 +574,7 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
         "leader_change_ms": round(change_s * 1e3, 3),
         "assignments_ms": median_ms(lambda: [a.directive(n) for a in [wire.Assignments(lost, "bench")] for n in node_ids], reps),
         "frame_us": round(frame_us, 2),
+        "straggler_look_ms": median_ms(lambda: straggler_look(leader), reps),
         **status_costs(leader, reps),
     }
 
@@ -610,6 +612,9 @@ def streaming_leader(state, slots: int) -> JobLeader:
     for m in state.members:
         leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind)
         leader.live.observe(m.node_id, state.generation, rank_reports(slots, 1000), clock[0])
+    clock[0] += TIMING.grace_s + 0.5  # past the takeover grace: a tally judges silence and stalls
+    for m in state.members:  # every node heard again just now, a step further
+        leader.live.observe(m.node_id, state.generation, rank_reports(slots, 1001), clock[0])
     return leader
 
 
@@ -620,16 +625,17 @@ def frame_cost_us(leader: JobLeader, state, slots: int) -> float:
     frames = [pb.NodeFrame(job=JOB, node_id=n, member_id=members[n].member_id, term=1, generation=state.generation,
                            ranks=[pb.RankReport(local_rank=s, pid=10_000 + s, step=1001, step_time_us=50_000,
                                                 state=pb.RANK_STATE_RUNNING) for s in range(slots)]) for n in sample]
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for f in frames:
         leader.on_frame(leader.streams[f.node_id], f)
-    return (time.perf_counter() - t0) / len(frames) * 1e6
+    return (time.thread_time() - t0) / len(frames) * 1e6
 
 
 async def leader_path(leader: JobLeader, nodes: int, victims: list[str], reps: int) -> tuple[float, float]:
     """The median CPU of a tally with nothing queued (what every tick costs), and of one that
     decides a node's loss: failures, decide, persist (encode), adopt (every node's directive)."""
     encode(leader.state)  # as a leader that wrote it before: members keep their encoded text
+    generation = leader.state.generation
     for _ in range(nodes // 256 + 2):  # the first judgement of every node after the takeover grace
         await leader.tally_once()
     tick = []
@@ -637,14 +643,22 @@ async def leader_path(leader: JobLeader, nodes: int, victims: list[str], reps: i
         t = time.process_time()
         await leader.tally_once()
         tick.append(time.process_time() - t)
+    assert leader.state.generation == generation, "a tally of the steady job changed it"
     change = []
     for victim in victims:
         t = time.process_time()  # CPU of the process (the encoding runs in a thread): load elsewhere does not count
         await leader.tally_once(NodeLost(victim, "node_silent", "bench"))
         change.append(time.process_time() - t)
-        for stream in leader.streams.values():
-            stream.queue = asyncio.Queue()  # drop the directives nobody reads
+        for stream in leader.streams.values():  # taken off as each stream's task would: no new objects
+            while not stream.queue.empty():
+                stream.queue.get_nowait()
     return statistics.median(tick), statistics.median(change)
+
+
+def straggler_look(leader: JobLeader) -> None:
+    """One look of the straggler watch over the whole map (the duty's O(ranks) part, on the loop)."""
+    leader.stragglers.watch.assess(leader.state.rank_map.placements, leader.live.nodes,
+                                   leader.live.median_step_time() or 0.0)
 
 
 def status_costs(leader: JobLeader, reps: int) -> dict:
@@ -684,18 +698,24 @@ def status_costs(leader: JobLeader, reps: int) -> dict:
 def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
     return {
         "definitions": {
+            "clock": "every figure is CPU time (a median over the repetitions; leader_change_ms the process's, for "
+                     "its worker thread; the others the measuring thread's), not wall time: load elsewhere on the "
+                     "host does not count, though it still slows the CPU a little (shared caches)",
             "decide_ms": "machine.decide(state, [event], ctx) on a running job with every node in the map",
             "encode_ms": "state.encode of the state after the node-lost decision (what is written to etcd); a new "
                          "job's history",
             "state_bytes_full_history": f"the same once the history is full ({TIMING.history_limit} events, half "
                                         "of them generation events listing every node); etcd refuses requests over "
                                         "1.5 MiB by default (--max-request-bytes)",
-            "tick_ms": "CPU of JobLeader.tally_once with nothing queued, every node streaming, past the first judgement "
-                       "of every node after the takeover: what the leader runs every --tick (0.05 s)",
+            "tick_ms": "CPU of JobLeader.tally_once with nothing queued, every node streaming, past the takeover grace "
+                       "and the first judgement of every node after it: what the leader runs every --tick (0.05 s)",
             "leader_change_ms": "CPU of JobLeader.tally_once with one NodeLost queued: liveness, decide, encode, adopt "
-                                "(one assignment directive per streaming node); the etcd write is left out",
+                                "(one assignment directive per streaming node, taken off its queue after, as its "
+                                "stream would); the etcd write is left out",
             "assignments_ms": "wire.Assignments: every node's directive of one new map (the fan-out inside leader_change_ms)",
             "frame_us": "JobLeader.on_frame of one frame of `slots` rank reports (the protobuf already parsed)",
+            "straggler_look_ms": "the straggler watch's look over every rank of the map, on the leader's loop "
+                                 "once every 1 s + ranks / 20,000 s (straggler_duty.py)",
             "status_ms": "JobLeader.status of a default Status: header, summary, health and the first page of "
                          f"{wire.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
             "status_stall_ms": "the longest the leader's loop waits while a default Status is built (the "
