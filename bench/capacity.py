@@ -533,7 +533,8 @@ def running_state(nodes: int, slots: int) -> JobState:
 
 
 def rank_reports(slots: int, step: int) -> list[RankReport]:
-    return [RankReport(s, 10_000 + s, step, 0.05, "running") for s in range(slots)]
+    """Every rank stepping, its compute measured (what the straggler watch looks at)."""
+    return [RankReport(s, 10_000 + s, step, 0.05, "running", compute_s=0.03 + 0.001 * s) for s in range(slots)]
 
 
 def median_ms(fn, reps: int) -> float:
