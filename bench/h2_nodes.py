@@ -198,7 +198,7 @@ class RawNode(asyncio.Protocol):
         if a.role == pb.ROLE_ACTIVE:
             for s in a.local_ranks:
                 t.ranks.add(local_rank=s, pid=10_000 + s, step=self.step, step_time_us=50_000,
-                            state=pb.RANK_STATE_RUNNING)
+                            state=pb.RANK_STATE_RUNNING, compute_us=30_000)  # measured: stragglers are looked for
         elif a.start_ranks:  # joining a running job: the ranks start first, then get a place
             for s in a.down_local_ranks:
                 t.ranks.add(local_rank=s, pid=10_000 + s, state=pb.RANK_STATE_STARTING)
