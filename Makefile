@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo docs bench gpu-check protos clean
+.PHONY: venv test demo docs bench bench-check gpu-check protos clean
 
 # torch is pinned first: a plain `torch` requirement would pull the CUDA build.
 $(STAMP): pyproject.toml
@@ -45,6 +45,13 @@ bench: $(STAMP)
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
 	$(BIN)/python bench/churn.py > bench/results/churn.json
 	$(BIN)/python bench/churn.py --retain-finished 15s > bench/results/churn_retention.json
+
+# Before a change to the coordinator's core or wire path (~3 minutes): the leader's hot path (a
+# membership change at 100k ranks, 1,000 nodes x 10 frames/s, ...) against bench/results/bench_check.json;
+# exit 1 when a figure is worse than it by more than its tolerance, 2 when too noisy to tell.
+# BENCH_CHECK_ARGS=--update writes that baseline (after a deliberate change, on a quiet machine).
+bench-check: $(STAMP)
+	$(BIN)/python bench/check.py $(BENCH_CHECK_ARGS)
 
 # On a machine with CUDA: tests/gpu and the NCCL recovery benchmark (bench/results/nccl.json), a
 # one-screen summary against the targets. Without CUDA it says so and passes (GPU_CHECK_ARGS=--require-gpu

@@ -386,7 +386,7 @@ def s(x) -> str:
 
 
 def ms(x) -> str:
-    return f"{num(x)} ms"
+    return "–" if x is None else f"{num(x)} ms"
 
 
 def host(d: dict) -> str:
@@ -423,6 +423,7 @@ def bench_section(arg: str | None) -> str:
         "rank_start": render_rank_start,
         "churn": render_churn,
         "abuse": render_abuse,
+        "bench_check": render_bench_check,
     }.get(kind, render_generic)
     return render(d) + "\n" + source(name, d)
 
@@ -590,15 +591,27 @@ def render_capacity(d: dict) -> str:
             rows.append([
                 f"{z['ranks']:,}", f"{z['nodes']:,}", ms(z["decide_ms"]["node_lost"]), ms(z["encode_ms"]),
                 f"{num(z['state_bytes'] / 1000)} KB", ms(z["assignments_ms"]), ms(z["leader_change_ms"]),
-                ms(z["tick_ms"]), f"{num(z['frame_us'])} µs", ms(z["status_ms"]),
+                ms(z["tick_ms"]), f"{num(z['frame_us'])} µs", ms(z.get("straggler_look_ms")), ms(z["status_ms"]),
                 f"{num(z['status_bytes'] / 1000)} KB", ms(z["status_stall_ms"]), ms(z["summary_ms"]),
                 f"{ms(z['status_node_ms'])}, {num(z['status_node_bytes'] / 1000)} KB",
             ])
         out.append(table(
             ["ranks", "nodes", "decide (node lost)", "encode the state", "state size", "every node's directive",
-             "a whole change in the tally", "a quiet tally", "one frame", "a default Status", "its size",
+             "a whole change in the tally", "a quiet tally", "one frame", "a straggler look", "a default Status",
+             "its size",
              "loop held by it at most", "summary over every rank", "one node's page, its size"], rows))
     return "\n".join(out)
+
+
+def render_bench_check(d: dict) -> str:
+    rows = [[f"`{name}`", num(f["median"]), ", ".join(num(v) for v in f["runs"]), f["clock"],
+             f"+{num(f['tolerance'] * 100)}% + {num(f['slack'])}"] for name, f in d["figures"].items()]
+    noise = d["noise"]
+    return (f"Commit {d.get('commit') or '?'}, {d['repetitions']} repetitions, in-process figures at "
+            f"{d['ranks']:,} ranks; the calibration workload {num(d['calibration_cpu_ms'])} ms of CPU, its spread "
+            f"{num(noise['cpu_spread'] * 100)}%, wall over CPU {num(noise['wall_over_cpu'])}; load average "
+            f"{num(d['host']['loadavg_at_end'][0], 2)} at its end.\n\n"
+            + table(["figure", "baseline (median)", "runs", "clock", "a check fails above"], rows))
 
 
 def render_scale(d: dict) -> str:

@@ -1,0 +1,192 @@
+"""`make bench-check`: the leader's hot path against its committed figures. Prints one JSON object;
+exit 0 when every figure is within its tolerance, 1 when one is worse (a regression), 2 when one is
+worse but the machine was too noisy to tell (run it again when `uptime` shows less load).
+
+The figures (`bench/capacity.py`'s, each the median over --reps runs):
+- in-process at 100k ranks (12,500 nodes x 8), CPU time: a membership change in the leader
+  (`leader_change_ms`: liveness, decide, encode, every node's directive), `decide`, the state's
+  encoding, a quiet tally tick, one node frame, a default Status, a straggler look;
+- over the network, 1,000 direct nodes x 10 frames/s on one leader: the frame -> leader-visible
+  latency (p50, p99) and the leader's CPU per frame (its event loop's, and the whole process's).
+
+The machine's noise, measured around every repetition with a fixed CPU workload (`calibrate`):
+its CPU time against the baseline's (`speed`, by which the CPU figures are scaled: a host whose
+caches are shared with other load runs every CPU figure slower alike), the spread of that CPU time
+(`cpu_spread`), and its wall time over its CPU time (`wall_over_cpu`: how much of a core the check
+got). A figure fails when, scaled, it is worse than the baseline by more than its tolerance
+(relative, plus an absolute slack for tiny figures); on a machine whose noise is past NOISY such a
+figure is inconclusive instead (exit 2), since the scaling cannot be trusted there. The baseline is
+bench/results/bench_check.json, written by --update from a run on a quiet machine (its load is
+recorded beside it).
+
+    python bench/check.py                 # check (3 repetitions, ~3 minutes)
+    python bench/check.py --update        # write the baseline (after a deliberate change)
+    python bench/check.py --skip-network  # the in-process figures only (~30 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import capacity  # noqa: E402
+from muster import logs  # noqa: E402
+
+BASELINE = Path(__file__).parent / "results" / "bench_check.json"
+RANKS, SLOTS = 100_000, 8
+NODES, RATE = 1_000, 10.0
+# Past these the machine is too noisy to call a figure over its tolerance a regression.
+NOISY = {"cpu_spread": 0.25, "wall_over_cpu": 1.5}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure: where it is in a repetition's results, and how much worse than the baseline passes."""
+
+    name: str
+    path: tuple[str, ...]
+    tolerance: float  # relative, before the noise is added
+    slack: float  # absolute, in the figure's unit: tiny figures jitter by more than their percent
+    cpu: bool  # CPU time: scaled by the machine's speed; otherwise wall time (latencies), not scaled
+
+
+FIGURES = (
+    Figure("leader_change_ms", ("membership", "leader_change_ms"), 0.20, 5.0, True),
+    Figure("decide_node_lost_ms", ("membership", "decide_ms", "node_lost"), 0.20, 2.0, True),
+    Figure("encode_ms", ("membership", "encode_ms"), 0.25, 2.0, True),
+    Figure("tick_ms", ("membership", "tick_ms"), 0.50, 0.5, True),
+    Figure("frame_us", ("membership", "frame_us"), 0.20, 2.0, True),
+    Figure("status_ms", ("membership", "status_ms"), 0.25, 2.0, True),
+    Figure("straggler_look_ms", ("membership", "straggler_look_ms"), 0.25, 2.0, True),
+    Figure("frame_latency_p50_ms", ("network", "frame_latency_ms", "p50"), 0.50, 1.0, False),
+    Figure("frame_latency_p99_ms", ("network", "frame_latency_ms", "p99"), 1.00, 5.0, False),
+    Figure("leader_loop_us_per_node_frame", ("network", "leader_loop_us_per_node_frame"), 0.25, 3.0, True),
+    Figure("leader_frame_cpu_us_per_node_frame", ("network", "leader_frame_cpu_us_per_node_frame"), 0.25, 5.0, True),
+)
+
+
+def calibrate() -> tuple[float, float]:
+    """(CPU s, wall s) of a fixed workload shaped like the leader's: small objects made, looked up
+    in dicts, formatted."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    table = {}
+    for i in range(150_000):
+        key = f"node-{i % 5000:05d}"
+        table[key] = (i, key, [i, i + 1])
+        table.get(key[::-1])
+    return time.thread_time() - cpu, time.perf_counter() - wall
+
+
+def repetition(workdir: Path, ranks: int, network: bool) -> dict:
+    result = {"membership": capacity.membership_at(ranks, SLOTS, 3)}
+    if network:
+        point = capacity.heartbeat_capacity(workdir, [(NODES, RATE)], SLOTS, 2, window_s=4.0, warmup_s=2.0)
+        result["network"] = point["points"][0]
+        if "error" in result["network"]:
+            raise SystemExit(f"bench-check: the network point failed: {result['network']['error']}")
+    return result
+
+
+def value(rep: dict, path: tuple[str, ...]) -> float | None:
+    for key in path:
+        if not isinstance(rep, dict) or key not in rep:
+            return None
+        rep = rep[key]
+    return rep
+
+
+def measure(reps: int, ranks: int, network: bool) -> dict:
+    calibration, results = [], []
+    with tempfile.TemporaryDirectory(prefix="muster-bench-check-") as d:
+        for i in range(reps):
+            calibration.extend(calibrate() for _ in range(3))
+            results.append(repetition(Path(d) / str(i), ranks, network))
+        calibration.extend(calibrate() for _ in range(3))
+    cpu = [c for c, _ in calibration]
+    figures = {}
+    for f in FIGURES:
+        values = [v for r in results if (v := value(r, f.path)) is not None]
+        if values:
+            figures[f.name] = {"median": round(statistics.median(values), 3), "runs": values,
+                               "tolerance": f.tolerance, "slack": f.slack,
+                               "clock": "cpu" if f.cpu else "wall"}
+    return {
+        "calibration_cpu_ms": round(statistics.median(cpu) * 1e3, 2),
+        "noise": {"cpu_spread": round((max(cpu) - min(cpu)) / statistics.median(cpu), 3),
+                  "wall_over_cpu": round(statistics.median(w / c for c, w in calibration), 3)},
+        "figures": figures,
+    }
+
+
+def judge(now: dict, baseline: dict) -> tuple[int, list[dict]]:
+    """(exit status, one verdict per figure)."""
+    speed = now["calibration_cpu_ms"] / baseline["calibration_cpu_ms"]
+    noise = now["noise"]
+    noisy = any(noise[k] > limit for k, limit in NOISY.items())
+    verdicts, status = [], 0
+    for f in FIGURES:
+        ours, theirs = now["figures"].get(f.name), baseline["figures"].get(f.name)
+        if ours is None or theirs is None:
+            continue
+        scaled = ours["median"] / speed if f.cpu else ours["median"]
+        allowed = theirs["median"] * (1 + f.tolerance) + f.slack
+        verdict = "ok" if scaled <= allowed else ("inconclusive" if noisy else "worse")
+        status = max(status, {"ok": 0, "inconclusive": 2, "worse": 1}[verdict])
+        verdicts.append({"figure": f.name, "verdict": verdict, "median": ours["median"],
+                         "scaled": round(scaled, 3), "allowed": round(allowed, 3), "baseline": theirs["median"]})
+    return status, verdicts
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every figure (the median is judged)")
+    p.add_argument("--update", action="store_true", help=f"write the baseline ({BASELINE.name}) instead of checking")
+    p.add_argument("--skip-network", action="store_true", help="the in-process figures only")
+    p.add_argument("--baseline", type=Path, default=BASELINE)
+    p.add_argument("--ranks", type=int, default=RANKS, help="the in-process figures' job size (a smoke test: fewer)")
+    args = p.parse_args()
+    logs.configure("warning")
+    load = [round(x, 2) for x in os.getloadavg()]
+    now = {"benchmark": "bench_check", "commit": commit(), "host": {"cpus": os.cpu_count(), "loadavg_at_start": load},
+           "repetitions": args.reps, "ranks": args.ranks, **measure(args.reps, args.ranks, not args.skip_network)}
+    now["host"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    if args.update:
+        args.baseline.write_text(json.dumps(now, indent=2) + "\n")
+        print(json.dumps(now, indent=2))
+        return 0
+    baseline = json.loads(args.baseline.read_text())
+    if baseline.get("ranks") != args.ranks:
+        raise SystemExit(f"bench-check: the baseline is of {baseline.get('ranks')} ranks, not {args.ranks}")
+    status, verdicts = judge(now, baseline)
+    now["baseline"] = {"commit": baseline.get("commit"), "host": baseline.get("host"),
+                       "calibration_cpu_ms": baseline["calibration_cpu_ms"]}
+    now["speed_vs_baseline"] = round(now["calibration_cpu_ms"] / baseline["calibration_cpu_ms"], 3)
+    now["verdicts"] = verdicts
+    now["result"] = {0: "pass", 1: "worse than the baseline", 2: "inconclusive: too noisy, run it again"}[status]
+    print(json.dumps(now, indent=2))
+    for v in verdicts:
+        if v["verdict"] != "ok":
+            print(f"bench-check: {v['figure']} {v['verdict']}: {v['scaled']} (scaled) > {v['allowed']} allowed "
+                  f"(baseline {v['baseline']})", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""bench/check.py's verdicts on figures given here (no timing is measured)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import check  # noqa: E402
+
+
+def run(calibration_ms=100.0, spread=0.05, wall_over_cpu=1.0, **figures):
+    return {"calibration_cpu_ms": calibration_ms, "noise": {"cpu_spread": spread, "wall_over_cpu": wall_over_cpu},
+            "figures": {name: {"median": v} for name, v in figures.items()}}
+
+
+def verdicts(now, baseline):
+    status, found = check.judge(now, baseline)
+    return status, {v["figure"]: v["verdict"] for v in found}
+
+
+def test_a_figure_within_its_tolerance_passes_and_one_past_it_fails():
+    baseline = run(leader_change_ms=100.0, frame_latency_p99_ms=4.0)
+    assert verdicts(run(leader_change_ms=110.0, frame_latency_p99_ms=9.0), baseline) == (
+        0, {"leader_change_ms": "ok", "frame_latency_p99_ms": "ok"})
+    # 100 * (1 + 0.20) + 5 ms slack = 125 allowed
+    assert verdicts(run(leader_change_ms=125.0), baseline)[0] == 0
+    assert verdicts(run(leader_change_ms=126.0), baseline) == (1, {"leader_change_ms": "worse"})
+
+
+def test_cpu_figures_are_scaled_by_the_machines_speed_and_latencies_are_not():
+    baseline = run(leader_change_ms=100.0, frame_latency_p99_ms=4.0)
+    slower_host = run(calibration_ms=150.0, leader_change_ms=150.0, frame_latency_p99_ms=20.0)
+    assert verdicts(slower_host, baseline) == (1, {"leader_change_ms": "ok", "frame_latency_p99_ms": "worse"})
+
+
+def test_a_figure_past_its_tolerance_on_a_noisy_machine_is_inconclusive():
+    baseline = run(leader_change_ms=100.0)
+    assert verdicts(run(wall_over_cpu=2.0, leader_change_ms=200.0), baseline) == (
+        2, {"leader_change_ms": "inconclusive"})
+    assert verdicts(run(spread=0.4, leader_change_ms=200.0), baseline)[0] == 2
+    # a figure within its tolerance passes however noisy the machine
+    assert verdicts(run(spread=0.4, wall_over_cpu=3.0, leader_change_ms=100.0), baseline)[0] == 0
+
+
+def test_figures_missing_on_either_side_are_not_judged():
+    assert verdicts(run(leader_change_ms=100.0), run(tick_ms=0.01)) == (0, {})
