@@ -38,13 +38,14 @@ def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobS
     target = total - total % spec.world_size_multiple
     placements: list[Placement] = []
     offset = 0
+    kept = previous.by_node if previous else {}
     for member in candidates:
         take = min(len(member.usable_slots), target - offset)
         if take == 0:
             break
         slots = member.usable_slots[:take]
         # An unchanged placement is kept, with its encoded text: a change re-encodes only what moved.
-        p = previous.placement(member.node_id) if previous else None
+        p = kept.get(member.node_id)
         if p is None or (p.node_rank, p.rank_offset, p.slots) != (len(placements), offset, slots):
             p = Placement(member.node_id, len(placements), offset, slots)
         placements.append(p)
@@ -75,8 +76,9 @@ def excluded_ranks(previous: RankMap | None, placements: Sequence[Placement]) ->
     # with its slots, so the order holds iff the blocks of the kept nodes still rise.
     excluded: list[int] = []
     end = 0  # the end of the last kept node's old block
+    by_node = previous.by_node
     for p in placements:
-        before = previous.placement(p.node_id)
+        before = by_node.get(p.node_id)
         if before is None or (p.slots != before.slots and not set(p.slots) <= set(before.slots)):
             return ()  # a node or a slot that joined: a full init
         if before.rank_offset < end:

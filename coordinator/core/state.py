@@ -107,11 +107,12 @@ class RankMap:
     excluded_ranks: tuple[int, ...] = ()  # with shrink_of: its ranks this map leaves out
 
     @cached_property
-    def _by_node(self) -> dict[str, Placement]:
+    def by_node(self) -> dict[str, Placement]:
+        """The placements by node id (a loop over every node looks up in it, not through `placement`)."""
         return {p.node_id: p for p in self.placements}
 
     def placement(self, node_id: str) -> Placement | None:
-        return self._by_node.get(node_id)
+        return self.by_node.get(node_id)
 
     @property
     def node_ids(self) -> tuple[str, ...]:
