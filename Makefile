@@ -46,7 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/churn.py > bench/results/churn.json
 	$(BIN)/python bench/churn.py --retain-finished 15s > bench/results/churn_retention.json
 
-# Before a change to the coordinator's core or wire path (~3 minutes): the leader's hot path (a
+# Before a change to the coordinator's core or wire path (1.5-2 minutes): the leader's hot path (a
 # membership change at 100k ranks, 1,000 nodes x 10 frames/s, ...) against bench/results/bench_check.json;
 # exit 1 when a figure is worse than it by more than its tolerance, 2 when too noisy to tell.
 # BENCH_CHECK_ARGS=--update writes that baseline (after a deliberate change, on a quiet machine).

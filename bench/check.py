@@ -19,7 +19,7 @@ figure is inconclusive instead (exit 2), since the scaling cannot be trusted the
 bench/results/bench_check.json, written by --update from a run on a quiet machine (its load is
 recorded beside it).
 
-    python bench/check.py                 # check (3 repetitions, ~3 minutes)
+    python bench/check.py                 # check (3 repetitions, 1.5-2 minutes)
     python bench/check.py --update        # write the baseline (after a deliberate change)
     python bench/check.py --skip-network  # the in-process figures only (~30 s)
 """
