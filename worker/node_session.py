@@ -32,6 +32,10 @@ log = structlog.get_logger(__name__)
 RELAY_AVOID_TIMEOUTS = 5  # a relay that refused or did not answer is skipped for this many heartbeat timeouts
 RECONNECT_FIRST_S = 0.02  # a lost stream is taken up again at once: recovery waits on it
 RECONNECT_MOST_S = 1.0  # and at most heartbeat_timeout/8 (then this) apart while nothing answers
+# A Leave follows the frame carrying the node's last exit reports by this much: the leader takes a
+# frame's exits at its next tally (every 50 ms) but a Leave at once, and a node gone first has its
+# last exit dropped (a CI run lost a given-up slot's final crash that way; the run still failed).
+EXITS_BEFORE_LEAVE_S = 0.1
 
 
 def job_spec(min_nodes: int, max_nodes: int, world_size_multiple: int,
@@ -105,6 +109,7 @@ class NodeSession:
         self.heartbeat_interval_s = 0.1
         self.heartbeat_timeout_s = 2.0
         self.exits: list[pb.RankExit] = []  # appended by the owner, sent with the next frame
+        self._exits_sent_at = -1e9  # (monotonic) the last frame with exit reports left
         self.paused = False  # send no frames (tests simulate a hung node with it)
         self.pulses = 0  # the leader's pulses heard (a relayed node's come from its relay)
         self.retry_sleep = asyncio.sleep  # the wait between attempts (a test's fake time goes here)
@@ -170,6 +175,7 @@ class NodeSession:
 
     async def leave(self, *, immediate: bool = False, finished: bool = False, reason: str = "",
                     retry_for_s: float = 10.0) -> pb.LeaveResponse:
+        await self._exits_out()
         i = self.identity
         return await self._unary("Leave", pb.LeaveRequest(
             job=i.job, node_id=i.node_id, member_id=self.member_id, immediate=immediate, finished=finished,
@@ -182,6 +188,18 @@ class NodeSession:
         i = self.identity
         return pb.NodeFrame(job=i.job, node_id=i.node_id, member_id=self.member_id, term=self.term,
                             generation=self.generation, ranks=self._reports(), exits=exits)
+
+    async def _exits_out(self, within_s: float = 1.0) -> None:
+        """Exit reports still queued leave in a frame, EXITS_BEFORE_LEAVE_S ahead of the Leave
+        (bounded: without a stream they go with nothing)."""
+        if self.exits:
+            self.send_now()
+            deadline = time.monotonic() + within_s
+            while self.exits and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+        ahead = self._exits_sent_at + EXITS_BEFORE_LEAVE_S - time.monotonic()
+        if ahead > 0:
+            await asyncio.sleep(ahead)
 
     def send_now(self) -> None:
         """Send a frame at once (an exit report must not wait for the interval)."""
@@ -205,6 +223,8 @@ class NodeSession:
                 now = shape(frame)
                 # Only steps advanced since the previous frame: the leader reads three fields a rank.
                 frame.steps_only = not first and now == last and not frame.exits
+                if frame.exits:
+                    self._exits_sent_at = time.monotonic()
                 last = now
                 if first:
                     # Who this node is, on every new stream: its secret, and its Join, from which a

@@ -180,3 +180,31 @@ def test_a_node_leaves_a_frozen_leader_within_one_and_a_half_heartbeat_timeouts(
 
     first, second = asyncio.run(scenario())[:2]
     assert second - first <= 1.5 * timeout_s + 0.5, second - first  # the old probe: 4-4.5 s
+
+
+def test_a_leave_waits_for_the_frame_with_the_last_exit_reports():
+    """The leader takes a frame's exits at its next tally but a Leave at once: the node's last exit
+    goes in a frame EXITS_BEFORE_LEAVE_S ahead of its Leave."""
+    import asyncio
+    import time
+
+    from muster.v1 import muster_pb2 as pb
+    from muster.worker.node_session import EXITS_BEFORE_LEAVE_S, NodeIdentity, NodeSession
+
+    session = NodeSession(["127.0.0.1:1"], NodeIdentity("j", "n", 1, "127.0.0.1", 1), reports=lambda: [],
+                          on_directive=lambda d: None)
+    session.exits.append(pb.RankExit(local_rank=0, pid=9, exit_code=7))
+
+    async def stream_then_leave():
+        frames = session._frames(False)
+        async def take():  # the stream takes the queued exit when woken
+            await asyncio.sleep(0.05)
+            return await frames.__anext__()
+        taker = asyncio.ensure_future(take())
+        began = time.monotonic()
+        await session._exits_out()
+        return (await taker), time.monotonic() - began
+
+    frame, waited = asyncio.run(stream_then_leave())
+    assert [e.pid for e in frame.exits] == [9] and not session.exits
+    assert waited >= 0.05 + EXITS_BEFORE_LEAVE_S - 0.01
