@@ -53,6 +53,7 @@ from muster import logs
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_time, wait_until
+from muster.examples.train_ddp import MODELS, parameter_count
 from muster.worker import Worker, WorkerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,9 +64,9 @@ HEARTBEAT_TIMEOUT_S = 2.0
 # The group_formed fields timed by the worker (read where present: older workers log fewer).
 PHASES = ("abort_s", "destroy_s", "before_form_s", "store_s", "barrier_s", "init_s", "fingerprint_s", "agree_s",
           "transfer_s", "verify_s", "sync_s", "form_s", "seconds")
-# The example's --model sizes: parameters, and bytes of state with Adam (weights and two moments, 12 a parameter; grads are not moved).
-PARAMETERS = {"tiny": 2177, "17M": 4 * (2048 * 2048 + 2048), "134M": 8 * (4096 * 4096 + 4096),
-              "537M": 8 * (8192 * 8192 + 8192)}
+# The example's --model sizes, by their parameter count; the state moved is 12 bytes a parameter with Adam
+# (weights and two moments; grads are not moved).
+PARAMETERS = {name: parameter_count(name) for name in MODELS}
 
 
 # A fault in a group's first steps finds a rank inside DDP's bucket rebuild (a broadcast, then a

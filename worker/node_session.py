@@ -32,9 +32,9 @@ log = structlog.get_logger(__name__)
 RELAY_AVOID_TIMEOUTS = 5  # a relay that refused or did not answer is skipped for this many heartbeat timeouts
 RECONNECT_FIRST_S = 0.02  # a lost stream is taken up again at once: recovery waits on it
 RECONNECT_MOST_S = 1.0  # and at most heartbeat_timeout/8 (then this) apart while nothing answers
-# A Leave follows the frame carrying the node's last exit reports by this much: the leader takes a
-# frame's exits at its next tally (every 50 ms) but a Leave at once, and a node gone first has its
-# last exit dropped (a CI run lost a given-up slot's final crash that way; the run still failed).
+# A Leave follows the frame carrying the node's last exit reports by this much: frames and Leave are
+# separate calls, and the leader ignores a node's frames read after its Leave (a CI run lost a
+# given-up slot's final crash that way; the run still failed).
 EXITS_BEFORE_LEAVE_S = 0.1
 
 
@@ -190,16 +190,12 @@ class NodeSession:
                             generation=self.generation, ranks=self._reports(), exits=exits)
 
     async def _exits_out(self, within_s: float = 1.0) -> None:
-        """Exit reports still queued leave in a frame, EXITS_BEFORE_LEAVE_S ahead of the Leave
-        (bounded: without a stream they go with nothing)."""
-        if self.exits:
-            self.send_now()
-            deadline = time.monotonic() + within_s
-            while self.exits and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
-        ahead = self._exits_sent_at + EXITS_BEFORE_LEAVE_S - time.monotonic()
-        if ahead > 0:
-            await asyncio.sleep(ahead)
+        """Queued exit reports leave in a frame EXITS_BEFORE_LEAVE_S ahead of the Leave (bounded)."""
+        self.send_now()
+        deadline = time.monotonic() + within_s
+        while self.exits and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(max(0.0, self._exits_sent_at + EXITS_BEFORE_LEAVE_S - time.monotonic()))
 
     def send_now(self) -> None:
         """Send a frame at once (an exit report must not wait for the interval)."""

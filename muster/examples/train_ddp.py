@@ -50,6 +50,12 @@ def simulated_compute(seconds: float) -> None:
 MODELS = {"tiny": (32, 0), "17M": (2048, 4), "134M": (4096, 8), "537M": (8192, 8)}
 
 
+def parameter_count(name: str) -> int:
+    """The parameters `build(name)` makes, without making them."""
+    width, layers = MODELS[name]
+    return layers * (width * width + width) if layers else 32 * 64 + 64 + 64 + 1
+
+
 def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     width, layers = MODELS[name]
     if not layers:
