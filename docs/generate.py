@@ -33,7 +33,9 @@ PROTOS = ROOT / "protos"
 END = "<!-- /muster -->"
 # A marker, and the block generated after it last time (none yet on a new marker): the block may not
 # hold another marker, so a new marker never swallows the next one's block.
-MARKER = re.compile(r"<!-- muster:([a-z-]+)(?: ([^ ]+))? -->(?:\n(?:(?!<!-- muster:).)*?" + re.escape(END) + ")?",
+# An inline figure: `<!-- muster:fig FILE.json:dotted.path -->VALUE<!-- /muster -->` within a sentence.
+FIGURE = re.compile(r"<!-- muster:fig ([^ ]+) -->(?:[^<\n]*" + re.escape(END) + ")?")
+MARKER = re.compile(r"<!-- muster:(?!fig )([a-z-]+)(?: ([^ ]+))? -->(?:\n(?:(?!<!-- muster:).)*?" + re.escape(END) + ")?",
                     re.DOTALL)
 
 
@@ -51,7 +53,7 @@ def generated() -> dict[Path, str]:
         if page in pages:
             continue
         text = page.read_text()
-        if MARKER.search(text):
+        if MARKER.search(text) or FIGURE.search(text):
             pages[page] = expand(text, page.relative_to(ROOT))
     return pages
 
@@ -73,7 +75,21 @@ def expand(markdown: str, where: Path) -> str:
             raise GenerationError(f"{where}: unknown marker muster:{name}")
         return f"<!-- muster:{name}{' ' + arg if arg else ''} -->\n{body.rstrip()}\n{END}"
 
-    return MARKER.sub(block, markdown)
+    return MARKER.sub(block, FIGURE.sub(lambda m: f"<!-- muster:fig {m[1]} -->{figure(m[1])}{END}", markdown))
+
+
+def figure(arg: str) -> str:
+    """One figure of a results file, `FILE.json:key.0.key` (list items by index), as `num` writes it."""
+    name, _, path = arg.partition(":")
+    value = load(name)
+    for key in path.split(".") if path else ():
+        try:
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise GenerationError(f"bench/results/{name} has no {path!r} (at {key!r})") from None
+    if isinstance(value, (dict, list)):
+        raise GenerationError(f"bench/results/{name}: {path!r} is not a figure")
+    return num(value)
 
 
 def main(argv: list[str] | None = None) -> int:
