@@ -493,7 +493,17 @@ def parser() -> argparse.ArgumentParser:
     _run_parser(sub)
     _demo_parser(sub)
     _client_parsers(sub)
+    c = sub.add_parser("completion", help="print a shell completion script: eval \"$(muster completion bash)\"")
+    c.add_argument("shell", choices=("bash", "zsh"))
+    c.set_defaults(func=lambda args: _completion(p, args.shell), verb="completion")
     return p
+
+
+def _completion(p: argparse.ArgumentParser, shell: str) -> int:
+    import shtab  # generated from the parser itself, so it names every verb and flag there is
+
+    print(shtab.complete(p, shell=shell))
+    return 0
 
 
 def _serve_parser(sub) -> None:
