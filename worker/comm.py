@@ -5,8 +5,9 @@ Every process hosts a TCPStore from the start, so whichever process is rank 0 of
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
 barrier polled without blocking, so a newer generation can abandon a half-formed one, or one whose
 store does not answer (its host died as the map was published).
-Abort: NCCL has `abort()`; gloo has none, so the sockets the generation's group opened are shut
-down, which makes a collective blocked on a hung or dead peer fail at once.
+Abort: NCCL has `abort()`, run in the background (worker/teardown.py) once the groups are out of
+torch's registry; gloo has none, so the sockets the generation's group opened are shut down, which
+makes a collective blocked on a hung or dead peer fail at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from muster.net import split_host_port
+from muster.worker.teardown import Teardown
 
 log = structlog.get_logger(__name__)
 
@@ -110,6 +112,23 @@ NCCL_TEARS_DOWN = {"1", "3"}  # TearDown, SkipCleanUp: the watchdog ends the pro
 # the aborted group joins that thread: the rank missed the next group's barrier and was evicted
 # as stalled (H200, 2026-11-26). Forced, whatever the environment says.
 NCCL_DUMP_WAIT = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+NCCL_PROXY_POLL_S = 0.5  # ncclCommAbort joins proxy threads that look at its flag this often (NCCL's src/proxy.cc)
+
+
+def _take_groups() -> list[dist.ProcessGroup]:
+    """Every group out of torch's registry, which is left as _abort_process_group() leaves it
+    (torch 2.13's code, less the abort itself): no default group, names and counter reset, so the
+    next generation's group forms while these are aborted elsewhere. Newest first, torch's order."""
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g], reverse=True)
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                     world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+    return groups
 
 
 def _says(exc: BaseException, texts: tuple[str, ...]) -> bool:
@@ -136,7 +155,7 @@ class Gloo:
     def init_options(self, device: torch.device) -> dict:
         return {}
 
-    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
+    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
         return _shutdown_peer_sockets(sockets, keep_ports)
 
     def is_transport_failure(self, exc: BaseException) -> bool:
@@ -146,19 +165,18 @@ class Gloo:
 class Nccl:
     """One GPU per rank, taken round-robin from the visible ones (ranks may share a GPU, each
     process with its own NCCL_HOSTID). Eager init (`device_id`): the communicator is made while
-    forming, so a reform pays for it before the first step rather than inside it. An abort is
-    NCCL's own (`ncclCommAbort` on every communicator, from any thread), which also clears torch's
-    group registry: `Comm.destroy` then has nothing left to destroy."""
+    forming, so a reform pays for it before the first step rather than inside it. An abort takes
+    every group out of torch's registry at once (`Comm.destroy` then has nothing left to destroy,
+    and the next generation's group may form) and leaves NCCL's own abort (`ncclCommAbort`, half a
+    second) to a background teardown (worker/teardown.py): its first microseconds set the abort
+    flag that releases the training thread, the rest is nobody's wait."""
 
     name = torch_backend = "nccl"
     can_shrink = hasattr(dist, "shrink_group")  # torch >= 2.10 (NCCL >= 2.27, or torch raises: a full form)
     bounded_connect = False  # NCCL's bootstrap has its own timeouts; its init pays for CUDA too
 
     def __init__(self) -> None:
-        # Groups aborted out of torch's registry, kept until release(): otherwise the last reference
-        # is DDP's reducer, and its dealloc (GIL held) joins the group's threads, one of which waits
-        # for the GIL to drop a Python object: a deadlock, seen on the twin.
-        self.aborted: list[dist.ProcessGroup] = []
+        self.teardown = Teardown(self._abort_groups, exit_stuck)
 
     def prepare(self, env: dict[str, str]) -> None:
         """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
@@ -185,20 +203,34 @@ class Nccl:
     def init_options(self, device: torch.device) -> dict:
         return {"device_id": device}
 
-    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
-        if dist.is_initialized():  # (torch asserts on an abort with no group left)
-            self.aborted.extend(dist.distributed_c10d._world.pg_map)
-            dist.distributed_c10d._abort_process_group()
+    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
+        groups = _take_groups()
+        if groups:
+            self.teardown.submit(generation, groups)
         return 0
 
     def release(self) -> None:
-        """End the aborted groups' threads (shutdown releases the GIL), once nothing uses them."""
-        groups, self.aborted = self.aborted, []
-        for group in groups:
-            try:
-                group.shutdown()
-            except Exception as exc:  # already ended: nothing left to release
-                log.debug("group_release_failed", error=str(exc)[:200])
+        """The training thread has let go of the aborted groups: the teardown may shut them down."""
+        self.teardown.release()
+
+    def _abort_groups(self, groups: list[dist.ProcessGroup]) -> None:
+        """On the teardown thread. As torch's _abort_process_group(): newest first, within one NCCL
+        group call, so that the aborts of several communicators do not wait on each other
+        (pytorch#119797)."""
+        try:
+            nccl = groups[0]._get_backend(torch.device("cuda"))
+        except RuntimeError:
+            nccl = None
+        if not isinstance(nccl, getattr(dist, "ProcessGroupNCCL", ())):  # (the twin's are gloo's)
+            nccl = None
+        if nccl is not None:
+            nccl._group_start()
+        try:
+            for group in groups:
+                group.abort()
+        finally:
+            if nccl is not None:
+                nccl._group_end()
 
     def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: dict[int, str],
                keep_ports: set[int]) -> None:
@@ -229,6 +261,7 @@ class NcclTwin(Nccl):
     torch_backend = "gloo"
     can_shrink = True
     bounded_connect = True
+    abort_join_s = NCCL_PROXY_POLL_S  # ncclCommAbort's join of its proxy threads
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
@@ -236,15 +269,20 @@ class NcclTwin(Nccl):
     def init_options(self, device: torch.device) -> dict:
         return {}
 
-    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
-        super().abort(sockets, keep_ports)
+    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
+        super().abort(sockets, keep_ports, generation)
         return _shutdown_peer_sockets(sockets, keep_ports)
+
+    def _abort_groups(self, groups: list[dist.ProcessGroup]) -> None:
+        """NCCL's shape: the flag at once (the sockets, shut by abort()), the join later."""
+        super()._abort_groups(groups)
+        time.sleep(self.abort_join_s)
 
     def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: dict[int, str],
                keep_ports: set[int]) -> None:
         """As NCCL's: the old group's work aborted, then a group of the survivors alone, numbered by
         the map (gloo cannot shrink: its group is made anew on the agreed store, survivors only)."""
-        self.abort(sockets, keep_ports)
+        self.abort(sockets, keep_ports, spec.shrink_of)
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
 
     def is_transport_failure(self, exc: BaseException) -> bool:
@@ -692,7 +730,8 @@ class Comm:
             if spec is None or spec.generation >= below_generation or self._aborted:
                 return False
             started = time.monotonic()
-            n = self.backend.abort(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]})
+            n = self.backend.abort(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]},
+                                   spec.generation)
             self._sockets, self._aborted = {}, True
             self.phases["abort_s"] = time.monotonic() - started
         log.info("group_aborted", generation=spec.generation, backend=self.backend.name, sockets=n,
@@ -734,7 +773,7 @@ class Comm:
         stays for the next generation on the same store. A shrink in flight ends first; `keep_after`:
         a group the abort thread shrank into a generation above it stays (the reform finds it formed)."""
         self.settle()
-        started = time.monotonic()  # (NCCL's release, the aborted groups' shutdown, counted too)
+        started = time.monotonic()
         self.backend.release()
         with self._lock:
             if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
