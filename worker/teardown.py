@@ -35,9 +35,9 @@ TEARDOWN_EXIT_S = 60.0  # ncclCommAbort takes ~0.5 s; a minute is a call that wi
 class _Batch:
     generation: int
     groups: list
+    number: int  # in the order submitted
     submitted: float = field(default_factory=time.monotonic)
     abort_s: float = 0.0
-    released: bool = False
 
 
 class Teardown:
@@ -54,6 +54,8 @@ class Teardown:
         self._in_flight: set[int] = set()  # ids of the groups held here: none is aborted twice
         self._thread: threading.Thread | None = None
         self._busy = 0  # batches submitted and not yet dropped
+        self._submitted = 0  # batches ever submitted
+        self._released = 0  # the training thread let go of the batches numbered up to this
 
     def submit(self, generation: int, groups: list) -> None:
         """Abort `groups` (out of torch's registry already) in the background. Returns at once."""
@@ -64,7 +66,8 @@ class Teardown:
             if not fresh:
                 return
             self._in_flight.update(id(g) for g in fresh)
-            self._queue.append(_Batch(generation, fresh))
+            self._submitted += 1
+            self._queue.append(_Batch(generation, fresh, self._submitted))
             self._busy += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="muster-teardown", daemon=True)
@@ -74,8 +77,7 @@ class Teardown:
     def release(self) -> None:
         """The training thread has let go of every group submitted so far: they may be shut down."""
         with self._cond:
-            for batch in (*self._queue, *self._held):
-                batch.released = True
+            self._released = self._submitted
             self._cond.notify_all()
 
     def idle(self, timeout_s: float) -> bool:
@@ -83,17 +85,12 @@ class Teardown:
         with self._cond:
             return self._cond.wait_for(lambda: self._busy == 0, timeout_s)
 
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return self._busy
-
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or any(b.released for b in self._held))
+                self._cond.wait_for(lambda: self._queue or any(b.number <= self._released for b in self._held))
                 batch = self._queue.popleft() if self._queue else None
-                done = [b for b in self._held if b.released] if batch is None else []
+                done = [b for b in self._held if b.number <= self._released] if batch is None else []
                 self._held = [b for b in self._held if b not in done]
             if batch is not None:
                 batch.abort_s = self._call(batch, "abort", lambda: self._abort(batch.groups))
