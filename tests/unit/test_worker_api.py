@@ -128,7 +128,7 @@ def test_an_abort_watches_a_group_formed_but_not_yet_adopted():
         spec = type("Spec", (), {"generation": 12})()
         left = []
 
-        def leave(self, below, into=None, abandoned=None):
+        def abort(self, below):
             self.left.append(below)
 
     w.comm, w.generation = Formed(), 11
