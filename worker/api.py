@@ -261,7 +261,9 @@ class Worker:
             kwargs.setdefault("init_sync", False)  # the state sync already made replicas identical
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
-            cached = self._ddp[id(module)] = (self.generation, DistributedDataParallel(module, **kwargs))
+            wrapper = DistributedDataParallel(module, **kwargs)
+            wrapper.register_forward_pre_hook(self._guards.cut_short)  # before DDP's collectives (StepGuards)
+            cached = self._ddp[id(module)] = (self.generation, wrapper)
             self._scope.compute.watch(module)
         return cached[1]
 
