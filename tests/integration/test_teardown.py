@@ -34,8 +34,10 @@ class HeldTwin(NcclTwin):
     def __init__(self):
         super().__init__()
         self.joining, self.gate = threading.Event(), threading.Event()
+        self.aborted: list[int] = []  # the ids of the groups aborted, once each
 
     def _abort_groups(self, groups):
+        self.aborted += [id(g) for g in groups]
         super()._abort_groups(groups)
         self.joining.set()
         assert self.gate.wait(WAIT_S)
@@ -66,7 +68,12 @@ def test_the_next_generation_forms_and_steps_while_the_old_groups_abort_is_held(
         comm.form(GroupSpec(1, 0, 2, 0, address, "g1"), abandoned=lambda: False)
         assert peer.stdout.readline().strip() == "formed"
         training.start()
-        assert comm.abort(2)
+        racing = [threading.Thread(target=comm.abort, args=(2,)) for _ in range(3)]  # the abort thread, a hold...
+        for t in racing:
+            t.start()
+        for t in racing:
+            t.join(WAIT_S)
+        assert not comm.abort(2)  # done already: nothing more to abort
         training.join(WAIT_S)
         assert not training.is_alive() and failed and backend.is_transport_failure(failed[0]), failed
         assert backend.joining.wait(WAIT_S) and not backend.gate.is_set()
@@ -78,6 +85,7 @@ def test_the_next_generation_forms_and_steps_while_the_old_groups_abort_is_held(
         assert not backend.teardown.idle(0)  # generation 1's abort is still held
         backend.gate.set()
         assert backend.teardown.idle(WAIT_S)
+        assert len(backend.aborted) == len(set(backend.aborted)) == 1  # generation 1's group, aborted once
     finally:
         backend.gate.set()
         training.join(WAIT_S)
