@@ -10,7 +10,10 @@
    GPU): `bench/recovery.py --model SIZE` to bench/results/nccl_SIZE.json: kill and hang -> every
    survivor stepping, each survivor's state sync, the replacement's transfer rate beside a raw
    broadcast of the same bytes, and the healthy ranks evicted (none allowed);
-4. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
+4. `bench/nccl_connect.py --ranks 8` (--connect-probe): raw ranks, no coordinator, a rank lost;
+   how soon the survivors' new communicator is ready, made afresh, with NCCL_RUNTIME_CONNECT=0,
+   or shrunk from a warm standby made before the loss, to bench/results/nccl_connect.json;
+5. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
    beside their targets (PASS/MISS).
 
 Without CUDA it says so in one line and exits 0 (CI), or 2 with --require-gpu. `--backend gloo`
@@ -105,6 +108,36 @@ def run_bench(args: argparse.Namespace, out: Path, where: str, variant: str = ""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def run_probe(args: argparse.Namespace, out: Path, where: str) -> dict | None:
+    """bench/nccl_connect.py's JSON (on CPU: its harness alone, gloo made afresh), written to `out`."""
+    cmd = [sys.executable, "bench/nccl_connect.py", "--ranks", str(args.ranks),
+           *(["--backend", "gloo", "--modes", "fresh"] if args.backend != "nccl" else [])]
+    code, text = run_bounded(cmd, args.bench_timeout, capture=True)
+    if code != 0:
+        print(f"gpu-check: bench/nccl_connect.py failed ({'timed out' if code is None else f'exit {code}'})",
+              file=sys.stderr)
+        return None
+    result = {**json.loads(text), "platform": where}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def probe_summary(probe: dict | None, ran: bool) -> list[str]:
+    if not ran:
+        return ["connect probe    not run (--no-connect-probe)"]
+    if probe is None:
+        return ["connect probe    no results (it failed)"]
+    lines = [f"{'connect probe, ' + str(probe['ranks']) + ' ranks':22}{'make':>8}{'first':>8}{'bucket':>8}"]
+    for mode, f in probe["modes"].items():
+        if "error" in f:
+            lines.append(f"  {mode:20}{f['error']}")
+            continue
+        make = f.get("init_s", f.get("shrink_s", float("nan")))
+        lines.append(f"  {mode:20}{make:8.3f}{f['first_small_s']:8.3f}{f['first_big_s']:8.3f}")
+    return lines
 
 
 def platform(torch) -> str:
@@ -205,6 +238,8 @@ def main() -> int:
                    help=f"the kills again in each of these ({', '.join(VARIANTS)}; default all; '' for none)")
     p.add_argument("--sizes", default="134M,537M",
                    help="models of real size to run at 4 ranks (default 134M,537M; '' for none)")
+    p.add_argument("--connect-probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="run bench/nccl_connect.py: a new communicator's readiness, by each way (default on)")
     p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True,
                    help="run tests/gpu (default on; --no-tests for the benchmarks alone)")
     args = p.parse_args()
@@ -233,9 +268,11 @@ def main() -> int:
     bench = run_bench(args, args.out, where)
     variants = {v: run_bench(args, args.out.with_name(f"{args.out.stem}_{v}.json"), where, variant=v)
                 for v in args.variants.split(",") if v}
-    print("\n".join(summary(args, where, tests, bench, variants) + sized_summary(sized, args.sizes)))
+    probe = run_probe(args, args.out.with_name(args.out.stem + "_connect.json"), where) if args.connect_probe else None
+    print("\n".join(summary(args, where, tests, bench, variants) + sized_summary(sized, args.sizes)
+                    + probe_summary(probe, args.connect_probe)))
     return 0 if (tests["ok"] and bench is not None and None not in variants.values()
-                 and None not in sized) else 1
+                 and None not in sized and (probe is not None or not args.connect_probe)) else 1
 
 
 if __name__ == "__main__":
