@@ -128,7 +128,7 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     p.add_argument("--bucket-mb", type=int, default=25, help="the big all-reduce's size (DDP's bucket: 25)")
-    p.add_argument("--timeout", type=float, default=90.0, help="seconds a mode may take")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a mode may take")
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
