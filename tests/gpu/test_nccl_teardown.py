@@ -1,8 +1,9 @@
 """The background teardown on NCCL itself: 100 reforms of a one-rank NCCL group (eager init, a
-collective, the library's abort, destroy) leave threads, file descriptors and free GPU memory as
-ten did, and every reform forms without waiting for the previous abort. Skipped without CUDA;
+collective, the library's abort, destroy) leave no more threads and file descriptors and no less
+free GPU memory than ten did, and every reform forms without waiting for the previous abort. Skipped without CUDA;
 `make gpu-check` runs it with tests/gpu."""
 
+import gc
 import os
 
 import pytest
@@ -19,6 +20,7 @@ GPU_SLACK = 64 << 20  # NCCL maps its buffers in granules: free memory moves a l
 
 
 def resources() -> dict[str, int]:
+    gc.collect()
     free, _ = torch.cuda.mem_get_info()  # NCCL's own buffers are outside torch's allocator
     return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
             "gpu_free": free}
@@ -40,5 +42,5 @@ def test_a_hundred_nccl_reforms_leave_threads_descriptors_and_gpu_memory_flat():
             assert comm.backend.teardown.idle(WAIT_S)
             counts[generation] = resources()
     before, after = counts[10], counts[100]
-    assert (after["threads"], after["fds"]) == (before["threads"], before["fds"]), counts
+    assert after["threads"] <= before["threads"] and after["fds"] <= before["fds"], counts
     assert after["gpu_free"] >= before["gpu_free"] - GPU_SLACK, counts

@@ -2,8 +2,9 @@
 NCCL-shaped twin whose abort leaves its groups to the background teardown as NCCL's does): a
 collective blocked on a live peer is released by the abort, the next generation forms and runs a
 collective while the old group's abort is still held, and a hundred reforms leave the process with
-as many threads and descriptors as ten did. No timings: every wait is bounded, none measured."""
+no more threads and descriptors than ten did. No timings: every wait is bounded, none measured."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -45,6 +46,7 @@ class HeldTwin(NcclTwin):
 
 def resources() -> tuple[int, int]:
     """This process's threads (native ones included) and file descriptors."""
+    gc.collect()
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
@@ -114,4 +116,5 @@ def test_a_hundred_reforms_leave_threads_and_descriptors_flat(backend):
         if generation in (10, 100):
             assert teardown is None or teardown.idle(WAIT_S)
             counts[generation] = resources()
-    assert counts[100] == counts[10], counts
+    # (no more: fewer when what earlier tests in this process left behind has ended meanwhile)
+    assert counts[100][0] <= counts[10][0] and counts[100][1] <= counts[10][1], counts
