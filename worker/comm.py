@@ -468,8 +468,9 @@ class Comm:
         # held every rank of the generation for the resolver's timeout (5 s), seen at 16 ranks.
         self._client: tuple[str, dist.Store, dict[int, str]] | None = None
         # Where the last reform's time went, in seconds: the abort of the old group (on the abort
-        # thread; on NCCL only its hand-off to the teardown, which logs its own), destroying it, connecting to the new store (0 when kept), the arrival barrier
-        # (connecting included) and the backend's init.
+        # thread; on NCCL only its hand-off to the teardown, which logs its own), destroying it,
+        # connecting to the new store (0 when kept), the arrival barrier (connecting included) and
+        # the backend's init.
         self.phases = {"abort_s": 0.0, "destroy_s": 0.0, "store_s": 0.0, "barrier_s": 0.0, "init_s": 0.0}
         self._forming: tuple[int, dict[int, str]] | None = None  # generation being formed, its store connections
         self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
