@@ -7,9 +7,11 @@ figure the slowest survivor's, seconds.
   fresh          a new group on a new store prefix (eager init, connections at the first collective:
                  the library's reform)
   connect-init   the same with NCCL_RUNTIME_CONNECT=0 (every connection made by the init)
-  standby        a second group made (split) and warmed beside the first before the loss, shrunk
+  standby        a second communicator made and warmed beside the first before the loss, shrunk
                  after it with SHRINK_DEFAULT (it has no work in flight) under
-                 NCCL_COMM_SPLIT_SHARE_RESOURCES=1: do its connections carry over?
+                 NCCL_COMM_SPLIT_SHARE_RESOURCES=1: do its connections carry over? It is made on
+                 its own, not split from the first: NCCL aborts a split child with its parent
+                 (the children's abort flag), and the first is the one aborted
 
   init_s / shrink_s    making the new communicator
   first_small_s        its first all-reduce of one element (connections made here unless made above)
@@ -52,10 +54,14 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.backend == "nccl":
         Nccl().prepare(os.environ)  # the library's watchdog settings
     device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     options = {"device_id": device} if args.backend == "nccl" else {}
     r, n = args.rank, args.ranks
     store = dist.TCPStore("127.0.0.1", args.port, n, is_master=r == 0, timeout=timedelta(seconds=args.timeout))
-    dist.init_process_group(args.backend, store=dist.PrefixStore("old/", store), rank=r, world_size=n, **options)
+    # (eager init binds the group to the device, and torch then splits new groups from it)
+    dist.init_process_group(args.backend, store=dist.PrefixStore("old/", store), rank=r, world_size=n,
+                            **(options if args.mode != "standby" else {}))
     standby = dist.new_group(list(range(n))) if args.mode == "standby" else None
     big = torch.ones(args.bucket_mb << 18, device=device)  # float32
     for group in (None, standby) if standby is not None else (None,):
