@@ -187,10 +187,9 @@ def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | Non
             lines.append(f"  {name:18}no results (its benchmark failed)")
             continue
         kill = result["runs"][0]["kill"]
-        phase = lambda p: kill["phases"].get(p, {}).get("p50", float("nan"))  # noqa: E731
+        init, first = (kill["phases"].get(p, {}).get("p50", float("nan")) for p in ("init_s", "first_collective_s"))
         lines.append(f"  {name:18}{kill['kill_to_step_s']['p50']:8.3f} {kill['kill_to_step_s']['max']:8.3f} "
-                     f"{phase('init_s'):7.3f} {phase('first_collective_s'):7.3f}   {kill['survivors_lost']:4d} "
-                     f"{kill['healthy_evictions']:7d}")
+                     f"{init:7.3f} {first:7.3f}   {kill['survivors_lost']:4d} {kill['healthy_evictions']:7d}")
     return lines
 
 
