@@ -8,6 +8,7 @@ import hmac
 import ssl
 from pathlib import Path
 
+from muster.coordinator.claims import MemberKeys, member_key
 from muster.coordinator.errors import PermissionDenied, Unauthenticated
 from muster.security import TOKEN_METADATA
 
@@ -43,6 +44,12 @@ class Tokens:
         """The token a replica presents when it relays to another: the relay entry, else an
         operator's; "" when the file has neither (relaying is then refused: `check_relay`)."""
         return next((t for j, t in self.entries if j == RELAY), next((t for j, t in self.entries if j == OPERATOR), ""))
+
+    def member_keys(self) -> MemberKeys | None:
+        """The keys that sign and prove members' session secrets (`claims`): the relay credential's,
+        which job token holders never see; None where the file has none (claims are unproven)."""
+        credential = self.relay_token()
+        return MemberKeys((member_key(credential),)) if credential else None
 
     def grants(self, metadata) -> list[str]:
         """What the call's token is for; raises where it has none the file knows. Checked before a

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from muster.coordinator import wire
+from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import GROUP_KINDS, FailureKind
 from muster.coordinator.core.liveness import Divergence, Failure, Liveness
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
@@ -81,11 +82,11 @@ def assess(live: Liveness, state: JobState, now: float) -> tuple[list[Membership
 
 def apply(live: Liveness, d: Decision, now: float) -> None:
     """What liveness learns of an adopted decision: whom to watch from now on, and its generation."""
+    for node_id, _ in d.evicted:  # first: a proven claim displaces its node id's other member
+        live.forget(node_id)
     for member in d.joined:
         live.track(member.node_id, now)
         live.awaiting(member.node_id, member.down_slots)
-    for node_id, _ in d.evicted:
-        live.forget(node_id)
     if d.new_generation:
         live.generation_published(d.state.generation, now)
 
@@ -105,6 +106,7 @@ class JobLeader:
         wall: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
         retain_s: float = 7 * 86400.0,
+        member_keys: Callable[[], MemberKeys | None] = lambda: None,
     ):
         self.job = state.job
         self.leadership = leadership
@@ -116,6 +118,7 @@ class JobLeader:
         self.state = state
         self._clock = clock
         self._wall = wall
+        self.member_keys = member_keys  # read at each use: a reloaded tokens file changes them
         now = clock()
         self.live = liveness_for(state, timing, now)
         self.streams = Streams(timing.heartbeat_timeout_s / 4, tick_s)
@@ -278,10 +281,14 @@ class JobLeader:
         check_joinable(self.state, requested)
         # The member's proof from now on: made here at the edge (the core stays deterministic),
         # kept by the state only as a hash, never logged.
-        secret = secrets.token_bytes(32)
+        secret = secrets.token_bytes(RANDOM_BYTES)
         kind = wire.node_kind(req.is_process)
         member = await self._inbox.put(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
                                             secret_hash(secret), requested), want_result=True)
+        keys = self.member_keys()
+        if keys is not None:  # what proves the member if etcd loses the job
+            secret = keys.sign(secret, self.job, self.state.run, member.node_id, member.member_id,
+                               self.state.generation, int(self._wall() * 1000))
         return pb.JoinResponse(job=self.job, node_id=member.node_id, member_id=member.member_id, term=self.term,
                                generation=self.state.generation, run=self.state.run, session_secret=secret,
                                heartbeat_interval_ms=int(self.timing.heartbeat_interval_s * 1000),
@@ -319,7 +326,7 @@ class JobLeader:
         a lost state is rebuilt, a node that is no member but says who it was is taken back.
         A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
         check_first(first, self.state)
-        if self.state.rebuilding and first.HasField("rejoin") and self.state.member(first.node_id) is None:
+        if self.state.rebuilding and first.HasField("rejoin") and not self._is_member(first):
             return self._take_back(first, link, stream_id)
         member = admit(first, self.state, self.streams.get(first.node_id))
         stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
@@ -330,9 +337,16 @@ class JobLeader:
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
 
+    def _is_member(self, first: pb.NodeFrame) -> bool:
+        """The first frame is of the member its node is now (else, while rebuilding, a claim: one
+        that proves itself displaces whoever took the node id unproven)."""
+        member = self.state.member(first.node_id)
+        return member is not None and member.member_id == first.member_id and \
+            member.admits(secret_hash(first.session_secret))
+
     def _take_back(self, first: pb.NodeFrame, link, stream_id: int) -> NodeStream:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
-        rejoin = rejoin_of(first)
+        rejoin = rejoin_of(first, self.state.run, self.member_keys(), int(self._wall() * 1000))
         stream = NodeStream(self.job, first.node_id, first.member_id, rejoin.kind, pending=True,
                             term_ahead=first.term, link=link, stream_id=stream_id, seq=first.stream_seq)
         fut = self._inbox.put(rejoin, want_result=True)

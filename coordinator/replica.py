@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import structlog
 
 from muster.coordinator import wire
 from muster.coordinator.campaigns import Campaigns
+from muster.coordinator.claims import MemberKeys
 from muster.coordinator.coordination import Coordination, LeaderKey
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
@@ -29,6 +31,7 @@ from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
+from muster.coordinator.sessions import rejoin_of
 from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
 
@@ -185,7 +188,12 @@ class Replica:
             stragglers=self.config.stragglers,
             metrics=self.metrics,
             retain_s=self.config.retain_finished_s,
+            member_keys=self.member_keys,
         )
+
+    def member_keys(self) -> MemberKeys | None:
+        """The keys that prove members after etcd lost their job: the tokens file's (`auth`)."""
+        return self.peers.tokens.member_keys() if self.peers.tokens else None
 
     async def _follow(self, leader: JobLeader) -> None:
         """A leadership that ended by itself (a fenced write, a fault, the session past its renew
@@ -274,6 +282,7 @@ class Replica:
         wire.check_job(first.job)
         if first.job not in self.jobs and first.HasField("rejoin"):
             wire.check_rejoin(first)
+            rejoin_of(first, first.run, self.member_keys(), int(time.time() * 1000))  # no job for a forged claim
             await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
             await self._await_election(first.job)
         leader = await self.leader_for(first.job)

@@ -22,9 +22,10 @@ from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, Invali
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
-# What a node may claim to have run while a lost state is rebuilt: a generation (or a join) a second
-# for 136 years. A claim is unverifiable; one near MAX_GENERATION published a generation every library
-# rank's frame is refused for, so the job keeps at least MAX_GENERATION - 2^32 generations to go.
+# What a node may claim to have run while a lost state is rebuilt, below: a generation (or a join) a
+# second for 136 years. A proven claim is bounded tighter at the edge (`claims`); an unproven one (no
+# proof key) near MAX_GENERATION published a generation every library rank's frame is refused for, so
+# the job keeps at least MAX_GENERATION - 2^32 generations to go.
 MAX_CLAIMED = 2**32
 
 
@@ -56,6 +57,7 @@ class Rejoin:
     kind: NodeKind = NodeKind.AGENT
     master_port: int = 0
     spec: JobSpec | None = None
+    proven: bool = False  # its secret proved the member it names (`claims`): it keeps its seniority
 
 
 @dataclass(frozen=True)
@@ -213,20 +215,28 @@ class _Fold:
 
 
 def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
-    refusal = _rejoin_refusal(f.state, f.members, ev, f.ctx)
-    if refusal is None and ev.node_id not in f.members:
+    current = f.members.get(ev.node_id)
+    if (f.state.rebuilding and current is not None and current.member_id == ev.member_id
+            and current.admits(ev.secret_hash)):
+        return  # the same incarnation again, from a second stream: nothing new
+    refusal, displaced = _rejoin_refusal(f.state, f.members, ev, f.ctx)
+    if refusal is None:
         f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
     if refusal is not None:
         f.rejected.append((index, refusal))
         return
-    if ev.node_id in f.members:
-        return  # the same incarnation again, from a second stream: nothing new
-    # Its age is when it claimed, not the id it claims: a claim of member 1 may not take rank 0
-    # (and the job's store) from the nodes that came back before it.
-    f.members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, f.next_seq,
-                                   ev.kind, master_port=ev.master_port, secret_hash=ev.secret_hash)
+    for held in displaced:  # it joined, or was taken back unproven: it joins again as a new member
+        del f.members[held.node_id]
+        f.evicted.append((held.node_id, held.member_id))
+        f.note("member_displaced", f"member {held.member_id} ({held.node_id!r}) gave way to the proven claim of "
+                                   f"member {ev.member_id} ({ev.node_id!r})", held.node_id)
+    # A proven claim keeps its age (its member id); an unproven one is as old as its claim: a claim of
+    # member 1 may not take rank 0 (and the job's store) from the nodes that came back before it.
+    seq = ev.member_id if ev.proven else f.next_seq
+    f.members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, seq, ev.kind,
+                                   master_port=ev.master_port, secret_hash=ev.secret_hash, proven=ev.proven)
     f.joined.append(f.members[ev.node_id])
-    f.next_seq = max(f.next_seq + 1, ev.member_id + 1)
+    f.next_seq = max(f.next_seq + (not ev.proven), ev.member_id + 1)
     f.generation = max(f.generation, ev.generation)
     f.changed = True
 
@@ -236,6 +246,11 @@ def _join_refusal(f: _Fold, ev: Join) -> MusterError | None:
     if state.ended:
         return Unavailable(f"run {state.run} of job {state.job!r} has ended ({state.outcome.value}) and its nodes "
                            f"are draining; a join starts run {state.run + 1} once they are gone")
+    if state.rebuilding and f.spec_lost:
+        # etcd lost the job itself: its nodes restore its spec and ranks (a Join first would make
+        # them its spares, and its host the job's store), then joins go on as usual.
+        return Unavailable(f"job {state.job!r} is being rebuilt from its nodes after etcd lost it; join again "
+                           f"in {ctx.timing.grace_s:g}s")
     if ev.node_id in f.members:
         return AlreadyExists(f"node {ev.node_id!r} is already a member of job {state.job!r} "
                              f"(member {f.members[ev.node_id].member_id}); leave first or use another node id")
@@ -462,30 +477,36 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str
     return None
 
 
-def _rejoin_refusal(state: JobState, members: dict[str, Member], ev: Rejoin, ctx: Context) -> MusterError | None:
-    """Why a node claiming membership is not taken back (None: it is, or already was)."""
+def _rejoin_refusal(state: JobState, members: dict[str, Member], ev: Rejoin,
+                    ctx: Context) -> tuple[MusterError | None, list[Member]]:
+    """Why a node claiming membership is not taken back (None: it is), and the members its proven
+    claim displaces: those holding its node id or member id that nobody proved. A refusal a real node
+    may get is one it answers by joining again (FAILED_PRECONDITION), never one that ends its agent."""
     if not state.rebuilding or not ev.generation or not ev.member_id:
-        return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first")
-    member = members.get(ev.node_id)
-    if member is not None:  # taken back already, from another stream
-        if member.member_id != ev.member_id:
-            return FailedPrecondition(f"member {ev.member_id} of node {ev.node_id!r} is stale (current member "
-                                      f"{member.member_id}); it was evicted or replaced: rejoin")
-        if not member.admits(ev.secret_hash):
-            return PermissionDenied(f"node {ev.node_id!r} did not present the session secret of member "
-                                    f"{member.member_id}")
-        return None
-    if ev.generation > MAX_CLAIMED or ev.member_id > MAX_CLAIMED:
-        return InvalidArgument(f"a node taken back claims generation {ev.generation} and member_id {ev.member_id}: "
-                               f"each must be at most {MAX_CLAIMED}")
-    holder = next((m.node_id for m in members.values() if m.member_id == ev.member_id), None)
-    if holder is not None:
-        return AlreadyExists(f"member {ev.member_id} of job {state.job!r} is node {holder!r}'s, taken back before "
-                             f"node {ev.node_id!r} claimed it")
-    if len(members) >= ctx.max_members:
+        return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first"), []
+    if ev.generation >= MAX_CLAIMED or ev.member_id >= MAX_CLAIMED:
+        return InvalidArgument(f"a node taken back claims generation {ev.generation} and member_id "
+                               f"{ev.member_id}: each must be below {MAX_CLAIMED}"), []
+    current = members.get(ev.node_id)
+    holder = next((m for m in members.values() if m.member_id == ev.member_id and m.node_id != ev.node_id), None)
+    held = [m for m in (current, holder) if m is not None]
+    if ev.proven and not any(m.proven for m in held):
+        displaced = held
+    elif current is not None and current.member_id != ev.member_id:
+        return FailedPrecondition(f"member {ev.member_id} of node {ev.node_id!r} is stale (current member "
+                                  f"{current.member_id}); it was evicted or replaced: rejoin"), []
+    elif current is not None:
+        return PermissionDenied(f"node {ev.node_id!r} did not present the session secret of member "
+                                f"{current.member_id}"), []
+    elif holder is not None:
+        return FailedPrecondition(f"member {ev.member_id} of job {state.job!r} is node {holder.node_id!r}'s, taken "
+                                  f"back before node {ev.node_id!r} claimed it: join again"), []
+    else:
+        displaced = []
+    if len(members) - len(displaced) >= ctx.max_members:
         return ResourceExhausted(f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per "
-                                 f"job (--max-nodes-per-job {ctx.max_members})")
-    return None
+                                 f"job (--max-nodes-per-job {ctx.max_members})"), []
+    return None, displaced
 
 
 def _restored_spec(spec: JobSpec, lost: bool, asked: JobSpec | None) -> tuple[JobSpec, bool, MusterError | None]:
@@ -512,6 +533,7 @@ def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState,
         return replace(state, rebuild_deadline=deadline), False
     if ctx.now < deadline:
         return replace(state, rebuild_deadline=deadline), False
+    state = _proven_first(state)
     rebuilt = replace(state, rebuilding=False, rebuild_deadline=None)
     node_ids = tuple(m.node_id for m in state.members)
     log.append(Event(state.generation, ctx.term, ctx.wall_ms, "state_rebuilt",
@@ -528,6 +550,14 @@ def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState,
     log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "generation", f"abort; {assignment.reason}",
                      _named(rebuilt.rank_map.node_ids), assignment.world_size))
     return rebuilt, True
+
+
+def _proven_first(state: JobState) -> JobState:
+    """The members taken back on proven claims are the oldest (rank 0 and the store are theirs);
+    the others (joined meanwhile, or taken back unproven) age from now, in their order."""
+    proven = [replace(m, proven=False) for m in state.members if m.proven]
+    others = [replace(m, seq=state.next_seq + i) for i, m in enumerate(m for m in state.members if not m.proven)]
+    return replace(state.with_members(tuple(proven + others)), next_seq=state.next_seq + len(others))
 
 
 def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState, bool]:
