@@ -213,8 +213,8 @@ class JobLeader:
         if diverged is not None:
             self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
         events = [event for event, _ in batch] + found + self.stragglers.look(now, self.state, self.live, self.streams)
-        if self.state.phase is not Phase.RUNNING or self.state.ended:
-            events.append(Tick())  # forming, waiting and draining deadlines
+        if self.state.phase is not Phase.RUNNING or self.state.ended or self.state.rebuilding:
+            events.append(Tick())  # forming, waiting, draining and rebuilding deadlines
         if not events:
             return
         step_time_s = self.live.median_step_time()
@@ -288,7 +288,7 @@ class JobLeader:
         keys = self.member_keys()
         if keys is not None:  # what proves the member if etcd loses the job
             secret = keys.sign(secret, self.job, self.state.run, member.node_id, member.member_id,
-                               self.state.generation, int(self._wall() * 1000))
+                               self.state.started_ms)
         return pb.JoinResponse(job=self.job, node_id=member.node_id, member_id=member.member_id, term=self.term,
                                generation=self.state.generation, run=self.state.run, session_secret=secret,
                                heartbeat_interval_ms=int(self.timing.heartbeat_interval_s * 1000),
@@ -326,7 +326,7 @@ class JobLeader:
         a lost state is rebuilt, a node that is no member but says who it was is taken back.
         A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
         check_first(first, self.state)
-        if self.state.rebuilding and first.HasField("rejoin") and not self._is_member(first):
+        if first.HasField("rejoin") and not self._is_member(first) and (self.state.rebuilding or self._proven(first)):
             return self._take_back(first, link, stream_id)
         member = admit(first, self.state, self.streams.get(first.node_id))
         stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
@@ -338,11 +338,18 @@ class JobLeader:
         return stream
 
     def _is_member(self, first: pb.NodeFrame) -> bool:
-        """The first frame is of the member its node is now (else, while rebuilding, a claim: one
-        that proves itself displaces whoever took the node id unproven)."""
+        """The first frame is of the member its node is now (else a claim: one that proves itself
+        displaces whoever took the node id unproven)."""
         member = self.state.member(first.node_id)
         return member is not None and member.member_id == first.member_id and \
             member.admits(secret_hash(first.session_secret))
+
+    def _proven(self, first: pb.NodeFrame) -> bool:
+        """The claim of a node that is no member proves itself: the core decides whether the running
+        state is a run made anew since etcd lost the one it ran (else it is told NOT_FOUND)."""
+        keys = self.member_keys()
+        return keys is not None and keys.verify(first.session_secret, self.job, self.state.run, first.node_id,
+                                                first.member_id) is not None
 
     def _take_back(self, first: pb.NodeFrame, link, stream_id: int) -> NodeStream:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""

@@ -8,7 +8,7 @@ import hashlib
 from collections.abc import Callable
 
 from muster.coordinator import wire
-from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
+from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, most_generation
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.machine import Finishing, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp
@@ -71,23 +71,22 @@ def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: in
     """The member a node that is no member says it was (a lost state rebuilt): for the core to take
     back. Where the replicas share a proof key the claim must prove it (else the node joins anew,
     told NOT_FOUND, as any node that is no member: a forged claim never reaches the core) and its
-    generation is bounded by when its secret was issued; without a key it is taken unproven."""
-    proven = False
+    generation is bounded by when its run started; without a key it is taken unproven."""
+    started_ms = 0
     if keys is not None:
-        issued = keys.verify(first.session_secret, first.job, run, first.node_id, first.member_id)
-        if issued is None:
+        started_ms = keys.verify(first.session_secret, first.job, run, first.node_id, first.member_id)
+        if started_ms is None:
             raise NotFound(f"node {first.node_id!r} cannot prove it was member {first.member_id} of job "
                            f"{first.job!r}: its session secret is none a replica signed for that member; join again")
-        most = issued.most_generation(now_ms)
+        most = most_generation(started_ms, now_ms)
         if first.generation > most:
             raise InvalidArgument(f"member {first.member_id} of job {first.job!r} claims generation "
-                                  f"{first.generation}; its secret was issued at generation {issued.generation} "
-                                  f"{max(0, now_ms - issued.wall_ms) / 1000:.0f}s ago: the job could have reached "
-                                  f"{most} at most")
-        proven = True
+                                  f"{first.generation}; its run started {max(0, now_ms - started_ms) / 1000:.0f}s "
+                                  f"ago: it could have reached {most} at most")
     r = first.rejoin
     return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
-                  r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec), proven)
+                  r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec),
+                  run_started_ms=started_ms)
 
 
 def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> Member:

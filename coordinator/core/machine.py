@@ -57,7 +57,13 @@ class Rejoin:
     kind: NodeKind = NodeKind.AGENT
     master_port: int = 0
     spec: JobSpec | None = None
-    proven: bool = False  # its secret proved the member it names (`claims`): it keeps its seniority
+    # When the run its secret proved it a member of started (`claims`; 0: unproven). A proven claim
+    # keeps its seniority, and outranks a run made anew under the same number since.
+    run_started_ms: int = 0
+
+    @property
+    def proven(self) -> bool:
+        return self.run_started_ms > 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,8 @@ class _Fold:
     spec_lost: bool
     finishing: bool
     failure: str
+    rebuilding: bool
+    started_ms: int
     stop: Stop | None = None
     departed: str = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
     log: list[Event] = field(default_factory=list)
@@ -204,7 +212,7 @@ class _Fold:
     def of(cls, state: JobState, ctx: Context) -> _Fold:
         in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
         return cls(state, ctx, {m.node_id: m for m in state.members}, in_map, state.next_seq, state.generation,
-                   state.spec, state.spec_lost, state.finishing, state.failure)
+                   state.spec, state.spec_lost, state.finishing, state.failure, state.rebuilding, state.started_ms)
 
     def note(self, kind: str, reason: str, *nodes: str) -> None:
         self.log.append(Event(self.state.generation, self.ctx.term, self.ctx.wall_ms, kind, reason, tuple(nodes)))
@@ -216,20 +224,28 @@ class _Fold:
 
 def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
     current = f.members.get(ev.node_id)
-    if (f.state.rebuilding and current is not None and current.member_id == ev.member_id
+    if (f.rebuilding and current is not None and current.member_id == ev.member_id
             and current.admits(ev.secret_hash)):
         return  # the same incarnation again, from a second stream: nothing new
-    refusal, displaced = _rejoin_refusal(f.state, f.members, ev, f.ctx)
+    if _made_anew(f, ev):
+        f.note("state_made_anew", f"node {ev.node_id!r} proved it was member {ev.member_id} of this run as it ran "
+                                  f"before etcd lost it: the members of the run made anew give way, and the job is "
+                                  f"rebuilt from its nodes", *list(f.members)[:EVENT_NODES_MAX])
+        for held in list(f.members.values()):
+            _displace(f, held)
+        f.rebuilding = f.spec_lost = f.changed = True
+    refusal, displaced = _rejoin_refusal(f, ev)
     if refusal is None:
         f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
     if refusal is not None:
         f.rejected.append((index, refusal))
         return
-    for held in displaced:  # it joined, or was taken back unproven: it joins again as a new member
-        del f.members[held.node_id]
-        f.evicted.append((held.node_id, held.member_id))
+    for held in displaced:
         f.note("member_displaced", f"member {held.member_id} ({held.node_id!r}) gave way to the proven claim of "
                                    f"member {ev.member_id} ({ev.node_id!r})", held.node_id)
+        _displace(f, held)
+    if ev.proven:
+        f.started_ms = ev.run_started_ms  # the run the nodes ran, whenever this leader's state began
     # A proven claim keeps its age (its member id); an unproven one is as old as its claim: a claim of
     # member 1 may not take rank 0 (and the job's store) from the nodes that came back before it.
     seq = ev.member_id if ev.proven else f.next_seq
@@ -238,6 +254,20 @@ def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
     f.joined.append(f.members[ev.node_id])
     f.next_seq = max(f.next_seq + (not ev.proven), ev.member_id + 1)
     f.generation = max(f.generation, ev.generation)
+    f.changed = True
+
+
+def _made_anew(f: _Fold, ev: Rejoin) -> bool:
+    """The running state is a run made anew under the proven claim's run number (etcd lost the job,
+    and a Join made it again before its nodes came back): young, and started at another moment."""
+    return (not f.rebuilding and ev.proven and not f.finishing and not f.state.ended
+            and ev.run_started_ms != f.started_ms and f.ctx.wall_ms - f.started_ms <= f.ctx.timing.grace_s * 1000)
+
+
+def _displace(f: _Fold, held: Member) -> None:
+    """A member gives way to a proven claim: it joins again as a new member (told FAILED_PRECONDITION)."""
+    del f.members[held.node_id]
+    f.evicted.append((held.node_id, held.member_id))
     f.changed = True
 
 
@@ -390,7 +420,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             fold(f, index, ev)
     nxt = replace(state.with_members(tuple(f.members.values())), next_seq=f.next_seq, generation=f.generation,
                   spec=f.spec, spec_lost=f.spec_lost, finishing=f.finishing, failure=f.failure,
-                  started_ms=state.started_ms or ctx.wall_ms)
+                  rebuilding=f.rebuilding, started_ms=f.started_ms or ctx.wall_ms)
     nxt, new_generation, drains = _regenerate(f, nxt)
     nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
                   if nxt.phase is Phase.WAITING and not nxt.ended else None)
@@ -477,16 +507,19 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str
     return None
 
 
-def _rejoin_refusal(state: JobState, members: dict[str, Member], ev: Rejoin,
-                    ctx: Context) -> tuple[MusterError | None, list[Member]]:
+def _rejoin_refusal(f: _Fold, ev: Rejoin) -> tuple[MusterError | None, list[Member]]:
     """Why a node claiming membership is not taken back (None: it is), and the members its proven
     claim displaces: those holding its node id or member id that nobody proved. A refusal a real node
     may get is one it answers by joining again (FAILED_PRECONDITION), never one that ends its agent."""
-    if not state.rebuilding or not ev.generation or not ev.member_id:
+    state, members, ctx = f.state, f.members, f.ctx
+    if not f.rebuilding or not ev.generation or not ev.member_id:
         return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first"), []
     if ev.generation >= MAX_CLAIMED or ev.member_id >= MAX_CLAIMED:
         return InvalidArgument(f"a node taken back claims generation {ev.generation} and member_id "
                                f"{ev.member_id}: each must be below {MAX_CLAIMED}"), []
+    if ev.proven and ev.run_started_ms != f.started_ms and any(m.proven for m in members.values()):
+        return FailedPrecondition(f"member {ev.member_id} ({ev.node_id!r}) ran another run of job {state.job!r} "
+                                  f"than the one being rebuilt: join again"), []
     current = members.get(ev.node_id)
     holder = next((m for m in members.values() if m.member_id == ev.member_id and m.node_id != ev.node_id), None)
     held = [m for m in (current, holder) if m is not None]

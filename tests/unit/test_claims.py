@@ -14,8 +14,8 @@ KEYS = MemberKeys((member_key("r" * 24),))
 NOW_MS = 1_700_000_000_000
 
 
-def signed(keys=KEYS, member_id=3, generation=7, wall_ms=NOW_MS):
-    return keys.sign(secrets.token_bytes(32), "job-a", 1, "n1", member_id, generation, wall_ms)
+def signed(keys=KEYS, member_id=3, started_ms=NOW_MS):
+    return keys.sign(secrets.token_bytes(32), "job-a", 1, "n1", member_id, started_ms)
 
 
 def claim(secret: bytes, member_id=3, generation=8, node_id="n1") -> pb.NodeFrame:
@@ -24,15 +24,14 @@ def claim(secret: bytes, member_id=3, generation=8, node_id="n1") -> pb.NodeFram
                                                                      host="10.0.0.1", store_port=29500))
 
 
-def test_a_signed_secret_proves_only_the_member_it_was_issued_to_and_when():
+def test_a_signed_secret_proves_only_the_member_it_was_issued_to_and_when_its_run_started():
     secret = signed()
     assert len(secret) <= 64 and secret_hash(secret) == secret_hash(secret[:32])
-    issued = KEYS.verify(secret, "job-a", 1, "n1", 3)
-    assert (issued.generation, issued.wall_ms) == (7, NOW_MS)
+    assert KEYS.verify(secret, "job-a", 1, "n1", 3) == NOW_MS
     for job, run, node, member in [("job-b", 1, "n1", 3), ("job-a", 2, "n1", 3), ("job-a", 1, "n2", 3),
                                    ("job-a", 1, "n1", 1)]:
         assert KEYS.verify(secret, job, run, node, member) is None
-    tampered = secret[:32] + (8).to_bytes(8, "big") + secret[40:]  # a later issuing generation
+    tampered = secret[:32] + (NOW_MS + 1).to_bytes(8, "big") + secret[40:]  # a run started later
     assert KEYS.verify(tampered, "job-a", 1, "n1", 3) is None
     assert KEYS.verify(secrets.token_bytes(32), "job-a", 1, "n1", 3) is None
     assert MemberKeys((member_key("j" * 24),)).verify(secret, "job-a", 1, "n1", 3) is None
@@ -44,11 +43,11 @@ def test_a_rotated_key_still_proves_the_members_it_signed():
     assert KEYS.verify(signed(rotated), "job-a", 1, "n1", 3) is None
 
 
-def test_a_claim_is_proven_by_its_secret_and_bounded_by_the_generations_since_it_was_issued():
-    secret = signed(generation=7, wall_ms=NOW_MS - 10_000)
+def test_a_claim_is_proven_by_its_secret_and_bounded_by_the_generations_since_its_run_started():
+    secret = signed(started_ms=NOW_MS - 10_000)
     rejoin = rejoin_of(claim(secret, generation=9), 1, KEYS, NOW_MS)
-    assert rejoin.proven and rejoin.secret_hash == secret_hash(secret) and rejoin.member_id == 3
-    most = 7 + GENERATION_MARGIN + 10 * GENERATIONS_PER_S
+    assert rejoin.proven and rejoin.run_started_ms == NOW_MS - 10_000 and rejoin.secret_hash == secret_hash(secret)
+    most = GENERATION_MARGIN + 10 * GENERATIONS_PER_S
     assert rejoin_of(claim(secret, generation=most), 1, KEYS, NOW_MS).proven
     for generation in (most + 1, 2**32):
         with pytest.raises(InvalidArgument, match=f"reached {most} at most"):

@@ -199,8 +199,11 @@ def test_a_member_id_taken_back_already_is_refused_to_another_node_which_joins_a
     assert isinstance(rejected(d), FailedPrecondition) and not d.persist
 
 
-def proven(i, member_id, generation, slots=2):
-    return replace(rejoin(i, member_id, generation, slots=slots), proven=True)
+STARTED_MS = 1_600_000_000_000  # the run the proven nodes ran, long before the leader's clock
+
+
+def proven(i, member_id, generation, slots=2, started_ms=STARTED_MS):
+    return replace(rejoin(i, member_id, generation, slots=slots), run_started_ms=started_ms)
 
 
 def test_proven_claims_keep_their_age_and_displace_whoever_took_their_node_or_member_id_unproven():
@@ -238,7 +241,40 @@ def test_unproven_members_age_after_every_proven_one_whatever_their_ids():
 
 def test_a_proven_member_is_not_displaced_by_another_claim():
     s = decide(lost(), [proven(1, member_id=3, generation=4)], ctx()).state
-    d = decide(s, [replace(proven(2, member_id=3, generation=4)), rejoin(1, 3, 4, secret="other"),
-                   proven(1, member_id=2, generation=4)], ctx(now=1.0))
-    assert [type(e) for _, e in d.rejected] == [FailedPrecondition, PermissionDenied, FailedPrecondition]
+    assert s.started_ms == STARTED_MS, "the run it ran"
+    d = decide(s, [proven(2, member_id=3, generation=4), rejoin(1, 3, 4, secret="other"),
+                   proven(1, member_id=2, generation=4), proven(4, member_id=4, generation=4, started_ms=5)],
+               ctx(now=1.0))
+    assert [type(e) for _, e in d.rejected] == [FailedPrecondition, PermissionDenied, FailedPrecondition,
+                                                FailedPrecondition]
+    assert "ran another run" in str(rejected(d, 3))
     assert [(m.node_id, m.member_id) for m in d.state.members] == [("n1", 3)] and not d.evicted
+
+
+def test_a_run_made_anew_by_a_join_since_etcd_lost_the_job_gives_way_to_its_real_nodes():
+    """What a Join can do before the real nodes come back where every replica forgot the job: make
+    the run anew, rank 0 and the store its own. A proven claim of the run as it ran before, within
+    the grace, makes it a rebuild again: the new members give way, the real ones are taken back."""
+    d = decide(JobState("job", JobSpec(1, 3, 1)), [Join("evil", "10.6.6.6", 29500, 4, secret_hash="he")], ctx())
+    d = decide(d.state, [Tick()], ctx(now=1.0))
+    assert d.state.rank_map.node_ids == ("evil",) and not d.state.rebuilding
+    d = decide(d.state, [replace(proven(1, member_id=1, generation=6, slots=1), spec=JobSpec(2, 2, 1)),
+                         proven(2, member_id=2, generation=6)], ctx(now=2.0))
+    assert not d.rejected and d.evicted == (("evil", 1),) and d.state.rebuilding
+    assert d.state.spec == JobSpec(2, 2, 1) and not d.state.spec_lost, "the real nodes' spec, not the Join's"
+    assert [e.kind for e in d.events] == ["state_made_anew"] and d.state.started_ms == STARTED_MS
+    assert [(m.node_id, m.member_id, m.proven) for m in d.state.members] == [("n1", 1, True), ("n2", 2, True)]
+    d = decide(d.state, [Tick()], ctx(now=7.0))
+    rm = d.state.rank_map
+    assert rm.node_ids == ("n1", "n2") and rm.store_address == "10.0.0.1:29501" and rm.generation == 7
+
+
+def test_no_claim_makes_anew_a_run_it_ran_or_one_past_the_grace():
+    s = decide(lost(), [proven(1, member_id=1, generation=3)], ctx()).state
+    s = decide(s, [Tick()], ctx(now=5.0)).state
+    assert not s.rebuilding and s.started_ms == STARTED_MS
+    d = decide(s, [proven(2, member_id=2, generation=3)], ctx(now=6.0))  # a member of it, gone since
+    assert isinstance(rejected(d), NotFound) and not d.persist
+    young = decide(JobState("job", JobSpec(1, 3, 1)), [Join("n9", "10.0.0.9", 29509, 1)], ctx()).state
+    d = decide(young, [proven(2, member_id=2, generation=3)], ctx(now=5.1))  # past the grace (5 s)
+    assert isinstance(rejected(d), NotFound) and not d.evicted
