@@ -24,6 +24,8 @@ from muster.security import TlsFiles
 
 log = structlog.get_logger(__name__)
 
+TOKENS_POLL_S = 2.0  # a tokens file written in place (a mounted Secret updated) is read again this soon
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -48,6 +50,14 @@ def _replica_cert(config: ServeConfig) -> bytes | None:
     return first_certificate(Path(config.peer_tls.cert).read_bytes()) if config.peer_tls.cert else b""
 
 
+async def _watch(tokens: Tokens, stop: asyncio.Event) -> None:
+    """Read the tokens file again whenever it changes (SIGHUP reads it at once)."""
+    while not stop.is_set():
+        await asyncio.sleep(TOKENS_POLL_S)
+        if tokens.changed():
+            tokens.reload()
+
+
 async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
     embedded = None
     endpoints = list(config.etcd)
@@ -57,7 +67,7 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         endpoints = [embedded.endpoint]
         log.info("embedded_etcd_started", endpoint=embedded.endpoint, pid=embedded.pid,
                  data_dir=str(config.data_dir / "etcd"))
-    client = server = replica = health = None
+    client = server = replica = health = watcher = None
     try:
         client = connect(endpoints, access=config.etcd_access if embedded is None else EtcdAccess())
         tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
@@ -85,9 +95,14 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if tokens is not None:
+            loop.add_signal_handler(signal.SIGHUP, tokens.reload)
+            watcher = asyncio.create_task(_watch(tokens, stop))
         await stop.wait()
         log.info("coordinator_stopping")
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if health is not None:
             health.stop()
         if replica is not None and replica.started:

@@ -26,6 +26,7 @@ from muster.worker.zygote import PRELOAD
 def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from muster.coordinator.auth import Tokens
     from muster.coordinator.core.policy import InvalidPolicy, Limits, Timing
     from muster.coordinator.core.stragglers import StragglerPolicy
     from muster.coordinator.replica import ReplicaConfig
@@ -69,6 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
                              "only over TLS")
         peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
         _check_listen(args, bool(tls.cert))
+        if args.tokens:
+            Tokens.load(args.tokens)  # its mode and lines, before anything starts
     except (InvalidPolicy, OSError, ValueError) as exc:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 2
@@ -482,7 +485,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--listen", default=DEFAULT_ADDRESS, help="gRPC listen address (default %(default)s)")
     g.add_argument("--advertise", help="address workers use to reach this replica (default: the listen address)")
     g.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job; "
-                   "'@relay': the replicas' own, to relay)")
+                   "'@relay': the replicas' own, to relay; '#' starts a comment line); mode 600, read again on "
+                   "SIGHUP or when it changes")
     g.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     g.add_argument("--tls-key", help="the certificate's private key (PEM)")
     g.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")

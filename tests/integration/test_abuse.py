@@ -28,6 +28,7 @@ def bearer(token: str) -> tuple:
 def tokens(tmp_path) -> str:
     path = tmp_path / "tokens"
     path.write_text(f"job-a {JOB_TOKEN}\n* {OPERATOR}\n@relay {RELAY}\n")
+    path.chmod(0o600)
     return str(path)
 
 
