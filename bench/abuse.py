@@ -1,7 +1,7 @@
 """What one Relay caller can cost a replica (security review 3, F1). Prints one JSON object.
 
 A real etcd and one `muster serve` replica with no `--tokens` (anyone may call Relay: the worst case
-the review and issue 24 looked at). Job B: `--nodes` simulated nodes stepping; job A: one node, so
+the review and issue 24 looked at), relaying every job (`--relay-min-nodes 1`). Job B: `--nodes` simulated nodes stepping; job A: one node, so
 that the replica leads A. The flood: one Relay call for job A of `--messages` messages of `--frames`
 frames each (~0.95 MB at 46,000), every frame on a fresh stream number and naming job A's node
 without its secret, the replies never read.
@@ -191,7 +191,9 @@ def main() -> int:
         etcd = EtcdServer(workdir / "etcd").start()
         replica = None
         try:
-            replica = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log").start()
+            # Every job relayed: a Relay call for one that is not is refused at its first message.
+            replica = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log",
+                                         ["--relay-min-nodes", "1"]).start()
             result = {"benchmark": "abuse", "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
                       **asyncio.run(scenario(replica, args))}
         finally:

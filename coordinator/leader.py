@@ -29,6 +29,7 @@ from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
+from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.run_end import RunEnd
 from muster.coordinator.sessions import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
                                          rejoin_of, secret_hash)
@@ -133,6 +134,9 @@ class JobLeader:
         self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.metrics, self.log)
         self.ended = False  # the run ended and its record was written: the job is no more
         self.stragglers = StragglerDuty(stragglers.for_job(state.spec), now, self.log)
+        self.joins = FrameBudget(limits.joins_per_s, clock, floor=limits.members_of(state.spec),
+                                 quota=f"Joins/s of job {self.job!r} (--max-joins-per-second), past bursts of its "
+                                       f"members quota")
 
     @property
     def lost_reason(self) -> str | None:
@@ -221,7 +225,7 @@ class JobLeader:
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
                       self.live.max_step(self.state, now, step_time_s), step_time_s,
                       prestart=self.live.runs_library(self.state),
-                      max_members=self.limits.max_members,
+                      max_members=self.limits.members_of(self.state.spec),
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
         if len(self.state.members) >= LARGE_JOB_NODES:
             # Pure, on an immutable state, and only this task adopts: frames go on meanwhile.
@@ -279,6 +283,7 @@ class JobLeader:
 
     async def join(self, req: pb.JoinRequest, requested: JobSpec) -> pb.JoinResponse:
         check_joinable(self.state, requested)
+        self.joins.spend()
         # The member's proof from now on: made here at the edge (the core stays deterministic),
         # kept by the state only as a hash, never logged.
         secret = secrets.token_bytes(RANDOM_BYTES)

@@ -299,10 +299,14 @@ class Replica:
             await self._await_election(req.job)
         leader = await self.leader_for(req.job)
         response = await leader.join(req, requested)
-        # Relaying is decided where the job is led: a standby run with --no-relay refuses, and the node streams here.
-        response.relay = self.config.relay and max(len(leader.state.members), leader.state.spec.min_nodes) >= \
-            self.config.relay_min_nodes
+        response.relay = self.relayed(leader)
         return response
+
+    def relayed(self, leader: JobLeader) -> bool:
+        """Whether the job's nodes go through relays: decided where the job is led (a standby run with
+        --no-relay refuses, and the node streams here), for a Join's answer and a Relay call alike."""
+        return self.config.relay and max(len(leader.state.members), leader.state.spec.min_nodes) >= \
+            self.config.relay_min_nodes
 
     async def _create_job(self, job: str, requested: JobSpec) -> None:
         await self.runs.admit(job, requested)

@@ -162,7 +162,7 @@ class Context:
     # The running ranks use the worker library: an agent node joining the running job starts its
     # ranks first and takes a place once they report, so the others never wait for its start-up.
     prestart: bool = False
-    max_members: int = MAX_NODES  # the deployment's limit of nodes per job, spares included
+    max_members: int = MAX_NODES  # the job's members quota, spares included (`Limits.members_of`)
     step_lag_s: float = 0.0  # how far behind the ranks `max_step` may be (relays forward progress now and then)
 
 
@@ -285,9 +285,13 @@ def _join_refusal(f: _Fold, ev: Join) -> MusterError | None:
         return AlreadyExists(f"node {ev.node_id!r} is already a member of job {state.job!r} "
                              f"(member {f.members[ev.node_id].member_id}); leave first or use another node id")
     if len(f.members) >= ctx.max_members:
-        return ResourceExhausted(f"job {state.job!r} has {len(f.members)} nodes, the most this deployment takes "
-                                 f"per job (--max-nodes-per-job {ctx.max_members})")
+        return _members_quota(state, len(f.members), ctx)
     return None
+
+
+def _members_quota(state: JobState, members: int, ctx: Context) -> ResourceExhausted:
+    return ResourceExhausted(f"job {state.job!r} has {members} nodes, its members quota: its max_nodes and "
+                             f"--max-spares-per-job spares, at most --max-nodes-per-job ({ctx.max_members})")
 
 
 def _on_join(f: _Fold, index: int, ev: Join) -> None:
@@ -537,8 +541,7 @@ def _rejoin_refusal(f: _Fold, ev: Rejoin) -> tuple[MusterError | None, list[Memb
     else:
         displaced = []
     if len(members) - len(displaced) >= ctx.max_members:
-        return ResourceExhausted(f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per "
-                                 f"job (--max-nodes-per-job {ctx.max_members})"), []
+        return _members_quota(state, len(members), ctx), []
     return None, displaced
 
 
