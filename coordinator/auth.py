@@ -110,13 +110,18 @@ def _signature(path: str | Path) -> tuple[int, int, int]:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _read(path: str | Path) -> list[tuple[str, str]]:
-    """The file's entries; refused when group or others may read it (the tokens act on every job)."""
+def private_text(path: str | Path) -> str:
+    """A secret file's text; refused when group or others may read it (or write it)."""
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & 0o077:
-        raise ValueError(f"{path}: mode {mode:04o} lets group or others read the tokens; chmod 600 {path}")
+        raise ValueError(f"{path}: mode {mode:04o} lets group or others read it; chmod 600 {path}")
+    return Path(path).read_text()
+
+
+def _read(path: str | Path) -> list[tuple[str, str]]:
+    """The tokens file's entries (they act on every job: `private_text`)."""
     entries = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(private_text(path).splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):  # only a whole line is a comment: a token may hold '#'
             continue

@@ -54,7 +54,7 @@ def test_tokens_rotate_on_sighup_and_as_the_file_changes_and_a_readable_file_is_
     write(path, f"job-a {FIRST}\n", mode=0o644)
     os.kill(replica.proc.pid, signal.SIGHUP)
     refused = wait_until(lambda: replica.find("tokens_not_reloaded"), 5, "the refused reload")
-    assert "lets group or others read the tokens" in refused[0]["error"]
+    assert "lets group or others read it" in refused[0]["error"]
     assert code(replica.address, SECOND) == known and code(replica.address, FIRST) == grpc.StatusCode.UNAUTHENTICATED
     assert [r["entries"] for r in replica.find("tokens_reloaded")] == [1, 2]
 
@@ -65,5 +65,5 @@ def test_serve_refuses_a_tokens_file_others_may_read_in_one_line_before_anything
     out = subprocess.run([sys.executable, "-m", "muster.cli", "serve", "--data-dir", str(tmp_path / "data"),
                           "--tokens", str(path)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr == f"muster serve: {path}: mode 0644 lets group or others read the tokens; chmod 600 {path}\n"
+    assert out.stderr == f"muster serve: {path}: mode 0644 lets group or others read it; chmod 600 {path}\n"
     assert not (tmp_path / "data").exists(), "no etcd started"

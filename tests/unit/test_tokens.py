@@ -53,7 +53,7 @@ def test_a_tokens_file_group_or_others_may_read_is_refused_in_one_line(tmp_path,
     path = tokens_file(tmp_path / "tokens", f"job-a {JOB}\n", mode)
     with pytest.raises(ValueError) as refused:
         Tokens.load(path)
-    assert str(refused.value) == f"{path}: mode {mode:04o} lets group or others read the tokens; chmod 600 {path}"
+    assert str(refused.value) == f"{path}: mode {mode:04o} lets group or others read it; chmod 600 {path}"
 
 
 def test_only_a_whole_line_is_a_comment_and_a_token_may_hold_a_hash(tmp_path):
