@@ -76,25 +76,39 @@ class IdleStreams:
 
 
 class RelayCalls:
-    """Relay calls held open per (peer host, job): a replica relays a job on one call (two while it
-    reconnects); more is a flood of calls, each holding buffers on the leader."""
+    """Relay calls held open per peer host: `limit` per job (a replica relays a job on one call, two
+    while it reconnects). Counted for the host before a call's first message is read (a Relay comes
+    only to a job's leader: at most `limit` per job this replica leads; a flood of calls is refused
+    before any of it is decoded), then for the job it names."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.open: Counter[tuple[str, str]] = Counter()
+        self.hosts: Counter[str] = Counter()
+        self.jobs: Counter[tuple[str, str]] = Counter()
 
-    def enter(self, peer: str, job: str) -> tuple[str, str]:
-        key = (peer.rsplit(":", 1)[0], job)
-        if self.open[key] >= self.limit:
-            raise errors.ResourceExhausted(f"{key[0]} holds {self.limit} Relay calls for job {job!r} already, the "
+    def enter(self, peer: str, jobs_led: int) -> str:
+        host = peer.rsplit(":", 1)[0]
+        most = self.limit * max(1, jobs_led)
+        if self.hosts[host] >= most:
+            raise errors.ResourceExhausted(f"{host} holds {most} Relay calls already, {self.limit} per job this "
+                                           f"replica leads (--max-relay-calls)")
+        self.hosts[host] += 1
+        return host
+
+    def name(self, host: str, job: str) -> tuple[str, str]:
+        key = (host, job)
+        if self.jobs[key] >= self.limit:
+            raise errors.ResourceExhausted(f"{host} holds {self.limit} Relay calls for job {job!r} already, the "
                                            f"most one peer may (--max-relay-calls)")
-        self.open[key] += 1
+        self.jobs[key] += 1
         return key
 
-    def leave(self, key: tuple[str, str]) -> None:
-        self.open[key] -= 1
-        if not self.open[key]:
-            del self.open[key]
+    def leave(self, host: str, key: tuple[str, str] | None) -> None:
+        for counter, k in ((self.hosts, host), (self.jobs, key)):
+            if k is not None:
+                counter[k] -= 1
+                if not counter[k]:
+                    del counter[k]
 
 
 class RefusalLog:

@@ -233,9 +233,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Relay(self, request_iterator, context):
         """The leader's end of a relay's stream (see `muster.coordinator.relay`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
-        link = reader = lost = held = None
+        link = reader = lost = host = named = None
         try:
-            first = await self.idle.first(request_iterator, self.relay_role(context), self._first_within_s,
+            tenant = self.relay_role(context)
+            host = self.relay_calls.enter(context.peer(), len(self.replica.leaders))
+            first = await self.idle.first(request_iterator, tenant, self._first_within_s,
                                           "a relay starts with a message naming its job")
             self.admit(context, first, relay=True)
             leader = await self.replica.leader_for(first.job)
@@ -244,7 +246,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise errors.FailedPrecondition(f"job {first.job!r} is not relayed (fewer than --relay-min-nodes "
                                                 f"{self.replica.config.relay_min_nodes} nodes): its nodes stream to "
                                                 f"the leader")
-            held = self.relay_calls.enter(context.peer(), first.job)
+            named = self.relay_calls.name(host, first.job)
             link = RelayLink(leader, first.relay, stream_end)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s, floor=MAX_ITEMS)
             self._receive(link, first, budget)
@@ -292,8 +294,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     task.cancel()
             if link:
                 link.close()
-            if held:
-                self.relay_calls.leave(held)
+            if host:
+                self.relay_calls.leave(host, named)
 
     @staticmethod
     def _receive(link: RelayLink, up: pb.RelayUp, budget: FrameBudget) -> None:

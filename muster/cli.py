@@ -534,7 +534,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("--max-spares-per-job", type=int, default=16, help="a job's members quota is its max_nodes and "
                    "this many spares (default %(default)s)")
     g.add_argument("--max-joins-per-second", type=float, default=20.0, help="Joins per job, sustained, past "
-                   "bursts of its members quota (default %(default)s)")
+                   "bursts of 2 s worth or of its members quota, whichever is more (default %(default)s)")
     g.add_argument("--max-frames-per-second", type=float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
     g.add_argument("--max-idle-streams", type=int, default=256, help="Session and Relay calls yet to send their "
