@@ -71,3 +71,17 @@ def test_json_has_one_shape_numbers_as_numbers_and_every_field_present():
     assert job["run"] == 3 and job["started_unix_ms"] == 1_700_000_000_000 and job["ended_unix_ms"] == 0
     status = as_json(pb.JobStatus(name="j", term=2, ranks=[pb.RankStatus(rank=1, step=10**12)]))
     assert status["term"] == 2 and status["ranks"][0]["step"] == 10**12 and status["spares"] == []
+
+
+@pytest.mark.timeout(60)
+def test_shell_completion_knows_every_verb(tmp_path):
+    script = subprocess.run([sys.executable, "-m", "muster.cli", "completion", "bash"], capture_output=True, text=True,
+                            timeout=30, check=True).stdout
+    (tmp_path / "muster.bash").write_text(script)
+    probe = (f"source {tmp_path / 'muster.bash'}; COMP_WORDS=(muster st); COMP_CWORD=1; COMP_LINE='muster st'; "
+             "COMP_POINT=9; _shtab_muster; echo ${COMPREPLY[@]}")
+    said = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert said.stdout.split() == ["status", "stop"], said
+    zsh = subprocess.run([sys.executable, "-m", "muster.cli", "completion", "zsh"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert zsh.startswith("#compdef muster") and "--heartbeat-timeout" in zsh
