@@ -260,8 +260,13 @@ class Replica:
 
     def relay_for(self, first: pb.NodeFrame, not_leader: NotLeader) -> Relay:
         """The relay of a job this replica does not lead, for a node that picked this replica as its
-        relay; raises `not_leader` (go to the leader) where this replica relays nothing."""
-        if not (self.config.relay and first.via_relay) or self.campaigns.closing:
+        relay; raises `not_leader` (go to the leader) where this replica relays nothing, and for a
+        node whose secret does not prove it (with tokens): what a relay carries shares one budget at
+        the leader with the job's real nodes (a real node that joined before the key goes direct)."""
+        keys = self.member_keys()
+        if (not (self.config.relay and first.via_relay) or self.campaigns.closing
+                or keys is not None and keys.verify(first.session_secret, first.job, first.run, first.node_id,
+                                                    first.member_id) is None):
             raise not_leader
         relay = self.relays.get(first.job)
         if relay is None or not relay.accepting:

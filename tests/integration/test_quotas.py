@@ -111,3 +111,38 @@ def test_a_jobs_members_come_from_its_spec_and_its_joins_from_a_budget(coordinat
     assert other.member_id
     assert churned[:5] == ["joined"] * 5, churned  # 4 of its 10 spent above
     assert "RESOURCE_EXHAUSTED: more than 0.5 Joins/s of job 'job-a' (--max-joins-per-second)" in churned[-1], churned
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_carries_only_nodes_whose_secret_proves_them(coordinators, tokens):
+    """Security review 4, N5: a token holder marking itself "relay me" spent the budget a job's real
+    relayed nodes share at the leader. A relay now sends a first frame its secret does not prove to
+    the leader (UNAVAILABLE naming it), opening no Relay call; the real nodes are relayed."""
+    replicas = coordinators(2, ["--tokens", tokens, "--relay-min-nodes", "1"])
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        real = SimulatedNode(addresses, "job-a", "a0", slots=1, security=ClientSecurity(A),
+                             spec=pb.JobSpec(min_nodes=1, max_nodes=2))
+        await real.join()
+        real.start()
+        await real.wait_for(lambda n: n.assignment().role == pb.ROLE_ACTIVE, 15, "a place")
+        leader = real.leader
+        standby = next(a for a in addresses if a != leader)
+        forged = pb.NodeFrame(job="job-a", node_id="evil", member_id=real.member_id, run=1, via_relay=True,
+                              session_secret=b"s" * 32)
+        async with grpc.aio.insecure_channel(standby) as channel:
+            call = pb_grpc.CoordinatorStub(channel).Session(iter([forged]), metadata=bearer(A))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code(), dict(exc.trailing_metadata() or ())
+        await real.stop()
+        return refused, leader
+
+    (code, trailing), leader = asyncio.run(scenario())
+    assert code == grpc.StatusCode.UNAVAILABLE and trailing.get("muster-leader") == leader, (code, trailing)
+    led = next(r for r in replicas if r.address == leader)
+    assert not [r for r in led.find("relay_refused")], "no Relay call for the forged frame"
+    assert led.find("relay_attached", job="job-a"), "the real node came through the other replica"
