@@ -115,7 +115,7 @@ class Limits:
     max_members: int = MAX_NODES  # nodes per job, spares included
     max_frames_per_s: float = 50.0  # per Session stream, sustained (bursts up to 2 s worth)
     max_spares: int = 16  # a job's members: its max_nodes and this many spares (at most max_members)
-    joins_per_s: float = 20.0  # per job, sustained; bursts of 2 s worth or its members quota (a whole job starts at once)
+    joins_per_s: float = 20.0  # per job, sustained; bursts of 2 s worth or its members quota (a job starts at once)
     idle_streams: int = 256  # per tenant (a token; without tokens, a host): calls yet to send a first message
     relay_calls: int = 4  # Relay calls per peer and job (a replica relays a job on one)
 
