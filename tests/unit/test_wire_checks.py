@@ -131,7 +131,11 @@ class Recorder:
 
 def test_handlers_serve_the_methods_of_the_generated_registration():
     generated = Recorder()
-    servicer = server.CoordinatorServicer(replica=None)
+    from types import SimpleNamespace
+
+    from muster.coordinator.core.policy import Limits
+
+    servicer = server.CoordinatorServicer(replica=SimpleNamespace(config=SimpleNamespace(limits=Limits())))
     pb_grpc.add_CoordinatorServicer_to_server(servicer, generated)
     (expected,) = generated.registered.values()
     ours = server._handlers(servicer)
