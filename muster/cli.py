@@ -325,13 +325,13 @@ def _status(args: argparse.Namespace) -> int:
             h = j["health"]
             print(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions {int(h['evictions'])}"
                   f"  last detection {h['last_detection_s']:.3f}s  last recovery {h['last_recovery_s']:.3f}s")
-        print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10} {'COMPUTE':>9} "
-              f"{'STRAGGLER':>9}  STATE")
+        print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'HOST':<15} {'PID':>8} {'STEP':>10} "
+              f"{'COMPUTE':>9} {'STRAGGLER':>9}  STATE")
         for r in j["ranks"]:
             compute = f"{r['compute_us'] / 1000:.1f}ms" if r["compute_us"] else "-"
             straggler = f"{r['straggler_factor']:.2f}x" if r["straggler_factor"] else "-"
-            print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
-                  f"{r['step']:>10} {compute:>9} {straggler:>9}  {r['state']}"
+            print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['host'] or '-':<15} "
+                  f"{r['pid'] or '-':>8} {r['step']:>10} {compute:>9} {straggler:>9}  {r['state']}"
                   + (f" ({r['phase']})" if r.get("phase") else ""))
         if j["next_page_token"]:
             print(f"  more ranks: --page-token {j['next_page_token']} (or --all)")

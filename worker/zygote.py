@@ -34,9 +34,10 @@ import socket
 import sys
 from importlib import import_module
 
+import setproctitle
 import structlog
 
-from muster.worker.runner import Program, run
+from muster.worker.runner import Program, command_line, run
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,9 @@ ANSWER_WAIT_S = 30.0
 
 
 def main() -> None:
+    # setproctitle finds the argv memory it writes the ranks' titles to by walking from the C
+    # environ, which a rank replaces: it must find it now, in the zygote's untouched environment.
+    setproctitle.getproctitle()
     channel = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
     for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
@@ -152,7 +156,12 @@ def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: 
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import otherwise
     _fresh_random()
-    run(Program(request["target"], request["module"], tuple(request["args"]), request["unbuffered"]))
+    program = Program(request["target"], request["module"], tuple(request["args"]), request["unbuffered"])
+    # Else `ps`, `top`, `nvidia-smi` and `pgrep -f SCRIPT` show every rank as the zygote. The title
+    # takes over the memory of the zygote's argv and environment: /proc/PID/environ shows no
+    # environment (at most the title's end) rather than the zygote's (docs/operations/observing.md).
+    setproctitle.setproctitle(" ".join(command_line(program)))
+    run(program)
 
 
 def _fresh_random() -> None:

@@ -7,6 +7,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -254,3 +255,27 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
     run(main())
     assert (tmp_path / "first.txt").read_text() == "[]\n"
     assert (tmp_path / "second.txt").read_text() == "['heavy_pkg']\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_warm_rank_shows_its_script_command_line_in_ps_not_the_zygotes(tmp_path):
+    path = script(tmp_path, "import time\ntime.sleep(60)\n")
+
+    async def main():
+        zygote = await Zygote.start(dict(os.environ), GUARD, preload=("json",))
+        try:
+            rank = await _spawn(zygote, Program(str(path), False, ("--lr", "0.1"), True), tmp_path, {"RANK": "3"})
+            expected = f"{sys.executable} -u {path} --lr 0.1"
+            wait_until(lambda: _cmdline(rank.pid) == expected, 10, "the rank's title")
+            # the title took over the zygote's environment's memory: none of it shows as the rank's
+            assert b"PATH=" not in open(f"/proc/{rank.pid}/environ", "rb").read()
+            rank.kill()
+            assert await rank.wait() == -signal.SIGKILL
+        finally:
+            zygote.close()
+
+    run(main())
+
+
+def _cmdline(pid: int) -> str:
+    return open(f"/proc/{pid}/cmdline", "rb").read().rstrip(b"\0").replace(b"\0", b" ").decode()
