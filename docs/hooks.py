@@ -3,7 +3,8 @@
 - `reference/cli.md`: from the argparse parsers (`muster.cli.parser()`), every subcommand and flag;
 - `reference/wire.md`: from `protos/muster/v1/*.proto` (protoc's descriptors, comments included);
 - markers `<!-- muster:NAME ARG -->` in committed pages: the exit status table (`worker/outcome.py`),
-  the metrics (`coordinator/metrics.py`), and the benchmark tables built from `bench/results/*.json`,
+  the metrics (`coordinator/metrics.py`), the --json schema (`reference/json-schema.json`, which the
+  CLI's tests validate every verb's output against), and the benchmark tables built from `bench/results/*.json`,
   so a benchmark run updates the performance page, not prose.
 
 Generated pages are never committed. An unknown marker, a missing results file or a results file
@@ -48,6 +49,8 @@ def on_page_markdown(markdown, page, config, files):
             return exit_status()
         if name == "metrics":
             return metrics_table()
+        if name == "json-schema":
+            return "```json\n" + (ROOT / "docs" / "reference" / "json-schema.json").read_text() + "```\n"
         if name == "bench":
             return bench_section(arg)
         if name == "bench-others":
