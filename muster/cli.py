@@ -16,10 +16,9 @@ from pathlib import Path
 
 import grpc
 import structlog
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.json_format import MessageToDict
 
 from muster import logs, rank_logs
+from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
 from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
@@ -84,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         max_message_bytes=args.max_message_bytes,
         metrics_listen=args.metrics_listen,
+        http=args.http,
         tokens_file=args.tokens or "",
         tls=tls,
         etcd_access=etcd_access,
@@ -109,6 +109,11 @@ def _check_listen(args: argparse.Namespace, tls: bool) -> None:
                 split_host_port(getattr(args, flag))
             except ValueError as exc:
                 raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
+    if args.http and not args.metrics_listen:
+        raise ValueError("--http serves the page on the metrics port: give --metrics-listen HOST:PORT")
+    if args.http and not (args.tokens or args.insecure or is_loopback(split_host_port(args.metrics_listen)[0])):
+        raise ValueError(f"--http on {args.metrics_listen} shows every job to anyone who reaches the port: add "
+                         "--tokens (the page then asks for one), or --insecure to serve it so anyway")
     host, _ = split_host_port(args.listen)
     if not (tls or args.tokens or args.insecure or is_loopback(host)):
         raise ValueError(f"--listen {args.listen} reaches beyond this host with neither TLS (--tls-cert) nor tokens "
@@ -320,12 +325,10 @@ def _status(args: argparse.Namespace) -> int:
 
 def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
     """`muster status`'s output lines: the table, or the JSON document (one line under --watch)."""
-    jobs = [as_json(j) for j in response.jobs]
+    doc = status_document(response, job)
     if args.json:
-        named = next((j for j in jobs if j["name"] == job), None)
-        doc = {"replica": response.replica, "leader": named["leader"] if named else None,
-               "term": named["term"] if named else None, "jobs": jobs}
         return [json.dumps(doc, indent=None if args.watch else 2)]
+    jobs = doc["jobs"]
     if not jobs:
         return ["no jobs"]
     out = []
@@ -403,38 +406,6 @@ def _watch(args: argparse.Namespace, view) -> int:
             time.sleep(max(0.0, args.interval - (time.monotonic() - began)))
     except KeyboardInterrupt:  # the way out: no traceback, the terminal as it was
         return 0
-
-
-_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
-# Fields whose zero value says "none" on the wire (their comments in muster.proto): null in JSON.
-_NONE_WHEN_ZERO = {
-    "JobStatus": {"leader", "ended_unix_ms", "outcome_reason", "next_page_token"},
-    "JobRecord": {"leader", "ended_unix_ms", "reason"},
-    "RankStatus": {"pid", "host", "compute_us", "straggler_factor", "phase"},
-}
-
-
-def as_json(message) -> dict:
-    """One JSON shape for every verb's --json (docs/reference/json-schema.json): every field present,
-    numbers as numbers (protobuf's JSON writes 64-bit ones as strings), and what is absent as null
-    (a message field not set, a value whose zero means none), never as a zero of its type."""
-    def shaped(descriptor, d: dict) -> dict:
-        nulls = _NONE_WHEN_ZERO.get(descriptor.name, ())
-        for f in descriptor.fields:
-            if f.name not in d:  # (an unset message field: every other one is printed)
-                d[f.name] = None
-                continue
-            if f.message_type is not None and not f.message_type.GetOptions().map_entry:
-                for item in d[f.name] if f.is_repeated else [d[f.name]]:
-                    shaped(f.message_type, item)
-            elif f.type in _INT64:
-                d[f.name] = [int(x) for x in d[f.name]] if f.is_repeated else int(d[f.name])
-            if f.name in nulls and not d[f.name]:
-                d[f.name] = None
-        return d
-    return shaped(message.DESCRIPTOR, MessageToDict(message, preserving_proto_field_name=True,
-                                                    always_print_fields_with_no_presence=True))
 
 
 def _events(args: argparse.Namespace) -> int:
@@ -700,6 +671,9 @@ def _serve_parser(sub) -> None:
                         "anyone reaching the port could stop or delete any job)")
     g.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
+    g.add_argument("--http", action="store_true",
+                   help="also serve the live page there: / lists the jobs, /jobs/NAME shows one (its ranks, health "
+                        "and events), refreshed every second; with --tokens it asks for the same token as the API")
     g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")
     g.add_argument("--min-nodes", type=int, default=1, help="default min_nodes of new jobs")
     g.add_argument("--max-nodes", type=int, default=100_000, help="default max_nodes of new jobs")
