@@ -96,6 +96,7 @@ function jobView(doc) {
   const events = doc.events.events.slice().reverse();
   out.push(el("h2", {}, "Events (newest first)"), table(["time", "generation", "kind", "nodes", "world size", "reason"],
     events.map((e, i) => ({
+      // a line under the first event of each generation (the list is newest first)
       class: i + 1 < events.length && events[i + 1].generation !== e.generation ? "generation" : "",
       cells: [when(e.time_unix_ms), e.generation, e.kind, e.nodes.join(", "), e.world_size, e.reason],
     }))));
