@@ -416,8 +416,9 @@ def _events(args: argparse.Namespace) -> int:
         response = _ask(args, "Events", request)
         if args.json:
             print(json.dumps(as_json(response), indent=2))
-        for e in response.events if not args.json else ():
-            print(_event_line(e))
+        else:
+            for e in response.events:
+                print(_event_line(e))
         return 0
     _check_interval(args)
     with _coordinators(args) as coordinators:
@@ -453,9 +454,10 @@ def _follow_events(args: argparse.Namespace, request, coordinators) -> int:
 def _after(events, last) -> list:
     """The events after `last`. The history keeps the latest N: where `last` is no longer in it,
     every event it holds is newer."""
-    for i in range(len(events) - 1, -1, -1):
-        if last is not None and events[i] == last:
-            return list(events[i + 1:])
+    if last is not None:
+        for i in range(len(events) - 1, -1, -1):
+            if events[i] == last:
+                return list(events[i + 1:])
     return list(events)
 
 
