@@ -476,10 +476,12 @@ def _jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(response), indent=2))
         return 0
-    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STARTED':<19} {'ENDED':<19} REASON")
+    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STEP':>9} {'STEP/S':>7} {'STARTED':<19} "
+          f"{'ENDED':<19} REASON")
     for j in response.jobs:
-        print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} "
-              f"{_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {j.reason}")
+        rate = f"{j.steps_per_second:.1f}" if j.steps_per_second else "-"
+        print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} {j.step or '-':>9} "
+              f"{rate:>7} {_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {j.reason}")
     return 0
 
 

@@ -11,7 +11,7 @@ _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescript
 # Fields whose zero value says "none" on the wire (their comments in muster.proto): null in JSON.
 _NONE_WHEN_ZERO = {
     "JobStatus": {"leader", "ended_unix_ms", "outcome_reason", "next_page_token"},
-    "JobRecord": {"leader", "ended_unix_ms", "reason"},
+    "JobRecord": {"leader", "ended_unix_ms", "reason", "step", "steps_per_second"},
     "RankStatus": {"pid", "host", "compute_us", "straggler_factor", "phase"},
 }
 

@@ -46,11 +46,13 @@ function jobsView(doc) {
   document.title = "Muster: jobs";
   const rows = doc.jobs.map((j) => ({
     cells: [el("a", { href: "/jobs/" + encodeURIComponent(j.name) }, j.name), j.run,
-      el("span", { class: "outcome-" + j.outcome }, j.outcome), j.generation, j.world_size, j.leader,
+      el("span", { class: "outcome-" + j.outcome }, j.outcome), j.generation, j.world_size, j.step,
+      j.steps_per_second === null ? null : j.steps_per_second.toFixed(1), j.leader,
       when(j.started_unix_ms), when(j.ended_unix_ms), j.reason],
   }));
   return [el("h1", {}, "Jobs"), doc.jobs.length
-    ? table(["job", "run", "outcome", "generation", "world size", "leader", "started", "ended", "reason"], rows)
+    ? table(["job", "run", "outcome", "generation", "world size", "step", "steps/s", "leader", "started", "ended",
+      "reason"], rows)
     : el("p", { class: "note" }, "No jobs.")];
 }
 

@@ -71,7 +71,7 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
     # the API asks the API's tokens: the jobs list an operator's, a job's page that job's
     assert "no token" in api(base, "/api/jobs", "", 401)["error"]
     assert "not for every job" in api(base, "/api/jobs", JOB_TOKEN, 403)["error"]
-    assert api(base, "/api/jobs", OPERATOR) == {"replica": next(iter(pages)), "jobs": []}
+    assert valid(api(base, "/api/jobs", OPERATOR), "page_jobs") == {"replica": next(iter(pages)), "jobs": []}
     assert api(base, "/api/jobs/Bad%20Name", OPERATOR, 400)["error"]
     assert api(base, f"/api/jobs/{JOB}?run=x", JOB_TOKEN, 400)["error"] == "run must be a number, not 'x'"
 
@@ -88,9 +88,7 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
         standby = next(a for a in pages if a != leader)
 
         def page(at: str) -> dict:
-            doc = api(pages[at], f"/api/jobs/{JOB}", JOB_TOKEN)
-            valid(doc["status"], "status"), valid(doc["events"], "events")
-            return doc
+            return valid(api(pages[at], f"/api/jobs/{JOB}", JOB_TOKEN), "page_job")
 
         for at in (leader, standby):  # a standby asks the leader for the live view
             (js,) = page(at)["status"]["jobs"]
@@ -101,8 +99,10 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
         nodes[1].exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
         await until(lambda: page(standby)["status"]["jobs"][0]["generation"] > generation, 3, "the new generation")
         assert "rank_exited" in [e["kind"] for e in page(leader)["events"]["events"]]
-        (listed,) = [j for j in api(pages[standby], "/api/jobs", OPERATOR)["jobs"] if j["name"] == JOB]
-        assert (listed["outcome"], listed["leader"]) == ("running", leader)
+        listed = {at: valid(api(pages[at], "/api/jobs", OPERATOR), "page_jobs")["jobs"] for at in pages}
+        assert [(j["name"], j["outcome"], j["leader"]) for j in listed[standby]] == [(JOB, "running", leader)]
+        assert (listed[standby][0]["step"], listed[standby][0]["steps_per_second"]) == (None, None)  # the leader's
+        assert listed[leader][0]["step"] > 0 and 15 < listed[leader][0]["steps_per_second"] < 25  # 50 ms a step
 
         # stopped: its outcome and no live phase, on every replica
         with Coordinators([leader], security=ClientSecurity(OPERATOR)) as c:

@@ -441,7 +441,7 @@ class JobsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class JobRecord(_message.Message):
-    __slots__ = ("name", "run", "outcome", "reason", "world_size", "generation", "started_unix_ms", "ended_unix_ms", "leader")
+    __slots__ = ("name", "run", "outcome", "reason", "world_size", "generation", "started_unix_ms", "ended_unix_ms", "leader", "step", "steps_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -451,6 +451,8 @@ class JobRecord(_message.Message):
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ENDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     run: int
     outcome: str
@@ -460,7 +462,9 @@ class JobRecord(_message.Message):
     started_unix_ms: int
     ended_unix_ms: int
     leader: str
-    def __init__(self, name: _Optional[str] = ..., run: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., ended_unix_ms: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+    step: int
+    steps_per_second: float
+    def __init__(self, name: _Optional[str] = ..., run: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., ended_unix_ms: _Optional[int] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., steps_per_second: _Optional[float] = ...) -> None: ...
 
 class JobsResponse(_message.Message):
     __slots__ = ("jobs",)
