@@ -86,11 +86,15 @@ function jobView(doc) {
       el("span", {}, "last recovery took ", h.last_recovery_s.toFixed(3), " s")));
   }
   out.push(el("h2", {}, "Ranks"), table(
-    ["rank", "local", "node", "node rank", "host", "pid", "state", "step", "compute", "straggler", "phase"],
+    ["rank", "local", "node", "node rank", "host", "pid", "state", "step", "step time", "compute", "compute share",
+      "straggler", "phase"],
     j.ranks.map((r) => ({
       class: (r.straggler_factor ? "straggler " : "") + r.state,
       cells: [r.rank, r.local_rank, r.node, r.node_rank, r.host, r.pid, r.state, r.step,
+        r.step_time_us === null ? null : (r.step_time_us / 1000).toFixed(1) + " ms",
         r.compute_us === null ? null : (r.compute_us / 1000).toFixed(1) + " ms",
+        // the rest of a step is the wait for the others in the gradients' all-reduce
+        r.compute_us === null || r.step_time_us === null ? null : Math.round((100 * r.compute_us) / r.step_time_us) + "%",
         r.straggler_factor === null ? null : "straggler " + r.straggler_factor.toFixed(2) + "x", r.phase],
     }))));
   if (j.next_page_token !== null) out.push(el("p", { class: "note" }, "The first ", j.ranks.length, " ranks of ", j.world_size, "."));
@@ -100,7 +104,7 @@ function jobView(doc) {
     events.map((e, i) => ({
       // a line under the first event of each generation (the list is newest first)
       class: i + 1 < events.length && events[i + 1].generation !== e.generation ? "generation" : "",
-      cells: [when(e.time_unix_ms), e.generation, e.kind, e.nodes.join(", "), e.world_size, e.reason],
+      cells: [when(e.time_unix_ms), e.generation, e.kind, e.nodes.join(", "), e.world_size || null, e.reason],
     }))));
   return out;
 }

@@ -93,7 +93,7 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             form.submit()
             straggler = await asyncio.to_thread(shown, page, "tr.straggler", lambda t: "straggler 3.00x" in t, 30,
                                                 "the throttled rank named a straggler")
-            assert " n1 " in f" {straggler} " and "127.0.0.1" in straggler
+            assert " n1 " in f" {straggler} " and "127.0.0.1" in straggler and "50.0 ms 60.0 ms 120%" in straggler
             assert MARKUP in page.find_element(By.TAG_NAME, "main").text  # shown as text ...
             assert not page.find_elements(By.ID, "injected")  # ... never made an element
             keep("straggler")

@@ -294,7 +294,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., run: _Optional[int] = ..., node: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state", "compute_us", "straggler_factor", "phase", "host")
+    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state", "compute_us", "straggler_factor", "phase", "host", "step_time_us")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class RankStatus(_message.Message):
     STRAGGLER_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_US_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     node: str
@@ -317,7 +318,8 @@ class RankStatus(_message.Message):
     straggler_factor: float
     phase: str
     host: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., compute_us: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., phase: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    step_time_us: int
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., compute_us: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., phase: _Optional[str] = ..., host: _Optional[str] = ..., step_time_us: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health", "summary", "next_page_token", "run", "outcome", "outcome_reason", "started_unix_ms", "ended_unix_ms")
