@@ -74,11 +74,11 @@ class Pages:
                 doc = self._jobs(token)
             else:
                 run = parse_qs(url.query).get("run", ["0"])[0]
-                if not run.isdigit():
-                    raise errors.InvalidArgument(f"run must be a number, not {run[:20]!r}")
+                if not (run.isdigit() and len(run) < 19):
+                    raise errors.InvalidArgument(f"run must be a run's number, not {run[:20]!r}")
                 doc = self._job(unquote(API_JOB.match(url.path)[1]), int(run), token)
-        except errors.MusterError as exc:
-            return _error(HTTP_STATUS.get(type(exc), 500), str(exc))
+        except errors.MusterError as exc:  # (a subclass too: RunEnded is a NotFound)
+            return _error(next((code for kind, code in HTTP_STATUS.items() if isinstance(exc, kind)), 500), str(exc))
         except TimeoutError:
             return _error(504, f"this replica did not answer within {ANSWER_WAIT_S:g}s")
         except Exception as exc:  # etcd unavailable, ...: the page says so and asks again
@@ -91,7 +91,12 @@ class Pages:
             self.tokens.check(((TOKEN_METADATA, f"Bearer {token}"),) if token else (), job)
 
     def _on_loop(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(ANSWER_WAIT_S)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(ANSWER_WAIT_S)
+        except TimeoutError:
+            future.cancel()  # nobody waits for it any more
+            raise
 
     def _jobs(self, token: str) -> dict:
         self._check(token, "")

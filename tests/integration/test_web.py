@@ -73,7 +73,9 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
     assert "not for every job" in api(base, "/api/jobs", JOB_TOKEN, 403)["error"]
     assert valid(api(base, "/api/jobs", OPERATOR), "page_jobs") == {"replica": next(iter(pages)), "jobs": []}
     assert api(base, "/api/jobs/Bad%20Name", OPERATOR, 400)["error"]
-    assert api(base, f"/api/jobs/{JOB}?run=x", JOB_TOKEN, 400)["error"] == "run must be a number, not 'x'"
+    assert api(base, f"/api/jobs/{JOB}?run=x", JOB_TOKEN, 400)["error"] == "run must be a run's number, not 'x'"
+    assert "run must be" in api(base, f"/api/jobs/{JOB}?run={2**70}", JOB_TOKEN, 400)["error"]
+    assert "unknown" in api(base, f"/api/jobs/{JOB}", JOB_TOKEN, 404)["error"]  # no such job yet
 
     async def scenario():
         security = ClientSecurity(JOB_TOKEN)
