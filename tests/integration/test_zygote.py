@@ -262,13 +262,15 @@ def test_a_warm_rank_shows_its_script_command_line_in_ps_not_the_zygotes(tmp_pat
     path = script(tmp_path, "import time\ntime.sleep(60)\n")
 
     async def main():
-        zygote = await Zygote.start(dict(os.environ), GUARD, preload=("json",))
+        zygote = await Zygote.start({**os.environ, "RUN_TAG": "t1"}, GUARD, preload=("json",))
         try:
-            rank = await _spawn(zygote, Program(str(path), False, ("--lr", "0.1"), True), tmp_path, {"RANK": "3"})
-            expected = f"{sys.executable} -u {path} --lr 0.1"
+            args = ("--lr", "0.1", "--data", "x" * 1000)  # a title far longer than the zygote's own command line
+            rank = await _spawn(zygote, Program(str(path), False, args, True), tmp_path, {"RANK": "3"})
+            expected = f"{sys.executable} -u {path} {' '.join(args)}"
             wait_until(lambda: _cmdline(rank.pid) == expected, 10, "the rank's title")
-            # the title took over the zygote's environment's memory: none of it shows as the rank's
-            assert b"PATH=" not in open(f"/proc/{rank.pid}/environ", "rb").read()
+            # the title leaves the environment's memory alone: it shows the zygote's, as tools expect
+            environ = open(f"/proc/{rank.pid}/environ", "rb").read().split(b"\0")
+            assert b"RUN_TAG=t1" in environ and b"RANK=3" not in environ
             rank.kill()
             assert await rank.wait() == -signal.SIGKILL
         finally:
