@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo docs bench bench-check gpu-check protos clean
+.PHONY: venv test demo docs docs-gen bench bench-check gpu-check protos clean
 
 # torch is pinned first: a plain `torch` requirement would pull the CUDA build.
 $(STAMP): pyproject.toml
@@ -23,9 +23,14 @@ demo: $(STAMP)
 	$(BIN)/muster --log-level warning demo --duration 45
 
 # The site in docs/ (mkdocs.yml); --strict: a warning (a broken link or anchor) fails the build.
-# docs/hooks.py generates the CLI, wire, metrics and performance pages from the code and bench/results/.
+# docs/generate.py writes the CLI and wire pages and the tables generated from the code and
+# bench/results/ into the committed pages (docs-gen); `docs` fails while one is stale.
 docs: $(STAMP)
+	$(BIN)/python docs/generate.py --check
 	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-gen: $(STAMP)
+	$(BIN)/python docs/generate.py
 
 # Minutes, on an otherwise idle machine: the numbers are timings.
 bench: $(STAMP)

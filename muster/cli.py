@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -74,7 +75,9 @@ def _serve(args: argparse.Namespace) -> int:
         peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
         _check_listen(args, bool(tls.cert))
     except (InvalidPolicy, OSError, ValueError) as exc:
-        print(f"muster serve: {exc}", file=sys.stderr)
+        # The policy names its fields (heartbeat_timeout_s): the user wrote flags (--heartbeat-timeout).
+        print("muster serve: " + re.sub(r"\b([a-z]+(?:_[a-z]+)*)_s\b", lambda m: "--" + m[1].replace("_", "-"),
+                                        str(exc)), file=sys.stderr)
         return 2
     config = ServeConfig(
         listen=args.listen,
@@ -616,6 +619,33 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input is one line naming the flag, and exit status 2: not the usage, which buries it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
 def _coordinator_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", help=f"HOST:PORT[,HOST:PORT...] of any replicas (default $MUSTER_COORDINATOR, "
                                          f"else {DEFAULT_ADDRESS})")
@@ -633,11 +663,11 @@ def _from_environment(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if "job" in args and args.job is None:
         args.job = os.environ.get("MUSTER_JOB") or None
         if args.job is None and getattr(args, "job_required", False):
-            p.error("--job is required (or set MUSTER_JOB)")
+            p.exit(2, f"muster {args.verb}: --job is required (or set MUSTER_JOB)\n")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="muster", description="Elastic rendezvous and heartbeat coordinator for PyTorch.")
+    p = OneLineParser(prog="muster", description="Elastic rendezvous and heartbeat coordinator for PyTorch.")
     p.add_argument("--version", action="version", version=f"muster {_version()}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs even on a terminal")
@@ -647,7 +677,17 @@ def parser() -> argparse.ArgumentParser:
     _run_parser(sub)
     _demo_parser(sub)
     _client_parsers(sub)
+    c = sub.add_parser("completion", help="print a shell completion script: eval \"$(muster completion bash)\"")
+    c.add_argument("shell", choices=("bash", "zsh"))
+    c.set_defaults(func=lambda args: _completion(p, args.shell), verb="completion")
     return p
+
+
+def _completion(p: argparse.ArgumentParser, shell: str) -> int:
+    import shtab  # generated from the parser itself, so it names every verb and flag there is
+
+    print(shtab.complete(p, shell=shell))
+    return 0
 
 
 def _serve_parser(sub) -> None:
@@ -655,7 +695,7 @@ def _serve_parser(sub) -> None:
     g = s.add_argument_group("etcd: where the jobs' state and elections live")
     g.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]; default: start a private etcd")
     g.add_argument("--data-dir", default=".muster", help="data directory of the private etcd (default %(default)s)")
-    g.add_argument("--session-ttl", type=int, default=3, help="etcd lease TTL of the election, seconds")
+    g.add_argument("--session-ttl", type=positive_int, default=3, help="etcd lease TTL of the election, seconds")
     g.add_argument("--etcd-cacert", help="trust this CA for etcd's TLS (PEM)")
     g.add_argument("--etcd-cert", help="client certificate for etcd (PEM)")
     g.add_argument("--etcd-key", help="its private key (PEM)")
@@ -679,49 +719,49 @@ def _serve_parser(sub) -> None:
                    help="also serve the live page there: / lists the jobs, /jobs/NAME shows one (its ranks, health "
                         "and events), refreshed every second; with --tokens it asks for the same token as the API")
     g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")
-    g.add_argument("--min-nodes", type=int, default=1, help="default min_nodes of new jobs")
-    g.add_argument("--max-nodes", type=int, default=100_000, help="default max_nodes of new jobs")
-    g.add_argument("--world-size-multiple", type=int, default=1, help="default world_size_multiple of new jobs")
+    g.add_argument("--min-nodes", type=positive_int, default=1, help="default min_nodes of new jobs")
+    g.add_argument("--max-nodes", type=positive_int, default=100_000, help="default max_nodes of new jobs")
+    g.add_argument("--world-size-multiple", type=positive_int, default=1, help="default world_size_multiple of new jobs")
     g = s.add_argument_group("timing: heartbeats, failure detection, forming")
-    g.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between node frames")
-    g.add_argument("--heartbeat-timeout", type=float, default=2.0, help="silence before a node is lost")
-    g.add_argument("--progress-timeout", type=float, default=None, help="fixed stall timeout (default: calibrated)")
-    g.add_argument("--progress-floor", type=float, default=10.0, help="lowest calibrated stall timeout")
-    g.add_argument("--progress-factor", type=float, default=10.0, help="stall timeout = factor x p99 step time")
-    g.add_argument("--grace", type=float, default=5.0, help="after a leader change, the most seconds before "
+    g.add_argument("--heartbeat-interval", type=positive_float, default=0.1, help="seconds between node frames")
+    g.add_argument("--heartbeat-timeout", type=positive_float, default=2.0, help="silence before a node is lost")
+    g.add_argument("--progress-timeout", type=positive_float, default=None, help="fixed stall timeout (default: calibrated)")
+    g.add_argument("--progress-floor", type=positive_float, default=10.0, help="lowest calibrated stall timeout")
+    g.add_argument("--progress-factor", type=positive_float, default=10.0, help="stall timeout = factor x p99 step time")
+    g.add_argument("--grace", type=positive_float, default=5.0, help="after a leader change, the most seconds before "
                    "evicting for silence (less once every node reconnected, or a heartbeat timeout after the first)")
-    g.add_argument("--last-call", type=float, default=0.5, help="wait for more nodes once min_nodes joined")
-    g.add_argument("--form-timeout", type=float, default=60.0,
+    g.add_argument("--last-call", type=positive_float, default=0.5, help="wait for more nodes once min_nodes joined")
+    g.add_argument("--form-timeout", type=positive_float, default=60.0,
                    help="a generation not formed by then is decided again, naming the ranks that are missing")
-    g.add_argument("--switch-lead", type=float, default=0.2, help="a planned change (a node joins, a replacement "
+    g.add_argument("--switch-lead", type=positive_float, default=0.2, help="a planned change (a node joins, a replacement "
                    "rank returns, a drain) switches this many seconds of steps ahead of where the fastest rank is "
                    "by now (its last report projected), so every rank hears of it first; a replacement waits as "
                    "long (default %(default)s s; relayed jobs add --relay-progress)")
-    g.add_argument("--tick", type=float, default=0.05, help="seconds between tallies")
+    g.add_argument("--tick", type=positive_float, default=0.05, help="seconds between tallies")
     g = s.add_argument_group("a job's end: waiting, stopping, retention")
-    g.add_argument("--waiting-timeout", type=float, default=600.0, help="a job below min_nodes after it ran this "
+    g.add_argument("--waiting-timeout", type=positive_float, default=600.0, help="a job below min_nodes after it ran this "
                    "long ends failed (default %(default)s s)")
-    g.add_argument("--stop-grace", type=float, default=30.0, help="a stopped job's nodes drain within this; its "
+    g.add_argument("--stop-grace", type=positive_float, default=30.0, help="a stopped job's nodes drain within this; its "
                    "run then ends whoever is left (default %(default)s s)")
     g.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
                    "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
     _straggler_flags(s)
     g = s.add_argument_group("limits: what one caller or job may cost")
-    g.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest gRPC message accepted")
-    g.add_argument("--max-jobs", type=int, default=1_000, help="running jobs this deployment accepts (finished "
+    g.add_argument("--max-message-bytes", type=positive_int, default=1 << 20, help="largest gRPC message accepted")
+    g.add_argument("--max-jobs", type=positive_int, default=1_000, help="running jobs this deployment accepts (finished "
                    "ones do not count)")
-    g.add_argument("--max-nodes-per-job", type=int, default=100_000, help="nodes per job, spares included")
-    g.add_argument("--max-frames-per-second", type=float, default=50.0,
+    g.add_argument("--max-nodes-per-job", type=positive_int, default=100_000, help="nodes per job, spares included")
+    g.add_argument("--max-frames-per-second", type=positive_float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
     g = s.add_argument_group("relays: large jobs' node streams spread over the replicas")
     g.add_argument("--no-relay", action="store_true",
                    help="relay no node streams of jobs this replica does not lead (answer with the leader instead)")
-    g.add_argument("--relay-min-nodes", type=int, default=64,
+    g.add_argument("--relay-min-nodes", type=positive_int, default=64,
                    help="jobs of this many nodes (members or min_nodes) on spread their node streams over the "
                         "replicas, which relay them to the leader (default %(default)s)")
-    g.add_argument("--relay-batch", type=float, default=0.02,
+    g.add_argument("--relay-batch", type=positive_float, default=0.02,
                    help="seconds a relay gathers node frames into one batch (exits go at once; default %(default)s)")
-    g.add_argument("--relay-progress", type=float, default=1.0,
+    g.add_argument("--relay-progress", type=positive_float, default=1.0,
                    help="seconds a relay holds a node's frames that only advance steps before forwarding the "
                         "latest (changes go at once; the relay judges silence itself; default %(default)s)")
     g.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
@@ -757,7 +797,7 @@ def _run_parser(sub) -> None:
     _job_flag(r, True, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no coordinator job "
                             "name, e.g. MyRun, becomes myrun-HASH; default $MUSTER_JOB)")
     r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
-    r.add_argument("--slots", type=int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
+    r.add_argument("--slots", type=positive_int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
     r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")
     r.add_argument("--host", help="address other nodes reach this node at (default: this host's address on the route "
                                   "to the coordinator; 127.0.0.1 for a coordinator on loopback)")
@@ -770,7 +810,7 @@ def _run_parser(sub) -> None:
     r.add_argument("--max-restarts", type=int, help="restarts of a slot, whatever the cause (its crash, a new map "
                    "for a script without the library), before it is given up and reported (default: torchrun's "
                    "--max-restarts, else 3)")
-    r.add_argument("--restart-backoff", type=float, default=1.0,
+    r.add_argument("--restart-backoff", type=positive_float, default=1.0,
                    help="a rank crashing again soon after its restart waits this long before the next one (doubled "
                         "with each crash in a row; the first restart, and one after a SIGKILL, is immediate)")
     r.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
@@ -785,16 +825,16 @@ def _run_parser(sub) -> None:
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
     r.add_argument("--log-dir", help="write each rank's output to a file here (default: the agent's stdout/stderr)")
-    r.add_argument("--hold-timeout", type=float, default=300.0,
+    r.add_argument("--hold-timeout", type=positive_float, default=300.0,
                    help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")
-    r.add_argument("--join-timeout", type=float, default=300.0,
+    r.add_argument("--join-timeout", type=positive_float, default=300.0,
                    help="exit 1 when no coordinator accepts the join within this long (default %(default)s s)")
-    r.add_argument("--form-timeout", type=float, default=600.0,
+    r.add_argument("--form-timeout", type=positive_float, default=600.0,
                    help="exit 1 when this node has no place in a generation within this long, e.g. too few nodes "
                         "(default %(default)s s; a hot spare waits on)")
-    r.add_argument("--wait-report", type=float, default=10.0,
+    r.add_argument("--wait-report", type=positive_float, default=10.0,
                    help="while this node has no place, say what it waits for this often (default %(default)s s)")
-    r.add_argument("--exit-timeout", type=float, default=30.0,
+    r.add_argument("--exit-timeout", type=positive_float, default=30.0,
                    help="a rank whose script completed (its __main__ returned, or sys.exit(0)) but whose process "
                         "is still there this long after (hung in interpreter teardown) is sent SIGTERM, and SIGKILL "
                         "5 s later; so is one whose script called destroy_process_group() and whose process then "
@@ -807,9 +847,9 @@ def _run_parser(sub) -> None:
 
 def _demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="etcd, two coordinators and agents training on CPU; faults on a schedule")
-    d.add_argument("--duration", type=float, default=60.0, help="seconds of training after start-up")
-    d.add_argument("--nodes", type=int, default=3)
-    d.add_argument("--slots", type=int, default=2)
+    d.add_argument("--duration", type=positive_float, default=60.0, help="seconds of training after start-up")
+    d.add_argument("--nodes", type=positive_int, default=3)
+    d.add_argument("--slots", type=positive_int, default=2)
     d.add_argument("--timeline", default="muster-demo.png", help="where to write the PNG timeline")
     d.set_defaults(func=_demo, verb="demo")
 
@@ -841,7 +881,7 @@ def _client_parsers(sub) -> None:
             q.add_argument("--json", action="store_true", help="one JSON document (its schema: the reference's "
                            "JSON output page)" + ("; with --watch or --follow one per line" if name in ("status",
                                                                                               "events") else ""))
-        q.add_argument("--timeout", type=float, default=5.0, help="seconds for each call (default %(default)s)")
+        q.add_argument("--timeout", type=positive_float, default=5.0, help="seconds for each call (default %(default)s)")
         if name in ("status", "events", "logs"):
             q.add_argument("--watch" if name == "status" else "--follow", action="store_true",
                            help={"status": "refresh every --interval, in place on a terminal, until Ctrl-C",

@@ -47,16 +47,16 @@ class Link:
         self._thread: threading.Thread | None = None
         self._left: Transport | None = None  # the session that left the job: its end is no failure
 
-    def open(self, connect: Connect, *, joined: bool = False) -> None:
+    def open(self, connect: Connect, *, joined: bool = False, join_timeout_s: float = 30.0) -> None:
         """Start the transport (replacing the one before, and its mailbox). A NodeSession joins
-        first: with `joined`, before this returns (its failure raised here); otherwise on the
-        link, where a failure goes to `on_failure` like any other."""
+        first: with `joined`, before this returns, retried for `join_timeout_s` (its failure raised
+        here); otherwise on the link, where a failure goes to `on_failure` like any other."""
         if self._thread is None:
             ready = threading.Event()
             self._thread = threading.Thread(target=self._serve, args=(ready,), name=self.name, daemon=True)
             self._thread.start()
             ready.wait()
-        self.call(self._open(connect, joined))
+        self.call(self._open(connect, joined, join_timeout_s), join_timeout_s + 30)
 
     def call(self, coroutine: Coroutine, timeout_s: float = 60.0):
         """Run a coroutine on the link's loop and wait for its result."""
@@ -100,13 +100,13 @@ class Link:
 
         asyncio.run(serve())
 
-    async def _open(self, connect: Connect, joined: bool) -> None:
+    async def _open(self, connect: Connect, joined: bool, join_timeout_s: float) -> None:
         if self.session is not None:
             await self.session.stop()
         self.latest = self.base = self.drain_after = self.ended = None
         self.session = session = connect(self._deliver)
         if joined and isinstance(session, NodeSession):
-            await session.join()
+            await session.join(retry_for_s=join_timeout_s)
         asyncio.create_task(self._run(session, join=not joined and isinstance(session, NodeSession)))
 
     async def _run(self, session: Transport, *, join: bool) -> None:

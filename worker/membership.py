@@ -28,7 +28,7 @@ async def join(node: Node) -> bool:
         attempts += 1
         try:
             # the first answer is awaited briefly: a coordinator that is not up yet is said at once
-            await node.session.join(retry_for_s=min(remaining, c.wait_report_s if attempts > 1 else 2.0))
+            await node.session.join(retry_for_s=min(remaining, c.wait_report_s if attempts > 1 else 0.5))
             return True
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in TRANSIENT:

@@ -170,7 +170,7 @@ class NodeSession:
         others = [a for a in self.addresses if a != self.leader] or self.addresses
         self.relay = relay_of(self.identity.node_id, others) if response.relay else ""
         self.log.info("node_joined", member=self.member_id, leader=self.leader, term=response.term,
-                      relay=self.relay or None)
+                      relay=self.relay or None, host=self.identity.host)
         return response
 
     async def leave(self, *, immediate: bool = False, finished: bool = False, reason: str = "",

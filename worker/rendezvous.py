@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 
+import grpc
 import structlog
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousHandler, RendezvousInfo,
@@ -79,7 +81,8 @@ class MusterRendezvousHandler(RendezvousHandler):
                 self._link.leave(immediate=True, reason="this node's workers need a new round")
             except Exception as exc:  # it may be evicted already
                 log.info("rdzv_leave_failed", error=str(exc))
-        self._link.open(self._connect, joined=True)  # the old session stopped, its mailbox emptied
+        # (the old session stopped, its mailbox emptied)
+        self._link.open(self._connect, joined=True, join_timeout_s=self._join_timeout_s)
 
     def _connect(self, on_directive) -> NodeSession:
         return NodeSession(
@@ -216,8 +219,17 @@ class MusterRendezvousHandler(RendezvousHandler):
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's edge: the credentials come from the environment (MUSTER_TOKEN, MUSTER_TLS_*)."""
-    return MusterRendezvousHandler(params, ClientSecurity.from_env())
+    """torchrun's edge: the credentials come from the environment (MUSTER_TOKEN, MUSTER_TLS_*). A
+    first Join that fails ends torchrun with one line and exit status 2, as `muster run` does,
+    instead of torch's traceback of the gRPC error."""
+    try:
+        return MusterRendezvousHandler(params, ClientSecurity.from_env())
+    except (grpc.RpcError, TimeoutError) as exc:
+        said = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"torchrun --rdzv-backend=muster: job {params.run_id!r} could not join at {params.endpoint} "
+              f"(--rdzv-endpoint) within {float(params.get('join_timeout', 600)):g}s (--rdzv-conf join_timeout): "
+              f"{said}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def handler_creator():

@@ -75,8 +75,14 @@ async def new_leader_reached(survivors, job: str, nodes):
     new = await asyncio.to_thread(wait_until, lambda: leader_of(survivors, job), 10, "a new leader")
     with Coordinators([new.address], timeout_s=2) as c:
         term = c.call("Status", pb.StatusRequest(job=job, brief=True)).jobs[0].term
-    for n in nodes:
-        await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+    try:
+        for n in nodes:
+            await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
+    except AssertionError as exc:  # (seen once in CI: what each replica said of the job, to tell why)
+        said = {r.address: [{k: v for k, v in e.items() if k not in ("job", "level")} for e in r.records()
+                            if e.get("job") == job][-40:] for r in survivors}
+        raise AssertionError(f"{exc}\nnew leader {new.address}, term {term}; the replicas' lines:\n"
+                             + "\n".join(f"{a}: {line}" for a, lines in said.items() for line in lines)) from None
     return new
 
 

@@ -54,6 +54,12 @@ def test_the_wheel_installs_and_its_demo_runs_from_an_empty_directory(tmp_path):
     where = run([str(python), "-c", "import muster, muster.examples.train_ddp as t; print(muster.__file__, t.__file__)"],
                 60, cwd=empty, env=env).stdout
     assert all(p.startswith(str(purelib)) for p in where.split()), where  # the wheel's, not the checkout's
+    version = run([str(venv / "bin" / "muster"), "--version"], 60, cwd=empty, env=env).stdout
+    assert version.strip() == "muster 0.1.0", version
+    meta = run([str(python), "-c", "from importlib.metadata import metadata, entry_points as e; m = metadata('torch-muster');"
+                " print(m['Name'], m.get_all('Provides-Extra'), [p.value for p in e(group='torchrun.handlers')])"],
+               60, cwd=empty, env=env).stdout
+    assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.rendezvous" in meta, meta
     page = run([str(python), "-c", "from importlib.resources import files; print(sorted(f.name for f in "
                 "files('muster.web').iterdir() if f.suffix in ('.html', '.js', '.css')))"], 60, cwd=empty, env=env)
     assert page.stdout.split() == ["['app.js',", "'index.html',", "'style.css']"]  # muster serve --http's page

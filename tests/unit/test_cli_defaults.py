@@ -75,3 +75,17 @@ def test_json_has_one_shape_numbers_as_numbers_every_field_present_and_absent_as
     assert (status["health"], status["summary"], status["next_page_token"], status["leader"]) == (None,) * 4
     rank = status["ranks"][0]
     assert (rank["pid"], rank["host"], rank["compute_us"], rank["phase"], rank["local_rank"]) == (None,) * 4 + (0,)
+
+
+@pytest.mark.timeout(60)
+def test_shell_completion_knows_every_verb(tmp_path):
+    script = subprocess.run([sys.executable, "-m", "muster.cli", "completion", "bash"], capture_output=True, text=True,
+                            timeout=30, check=True).stdout
+    (tmp_path / "muster.bash").write_text(script)
+    probe = (f"source {tmp_path / 'muster.bash'}; COMP_WORDS=(muster st); COMP_CWORD=1; COMP_LINE='muster st'; "
+             "COMP_POINT=9; _shtab_muster; echo ${COMPREPLY[@]}")
+    said = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert said.stdout.split() == ["status", "stop"], said
+    zsh = subprocess.run([sys.executable, "-m", "muster.cli", "completion", "zsh"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert zsh.startswith("#compdef muster") and "--heartbeat-timeout" in zsh

@@ -112,3 +112,17 @@ def test_a_network_policy_admits_only_the_coordinators_to_etcd_and_only_the_job_
     node_labels = m[("Job", "llm-train")]["spec"]["template"]["metadata"]["labels"]
     grpc = next(r for r in policies["muster-coordinator"]["ingress"] if {"port": 7600} in r["ports"])
     assert any(f["podSelector"]["matchLabels"].items() <= node_labels.items() for f in grpc["from"])
+
+
+def test_the_systemd_unit_serves_beyond_loopback_with_tls_and_tokens():
+    unit = (DEPLOY.parent / "systemd" / "muster-serve.service").read_text()
+    env = dict(line.split("=", 1) for line in (DEPLOY.parent / "systemd" / "serve.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    exec_start = re.search(r"^ExecStart=(.*?)(?<!\\)$", unit, re.MULTILINE | re.DOTALL).group(1).replace("\\\n", " ")
+    argv = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], exec_start).split()
+    assert argv[0].endswith("/muster")
+    serve = parser().parse_args(argv[1:])
+    assert serve.command == "serve" and serve.listen == "0.0.0.0:7600"
+    assert serve.tls_cert and serve.tls_key and serve.tokens and serve.etcd_cacert and serve.etcd_cert
+    assert serve.advertise == env["MUSTER_ADVERTISE"] and serve.etcd == env["MUSTER_ETCD"]
+    assert "KillSignal=SIGTERM" in unit and "Restart=always" in unit

@@ -1,14 +1,17 @@
-"""MkDocs hooks: the pages that must not drift are generated from what they describe.
+"""The docs that must not drift are generated from what they describe, and committed, so that they
+read the same on the repository's web view as in the built site (`make docs-gen` writes them;
+`make docs` and a test check that they are current):
 
 - `reference/cli.md`: from the argparse parsers (`muster.cli.parser()`), every subcommand and flag;
 - `reference/wire.md`: from `protos/muster/v1/*.proto` (protoc's descriptors, comments included);
-- markers `<!-- muster:NAME ARG -->` in committed pages: the exit status table (`worker/outcome.py`),
-  the metrics (`coordinator/metrics.py`), the --json schema (`reference/json-schema.json`, which the
-  CLI's tests validate every verb's output against), and the benchmark tables built from `bench/results/*.json`,
-  so a benchmark run updates the performance page, not prose.
+- the block after each marker `<!-- muster:NAME ARG -->` in a page, up to `<!-- /muster -->`: the
+  exit status table (`worker/outcome.py`), the metrics (`coordinator/metrics.py`), the --json
+  schema (`reference/json-schema.json`, which the tests validate every verb's output against), and
+  the benchmark tables built from `bench/results/*.json`, so a benchmark run updates the
+  performance page, not prose.
 
-Generated pages are never committed. An unknown marker, a missing results file or a results file
-the performance page does not show fails the build.
+An unknown marker, a missing results file or a results file the performance page does not show
+is an error. Usage: `python docs/generate.py [--check]`.
 """
 
 from __future__ import annotations
@@ -18,46 +21,98 @@ import contextlib
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 from markdown.extensions.toc import slugify
-from mkdocs.exceptions import PluginError
-from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 RESULTS = ROOT / "bench" / "results"
 PROTOS = ROOT / "protos"
-MARKER = re.compile(r"<!-- muster:([a-z-]+)(?: ([^ ]+))? -->")
+END = "<!-- /muster -->"
+# A marker, and the block generated after it last time (none yet on a new marker): the block may not
+# hold another marker, so a new marker never swallows the next one's block.
+# An inline figure: `<!-- muster:fig FILE.json:dotted.path -->VALUE<!-- /muster -->` within a sentence.
+FIGURE = re.compile(r"<!-- muster:fig ([^ ]+) -->(?:[^<\n]*" + re.escape(END) + ")?")
+MARKER = re.compile(r"<!-- muster:(?!fig )([a-z-]+)(?: ([^ ]+))? -->(?:\n(?:(?!<!-- muster:).)*?" + re.escape(END) + ")?",
+                    re.DOTALL)
 
 
-# --- hooks -----------------------------------------------------------------------------------------
+class GenerationError(Exception):
+    """What the docs name that does not exist (a results file, a marker)."""
 
 
-def on_files(files, config):
-    files.append(File.generated(config, "reference/cli.md", content=cli_page()))
-    files.append(File.generated(config, "reference/wire.md", content=wire_page()))
-    return files
+# --- the pages --------------------------------------------------------------------------------------
 
 
-def on_page_markdown(markdown, page, config, files):
+def generated() -> dict[Path, str]:
+    """Every generated file's path and its content now."""
+    pages = {DOCS / "reference/cli.md": cli_page(), DOCS / "reference/wire.md": wire_page()}
+    for page in sorted([ROOT / "README.md", *DOCS.rglob("*.md")]):
+        if page in pages:
+            continue
+        text = page.read_text()
+        if MARKER.search(text) or FIGURE.search(text):
+            pages[page] = expand(text, page.relative_to(ROOT))
+    return pages
+
+
+def expand(markdown: str, where: Path) -> str:
     shown = {arg.split(":")[0] for name, arg in MARKER.findall(markdown) if name == "bench" and arg}
 
-    def expand(match: re.Match) -> str:
+    def block(match: re.Match) -> str:
         name, arg = match.group(1), match.group(2)
         if name == "exit-status":
-            return exit_status()
-        if name == "metrics":
-            return metrics_table()
-        if name == "json-schema":
-            return "```json\n" + (ROOT / "docs" / "reference" / "json-schema.json").read_text() + "```\n"
-        if name == "bench":
-            return bench_section(arg)
-        if name == "bench-others":
-            return bench_others(shown)
-        raise PluginError(f"{page.file.src_path}: unknown marker muster:{name}")
+            body = exit_status()
+        elif name == "metrics":
+            body = metrics_table()
+        elif name == "json-schema":
+            body = "```json\n" + (DOCS / "reference" / "json-schema.json").read_text() + "```"
+        elif name == "bench":
+            body = bench_section(arg)
+        elif name == "bench-others":
+            body = bench_others(shown)
+        else:
+            raise GenerationError(f"{where}: unknown marker muster:{name}")
+        return f"<!-- muster:{name}{' ' + arg if arg else ''} -->\n{body.rstrip()}\n{END}"
 
-    return MARKER.sub(expand, markdown)
+    return MARKER.sub(block, FIGURE.sub(lambda m: f"<!-- muster:fig {m[1]} -->{figure(m[1])}{END}", markdown))
+
+
+def figure(arg: str) -> str:
+    """One figure of a results file, `FILE.json:key.0.key` (list items by index), as `num` writes it."""
+    name, _, path = arg.partition(":")
+    value = load(name)
+    for key in path.split(".") if path else ():
+        try:
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise GenerationError(f"bench/results/{name} has no {path!r} (at {key!r})") from None
+    if isinstance(value, (dict, list)):
+        raise GenerationError(f"bench/results/{name}: {path!r} is not a figure")
+    return num(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Write the generated docs (or, with --check, say which are stale).")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is not current")
+    args = p.parse_args(argv)
+    try:
+        pages = generated()
+    except GenerationError as exc:
+        print(f"docs: {exc}", file=sys.stderr)
+        return 2
+    stale = [path for path, text in pages.items() if not path.is_file() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"docs: {path.relative_to(ROOT)} is stale: run `make docs-gen` and commit it", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(pages[path])
+        print(f"docs: wrote {path.relative_to(ROOT)}")
+    return 0
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -103,7 +158,7 @@ def cli_page() -> str:
         helps = {a.dest: a.help for a in sub._choices_actions}
         out = [
             "# CLI reference\n",
-            "Generated at build time from the argparse parsers in `muster/cli.py` "
+            "Generated by `make docs-gen` from the argparse parsers in `muster/cli.py` "
             "(`muster.cli.parser()`), so it says what `muster COMMAND --help` says. "
             "Flags of the client commands that read an environment variable are shown with it, "
             "never with the builder's value.\n",
@@ -178,18 +233,18 @@ def wire_page() -> str:
 
     sources = sorted(PROTOS.glob("muster/*/*.proto"))
     if not sources:
-        raise PluginError("no .proto files under protos/muster/")
+        raise GenerationError("no .proto files under protos/muster/")
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "descriptors.pb"
         args = ["protoc", f"-I{PROTOS}", f"-I{include}", "--include_source_info",
                 f"--descriptor_set_out={target}", *map(str, sources)]
         if protoc.main(args) != 0:
-            raise PluginError(f"protoc failed on {', '.join(map(str, sources))}")
+            raise GenerationError(f"protoc failed on {', '.join(map(str, sources))}")
         descriptors = descriptor_pb2.FileDescriptorSet.FromString(target.read_bytes())
     out = [
         "# Wire contract\n",
-        "Generated at build time from " + ", ".join(f"`{s.relative_to(ROOT)}`" for s in sources)
+        "Generated by `make docs-gen` from " + ", ".join(f"`{s.relative_to(ROOT)}`" for s in sources)
         + " (protoc's descriptors, with the comments of the file). The Python stubs beside them are "
         "checked in; `make protos` regenerates them and a test fails when they are stale.\n",
     ]
@@ -363,7 +418,7 @@ def metrics_table() -> str:
 def load(name: str) -> dict:
     path = RESULTS / name
     if not path.is_file():
-        raise PluginError(f"bench/results/{name} is missing (a marker names it)")
+        raise GenerationError(f"bench/results/{name} is missing (a marker names it)")
     return json.loads(path.read_text())
 
 
@@ -409,12 +464,12 @@ def bench_section(arg: str | None) -> str:
     """`NAME.json`, or `NAME.json:PART` for one part of a file with several (capacity's
     `heartbeat` and `membership`)."""
     if not arg:
-        raise PluginError("muster:bench needs a file name")
+        raise GenerationError("muster:bench needs a file name")
     name, _, part = arg.partition(":")
     d = load(name)
     if part:
         if part not in d:
-            raise PluginError(f"bench/results/{name} has no part {part!r}")
+            raise GenerationError(f"bench/results/{name} has no part {part!r}")
         d = {k: v for k, v in d.items() if k in (part, "host") or not isinstance(v, (dict, list))}
     kind = d.get("benchmark")
     render = {
@@ -690,3 +745,7 @@ def render_abuse(d: dict) -> str:
     ]
     note = f"\n{cell(d['note'])}\n" if d.get("note") else ""
     return table(["what", "measured"], rows) + note
+
+
+if __name__ == "__main__":
+    sys.exit(main())
