@@ -84,6 +84,14 @@ function jobView(doc) {
       el("span", {}, "evictions ", h.evictions),
       el("span", {}, "last failure detected in ", h.last_detection_s.toFixed(3), " s"),
       el("span", {}, "last recovery took ", h.last_recovery_s.toFixed(3), " s")));
+    if (h.recent_recoveries.length) {
+      out.push(el("h2", {}, "Recent recoveries (newest first)"), table(
+        ["generation", "decided", "failure detected in", "recovered in"],
+        h.recent_recoveries.slice().reverse().map((r) => ({
+          cells: [r.generation, when(r.decided_unix_ms),
+            r.planned ? "planned" : r.detection_s.toFixed(3) + " s", r.recovery_s.toFixed(3) + " s"],
+        }))));
+    }
   }
   out.push(el("h2", {}, "Ranks"), table(
     ["rank", "local", "node", "node rank", "host", "pid", "state", "step", "step time", "compute", "compute share",

@@ -101,6 +101,13 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
         nodes[1].exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
         await until(lambda: page(standby)["status"]["jobs"][0]["generation"] > generation, 3, "the new generation")
         assert "rank_exited" in [e["kind"] for e in page(leader)["events"]["events"]]
+
+        def recovered():  # the leader measures the recovery once every node reports a step in the new generation
+            found = page(leader)["status"]["jobs"][0]["health"]["recent_recoveries"]
+            return found if found and found[-1]["generation"] > generation else None
+
+        last = (await until(recovered, 5, "the recovery measured"))[-1]
+        assert not last["planned"] and last["recovery_s"] > 0 and last["decided_unix_ms"] > 0
         listed = {at: valid(api(pages[at], "/api/jobs", OPERATOR), "page_jobs")["jobs"] for at in pages}
         assert [(j["name"], j["outcome"], j["leader"]) for j in listed[standby]] == [(JOB, "running", leader)]
         assert (listed[standby][0]["step"], listed[standby][0]["steps_per_second"]) == (None, None)  # the leader's

@@ -6,6 +6,7 @@ files (pytest's tmp_path) and named in the output."""
 
 import asyncio
 import os
+import re
 import shutil
 import time
 
@@ -103,6 +104,9 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             await asyncio.to_thread(shown, page, "#generation", lambda t: int(t.split()[-1]) > before, 3,
                                     "the killed rank's new generation")
             print(f"new generation on the page {time.monotonic() - killed:.2f}s after the kill")
+            recovered = await asyncio.to_thread(shown, page, "main", lambda t: "Recent recoveries" in t, 5,
+                                                "the recovery listed")
+            assert re.search(rf"\n{before + 1} .* \d\.\d{{3}} s \d\.\d{{3}} s\n", recovered), recovered  # failed, not planned
             keep("killed")
             with Coordinators([replica.address], security=ClientSecurity(OPERATOR)) as c:
                 await asyncio.to_thread(c.call, "Stop", pb.StopRequest(job=JOB, reason="stopped from the test"))

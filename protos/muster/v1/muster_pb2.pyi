@@ -379,18 +379,34 @@ class JobSummary(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., spares: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class JobHealth(_message.Message):
-    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s")
+    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s", "recent_recoveries")
     FRAMES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_DETECTION_S_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    RECENT_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     frames_per_second: float
     live_ranks: int
     evictions: int
     last_detection_s: float
     last_recovery_s: float
-    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ...) -> None: ...
+    recent_recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
+    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ..., recent_recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ...) -> None: ...
+
+class RecoveryRecord(_message.Message):
+    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DETECTION_S_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    decided_unix_ms: int
+    detection_s: float
+    recovery_s: float
+    planned: bool
+    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("replica", "jobs")
