@@ -97,16 +97,16 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
             assert js["live"] and js["world_size"] == 4 and {r["host"] for r in js["ranks"]} == {"127.0.0.1"}
         generation = js["generation"]
 
-        # a rank killed: its new generation is on the page within a second or two
+        # a rank killed: its new generation is on the page (well under a second here; 5 s for a loaded CI)
         nodes[1].exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
-        await until(lambda: page(standby)["status"]["jobs"][0]["generation"] > generation, 3, "the new generation")
+        await until(lambda: page(standby)["status"]["jobs"][0]["generation"] > generation, 5, "the new generation")
         assert "rank_exited" in [e["kind"] for e in page(leader)["events"]["events"]]
 
         def recovered():  # the leader measures the recovery once every node reports a step in the new generation
             found = page(leader)["status"]["jobs"][0]["health"]["recent_recoveries"]
             return found if found and found[-1]["generation"] > generation else None
 
-        last = (await until(recovered, 5, "the recovery measured"))[-1]
+        last = (await until(recovered, 10, "the recovery measured"))[-1]
         assert not last["planned"] and last["recovery_s"] > 0 and last["decided_unix_ms"] > 0
         listed = {at: valid(api(pages[at], "/api/jobs", OPERATOR), "page_jobs")["jobs"] for at in pages}
         assert [(j["name"], j["outcome"], j["leader"]) for j in listed[standby]] == [(JOB, "running", leader)]

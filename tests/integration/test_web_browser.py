@@ -1,6 +1,6 @@
 """The live page in a real headless browser (Debian's chromium and its chromedriver, driven by
 Selenium; .ci/run installs them) against a live deployment: the token asked for, a throttled rank
-shown as a straggler, a killed rank's new generation within a second or two, a stop's outcome,
+shown as a straggler, a killed rank's new generation (0.9 s here; 5 s allowed), a stop's outcome,
 and markup a rank reports shown as text. A screenshot of each state is kept beside the test's
 files (pytest's tmp_path) and named in the output."""
 
@@ -101,7 +101,7 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             before = int(page.find_element(By.ID, "generation").text.split()[-1])
             killed = time.monotonic()
             nodes[0].exits.append(pb.RankExit(local_rank=0, pid=10_000, exit_code=-9))
-            await asyncio.to_thread(shown, page, "#generation", lambda t: int(t.split()[-1]) > before, 3,
+            await asyncio.to_thread(shown, page, "#generation", lambda t: int(t.split()[-1]) > before, 5,
                                     "the killed rank's new generation")
             print(f"new generation on the page {time.monotonic() - killed:.2f}s after the kill")
             recovered = await asyncio.to_thread(shown, page, "main", lambda t: "Recent recoveries" in t, 5,
