@@ -3,13 +3,17 @@
 1. `pytest tests/gpu`: a rank killed, the store host killed, a rank hung (SIGSTOP), a rank joining
    and a planned leave, at 4 and 8 ranks sharing the visible GPUs (one NCCL_HOSTID per process);
 2. `bench/recovery.py --backend nccl --ranks 8` (kills and hangs, per-phase timings), its JSON
-   written to bench/results/nccl.json; then its kills again with MUSTER_NCCL_SHRINK=1 (survivors
-   shrink the group instead of forming anew) to bench/results/nccl_shrink.json;
+   written to bench/results/nccl.json; then its kills again in each variant (--variants, VARIANTS
+   below: NCCL settings that move or reduce the new communicator's connection setup, and faults in a
+   new group's first steps) to bench/results/nccl_VARIANT.json;
 3. models of real size (--sizes, default 134M,537M: square Linear layers with Adam, 4 ranks on the
    GPU): `bench/recovery.py --model SIZE` to bench/results/nccl_SIZE.json: kill and hang -> every
    survivor stepping, each survivor's state sync, the replacement's transfer rate beside a raw
    broadcast of the same bytes, and the healthy ranks evicted (none allowed);
-4. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
+4. `bench/nccl_connect.py --ranks 8` (--connect-probe): raw ranks, no coordinator, a rank lost;
+   how soon the survivors' new communicator is ready, made afresh, with NCCL_RUNTIME_CONNECT=0,
+   or shrunk from a warm standby made before the loss, to bench/results/nccl_connect.json;
+5. a one-screen summary: the device, torch and NCCL, the tests' counts, and the recovery figures
    beside their targets (PASS/MISS).
 
 Without CUDA it says so in one line and exits 0 (CI), or 2 with --require-gpu. `--backend gloo`
@@ -37,6 +41,14 @@ HANG_MARGIN_S = 0.3  # hang -> every survivor stepping again, p50: the heartbeat
 SIZED_RANKS = 4  # the real-size rows: 4 ranks share the GPU (537M with Adam: 6.4 GB of state each)
 SIZED_KILLS = 2
 TRANSFER_SHARE = 0.5  # a replacement's state transfer at at least this share of a raw broadcast's rate
+# The kills again, one way changed each (bench/recovery.py's flags). A new communicator makes its
+# connections at its first collective (DDP's first all-reduce, after the reform): the first two ask
+# where that time goes and whether it scales with the connections made.
+VARIANTS = {
+    "connect-in-init": ["--env", "NCCL_RUNTIME_CONNECT=0"],  # every connection made by the (eager) init
+    "two-channels": ["--env", "NCCL_MIN_NCHANNELS=1", "--env", "NCCL_MAX_NCHANNELS=2"],  # fewer connections
+    "first-steps": ["--settled-steps", "1"],  # faults in a new group's first steps (DDP's bucket rebuild)
+}
 
 
 def run_bounded(cmd: list[str], timeout_s: float, *, capture: bool = False,
@@ -77,25 +89,55 @@ def run_tests(backend: str, select: str, timeout_s: float) -> dict:
         return counts
 
 
-def run_bench(args: argparse.Namespace, out: Path, where: str, shrink: bool = False, sizes: str = "") -> dict | None:
+def run_bench(args: argparse.Namespace, out: Path, where: str, variant: str = "", sizes: str = "") -> dict | None:
     """bench/recovery.py's JSON, with the platform it ran on (`where`) added, written to `out`.
-    `sizes`: models of real size at SIZED_RANKS ranks, instead of the tiny one at --ranks."""
+    `variant`: its kills alone, changed as VARIANTS says; `sizes`: models of real size at
+    SIZED_RANKS ranks, instead of the tiny one at --ranks."""
     cmd = [sys.executable, "bench/recovery.py", "--backend", args.backend,
            "--ranks", str(SIZED_RANKS if sizes else args.ranks), "--model", sizes or "tiny",
            "--kills", str(SIZED_KILLS if sizes else args.kills),
-           "--hangs", "0" if shrink else str(min(1, args.hangs) if sizes else args.hangs), "--failovers", "0",
-           *(["--shrink"] if shrink else []),
-           *(["--workdir", str(args.logs / ("shrink" if shrink else "sizes" if sizes else "plain"))]
-             if args.logs else [])]
+           "--hangs", "0" if variant else str(min(1, args.hangs) if sizes else args.hangs), "--failovers", "0",
+           *VARIANTS.get(variant, []),
+           *(["--workdir", str(args.logs / (variant or ("sizes" if sizes else "plain")))] if args.logs else [])]
     code, text = run_bounded(cmd, args.bench_timeout, capture=True)  # its logs (stderr) go to the terminal
     if code != 0:
-        print(f"gpu-check: bench/recovery.py{' --shrink' if shrink else ''} failed "
+        print(f"gpu-check: bench/recovery.py{f' ({variant})' if variant else ''} failed "
               f"({'timed out' if code is None else f'exit {code}'})", file=sys.stderr)
         return None
     result = {**json.loads(text), "platform": where}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def run_probe(args: argparse.Namespace, out: Path, where: str) -> dict | None:
+    """bench/nccl_connect.py's JSON (on CPU: its harness alone, gloo made afresh), written to `out`."""
+    cmd = [sys.executable, "bench/nccl_connect.py", "--ranks", str(args.ranks),
+           *(["--backend", "gloo", "--modes", "fresh"] if args.backend != "nccl" else [])]
+    code, text = run_bounded(cmd, args.bench_timeout, capture=True)
+    if code != 0:
+        print(f"gpu-check: bench/nccl_connect.py failed ({'timed out' if code is None else f'exit {code}'})",
+              file=sys.stderr)
+        return None
+    result = {**json.loads(text), "platform": where}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def probe_summary(probe: dict | None, ran: bool) -> list[str]:
+    if not ran:
+        return ["connect probe    not run (--no-connect-probe)"]
+    if probe is None:
+        return ["connect probe    no results (it failed)"]
+    lines = [f"{'connect probe, ' + str(probe['ranks']) + ' ranks':22}{'make':>8}{'first':>8}{'bucket':>8}"]
+    for mode, f in probe["modes"].items():
+        if "error" in f:
+            lines.append(f"  {mode:20}{f['error']}")
+            continue
+        make = f.get("init_s", f.get("shrink_s", float("nan")))
+        lines.append(f"  {mode:20}{make:8.3f}{f['first_small_s']:8.3f}{f['first_big_s']:8.3f}")
+    return lines
 
 
 def platform(torch) -> str:
@@ -113,7 +155,7 @@ def verdict(ok: bool) -> str:
 
 
 def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | None,
-            shrunk: dict | None) -> list[str]:
+            variants: dict[str, dict | None]) -> list[str]:
     lines = [f"== gpu-check: {args.backend} on {where}",
              f"tests/gpu        {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
              f"in {tests['seconds']} s{'' if tests['ok'] else '  FAILED'}"]
@@ -137,13 +179,18 @@ def summary(args: argparse.Namespace, where: str, tests: dict, bench: dict | Non
         cells = [f"{f['phases'][phase]['p50']:.4f}/{f['phases'][phase]['max']:.4f}" if phase in f["phases"] else "-"
                  for f in faults.values()]
         lines.append(f"  {phase:20}" + "".join(f"{c:>17}  " for c in cells).rstrip())
-    if not args.shrink:
-        return lines + ["shrinking        not run (--no-shrink)"]
-    if shrunk is None:
-        return lines + ["shrinking        no results (the benchmark with --shrink failed)"]
-    kill = shrunk["runs"][0]["kill"]
-    return lines + [f"  {'kill, shrinking':20}{kill['kill_to_step_s']['p50']:8.3f} {kill['kill_to_step_s']['max']:8.3f}"
-                    f"   (MUSTER_NCCL_SHRINK=1; survivors lost {kill['survivors_lost']})"]
+    if not variants:
+        return lines + ["variants         not run (--variants '')"]
+    lines.append(f"{'variant, kills':20}{'p50':>8} {'max':>8} {'init':>7} {'first':>7}   lost evicted")
+    for name, result in variants.items():
+        if result is None:
+            lines.append(f"  {name:18}no results (its benchmark failed)")
+            continue
+        kill = result["runs"][0]["kill"]
+        init, first = (kill["phases"].get(p, {}).get("p50", float("nan")) for p in ("init_s", "first_collective_s"))
+        lines.append(f"  {name:18}{kill['kill_to_step_s']['p50']:8.3f} {kill['kill_to_step_s']['max']:8.3f} "
+                     f"{init:7.3f} {first:7.3f}   {kill['survivors_lost']:4d} {kill['healthy_evictions']:7d}")
+    return lines
 
 
 def sized_summary(sized: list[dict | None], sizes: str) -> list[str]:
@@ -186,13 +233,18 @@ def main() -> int:
     p.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds for all of tests/gpu")
     p.add_argument("--bench-timeout", type=float, default=1200.0, help="seconds for the benchmark")
     p.add_argument("--logs", type=Path, help="keep the benchmark's coordinator and rank logs here")
-    p.add_argument("--shrink", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the kills with MUSTER_NCCL_SHRINK=1 (default on)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"the kills again in each of these ({', '.join(VARIANTS)}; default all; '' for none)")
     p.add_argument("--sizes", default="134M,537M",
                    help="models of real size to run at 4 ranks (default 134M,537M; '' for none)")
+    p.add_argument("--connect-probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="run bench/nccl_connect.py: a new communicator's readiness, by each way (default on)")
     p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True,
                    help="run tests/gpu (default on; --no-tests for the benchmarks alone)")
     args = p.parse_args()
+    unknown = {v for v in args.variants.split(",") if v} - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(sorted(unknown))} ({', '.join(VARIANTS)})")
     args.out = args.out or ROOT / ("bench/results/nccl.json" if args.backend == "nccl"
                                    else f".muster/gpu-check-{args.backend}.json")
     import torch  # after the arguments: --help answers without it
@@ -213,11 +265,13 @@ def main() -> int:
     sized = [run_bench(args, args.out.with_name(f"{args.out.stem}_{size}.json"), where, sizes=size)
              for size in args.sizes.split(",") if size]
     bench = run_bench(args, args.out, where)
-    shrunk = (run_bench(args, args.out.with_name(args.out.stem + "_shrink.json"), where, shrink=True)
-              if args.shrink else None)
-    print("\n".join(summary(args, where, tests, bench, shrunk) + sized_summary(sized, args.sizes)))
-    return 0 if (tests["ok"] and bench is not None and (shrunk is not None or not args.shrink)
-                 and None not in sized) else 1
+    variants = {v: run_bench(args, args.out.with_name(f"{args.out.stem}_{v}.json"), where, variant=v)
+                for v in args.variants.split(",") if v}
+    probe = run_probe(args, args.out.with_name(args.out.stem + "_connect.json"), where) if args.connect_probe else None
+    print("\n".join(summary(args, where, tests, bench, variants) + sized_summary(sized, args.sizes)
+                    + probe_summary(probe, args.connect_probe)))
+    return 0 if (tests["ok"] and bench is not None and None not in variants.values()
+                 and None not in sized and (probe is not None or not args.connect_probe)) else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ square Linear layers with Adam, 12 bytes of state a parameter). Prints one JSON 
                              barrier_s (store included), init_s, sync_s (the state's agreement and any
                              transfer: fingerprint_s, agree_s, transfer_s, verify_s), form_s, seconds (the whole
                              reform), and first_collective_s (group formed -> its first step done,
-                             one --step-sleep included)
+                             one --step-sleep included); on NCCL, teardown_s and
+                             teardown_abort_s: the aborted group's teardown in the background
+                             (ncclCommAbort's join), off the path above
              state           bytes each survivor sent and received at the kill's reform (0 where the
                              survivors agree), and the replacement's: bytes received, its transfer's
                              seconds and rate (state_rate_mib_s)
@@ -71,8 +73,8 @@ PARAMETERS = {name: parameter_count(name) for name in MODELS}
 
 # A fault in a group's first steps finds a rank inside DDP's bucket rebuild (a broadcast, then a
 # blocking copy to the host): on one shared H200 NCCL's abort released it only after 1-7 s, and
-# every survivor waited for it in the arrival barrier. Faults come in steady training here; that
-# window is a limit of its own (docs/guide/nccl.md).
+# every survivor waited for it in the arrival barrier. Faults come in steady training here, after
+# this many steps of the full group; --settled-steps 1 puts them in that window (docs/guide/nccl.md).
 SETTLED_STEPS = 5
 FORM_TIMEOUT_S = 300.0  # every rank started (a 537M model is built on the host first) and stepping together
 
@@ -92,11 +94,10 @@ def p50_max(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {name: {"p50": round(statistics.median(v), 4), "max": round(max(v), 4)} for name, v in samples.items()}
 
 
-def settled(steps: list[dict], world_size: int) -> bool:
-    """A rank's step records end in SETTLED_STEPS steps of one generation of `world_size` ranks."""
-    s = steps[-SETTLED_STEPS:]
-    return (len(s) == SETTLED_STEPS and s[-1]["world_size"] == world_size
-            and all(r["generation"] == s[-1]["generation"] for r in s))
+def settled(steps: list[dict], world_size: int, n: int = SETTLED_STEPS) -> bool:
+    """A rank's step records end in `n` steps of one generation of `world_size` ranks."""
+    s = steps[-n:]
+    return len(s) == n and s[-1]["world_size"] == world_size and all(r["generation"] == s[-1]["generation"] for r in s)
 
 
 def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
@@ -121,12 +122,13 @@ def step_api_cost_us(iterations: int = 200_000, batches: int = 9) -> dict:
 class Fleet:
     """etcd, two coordinator replicas and N library ranks (each its own node) of one job."""
 
-    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str, shrink: bool = False,
-                 model: str = "tiny"):
+    def __init__(self, workdir: Path, ranks: int, step_sleep_s: float, backend: str, env: dict[str, str],
+                 model: str = "tiny", settled_steps: int = SETTLED_STEPS):
         self.workdir, self.ranks, self.step_sleep_s, self.backend = workdir, ranks, step_sleep_s, backend
         # A large model's fingerprint is not logged at every step (it reads all the state).
         self.args = ("--model", model, "--digest-every", "1" if model == "tiny" else "0")
-        self.env = {"MUSTER_NCCL_SHRINK": "1"} if shrink else {}  # loss-only generations shrink the group
+        self.env = env  # the ranks' own additions (--env: NCCL settings under measure)
+        self.settled_steps = settled_steps
         self.etcd = EtcdServer(workdir / "etcd").start()
         self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",
                                             ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]).start()
@@ -146,11 +148,13 @@ class Fleet:
     def alive(self) -> list[TrainingProcess]:
         return [p for p in self.procs if p.proc.poll() is None]
 
-    def full(self, timeout_s: float = FORM_TIMEOUT_S) -> None:
-        """Every rank has taken SETTLED_STEPS steps in a group of all of them: the next fault lands
-        in steady training, not in a new group's first steps (DDP's bucket rebuild, below)."""
+    def full(self, timeout_s: float = FORM_TIMEOUT_S, steps: int = 0) -> None:
+        """Every rank has taken `steps` (default: settled_steps) steps in a group of all of them: with
+        SETTLED_STEPS, the next fault lands in steady training, not in a new group's first steps (DDP's
+        bucket rebuild)."""
+        steps = steps or self.settled_steps
         wait_until(lambda: len(self.alive()) == self.ranks
-                   and all(settled(p.steps(), self.ranks) for p in self.alive()),
+                   and all(settled(p.steps(), self.ranks, steps) for p in self.alive()),
                    timeout_s, "all ranks stepping together", interval_s=0.1)
 
     def generation(self) -> int:
@@ -220,6 +224,8 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         started = time.time()
         (joiner,) = fleet.launch(1)
         fleet.full()
+        for name, value in teardowns(survivors, generation).items():  # done in the background by now
+            phases.setdefault(name, []).append(value)
         rejoins.append(record_time(joiner.steps()[0]) - started)
         for name, value in moved(joiner, joiner.steps()[0]["generation"], "replacement").items():
             state.setdefault(name, []).append(value)
@@ -243,6 +249,15 @@ def late_arrivals(stepped: list[tuple[TrainingProcess, dict]]) -> list[dict]:
                                     if r["aborted_by"] == generation][-1:]}
             for p, first in stepped for f in p.records("group_formed")
             if f["generation"] == generation and f["rank"] in missing]
+
+
+def teardowns(survivors: list[TrainingProcess], generation: int) -> dict[str, float]:
+    """The slowest survivor's background teardown of `generation`'s aborted group (group_torn_down,
+    NCCL and its twin): submitted -> dropped, and its abort call (ncclCommAbort) alone."""
+    done = [r for p in survivors for r in p.records("group_torn_down") if r["generation"] == generation]
+    if not done:
+        return {}
+    return {"teardown_s": max(r["seconds"] for r in done), "teardown_abort_s": max(r["abort_s"] for r in done)}
 
 
 def moved(p: TrainingProcess, generation: int, who: str) -> dict[str, float]:
@@ -303,11 +318,11 @@ def failover_cycles(fleet: Fleet, kills: int) -> dict:
 
 
 def run(workdir: Path, ranks: int, kills: int, hangs: int, failovers: int, step_sleep_s: float,
-        backend: str, shrink: bool = False, model: str = "tiny") -> dict:
-    fleet = Fleet(workdir, ranks, step_sleep_s, backend, shrink, model)
+        backend: str, env: dict[str, str], model: str = "tiny", settled_steps: int = SETTLED_STEPS) -> dict:
+    fleet = Fleet(workdir, ranks, step_sleep_s, backend, env, model, settled_steps)
     try:
         fleet.launch(ranks)
-        fleet.full(FORM_TIMEOUT_S)
+        fleet.full(FORM_TIMEOUT_S, SETTLED_STEPS)  # steady, to measure it: the first fault lands there too
         steady = steady_step_s(fleet)
         out = {"ranks": ranks, "model": model, "parameters": PARAMETERS[model], "steady_step_s": steady,
                "kill": fault_cycles(fleet, kills, "kill")}
@@ -329,8 +344,11 @@ def main() -> int:
     p.add_argument("--ranks", default="8", help="rank counts, comma-separated (default 8)")
     p.add_argument("--backend", choices=("gloo", "nccl", "nccl-twin"), default="gloo",
                    help="the ranks' MUSTER_BACKEND (nccl: the ranks share the visible GPUs)")
-    p.add_argument("--shrink", action="store_true",
-                   help="MUSTER_NCCL_SHRINK=1: survivors of a loss shrink the group (nccl, nccl-twin)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every rank's environment (repeatable; e.g. NCCL_RUNTIME_CONNECT=0)")
+    p.add_argument("--settled-steps", type=int, default=SETTLED_STEPS,
+                   help=f"steps of the full group before each fault (default {SETTLED_STEPS}: steady training; "
+                        "1: the fault lands in a new group's first steps, DDP's bucket rebuild)")
     p.add_argument("--model", default="tiny,17M",
                    help="model sizes, comma-separated: tiny, 17M, 134M, 537M (default tiny,17M)")
     p.add_argument("--kills", type=int, default=5)
@@ -342,8 +360,12 @@ def main() -> int:
     unknown = set(args.model.split(",")) - set(PARAMETERS)
     if unknown:
         p.error(f"--model: unknown {', '.join(sorted(unknown))} (tiny, 17M, 134M, 537M)")
+    bad = [e for e in args.env if "=" not in e]
+    if bad:
+        p.error(f"--env: NAME=VALUE, not {', '.join(bad)}")
+    env = dict(e.split("=", 1) for e in args.env)
     logs.configure("warning")
-    result = {"benchmark": "recovery", "backend": args.backend, "shrink": args.shrink,
+    result = {"benchmark": "recovery", "backend": args.backend, "env": env, "settled_steps": args.settled_steps,
               "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
               "step_sleep_s": args.step_sleep, "step_api": step_api_cost_us(), "runs": []}
     with tempfile.TemporaryDirectory(prefix="muster-bench-") as d:
@@ -354,7 +376,7 @@ def main() -> int:
                 # A model of real size steps at its own pace: no simulated compute on top.
                 step_sleep = args.step_sleep if model == "tiny" else 0.0
                 result["runs"].append(run(workdir, ranks, args.kills, args.hangs, args.failovers, step_sleep,
-                                          args.backend, args.shrink, model))
+                                          args.backend, env, model, args.settled_steps))
     print(json.dumps(result, indent=2))
     return 0
 

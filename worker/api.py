@@ -83,9 +83,6 @@ class WorkerConfig:
     # gloo's network interface (GLOO_SOCKET_IFNAME); empty: the interface holding `host`, where it is
     # local (gloo's own choice, the hostname's address, may be one the peers cannot reach)
     gloo_interface: str = ""
-    # Loss-only generations shrink the old group (NCCL's comm shrink) instead of forming a new one
-    # (MUSTER_NCCL_SHRINK=1). Off: on an H200 (torch 2.11, NCCL 2.28.9) it crashed every survivor.
-    shrink: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -114,7 +111,6 @@ class WorkerConfig:
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
             security=ClientSecurity.from_env(env),
             gloo_interface=env.get("GLOO_SOCKET_IFNAME", ""),
-            shrink=env.get("MUSTER_NCCL_SHRINK", "") == "1",
         )
 
 
@@ -164,8 +160,6 @@ class _StepScope:
             log.error("step_failed_repeatedly", step=w.step + 1, attempts=w._redos, error=str(exc)[:200])
             return False  # the same step failed in every fresh group: the script's error after all
         log.info("step_discarded", step=w.step + 1, generation=w.generation, error=str(exc)[:200])
-        if outside and w.config.shrink:  # the abort generation may shrink the group: let it come before aborting
-            w._membership_changed(w.config.abort_wait_s)
         w._reform(discard=True, hold=f"a collective of generation {w.generation} failed: {str(exc)[:200]}")
         return True  # swallowed: the loop redoes the step
 
@@ -267,7 +261,9 @@ class Worker:
             kwargs.setdefault("init_sync", False)  # the state sync already made replicas identical
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
-            cached = self._ddp[id(module)] = (self.generation, DistributedDataParallel(module, **kwargs))
+            wrapper = DistributedDataParallel(module, **kwargs)
+            wrapper.register_forward_pre_hook(self._guards.cut_short)  # before DDP's collectives (StepGuards)
+            cached = self._ddp[id(module)] = (self.generation, wrapper)
             self._scope.compute.watch(module)
         return cached[1]
 
@@ -338,13 +334,6 @@ class Worker:
         step, us, state, phase, _ = self._progress
         after = self.generation
         self._unwinding.began(after)
-        latest = self.link.latest
-        if placed(latest, self._slot) and latest.abort_previous and self.comm.shrink_into(
-                self._group(latest), lambda: self._superseded(latest.generation, True)):
-            hold = ""  # the abort generation is here, and the old group shrank into it (on either thread)
-        # A shrink in flight on the abort thread ends first: DDP's teardown below and the new
-        # group's init on that thread deadlock (seen with gloo).
-        self.comm.settle()
         if discard:
             self.state.discard_step()
         self._ddp.clear()
@@ -354,7 +343,7 @@ class Worker:
             if latest is None or latest.generation <= after:
                 log.info("rank_holding", generation=after, step=self.step, cause=hold,
                             hold_timeout_s=self.config.hold_timeout_s)
-        self.comm.destroy(keep_after=after)  # a group shrunk into the next generation stays
+        self.comm.destroy()
         deadline = time.monotonic() + self.config.hold_timeout_s
         while True:
             # Waiting for the others is not a stall; holding says that this generation broke.
@@ -404,11 +393,11 @@ class Worker:
                              **moved, **phases})
         log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
                  step=step, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
-                 steps_behind=lost, backend=self.backend.name, shrunk=self.comm.shrunk, **moved,
+                 steps_behind=lost, backend=self.backend.name, **moved,
                  **{k: round(v, 4) for k, v in phases.items()})
 
     def _group(self, a: pb.Assignment) -> GroupSpec:
-        return group_spec(a, self._slot, self.config.local_rank, self.config.shrink)
+        return group_spec(a, self._slot, self.config.local_rank)
 
     def _superseded(self, generation: int, at_once: bool) -> bool:
         return self._error is not None or superseded(self.link.latest, generation, at_once)
@@ -440,17 +429,15 @@ class Worker:
             return
         exit_stuck(str(error), STUCK_EXIT_S)
 
-    def _abort(self, below_generation: int, into: GroupSpec | None = None) -> None:
-        """Off the link's loop: NCCL's abort is a long C++ call, and the loop must keep streaming.
-        `into`: the group this rank has in the abort generation, which may shrink the old one."""
+    def _abort(self, below_generation: int) -> None:
+        """Off the link's loop, which must keep streaming while the training thread is watched."""
         self._guards.aborted(below_generation)  # the step in flight stops at its next module or gradient
-        abandoned = (lambda: self._superseded(into.generation, True)) if into is not None else None
         # The group the training thread must leave: the one it steps in, or one formed that it syncs the
         # state in (a chaos run wedged there, on a gloo pair the abort missed, with nothing watching).
         broken = getattr(self.comm.spec, "generation", self.generation)
 
         def leave() -> None:
-            self.comm.leave(below_generation, into, abandoned)
+            self.comm.abort(below_generation)
             if 0 < broken < below_generation and not self._closing:  # the training thread must leave it now
                 self._unwinding.watch(broken, below_generation)
         threading.Thread(target=leave, name="muster-abort", daemon=True).start()
@@ -467,7 +454,7 @@ class Worker:
                 return
             # A planned switch heard past its step (a late map): the others left the group there; so does this rank.
             if a.abort_previous or 0 < self.generation < a.generation and 0 < a.switch_at_step <= self.step:
-                self._abort(a.generation, self._group(a) if placed(a, self._slot) else None)
+                self._abort(a.generation)
             log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
                      abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
         elif d.HasField("drain"):
@@ -528,12 +515,10 @@ def report_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, beg
     return now
 
 
-def group_spec(a: pb.Assignment, slot: int, local_rank: int, shrink: bool) -> GroupSpec:
-    """Local rank `slot`'s group in `a`, which places it (`shrink`: take up a shrink it offers)."""
-    shrink = shrink and a.shrink_of > 0
+def group_spec(a: pb.Assignment, slot: int, local_rank: int) -> GroupSpec:
+    """Local rank `slot`'s group in `a`, which places it."""
     return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(slot), a.world_size, local_rank,
-                     a.store_address, a.store_prefix, a.shrink_of if shrink else 0,
-                     tuple(a.excluded_ranks) if shrink else ())
+                     a.store_address, a.store_prefix)
 
 
 def superseded(latest: pb.Assignment | None, generation: int, at_once: bool) -> bool:

@@ -5,8 +5,9 @@ Every process hosts a TCPStore from the start, so whichever process is rank 0 of
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
 barrier polled without blocking, so a newer generation can abandon a half-formed one, or one whose
 store does not answer (its host died as the map was published).
-Abort: NCCL has `abort()`; gloo has none, so the sockets the generation's group opened are shut
-down, which makes a collective blocked on a hung or dead peer fail at once.
+Abort: NCCL has `abort()`, run in the background (worker/teardown.py) once the groups are out of
+torch's registry; gloo has none, so the sockets the generation's group opened are shut down, which
+makes a collective blocked on a hung or dead peer fail at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from muster.net import split_host_port
+from muster.worker.teardown import Teardown
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +47,6 @@ GLOO_CONNECT_PER_RANK_S = 0.002
 GLOO_ACCEPT_WAITS = 5  # the accepting side's wait, in connect timeouts
 ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still running this long past its bound: exit
 STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process for the slot
-SHRINK_AGREE_S = 2.0  # survivors agree on a shrink within this (every one says it can), else all form anew
-SHRINK_EXIT_S = 30.0  # a shrink still running this long (a survivor died in it): the process exits
 BARRIER_LATE_S = 1.0  # an arrival barrier waiting this long names the ranks not there yet (once)
 
 
@@ -110,6 +110,23 @@ NCCL_TEARS_DOWN = {"1", "3"}  # TearDown, SkipCleanUp: the watchdog ends the pro
 # the aborted group joins that thread: the rank missed the next group's barrier and was evicted
 # as stalled (H200, 2026-11-26). Forced, whatever the environment says.
 NCCL_DUMP_WAIT = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+NCCL_PROXY_POLL_S = 0.5  # ncclCommAbort joins proxy threads that look at its flag this often (NCCL's src/proxy.cc)
+
+
+def _take_groups() -> list[dist.ProcessGroup]:
+    """Every group out of torch's registry, which is left as _abort_process_group() leaves it
+    (torch 2.13's code, less the abort itself): no default group, names and counter reset, so the
+    next generation's group forms while these are aborted elsewhere. Newest first, torch's order."""
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g], reverse=True)
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                     world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+    return groups
 
 
 def _says(exc: BaseException, texts: tuple[str, ...]) -> bool:
@@ -121,7 +138,6 @@ class Gloo:
     abort shuts down the sockets the group opened instead, which makes it fail at once."""
 
     name = torch_backend = "gloo"
-    can_shrink = False
     bounded_connect = True  # see GLOO_CONNECT_MIN_S
 
     def prepare(self, env: dict[str, str]) -> None:
@@ -136,7 +152,7 @@ class Gloo:
     def init_options(self, device: torch.device) -> dict:
         return {}
 
-    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
+    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
         return _shutdown_peer_sockets(sockets, keep_ports)
 
     def is_transport_failure(self, exc: BaseException) -> bool:
@@ -146,19 +162,17 @@ class Gloo:
 class Nccl:
     """One GPU per rank, taken round-robin from the visible ones (ranks may share a GPU, each
     process with its own NCCL_HOSTID). Eager init (`device_id`): the communicator is made while
-    forming, so a reform pays for it before the first step rather than inside it. An abort is
-    NCCL's own (`ncclCommAbort` on every communicator, from any thread), which also clears torch's
-    group registry: `Comm.destroy` then has nothing left to destroy."""
+    forming, so a reform pays for it before the first step rather than inside it. An abort takes
+    every group out of torch's registry at once (`Comm.destroy` then has nothing left to destroy,
+    and the next generation's group may form) and leaves NCCL's own abort (`ncclCommAbort`, half a
+    second) to a background teardown (worker/teardown.py): its first microseconds set the abort
+    flag that releases the training thread, the rest is nobody's wait."""
 
     name = torch_backend = "nccl"
-    can_shrink = hasattr(dist, "shrink_group")  # torch >= 2.10 (NCCL >= 2.27, or torch raises: a full form)
     bounded_connect = False  # NCCL's bootstrap has its own timeouts; its init pays for CUDA too
 
     def __init__(self) -> None:
-        # Groups aborted out of torch's registry, kept until release(): otherwise the last reference
-        # is DDP's reducer, and its dealloc (GIL held) joins the group's threads, one of which waits
-        # for the GIL to drop a Python object: a deadlock, seen on the twin.
-        self.aborted: list[dist.ProcessGroup] = []
+        self.teardown = Teardown(self._abort_groups, exit_stuck)
 
     def prepare(self, env: dict[str, str]) -> None:
         """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
@@ -175,9 +189,6 @@ class Nccl:
         env[NCCL_DUMP_WAIT] = "0"
         for name, value in NCCL_ENV.items():
             env.setdefault(name, value)
-        if env.get("MUSTER_NCCL_SHRINK") == "1" and self.name == "nccl":
-            log.warning("nccl_shrink_unproven", why="on torch 2.11 with NCCL 2.28.9 (one H200) every survivor of a "
-                        "shrink crashed (heap corruption); see docs/guide/nccl.md")
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
@@ -185,30 +196,34 @@ class Nccl:
     def init_options(self, device: torch.device) -> dict:
         return {"device_id": device}
 
-    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
-        if dist.is_initialized():  # (torch asserts on an abort with no group left)
-            self.aborted.extend(dist.distributed_c10d._world.pg_map)
-            dist.distributed_c10d._abort_process_group()
+    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
+        groups = _take_groups()
+        if groups:
+            self.teardown.submit(generation, groups)
         return 0
 
     def release(self) -> None:
-        """End the aborted groups' threads (shutdown releases the GIL), once nothing uses them."""
-        groups, self.aborted = self.aborted, []
-        for group in groups:
-            try:
-                group.shutdown()
-            except Exception as exc:  # already ended: nothing left to release
-                log.debug("group_release_failed", error=str(exc)[:200])
+        """The training thread has let go of the aborted groups: the teardown may shut them down."""
+        self.teardown.release()
 
-    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: dict[int, str],
-               keep_ports: set[int]) -> None:
-        """The survivors make `spec`'s group from the current one, whose in-flight work is aborted
-        first (SHRINK_ABORT): no store, no new bootstrap. It numbers them in their old order, which
-        is the leader's map for a loss-only generation (rankmap.excluded_ranks); checked."""
-        group = dist.shrink_group(list(spec.excluded), shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
-        if (group.rank(), group.size()) != (spec.rank, spec.world_size):
-            raise RuntimeError(f"the shrunk group made this rank {group.rank()} of {group.size()}; generation "
-                               f"{spec.generation}'s map says {spec.rank} of {spec.world_size}")
+    def _abort_groups(self, groups: list[dist.ProcessGroup]) -> None:
+        """On the teardown thread. As torch's _abort_process_group(): newest first, within one NCCL
+        group call, so that the aborts of several communicators do not wait on each other
+        (pytorch#119797)."""
+        try:
+            nccl = groups[0]._get_backend(torch.device("cuda"))
+        except RuntimeError:
+            nccl = None
+        if not isinstance(nccl, getattr(dist, "ProcessGroupNCCL", ())):  # (the twin's are gloo's)
+            nccl = None
+        if nccl is not None:
+            nccl._group_start()
+        try:
+            for group in groups:
+                group.abort()
+        finally:
+            if nccl is not None:
+                nccl._group_end()
 
     def is_transport_failure(self, exc: BaseException) -> bool:
         if _says(exc, NCCL_NOT_TRANSPORT) and not _says(exc, NCCL_ABORTED):  # (an abort quotes its cause)
@@ -220,15 +235,14 @@ class Nccl:
 class NcclTwin(Nccl):
     """NCCL's decisions over gloo, so that CI drives on CPU the paths an NCCL rank takes: the
     abort that clears torch's registry (so no destroy follows, and a collective the abort beat
-    finds no group), NCCL's error classification, the watchdog settings, and the shrink of a
-    loss-only generation (agreement, fallback, the reform that finds its group formed). What it
-    cannot be is NCCL itself: no CUDA, no eager init, a shrink that is a new gloo group of the
-    survivors, and sockets shut as gloo's abort needs."""
+    finds no group) and leaves the groups to the background teardown, whose abort takes as long
+    as NCCL's (`abort_join_s`), NCCL's error classification and the watchdog settings. What it
+    cannot be is NCCL itself: no CUDA, no eager init, and sockets shut as gloo's abort needs."""
 
     name = "nccl-twin"
     torch_backend = "gloo"
-    can_shrink = True
     bounded_connect = True
+    abort_join_s = NCCL_PROXY_POLL_S  # ncclCommAbort's join of its proxy threads
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
@@ -236,16 +250,14 @@ class NcclTwin(Nccl):
     def init_options(self, device: torch.device) -> dict:
         return {}
 
-    def abort(self, sockets: dict[int, str], keep_ports: set[int]) -> int:
-        super().abort(sockets, keep_ports)
+    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
+        super().abort(sockets, keep_ports, generation)
         return _shutdown_peer_sockets(sockets, keep_ports)
 
-    def shrink(self, spec: GroupSpec, store: dist.Store, timeout: timedelta, sockets: dict[int, str],
-               keep_ports: set[int]) -> None:
-        """As NCCL's: the old group's work aborted, then a group of the survivors alone, numbered by
-        the map (gloo cannot shrink: its group is made anew on the agreed store, survivors only)."""
-        self.abort(sockets, keep_ports)
-        dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    def _abort_groups(self, groups: list[dist.ProcessGroup]) -> None:
+        """NCCL's shape: the flag at once (the sockets, shut by abort()), the join later."""
+        super()._abort_groups(groups)
+        time.sleep(self.abort_join_s)
 
     def is_transport_failure(self, exc: BaseException) -> bool:
         return super().is_transport_failure(exc) or (isinstance(exc, RuntimeError) and _says(exc, GLOO_TRANSPORT))
@@ -261,23 +273,6 @@ def backend_named(name: str) -> Backend:
     except KeyError:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(BACKENDS)}") from None
 
-def agreed(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
-    """This rank can shrink into `spec`'s group: can every survivor? One that forms anew (its key
-    "0"), one not heard within SHRINK_AGREE_S, or a newer generation makes it "full" for everyone;
-    the first verdict written holds for all."""
-    if store.compare_set(f"shrink/{spec.rank}", "", "1") != b"1":
-        return False  # this rank's training thread got there first, forming anew
-    keys = [f"shrink/{r}" for r in range(spec.world_size)]
-    deadline, verdict = time.monotonic() + SHRINK_AGREE_S, "full"
-    while not store.check(["shrink/decision"]):
-        if store.check(keys):
-            verdict = "shrink" if set(store.multi_get(keys)) == {b"1"} else "full"
-            break
-        if abandoned() or time.monotonic() > deadline:
-            break
-        time.sleep(0.002)
-    return store.compare_set("shrink/decision", "", verdict) == b"shrink"
-
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -287,8 +282,6 @@ class GroupSpec:
     local_rank: int
     store_address: str  # host:port of rank 0's store
     store_prefix: str
-    shrink_of: int = 0  # the leader offered a shrink of this generation's group (0: none, or not wanted)
-    excluded: tuple[int, ...] = ()  # with shrink_of: its ranks left out
 
 
 def interface_of(address: str) -> str | None:
@@ -475,17 +468,14 @@ class Comm:
         # held every rank of the generation for the resolver's timeout (5 s), seen at 16 ranks.
         self._client: tuple[str, dist.Store, dict[int, str]] | None = None
         # Where the last reform's time went, in seconds: the abort of the old group (on the abort
-        # thread), destroying it, connecting to the new store (0 when kept), the arrival barrier
-        # (connecting included) and the backend's init.
+        # thread; on NCCL only its hand-off to the teardown, which logs its own), destroying it,
+        # connecting to the new store (0 when kept), the arrival barrier (connecting included) and
+        # the backend's init.
         self.phases = {"abort_s": 0.0, "destroy_s": 0.0, "store_s": 0.0, "barrier_s": 0.0, "init_s": 0.0}
         self._forming: tuple[int, dict[int, str]] | None = None  # generation being formed, its store connections
         self._connecting: int | None = None  # the attempt (a count) in the backend's connect now
         self._attempts = 0
         self._connect_s = 0.0  # its bound, seconds
-        self._settled = threading.Event()  # no shrink in flight
-        self._settled.set()
-        self._shrinking = 0  # the generation a shrink was started for (by either thread)
-        self.shrunk = False  # the current group was made by a shrink
 
     @property
     def formed(self) -> bool:
@@ -535,11 +525,6 @@ class Comm:
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
         started = time.monotonic()
-        if self.spec == spec:
-            return 0.0  # the abort thread shrank the old group into this one
-        if self.spec is not None:
-            self.destroy()  # a shrunk group that a newer generation superseded
-        self.shrunk = False
         client, connections = self._store(spec, abandoned, started)
         self.phases["store_s"] = time.monotonic() - started
         with self._lock:  # this attempt's store connection: an abort cuts it, so no wait outlives a newer map
@@ -548,9 +533,6 @@ class Comm:
             self._forming = (spec.generation, connections)
         try:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
-            if spec.shrink_of:  # this rank forms anew: no shrink of this generation (see shrink_into)
-                store.compare_set(f"shrink/{spec.rank}", "", "0")
-                store.compare_set("shrink/decision", "", "full")
             arrive(store, spec, abandoned, started, self.timeout.total_seconds())
             self.phases["barrier_s"] = time.monotonic() - started  # the rest of forming is the backend's connect
             before = _socket_inodes()
@@ -608,75 +590,6 @@ class Comm:
             raise RuntimeError("no group formed")
         return GroupChannel(store, spec, abandoned, self.timeout.total_seconds())
 
-    def leave(self, below_generation: int, into: GroupSpec | None = None,
-              abandoned: Callable[[], bool] | None = None) -> None:
-        """For an abort generation: shrink the current group `into` this rank's group in it where
-        it can (shrink_into), else abort it."""
-        if into is None or not into.shrink_of or not self.shrink_into(into, abandoned):
-            self.abort(below_generation)
-
-    def shrink_into(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
-        """Leave the current group by shrinking it into `spec`'s, for an abort generation where the
-        leader offered it (loss-only), the backend can, this process is in that group and every
-        survivor agrees on the generation's store. Every survivor shrinks, or none does: the first
-        verdict written wins. Called by the abort thread and the training thread, whichever comes
-        first: the other waits for it. False: the caller aborts the group as ever."""
-        with self._lock:
-            if self._shrinking == spec.generation:
-                mine = False  # the other thread is at it
-            elif (self.backend.can_shrink and spec.shrink_of and self.spec is not None and not self._aborted
-                  and self.spec.generation == spec.shrink_of):
-                mine, self._shrinking = True, spec.generation
-                self._settled.clear()
-            else:
-                return False
-        if not mine:
-            self.settle()
-            return self.spec == spec
-        watch = threading.Timer(SHRINK_EXIT_S, lambda: self._settled.is_set() or exit_stuck(
-            f"shrinking generation {spec.shrink_of}'s group into {spec.generation}'s", SHRINK_EXIT_S))
-        watch.daemon = True
-        watch.start()
-        try:
-            return self._shrink(spec, abandoned)
-        except Exception as exc:  # the group is in no known state: the caller aborts what is left of it
-            log.warning("shrink_failed", generation=spec.generation, error=str(exc)[:200])
-            return False
-        finally:
-            self._settled.set()
-            watch.cancel()
-
-    def _shrink(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> bool:
-        started = time.monotonic()
-        try:
-            client, connections = self._store(spec, abandoned, started)
-        except (Superseded, RuntimeError):
-            return False
-        try:
-            store = dist.PrefixStore(spec.store_prefix + "/", client)
-            if not agreed(store, spec, abandoned):
-                return False
-            agreed_at = time.monotonic()
-            before = _socket_inodes()
-            with self._lock:  # (the old group's sockets may be closed, their numbers reused by the new store's)
-                keep = {self.store_port, split_host_port(self.spec.store_address)[1],
-                        split_host_port(spec.store_address)[1]}
-            self.backend.shrink(spec, dist.PrefixStore(spec.store_prefix + "/shrunk/", client),
-                                min(self.timeout, CONNECT_TIMEOUT), self._sockets, keep)
-            with self._lock:
-                self.spec, self._aborted, self.shrunk, self._group_store = spec, False, True, store
-                self._sockets = _new_sockets(before)
-            self.phases.update(abort_s=time.monotonic() - agreed_at, destroy_s=0.0, init_s=0.0,
-                               store_s=0.0, barrier_s=agreed_at - started)
-        finally:
-            with self._lock:  # kept for the next generation on the same store, as form() keeps it
-                if client is not self.server:
-                    self._client = (spec.store_address, client, connections)
-        log.info("group_shrunk", generation=spec.generation, of=spec.shrink_of, excluded=list(spec.excluded)[:16],
-                 rank=spec.rank, world_size=spec.world_size, agree_s=round(self.phases["barrier_s"], 4),
-                 shrink_s=round(self.phases["abort_s"], 4))
-        return True
-
     def abort(self, below_generation: int) -> bool:
         """Make the current group's collectives fail now if its generation is below the given one.
         Safe from any thread; the training thread then sees an error and reforms."""
@@ -692,7 +605,8 @@ class Comm:
             if spec is None or spec.generation >= below_generation or self._aborted:
                 return False
             started = time.monotonic()
-            n = self.backend.abort(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]})
+            n = self.backend.abort(self._sockets, {self.store_port, split_host_port(spec.store_address)[1]},
+                                   spec.generation)
             self._sockets, self._aborted = {}, True
             self.phases["abort_s"] = time.monotonic() - started
         log.info("group_aborted", generation=spec.generation, backend=self.backend.name, sockets=n,
@@ -725,20 +639,12 @@ class Comm:
         timer.daemon = True
         timer.start()
 
-    def settle(self) -> None:
-        """Wait for a shrink in flight on another thread (bounded: past SHRINK_EXIT_S the process exits)."""
-        self._settled.wait(SHRINK_EXIT_S)
-
-    def destroy(self, *, keep_after: int | None = None) -> None:
+    def destroy(self) -> None:
         """Leave the current group (after an abort, or at a planned switch). Its store connection
-        stays for the next generation on the same store. A shrink in flight ends first; `keep_after`:
-        a group the abort thread shrank into a generation above it stays (the reform finds it formed)."""
-        self.settle()
-        started = time.monotonic()  # (NCCL's release, the aborted groups' shutdown, counted too)
+        stays for the next generation on the same store."""
+        started = time.monotonic()
         self.backend.release()
         with self._lock:
-            if keep_after is not None and self.spec is not None and self.spec.generation > keep_after:
-                return
             self.spec, self._group_store = None, None
             self._sockets = {}
         if dist.is_initialized():  # (not after NCCL's abort, which cleared torch's registry)

@@ -4,6 +4,8 @@ little as it can and never corrupts the state:
 - a step in flight when its group is aborted is lost anyway, yet its compute would go on until
   its next collective failed (a second for a large model on a CPU): a check as the forward reaches
   each module with parameters, and as the backward makes each gradient, ends it at once (StepCut);
+  the worker's DDP wrappers check first too, before DDP's own collectives of a new group's first
+  steps (its bucket rebuild: two broadcasts that, on an aborted NCCL group, wait for the abort);
 - on CUDA, a step's all-reduce runs on the GPU after the host has moved on, and an abort that cuts
   it short leaves each rank with its own partial sums. Applied by the optimizer, they would make
   every survivor's state different (seen on an H200: after a kill each survivor held another
@@ -31,10 +33,10 @@ class StepGuards:
         if model is not None:
             for module in model.modules():
                 if next(module.parameters(recurse=False), None) is not None:
-                    module.register_forward_pre_hook(self._cut_short)
+                    module.register_forward_pre_hook(self.cut_short)
             for p in model.parameters():
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._cut_short)
+                    p.register_post_accumulate_grad_hook(self.cut_short)
         if self.device.type == "cuda" and hasattr(optimizer, "register_step_pre_hook"):
             optimizer.register_step_pre_hook(self._refuse_partial_step)
 
@@ -42,7 +44,7 @@ class StepGuards:
         """The abort thread left (or is leaving) the groups below this generation."""
         self.cut_below = max(self.cut_below, below_generation)
 
-    def _cut_short(self, *_) -> None:
+    def cut_short(self, *_) -> None:
         if self.generation() < self.cut_below and not self.closing():
             raise StepCut(f"generation {self.generation()} was aborted: the step in flight is cut short")
 

@@ -3,7 +3,8 @@ Since torch 2.8 that watchdog then sleeps 4x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC
 default) and releasing the group joins it: a survivor missed the next group's barrier and was
 evicted as stalled (gpu-check, H200, 2026-11-26). Two raw NCCL ranks in the library's environment
 (`Nccl.prepare`); rank 1 dies mid-run, rank 0 waits for its watchdog's report, then aborts and
-releases the group with the library's own `Nccl.abort` and `Nccl.release`. Skipped without CUDA."""
+releases the group with the library's own `Nccl.abort` (which hands it to the background teardown)
+and `Nccl.release`, and the teardown ends. Skipped without CUDA."""
 
 import json
 import os
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL's w
 
 WATCHDOG_SAW = ("failure detected by watchdog", "signal dumping")  # torch's log, before its sleep
 RANK = """
-import json, os, sys, threading, time
+import json, os, sys, time
 import torch, torch.distributed as dist
 from muster.worker.comm import Nccl
 r, port = int(sys.argv[1]), int(sys.argv[2])
@@ -40,11 +41,10 @@ print("in flight", flush=True)
 sys.stdin.readline()  # the test saw the watchdog's report
 nccl = Nccl()
 started = time.monotonic()
-nccl.abort({}, set())
+nccl.abort({}, set(), 1)
 aborted = time.monotonic()
-released = threading.Event()
-threading.Thread(target=lambda: (nccl.release(), released.set()), daemon=True).start()
-print(json.dumps({"abort_s": aborted - started, "released": released.wait(20),
+nccl.release()
+print(json.dumps({"abort_s": aborted - started, "released": nccl.teardown.idle(20),
                   "release_s": time.monotonic() - aborted}), flush=True)
 os._exit(0)
 """

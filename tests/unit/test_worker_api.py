@@ -128,7 +128,7 @@ def test_an_abort_watches_a_group_formed_but_not_yet_adopted():
         spec = type("Spec", (), {"generation": 12})()
         left = []
 
-        def leave(self, below, into=None, abandoned=None):
+        def abort(self, below):
             self.left.append(below)
 
     w.comm, w.generation = Formed(), 11
@@ -209,3 +209,28 @@ def test_a_worker_guards_what_it_registers():
     w._guards.aborted(3)
     with pytest.raises(Exception, match="the step in flight is cut short"):
         model(torch.ones(1, 2))
+
+
+def test_an_aborted_groups_ddp_wrapper_stops_before_ddps_own_collectives():
+    """In a new group's first steps DDP's forward begins with collectives of its own (the bucket
+    rebuild's broadcasts), which on an aborted NCCL group wait for the abort: the wrapper's check
+    comes first."""
+    import torch.distributed as dist
+
+    from muster.worker.comm import StepCut
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = worker()
+        model = torch.nn.Linear(2, 1)
+        w.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        w.generation = 2
+        ddp = w.ddp(model)
+        entered = []
+        ddp._pre_forward = lambda *a, **k: entered.append(a)  # DDP's bucket rebuild and buffer sync
+        w._guards.aborted(3)
+        with pytest.raises(StepCut):
+            ddp(torch.ones(1, 2))
+        assert not entered
+    finally:
+        dist.destroy_process_group()
