@@ -201,11 +201,19 @@ def _run(args: argparse.Namespace) -> int:
         print(f"muster run: job id {args.job!r} is job {job!r} at the coordinator (its names are 1-63 of "
               "[a-z0-9._-]; `muster status --job` takes either)", file=sys.stderr)
     max_restarts = args.max_restarts if args.max_restarts is not None else launch.max_restarts
+    node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    if args.log_dir:  # the agent's own lines beside its ranks', for `muster logs`
+        try:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            logs.configure(args.log_level, json=args.log_json, copy_to=rank_logs.agent_log(Path(args.log_dir), node_id))
+        except OSError as exc:
+            print(f"muster run: --log-dir {args.log_dir}: {exc.strerror}", file=sys.stderr)
+            return 2
     config = AgentConfig(
         coordinators=tuple(coordinators),
         job=job,
         job_id=args.job,
-        node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+        node_id=node_id,
         slots=launch.slots or args.slots or 1,
         argv=tuple(launch.argv),
         host=host,
@@ -525,10 +533,10 @@ def _logs(args: argparse.Namespace) -> int:
     with _coordinators(args) as coordinators:
         chosen = _log_slots(args, job, log_dir, coordinators)
         followers = []
-        for node, slot, files in chosen:
-            lines, offset = rank_logs.tail(files[-1][1], args.tail)
+        for node, slot, path in chosen:
+            lines, offset = rank_logs.tail(path, args.tail)
             _print_logs(args, node, slot, lines)
-            followers.append(rank_logs.Follower(node, slot, files[-1][1], offset))
+            followers.append(rank_logs.Follower(node, slot, path, offset))
         if not args.follow:
             return 0
         try:
@@ -543,9 +551,10 @@ def _logs(args: argparse.Namespace) -> int:
             return 0
 
 
-def _log_slots(args, job: str, log_dir: Path, coordinators) -> list[tuple[str, int, list]]:
-    """(node, slot, files) of what to show: the slot that runs --rank now, --node's slots, or every
-    member node's (the job's map from the coordinator, but for --node alone)."""
+def _log_slots(args, job: str, log_dir: Path, coordinators) -> list[tuple[str, int | None, Path]]:
+    """(node, slot, latest file) of what to show: the slot that runs --rank now, or --node's agent
+    (slot None) and slots, or every member node's (the job's map from the coordinator, but for
+    --node alone)."""
     from muster.v1 import muster_pb2 as pb
 
     if args.rank is not None:
@@ -565,8 +574,11 @@ def _log_slots(args, job: str, log_dir: Path, coordinators) -> list[tuple[str, i
         if not nodes:
             raise ValueError(f"job {job} has no member nodes now (its run ended?): name one with --node")
         wanted = [(n, None) for n in nodes]
-    chosen = [(node, slot, files) for node, only in wanted
-              for slot, files in sorted(rank_logs.starts(log_dir, node, only).items())]
+    chosen: list[tuple[str, int | None, Path]] = []
+    for node, only in wanted:
+        agent = rank_logs.agent_log(log_dir, node)
+        chosen += [(node, None, agent)] if only is None and agent.is_file() else []
+        chosen += [(node, slot, files[-1][1]) for slot, files in sorted(rank_logs.starts(log_dir, node, only).items())]
     if not chosen:
         names = ", ".join(n for n, _ in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
         raise ValueError(f"no rank logs of {names} in {log_dir} (muster run --log-dir writes them there)")
@@ -587,8 +599,8 @@ def _run_over(args, job: str, run: int, coordinators) -> bool:
     return js.outcome != "running" and not js.leader
 
 
-def _print_logs(args, node: str, slot: int, lines: list[str]) -> None:
-    prefix = "" if args.rank is not None else f"{node}/{slot}| "
+def _print_logs(args, node: str, slot: int | None, lines: list[str]) -> None:
+    prefix = "" if args.rank is not None else f"{node}/{'agent' if slot is None else slot}| "
     for line in lines:
         print(prefix + line)
     sys.stdout.flush()
@@ -822,7 +834,8 @@ def _run_parser(sub) -> None:
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
-    r.add_argument("--log-dir", help="write each rank's output to a file here (default: the agent's stdout/stderr)")
+    r.add_argument("--log-dir", help="write each rank's output to a file here, and a copy of the agent's log as JSON "
+                   "lines (NODE-agent.log; `muster logs` reads both; default: the agent's stdout/stderr only)")
     r.add_argument("--hold-timeout", type=positive_float, default=300.0,
                    help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")
     r.add_argument("--join-timeout", type=positive_float, default=300.0,
@@ -861,7 +874,8 @@ def _client_parsers(sub) -> None:
             ("drain", _drain, "one node of a job leaves at a step boundary, as on SIGTERM to its agent (operator)"),
             ("delete", _delete, "delete a finished job's record(s) now rather than at their retention's end "
                                 "(operator)"),
-            ("logs", _logs, "the ranks' output, from the directory the agents write it to (muster run --log-dir)")):
+            ("logs", _logs, "the agents' logs and their ranks' output, from the directory the agents write them to "
+                            "(muster run --log-dir)")):
         q = sub.add_parser(name, help=helptext)
         _coordinator_flag(q)
         if name in ("stop", "delete", "logs"):
@@ -890,7 +904,7 @@ def _client_parsers(sub) -> None:
         if name == "logs":
             q.add_argument("--log-dir", help="the agents' --log-dir: shared by the nodes, or this node's (default "
                            "$MUSTER_LOG_DIR)")
-            q.add_argument("--node", help="only this node's ranks (needs no coordinator)")
+            q.add_argument("--node", help="only this node's agent and ranks (needs no coordinator)")
             q.add_argument("--rank", type=int, help="only the slot that runs this global rank now (its node's "
                            "files: a rank that moves after a re-form is not followed)")
             q.add_argument("--tail", type=int, default=100, help="the last lines of each slot's latest start "

@@ -1,6 +1,7 @@
-"""`muster logs`, the files' side: the rank logs an agent writes with `muster run --log-dir DIR`
-(DIR/<node>-slot<K>-<start>.log, one file per start of a slot: worker/supervisor.py), their last
-lines, and following them as they grow and as a restarted slot starts a new file."""
+"""`muster logs`, the files' side: what an agent writes with `muster run --log-dir DIR`, its ranks'
+output (DIR/<node>-slot<K>-<start>.log, one file per start of a slot: worker/supervisor.py) and its
+own log (DIR/<node>-agent.log, JSON lines), their last lines, and following them as they grow and
+as a restarted slot starts a new file."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pathlib import Path
 
 NAME = re.compile(r"^(?P<node>.+)-slot(?P<slot>\d+)-(?P<start>\d+)\.log$")
 BLOCK = 1 << 16  # a tail reads this much at a time from a file's end: never the whole (multi-GB) file
+
+
+def agent_log(log_dir: Path, node: str) -> Path:
+    return log_dir / f"{node}-agent.log"
 
 
 def starts(log_dir: Path, node: str, slot: int | None = None) -> dict[int, list[tuple[int, Path]]]:
@@ -43,14 +48,14 @@ class Follower:
     once the old file's last lines are out."""
 
     node: str
-    slot: int
+    slot: int | None  # None: the agent's own log (never restarted into another file)
     path: Path
     offset: int = 0
     _partial: bytes = field(default=b"", repr=False)
 
     def read(self, log_dir: Path) -> list[str]:
         out = self._new_lines()
-        newest = starts(log_dir, self.node, self.slot).get(self.slot, [])
+        newest = starts(log_dir, self.node, self.slot).get(self.slot, []) if self.slot is not None else []
         if newest and newest[-1][1] != self.path:
             out += self._new_lines(final=True)
             self.path, self.offset, self._partial = newest[-1][1], 0, b""

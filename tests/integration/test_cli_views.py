@@ -108,9 +108,14 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
     steps = [r for r in map(json.loads, filter(lambda line: line.startswith("{"), lines)) if r["event"] == "step"]
     assert len(lines) == 3 and steps and all(r["rank"] == 1 for r in steps)
     out = muster("logs", JOB, "--log-dir", str(log_dir), "--node", "a", "--tail", "2")
-    assert out.returncode == 0 and [line[:5] for line in out.stdout.splitlines()] == ["a/0| "] * 2
+    prefixes = [line.split("| ", 1)[0] for line in out.stdout.splitlines()]
+    assert out.returncode == 0 and prefixes == ["a/agent"] * 2 + ["a/0"] * 2  # the agent's own lines, then its rank's
+    agent = [json.loads(line.split("| ", 1)[1]) for line in out.stdout.splitlines()[:2]]
+    assert all(r["level"] and r["timestamp"] for r in agent)
     out = muster("logs", JOB, *at, "--log-dir", str(log_dir), "--tail", "1")
-    assert out.returncode == 0 and sorted(line[:5] for line in out.stdout.splitlines()) == ["a/0| ", "b/0| "]
+    prefixes = sorted(line.split("| ", 1)[0] for line in out.stdout.splitlines())
+    assert out.returncode == 0 and prefixes == ["a/0", "a/agent", "b/0", "b/agent"]
+    assert '"event": "rank_started"' in (log_dir / "a-agent.log").read_text()
     out = muster("logs", JOB, *at, "--log-dir", str(log_dir), "--rank", "7")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no rank 7" in out.stderr
 
@@ -127,7 +132,9 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
     assert kinds[0] == "node_joined" and "node_left" in kinds and "stopped" in kinds
     every = answered("events", "events", *at, "--job", JOB)["events"]
     assert [line["event"] for line in lines] == every, (kinds, [e["kind"] for e in every])  # each once
-    assert any(line.startswith("a/0| ") and '"event": "step"' in line for line in followed.read_text().splitlines())
+    followed = followed.read_text().splitlines()
+    assert any(line.startswith("a/0| ") and '"event": "step"' in line for line in followed)
+    assert any(line.startswith("b/agent| ") and "drain" in line for line in followed)  # b's agent, as it left
 
     (js,) = answered("status", "status", *at, "--job", JOB)["jobs"]
     assert (js["outcome"], js["phase"]) == ("stopped", "ended") and js["ended_unix_ms"] > 0

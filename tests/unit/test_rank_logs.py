@@ -30,3 +30,12 @@ def test_a_follower_finishes_the_old_file_then_switches_to_the_restarted_slots_n
     (tmp_path / "a-slot0-2.log").write_text("again\n")
     assert follower.read(tmp_path) == ["two", "last words", "--- a slot 0 started again: a-slot0-2.log ---", "again"]
     assert follower.read(tmp_path) == []
+
+
+def test_the_agents_own_log_is_followed_and_never_switched(tmp_path):
+    agent = rank_logs.agent_log(tmp_path, "a")
+    agent.write_text('{"event": "rank_started"}\n')
+    (tmp_path / "a-slot0-1.log").write_text("rank\n")
+    follower = rank_logs.Follower("a", None, agent, 0)
+    assert follower.read(tmp_path) == ['{"event": "rank_started"}'] and follower.path == agent
+    assert list(rank_logs.starts(tmp_path, "a")) == [0]  # not a slot's file
