@@ -462,7 +462,8 @@ def _after(events, last) -> list:
 
 
 def _event_line(e) -> str:
-    return f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} {e.reason}"
+    return (f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} "
+            f"{e.reason}")
 
 
 def _when(unix_ms: int | None) -> str:
@@ -890,15 +891,16 @@ def _client_parsers(sub) -> None:
         if name == "drain":
             q.add_argument("--node", required=True, help="the node's id")
         if name != "logs":
-            q.add_argument("--json", action="store_true", help="one JSON document (its schema: the reference's "
-                           "JSON output page)" + ("; with --watch or --follow one per line" if name in ("status",
-                                                                                              "events") else ""))
+            follows = "; with --watch or --follow one per line" if name in ("status", "events") else ""
+            q.add_argument("--json", action="store_true",
+                           help=f"one JSON document (its schema: the reference's JSON output page){follows}")
         q.add_argument("--timeout", type=positive_float, default=5.0, help="seconds for each call (default %(default)s)")
         if name in ("status", "events", "logs"):
-            q.add_argument("--watch" if name == "status" else "--follow", action="store_true",
-                           help={"status": "refresh every --interval, in place on a terminal, until Ctrl-C",
-                                 "events": "print the run's events as they come, until its outcome or Ctrl-C",
-                                 "logs": "print what the ranks write next, until the run ends or Ctrl-C"}[name])
+            q.add_argument("--watch" if name == "status" else "--follow", action="store_true", help={
+                "status": "refresh every --interval, in place on a terminal, until Ctrl-C",
+                "events": "print the run's events as they come, until its record is final (its outcome, its nodes "
+                          "gone) or Ctrl-C",
+                "logs": "print what the agents and ranks write next, until the run ends or Ctrl-C"}[name])
             q.add_argument("--interval", type=refresh_interval, default=2.0 if name == "status" else 1.0,
                            help="seconds between refreshes (default %(default)s; 0.1 to 3600)")
         if name == "logs":
