@@ -948,6 +948,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad address, job name, ...
         print(f"muster {args.verb}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `muster logs … --follow | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (else the exit's flush fails again)
+        return 0
 
 
 if __name__ == "__main__":

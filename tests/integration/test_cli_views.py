@@ -142,3 +142,10 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
     assert (record["outcome"], record["leader"]) == ("stopped", None)
     assert answered("delete", "delete", JOB, *at) == {"job": JOB, "deleted": 1}
 
+
+
+def test_a_follower_piped_into_head_ends_quietly(tmp_path):
+    (tmp_path / "a-slot0-1.log").write_text("".join(f"line {i}\n" for i in range(20_000)))
+    out = subprocess.run(f"{sys.executable} -m muster.cli logs j --log-dir {tmp_path} --node a --tail 20000 --follow "
+                         f"--coordinator 127.0.0.1:1 | head -2", shell=True, capture_output=True, text=True, timeout=30)
+    assert out.stdout.splitlines() == ["a/0| line 0", "a/0| line 1"] and "Error" not in out.stderr, out.stderr
