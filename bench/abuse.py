@@ -1,16 +1,24 @@
-"""What one Relay caller can cost a replica (security review 3, F1). Prints one JSON object.
+"""What a token holder (or a replica's stolen relay token) can cost a replica (security reviews 3
+and 4). Prints one JSON object.
 
-A real etcd and one `muster serve` replica with no `--tokens` (anyone may call Relay: the worst case
-the review and issue 24 looked at). Job B: `--nodes` simulated nodes stepping; job A: one node, so
-that the replica leads A. The flood: one Relay call for job A of `--messages` messages of `--frames`
-frames each (~0.95 MB at 46,000), every frame on a fresh stream number and naming job A's node
-without its secret, the replies never read.
+A real etcd and one `muster serve --tokens` replica (tokens for jobs A and B, an operator's and the
+replicas' `@relay`), relaying every job (`--relay-min-nodes 1`: the worst case, every job's relay
+budget open to a Relay caller). Job B: `--nodes` simulated nodes stepping; job A: one node, so that
+the replica leads A. The flood (review 3, F1): one Relay call for job A, with the relay token, of
+`--messages` messages of `--frames` frames each (~0.95 MB at 46,000), every frame on a fresh
+stream number and naming job A's node without its secret, the replies never read.
 
 Measured: the replica's RSS (VmRSS, every 50 ms) before, at its peak and after the flood; the event
 loop it held, as the latency of a brief Status of job B asked every 20 ms on a channel of its own
 (every job's RPCs wait behind what holds the loop); job B's generation (it must not change) and its
 nodes' steps before and during the flood; how the flood call ended as its caller saw it (its status,
 and the messages its flow control let through) and as the replica logged it (`relay_refused`).
+
+Then review 4's attacks, one after another (`attacks`), each with what it cost the replica (peak
+RSS growth, CPU seconds, log bytes written) and what it did to job B: many unread Relay calls (N3),
+job A's token holding idle Sessions while a node of job B joins from the same host (N2), a Join
+flood with job A's token (N4), and forged rebuild claims of job A's member (N1: refused, nothing
+taken).
 
     python bench/abuse.py                       # 8 x 46,000 frames, 30 s
     python bench/abuse.py --messages 2 --frames 20000 --duration 5   # a smoke test
@@ -22,11 +30,13 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -34,6 +44,7 @@ import grpc
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, SimulatedNode
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -59,6 +70,14 @@ def flood_messages(job: str, node_id: str, messages: int, frames: int) -> list[b
     return out
 
 
+TOKENS = {"job-a": secrets.token_hex(16), "job-b": secrets.token_hex(16), "*": secrets.token_hex(16),
+          "@relay": secrets.token_hex(16)}
+
+
+def bearer(role: str) -> tuple:
+    return (("authorization", f"Bearer {TOKENS[role]}"),)
+
+
 class Flood:
     """One Relay call in a thread of its own, its replies never read. `sent`: messages the replica's
     flow control let through (taken off the iterator)."""
@@ -76,7 +95,7 @@ class Flood:
 
     def _run(self) -> None:
         relay = self._channel.stream_stream(RELAY_METHOD, request_serializer=None, response_deserializer=None)
-        self.call = relay(self._requests())
+        self.call = relay(self._requests(), metadata=bearer("@relay"))
 
     def start(self) -> Flood:
         self.thread.start()
@@ -99,7 +118,7 @@ async def probe_loop(address: str, job: str, stop: asyncio.Event, latencies: lis
         stub = pb_grpc.CoordinatorStub(channel)
         while not stop.is_set():
             began = time.perf_counter()
-            await stub.Status(pb.StatusRequest(job=job, brief=True), timeout=30)
+            await stub.Status(pb.StatusRequest(job=job, brief=True), timeout=30, metadata=bearer(job))
             latencies.append(time.perf_counter() - began)
             await asyncio.sleep(0.02)
 
@@ -120,10 +139,11 @@ def ms(values: list[float]) -> dict:
 async def scenario(replica: CoordinatorProcess, args) -> dict:
     address, pid = replica.address, replica.pid
     messages = flood_messages("job-a", "a0", args.messages, args.frames)  # before the nodes: it takes seconds
-    b_nodes = [SimulatedNode([address], "job-b", f"b{i}", slots=1, spec=pb.JobSpec(min_nodes=args.nodes,
-                                                                                   max_nodes=args.nodes))
+    b_nodes = [SimulatedNode([address], "job-b", f"b{i}", slots=1, security=ClientSecurity(TOKENS["job-b"]),
+                             spec=pb.JobSpec(min_nodes=args.nodes, max_nodes=args.nodes + 1))
                for i in range(args.nodes)]
-    a_node = SimulatedNode([address], "job-a", "a0", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=1))
+    a_node = SimulatedNode([address], "job-a", "a0", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=1),
+                           security=ClientSecurity(TOKENS["job-a"]))
     for node in [*b_nodes, a_node]:
         await node.join()
         node.start()
@@ -157,6 +177,14 @@ async def scenario(replica: CoordinatorProcess, args) -> dict:
     await asyncio.sleep(args.settle)
     after = rss_mib(pid)
     generations = sorted({n.generation for n in b_nodes})
+    attacks = {}
+    for name, attack in (("relay_calls", relay_calls), ("idle_sessions", idle_sessions), ("join_flood", join_flood),
+                         ("forged_claims", forged_claims)):
+        cost, before = Cost(replica), {n.generation for n in b_nodes}
+        attacks[name] = {**await attack(address, a_node, b_nodes, args), **await cost.end(args.settle)}
+        # (idle_sessions' own node of job B joins it: a planned generation of B's, none of the attack's)
+        attacks[name]["other_job"] = {"new_generation": {n.generation for n in b_nodes} != before,
+                                      "errors": sum(len(n.errors) for n in b_nodes)}
     for node in [*b_nodes, a_node]:
         await node.stop()
     start = statistics.median(baseline)
@@ -173,7 +201,123 @@ async def scenario(replica: CoordinatorProcess, args) -> dict:
                       "new_generation": generations != [generation],
                       "steps_per_node_before": steps_before, "steps_per_node_during": steps_during,
                       "baseline_s": args.baseline, "errors": sum(len(n.errors) for n in b_nodes)},
+        "attacks": attacks,
     }
+
+
+class Cost:
+    """What the replica spent from now to `end`: peak RSS growth, CPU seconds, log bytes."""
+
+    def __init__(self, replica: CoordinatorProcess):
+        self.pid, self.log_path = replica.pid, replica.log_path
+        self.rss, self.cpu, self.log_bytes = rss_mib(self.pid), cpu_s(self.pid), self.log_path.stat().st_size
+        self.stop, self.samples = asyncio.Event(), [self.rss]
+        self.sampler = asyncio.create_task(sample_rss(self.pid, self.stop, self.samples))
+
+    async def end(self, settle_s: float) -> dict:
+        await asyncio.sleep(settle_s)  # refusals still counted are logged a second after their first
+        self.stop.set()
+        await self.sampler
+        return {"replica": {"rss_peak_growth_mib": round(max(self.samples) - self.rss, 1),
+                            "cpu_s": round(cpu_s(self.pid) - self.cpu, 2),
+                            "log_bytes": self.log_path.stat().st_size - self.log_bytes}}
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def ended(call, within_s: float = 10.0) -> str:
+    """How a call ended (its status's name), or "open" if it had not by `within_s`."""
+    try:
+        await asyncio.wait_for(call.code(), within_s)
+    except TimeoutError:
+        call.cancel()
+        return "open"
+    return (await call.code()).name
+
+
+async def quiet(stop: asyncio.Event, *messages):
+    for message in messages:
+        yield message
+    await stop.wait()
+
+
+async def relay_calls(address: str, a_node, b_nodes, args) -> dict:
+    """N3: `--relay-calls` Relay calls for job A with the relay token, each one message of 1,024
+    refused attaches, their replies never read; cancelled after 2 s."""
+    up = pb.RelayUp(job="job-a", relay="flood")
+    for stream in range(1, 1025):
+        up.frames.add(stream=stream, frame=pb.NodeFrame(job="job-a", node_id="a0", member_id=1))
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        calls = [stub.Relay(quiet(stop, up), metadata=bearer("@relay")) for _ in range(args.relay_calls)]
+        codes = await asyncio.gather(*(ended(c, 2.0) for c in calls))
+        stop.set()
+    return {"calls": args.relay_calls, "attaches_per_call": 1024, "ended": dict(Counter(codes))}
+
+
+async def idle_sessions(address: str, a_node, b_nodes, args) -> dict:
+    """N2: job A's token opens `--idle-sessions` Sessions that send nothing, from the host job B's
+    nodes share; a new node of job B joins and streams meanwhile."""
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        calls = [stub.Session(quiet(stop), metadata=bearer("job-a")) for _ in range(args.idle_sessions)]
+        pending = asyncio.gather(*(ended(c, 15.0) for c in calls))
+        await asyncio.sleep(0.5)
+        began = time.perf_counter()
+        late = SimulatedNode([address], "job-b", "b-late", slots=1, security=ClientSecurity(TOKENS["job-b"]),
+                             spec=pb.JobSpec(min_nodes=args.nodes, max_nodes=args.nodes + 1))
+        await late.join()
+        late.start()
+        await late.wait_for(lambda n: n.assignment().role != pb.ROLE_UNSPECIFIED, 10, "an assignment")
+        took = time.perf_counter() - began
+        codes = await pending
+        stop.set()
+        await late.session.leave(immediate=True, reason="measured")
+        await late.stop()
+    return {"sessions": args.idle_sessions, "ended": dict(Counter(codes)),
+            "other_jobs_node_joined_and_placed_s": round(took, 3), "its_errors": len(late.errors)}
+
+
+async def join_flood(address: str, a_node, b_nodes, args) -> dict:
+    """N4: job A's token Joins `--joins` nodes as fast as it can (job A: max_nodes 1)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+
+        async def join(i: int) -> str:
+            try:
+                await stub.Join(pb.JoinRequest(job="job-a", node_id=f"spam-{i}", slots=1, host="127.0.0.1",
+                                               store_port=29500), metadata=bearer("job-a"), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return "OK"
+
+        began = time.perf_counter()
+        codes = [await join(i) for i in range(args.joins)]
+        took = time.perf_counter() - began
+    return {"joins": args.joins, "took_s": round(took, 2), "answered": dict(Counter(codes))}
+
+
+async def forged_claims(address: str, a_node, b_nodes, args) -> dict:
+    """N1: job A's token claims to be job A's real member (its node and member id, another host)
+    and the same member under a node id of its own, at generations 1 and 2^32: no rebuild is on, and
+    none proves itself (the real node streams on)."""
+    stop = asyncio.Event()
+    frames = [pb.NodeFrame(job="job-a", node_id=node, member_id=a_node.member_id, generation=generation, run=1,
+                           session_secret=b"s" * 32, rejoin=pb.JoinRequest(job="job-a", node_id=node, slots=4,
+                                                                           host="10.6.6.6", store_port=29500))
+              for node in ("a0", "evil") for generation in (1, 2**32)]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        codes = [await ended(stub.Session(quiet(stop, f), metadata=bearer("job-a"))) for f in frames]
+        stop.set()
+    return {"claims": len(frames), "ended": dict(Counter(codes)), "real_node_errors": len(a_node.errors),
+            "real_node_role": pb.Role.Name(a_node.assignment().role)}
 
 
 def main() -> int:
@@ -184,6 +328,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds measured from the flood's start")
     parser.add_argument("--baseline", type=float, default=3.0, help="seconds measured before it")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds after it, before RSS 'after'")
+    parser.add_argument("--relay-calls", type=int, default=200, help="unread Relay calls (N3)")
+    parser.add_argument("--idle-sessions", type=int, default=300, help="job A's idle Sessions (N2)")
+    parser.add_argument("--joins", type=int, default=200, help="job A's Joins (N4)")
     args = parser.parse_args()
     logs.configure("warning")
     with tempfile.TemporaryDirectory(prefix="muster-abuse-") as tmp:
@@ -191,7 +338,12 @@ def main() -> int:
         etcd = EtcdServer(workdir / "etcd").start()
         replica = None
         try:
-            replica = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log").start()
+            # Every job relayed: a Relay call for one that is not is refused at its first message.
+            tokens = workdir / "tokens"
+            tokens.write_text("".join(f"{job} {token}\n" for job, token in TOKENS.items()))
+            tokens.chmod(0o600)
+            replica = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log",
+                                         ["--relay-min-nodes", "1", "--tokens", str(tokens)]).start()
             result = {"benchmark": "abuse", "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
                       **asyncio.run(scenario(replica, args))}
         finally:

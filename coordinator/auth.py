@@ -5,9 +5,14 @@ for relaying. This is the server's side; what callers send, and the TLS files of
 from __future__ import annotations
 
 import hmac
+import os
 import ssl
+import stat
 from pathlib import Path
 
+import structlog
+
+from muster.coordinator.claims import MemberKeys, member_key
 from muster.coordinator.errors import PermissionDenied, Unauthenticated
 from muster.security import TOKEN_METADATA
 
@@ -16,33 +21,62 @@ OPERATOR = "*"  # a token for every job (and for listing them)
 # named so. A job's token does not make its holder a relay, which the leader trusts with its nodes.
 RELAY = "@relay"
 
+log = structlog.get_logger(__name__)
+MAX_RETIRED_KEYS = 4  # proof keys of relay credentials rotated out, still accepted (`member_keys`)
+
 
 class Tokens:
-    """Per-job tokens, from a file of `JOB TOKEN` lines (`#` comments); job `*` is an operator's,
-    `@relay` the replicas' own when they relay."""
+    """Per-job tokens, from a file of `JOB TOKEN` lines (`#` starts a comment line); job `*` is an
+    operator's, `@relay` the replicas' own when they relay. `reload` reads the file again (SIGHUP, or
+    `changed`): tokens rotate without a restart."""
 
-    def __init__(self, entries: list[tuple[str, str]]):
+    def __init__(self, entries: list[tuple[str, str]], path: str | Path = ""):
         self.entries = entries
+        self.path = path
+        self._seen = _signature(path) if path else None
+        self._retired: tuple[bytes, ...] = ()
 
     @classmethod
     def load(cls, path: str | Path) -> Tokens:
-        entries = []
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2 or len(parts[1]) < 16:
-                raise ValueError(f"{path}:{number}: expected 'JOB TOKEN' with a token of 16+ characters")
-            entries.append((parts[0], parts[1]))
-        if not entries:
-            raise ValueError(f"{path}: no tokens")
-        return cls(entries)
+        return cls(_read(path), path)
+
+    def changed(self) -> bool:
+        """The file was replaced or written since it was last read."""
+        try:
+            return _signature(self.path) != self._seen
+        except OSError:
+            return False  # gone for a moment (an atomic replace): the next look sees the new one
+
+    def reload(self) -> bool:
+        """Read the file again; one that does not load (its mode, a bad line) leaves the tokens as
+        they were, and says why."""
+        try:
+            self._seen = _signature(self.path)
+            entries = _read(self.path)
+        except (OSError, ValueError) as exc:
+            log.error("tokens_not_reloaded", error=str(exc))
+            return False
+        before = self.member_keys()
+        self.entries = entries
+        now = self.member_keys()
+        if before is not None and (now is None or before.keys[0] != now.keys[0]):
+            self._retired = (before.keys[0], *self._retired)[:MAX_RETIRED_KEYS]
+        log.info("tokens_reloaded", path=str(self.path), entries=len(entries))
+        return True
 
     def relay_token(self) -> str:
         """The token a replica presents when it relays to another: the relay entry, else an
         operator's; "" when the file has neither (relaying is then refused: `check_relay`)."""
         return next((t for j, t in self.entries if j == RELAY), next((t for j, t in self.entries if j == OPERATOR), ""))
+
+    def member_keys(self) -> MemberKeys | None:
+        """The keys that sign and prove members' session secrets (`claims`): the relay credential's,
+        which job token holders never see; None where the file has none (claims are unproven)."""
+        credential = self.relay_token()
+        if not credential:
+            return None
+        key = member_key(credential)
+        return MemberKeys((key, *(k for k in self._retired if k != key)))
 
     def grants(self, metadata) -> list[str]:
         """What the call's token is for; raises where it has none the file knows. Checked before a
@@ -69,6 +103,35 @@ class Tokens:
         if OPERATOR not in grants and RELAY not in grants:
             raise PermissionDenied(f"Relay is a replica's call: it needs the operator token or the tokens file's "
                                    f"{RELAY!r} entry, not a job's token")
+
+
+def _signature(path: str | Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def private_text(path: str | Path) -> str:
+    """A secret file's text; refused when group or others may read it (or write it)."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise ValueError(f"{path}: mode {mode:04o} lets group or others read it; chmod 600 {path}")
+    return Path(path).read_text()
+
+
+def _read(path: str | Path) -> list[tuple[str, str]]:
+    """The tokens file's entries (they act on every job: `private_text`)."""
+    entries = []
+    for number, line in enumerate(private_text(path).splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):  # only a whole line is a comment: a token may hold '#'
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[1]) < 16:
+            raise ValueError(f"{path}:{number}: expected 'JOB TOKEN' with a token of 16+ characters")
+        entries.append((parts[0], parts[1]))
+    if not entries:
+        raise ValueError(f"{path}: no tokens")
+    return entries
 
 
 def first_certificate(pem: bytes) -> bytes:

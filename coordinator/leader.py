@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from muster.coordinator import wire
+from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import GROUP_KINDS, FailureKind
 from muster.coordinator.core.liveness import Divergence, Failure, Liveness
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
@@ -28,6 +29,7 @@ from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
+from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.run_end import RunEnd
 from muster.coordinator.sessions import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
                                          rejoin_of, secret_hash)
@@ -81,11 +83,11 @@ def assess(live: Liveness, state: JobState, now: float) -> tuple[list[Membership
 
 def apply(live: Liveness, d: Decision, now: float) -> None:
     """What liveness learns of an adopted decision: whom to watch from now on, and its generation."""
+    for node_id, _ in d.evicted:  # first: a proven claim displaces its node id's other member
+        live.forget(node_id)
     for member in d.joined:
         live.track(member.node_id, now)
         live.awaiting(member.node_id, member.down_slots)
-    for node_id, _ in d.evicted:
-        live.forget(node_id)
     if d.new_generation:
         live.generation_published(d.state.generation, now)
 
@@ -105,6 +107,7 @@ class JobLeader:
         wall: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
         retain_s: float = 7 * 86400.0,
+        member_keys: Callable[[], MemberKeys | None] = lambda: None,
     ):
         self.job = state.job
         self.leadership = leadership
@@ -116,6 +119,7 @@ class JobLeader:
         self.state = state
         self._clock = clock
         self._wall = wall
+        self.member_keys = member_keys  # read at each use: a reloaded tokens file changes them
         now = clock()
         self.live = liveness_for(state, timing, now)
         self.streams = Streams(timing.heartbeat_timeout_s / 4, tick_s)
@@ -130,6 +134,9 @@ class JobLeader:
         self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.metrics, self.log)
         self.ended = False  # the run ended and its record was written: the job is no more
         self.stragglers = StragglerDuty(stragglers.for_job(state.spec), now, self.log)
+        self.joins = FrameBudget(limits.joins_per_s, clock, floor=limits.members_of(state.spec),
+                                 quota=f"Joins/s of job {self.job!r} (--max-joins-per-second), past bursts of its "
+                                       f"members quota")
 
     @property
     def lost_reason(self) -> str | None:
@@ -210,15 +217,15 @@ class JobLeader:
         if diverged is not None:
             self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
         events = [event for event, _ in batch] + found + self.stragglers.look(now, self.state, self.live, self.streams)
-        if self.state.phase is not Phase.RUNNING or self.state.ended:
-            events.append(Tick())  # forming, waiting and draining deadlines
+        if self.state.phase is not Phase.RUNNING or self.state.ended or self.state.rebuilding:
+            events.append(Tick())  # forming, waiting, draining and rebuilding deadlines
         if not events:
             return
         step_time_s = self.live.median_step_time()
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
                       self.live.max_step(self.state, now, step_time_s), step_time_s,
                       prestart=self.live.runs_library(self.state),
-                      max_members=self.limits.max_members,
+                      max_members=self.limits.members_of(self.state.spec),
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
         if len(self.state.members) >= LARGE_JOB_NODES:
             # Pure, on an immutable state, and only this task adopts: frames go on meanwhile.
@@ -276,12 +283,17 @@ class JobLeader:
 
     async def join(self, req: pb.JoinRequest, requested: JobSpec) -> pb.JoinResponse:
         check_joinable(self.state, requested)
+        self.joins.spend()
         # The member's proof from now on: made here at the edge (the core stays deterministic),
         # kept by the state only as a hash, never logged.
-        secret = secrets.token_bytes(32)
+        secret = secrets.token_bytes(RANDOM_BYTES)
         kind = wire.node_kind(req.is_process)
         member = await self._inbox.put(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
                                             secret_hash(secret), requested), want_result=True)
+        keys = self.member_keys()
+        if keys is not None:  # what proves the member if etcd loses the job
+            secret = keys.sign(secret, self.job, self.state.run, member.node_id, member.member_id,
+                               self.state.started_ms)
         return pb.JoinResponse(job=self.job, node_id=member.node_id, member_id=member.member_id, term=self.term,
                                generation=self.state.generation, run=self.state.run, session_secret=secret,
                                heartbeat_interval_ms=int(self.timing.heartbeat_interval_s * 1000),
@@ -319,7 +331,7 @@ class JobLeader:
         a lost state is rebuilt, a node that is no member but says who it was is taken back.
         A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
         check_first(first, self.state)
-        if self.state.rebuilding and first.HasField("rejoin") and self.state.member(first.node_id) is None:
+        if first.HasField("rejoin") and not self._is_member(first) and (self.state.rebuilding or self._proven(first)):
             return self._take_back(first, link, stream_id)
         member = admit(first, self.state, self.streams.get(first.node_id))
         stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
@@ -330,9 +342,23 @@ class JobLeader:
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
 
+    def _is_member(self, first: pb.NodeFrame) -> bool:
+        """The first frame is of the member its node is now (else a claim: one that proves itself
+        displaces whoever took the node id unproven)."""
+        member = self.state.member(first.node_id)
+        return member is not None and member.member_id == first.member_id and \
+            member.admits(secret_hash(first.session_secret))
+
+    def _proven(self, first: pb.NodeFrame) -> bool:
+        """The claim of a node that is no member proves itself: the core decides whether the running
+        state is a run made anew since etcd lost the one it ran (else it is told NOT_FOUND)."""
+        keys = self.member_keys()
+        return keys is not None and keys.verify(first.session_secret, self.job, self.state.run, first.node_id,
+                                                first.member_id) is not None
+
     def _take_back(self, first: pb.NodeFrame, link, stream_id: int) -> NodeStream:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
-        rejoin = rejoin_of(first)
+        rejoin = rejoin_of(first, self.state.run, self.member_keys(), int(self._wall() * 1000))
         stream = NodeStream(self.job, first.node_id, first.member_id, rejoin.kind, pending=True,
                             term_ahead=first.term, link=link, stream_id=stream_id, seq=first.stream_seq)
         fut = self._inbox.put(rejoin, want_result=True)

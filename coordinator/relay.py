@@ -28,6 +28,7 @@ from muster.client import leader_hint
 from muster.coordinator import wire
 from muster.coordinator.auth import Tokens
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
+from muster.coordinator.quotas import refusals
 from muster.net import Backoff
 from muster.security import ClientSecurity, TlsFiles
 from muster.v1 import muster_pb2 as pb
@@ -40,6 +41,8 @@ log = structlog.get_logger(__name__)
 # Up, it is also the most of each kind (frames, ended, silent) the leader takes in one message: what
 # one message may make the leader's loop do (a refused attach each, at worst) is bounded.
 MAX_ITEMS = 1024
+# How a leader refuses a Relay call for a job whose nodes it does not relay: they go to it at once.
+NOT_RELAYED = grpc.StatusCode.FAILED_PRECONDITION.name
 # Replies a Relay call may leave unread: a new map's directive to each of its streams, twice over,
 # and this many messages' worth besides. A caller that reads none is cut off there.
 PENDING_MESSAGES = 4
@@ -205,9 +208,8 @@ class RelayLink:
                                               f"{self.job!r}")
                     self.streams[rf.stream] = self.leader.attach(rf.frame, link=self, stream_id=rf.stream)
             except MusterError as exc:  # ends that stream alone, with its precise status
-                log.info("relayed_stream_refused", job=self.job, relay=self.relay, stream=rf.stream,
-                         node=rf.frame.node_id[:256], member=rf.frame.member_id, stream_seq=rf.frame.stream_seq,
-                         error=str(exc)[:300])
+                refusals.refused("relayed_stream_refused", type(exc).__name__, str(exc)[:300], job=self.job,
+                                 relay=self.relay, node=rf.frame.node_id[:256], member=rf.frame.member_id)
                 self.push(rf.stream, exc)
                 if stream is not None:
                     del self.streams[rf.stream]
@@ -420,7 +422,8 @@ class Relay:
         while True:
             accepted, reason, hint = await self._call(self.leader)
             self.leader = hint or self.leader
-            if accepted or not self.nodes or self.leader == self.address or loop.time() >= deadline:
+            if (accepted or not self.nodes or self.leader == self.address or loop.time() >= deadline
+                    or reason.startswith(NOT_RELAYED)):  # its nodes go to the leader at once
                 break
             await asyncio.sleep(min(backoff.next(), max(0.0, deadline - loop.time())))
             if not hint:

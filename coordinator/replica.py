@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import structlog
 
 from muster.coordinator import wire
 from muster.coordinator.campaigns import Campaigns
+from muster.coordinator.claims import MemberKeys
 from muster.coordinator.coordination import Coordination, LeaderKey
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
@@ -29,6 +31,7 @@ from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
+from muster.coordinator.sessions import rejoin_of
 from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
 
@@ -185,7 +188,12 @@ class Replica:
             stragglers=self.config.stragglers,
             metrics=self.metrics,
             retain_s=self.config.retain_finished_s,
+            member_keys=self.member_keys,
         )
+
+    def member_keys(self) -> MemberKeys | None:
+        """The keys that prove members after etcd lost their job: the tokens file's (`auth`)."""
+        return self.peers.tokens.member_keys() if self.peers.tokens else None
 
     async def _follow(self, leader: JobLeader) -> None:
         """A leadership that ended by itself (a fenced write, a fault, the session past its renew
@@ -252,8 +260,13 @@ class Replica:
 
     def relay_for(self, first: pb.NodeFrame, not_leader: NotLeader) -> Relay:
         """The relay of a job this replica does not lead, for a node that picked this replica as its
-        relay; raises `not_leader` (go to the leader) where this replica relays nothing."""
-        if not (self.config.relay and first.via_relay) or self.campaigns.closing:
+        relay; raises `not_leader` (go to the leader) where this replica relays nothing, and for a
+        node whose secret does not prove it (with tokens): what a relay carries shares one budget at
+        the leader with the job's real nodes (a real node that joined before the key goes direct)."""
+        keys = self.member_keys()
+        if (not (self.config.relay and first.via_relay) or self.campaigns.closing
+                or keys is not None and keys.verify(first.session_secret, first.job, first.run, first.node_id,
+                                                    first.member_id) is None):
             raise not_leader
         relay = self.relays.get(first.job)
         if relay is None or not relay.accepting:
@@ -274,6 +287,7 @@ class Replica:
         wire.check_job(first.job)
         if first.job not in self.jobs and first.HasField("rejoin"):
             wire.check_rejoin(first)
+            rejoin_of(first, first.run, self.member_keys(), int(time.time() * 1000))  # no job for a forged claim
             await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
             await self._await_election(first.job)
         leader = await self.leader_for(first.job)
@@ -290,10 +304,14 @@ class Replica:
             await self._await_election(req.job)
         leader = await self.leader_for(req.job)
         response = await leader.join(req, requested)
-        # Relaying is decided where the job is led: a standby run with --no-relay refuses, and the node streams here.
-        response.relay = self.config.relay and max(len(leader.state.members), leader.state.spec.min_nodes) >= \
-            self.config.relay_min_nodes
+        response.relay = self.relayed(leader)
         return response
+
+    def relayed(self, leader: JobLeader) -> bool:
+        """Whether the job's nodes go through relays: decided where the job is led (a standby run with
+        --no-relay refuses, and the node streams here), for a Join's answer and a Relay call alike."""
+        return self.config.relay and max(len(leader.state.members), leader.state.spec.min_nodes) >= \
+            self.config.relay_min_nodes
 
     async def _create_job(self, job: str, requested: JobSpec) -> None:
         await self.runs.admit(job, requested)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
-from collections import Counter
 
 import grpc
 import structlog
@@ -20,6 +18,7 @@ from google.protobuf.message_factory import GetMessageClass
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
+from muster.coordinator.quotas import FrameBudget, IdleStreams, RelayCalls, refusals, tenant_of
 from muster.coordinator.relay import MAX_ITEMS, RelayedNode, RelayLink, check_size
 from muster.coordinator.replica import Replica
 from muster.coordinator.streams import CLOSE
@@ -30,9 +29,6 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 MAX_MESSAGE_CHARS = 512  # of a refusal, as sent and logged: it may quote what a caller sent
-# Session and Relay calls from one host that have not sent their first message yet (a node sends
-# its first frame at once); past it, UNAVAILABLE: the caller retries with backoff.
-MAX_IDLE_STREAMS_PER_PEER = 256
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 # (client streaming, server streaming) -> handler; a method of another kind fails at startup.
 HANDLER_OF = {
@@ -72,8 +68,8 @@ def _refusals(method):
             self.admit(context, request)
             return await method(self, request, context)
         except errors.MusterError as exc:
-            log.info("request_refused", method=method.__name__, code=STATUS_OF[type(exc)].name,
-                     error=str(exc)[:MAX_MESSAGE_CHARS])
+            refusals.refused("request_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS],
+                             method=method.__name__)
             await _abort(context, exc)
 
     return wrapper
@@ -86,7 +82,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.replica = replica
         self.tokens = tokens  # None: no tokens required
         self.replica_cert = replica_cert
-        self.idle = IdleStreams(MAX_IDLE_STREAMS_PER_PEER)
+        limits = replica.config.limits
+        self.idle = IdleStreams(limits.idle_streams)
+        self.relay_calls = RelayCalls(limits.relay_calls)
 
     def admit(self, context, request, *, relay: bool = False) -> None:
         """Refuse a request that did not decode, or whose job is no job name (checked before the
@@ -105,12 +103,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         timeout is plenty."""
         return self.replica.config.timing.heartbeat_timeout_s
 
-    def relay_role(self, context) -> None:
-        """Relay is a replica's call: the leader trusts a relay to vouch for its nodes' liveness."""
+    def tenant(self, context) -> str:
+        """Whose idle-stream quota a stream spends (`quotas.tenant_of`); raises for a caller without
+        a token the file knows, before anything of its stream is read."""
+        grants = self.tokens.grants(context.invocation_metadata()) if self.tokens is not None else None
+        return tenant_of(grants, context.peer())
+
+    def relay_role(self, context) -> str:
+        """Relay is a replica's call: the leader trusts a relay to vouch for its nodes' liveness.
+        Its tenant, as `tenant`."""
         if self.tokens is not None:
             self.tokens.check_relay(context.invocation_metadata())
         if self.replica_cert is not None:
             check_replica_certificate(context.auth_context(), self.replica_cert)
+        return self.tenant(context)
 
     @_refusals
     async def Join(self, request, context):
@@ -159,9 +165,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Session(self, request_iterator, context):
         stream = leader = reader = None
         try:
-            if self.tokens is not None:
-                self.tokens.grants(context.invocation_metadata())
-            first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
+            first = await self.idle.first(request_iterator, self.tenant(context), self._first_within_s,
                                           "a session starts with a frame naming its job and node")
             self.admit(context, first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
@@ -182,7 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     raise item
                 yield item
         except errors.MusterError as exc:
-            log.info("session_refused", code=STATUS_OF[type(exc)].name, error=str(exc)[:MAX_MESSAGE_CHARS])
+            refusals.refused("session_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
             if reader:
@@ -229,13 +233,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Relay(self, request_iterator, context):
         """The leader's end of a relay's stream (see `muster.coordinator.relay`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
-        link = reader = lost = None
+        link = reader = lost = host = named = None
         try:
-            self.relay_role(context)
-            first = await self.idle.first(request_iterator, context.peer(), self._first_within_s,
+            tenant = self.relay_role(context)
+            host = self.relay_calls.enter(context.peer(), len(self.replica.leaders))
+            first = await self.idle.first(request_iterator, tenant, self._first_within_s,
                                           "a relay starts with a message naming its job")
             self.admit(context, first, relay=True)
             leader = await self.replica.leader_for(first.job)
+            if not self.replica.relayed(leader):
+                # A node asks a replica to relay it: only where the leader told its nodes to.
+                raise errors.FailedPrecondition(f"job {first.job!r} is not relayed (fewer than --relay-min-nodes "
+                                                f"{self.replica.config.relay_min_nodes} nodes): its nodes stream to "
+                                                f"the leader")
+            named = self.relay_calls.name(host, first.job)
             link = RelayLink(leader, first.relay, stream_end)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s, floor=MAX_ITEMS)
             self._receive(link, first, budget)
@@ -275,7 +286,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if isinstance(reader.result(), errors.MusterError):
                 raise reader.result()
         except errors.MusterError as exc:
-            log.info("relay_refused", code=STATUS_OF[type(exc)].name, error=str(exc)[:MAX_MESSAGE_CHARS])
+            refusals.refused("relay_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
             for task in (reader, lost):
@@ -283,6 +294,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     task.cancel()
             if link:
                 link.close()
+            if host:
+                self.relay_calls.leave(host, named)
 
     @staticmethod
     def _receive(link: RelayLink, up: pb.RelayUp, budget: FrameBudget) -> None:
@@ -351,55 +364,6 @@ def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:
     if end.code == grpc.StatusCode.UNAVAILABLE.value[0]:
         return errors.NotLeader(job, end.leader)
     return ERROR_OF.get(end.code, errors.Unavailable)(end.message)
-
-
-class FrameBudget:
-    """A token bucket per Session stream: `rate` frames/s sustained, bursts of 2 s worth. A node
-    sends one frame per heartbeat interval (plus one per exit); one that floods is cut off. A Relay
-    stream spends its frames on one bucket scaled by the node streams it carries, holding at least
-    `floor` (a message of first frames, to attach the nodes it is to carry)."""
-
-    def __init__(self, rate: float, clock=time.monotonic, floor: float = 0.0):
-        self.rate, self.capacity, self.floor = rate, max(2.0 * rate, 10.0), floor
-        self.tokens, self._clock = max(self.capacity, floor), clock
-        self._at = clock()
-
-    def spend(self, frames: int = 1, streams: int = 1) -> None:
-        now = self._clock()
-        most = max(self.capacity * streams, self.floor)
-        self.tokens = min(most, self.tokens + (now - self._at) * self.rate * streams)
-        self._at = now
-        if self.tokens < frames:
-            raise errors.ResourceExhausted(f"more than {self.rate:g} frames/s per node stream "
-                                           f"(--max-frames-per-second); the stream is closed")
-        self.tokens -= frames
-
-
-class IdleStreams:
-    """Session and Relay calls waiting for their first message, counted per peer host: each waits
-    `timeout_s` at most, and a host holds at most `limit` such calls at once (each holds a task and
-    the call's state while it sends nothing)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.waiting: Counter[str] = Counter()
-
-    async def first(self, request_iterator, peer: str, timeout_s: float, missing: str):
-        host = peer.rsplit(":", 1)[0]  # "ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"
-        if self.waiting[host] >= self.limit:
-            raise errors.Unavailable(f"{self.limit} calls from {host} have sent no first message yet; retry later")
-        self.waiting[host] += 1
-        try:
-            first = await asyncio.wait_for(anext(request_iterator, None), timeout_s)
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"no first message within {timeout_s:g}s of the call") from None
-        finally:
-            self.waiting[host] -= 1
-            if not self.waiting[host]:
-                del self.waiting[host]
-        if first is None:
-            raise errors.InvalidArgument(missing)
-        return first
 
 
 def _decoder(message_type):

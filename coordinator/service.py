@@ -4,14 +4,16 @@ until SIGINT/SIGTERM, then resign (so a standby takes over at once) and stop wha
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from muster.coordinator.auth import Tokens, first_certificate
-from muster.coordinator.etcd.client import EtcdAccess, connect
+from muster.coordinator.auth import Tokens, first_certificate, private_text
+from muster.coordinator.etcd.client import EtcdAccess, connect, enable_auth
 from muster.coordinator.etcd.election import EtcdCoordination
 from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.etcd.store import JobStore
@@ -24,6 +26,9 @@ from muster.net import join_host_port, split_host_port
 from muster.security import TlsFiles
 
 log = structlog.get_logger(__name__)
+
+TOKENS_POLL_S = 2.0  # a tokens file written in place (a mounted Secret updated) is read again this soon
+ETCD_PASSWORD_FILE = "etcd-root-password"  # in --data-dir, beside the embedded etcd's data
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,35 @@ def _replica_cert(config: ServeConfig) -> bytes | None:
     return first_certificate(Path(config.peer_tls.cert).read_bytes()) if config.peer_tls.cert else b""
 
 
+def _owner_only(embedded: EtcdServer, data_dir: Path) -> EtcdAccess:
+    """The embedded etcd, reachable only by its owner: every local user reaches its port, so its
+    auth is on, root's password made once into a 0600 file beside its data (`ETCD_PASSWORD_FILE`)."""
+    path = data_dir / ETCD_PASSWORD_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        password, made = private_text(path).strip(), False
+    else:
+        password, made = secrets.token_urlsafe(32), True
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+    if enable_auth(embedded.endpoint, password):
+        log.info("embedded_etcd_auth_enabled", password_file=str(path))
+    elif made:  # auth on already, with a password this file never held
+        path.unlink()
+        raise RuntimeError(f"the embedded etcd in {embedded.data_dir} has auth on and its password file {path} is "
+                           f"gone: restore it, or remove {embedded.data_dir} to start afresh")
+    return EtcdAccess(user="root", password=password, local=True)
+
+
+async def _watch(tokens: Tokens, stop: asyncio.Event) -> None:
+    """Read the tokens file again whenever it changes (SIGHUP reads it at once)."""
+    while not stop.is_set():
+        await asyncio.sleep(TOKENS_POLL_S)
+        if tokens.changed():
+            tokens.reload()
+
+
 async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
     embedded = None
     endpoints = list(config.etcd)
@@ -59,9 +93,11 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         endpoints = [embedded.endpoint]
         log.info("embedded_etcd_started", endpoint=embedded.endpoint, pid=embedded.pid,
                  data_dir=str(config.data_dir / "etcd"))
-    client = server = replica = health = pages = None
+    client = server = replica = health = watcher = pages = None
     try:
-        client = connect(endpoints, access=config.etcd_access if embedded is None else EtcdAccess())
+        access = config.etcd_access if embedded is None else await asyncio.to_thread(_owner_only, embedded,
+                                                                                      config.data_dir)
+        client = connect(endpoints, access=access)
         tokens = Tokens.load(config.tokens_file) if config.tokens_file else None
         replica = Replica(JobStore(client), EtcdCoordination(client), config.replica,
                           peers=PeerAccess(config.peer_tls, tokens))
@@ -89,9 +125,14 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if tokens is not None:
+            loop.add_signal_handler(signal.SIGHUP, tokens.reload)
+            watcher = asyncio.create_task(_watch(tokens, stop))
         await stop.wait()
         log.info("coordinator_stopping")
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if health is not None:
             health.stop()
         if replica is not None and replica.started:

@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import Callable
 
 from muster.coordinator import wire
+from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, most_generation
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.machine import Finishing, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp
@@ -20,8 +21,9 @@ from muster.v1 import muster_pb2 as pb
 
 
 def secret_hash(secret: bytes) -> str:
-    """What the state keeps of a session secret: its SHA-256, never the secret."""
-    return hashlib.sha256(secret).hexdigest()
+    """What the state keeps of a session secret: the SHA-256 of its random part, never the secret
+    (the rest, its proof for a rebuild, is made once the member id is known: `claims`)."""
+    return hashlib.sha256(secret[:RANDOM_BYTES]).hexdigest()
 
 
 def check_joinable(state: JobState, requested: JobSpec) -> None:
@@ -65,11 +67,26 @@ def check_first(first: pb.NodeFrame, state: JobState) -> None:
                                  f"{state.run} now")
 
 
-def rejoin_of(first: pb.NodeFrame) -> Rejoin:
-    """The member a node that is no member says it was (a lost state rebuilt): for the core to take back."""
+def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: int) -> Rejoin:
+    """The member a node that is no member says it was (a lost state rebuilt): for the core to take
+    back. Where the replicas share a proof key the claim must prove it (else the node joins anew,
+    told NOT_FOUND, as any node that is no member: a forged claim never reaches the core) and its
+    generation is bounded by when its run started; without a key it is taken unproven."""
+    started_ms = 0
+    if keys is not None:
+        started_ms = keys.verify(first.session_secret, first.job, run, first.node_id, first.member_id)
+        if started_ms is None:
+            raise NotFound(f"node {first.node_id!r} cannot prove it was member {first.member_id} of job "
+                           f"{first.job!r}: its session secret is none a replica signed for that member; join again")
+        most = most_generation(started_ms, now_ms)
+        if first.generation > most:
+            raise InvalidArgument(f"member {first.member_id} of job {first.job!r} claims generation "
+                                  f"{first.generation}; its run started {max(0, now_ms - started_ms) / 1000:.0f}s "
+                                  f"ago: it could have reached {most} at most")
     r = first.rejoin
     return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
-                  r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec))
+                  r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec),
+                  run_started_ms=started_ms)
 
 
 def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> Member:

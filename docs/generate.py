@@ -744,7 +744,21 @@ def render_abuse(d: dict) -> str:
         ["another job's new generation / errors", f"{num(other['new_generation'])} / {other['errors']}"],
     ]
     note = f"\n{cell(d['note'])}\n" if d.get("note") else ""
-    return table(["what", "measured"], rows) + note
+    return table(["what", "measured"], rows) + note + render_attacks(d.get("attacks", {}))
+
+
+def render_attacks(attacks: dict) -> str:
+    """Security review 4's attacks (tokens on), each with what it cost the replica."""
+    if not attacks:
+        return ""
+    outcome = {name: a.get("ended") or a.get("answered") for name, a in attacks.items()}
+    rows = [[name.replace("_", " "), ", ".join(f"{n} {code}" for code, n in sorted(outcome[name].items())),
+             f"+{num(a['replica']['rss_peak_growth_mib'])} MiB", s(a["replica"]["cpu_s"]),
+             f"{a['replica']['log_bytes']:,}", f"{num(a['other_job']['new_generation'])} / {a['other_job']['errors']}"]
+            for name, a in attacks.items()]
+    return "\n" + table(["attack", "answered", "peak memory", "CPU", "log bytes",
+                         "other job: new generation / errors"], rows)
+
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ log = structlog.get_logger(__name__)
 def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from muster.coordinator.auth import Tokens
     from muster.coordinator.core.policy import InvalidPolicy, Limits, Timing
     from muster.coordinator.core.stragglers import StragglerPolicy
     from muster.coordinator.replica import ReplicaConfig
@@ -59,7 +60,9 @@ def _serve(args: argparse.Namespace) -> int:
             default_spec=JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate(),
             tick_s=args.tick,
             session_ttl_s=args.session_ttl,
-            limits=Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second).validate(),
+            limits=Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second,
+                          max_spares=args.max_spares_per_job, joins_per_s=args.max_joins_per_second,
+                          idle_streams=args.max_idle_streams, relay_calls=args.max_relay_calls).validate(),
             stragglers=StragglerPolicy(args.straggler_action, args.straggler_factor, args.straggler_min_steps,
                                        duration(args.straggler_window), args.straggler_replace_max),
             relay=not args.no_relay,
@@ -74,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
                              "only over TLS")
         peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
         _check_listen(args, bool(tls.cert))
+        if args.tokens:
+            Tokens.load(args.tokens)  # its mode and lines, before anything starts
     except (InvalidPolicy, OSError, ValueError) as exc:
         # The policy names its fields (heartbeat_timeout_s): the user wrote flags (--heartbeat-timeout).
         print("muster serve: " + re.sub(r"\b([a-z]+(?:_[a-z]+)*)_s\b", lambda m: "--" + m[1].replace("_", "-"),
@@ -717,7 +722,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--listen", default=DEFAULT_ADDRESS, help="gRPC listen address (default %(default)s)")
     g.add_argument("--advertise", help="address workers use to reach this replica (default: the listen address)")
     g.add_argument("--tokens", metavar="FILE", help="require per-job tokens: lines of 'JOB TOKEN' ('*': every job; "
-                   "'@relay': the replicas' own, to relay)")
+                   "'@relay': the replicas' own, to relay; '#' starts a comment line); mode 600, read again on "
+                   "SIGHUP or when it changes")
     g.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     g.add_argument("--tls-key", help="the certificate's private key (PEM)")
     g.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA (PEM)")
@@ -761,9 +767,18 @@ def _serve_parser(sub) -> None:
     g.add_argument("--max-message-bytes", type=positive_int, default=1 << 20, help="largest gRPC message accepted")
     g.add_argument("--max-jobs", type=positive_int, default=1_000, help="running jobs this deployment accepts (finished "
                    "ones do not count)")
-    g.add_argument("--max-nodes-per-job", type=positive_int, default=100_000, help="nodes per job, spares included")
+    g.add_argument("--max-nodes-per-job", type=positive_int, default=100_000, help="nodes per job, spares "
+                   "included: the most any job's members quota may be (default %(default)s)")
+    g.add_argument("--max-spares-per-job", type=int, default=16, help="a job's members quota is its max_nodes and "
+                   "this many spares (default %(default)s)")
+    g.add_argument("--max-joins-per-second", type=positive_float, default=20.0, help="Joins per job, sustained, "
+                   "past bursts of 2 s worth or of its members quota, whichever is more (default %(default)s)")
     g.add_argument("--max-frames-per-second", type=positive_float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
+    g.add_argument("--max-idle-streams", type=positive_int, default=256, help="Session and Relay calls yet to send "
+                   "their first message, per job token (without tokens, per host; default %(default)s)")
+    g.add_argument("--max-relay-calls", type=positive_int, default=4, help="Relay calls one peer holds open per job "
+                   "(default %(default)s)")
     g = s.add_argument_group("relays: large jobs' node streams spread over the replicas")
     g.add_argument("--no-relay", action="store_true",
                    help="relay no node streams of jobs this replica does not lead (answer with the leader instead)")

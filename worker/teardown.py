@@ -18,6 +18,7 @@ communicator's GPU memory for good and queue every later teardown behind it.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections import deque
@@ -29,6 +30,10 @@ import structlog
 log = structlog.get_logger(__name__)
 
 TEARDOWN_EXIT_S = 60.0  # ncclCommAbort takes ~0.5 s; a minute is a call that will not return
+# At the process's exit, the teardowns still pending get this long: a daemon thread inside
+# ncclCommAbort while the interpreter and then CUDA's driver shut down made ranks that had
+# finished their script die of std::terminate ("driver shutting down"; H200, torch 2.11).
+AT_EXIT_S = 10.0
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Teardown:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="muster-teardown", daemon=True)
                 self._thread.start()
+                atexit.register(self.finish, AT_EXIT_S)
             self._cond.notify_all()
 
     def release(self) -> None:
@@ -79,6 +85,15 @@ class Teardown:
         with self._cond:
             self._released = self._submitted
             self._cond.notify_all()
+
+    def finish(self, timeout_s: float) -> bool:
+        """At exit: nothing uses the groups any more; end every teardown (bounded) before the
+        interpreter and CUDA go away. False if some did not end in time."""
+        self.release()
+        if self.idle(timeout_s):
+            return True
+        log.warning("group_teardown_unfinished_at_exit", waited_s=timeout_s)
+        return False
 
     def idle(self, timeout_s: float) -> bool:
         """Wait (bounded) until every submitted group is torn down; False if some still are not."""

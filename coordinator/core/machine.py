@@ -22,9 +22,10 @@ from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, Invali
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
-# What a node may claim to have run while a lost state is rebuilt: a generation (or a join) a second
-# for 136 years. A claim is unverifiable; one near MAX_GENERATION published a generation every library
-# rank's frame is refused for, so the job keeps at least MAX_GENERATION - 2^32 generations to go.
+# What a node may claim to have run while a lost state is rebuilt, below: a generation (or a join) a
+# second for 136 years. A proven claim is bounded tighter at the edge (`claims`); an unproven one (no
+# proof key) near MAX_GENERATION published a generation every library rank's frame is refused for, so
+# the job keeps at least MAX_GENERATION - 2^32 generations to go.
 MAX_CLAIMED = 2**32
 
 
@@ -56,6 +57,13 @@ class Rejoin:
     kind: NodeKind = NodeKind.AGENT
     master_port: int = 0
     spec: JobSpec | None = None
+    # When the run its secret proved it a member of started (`claims`; 0: unproven). A proven claim
+    # keeps its seniority, and outranks a run made anew under the same number since.
+    run_started_ms: int = 0
+
+    @property
+    def proven(self) -> bool:
+        return self.run_started_ms > 0
 
 
 @dataclass(frozen=True)
@@ -154,7 +162,7 @@ class Context:
     # The running ranks use the worker library: an agent node joining the running job starts its
     # ranks first and takes a place once they report, so the others never wait for its start-up.
     prestart: bool = False
-    max_members: int = MAX_NODES  # the deployment's limit of nodes per job, spares included
+    max_members: int = MAX_NODES  # the job's members quota, spares included (`Limits.members_of`)
     step_lag_s: float = 0.0  # how far behind the ranks `max_step` may be (relays forward progress now and then)
 
 
@@ -186,6 +194,8 @@ class _Fold:
     spec_lost: bool
     finishing: bool
     failure: str
+    rebuilding: bool
+    started_ms: int
     stop: Stop | None = None
     departed: str = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
     log: list[Event] = field(default_factory=list)
@@ -202,7 +212,7 @@ class _Fold:
     def of(cls, state: JobState, ctx: Context) -> _Fold:
         in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
         return cls(state, ctx, {m.node_id: m for m in state.members}, in_map, state.next_seq, state.generation,
-                   state.spec, state.spec_lost, state.finishing, state.failure)
+                   state.spec, state.spec_lost, state.finishing, state.failure, state.rebuilding, state.started_ms)
 
     def note(self, kind: str, reason: str, *nodes: str) -> None:
         self.log.append(Event(self.state.generation, self.ctx.term, self.ctx.wall_ms, kind, reason, tuple(nodes)))
@@ -213,21 +223,51 @@ class _Fold:
 
 
 def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
-    refusal = _rejoin_refusal(f.state, f.members, ev, f.ctx)
-    if refusal is None and ev.node_id not in f.members:
+    current = f.members.get(ev.node_id)
+    if (f.rebuilding and current is not None and current.member_id == ev.member_id
+            and current.admits(ev.secret_hash)):
+        return  # the same incarnation again, from a second stream: nothing new
+    if _made_anew(f, ev):
+        f.note("state_made_anew", f"node {ev.node_id!r} proved it was member {ev.member_id} of this run as it ran "
+                                  f"before etcd lost it: the members of the run made anew give way, and the job is "
+                                  f"rebuilt from its nodes", *list(f.members)[:EVENT_NODES_MAX])
+        for held in list(f.members.values()):
+            _displace(f, held)
+        f.rebuilding = f.spec_lost = f.changed = True
+    refusal, displaced = _rejoin_refusal(f, ev)
+    if refusal is None:
         f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
     if refusal is not None:
         f.rejected.append((index, refusal))
         return
-    if ev.node_id in f.members:
-        return  # the same incarnation again, from a second stream: nothing new
-    # Its age is when it claimed, not the id it claims: a claim of member 1 may not take rank 0
-    # (and the job's store) from the nodes that came back before it.
-    f.members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, f.next_seq,
-                                   ev.kind, master_port=ev.master_port, secret_hash=ev.secret_hash)
+    for held in displaced:
+        f.note("member_displaced", f"member {held.member_id} ({held.node_id!r}) gave way to the proven claim of "
+                                   f"member {ev.member_id} ({ev.node_id!r})", held.node_id)
+        _displace(f, held)
+    if ev.proven:
+        f.started_ms = ev.run_started_ms  # the run the nodes ran, whenever this leader's state began
+    # A proven claim keeps its age (its member id); an unproven one is as old as its claim: a claim of
+    # member 1 may not take rank 0 (and the job's store) from the nodes that came back before it.
+    seq = ev.member_id if ev.proven else f.next_seq
+    f.members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, seq, ev.kind,
+                                   master_port=ev.master_port, secret_hash=ev.secret_hash, proven=ev.proven)
     f.joined.append(f.members[ev.node_id])
-    f.next_seq = max(f.next_seq + 1, ev.member_id + 1)
+    f.next_seq = max(f.next_seq + (not ev.proven), ev.member_id + 1)
     f.generation = max(f.generation, ev.generation)
+    f.changed = True
+
+
+def _made_anew(f: _Fold, ev: Rejoin) -> bool:
+    """The running state is a run made anew under the proven claim's run number (etcd lost the job,
+    and a Join made it again before its nodes came back): young, and started at another moment."""
+    return (not f.rebuilding and ev.proven and not f.finishing and not f.state.ended
+            and ev.run_started_ms != f.started_ms and f.ctx.wall_ms - f.started_ms <= f.ctx.timing.grace_s * 1000)
+
+
+def _displace(f: _Fold, held: Member) -> None:
+    """A member gives way to a proven claim: it joins again as a new member (told FAILED_PRECONDITION)."""
+    del f.members[held.node_id]
+    f.evicted.append((held.node_id, held.member_id))
     f.changed = True
 
 
@@ -236,13 +276,22 @@ def _join_refusal(f: _Fold, ev: Join) -> MusterError | None:
     if state.ended:
         return Unavailable(f"run {state.run} of job {state.job!r} has ended ({state.outcome.value}) and its nodes "
                            f"are draining; a join starts run {state.run + 1} once they are gone")
+    if state.rebuilding and f.spec_lost:
+        # etcd lost the job itself: its nodes restore its spec and ranks (a Join first would make
+        # them its spares, and its host the job's store), then joins go on as usual.
+        return Unavailable(f"job {state.job!r} is being rebuilt from its nodes after etcd lost it; join again "
+                           f"in {ctx.timing.grace_s:g}s")
     if ev.node_id in f.members:
         return AlreadyExists(f"node {ev.node_id!r} is already a member of job {state.job!r} "
                              f"(member {f.members[ev.node_id].member_id}); leave first or use another node id")
     if len(f.members) >= ctx.max_members:
-        return ResourceExhausted(f"job {state.job!r} has {len(f.members)} nodes, the most this deployment takes "
-                                 f"per job (--max-nodes-per-job {ctx.max_members})")
+        return _members_quota(state, len(f.members), ctx)
     return None
+
+
+def _members_quota(state: JobState, members: int, ctx: Context) -> ResourceExhausted:
+    return ResourceExhausted(f"job {state.job!r} has {members} nodes, its members quota: its max_nodes and "
+                             f"--max-spares-per-job spares, at most --max-nodes-per-job ({ctx.max_members})")
 
 
 def _on_join(f: _Fold, index: int, ev: Join) -> None:
@@ -375,7 +424,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             fold(f, index, ev)
     nxt = replace(state.with_members(tuple(f.members.values())), next_seq=f.next_seq, generation=f.generation,
                   spec=f.spec, spec_lost=f.spec_lost, finishing=f.finishing, failure=f.failure,
-                  started_ms=state.started_ms or ctx.wall_ms)
+                  rebuilding=f.rebuilding, started_ms=f.started_ms or ctx.wall_ms)
     nxt, new_generation, drains = _regenerate(f, nxt)
     nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
                   if nxt.phase is Phase.WAITING and not nxt.ended else None)
@@ -462,30 +511,38 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str
     return None
 
 
-def _rejoin_refusal(state: JobState, members: dict[str, Member], ev: Rejoin, ctx: Context) -> MusterError | None:
-    """Why a node claiming membership is not taken back (None: it is, or already was)."""
-    if not state.rebuilding or not ev.generation or not ev.member_id:
-        return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first")
-    member = members.get(ev.node_id)
-    if member is not None:  # taken back already, from another stream
-        if member.member_id != ev.member_id:
-            return FailedPrecondition(f"member {ev.member_id} of node {ev.node_id!r} is stale (current member "
-                                      f"{member.member_id}); it was evicted or replaced: rejoin")
-        if not member.admits(ev.secret_hash):
-            return PermissionDenied(f"node {ev.node_id!r} did not present the session secret of member "
-                                    f"{member.member_id}")
-        return None
-    if ev.generation > MAX_CLAIMED or ev.member_id > MAX_CLAIMED:
-        return InvalidArgument(f"a node taken back claims generation {ev.generation} and member_id {ev.member_id}: "
-                               f"each must be at most {MAX_CLAIMED}")
-    holder = next((m.node_id for m in members.values() if m.member_id == ev.member_id), None)
-    if holder is not None:
-        return AlreadyExists(f"member {ev.member_id} of job {state.job!r} is node {holder!r}'s, taken back before "
-                             f"node {ev.node_id!r} claimed it")
-    if len(members) >= ctx.max_members:
-        return ResourceExhausted(f"job {state.job!r} has {len(members)} nodes, the most this deployment takes per "
-                                 f"job (--max-nodes-per-job {ctx.max_members})")
-    return None
+def _rejoin_refusal(f: _Fold, ev: Rejoin) -> tuple[MusterError | None, list[Member]]:
+    """Why a node claiming membership is not taken back (None: it is), and the members its proven
+    claim displaces: those holding its node id or member id that nobody proved. A refusal a real node
+    may get is one it answers by joining again (FAILED_PRECONDITION), never one that ends its agent."""
+    state, members, ctx = f.state, f.members, f.ctx
+    if not f.rebuilding or not ev.generation or not ev.member_id:
+        return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first"), []
+    if ev.generation >= MAX_CLAIMED or ev.member_id >= MAX_CLAIMED:
+        return InvalidArgument(f"a node taken back claims generation {ev.generation} and member_id "
+                               f"{ev.member_id}: each must be below {MAX_CLAIMED}"), []
+    if ev.proven and ev.run_started_ms != f.started_ms and any(m.proven for m in members.values()):
+        return FailedPrecondition(f"member {ev.member_id} ({ev.node_id!r}) ran another run of job {state.job!r} "
+                                  f"than the one being rebuilt: join again"), []
+    current = members.get(ev.node_id)
+    holder = next((m for m in members.values() if m.member_id == ev.member_id and m.node_id != ev.node_id), None)
+    held = [m for m in (current, holder) if m is not None]
+    if ev.proven and not any(m.proven for m in held):
+        displaced = held
+    elif current is not None and current.member_id != ev.member_id:
+        return FailedPrecondition(f"member {ev.member_id} of node {ev.node_id!r} is stale (current member "
+                                  f"{current.member_id}); it was evicted or replaced: rejoin"), []
+    elif current is not None:
+        return PermissionDenied(f"node {ev.node_id!r} did not present the session secret of member "
+                                f"{current.member_id}"), []
+    elif holder is not None:
+        return FailedPrecondition(f"member {ev.member_id} of job {state.job!r} is node {holder.node_id!r}'s, taken "
+                                  f"back before node {ev.node_id!r} claimed it: join again"), []
+    else:
+        displaced = []
+    if len(members) - len(displaced) >= ctx.max_members:
+        return _members_quota(state, len(members), ctx), []
+    return None, displaced
 
 
 def _restored_spec(spec: JobSpec, lost: bool, asked: JobSpec | None) -> tuple[JobSpec, bool, MusterError | None]:
@@ -512,6 +569,7 @@ def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState,
         return replace(state, rebuild_deadline=deadline), False
     if ctx.now < deadline:
         return replace(state, rebuild_deadline=deadline), False
+    state = _proven_first(state)
     rebuilt = replace(state, rebuilding=False, rebuild_deadline=None)
     node_ids = tuple(m.node_id for m in state.members)
     log.append(Event(state.generation, ctx.term, ctx.wall_ms, "state_rebuilt",
@@ -528,6 +586,14 @@ def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState,
     log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "generation", f"abort; {assignment.reason}",
                      _named(rebuilt.rank_map.node_ids), assignment.world_size))
     return rebuilt, True
+
+
+def _proven_first(state: JobState) -> JobState:
+    """The members taken back on proven claims are the oldest (rank 0 and the store are theirs);
+    the others (joined meanwhile, or taken back unproven) age from now, in their order."""
+    proven = [replace(m, proven=False) for m in state.members if m.proven]
+    others = [replace(m, seq=state.next_seq + i) for i, m in enumerate(m for m in state.members if not m.proven)]
+    return replace(state.with_members(tuple(proven + others)), next_seq=state.next_seq + len(others))
 
 
 def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState, bool]:

@@ -114,9 +114,18 @@ class Limits:
     max_jobs: int = 1_000  # jobs known to the deployment
     max_members: int = MAX_NODES  # nodes per job, spares included
     max_frames_per_s: float = 50.0  # per Session stream, sustained (bursts up to 2 s worth)
+    max_spares: int = 16  # a job's members: its max_nodes and this many spares (at most max_members)
+    joins_per_s: float = 20.0  # per job, sustained; bursts of 2 s worth or its members quota (a job starts at once)
+    idle_streams: int = 256  # per tenant (a token; without tokens, a host): calls yet to send a first message
+    relay_calls: int = 4  # Relay calls per peer and job (a replica relays a job on one)
+
+    def members_of(self, spec: JobSpec) -> int:
+        """A job's members quota: its spec's max_nodes and spares, within the deployment's limit."""
+        return min(self.max_members, spec.max_nodes + self.max_spares)
 
     def validate(self) -> Limits:
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) <= 0:
-                raise InvalidPolicy(f"{field.name} must be positive, got {getattr(self, field.name)}")
+            value = getattr(self, field.name)
+            if value < 0 or (value == 0 and field.name != "max_spares"):  # a job may have no spares
+                raise InvalidPolicy(f"{field.name} must be positive, got {value}")
         return self

@@ -55,6 +55,9 @@ class Member:
     # SHA-256 (hex) of the session secret handed to the node at Join: its Session and Leave present
     # the secret (member_id alone is guessable). "": a member of a state written before secrets.
     secret_hash: str = ""
+    # Taken back on a claim its secret proved, in a rebuild still going on: it outranks the members
+    # nobody could prove (`machine._rebuild`), and no claim but a proven one takes its place.
+    proven: bool = False
 
     @cached_property  # a member never changes: assigning ranks asks it of every member
     def usable_slots(self) -> tuple[int, ...]:
@@ -70,7 +73,7 @@ class Member:
         return _json({"node_id": self.node_id, "member_id": self.member_id, "host": self.host,
                       "store_port": self.store_port, "slots": self.slots, "seq": self.seq, "kind": self.kind.value,
                       "down_slots": sorted(self.down_slots), "master_port": self.master_port,
-                      "secret_hash": self.secret_hash})
+                      "secret_hash": self.secret_hash, **({"proven": True} if self.proven else {})})
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,30 @@ class EtcdAccess:
     tls: TlsFiles = TlsFiles()
     user: str = ""
     password: str = field(default="", repr=False)  # never in a repr: a traceback with locals would show it
+    # A loopback etcd without TLS (the embedded one): gRPC sends the user's token only on a channel it
+    # deems secure, which a local one is.
+    local: bool = False
+
+
+def enable_auth(endpoint: str, password: str, timeout_s: float = 5.0) -> bool:
+    """Turn on etcd's auth with user `root` (role root) and `password`; False where it is on
+    already (an unauthenticated call is refused then)."""
+    client = etcd3.MultiEndpointEtcd3Client([etcd3.Endpoint(*_parse_endpoint(endpoint), secure=False)],
+                                            timeout=timeout_s, failover=True)
+    try:
+        auth = client.authstub
+        try:
+            auth.UserAdd(etcd3.etcdrpc.AuthUserAddRequest(name="root", password=password), timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "user name is empty": auth is on
+                return False
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # "already exists": a setup cut short
+                raise
+        auth.UserGrantRole(etcd3.etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout_s)
+        auth.AuthEnable(etcd3.etcdrpc.AuthEnableRequest(), timeout_s)
+        return True
+    finally:
+        client.close()
 
 
 def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAccess = EtcdAccess()) -> Client:
@@ -148,7 +172,8 @@ def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAcc
         raise ValueError("at least one etcd endpoint is required")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    creds = access.tls.channel_credentials()
+    creds = (grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP) if access.local
+             else access.tls.channel_credentials())
     client = etcd3.MultiEndpointEtcd3Client(
         [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S,
                         opts=list(RECONNECT_OPTIONS)) for h, p in parsed],

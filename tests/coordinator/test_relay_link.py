@@ -18,7 +18,8 @@ from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink
-from muster.coordinator.server import CoordinatorServicer, FrameBudget, stream_end
+from muster.coordinator.quotas import FrameBudget
+from muster.coordinator.server import CoordinatorServicer, stream_end
 from muster.coordinator.streams import NodeStream, Pulses
 from muster.coordinator.twins import MemoryJobStore
 from muster.security import ClientSecurity

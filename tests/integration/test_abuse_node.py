@@ -91,6 +91,7 @@ def test_ranks_inherit_neither_the_agents_token_nor_an_etcd_password(coordinator
                                                                      warm):
     token = "t" * 24
     (tmp_path / "tokens").write_text(f"ranks-env {token}\n")
+    (tmp_path / "tokens").chmod(0o600)
     (tmp_path / "token").write_text(token + "\n")
     (leader,) = coordinators(1, extra=["--tokens", str(tmp_path / "tokens")])
     # The environment the agent starts in holds secrets (a wrong token: --token-file wins).

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import grpc
 import pytest
 from muster.local import CoordinatorProcess, SimulatedNode, process_alive, wait_until
 
@@ -60,21 +61,33 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
     asyncio.run(scenario())
 
 
-@pytest.mark.timeout(60)
-def test_serve_without_etcd_runs_a_private_etcd_and_stops_it_on_exit(tmp_path):
-    serve = CoordinatorProcess([], tmp_path / "serve.log", ["--data-dir", str(tmp_path / "data")]).start()
-    try:
-        etcd_pid = serve.find("embedded_etcd_started")[0]["pid"]
-        assert process_alive(etcd_pid)
-        out = muster("status", "--coordinator", serve.address, "--json")
-        assert out.returncode == 0 and json.loads(out.stdout)["jobs"] == []
-        serve.signal(signal.SIGTERM)
-        serve.proc.wait(15)
-        assert serve.proc.returncode == 0
-        wait_until(lambda: not process_alive(etcd_pid), 5, "embedded etcd to stop")
-        assert (tmp_path / "data" / "etcd").is_dir()
-    finally:
-        serve.stop()
+@pytest.mark.timeout(90)
+def test_serve_without_etcd_runs_a_private_etcd_only_its_owner_reaches_and_stops_it_on_exit(tmp_path):
+    """Security review 4, N6: the embedded etcd listened on loopback without auth, so any local user
+    read the secret hashes and rewrote job states. Its auth is on now, root's password in a 0600
+    file of the data directory; a second start over the same data uses it."""
+    from muster.coordinator.etcd.client import connect
+
+    for start in ("first", "again"):
+        serve = CoordinatorProcess([], tmp_path / f"serve-{start}.log", ["--data-dir", str(tmp_path / "data")]).start()
+        try:
+            etcd = serve.find("embedded_etcd_started")[0]
+            assert process_alive(etcd["pid"])
+            assert bool(serve.find("embedded_etcd_auth_enabled")) == (start == "first")
+            password = tmp_path / "data" / "etcd-root-password"
+            assert password.stat().st_mode & 0o777 == 0o600 and len(password.read_text().strip()) >= 32
+            with pytest.raises(grpc.RpcError) as refused:
+                connect([etcd["endpoint"]]).get("/muster/")  # another local user, without the password
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "user name" in refused.value.details()
+            out = muster("status", "--coordinator", serve.address, "--json")
+            assert out.returncode == 0 and json.loads(out.stdout)["jobs"] == []
+            serve.signal(signal.SIGTERM)
+            serve.proc.wait(15)
+            assert serve.proc.returncode == 0
+            wait_until(lambda: not process_alive(etcd["pid"]), 5, "embedded etcd to stop")
+            assert (tmp_path / "data" / "etcd").is_dir()
+        finally:
+            serve.stop()
 
 
 @pytest.mark.timeout(60)

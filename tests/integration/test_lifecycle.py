@@ -213,6 +213,7 @@ def test_drain_one_node_then_delete_and_retention(coordinators):
 def test_delete_removes_a_record_now_and_operator_verbs_need_an_operator_token(coordinators, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("* operator-token-0123456789\njob-a job-a-token-0123456789\n")
+    tokens.chmod(0o600)
     (leader,) = coordinators(1, ["--tokens", str(tokens)])
     env_token = ["--token", "job-a-token-0123456789"]
     operator = ["--token", "operator-token-0123456789"]

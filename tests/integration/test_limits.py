@@ -32,7 +32,7 @@ def test_jobs_nodes_and_frames_are_limited(coordinators):
         with pytest.raises(grpc.RpcError) as err:
             join(stub, "one", "d")
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--max-nodes-per-job 3" in err.value.details()
+        assert "its members quota" in err.value.details() and "--max-nodes-per-job (3)" in err.value.details()
 
     async def flood_and_a_well_behaved_node():
         calm = SimulatedNode([leader.address], "two", "calm", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=8))

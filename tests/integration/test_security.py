@@ -56,6 +56,7 @@ def pki(tmp_path):
     replica = _write(tmp_path / "replica", *_cert("replica", ca_key, ca.subject))
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# job token\njob-a {TOKEN_A}\njob-b {TOKEN_B}\n* {OPERATOR}\n")
+    tokens.chmod(0o600)
     return {"ca": ca_pem, "server": server, "client": client, "replica": replica, "tokens": str(tokens)}
 
 
@@ -130,6 +131,7 @@ def test_tls_without_client_certificates_and_a_bad_tokens_file(coordinators, pki
         assert join(pb_grpc.CoordinatorStub(ch), "open", "n").member_id
     bad = tmp_path / "bad-tokens"
     bad.write_text("job-a short\n")
+    bad.chmod(0o600)
     out = subprocess.run([sys.executable, "-m", "muster.cli", "serve", "--listen", "127.0.0.1:0", "--etcd",
                           "127.0.0.1:1", "--tokens", str(bad)], capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and "16+ characters" in out.stderr

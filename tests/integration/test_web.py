@@ -53,6 +53,7 @@ async def until(predicate, timeout_s: float, what: str):
 def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{JOB} {JOB_TOKEN}\n* {OPERATOR}\n")
+    tokens.chmod(0o600)  # a tokens file others may read is refused
     replicas = coordinators(2, extra=["--metrics-listen", "127.0.0.1:0", "--http", "--tokens", str(tokens)])
     pages = {r.address: r.find("coordinator_serving")[0]["page"].rstrip("/") for r in replicas}
     base = next(iter(pages.values()))

@@ -68,6 +68,7 @@ def shown(page, css: str, predicate, timeout_s: float, what: str) -> str:
 def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinators, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{JOB} {JOB_TOKEN}\n* {OPERATOR}\n")
+    tokens.chmod(0o600)  # a tokens file others may read is refused
     (replica,) = coordinators(1, extra=["--metrics-listen", "127.0.0.1:0", "--http", "--tokens", str(tokens)])
     url = replica.find("coordinator_serving")[0]["page"] + f"jobs/{JOB}"
     page = browser()

@@ -4,7 +4,7 @@
 import pytest
 
 from muster.coordinator.errors import ResourceExhausted
-from muster.coordinator.server import FrameBudget
+from muster.coordinator.quotas import FrameBudget
 from muster.local import FakeClock
 
 

@@ -1,13 +1,15 @@
 """Rebuilding a job whose state etcd lost, from the nodes that reconnect (the Rejoin event); the
 session secret's hash kept per member; the planned switch step bounded."""
 
+from dataclasses import replace
+
 import pytest
 
 from muster.coordinator.core.machine import MAX_CLAIMED, Context, Join, Leave, NodeLost, Rejoin, Tick, decide
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_STEP, JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
-from muster.coordinator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, \
-    PermissionDenied, ResourceExhausted
+from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, \
+    PermissionDenied, ResourceExhausted, Unavailable
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5, grace_s=5.0)
 
@@ -83,7 +85,9 @@ def test_claims_beyond_any_real_run_and_past_the_member_limit_are_refused():
     d = decide(lost(), [rejoin(1, 1, MAX_GENERATION + 1), rejoin(2, MAX_GENERATION + 1, 1),
                         rejoin(3, 1, MAX_CLAIMED + 1), rejoin(4, MAX_CLAIMED + 1, 1)], ctx())
     assert all(isinstance(e, InvalidArgument) for _, e in d.rejected) and len(d.rejected) == 4
-    assert f"at most {MAX_CLAIMED}" in str(rejected(d)) and not d.state.members
+    assert f"below {MAX_CLAIMED}" in str(rejected(d)) and not d.state.members
+    d = decide(lost(), [rejoin(1, 1, MAX_CLAIMED), rejoin(2, MAX_CLAIMED, 1)], ctx())  # 2^32 itself: refused
+    assert [type(e) for _, e in d.rejected] == [InvalidArgument, InvalidArgument] and not d.state.members
     d = decide(lost(), [rejoin(1, 1, 2), rejoin(2, 2, 2)], ctx(max_members=1))
     assert isinstance(rejected(d, 1), ResourceExhausted) and [m.node_id for m in d.state.members] == ["n1"]
 
@@ -114,7 +118,11 @@ def test_a_join_while_rebuilding_gets_a_member_id_above_every_claimed_one_and_ma
     d = decide(d.state, [Tick()], ctx(now=5.0))
     assert d.state.rank_map.node_ids == ("n1", "n7") and d.state.generation == 4
     d = decide(lost(JobSpec(1, 100_000, 1), spec_lost=True),
-               [Join("n7", "10.0.0.7", 29507, 1, spec=JobSpec(2, 4, 0))], ctx())
+               [Join("n7", "10.0.0.7", 29507, 1, spec=JobSpec(1, 1, 0))], ctx())
+    assert isinstance(rejected(d), Unavailable) and "being rebuilt" in str(rejected(d)), "no Join restores it"
+    assert d.state.spec_lost and not d.state.members and not d.new_generation
+    d = decide(d.state, [Tick()], ctx(now=5.0))  # nobody claimed it in the grace: a Join restores it
+    d = decide(d.state, [Join("n7", "10.0.0.7", 29507, 1, spec=JobSpec(2, 4, 0))], ctx(now=5.1))
     assert d.state.spec == JobSpec(2, 4, 1) and not d.state.spec_lost
 
 
@@ -183,9 +191,90 @@ def test_a_forged_claim_takes_neither_rank_0_nor_the_job_past_its_generations():
     assert rm.store_address == "10.0.0.5:29505"
 
 
-def test_a_member_id_taken_back_already_is_refused_to_another_node():
+def test_a_member_id_taken_back_already_is_refused_to_another_node_which_joins_again_rather_than_exits():
     d = decide(lost(), [rejoin(1, member_id=4, generation=3), rejoin(2, member_id=4, generation=3)], ctx())
-    assert isinstance(rejected(d, 1), AlreadyExists) and "node 'n1'" in str(rejected(d, 1))
+    assert isinstance(rejected(d, 1), FailedPrecondition) and "node 'n1'" in str(rejected(d, 1))
     assert [m.node_id for m in d.state.members] == ["n1"]
     d = decide(d.state, [rejoin(3, member_id=4, generation=3)], ctx(now=1.0))  # in a later tally too
-    assert isinstance(rejected(d), AlreadyExists) and not d.persist
+    assert isinstance(rejected(d), FailedPrecondition) and not d.persist
+
+
+STARTED_MS = 1_600_000_000_000  # the run the proven nodes ran, long before the leader's clock
+
+
+def proven(i, member_id, generation, slots=2, started_ms=STARTED_MS):
+    return replace(rejoin(i, member_id, generation, slots=slots), run_started_ms=started_ms)
+
+
+def test_proven_claims_keep_their_age_and_displace_whoever_took_their_node_or_member_id_unproven():
+    """Security review 4, N1: what reached the leader first (an unproven claim of member 1, a Join
+    under a real node's id) neither keeps the ids nor takes rank 0 and the store from the real nodes."""
+    forged = Rejoin("evil", 1, 9, "hash-evil", "10.6.6.6", 29500, 4, NodeKind.AGENT)
+    squat = Join("n2", "10.6.6.7", 29500, 4, secret_hash="hash-squat")
+    d = decide(lost(), [forged, squat], ctx(now=0.0))
+    assert {m.node_id for m in d.state.members} == {"evil", "n2"}
+    d = decide(d.state, [proven(2, member_id=2, generation=7), proven(1, member_id=1, generation=7)], ctx(now=1.0))
+    assert not d.rejected and sorted(d.evicted) == [("evil", 1), ("n2", 2)]
+    assert [e.kind for e in d.events] == ["member_displaced", "member_displaced"]
+    members = {m.node_id: m for m in d.state.members}
+    assert set(members) == {"n1", "n2"} and members["n2"].secret_hash == "hash-s-2"
+    assert [(members[n].member_id, members[n].seq, members[n].proven) for n in ("n1", "n2")] == [(1, 1, True),
+                                                                                                  (2, 2, True)]
+    assert d.state.generation == 9, "the unproven claim raised it before it was displaced"
+    again = decode(encode(d.state))  # a leader taking over mid-rebuild keeps who proved what
+    assert again.members == d.state.members
+    d = decide(again, [Join("n9", "10.6.6.9", 29500, 4, secret_hash="h9")], ctx(now=2.0))
+    d = decide(d.state, [Tick()], ctx(now=7.0))  # the grace of the leader that took over
+    rm = d.state.rank_map
+    assert rm.node_ids == ("n1", "n2", "n9") and rm.store_address == "10.0.0.1:29501"
+    assert not any(m.proven for m in d.state.members) and b'"proven"' not in encode(d.state)
+
+
+def test_unproven_members_age_after_every_proven_one_whatever_their_ids():
+    s = decide(lost(JobSpec(1, 3, 1)), [Join("early", "10.6.6.6", 29500, 1, secret_hash="he"),
+                                        proven(5, member_id=5, generation=3)], ctx()).state
+    assert s.member("early").member_id == 1 and s.member("n5").seq == 5
+    d = decide(s, [Tick()], ctx(now=5.0))
+    assert d.state.rank_map.node_ids == ("n5", "early") and d.state.rank_map.store_address == "10.0.0.5:29505"
+    assert d.state.member("early").seq > d.state.member("n5").seq
+
+
+def test_a_proven_member_is_not_displaced_by_another_claim():
+    s = decide(lost(), [proven(1, member_id=3, generation=4)], ctx()).state
+    assert s.started_ms == STARTED_MS, "the run it ran"
+    d = decide(s, [proven(2, member_id=3, generation=4), rejoin(1, 3, 4, secret="other"),
+                   proven(1, member_id=2, generation=4), proven(4, member_id=4, generation=4, started_ms=5)],
+               ctx(now=1.0))
+    assert [type(e) for _, e in d.rejected] == [FailedPrecondition, PermissionDenied, FailedPrecondition,
+                                                FailedPrecondition]
+    assert "ran another run" in str(rejected(d, 3))
+    assert [(m.node_id, m.member_id) for m in d.state.members] == [("n1", 3)] and not d.evicted
+
+
+def test_a_run_made_anew_by_a_join_since_etcd_lost_the_job_gives_way_to_its_real_nodes():
+    """What a Join can do before the real nodes come back where every replica forgot the job: make
+    the run anew, rank 0 and the store its own. A proven claim of the run as it ran before, within
+    the grace, makes it a rebuild again: the new members give way, the real ones are taken back."""
+    d = decide(JobState("job", JobSpec(1, 3, 1)), [Join("evil", "10.6.6.6", 29500, 4, secret_hash="he")], ctx())
+    d = decide(d.state, [Tick()], ctx(now=1.0))
+    assert d.state.rank_map.node_ids == ("evil",) and not d.state.rebuilding
+    d = decide(d.state, [replace(proven(1, member_id=1, generation=6, slots=1), spec=JobSpec(2, 2, 1)),
+                         proven(2, member_id=2, generation=6)], ctx(now=2.0))
+    assert not d.rejected and d.evicted == (("evil", 1),) and d.state.rebuilding
+    assert d.state.spec == JobSpec(2, 2, 1) and not d.state.spec_lost, "the real nodes' spec, not the Join's"
+    assert [e.kind for e in d.events] == ["state_made_anew"] and d.state.started_ms == STARTED_MS
+    assert [(m.node_id, m.member_id, m.proven) for m in d.state.members] == [("n1", 1, True), ("n2", 2, True)]
+    d = decide(d.state, [Tick()], ctx(now=7.0))
+    rm = d.state.rank_map
+    assert rm.node_ids == ("n1", "n2") and rm.store_address == "10.0.0.1:29501" and rm.generation == 7
+
+
+def test_no_claim_makes_anew_a_run_it_ran_or_one_past_the_grace():
+    s = decide(lost(), [proven(1, member_id=1, generation=3)], ctx()).state
+    s = decide(s, [Tick()], ctx(now=5.0)).state
+    assert not s.rebuilding and s.started_ms == STARTED_MS
+    d = decide(s, [proven(2, member_id=2, generation=3)], ctx(now=6.0))  # a member of it, gone since
+    assert isinstance(rejected(d), NotFound) and not d.persist
+    young = decide(JobState("job", JobSpec(1, 3, 1)), [Join("n9", "10.0.0.9", 29509, 1)], ctx()).state
+    d = decide(young, [proven(2, member_id=2, generation=3)], ctx(now=5.1))  # past the grace (5 s)
+    assert isinstance(rejected(d), NotFound) and not d.evicted

@@ -134,3 +134,24 @@ def test_a_hundred_teardowns_leave_one_thread():
     assert t.idle(WAIT_S)
     assert threading.active_count() == before + 1  # the teardown's own thread, and no watch left behind
     assert b.log.count("abort 100") == 1 and len(b.log) == 200
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_exits_first_ends_its_pending_teardowns():
+    """A rank that finishes its script while a group's abort runs: the exit waits for the abort and
+    the shutdown (a daemon thread inside ncclCommAbort during CUDA's shutdown was std::terminate)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from muster.worker.teardown import Teardown\n"
+        "class G:\n"
+        "    def shutdown(self): print('shutdown', flush=True)\n"
+        "t = Teardown(lambda groups: (time.sleep(0.5), print('aborted', flush=True)), lambda *a: None)\n"
+        "t.submit(1, [G()])\n"
+        "print('exiting', flush=True)\n"  # no release: the training thread never let go
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=45)
+    said = [line for line in out.stdout.splitlines() if line in ("exiting", "aborted", "shutdown")]
+    assert out.returncode == 0 and said == ["exiting", "aborted", "shutdown"], out

@@ -1,0 +1,148 @@
+"""Quotas per job, not per host (issue 44, part 3; security review 4, N3-N5), against a real etcd
+and a real `muster serve` with tokens: Relay calls per peer and job, Relay only for a job the
+leader relays, a job's members from its spec, its Joins per second. Each refusal is
+RESOURCE_EXHAUSTED (FAILED_PRECONDITION for a job not relayed) naming its quota."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from muster.local import SimulatedNode
+from muster.security import ClientSecurity
+from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
+
+A, B, RELAY = "a" * 24, "b" * 24, "r" * 24
+
+
+@pytest.fixture
+def tokens(tmp_path) -> str:
+    path = tmp_path / "tokens"
+    path.write_text(f"job-a {A}\njob-b {B}\n@relay {RELAY}\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def bearer(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.mark.timeout(60)
+def test_relay_calls_are_counted_per_peer_and_job_and_taken_only_for_a_relayed_job(coordinators, tokens):
+    (replica,) = coordinators(1, ["--tokens", tokens, "--relay-min-nodes", "2", "--max-relay-calls", "3"])
+
+    async def scenario():
+        nodes = [SimulatedNode([replica.address], job, f"{job}-0", slots=1, security=ClientSecurity(token),
+                               spec=pb.JobSpec(min_nodes=min_nodes, max_nodes=2))
+                 for job, token, min_nodes in (("job-a", A, 2), ("job-b", B, 1))]
+        for n in nodes:
+            await n.join()
+            n.start()
+        stop = asyncio.Event()
+
+        async def relay_up(job: str):
+            yield pb.RelayUp(job=job, relay="r")
+            await stop.wait()
+
+        async def first_answer(call) -> grpc.StatusCode:
+            try:
+                await asyncio.wait_for(call.read(), 5)  # the leader's empty answer: accepted
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            calls = [stub.Relay(relay_up("job-a"), metadata=bearer(RELAY)) for _ in range(5)]
+            codes = [await first_answer(c) for c in calls]
+            other = await first_answer(stub.Relay(relay_up("job-b"), metadata=bearer(RELAY)))
+            stop.set()
+            for c in calls:
+                c.cancel()
+        for n in nodes:
+            await n.stop()
+        return codes, other
+
+    codes, other = asyncio.run(scenario())
+    assert sorted(c.name for c in codes) == ["OK"] * 3 + ["RESOURCE_EXHAUSTED"] * 2, codes
+    assert other == grpc.StatusCode.FAILED_PRECONDITION
+    errors = [r["error"] for r in replica.find("relay_refused")]
+    assert any("holds 3 Relay calls for job 'job-a' already" in e and "--max-relay-calls" in e for e in errors)
+    assert any("job 'job-b' is not relayed" in e for e in errors)
+
+
+@pytest.mark.timeout(60)
+def test_a_jobs_members_come_from_its_spec_and_its_joins_from_a_budget(coordinators, tokens):
+    (replica,) = coordinators(1, ["--tokens", tokens, "--max-spares-per-job", "1", "--max-joins-per-second", "0.5"])
+
+    def join(stub, node: str, token: str, job: str = "job-a"):
+        return stub.Join(pb.JoinRequest(job=job, node_id=node, slots=1, host="127.0.0.1", store_port=29500,
+                                        spec=pb.JobSpec(min_nodes=1, max_nodes=2)), metadata=bearer(token), timeout=5)
+
+    def refusal(call) -> tuple[grpc.StatusCode, str]:
+        try:
+            call()
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details()
+        return grpc.StatusCode.OK, ""
+
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        members = [join(stub, f"n{i}", A) for i in range(3)]  # max_nodes 2 and 1 spare
+        over = refusal(lambda: join(stub, "n3", A))
+        # Leaving and joining again churns the job: its Joins are budgeted (bursts of 10, then 0.5/s)
+        def leave(m):
+            stub.Leave(pb.LeaveRequest(job="job-a", node_id=m.node_id, member_id=m.member_id, immediate=True,
+                                       session_secret=m.session_secret), metadata=bearer(A), timeout=5)
+
+        for m in members[1:]:  # n0 stays: a run whose last member left has ended
+            leave(m)
+        churned = []
+        for i in range(10):
+            try:
+                leave(join(stub, f"c{i}", A))
+                churned.append("joined")
+            except grpc.RpcError as exc:
+                churned.append(f"{exc.code().name}: {exc.details()}")
+        other = join(stub, "b0", B, "job-b")  # another job's budget and quota are its own
+    assert over[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "members quota" in over[1], over
+    assert "--max-spares-per-job" in over[1] and "--max-nodes-per-job" in over[1]
+    assert other.member_id
+    assert churned[:5] == ["joined"] * 5, churned  # 4 of its 10 spent above
+    assert "RESOURCE_EXHAUSTED: more than 0.5 Joins/s of job 'job-a' (--max-joins-per-second)" in churned[-1], churned
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_carries_only_nodes_whose_secret_proves_them(coordinators, tokens):
+    """Security review 4, N5: a token holder marking itself "relay me" spent the budget a job's real
+    relayed nodes share at the leader. A relay now sends a first frame its secret does not prove to
+    the leader (UNAVAILABLE naming it), opening no Relay call; the real nodes are relayed."""
+    replicas = coordinators(2, ["--tokens", tokens, "--relay-min-nodes", "1"])
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        real = SimulatedNode(addresses, "job-a", "a0", slots=1, security=ClientSecurity(A),
+                             spec=pb.JobSpec(min_nodes=1, max_nodes=2))
+        await real.join()
+        real.start()
+        await real.wait_for(lambda n: n.assignment().role == pb.ROLE_ACTIVE, 15, "a place")
+        leader = real.leader
+        standby = next(a for a in addresses if a != leader)
+        forged = pb.NodeFrame(job="job-a", node_id="evil", member_id=real.member_id, run=1, via_relay=True,
+                              session_secret=b"s" * 32)
+        async with grpc.aio.insecure_channel(standby) as channel:
+            call = pb_grpc.CoordinatorStub(channel).Session(iter([forged]), metadata=bearer(A))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code(), dict(exc.trailing_metadata() or ())
+        await real.stop()
+        return refused, leader
+
+    (code, trailing), leader = asyncio.run(scenario())
+    assert code == grpc.StatusCode.UNAVAILABLE and trailing.get("muster-leader") == leader, (code, trailing)
+    led = next(r for r in replicas if r.address == leader)
+    assert not [r for r in led.find("relay_refused")], "no Relay call for the forged frame"
+    assert led.find("relay_attached", job="job-a"), "the real node came through the other replica"
