@@ -5,7 +5,8 @@ generation to the step the job had reached before it). Counted as the leader wor
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from muster.coordinator import wire
@@ -17,6 +18,7 @@ from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
+RECENT_RECOVERIES = 10  # kept for Status (the live page's list); the metric keeps the distribution
 
 
 class LeaderStats:
@@ -32,6 +34,8 @@ class LeaderStats:
         self._recovering: Recovery | None = None
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
+        self._measuring: pb.RecoveryRecord | None = None  # the recovery under way, as Status will show it
+        self.recoveries: deque[pb.RecoveryRecord] = deque(maxlen=RECENT_RECOVERIES)
 
     def framed(self) -> None:
         self._frame_count += 1
@@ -55,6 +59,9 @@ class LeaderStats:
         if took is not None:
             self.last_recovery_s = took
             self.metrics.recovery.labels(self.job).observe(took)
+            if self._measuring is not None and self._measuring.generation == self._recovering.generation:
+                self._measuring.recovery_s = round(took, 4)
+                self.recoveries.append(self._measuring)
         if over:
             self._recovering = None
 
@@ -67,18 +74,21 @@ class LeaderStats:
                 self.metrics.evictions.labels(self.job, e.kind).inc()
         if d.new_generation:
             self.metrics.generations.labels(self.job).inc()
+            detection = now - min(self._signals) if self._signals else 0.0
             if self._signals:
-                self.last_detection_s = now - min(self._signals)
-                self.metrics.detection.labels(self.job).observe(self.last_detection_s)
+                self.last_detection_s = detection
+                self.metrics.detection.labels(self.job).observe(detection)
             if d.state.rank_map is not None and d.state.rank_map.world_size:
                 self._recovering = Recovery(d.state.generation, now, step_before)
+                self._measuring = pb.RecoveryRecord(generation=d.state.generation, detection_s=round(detection, 4),
+                                                    decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
         if d.persist:
             self._signals.clear()
 
     def health(self, live_ranks: int) -> pb.JobHealth:
         return pb.JobHealth(frames_per_second=round(self.frames_per_s, 1), live_ranks=live_ranks,
                             evictions=self.evictions, last_detection_s=round(self.last_detection_s, 4),
-                            last_recovery_s=round(self.last_recovery_s, 4))
+                            last_recovery_s=round(self.last_recovery_s, 4), recent_recoveries=self.recoveries)
 
 
 def live_ranks(placements: Sequence[Placement], live: Liveness, now: float, timeout_s: float) -> int:

@@ -100,13 +100,19 @@ class _GaugeCollector:
         yield ready
 
 
+# A path and the request's Authorization header -> (status, body, content type, headers), or None
+# for a path it does not serve (the live page: coordinator/web.py).
+Pages = Callable[[str, str], "tuple[int, bytes, str, dict[str, str]] | None"]
+
+
 class HealthServer:
     """/metrics (Prometheus), /healthz (the process serves), /readyz (leader or healthy standby:
-    a live etcd session). One daemon thread; stopped with the replica."""
+    a live etcd session), and with `pages` the live page's paths. Daemon threads; stopped with the
+    replica."""
 
-    def __init__(self, metrics: Metrics, ready: Callable[[], bool], listen: str):
+    def __init__(self, metrics: Metrics, ready: Callable[[], bool], listen: str, pages: Pages | None = None):
         host, port = split_host_port(listen)
-        self.httpd = ThreadingHTTPServer((host, port), _handler(metrics, ready))
+        self.httpd = ThreadingHTTPServer((host, port), _handler(metrics, ready, pages))
         self.httpd.daemon_threads = True
         self.address = join_host_port(host, self.httpd.server_address[1])
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="muster-metrics", daemon=True)
@@ -120,10 +126,13 @@ class HealthServer:
         self.httpd.server_close()
 
 
-def _handler(metrics: Metrics, ready: Callable[[], bool]):
+def _handler(metrics: Metrics, ready: Callable[[], bool], pages: Pages | None):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's naming)
-            if self.path == "/metrics":
+            page = pages(self.path, self.headers.get("Authorization", "")) if pages else None
+            if page is not None:
+                self._send(*page)
+            elif self.path == "/metrics":
                 self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 self._send(200, b"ok\n")
@@ -131,11 +140,14 @@ def _handler(metrics: Metrics, ready: Callable[[], bool]):
                 ok = ready()
                 self._send(200 if ok else 503, b"ready\n" if ok else b"no etcd session\n")
             else:
-                self._send(404, b"not found: /metrics, /healthz, /readyz\n")
+                self._send(404, b"not found: /metrics, /healthz, /readyz" + (b", /" if pages else b"") + b"\n")
 
-        def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8"):
+        def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
+                  headers: dict[str, str] | None = None):
             self.send_response(code)
             self.send_header("Content-Type", content_type)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -155,10 +155,14 @@ class Runs:
             if (name, state.run) in recorded:
                 continue
             rm = state.rank_map
-            resp.jobs.append(wire.job_record(name, state.run, {
+            record = wire.job_record(name, state.run, {
                 "outcome": state.outcome.value, "reason": state.outcome_reason, "generation": state.generation,
                 "world_size": rm.world_size if rm else 0, "started_ms": state.started_ms, "ended_ms": state.ended_ms},
-                led_at))
+                led_at)
+            if leader is not None:  # O(nodes) and a sort of the recent step times: a listing's, not a frame's
+                step_time = leader.live.median_step_time()
+                record.step, record.steps_per_second = leader.live.max_step(state), 1 / step_time if step_time else 0
+            resp.jobs.append(record)
         resp.jobs.extend(records)
         return resp
 

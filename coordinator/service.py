@@ -21,6 +21,7 @@ from muster.coordinator.metrics import HealthServer
 from muster.coordinator.relay import PeerAccess
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from muster.coordinator.web import Pages
 from muster.net import join_host_port, split_host_port
 from muster.security import TlsFiles
 
@@ -38,6 +39,7 @@ class ServeConfig:
     data_dir: Path = Path(".muster")
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
+    http: bool = False  # the live page on the metrics port too (coordinator/web.py)
     tokens_file: str = ""  # per-job tokens required when set
     tls: TlsFiles = TlsFiles()  # served where it has a cert; its CA, if any, signs the clients' (mTLS)
     etcd_access: EtcdAccess = EtcdAccess()  # TLS and user of an external etcd
@@ -91,7 +93,7 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         endpoints = [embedded.endpoint]
         log.info("embedded_etcd_started", endpoint=embedded.endpoint, pid=embedded.pid,
                  data_dir=str(config.data_dir / "etcd"))
-    client = server = replica = health = watcher = None
+    client = server = replica = health = watcher = pages = None
     try:
         access = config.etcd_access if embedded is None else await asyncio.to_thread(_owner_only, embedded,
                                                                                       config.data_dir)
@@ -111,9 +113,11 @@ async def serve(config: ServeConfig, *, ready: asyncio.Event | None = None) -> N
         await server.start()
         await replica.start()
         if config.metrics_listen:
-            health = HealthServer(replica.metrics, replica.ready, config.metrics_listen).start()
+            pages = Pages(replica, asyncio.get_running_loop(), tokens, config.peer_tls).answer if config.http else None
+            health = HealthServer(replica.metrics, replica.ready, config.metrics_listen, pages).start()
         log.info("coordinator_serving", listen=join_host_port(host, port), advertise=address, etcd=endpoints,
-                 metrics=health.address if health else None, tls="mtls" if config.tls.cert and config.tls.ca else
+                 metrics=health.address if health else None, page=f"http://{health.address}/" if pages else None,
+                 tls="mtls" if config.tls.cert and config.tls.ca else
                  "tls" if config.tls.cert else "off", tokens=tokens is not None)
         if ready is not None:
             ready.set()

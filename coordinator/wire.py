@@ -347,6 +347,7 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
     ranks: list[pb.RankStatus] = []
     for p in placements[first:]:
         node = live.nodes.get(p.node_id) if live else None
+        member = state.member(p.node_id)
         for index in range(max(0, start - p.rank_offset), len(p.slots)):
             if len(ranks) == page.size or budget == 0:
                 return ranks, f"g{state.generation}r{p.rank_offset + index}"
@@ -359,8 +360,9 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
             ranks.append(pb.RankStatus(rank=p.rank_offset + index, local_rank=slot, node=p.node_id,
                                        node_rank=p.node_rank, pid=r.pid if r else 0, step=r.step if r else 0,
                                        state=rank_state, compute_us=int(r.compute_s * 1e6) if r else 0,
+                                       step_time_us=int(r.step_time_s * 1e6) if r else 0,
                                        straggler_factor=r.straggler_factor if r else 0.0,
-                                       phase=r.phase if r and live else ""))
+                                       phase=r.phase if r and live else "", host=member.host if member else ""))
     return ranks, ""
 
 

@@ -5,9 +5,10 @@ read the same on the repository's web view as in the built site (`make docs-gen`
 - `reference/cli.md`: from the argparse parsers (`muster.cli.parser()`), every subcommand and flag;
 - `reference/wire.md`: from `protos/muster/v1/*.proto` (protoc's descriptors, comments included);
 - the block after each marker `<!-- muster:NAME ARG -->` in a page, up to `<!-- /muster -->`: the
-  exit status table (`worker/outcome.py`), the metrics (`coordinator/metrics.py`), and the
-  benchmark tables built from `bench/results/*.json`, so a benchmark run updates the performance
-  page, not prose.
+  exit status table (`worker/outcome.py`), the metrics (`coordinator/metrics.py`), the --json
+  schema (`reference/json-schema.json`, which the tests validate every verb's output against), and
+  the benchmark tables built from `bench/results/*.json`, so a benchmark run updates the
+  performance page, not prose.
 
 An unknown marker, a missing results file or a results file the performance page does not show
 is an error. Usage: `python docs/generate.py [--check]`.
@@ -67,6 +68,8 @@ def expand(markdown: str, where: Path) -> str:
             body = exit_status()
         elif name == "metrics":
             body = metrics_table()
+        elif name == "json-schema":
+            body = "```json\n" + (DOCS / "reference" / "json-schema.json").read_text() + "```"
         elif name == "bench":
             body = bench_section(arg)
         elif name == "bench-others":

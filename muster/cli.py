@@ -1,4 +1,5 @@
-"""The `muster` command: serve (coordinator), status and events (queries)."""
+"""The `muster` command: serve (coordinator), run (node agent), demo, and the client verbs: status,
+events, logs, jobs, stop, drain, delete."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -14,14 +16,16 @@ import time
 from pathlib import Path
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.json_format import MessageToDict
+import structlog
 
-from muster import logs
+from muster import logs, rank_logs
+from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
 from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.zygote import PRELOAD
+
+log = structlog.get_logger(__name__)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -87,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         max_message_bytes=args.max_message_bytes,
         metrics_listen=args.metrics_listen,
+        http=args.http,
         tokens_file=args.tokens or "",
         tls=tls,
         etcd_access=etcd_access,
@@ -112,6 +117,11 @@ def _check_listen(args: argparse.Namespace, tls: bool) -> None:
                 split_host_port(getattr(args, flag))
             except ValueError as exc:
                 raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
+    if args.http and not args.metrics_listen:
+        raise ValueError("--http serves the page on the metrics port: give --metrics-listen HOST:PORT")
+    if args.http and not (args.tokens or args.insecure or is_loopback(split_host_port(args.metrics_listen)[0])):
+        raise ValueError(f"--http on {args.metrics_listen} shows every job to anyone who reaches the port: add "
+                         "--tokens (the page then asks for one), or --insecure to serve it so anyway")
     host, _ = split_host_port(args.listen)
     if not (tls or args.tokens or args.insecure or is_loopback(host)):
         raise ValueError(f"--listen {args.listen} reaches beyond this host with neither TLS (--tls-cert) nor tokens "
@@ -196,11 +206,19 @@ def _run(args: argparse.Namespace) -> int:
         print(f"muster run: job id {args.job!r} is job {job!r} at the coordinator (its names are 1-63 of "
               "[a-z0-9._-]; `muster status --job` takes either)", file=sys.stderr)
     max_restarts = args.max_restarts if args.max_restarts is not None else launch.max_restarts
+    node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    if args.log_dir:  # the agent's own lines beside its ranks', for `muster logs`
+        try:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            logs.configure(args.log_level, json=args.log_json, copy_to=rank_logs.agent_log(Path(args.log_dir), node_id))
+        except OSError as exc:
+            print(f"muster run: --log-dir {args.log_dir}: {exc.strerror}", file=sys.stderr)
+            return 2
     config = AgentConfig(
         coordinators=tuple(coordinators),
         job=job,
         job_id=args.job,
-        node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+        node_id=node_id,
         slots=launch.slots or args.slots or 1,
         argv=tuple(launch.argv),
         host=host,
@@ -257,14 +275,21 @@ def _job(args: argparse.Namespace) -> str:
     return job_name(args.job) if args.job else ""
 
 
-def _ask(args, rpc: str, request):
+def _coordinators(args):
     from muster.client import Coordinators
 
-    with Coordinators(args.coordinator, timeout_s=args.timeout, security=_security(args)) as coordinators:
-        response = coordinators.call(rpc, request)
-        if rpc == "Status":
-            _live_pages(args, coordinators, request, response)
-        return response
+    return Coordinators(args.coordinator, timeout_s=args.timeout, security=_security(args))
+
+
+def _ask(args, rpc: str, request, coordinators=None):
+    """One call to any replica; `coordinators`: connections kept open across calls (--watch, --follow)."""
+    if coordinators is None:
+        with _coordinators(args) as coordinators:
+            return _ask(args, rpc, request, coordinators)
+    response = coordinators.call(rpc, request)
+    if rpc == "Status":
+        _live_pages(args, coordinators, request, response)
+    return response
 
 
 def _live_pages(args, coordinators, request, response) -> None:
@@ -306,85 +331,147 @@ def _status(args: argparse.Namespace) -> int:
         raise ValueError("--run needs --job")
     request = pb.StatusRequest(job=job, page_size=args.page_size, page_token=args.page_token or "",
                                node=args.node or "", states=states, run=args.run)
-    response = _ask(args, "Status", request)
-    jobs = [as_json(j) for j in response.jobs]
-    if args.json:
-        named = next((j for j in jobs if j["name"] == job), None)
-        print(json.dumps({
-            "replica": response.replica,
-            "leader": named["leader"] if named else None,
-            "term": named["term"] if named else None,
-            "jobs": jobs,
-        }, indent=2))
+    if not args.watch:
+        print("\n".join(_status_view(args, job, _ask(args, "Status", request))))
         return 0
+    with _coordinators(args) as coordinators:
+        return _watch(args, lambda: _status_view(args, job, _ask(args, "Status", request, coordinators)))
+
+
+def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
+    """`muster status`'s output lines: the table, or the JSON document (one line under --watch)."""
+    doc = status_document(response, job)
+    if args.json:
+        return [json.dumps(doc, indent=None if args.watch else 2)]
+    jobs = doc["jobs"]
     if not jobs:
-        print("no jobs")
+        return ["no jobs"]
+    out = []
     for j in jobs:
         live = f"  phase {j['phase']}" if j["outcome"] == "running" else ""
-        print(f"job {j['name']}  run {j['run']}  {j['outcome']}  leader {j['leader'] or '-'}  term {j['term']}  "
-              f"generation {j['generation']}  world_size {j['world_size']}{live}")
+        out.append(f"job {j['name']}  run {j['run']}  {j['outcome']}  leader {j['leader'] or '-'}  term {j['term']}  "
+                   f"generation {j['generation']}  world_size {j['world_size']}{live}")
         if j["outcome"] != "running":
-            print(f"  ended {_when(j['ended_unix_ms'])}: {j['outcome_reason']}")
-        if "summary" in j:  # the first page
-            s = j["summary"]
+            out.append(f"  ended {_when(j['ended_unix_ms'])}: {j['outcome_reason']}")
+        if s := j["summary"]:  # the first page
             counts = ", ".join(f"{n} {state}" for state, n in sorted(s["rank_states"].items())) or "none"
-            print(f"  nodes {s['nodes']}  spares {s['spares']}  ranks: {counts}")
-        if "health" in j:
-            h = j["health"]
-            print(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions {int(h['evictions'])}"
-                  f"  last detection {h['last_detection_s']:.3f}s  last recovery {h['last_recovery_s']:.3f}s")
-        print(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'PID':>8} {'STEP':>10} {'COMPUTE':>9} "
-              f"{'STRAGGLER':>9}  STATE")
+            out.append(f"  nodes {s['nodes']}  spares {s['spares']}  ranks: {counts}")
+        if h := j["health"]:
+            out.append(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions "
+                       f"{h['evictions']}  last detection {h['last_detection_s']:.3f}s  last recovery "
+                       f"{h['last_recovery_s']:.3f}s")
+        out.append(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'HOST':<15} {'PID':>8} {'STEP':>10} "
+                   f"{'COMPUTE':>9} {'STRAGGLER':>9}  STATE")
         for r in j["ranks"]:
             compute = f"{r['compute_us'] / 1000:.1f}ms" if r["compute_us"] else "-"
             straggler = f"{r['straggler_factor']:.2f}x" if r["straggler_factor"] else "-"
-            print(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} {r['pid']:>8} "
-                  f"{r['step']:>10} {compute:>9} {straggler:>9}  {r['state']}"
-                  + (f" ({r['phase']})" if r.get("phase") else ""))
+            out.append(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} "
+                       f"{r['host'] or '-':<15} {r['pid'] or '-':>8} {r['step']:>10} {compute:>9} {straggler:>9}  "
+                       f"{r['state']}" + (f" ({r['phase']})" if r["phase"] else ""))
         if j["next_page_token"]:
-            print(f"  more ranks: --page-token {j['next_page_token']} (or --all)")
-        if "summary" in j:
-            unlisted = j["summary"]["spares"] - len(j["spares"])
-            print(f"  spares: {', '.join(j['spares']) or '-'}" + (f" (+{unlisted} more)" if unlisted else ""))
-    return 0
+            out.append(f"  more ranks: --page-token {j['next_page_token']} (or --all)")
+        if s:
+            unlisted = s["spares"] - len(j["spares"])
+            out.append(f"  spares: {', '.join(j['spares']) or '-'}" + (f" (+{unlisted} more)" if unlisted else ""))
+    return out
 
 
-_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+def _retry_later(exc: grpc.RpcError) -> bool:
+    """A replica restarting or a leader changing: said on stderr, asked again at the next refresh.
+    Any other refusal (a bad job name, a token) ends the command as it would without --watch."""
+    from muster.client import TRANSIENT
+
+    if exc.code() not in TRANSIENT:
+        return False
+    log.warning("no_answer_retrying", code=exc.code().name, details=exc.details())
+    return True
 
 
-def as_json(message) -> dict:
-    """One JSON shape for every verb's --json: every scalar and list field present (its zero value
-    when unset: 0, "", []), 64-bit integers as numbers (protobuf's JSON writes them as strings)."""
-    def numbers(descriptor, d: dict) -> dict:
-        for f in descriptor.fields:
-            if f.name not in d:
-                continue
-            repeated = f.is_repeated
-            if f.message_type is not None and not f.message_type.GetOptions().map_entry:
-                for item in d[f.name] if repeated else [d[f.name]]:
-                    numbers(f.message_type, item)
-            elif f.type in _INT64:
-                d[f.name] = [int(x) for x in d[f.name]] if repeated else int(d[f.name])
-        return d
-    return numbers(message.DESCRIPTOR, MessageToDict(message, preserving_proto_field_name=True,
-                                                     always_print_fields_with_no_presence=True))
+def _watch(args: argparse.Namespace, view) -> int:
+    """`view()`'s lines every --interval seconds until Ctrl-C: redrawn in place on a terminal (as
+    `watch` does, cut to its size), else one frame after another (--json: a document per line)."""
+    in_place = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            began = time.monotonic()
+            try:
+                lines = view()
+            except grpc.RpcError as exc:
+                if not _retry_later(exc):
+                    raise
+                lines = [f"no answer: {exc.code().name}: {exc.details()}"] if not args.json else []
+            if in_place:
+                size = shutil.get_terminal_size()
+                header = f"every {args.interval:g}s: muster {args.verb}  {time.strftime('%H:%M:%S')}"
+                shown = [header, "", *lines][:max(1, size.lines - 1)]
+                # home, each line over the last frame's (erasing its rest), then the screen's rest: no flicker
+                sys.stdout.write("\x1b[H" + "".join(f"{line[:size.columns]}\x1b[K\n" for line in shown) + "\x1b[J")
+            elif lines:
+                print("\n".join(lines) + ("" if args.json else "\n"))
+            sys.stdout.flush()
+            time.sleep(max(0.0, args.interval - (time.monotonic() - began)))
+    except KeyboardInterrupt:  # the way out: no traceback, the terminal as it was
+        return 0
 
 
 def _events(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
-    response = _ask(args, "Events", pb.EventsRequest(job=_job(args), run=args.run))
-    if args.json:
-        print(json.dumps(as_json(response), indent=2))
+    request = pb.EventsRequest(job=_job(args), run=args.run)
+    if not args.follow:
+        response = _ask(args, "Events", request)
+        if args.json:
+            print(json.dumps(as_json(response), indent=2))
+        else:
+            for e in response.events:
+                print(_event_line(e))
         return 0
-    for e in response.events:
-        print(f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} "
-              f"{e.reason}")
-    return 0
+    with _coordinators(args) as coordinators:
+        return _follow_events(args, request, coordinators)
 
 
-def _when(unix_ms: int) -> str:
+def _follow_events(args: argparse.Namespace, request, coordinators) -> int:
+    """The run's events as they come (asked every --interval), until its record is final or Ctrl-C;
+    one run: the name's next run is not this one's history. --json: each event a document on a line."""
+    last, asked = None, False
+    try:
+        while True:
+            try:
+                over = asked and _run_over(args, request.job, request.run, coordinators)
+                response = coordinators.call("Events", request)
+            except grpc.RpcError as exc:
+                if not asked or not _retry_later(exc):
+                    raise
+            else:
+                asked, request.run = True, response.run
+                new = _after(response.events, last)
+                for e in new:
+                    print(json.dumps({"job": response.job, "run": response.run, "event": as_json(e)})
+                          if args.json else _event_line(e), flush=True)
+                last = new[-1] if new else last
+                if over:  # known before these events were asked for: they are the run's last
+                    return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _after(events, last) -> list:
+    """The events after `last`. The history keeps the latest N: where `last` is no longer in it,
+    every event it holds is newer."""
+    if last is not None:
+        for i in range(len(events) - 1, -1, -1):
+            if events[i] == last:
+                return list(events[i + 1:])
+    return list(events)
+
+
+def _event_line(e) -> str:
+    return (f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} "
+            f"{e.reason}")
+
+
+def _when(unix_ms: int | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_ms / 1000)) if unix_ms else "-"
 
 
@@ -395,10 +482,12 @@ def _jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(response), indent=2))
         return 0
-    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STARTED':<19} {'ENDED':<19} REASON")
+    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STEP':>9} {'STEP/S':>7} {'STARTED':<19} "
+          f"{'ENDED':<19} REASON")
     for j in response.jobs:
-        print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} "
-              f"{_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {j.reason}")
+        rate = f"{j.steps_per_second:.1f}" if j.steps_per_second else "-"
+        print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} {j.step or '-':>9} "
+              f"{rate:>7} {_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {j.reason}")
     return 0
 
 
@@ -407,7 +496,7 @@ def _stop(args: argparse.Namespace) -> int:
 
     response = _ask(args, "Stop", pb.StopRequest(job=_job(args), reason=args.reason or ""))
     at = f"after step {response.after_step}" if response.after_step else "now"
-    print(f"job {_job(args)} run {response.run} stopped: every node drains {at}, its agents exit 3")
+    _answer(args, response, f"job {_job(args)} run {response.run} stopped: every node drains {at}, its agents exit 3")
     return 0
 
 
@@ -416,7 +505,8 @@ def _drain(args: argparse.Namespace) -> int:
 
     response = _ask(args, "Drain", pb.DrainRequest(job=_job(args), node=args.node, reason=args.reason or ""))
     at = f"after step {response.after_step}" if response.after_step else "now"
-    print(f"node {args.node} of job {_job(args)} leaves {at} (generation {response.generation} runs without it)")
+    _answer(args, response, f"node {args.node} of job {_job(args)} leaves {at} (generation {response.generation} "
+                            "runs without it)", node=args.node)
     return 0
 
 
@@ -424,8 +514,102 @@ def _delete(args: argparse.Namespace) -> int:
     from muster.v1 import muster_pb2 as pb
 
     response = _ask(args, "Delete", pb.DeleteRequest(job=_job(args), run=args.run))
-    print(f"deleted {response.deleted} finished run(s) of job {_job(args)}")
+    _answer(args, response, f"deleted {response.deleted} finished run(s) of job {_job(args)}")
     return 0
+
+
+def _answer(args: argparse.Namespace, response, text: str, **named) -> None:
+    """An operator verb's answer: the sentence, or with --json the job, what was named and the response."""
+    print(json.dumps({"job": _job(args), **named, **as_json(response)}, indent=2) if args.json else text)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    """The ranks' output from the agents' --log-dir (shared, or this node's): the last --tail lines
+    of each chosen slot's latest start, then with --follow what they write next, until the run ends
+    (asked every --interval) or Ctrl-C."""
+    given = args.log_dir or os.environ.get("MUSTER_LOG_DIR")
+    if not given:
+        raise ValueError("--log-dir is required (or set MUSTER_LOG_DIR): the directory given to muster run --log-dir")
+    log_dir = Path(given)
+    if not log_dir.is_dir():
+        raise ValueError(f"--log-dir {log_dir}: no such directory")
+    if args.tail < 0:
+        raise ValueError("--tail must be at least 0")
+    job = _job(args)
+    with _coordinators(args) as coordinators:
+        chosen = _log_slots(args, job, log_dir, coordinators)
+        followers = []
+        for node, slot, path in chosen:
+            lines, offset = rank_logs.tail(path, args.tail)
+            _print_logs(args, node, slot, lines)
+            followers.append(rank_logs.Follower(node, slot, path, offset))
+        if not args.follow:
+            return 0
+        try:
+            while True:
+                time.sleep(args.interval)
+                over = _run_over(args, job, 0, coordinators)
+                for f in followers:
+                    _print_logs(args, f.node, f.slot, f.read(log_dir))
+                if over:
+                    return 0
+        except KeyboardInterrupt:
+            return 0
+
+
+def _log_slots(args, job: str, log_dir: Path, coordinators) -> list[tuple[str, int | None, Path]]:
+    """(node, slot, latest file) of what to show: the slot that runs --rank now, or --node's agent
+    (slot None) and slots, or every member node's (the job's map from the coordinator, but for
+    --node alone)."""
+    from muster.v1 import muster_pb2 as pb
+
+    if args.rank is not None:
+        every_page = argparse.Namespace(**{**vars(args), "all": True})
+        js = _ask(every_page, "Status", pb.StatusRequest(job=job), coordinators).jobs[0]
+        r = next((r for r in js.ranks if r.rank == args.rank), None)
+        if r is None:
+            raise ValueError(f"job {job} has no rank {args.rank} in generation {js.generation} "
+                             f"(world size {js.world_size})")
+        if args.node and args.node != r.node:
+            raise ValueError(f"rank {args.rank} of job {job} runs on node {r.node}, not {args.node}")
+        wanted = [(r.node, r.local_rank)]
+    elif args.node:
+        wanted = [(args.node, None)]
+    else:
+        nodes = _ask(args, "Status", pb.StatusRequest(job=job, page_size=1), coordinators).jobs[0].nodes
+        if not nodes:
+            raise ValueError(f"job {job} has no member nodes now (its run ended?): name one with --node")
+        wanted = [(n, None) for n in nodes]
+    chosen: list[tuple[str, int | None, Path]] = []
+    for node, only in wanted:
+        agent = rank_logs.agent_log(log_dir, node)
+        chosen += [(node, None, agent)] if only is None and agent.is_file() else []
+        chosen += [(node, slot, files[-1][1]) for slot, files in sorted(rank_logs.starts(log_dir, node, only).items())]
+    if not chosen:
+        names = ", ".join(n for n, _ in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
+        raise ValueError(f"no rank logs of {names} in {log_dir} (muster run --log-dir writes them there)")
+    return chosen
+
+
+def _run_over(args, job: str, run: int, coordinators) -> bool:
+    """The run has its outcome and no leader any more: its record, history included, is final (a
+    replica that cannot tell now is asked again next time)."""
+    from muster.v1 import muster_pb2 as pb
+
+    try:
+        js = coordinators.call("Status", pb.StatusRequest(job=job, run=run, brief=True)).jobs[0]
+    except grpc.RpcError as exc:
+        if not _retry_later(exc):
+            raise
+        return False
+    return js.outcome != "running" and not js.leader
+
+
+def _print_logs(args, node: str, slot: int | None, lines: list[str]) -> None:
+    prefix = "" if args.rank is not None else f"{node}/{'agent' if slot is None else slot}| "
+    for line in lines:
+        print(prefix + line)
+    sys.stdout.flush()
 
 
 DEFAULT_ADDRESS = "127.0.0.1:7600"  # where `muster serve` listens, and where the other verbs look, by default
@@ -464,6 +648,17 @@ def positive_float(text: str) -> float:
         value = 0.0
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def refresh_interval(text: str) -> float:
+    """--interval: a refresh loop that neither spins nor looks stuck."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be within 0.1 and 3600 seconds, got {text!r}")
     return value
 
 
@@ -537,6 +732,9 @@ def _serve_parser(sub) -> None:
                         "anyone reaching the port could stop or delete any job)")
     g.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
+    g.add_argument("--http", action="store_true",
+                   help="also serve the live page there: / lists the jobs, /jobs/NAME shows one (its ranks, health "
+                        "and events), refreshed every second; with --tokens it asks for the same token as the API")
     g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")
     g.add_argument("--min-nodes", type=positive_int, default=1, help="default min_nodes of new jobs")
     g.add_argument("--max-nodes", type=positive_int, default=100_000, help="default max_nodes of new jobs")
@@ -652,7 +850,8 @@ def _run_parser(sub) -> None:
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
-    r.add_argument("--log-dir", help="write each rank's output to a file here (default: the agent's stdout/stderr)")
+    r.add_argument("--log-dir", help="write each rank's output to a file here, and a copy of the agent's log as JSON "
+                   "lines (NODE-agent.log; `muster logs` reads both; default: the agent's stdout/stderr only)")
     r.add_argument("--hold-timeout", type=positive_float, default=300.0,
                    help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")
     r.add_argument("--join-timeout", type=positive_float, default=300.0,
@@ -690,10 +889,12 @@ def _client_parsers(sub) -> None:
             ("stop", _stop, "stop a running job: every node drains at one step, agents exit 3 (operator)"),
             ("drain", _drain, "one node of a job leaves at a step boundary, as on SIGTERM to its agent (operator)"),
             ("delete", _delete, "delete a finished job's record(s) now rather than at their retention's end "
-                                "(operator)")):
+                                "(operator)"),
+            ("logs", _logs, "the agents' logs and their ranks' output, from the directory the agents write them to "
+                            "(muster run --log-dir)")):
         q = sub.add_parser(name, help=helptext)
         _coordinator_flag(q)
-        if name in ("stop", "delete"):
+        if name in ("stop", "delete", "logs"):
             q.add_argument("job", help="the job's name")
         else:
             _job_flag(q, name in ("events", "drain"), help="the job's name (default $MUSTER_JOB)")
@@ -704,8 +905,28 @@ def _client_parsers(sub) -> None:
             q.add_argument("--reason", help="recorded in the job's history")
         if name == "drain":
             q.add_argument("--node", required=True, help="the node's id")
-        q.add_argument("--json", action="store_true")
-        q.add_argument("--timeout", type=positive_float, default=5.0)
+        if name != "logs":
+            follows = "; with --watch or --follow one per line" if name in ("status", "events") else ""
+            q.add_argument("--json", action="store_true",
+                           help=f"one JSON document (its schema: the reference's JSON output page){follows}")
+        q.add_argument("--timeout", type=positive_float, default=5.0, help="seconds for each call (default %(default)s)")
+        if name in ("status", "events", "logs"):
+            q.add_argument("--watch" if name == "status" else "--follow", action="store_true", help={
+                "status": "refresh every --interval, in place on a terminal, until Ctrl-C",
+                "events": "print the run's events as they come, until its record is final (its outcome, its nodes "
+                          "gone) or Ctrl-C",
+                "logs": "print what the agents and ranks write next, until the run ends or Ctrl-C"}[name])
+            q.add_argument("--interval", type=refresh_interval, default=2.0 if name == "status" else 1.0,
+                           help="seconds between refreshes (default %(default)s; 0.1 to 3600)")
+        if name == "logs":
+            q.add_argument("--log-dir", help="the agents' --log-dir: shared by the nodes, or this node's (default "
+                           "$MUSTER_LOG_DIR)")
+            q.add_argument("--node", help="only this node's agent and ranks (needs no coordinator)")
+            q.add_argument("--rank", type=int, help="only the slot that runs this global rank now (its node's "
+                           "files: a rank that moves after a re-form is not followed)")
+            q.add_argument("--tail", type=int, default=100, help="the last lines of each slot's latest start "
+                           "(default %(default)s)")
+            q.set_defaults(all=False)
         if name == "status":
             q.add_argument("--page-size", type=int, default=0, help="ranks per page (default 1000, at most 5000)")
             q.add_argument("--page-token", help="the page after the one that printed it")
@@ -742,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad address, job name, ...
         print(f"muster {args.verb}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `muster logs … --follow | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (else the exit's flush fails again)
+        return 0
 
 
 if __name__ == "__main__":

@@ -66,6 +66,12 @@ def python_program(argv: tuple[str, ...] | list[str], executable: str = sys.exec
     return None
 
 
+def command_line(program: Program, executable: str = sys.executable) -> list[str]:
+    """`program` as the command that runs it without the runner: what `ps` shows of a warm rank."""
+    return [executable, *(["-u"] if program.unbuffered else []), *(["-m"] if program.module else []),
+            program.target, *program.args]
+
+
 def runner_argv(program: Program, executable: str = sys.executable) -> list[str]:
     """The command line that runs `program` through this module (a cold start)."""
     return [executable, *(["-u"] if program.unbuffered else []), "-m", __name__,

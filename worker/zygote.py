@@ -34,9 +34,10 @@ import socket
 import sys
 from importlib import import_module
 
+import setproctitle
 import structlog
 
-from muster.worker.runner import Program, run
+from muster.worker.runner import Program, command_line, run
 
 log = structlog.get_logger(__name__)
 
@@ -49,12 +50,19 @@ READY_WAIT_S = 120.0  # for the zygote's imports: a cold import of torch on a lo
 # For its answer to a fork (milliseconds): one that gives none (stopped, stuck) cannot report its
 # ranks' exits either, so it is ended with them and the node starts ranks cold.
 ANSWER_WAIT_S = 30.0
+# Room in the zygote's argv for its ranks' process titles (setproctitle writes a title over the
+# argv's memory; SPT_NOENV keeps it off the environment's, which /proc/PID/environ shows and tools
+# read, e.g. a run's tag): a title longer than the zygote's command line with this is cut.
+TITLE_ROOM = 2048
 
 
 # ---- the zygote process ------------------------------------------------------------------
 
 
 def main() -> None:
+    # setproctitle finds the argv memory it writes the ranks' titles to by walking from the C
+    # environ, which a rank replaces: it must find it now, in the zygote's untouched environment.
+    setproctitle.getproctitle()
     channel = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
     for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
@@ -152,7 +160,11 @@ def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: 
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import otherwise
     _fresh_random()
-    run(Program(request["target"], request["module"], tuple(request["args"]), request["unbuffered"]))
+    program = Program(request["target"], request["module"], tuple(request["args"]), request["unbuffered"])
+    # Else `ps`, `top`, `nvidia-smi` and `pgrep -f SCRIPT` show every rank as the zygote (its argv's
+    # memory, TITLE_ROOM; /proc/PID/environ still shows the zygote's: docs/operations/observing.md).
+    setproctitle.setproctitle(" ".join(command_line(program)))
+    run(program)
 
 
 def _fresh_random() -> None:
@@ -258,7 +270,8 @@ class Zygote:
         try:
             process = await asyncio.create_subprocess_exec(
                 *guard, sys.executable, "-m", "muster.worker.zygote", str(zygote_end.fileno()), ",".join(preload),
-                env=env, pass_fds=(zygote_end.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+                " " * TITLE_ROOM, env={**env, "SPT_NOENV": "1"}, pass_fds=(zygote_end.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL)
         finally:
             zygote_end.close()
         agent_end.setblocking(False)

@@ -39,6 +39,14 @@ CASES = [
     (["status", "--job", "j", "--timeout", "0"], 2, r"argument --timeout: must be a positive number, got '0'"),
     (["status", "--job", "j", "--coordinator", DEAD], 1, r"^muster status: UNAVAILABLE: .*127\.0\.0\.1:1"),
     (["stop"], 2, r"^muster stop: the following arguments are required: job"),
+    (["status", "--watch", "--interval", "0"], 2, r"^muster status: argument --interval: must be within 0\.1 and 3600 seconds, got '0'"),
+    (["events", "--job", "j", "--follow", "--interval", "4000"], 2, r"argument --interval: must be within 0\.1 and 3600"),
+    (["logs", "j", "--coordinator", DEAD], 2, r"^muster logs: --log-dir is required \(or set MUSTER_LOG_DIR\)"),
+    (["logs", "j", "--log-dir", "none", "--coordinator", DEAD], 2, r"^muster logs: --log-dir none: no such directory$"),
+    (["logs", "j", "--log-dir", ".", "--tail", "-1", "--coordinator", DEAD], 2, r"^muster logs: --tail must be at least 0$"),
+    (["logs", "j", "--log-dir", ".", "--node", "a", "--coordinator", DEAD], 2, r"^muster logs: no rank logs of a in \."),
+    (["serve", "--http"], 2, r"^muster serve: --http serves the page on the metrics port"),
+    (["serve", "--http", "--metrics-listen", "0.0.0.0:0"], 2, r"^muster serve: --http on 0\.0\.0\.0:0 shows every job"),
     (["nosuch"], 2, r"^muster: argument command: invalid choice: 'nosuch'"),
 ]
 

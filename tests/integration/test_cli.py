@@ -43,10 +43,12 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
             assert (job["name"], job["generation"], job["world_size"], job["spares"]) == ("cli", 1, 4, ["n2"])
             assert sorted(r["rank"] for r in job["ranks"]) == [0, 1, 2, 3]
             r0 = next(r for r in job["ranks"] if r["rank"] == 0)
-            assert (r0["node"], r0["local_rank"], r0["node_rank"], r0["pid"], r0["state"]) == ("n0", 0, 0, 10000, "running")
+            assert (r0["node"], r0["local_rank"], r0["node_rank"], r0["pid"], r0["host"], r0["state"]) == \
+                ("n0", 0, 0, 10000, "127.0.0.1", "running")
             assert r0["step"] > 0
         table = await asyncio.to_thread(muster, "status", "--coordinator", replicas[1].address)
         assert table.returncode == 0 and "job cli" in table.stdout and "spares: n2" in table.stdout
+        assert any(line.split()[:6] == ["0", "0", "n0", "0", "127.0.0.1", "10000"] for line in table.stdout.splitlines())
         events = await asyncio.to_thread(muster, "events", "--coordinator", replicas[1].address, "--job", "cli", "--json")
         kinds = [e["kind"] for e in json.loads(events.stdout)["events"]]
         # (a spare that joins while the job runs may start its ranks first: recovered once they report)

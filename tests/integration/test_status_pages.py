@@ -102,7 +102,7 @@ def test_status_pages_live_at_the_leader_and_persisted_at_a_standby(coordinators
                                       "--page-size", "4", "--all")
         assert out.returncode == 0, out.stderr
         (job,) = json.loads(out.stdout)["jobs"]
-        assert [r["rank"] for r in job["ranks"]] == list(range(9)) and job["next_page_token"] == ""
+        assert [r["rank"] for r in job["ranks"]] == list(range(9)) and job["next_page_token"] is None
         assert job["summary"]["rank_states"] == {"running": 9} and job["live"]
         table = await asyncio.to_thread(muster, "status", "--coordinator", standby, "--job", JOB, "--page-size", "4")
         assert table.returncode == 0, table.stderr

@@ -60,6 +60,9 @@ def test_the_wheel_installs_and_its_demo_runs_from_an_empty_directory(tmp_path):
                 " print(m['Name'], m.get_all('Provides-Extra'), [p.value for p in e(group='torchrun.handlers')])"],
                60, cwd=empty, env=env).stdout
     assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.rendezvous" in meta, meta
+    page = run([str(python), "-c", "from importlib.resources import files; print(sorted(f.name for f in "
+                "files('muster.web').iterdir() if f.suffix in ('.html', '.js', '.css')))"], 60, cwd=empty, env=env)
+    assert page.stdout.split() == ["['app.js',", "'index.html',", "'style.css']"]  # muster serve --http's page
 
     demo = subprocess.run([str(venv / "bin" / "muster"), "--log-level", "warning", "demo", "--duration", "5",
                            "--nodes", "2", "--slots", "1"], capture_output=True, text=True, timeout=120, cwd=empty,

@@ -7,6 +7,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -254,3 +255,29 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
     run(main())
     assert (tmp_path / "first.txt").read_text() == "[]\n"
     assert (tmp_path / "second.txt").read_text() == "['heavy_pkg']\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_warm_rank_shows_its_script_command_line_in_ps_not_the_zygotes(tmp_path):
+    path = script(tmp_path, "import time\ntime.sleep(60)\n")
+
+    async def main():
+        zygote = await Zygote.start({**os.environ, "RUN_TAG": "t1"}, GUARD, preload=("json",))
+        try:
+            args = ("--lr", "0.1", "--data", "x" * 1000)  # a title far longer than the zygote's own command line
+            rank = await _spawn(zygote, Program(str(path), False, args, True), tmp_path, {"RANK": "3"})
+            expected = f"{sys.executable} -u {path} {' '.join(args)}"
+            wait_until(lambda: _cmdline(rank.pid) == expected, 10, "the rank's title")
+            # the title leaves the environment's memory alone: it shows the zygote's, as tools expect
+            environ = open(f"/proc/{rank.pid}/environ", "rb").read().split(b"\0")
+            assert b"RUN_TAG=t1" in environ and b"RANK=3" not in environ
+            rank.kill()
+            assert await rank.wait() == -signal.SIGKILL
+        finally:
+            zygote.close()
+
+    run(main())
+
+
+def _cmdline(pid: int) -> str:
+    return open(f"/proc/{pid}/cmdline", "rb").read().rstrip(b"\0").replace(b"\0", b" ").decode()

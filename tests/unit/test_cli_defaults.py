@@ -61,16 +61,20 @@ def test_an_open_address_is_served_with_tls_tokens_or_insecure():
     _check_listen(p.parse_args(["serve", "--listen", "0.0.0.0:7600"]), tls=True)
 
 
-def test_json_has_one_shape_numbers_as_numbers_and_every_field_present():
+def test_json_has_one_shape_numbers_as_numbers_every_field_present_and_absent_as_null():
     from muster.cli import as_json
     from muster.v1 import muster_pb2 as pb
 
     assert as_json(pb.JobsResponse()) == {"jobs": []}  # (was {})
     record = as_json(pb.JobsResponse(jobs=[pb.JobRecord(name="j", run=3, started_unix_ms=1_700_000_000_000)]))
     (job,) = record["jobs"]
-    assert job["run"] == 3 and job["started_unix_ms"] == 1_700_000_000_000 and job["ended_unix_ms"] == 0
+    assert job["run"] == 3 and job["started_unix_ms"] == 1_700_000_000_000
+    assert (job["ended_unix_ms"], job["leader"], job["reason"], job["world_size"]) == (None, None, None, 0)
     status = as_json(pb.JobStatus(name="j", term=2, ranks=[pb.RankStatus(rank=1, step=10**12)]))
     assert status["term"] == 2 and status["ranks"][0]["step"] == 10**12 and status["spares"] == []
+    assert (status["health"], status["summary"], status["next_page_token"], status["leader"]) == (None,) * 4
+    rank = status["ranks"][0]
+    assert (rank["pid"], rank["host"], rank["compute_us"], rank["phase"], rank["local_rank"]) == (None,) * 4 + (0,)
 
 
 @pytest.mark.timeout(60)

@@ -294,7 +294,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., run: _Optional[int] = ..., node: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state", "compute_us", "straggler_factor", "phase")
+    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state", "compute_us", "straggler_factor", "phase", "host", "step_time_us")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,8 @@ class RankStatus(_message.Message):
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_US_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     node: str
@@ -315,7 +317,9 @@ class RankStatus(_message.Message):
     compute_us: int
     straggler_factor: float
     phase: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., compute_us: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., phase: _Optional[str] = ...) -> None: ...
+    host: str
+    step_time_us: int
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., compute_us: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., phase: _Optional[str] = ..., host: _Optional[str] = ..., step_time_us: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health", "summary", "next_page_token", "run", "outcome", "outcome_reason", "started_unix_ms", "ended_unix_ms")
@@ -375,18 +379,34 @@ class JobSummary(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., spares: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class JobHealth(_message.Message):
-    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s")
+    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s", "recent_recoveries")
     FRAMES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_DETECTION_S_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    RECENT_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     frames_per_second: float
     live_ranks: int
     evictions: int
     last_detection_s: float
     last_recovery_s: float
-    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ...) -> None: ...
+    recent_recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
+    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ..., recent_recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ...) -> None: ...
+
+class RecoveryRecord(_message.Message):
+    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DETECTION_S_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    decided_unix_ms: int
+    detection_s: float
+    recovery_s: float
+    planned: bool
+    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("replica", "jobs")
@@ -439,7 +459,7 @@ class JobsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class JobRecord(_message.Message):
-    __slots__ = ("name", "run", "outcome", "reason", "world_size", "generation", "started_unix_ms", "ended_unix_ms", "leader")
+    __slots__ = ("name", "run", "outcome", "reason", "world_size", "generation", "started_unix_ms", "ended_unix_ms", "leader", "step", "steps_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -449,6 +469,8 @@ class JobRecord(_message.Message):
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ENDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     run: int
     outcome: str
@@ -458,7 +480,9 @@ class JobRecord(_message.Message):
     started_unix_ms: int
     ended_unix_ms: int
     leader: str
-    def __init__(self, name: _Optional[str] = ..., run: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., ended_unix_ms: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+    step: int
+    steps_per_second: float
+    def __init__(self, name: _Optional[str] = ..., run: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., ended_unix_ms: _Optional[int] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., steps_per_second: _Optional[float] = ...) -> None: ...
 
 class JobsResponse(_message.Message):
     __slots__ = ("jobs",)

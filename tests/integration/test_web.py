@@ -1,0 +1,131 @@
+"""The live page of `muster serve --http`, over real HTTP against two replicas and etcd: static
+files with no data and no inline script, its JSON API behind the API's own tokens and in the
+--json schema, through the leader and a standby alike, following a killed rank and a stop."""
+
+import asyncio
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from muster.client import Coordinators
+from muster.local import SimulatedNode
+from muster.security import ClientSecurity
+from muster.v1 import muster_pb2 as pb
+
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "reference" / "json-schema.json").read_text())
+JOB, JOB_TOKEN, OPERATOR = "web", "j" * 24, "o" * 24
+
+
+def get(base: str, path: str, token: str = "") -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def api(base: str, path: str, token: str, status: int = 200) -> dict:
+    code, headers, body = get(base, path, token)
+    assert code == status and headers["Content-Type"] == "application/json", (code, body[:500])
+    return json.loads(body)
+
+
+def valid(doc, kind: str):
+    jsonschema.validate(doc, {"$ref": f"#/$defs/{kind}", "$defs": SCHEMA["$defs"]})
+    return doc
+
+
+async def until(predicate, timeout_s: float, what: str):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not (value := await asyncio.to_thread(predicate)):
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+    return value
+
+
+@pytest.mark.timeout(90)
+def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{JOB} {JOB_TOKEN}\n* {OPERATOR}\n")
+    tokens.chmod(0o600)  # a tokens file others may read is refused
+    replicas = coordinators(2, extra=["--metrics-listen", "127.0.0.1:0", "--http", "--tokens", str(tokens)])
+    pages = {r.address: r.find("coordinator_serving")[0]["page"].rstrip("/") for r in replicas}
+    base = next(iter(pages.values()))
+
+    # the files: no data in them, scripts only from the page's own files, nothing sniffed as HTML
+    for path in ("/", f"/jobs/{JOB}"):
+        code, headers, html = get(base, path)
+        assert code == 200 and headers["Content-Type"].startswith("text/html")
+        assert "script-src 'self'" in headers["Content-Security-Policy"] and headers["X-Content-Type-Options"] == "nosniff"
+        assert re.findall(rb"<script[^>]*>", html) == [b'<script src="/web/app.js">']
+    code, headers, script = get(base, "/web/app.js")
+    assert code == 200 and headers["Content-Type"].startswith("text/javascript")
+    assert not re.search(rb"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(", script)
+    assert get(base, "/web/style.css")[0] == 200 and get(base, "/nothing")[0] == 404
+
+    # the API asks the API's tokens: the jobs list an operator's, a job's page that job's
+    assert "no token" in api(base, "/api/jobs", "", 401)["error"]
+    assert "not for every job" in api(base, "/api/jobs", JOB_TOKEN, 403)["error"]
+    assert valid(api(base, "/api/jobs", OPERATOR), "page_jobs") == {"replica": next(iter(pages)), "jobs": []}
+    assert api(base, "/api/jobs/Bad%20Name", OPERATOR, 400)["error"]
+    assert api(base, f"/api/jobs/{JOB}?run=x", JOB_TOKEN, 400)["error"] == "run must be a run's number, not 'x'"
+    assert "run must be" in api(base, f"/api/jobs/{JOB}?run={2**70}", JOB_TOKEN, 400)["error"]
+    assert "unknown" in api(base, f"/api/jobs/{JOB}", JOB_TOKEN, 404)["error"]  # no such job yet
+
+    async def scenario():
+        security = ClientSecurity(JOB_TOKEN)
+        nodes = [SimulatedNode([r.address for r in replicas], JOB, f"n{i}", slots=2, security=security,
+                               spec=pb.JobSpec(min_nodes=1, max_nodes=2)) for i in range(2)]
+        for n in nodes:
+            await n.join()
+            n.start()
+        for n in nodes:
+            await n.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE and x.step > 2, 15, "training")
+        leader = nodes[0].leader
+        standby = next(a for a in pages if a != leader)
+
+        def page(at: str) -> dict:
+            return valid(api(pages[at], f"/api/jobs/{JOB}", JOB_TOKEN), "page_job")
+
+        for at in (leader, standby):  # a standby asks the leader for the live view
+            (js,) = page(at)["status"]["jobs"]
+            assert js["live"] and js["world_size"] == 4 and {r["host"] for r in js["ranks"]} == {"127.0.0.1"}
+        generation = js["generation"]
+
+        # a rank killed: its new generation is on the page (well under a second here; 5 s for a loaded CI)
+        nodes[1].exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
+        await until(lambda: page(standby)["status"]["jobs"][0]["generation"] > generation, 5, "the new generation")
+        assert "rank_exited" in [e["kind"] for e in page(leader)["events"]["events"]]
+
+        def recovered():  # the leader measures the recovery once every node reports a step in the new generation
+            found = page(leader)["status"]["jobs"][0]["health"]["recent_recoveries"]
+            return found if found and found[-1]["generation"] > generation else None
+
+        last = (await until(recovered, 10, "the recovery measured"))[-1]
+        assert not last["planned"] and last["recovery_s"] > 0 and last["decided_unix_ms"] > 0
+        listed = {at: valid(api(pages[at], "/api/jobs", OPERATOR), "page_jobs")["jobs"] for at in pages}
+        assert [(j["name"], j["outcome"], j["leader"]) for j in listed[standby]] == [(JOB, "running", leader)]
+        assert (listed[standby][0]["step"], listed[standby][0]["steps_per_second"]) == (None, None)  # the leader's
+        assert listed[leader][0]["step"] > 0 and 15 < listed[leader][0]["steps_per_second"] < 25  # 50 ms a step
+
+        # stopped: its outcome and no live phase, on every replica
+        with Coordinators([leader], security=ClientSecurity(OPERATOR)) as c:
+            await asyncio.to_thread(c.call, "Stop", pb.StopRequest(job=JOB, reason="the page test"))
+
+        def ended(at: str):
+            (js,) = page(at)["status"]["jobs"]
+            return js if js["outcome"] == "stopped" else None
+
+        for at in pages:
+            js = await until(lambda: ended(at), 15, f"the stop on {at}")
+            assert js["phase"] == "ended" and js["ended_unix_ms"] and "the page test" in js["outcome_reason"]
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
