@@ -17,7 +17,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -607,6 +608,15 @@ class Comm:
         if spec is None or store is None:
             raise RuntimeError("no group formed")
         return GroupChannel(store, spec, abandoned, self.timeout.total_seconds())
+
+    @contextmanager
+    def subgroups(self) -> Iterator[None]:
+        """Groups made inside (a DeviceMesh's) are aborted with the current group: gloo's abort
+        shuts down the sockets a group opened, and theirs are opened after it formed."""
+        before = _socket_inodes()
+        yield
+        with self._lock:
+            self._sockets.update(_new_sockets(before))
 
     def leave(self, below_generation: int, into: GroupSpec | None = None,
               abandoned: Callable[[], bool] | None = None) -> None:
