@@ -1,0 +1,72 @@
+"""FSDP2 on an HSDP mesh (2 replicas x 2 shards, examples/train_hsdp.py) under a real coordinator:
+the job never forms smaller than its mesh, a killed rank's slot is taken by the spare, training goes
+on without a restart, and every slot ends bit-identical to an uninterrupted run of the same batches
+(2-rank reductions on CPU are exact whatever the order: a + b == b + a)."""
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from muster.local import TrainingProcess, record_time, wait_until
+
+HEARTBEAT = ["--heartbeat-timeout", "2.0"]
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py"
+STEPS = 12
+
+
+class HsdpRank(TrainingProcess):
+    """A rank of examples/train_hsdp.py (TrainingProcess runs train_ddp.py)."""
+
+    def __init__(self, coordinators, job, log_path, **kwargs):
+        super().__init__(coordinators, job, log_path, **kwargs)
+        self.args[1] = str(SCRIPT)
+
+
+@pytest.fixture
+def hsdp(tmp_path):
+    started = []
+
+    def start(coordinator: str, job: str, n: int) -> list[HsdpRank]:
+        new = [HsdpRank([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=STEPS,
+                        step_sleep_s=0.2).start() for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def final_digests(ranks) -> dict[int, str]:
+    last = [p.steps()[-1] for p in ranks]
+    assert all(r["step"] == STEPS for r in last), last
+    return {r["slot"]: r["digest"] for r in last}
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_replaced_in_its_slot_and_training_ends_as_if_uninterrupted(coordinators, hsdp):
+    (leader,) = coordinators(1, extra=HEARTBEAT)
+    reference = hsdp(leader.address, "hsdp-ref", 4)
+    ranks = hsdp(leader.address, "hsdp-kill", 5)  # 4 in the mesh, the 5th a spare
+    wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 120, "4 ranks past step 3")
+    assert min(r["world_size"] for p in ranks for r in p.steps()) == 4, "no group smaller than the mesh formed"
+    (spare,) = [p for p in ranks if not p.steps()]
+    (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == 1]
+    survivors = [p for p in ranks if p not in (victim, spare)]
+    generation = victim.steps()[-1]["generation"]
+    killed_at = time.time()
+    victim.signal(signal.SIGKILL)
+    for p in reference + survivors + [spare]:
+        assert p.wait(150) == 0, p.log_path.read_text()[-3000:]
+    resumed = min(record_time(r) for p in survivors for r in p.steps() if r["generation"] > generation)
+    print(f"\nHSDP 2x2, a rank killed at step {victim.last_step}: training resumed {resumed - killed_at:.2f} s later")
+
+    took = [r for r in spare.records("group_formed") if r["generation"] > generation]
+    assert took and took[0]["state"] == "receiver" and took[0]["bytes_received"] > 0, took
+    assert {r["slot"] for r in spare.steps()} == {1}, "the spare landed in the lost slot"
+    reformed = [r for p in survivors for r in p.records("group_formed") if r["generation"] > generation]
+    assert reformed and all(r["bytes_received"] == 0 for r in reformed), "survivors' shards never moved"
+    assert sum(r["bytes_sent"] for r in reformed) == took[0]["bytes_received"]
+    assert final_digests(survivors + [spare]) == final_digests(reference)
