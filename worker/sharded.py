@@ -114,6 +114,11 @@ class ShardedState:
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
 
+    def __post_init__(self) -> None:
+        # FSDP2's first call imports torch._dynamo (1.0 s of a 1.3 s first step here): paid at
+        # register, before this rank joins, not by a spare while the job waits for its slot.
+        import torch._dynamo  # noqa: F401
+
     def _shards(self, group: dist.ProcessGroup | None = None) -> LocalShards:
         return LocalShards(self.model, self.optimizer, self.extras, self.bucket_bytes, group)
 
