@@ -120,7 +120,7 @@ class ShardedState:
         import torch._dynamo  # noqa: F401
 
     def _shards(self, group: dist.ProcessGroup | None = None) -> LocalShards:
-        return LocalShards(self.model, self.optimizer, self.extras, self.bucket_bytes, group)
+        return LocalShards(self.model, self.optimizer, self.extras, bucket_bytes=self.bucket_bytes, group=group)
 
     def card(self, step: int, device: torch.device) -> Card:
         return self._shards().card(step, device)
@@ -136,7 +136,8 @@ class ShardedState:
     def sync(self, step: int, channel: Channel, device: torch.device,
              progress: Callable[[str], None] | None = None) -> SyncResult:
         started = time.perf_counter()
-        rank_of_slot = place([int(v) for v in channel.exchange("mesh/slot", str(self.slot))], self.layout)
+        claims = [int(v) for v in channel.exchange("mesh/slot", str(self.slot))]
+        rank_of_slot = place(claims, self.layout)
         # Tensors only: the old model and optimizer hold the old generation's groups, dropped here.
         kept = self._shards()._tree() if self.model is not None else None
         self.model = self.optimizer = self.mesh = None
@@ -161,7 +162,7 @@ class ShardedState:
         result.phases = {"mesh_s": meshed - started, "build_s": built - meshed, "restore_s": restored - built,
                          **result.phases}
         log.info("mesh_placed", slot=self.slot, replica=replica, shard=shard, kept=kept is not None,
-                 fresh=sum(1 for r, c in enumerate(rank_of_slot) if c < 0), role=result.role)
+                 fresh=claims.count(-1), role=result.role)
         return result
 
 
@@ -202,11 +203,13 @@ def local(tree: Any) -> Any:
     """`tree` with every DTensor replaced by its local shard (no copy)."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(tree, dict):
-        return {k: local(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(local(v) for v in tree)
-    return tree.to_local() if isinstance(tree, DTensor) else tree
+    def walk(t: Any) -> Any:
+        if isinstance(t, dict):
+            return {k: walk(v) for k, v in t.items()}
+        if isinstance(t, (list, tuple)):
+            return type(t)(walk(v) for v in t)
+        return t.to_local() if isinstance(t, DTensor) else t
+    return walk(tree)
 
 
 def on_params(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
