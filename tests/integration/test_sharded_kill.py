@@ -1,8 +1,9 @@
 """FSDP2 on an HSDP mesh (2 replicas x 2 shards, examples/train_hsdp.py) under a real coordinator:
-the job never forms smaller than its mesh, a killed rank's slot is taken by the spare (standalone
-ranks) or by the process its agent restarts (`muster run`, 2 nodes x 2 slots: the issue's setup),
-training goes on without a restart of the others, and every slot ends bit-identical to an
-uninterrupted run of the same batches (2-rank reductions on CPU are exact whatever the order)."""
+the job never forms smaller than its mesh; a killed or hung rank's slot is taken by the spare
+(standalone ranks) or by the process its agent restarts (`muster run`, 2 nodes x 2 slots: the
+issue's setup), a lost node's by a spare node; training goes on without a restart of the others,
+and every slot ends bit-identical to an uninterrupted run of the same batches (2-rank reductions on
+CPU are exact whatever the order). Each test prints the time from the fault to the first step after."""
 
 import os
 import signal
@@ -15,7 +16,6 @@ import pytest
 from muster.local import TrainingProcess, record_time, wait_until
 
 HSDP_COMMAND = [sys.executable, str(Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py")]
-
 HEARTBEAT = ["--heartbeat-timeout", "2.0"]
 STEPS = 12
 STEP_SLEEP = "0.2"
