@@ -8,7 +8,8 @@ from importlib import import_module
 
 _EXPORTS = {"Worker": "api", "WorkerConfig": "api", "WorkerError": "errors", "FencedOut": "errors",
             "CoordinatorLost": "errors", "HoldExpired": "errors", "Drained": "errors", "RunEnded": "errors",
-            "StateMismatch": "errors", "ShardedStateRefused": "errors"}
+            "StateMismatch": "errors", "ShardedStateRefused": "errors",
+            "LayoutMismatch": "errors", "Replicas": "sharded"}
 __all__ = list(_EXPORTS)
 
 

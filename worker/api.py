@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
@@ -45,7 +45,8 @@ from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpire
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.state import ReplicatedState
+from muster.worker.sharded import Build, Replicas, ShardedState
+from muster.worker.state import ReplicatedState, StateTransfer
 from muster.worker.step_guards import StepGuards
 from muster.worker.unwinding import Unwinding
 
@@ -167,7 +168,7 @@ class _StepScope:
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.state = ReplicatedState()
+        self.state: StateTransfer = ReplicatedState()
         self.step = 0  # completed steps
         self.rank, self.world_size = -1, 0
         self.generation = 0  # of the group this rank is in
@@ -194,15 +195,47 @@ class Worker:
 
     # ---- setup -----------------------------------------------------------------------
 
-    def register(self, *, model: torch.nn.Module | None = None, optimizer=None, **extras) -> Worker:
+    def register(self, *, model: torch.nn.Module | None = None, optimizer=None, build: Build | None = None,
+                 layout: Replicas | None = None, **extras) -> Worker:
         """The state kept identical on every rank: the model's parameters and buffers, the
-        optimizer, and any extras with state_dict()/load_state_dict() (e.g. a data position)."""
+        optimizer, and any extras with state_dict()/load_state_dict() (e.g. a data position).
+
+        Sharded state (FSDP2 over an HSDP mesh) declares its `layout` instead of a model, and a
+        `build(mesh) -> (model, optimizer)` the library calls on each generation's mesh (a
+        DeviceMesh with dimensions "replicate" and "shard"); see docs/guide/sharded.md."""
         for name, obj in extras.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
-        self.state = ReplicatedState.of(model, optimizer, dict(extras))
-        self._guards.install(model, optimizer)
+        if layout is None and build is None:
+            self.state = ReplicatedState.of(model, optimizer, dict(extras))
+            self._guards.install(model, optimizer)
+            return self
+        if layout is None or build is None or model is not None or optimizer is not None:
+            raise TypeError("sharded state is registered as build= and layout= together, without model= or "
+                            "optimizer= (the library builds them on each generation's mesh)")
+        if self.config.digest_every:
+            raise TypeError("digest_every compares every rank's digest, and a sharded job's ranks hold different shards")
+        if not self.config.agent_socket:  # this rank may create the job: no generation of another size
+            self.config = replace(self.config, world_size_multiple=self.config.world_size_multiple or layout.world_size,
+                                  max_nodes=self.config.max_nodes or layout.world_size)
+        self.state = ShardedState(build, layout, dict(extras), subgroups=lambda: self.comm.subgroups(),
+                                  on_built=self._guards.install)
         return self
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The registered model, or the one built on this generation's mesh (sharded state: take it
+        afresh every step, a reform builds another)."""
+        return self.state.model
+
+    @property
+    def optimizer(self):
+        return self.state.optimizer
+
+    @property
+    def mesh(self):
+        """This generation's DeviceMesh ("replicate", "shard") where a layout was registered, else None."""
+        return getattr(self.state, "mesh", None)
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""

@@ -18,7 +18,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -589,6 +590,15 @@ class Comm:
         if spec is None or store is None:
             raise RuntimeError("no group formed")
         return GroupChannel(store, spec, abandoned, self.timeout.total_seconds())
+
+    @contextmanager
+    def subgroups(self) -> Iterator[None]:
+        """Groups made inside (a DeviceMesh's) are aborted with the current group: gloo's abort
+        shuts down the sockets a group opened, and theirs are opened after it formed."""
+        before = _socket_inodes()
+        yield
+        with self._lock:
+            self._sockets.update(_new_sockets(before))
 
     def abort(self, below_generation: int) -> bool:
         """Make the current group's collectives fail now if its generation is below the given one.

@@ -32,9 +32,14 @@ class StateMismatch(WorkerError):
 
 
 class ShardedStateRefused(WorkerError):
-    """`register` was given sharded state (FSDP/FSDP2, DTensor parameters, ZeroRedundancyOptimizer):
-    each rank holds a shard that no other rank has, which the library cannot recover yet. Refused,
-    never trained on as if it were replicated."""
+    """`register` was given sharded state (FSDP/FSDP2, DTensor parameters, ZeroRedundancyOptimizer)
+    without a layout that holds each shard twice: a lost shard could not be recovered. Refused, never
+    trained on as if it were replicated."""
+
+
+class LayoutMismatch(WorkerError):
+    """The job's generation does not fit the layout declared at `register` (e.g. 3 ranks for
+    Replicas(2, 2)): the mesh cannot be built, and no rank trains on a partial one."""
 
 
 class RunEnded(WorkerError):
@@ -48,4 +53,5 @@ class RunEnded(WorkerError):
         self.reason = end.reason
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardedStateRefused", "Evicted"]
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardedStateRefused", "LayoutMismatch",
+           "Evicted"]

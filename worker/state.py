@@ -101,6 +101,9 @@ class ReplicatedState:
     optimizer: Stateful | None = None
     extras: dict[str, Stateful] = field(default_factory=dict)
     bucket_bytes: int = BUCKET_BYTES
+    # The ranks the state is identical across (a DeviceMesh's replicate group): its ranks are the
+    # channel's; None: the whole group.
+    group: dist.ProcessGroup | None = None
     # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
     on_received: Callable[[int, torch.Tensor], None] | None = None
 
@@ -110,10 +113,12 @@ class ReplicatedState:
         shard = sharded(model, optimizer)
         if shard:
             raise ShardedStateRefused(
-                f"sharded state cannot be recovered yet: {shard}. Muster keeps every rank's state "
-                "identical and sends it whole to a rank that lacks it; a lost shard needs a replica group "
-                "(HSDP: another replica holding the same shard) or a peer's in-memory snapshot of it, and "
-                "neither is built yet. Register a replicated model (DDP), or restart from your checkpoint")
+                f"{shard}, and no layout was declared: a lost shard would exist nowhere else. Two ways to "
+                "recover one: (1) replica groups (HSDP): register(build=..., layout=Replicas(R, S)) with "
+                "R >= 2, the library builds the mesh and a lost shard is taken from another replica (see "
+                "docs/guide/sharded.md); (2) peer in-memory snapshots of each shard, for sharding without "
+                "replicas (FSDP over the whole job, ZeRO): not built yet. Until then register a replicated "
+                "model (DDP), or restart from your checkpoint")
         return cls(model, optimizer, extras)
 
     def discard_step(self) -> None:
@@ -174,7 +179,7 @@ class ReplicatedState:
             began = time.perf_counter()
             sent, received = _move(cut, p.sources, receivers, channel.rank, targets if taking or result.role == "source"
                                    else None, device, self.bucket_bytes, _Progress(sum(r.nbytes for r in refs), progress),
-                                   self.on_received if taking else None, dist.get_backend() == "gloo")
+                                   self.on_received if taking else None, self.group)
             moved = time.perf_counter()
             result.transfer_s += moved - began
             result.sent, result.received = result.sent + sent, result.received + received
@@ -332,16 +337,17 @@ class _Progress:
 
 def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...], rank: int,
           tensors: list[torch.Tensor] | None, device: torch.device, bucket_bytes: int, progress: _Progress,
-          on_received: Callable[[int, torch.Tensor], None] | None, point_to_point: bool) -> tuple[int, int]:
+          on_received: Callable[[int, torch.Tensor], None] | None, group: dist.ProcessGroup | None) -> tuple[int, int]:
     """Send every piece from its source to the receivers, up to MAX_IN_FLIGHT at once. A source sends
     from `tensors` (its own); a receiver takes into `tensors` (its targets), in place where it can; a
     piece that is not in place goes through one of two staging buffers. Returns (bytes sent, received).
 
-    `point_to_point` (gloo): receiver j takes piece k from sources[(k + j) mod n], and nobody else
-    takes part: the bytes cross once, split over the sources. Otherwise (NCCL, whose point-to-point
-    calls would set up communicators of their own) piece k is broadcast from sources[k mod n] and the
-    other ranks take it into staging and drop it."""
+    Ranks are `group`'s (None: the whole group's). On gloo, point to point: receiver j takes piece k
+    from sources[(k + j) mod n], and nobody else takes part: the bytes cross once, split over the
+    sources. Otherwise (NCCL, whose point-to-point calls would set up communicators of their own)
+    piece k is broadcast from sources[k mod n] and the other ranks take it into staging and drop it."""
     taking = rank in receivers
+    point_to_point = dist.get_backend(group) == "gloo"
     free: list[torch.Tensor | None] = [None, None]  # the staging buffers not in use (made when first needed)
     in_flight: deque = deque()
     sent = received = 0
@@ -388,11 +394,11 @@ def _move(cut: list[Piece], sources: tuple[int, ...], receivers: tuple[int, ...]
                 for index, a, b, off in piece.parts:
                     buf[off:off + b - a].copy_(_bytes(tensors[index])[a:b])
         if not point_to_point:
-            works = [dist.broadcast(buf, root, async_op=True)]
+            works = [dist.broadcast(buf, group=group, group_src=root, async_op=True)]
         elif taking:
-            works = [dist.irecv(buf, root)]
+            works = [dist.irecv(buf, group=group, group_src=root)]
         else:
-            works = [dist.isend(buf, r) for r in destinations]
+            works = [dist.isend(buf, group=group, group_dst=r) for r in destinations]
         if rank == root:
             sent += piece.nbytes * max(1, len(destinations))
         elif taking:

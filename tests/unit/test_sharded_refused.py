@@ -27,7 +27,8 @@ def test_an_fsdp2_model_is_refused_naming_the_ways_to_recover_a_shard(group):
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     with pytest.raises(ShardedStateRefused, match="sharded by FSDP") as refused:
         worker().register(model=model, optimizer=torch.optim.Adam(model.parameters()))
-    assert "replica group" in str(refused.value) and "snapshot" in str(refused.value)
+    message = str(refused.value)
+    assert "layout=Replicas(R, S)" in message and "snapshot" in message and "not built yet" in message
 
 
 def test_zero_is_refused(group):
