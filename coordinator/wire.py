@@ -149,7 +149,7 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
                 or len(phase) > MAX_PHASE_CHARS or len(digest) > MAX_DIGEST_BYTES or state is None):
             _refuse_rank(r, slots)
         reports.append(RankReport(local_rank, r.pid, step, r.step_time_us / 1e6, state, r.heard_ms_ago, phase,
-                                  digest_step, digest, generation, r.compute_us / 1e6))
+                                  digest_step, digest, generation, r.compute_us / 1e6, r.restarts))
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")
@@ -362,7 +362,8 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
                                        state=rank_state, compute_us=int(r.compute_s * 1e6) if r else 0,
                                        step_time_us=int(r.step_time_s * 1e6) if r else 0,
                                        straggler_factor=r.straggler_factor if r else 0.0,
-                                       phase=r.phase if r and live else "", host=member.host if member else ""))
+                                       phase=r.phase if r and live else "", host=member.host if member else "",
+                                       restarts=r.restarts if r else 0))
     return ranks, ""
 
 

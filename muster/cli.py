@@ -361,13 +361,13 @@ def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
                        f"{h['evictions']}  last detection {h['last_detection_s']:.3f}s  last recovery "
                        f"{h['last_recovery_s']:.3f}s")
         out.append(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'HOST':<15} {'PID':>8} {'STEP':>10} "
-                   f"{'COMPUTE':>9} {'STRAGGLER':>9}  STATE")
+                   f"{'COMPUTE':>9} {'STRAGGLER':>9} {'RESTARTS':>8}  STATE")
         for r in j["ranks"]:
             compute = f"{r['compute_us'] / 1000:.1f}ms" if r["compute_us"] else "-"
             straggler = f"{r['straggler_factor']:.2f}x" if r["straggler_factor"] else "-"
             out.append(f"  {r['rank']:>5} {r['local_rank']:>5} {r['node']:<24} {r['node_rank']:>9} "
-                       f"{r['host'] or '-':<15} {r['pid'] or '-':>8} {r['step']:>10} {compute:>9} {straggler:>9}  "
-                       f"{r['state']}" + (f" ({r['phase']})" if r["phase"] else ""))
+                       f"{r['host'] or '-':<15} {r['pid'] or '-':>8} {r['step']:>10} {compute:>9} {straggler:>9} "
+                       f"{r['restarts']:>8}  {r['state']}" + (f" ({r['phase']})" if r["phase"] else ""))
         if j["next_page_token"]:
             out.append(f"  more ranks: --page-token {j['next_page_token']} (or --all)")
         if s:

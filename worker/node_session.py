@@ -50,8 +50,8 @@ def job_spec(min_nodes: int, max_nodes: int, world_size_multiple: int,
 def shape(frame: pb.NodeFrame) -> tuple:
     """What a frame reports but its ranks' steps, step and compute times and heard_ms_ago
     (`NodeFrame.steps_only`)."""
-    return (frame.term, frame.generation, [(r.local_rank, r.pid, r.state, r.phase, r.generation, r.digest_step, r.digest)
-                                           for r in frame.ranks])
+    return (frame.term, frame.generation, [(r.local_rank, r.pid, r.state, r.phase, r.generation, r.digest_step,
+                                            r.digest, r.restarts) for r in frame.ranks])
 
 
 class Evicted(Exception):

@@ -74,6 +74,8 @@ class RankHub(pb_grpc.NodeAgentServicer):
                                              generation=slot.crashed_in))
             elif slot.failed_pid and not slot.stopping:  # crashed, or its replacement is not connected yet
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_EXITED))
+        for r in reports:  # whatever speaks for the slot, its agent counts its restarts
+            r.restarts = node.slots[r.local_rank].restarts
         return reports
 
     async def RankSession(self, request_iterator, context):

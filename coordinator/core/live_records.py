@@ -28,6 +28,7 @@ class RankLive:
     generation: int = 0  # of the group it is in, or forming
     compute_s: float = 0.0  # median compute part of its latest steps (RankReport.compute_us; 0: not measured)
     straggler_factor: float = 0.0  # named a straggler: its compute over the job's median (0: not named)
+    restarts: int = 0  # its slot's restarts by its agent, as last reported
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x
     digest: bytes = b""
     generation: int = 0  # of the group the rank is in or forming (0: none yet)
     compute_s: float = 0.0
+    restarts: int = 0  # its slot's restarts by its agent
 
 
 @dataclass(frozen=True)

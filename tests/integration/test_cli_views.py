@@ -119,6 +119,22 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
     out = muster("logs", JOB, *at, "--log-dir", str(log_dir), "--rank", "7")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no rank 7" in out.stderr
 
+    # a rank killed and restarted by its agent: status counts the restart, on that rank only
+    (killed,) = [r for r in ranks() or () if r["node"] == "a"]
+    os.kill(killed["pid"], signal.SIGKILL)
+
+    def restarted():
+        found = {r["node"]: r for r in ranks() or ()}
+        back = found.get("a") and found["a"]["pid"] != killed["pid"] and found["a"]["state"] == "running"
+        return found if back and found["a"]["restarts"] >= 1 else None
+
+    found = wait_until(restarted, 60, "a's rank restarted and its restart counted")
+    assert found["b"]["restarts"] == 0
+    table = [line.split() for line in muster("status", *at, "--job", JOB).stdout.splitlines()]
+    column = next(line for line in table if "RESTARTS" in line).index("RESTARTS")
+    rows = {line[2]: line for line in table if line[2:3] in (["a"], ["b"])}  # (NODE is the third column)
+    assert (rows["a"][column], rows["b"][column]) == (str(found["a"]["restarts"]), "0")
+
     # the operator verbs' --json; the followers end on their own once the run has its outcome
     drained = answered("drain", "drain", *at, "--job", JOB, "--node", "b")
     assert (drained["job"], drained["node"]) == (JOB, "b") and drained["generation"] >= 2

@@ -91,6 +91,21 @@ def test_persisted_status_pages_the_same_with_every_rank_persisted():
     assert dict(first.summary.rank_states) == {"persisted": 9}
 
 
+def test_each_ranks_restarts_are_its_agents_latest_report():
+    state = running(1)
+    lv = Liveness(TIMING, 0.0)
+
+    def frame(restarts: list[int], now: float) -> list[int]:
+        reports = [pb.RankReport(local_rank=s, pid=100 + s, state=pb.RANK_STATE_RUNNING, restarts=n)
+                   for s, n in enumerate(restarts)]
+        lv.observe("n0", state.generation, wire.check_frame_ranks(pb.NodeFrame(ranks=reports), state.member("n0")), now)
+        return [r.restarts for r in wire.rank_page(state, lv, page())[0]]
+
+    assert frame([0, 2, 0], 0.0) == [0, 2, 0]
+    assert frame([1, 3, 0], 1.0) == [1, 3, 0]  # replaced, not summed: the agent keeps the count
+    assert {r.restarts for r in wire.rank_page(state, None, page())[0]} == {0}  # persisted: not known
+
+
 def test_ranks_of_a_node_not_yet_heard_from_are_unknown():
     state = running(2)
     lv = Liveness(TIMING, 0.0)
