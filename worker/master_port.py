@@ -58,22 +58,26 @@ class MasterPorts:
 
     async def _find(self, a: pb.Assignment) -> tuple[str, str] | None:
         host, master_port = split_host_port(a.master_address)
-        if self._library():
-            return host, str(master_port)
         key = f"{a.store_prefix}/muster-agent/master-port"
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
             from muster.worker.comm import StoreKeyTaken, publish
 
-            served = await asyncio.to_thread(serve_store, self.host)
+            # Library ranks need no store, but a node placed since, whose ranks have not started
+            # (so it cannot know they are library ranks), waits for the key: it is published anyway.
+            served = None if self._library() else await asyncio.to_thread(serve_store, self.host)
+            port = str(served.port if served is not None else master_port)
             try:
-                await asyncio.to_thread(publish, self.store, key, str(served.port))
+                await asyncio.to_thread(publish, self.store, key, port)
             except StoreKeyTaken as exc:  # nodes that read it first would use someone else's port
                 self._planted(a.generation, exc)
                 return None
-            self._served[a.generation] = served
+            if served is not None:
+                self._served[a.generation] = served
             stale = [self._served.pop(g) for g in list(self._served) if g < a.generation - 1]  # their ranks are gone
             await asyncio.to_thread(stale.clear)  # the last references: each server joins its thread there
-            return host, str(served.port)
+            return host, port
+        if self._library():
+            return host, str(master_port)
         # Never a guess: ranks that disagree on the port would wait in init_process_group for good.
         # Rank 0's node publishes within moments; if it is gone, the leader's next map says so.
         warned = False

@@ -112,19 +112,19 @@ def test_under_muster_run_a_killed_rank_restarted_by_its_agent_retakes_its_slot(
 @pytest.mark.timeout(240)
 def test_under_muster_run_a_lost_node_is_replaced_by_a_spare_node(coordinators, hsdp, agents):
     """A node holding a whole replica group (both its shards) is killed, agent and ranks: the spare
-    node's ranks take both slots, each receiving its shard from the other replica. (The spare joins
-    once the job runs: a node that joins before the job's ranks first reach the library, or while
-    the job waits below its size, is not told to start its ranks, and once placed waits for a
-    master port no library rank publishes: an agent matter, reported.)"""
+    node's ranks take both slots, each receiving its shard from the other replica. The spare node
+    joins with the others, before any rank reached the library: once placed, its agent, which
+    cannot know its ranks use the library, waits for the generation's master port, which rank 0's
+    node publishes anyway (it waited for good before)."""
     (leader,) = coordinators(1, extra=HEARTBEAT)
     steps = 150  # long enough for the spare's ranks to start (cold: no warm start) before the job ends
     reference = hsdp(leader.address, "hsdp-ref", 4, steps)
     run = {"nodes": "2:2", "extra": ["--world-size-multiple", "4"],
            "command": [*HSDP_COMMAND, "--steps", str(steps), "--step-sleep", STEP_SLEEP]}
-    kept, victim = agents([leader.address], "hsdp-node", ["a", "b"], **run)
-    wait_until(lambda: all(n.steps(s) for n in (kept, victim) for s in (0, 1)), 120, "every rank stepping")
-    (spare,) = agents([leader.address], "hsdp-node", ["c"], **run)
-    wait_until(lambda: all(spare.rank_records(s, "assignment_received") for s in (0, 1)), 120, "the spare's ranks up")
+    nodes = agents([leader.address], "hsdp-node", ["a", "b", "c"], **run)
+    wait_until(lambda: sum(all(n.steps(s) for s in (0, 1)) for n in nodes) == 2, 120, "two nodes stepping")
+    kept, victim = [n for n in nodes if all(n.steps(s) for s in (0, 1))]
+    (spare,) = [n for n in nodes if n not in (kept, victim)]
     lost = {victim.steps(s)[-1]["slot"] for s in (0, 1)}
     at = victim.steps(0)[-1]
     killed_at = time.time()
