@@ -74,6 +74,8 @@ def expand(markdown: str, where: Path) -> str:
             body = bench_section(arg)
         elif name == "bench-others":
             body = bench_others(shown)
+        elif name == "modules":
+            body = module_map()
         else:
             raise GenerationError(f"{where}: unknown marker muster:{name}")
         return f"<!-- muster:{name}{' ' + arg if arg else ''} -->\n{body.rstrip()}\n{END}"
@@ -144,6 +146,32 @@ def plain_environment():
             os.environ.pop("COLUMNS", None)
         else:
             os.environ["COLUMNS"] = columns
+
+
+# --- the module map ---------------------------------------------------------------------------------
+
+PACKAGES = {"coordinator": "muster.coordinator", "coordinator/core": "muster.coordinator.core",
+            "coordinator/etcd": "muster.coordinator.etcd", "worker": "muster.worker", "muster": "muster"}
+
+
+def module_map() -> str:
+    """Every module of the packages, with the first sentence of its docstring: the map cannot miss
+    a module or say what its docstring no longer says."""
+    import ast
+
+    rows = []
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.name.startswith("__"):
+                continue
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            if not doc:
+                raise GenerationError(f"{folder}/{path.name} has no module docstring (the design page's map needs one)")
+            first = " ".join(doc.split("\n\n")[0].split())
+            sentence = re.match(r"(.+?\.)(\s|$)", first)
+            said = sentence[1] if sentence else first
+            rows.append([f"`{folder}/{path.name}`", said if len(said) <= 240 else said[:239].rsplit(" ", 1)[0] + " …"])
+    return table(["module", "what it is (its docstring's first sentence)"], rows)
 
 
 # --- the CLI reference -----------------------------------------------------------------------------
