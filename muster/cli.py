@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -631,35 +632,28 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
+def _checked(text: str, parse: Callable[[str], float], ok: Callable[[float], bool], what: str):
+    """A flag's number, or argparse's one-line refusal naming what it must be."""
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def refresh_interval(text: str) -> float:
     """--interval: a refresh loop that neither spins nor looks stuck."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be within 0.1 and 3600 seconds, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0.1 <= v <= 3600, "within 0.1 and 3600 seconds")
 
 
 def _coordinator_flag(p: argparse.ArgumentParser) -> None:
