@@ -129,11 +129,12 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
         return found if back and found["a"]["restarts"] >= 1 else None
 
     found = wait_until(restarted, 60, "a's rank restarted and its restart counted")
-    assert found["b"]["restarts"] == 0
+    # b's is whatever b's agent counted (its rank may have died of the reform too, under load)
+    assert found["b"]["restarts"] == b.records("rank_started")[-1]["restart_count"]
     table = [line.split() for line in muster("status", *at, "--job", JOB).stdout.splitlines()]
     column = next(line for line in table if "RESTARTS" in line).index("RESTARTS")
     rows = {line[2]: line for line in table if line[2:3] in (["a"], ["b"])}  # (NODE is the third column)
-    assert (rows["a"][column], rows["b"][column]) == (str(found["a"]["restarts"]), "0")
+    assert (rows["a"][column], rows["b"][column]) == (str(found["a"]["restarts"]), str(found["b"]["restarts"]))
 
     # the operator verbs' --json; the followers end on their own once the run has its outcome
     drained = answered("drain", "drain", *at, "--job", JOB, "--node", "b")
