@@ -49,7 +49,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from muster.worker.comm import Nccl, _take_groups
+    from muster.worker.backends import Nccl, take_groups
 
     if args.backend == "nccl":
         Nccl().prepare(os.environ)  # the library's watchdog settings
@@ -83,7 +83,7 @@ def rank_main(args: argparse.Namespace) -> None:
     out: dict[str, float] = {}
     old = [dist.group.WORLD]
     if standby is None:
-        old = _take_groups()
+        old = take_groups()
         threading.Thread(target=lambda: [g.abort() for g in old], daemon=True).start()
         out["init_s"] = timed(lambda: dist.init_process_group(
             args.backend, store=dist.PrefixStore("new/", store), rank=r, world_size=n - 1, **options))

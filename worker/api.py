@@ -40,7 +40,10 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
-from muster.worker.comm import Comm, GroupSpec, StepCut, Superseded, backend_named, exit_stuck, interface_of
+from muster.worker.backends import backend_named
+from muster.worker.comm import Comm, GroupSpec, StepCut, Superseded
+from muster.worker.sockets import interface_of
+from muster.worker.stuck import exit_stuck
 from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
 from muster.worker.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec

@@ -5,17 +5,16 @@ Every process hosts a TCPStore from the start, so whichever process is rank 0 of
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
 barrier polled without blocking, so a newer generation can abandon a half-formed one, or one whose
 store does not answer (its host died as the map was published).
-Abort: NCCL has `abort()`, run in the background (worker/teardown.py) once the groups are out of
-torch's registry; gloo has none, so the sockets the generation's group opened are shut down, which
-makes a collective blocked on a hung or dead peer fail at once.
+Abort: through the backend (worker/backends.py): NCCL's `abort()` runs in the background
+(worker/teardown.py) once the groups are out of torch's registry; gloo has none, so the sockets the
+generation's group opened are shut down (worker/sockets.py), which makes a collective blocked on a
+hung or dead peer fail at once.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,11 +23,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import structlog
-import torch
 import torch.distributed as dist
 
 from muster.net import split_host_port
-from muster.worker.teardown import Teardown
+from muster.worker.backends import Backend, backend_named
+from muster.worker.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
+from muster.worker.stuck import exit_stuck
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +47,6 @@ GLOO_CONNECT_MIN_S = 1.0
 GLOO_CONNECT_PER_RANK_S = 0.002
 GLOO_ACCEPT_WAITS = 5  # the accepting side's wait, in connect timeouts
 ABANDONED_CONNECT_EXIT_S = 5.0  # an abandoned group's backend connect still running this long past its bound: exit
-STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process for the slot
 BARRIER_LATE_S = 1.0  # an arrival barrier waiting this long names the ranks not there yet (once)
 
 
@@ -73,208 +72,6 @@ def publish(store: dist.Store, key: str, value: str) -> None:
                             "planted on the generation's store, so this generation is not formed")
 
 
-def exit_stuck(cause: str, waited_s: float) -> None:
-    """The training thread is stuck in a C++ call that nothing reaches and would hold its slot for
-    that call's own timeout: the process exits, and its agent starts a fresh one for the slot."""
-    log.error("rank_exited_stuck", error=cause, waited_s=waited_s)
-    os._exit(STUCK_EXIT_CODE)
-
-
-# ---- backends: what differs between gloo and NCCL, behind one small interface ------------------
-
-# How a broken group shows itself, in the texts torch raises (pinned by tests/unit/test_comm_backends.py).
-# Gloo: a plain RuntimeError from its transport when a peer closed or reset a connection, or when
-# an abort shut this process's sockets down.
-GLOO_TRANSPORT = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "Socket Timeout",
-                  "timed out", "Timed out")
-# NCCL: a DistBackendError for every NCCL failure, the script's own too. NCCL's result names tell
-# them apart: a peer that died or an aborted communicator is the group's; a bad argument or a CUDA
-# error is not (the process cannot go on in-process after the latter: it ends and is restarted).
-NCCL_ABORTED = ("NCCL communicator was aborted", "NCCL communicator encountered error set by ProcessGroupNCCL")
-NCCL_TRANSPORT = (*NCCL_ABORTED, "ncclRemoteError", "remote process exited or there was a network error",
-                  "ncclSystemError", "unhandled system error", "Watchdog caught collective operation timeout",
-                  "NCCL timeout in:",
-                  # after _abort_process_group torch keeps no default group: a collective the abort beat
-                  "Default process group has not been initialized")
-NCCL_NOT_TRANSPORT = ("ncclInvalidArgument", "ncclInvalidUsage", "invalid argument", "invalid usage",
-                      "ncclUnhandledCudaError", "unhandled cuda error")
-# The watchdog's settings for a rank that aborts its groups itself (the _abort_process_group
-# docstring: error handling off). Set where the environment leaves them unset, before the first
-# group: with torch's defaults a peer's death takes every survivor down (TearDown/SkipCleanUp) or
-# makes each dump the flight recorder and C++ stacks; with these a reform prints group_aborted.
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-            "TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN": "0",
-            "TORCH_FR_BUFFER_SIZE": "0"}  # the flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.10)
-NCCL_TEARS_DOWN = {"1", "3"}  # TearDown, SkipCleanUp: the watchdog ends the process on a peer's death
-# Since torch 2.8 a watchdog that sees a collective fail (a peer's death, before Muster's abort)
-# sleeps 4x this (default 15 s: a minute) "for the flight recorder", dump or not, and releasing
-# the aborted group joins that thread: the rank missed the next group's barrier and was evicted
-# as stalled (H200, 2026-11-26). Forced, whatever the environment says.
-NCCL_DUMP_WAIT = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
-NCCL_PROXY_POLL_S = 0.5  # ncclCommAbort joins proxy threads that look at its flag this often (NCCL's src/proxy.cc)
-
-
-def _take_groups() -> list[dist.ProcessGroup]:
-    """Every group out of torch's registry, which is left as _abort_process_group() leaves it
-    (torch 2.13's code, less the abort itself): no default group, names and counter reset, so the
-    next generation's group forms while these are aborted elsewhere. Newest first, torch's order."""
-    c10d = dist.distributed_c10d
-    world = c10d._world
-    groups = sorted(world.pg_names, key=lambda g: world.pg_names[g], reverse=True)
-    c10d._update_default_pg(None)
-    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
-                     world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
-        registry.clear()
-    c10d._unregister_all_process_groups()
-    world.group_count = 0
-    return groups
-
-
-def _says(exc: BaseException, texts: tuple[str, ...]) -> bool:
-    return any(t in str(exc) for t in texts)
-
-
-class Gloo:
-    """CPU tensors. Gloo's abort does not end a collective blocked on a hung peer (measured): an
-    abort shuts down the sockets the group opened instead, which makes it fail at once."""
-
-    name = torch_backend = "gloo"
-    bounded_connect = True  # see GLOO_CONNECT_MIN_S
-
-    def prepare(self, env: dict[str, str]) -> None:
-        pass
-
-    def release(self) -> None:
-        pass  # (its groups stay in torch's registry after an abort: destroy_process_group ends them)
-
-    def device(self, local_rank: int) -> torch.device:
-        return torch.device("cpu")
-
-    def init_options(self, device: torch.device) -> dict:
-        return {}
-
-    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
-        return _shutdown_peer_sockets(sockets, keep_ports)
-
-    def is_transport_failure(self, exc: BaseException) -> bool:
-        return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and _says(exc, GLOO_TRANSPORT))
-
-
-class Nccl:
-    """One GPU per rank, taken round-robin from the visible ones (ranks may share a GPU, each
-    process with its own NCCL_HOSTID). Eager init (`device_id`): the communicator is made while
-    forming, so a reform pays for it before the first step rather than inside it. An abort takes
-    every group out of torch's registry at once (`Comm.destroy` then has nothing left to destroy,
-    and the next generation's group may form) and leaves NCCL's own abort (`ncclCommAbort`, half a
-    second) to a background teardown (worker/teardown.py): its first microseconds set the abort
-    flag that releases the training thread, the rest is nobody's wait."""
-
-    name = torch_backend = "nccl"
-    bounded_connect = False  # NCCL's bootstrap has its own timeouts; its init pays for CUDA too
-
-    def __init__(self) -> None:
-        self.teardown = Teardown(self._abort_groups, exit_stuck)
-
-    def prepare(self, env: dict[str, str]) -> None:
-        """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
-        `muster run` passes on to unmodified scripts) would end every survivor of a peer's death
-        before Muster's abort, and one that sleeps after a failure holds the reform
-        (NCCL_DUMP_WAIT): for a library rank both are turned off, and a change logged."""
-        if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in NCCL_TEARS_DOWN:
-            log.info("nccl_error_handling_off", was=env["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
-                     why="Muster aborts and reforms the group; the watchdog would end the process")
-            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        if env.get(NCCL_DUMP_WAIT, "0") != "0":
-            log.info("nccl_dump_wait_off", was=env[NCCL_DUMP_WAIT],
-                     why="the watchdog sleeps 4x this after a failed collective; releasing the group waits for it")
-        env[NCCL_DUMP_WAIT] = "0"
-        for name, value in NCCL_ENV.items():
-            env.setdefault(name, value)
-
-    def device(self, local_rank: int) -> torch.device:
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-
-    def init_options(self, device: torch.device) -> dict:
-        return {"device_id": device}
-
-    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
-        groups = _take_groups()
-        if groups:
-            self.teardown.submit(generation, groups)
-        return 0
-
-    def release(self) -> None:
-        """The training thread has let go of the aborted groups: the teardown may shut them down."""
-        self.teardown.release()
-
-    def _abort_groups(self, groups: list[dist.ProcessGroup]) -> None:
-        """On the teardown thread. As torch's _abort_process_group(): newest first, within one NCCL
-        group call, so that the aborts of several communicators do not wait on each other
-        (pytorch#119797)."""
-        try:
-            nccl = groups[0]._get_backend(torch.device("cuda"))
-        except RuntimeError:
-            nccl = None
-        if not isinstance(nccl, getattr(dist, "ProcessGroupNCCL", ())):  # (the twin's are gloo's)
-            nccl = None
-        if nccl is not None:
-            nccl._group_start()
-        try:
-            for group in groups:
-                group.abort()
-        finally:
-            if nccl is not None:
-                nccl._group_end()
-
-    def is_transport_failure(self, exc: BaseException) -> bool:
-        if _says(exc, NCCL_NOT_TRANSPORT) and not _says(exc, NCCL_ABORTED):  # (an abort quotes its cause)
-            return False
-        return isinstance(exc, dist.DistError) or (isinstance(exc, (RuntimeError, ValueError))
-                                                   and _says(exc, NCCL_TRANSPORT))
-
-
-class NcclTwin(Nccl):
-    """NCCL's decisions over gloo, so that CI drives on CPU the paths an NCCL rank takes: the
-    abort that clears torch's registry (so no destroy follows, and a collective the abort beat
-    finds no group) and leaves the groups to the background teardown, whose abort takes as long
-    as NCCL's (`abort_join_s`), NCCL's error classification and the watchdog settings. What it
-    cannot be is NCCL itself: no CUDA, no eager init, and sockets shut as gloo's abort needs."""
-
-    name = "nccl-twin"
-    torch_backend = "gloo"
-    bounded_connect = True
-    abort_join_s = NCCL_PROXY_POLL_S  # ncclCommAbort's join of its proxy threads
-
-    def device(self, local_rank: int) -> torch.device:
-        return torch.device("cpu")
-
-    def init_options(self, device: torch.device) -> dict:
-        return {}
-
-    def abort(self, sockets: dict[int, str], keep_ports: set[int], generation: int) -> int:
-        super().abort(sockets, keep_ports, generation)
-        return _shutdown_peer_sockets(sockets, keep_ports)
-
-    def _abort_groups(self, groups: list[dist.ProcessGroup]) -> None:
-        """NCCL's shape: the flag at once (the sockets, shut by abort()), the join later."""
-        super()._abort_groups(groups)
-        time.sleep(self.abort_join_s)
-
-    def is_transport_failure(self, exc: BaseException) -> bool:
-        return super().is_transport_failure(exc) or (isinstance(exc, RuntimeError) and _says(exc, GLOO_TRANSPORT))
-
-
-Backend = Gloo | Nccl
-BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (Gloo, Nccl, NcclTwin)}
-
-
-def backend_named(name: str) -> Backend:
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}: one of {', '.join(BACKENDS)}") from None
-
-
 @dataclass(frozen=True)
 class GroupSpec:
     generation: int
@@ -285,90 +82,6 @@ class GroupSpec:
     store_prefix: str
 
 
-def interface_of(address: str) -> str | None:
-    """The network interface holding an IPv4 address, or None (a name, IPv6, not local)."""
-    try:
-        wanted = socket.inet_aton(address)
-    except OSError:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                info = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-            except OSError:
-                continue  # no IPv4 address on it
-            if info[20:24] == wanted:
-                return name
-    return None
-
-
-def _socket_inodes() -> dict[int, str]:
-    """This process's sockets: descriptor -> 'socket:[inode]'. A socket is known by its inode: a
-    descriptor's number is reused as soon as it is closed (an old group's sockets close whenever its
-    last reference goes, possibly while the next group connects), its inode is not."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            found[int(name)] = target
-    return found
-
-
-def _new_sockets(before: dict[int, str]) -> dict[int, str]:
-    """The sockets opened since `before` was taken (by any thread)."""
-    known = set(before.values())
-    return {fd: inode for fd, inode in _socket_inodes().items() if inode not in known}
-
-
-def _is_tcp(s: socket.socket) -> bool:
-    """A TCP socket (a unix one, e.g. the link to the agent, has no port to compare)."""
-    return s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6)
-
-
-def _store_connections(found: dict[int, str], store_port: int) -> dict[int, str]:
-    """Among new sockets (other threads open some too), those connected to the store's port."""
-    connections = {}
-    for fd, inode in found.items():
-        try:
-            s = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            if _is_tcp(s) and s.getpeername()[1] == store_port:
-                connections[fd] = inode
-        except OSError:
-            pass
-        finally:
-            s.detach()
-    return connections
-
-
-def _shutdown_peer_sockets(found: dict[int, str], keep_ports: set[int]) -> int:
-    """Shut down connected sockets among `found` (never listeners: gloo's accept loop dies on those)."""
-    done = 0
-    for fd, inode in found.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != inode:
-                continue  # closed, its number reused by another socket or file
-            s = socket.socket(fileno=fd)
-        except OSError:
-            continue  # closed already
-        try:
-            if not _is_tcp(s):
-                continue
-            peer, local = s.getpeername(), s.getsockname()
-            if peer[1] in keep_ports or local[1] in keep_ports:
-                continue
-            s.shutdown(socket.SHUT_RDWR)
-            done += 1
-        except OSError:
-            pass  # not connected (a listener) or already shut
-        finally:
-            s.detach()  # the fd stays gloo's
-    return done
 
 
 def arrive(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], started: float,
@@ -497,7 +210,7 @@ class Comm:
         if kept is not None and kept[0] == spec.store_address:
             return kept[1], kept[2]
         del kept  # another store: the old connection closes
-        before = _socket_inodes()
+        before = socket_inodes()
         attempt_s, delay, error = CONNECT_ATTEMPT_S, 0.005, "no answer"
         while True:
             if abandoned():
@@ -521,7 +234,7 @@ class Comm:
                 attempt_s = min(attempt_s * 2, CONNECT_ATTEMPT_MAX_S)
                 continue
             client.set_timeout(self.timeout)
-            return client, _store_connections(_new_sockets(before), port)
+            return client, store_connections(new_sockets(before), port)
 
     def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
         """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
@@ -536,7 +249,7 @@ class Comm:
             store = dist.PrefixStore(spec.store_prefix + "/", client)
             arrive(store, spec, abandoned, started, self.timeout.total_seconds())
             self.phases["barrier_s"] = time.monotonic() - started  # the rest of forming is the backend's connect
-            before = _socket_inodes()
+            before = socket_inodes()
             # A rank that dies between the barrier and publishing its address would hold every other
             # in the backend's store reads for the whole timeout: bound them (the host of the store
             # cannot cut its own connection).
@@ -568,7 +281,7 @@ class Comm:
                 cut = self._forming is None  # an abort shut its store connection down
                 self._forming = None  # its fds may be reused once the client goes
         with self._lock:
-            self._sockets = _new_sockets(before)
+            self._sockets = new_sockets(before)
             if client is not self.server and not cut:
                 self._client = (spec.store_address, client, connections)
             self.spec, self._aborted, self._group_store = spec, False, store
@@ -595,10 +308,10 @@ class Comm:
     def subgroups(self) -> Iterator[None]:
         """Groups made inside (a DeviceMesh's) are aborted with the current group: gloo's abort
         shuts down the sockets a group opened, and theirs are opened after it formed."""
-        before = _socket_inodes()
+        before = socket_inodes()
         yield
         with self._lock:
-            self._sockets.update(_new_sockets(before))
+            self._sockets.update(new_sockets(before))
 
     def abort(self, below_generation: int) -> bool:
         """Make the current group's collectives fail now if its generation is below the given one.
@@ -608,7 +321,7 @@ class Comm:
             forming = self._forming
             if forming is not None and forming[0] < below_generation:
                 self._forming = None
-                _shutdown_peer_sockets(forming[1], set())  # the forming attempt's store reads fail now
+                shutdown_peer_sockets(forming[1], set())  # the forming attempt's store reads fail now
                 if self._connecting is not None:
                     self._watch_connect(forming[0])
             spec = self.spec

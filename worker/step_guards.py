@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from muster.worker.comm import NCCL_ABORTED, Comm, StepCut
+from muster.worker.backends import NCCL_ABORTED
+from muster.worker.comm import Comm, StepCut
 
 
 class StepGuards:

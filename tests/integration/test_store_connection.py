@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import (Comm, GroupSpec, Superseded, _is_tcp, _new_sockets, _shutdown_peer_sockets,
-                                 _socket_inodes)
+from muster.worker.comm import Comm, GroupSpec, Superseded
+from muster.worker.sockets import is_tcp, new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
 from muster.local import wait_until
 
 
@@ -24,10 +24,10 @@ def connections(port: int) -> set[int]:
     import socket
 
     found = set()
-    for fd in _socket_inodes():
+    for fd in socket_inodes():
         s = socket.socket(fileno=fd)
         try:
-            if _is_tcp(s) and s.getpeername()[1] == port:
+            if is_tcp(s) and s.getpeername()[1] == port:
                 found.add(s.getsockname()[1])
         except OSError:
             pass
@@ -121,14 +121,13 @@ def test_a_unix_socket_among_the_new_fds_is_no_store_connection():
     time: it is never taken for a connection of the store's, nor shut down by an abort."""
     import socket
 
-    from muster.worker.comm import _store_connections
 
-    before = _socket_inodes()
+    before = socket_inodes()
     a, b = socket.socketpair()
     try:
-        found = _new_sockets(before)
+        found = new_sockets(before)
         assert set(found) == {a.fileno(), b.fileno()}
-        assert _store_connections(found, 29500) == {} and _shutdown_peer_sockets(found, set()) == 0
+        assert store_connections(found, 29500) == {} and shutdown_peer_sockets(found, set()) == 0
         a.sendall(b"x")
         assert b.recv(1) == b"x"  # still open
     finally:
@@ -148,20 +147,20 @@ def test_a_socket_that_reuses_an_old_descriptor_number_is_the_groups_and_an_old_
     port = listener.getsockname()[1]
     old = socket.create_connection(("127.0.0.1", port))
     old_peer, _ = listener.accept()
-    before = _socket_inodes()
+    before = socket_inodes()
     number = old.fileno()
     old.close()  # its number is free: the next socket takes it
     new = socket.create_connection(("127.0.0.1", port))
     new_peer, _ = listener.accept()
     try:
         assert new.fileno() == number
-        found = _new_sockets(before)
+        found = new_sockets(before)
         assert number in found and new_peer.fileno() in found
         stale = {fd: inode for fd, inode in before.items() if fd == number}  # the closed socket, as recorded
-        assert _shutdown_peer_sockets(stale, set()) == 0
+        assert shutdown_peer_sockets(stale, set()) == 0
         new.sendall(b"x")
         assert new_peer.recv(1) == b"x"  # left alone
-        assert _shutdown_peer_sockets({number: found[number]}, set()) == 1
+        assert shutdown_peer_sockets({number: found[number]}, set()) == 1
         assert new_peer.recv(1) == b""  # shut: its peer sees the end
     finally:
         for s in (new, new_peer, old_peer, listener):

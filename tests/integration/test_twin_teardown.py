@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec, NcclTwin
+from muster.worker.backends import NcclTwin
+from muster.worker.comm import Comm, GroupSpec
 
 WAIT_S = 30.0  # a bound on every wait below, never a measurement
 PEER = """

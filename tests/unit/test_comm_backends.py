@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import NCCL_DUMP_WAIT, NCCL_ENV, Gloo, Nccl, NcclTwin, backend_named
+from muster.worker.backends import NCCL_DUMP_WAIT, NCCL_ENV, Gloo, Nccl, NcclTwin, backend_named
 
 V = "NCCL version 2.27.3"
 # A peer died, hung or the communicator was aborted: the group's failure.
@@ -108,3 +108,13 @@ def test_devices_and_names(monkeypatch):
     assert isinstance(backend_named("nccl-twin"), NcclTwin)
     with pytest.raises(ValueError, match="unknown backend 'mpi': one of gloo, nccl, nccl-twin"):
         backend_named("mpi")
+
+
+def test_every_backend_keeps_the_backend_protocol():
+    """The contract Comm relies on: each backend (the twin included) has every member of `Backend`."""
+    from muster.worker.backends import BACKENDS, Backend
+
+    for name in BACKENDS:
+        backend = backend_named(name)
+        assert isinstance(backend, Backend), name
+        assert backend.name == name and backend.torch_backend in ("gloo", "nccl")

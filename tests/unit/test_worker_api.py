@@ -162,7 +162,7 @@ def guards(generation=3, device="cpu"):
 def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(monkeypatch):
     """NCCL's all-reduce finishes on the GPU after the host moved on; cut short by an abort, its
     partial sums must not reach the parameters (the step is discarded and redone instead)."""
-    from muster.worker.comm import Nccl
+    from muster.worker.backends import Nccl
 
     synced = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
