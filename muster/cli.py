@@ -757,6 +757,12 @@ def _serve_parser(sub) -> None:
     g.add_argument("--retain-finished", default="7d", help="keep a finished run's record (outcome, history) this "
                    "long, then etcd deletes it: seconds or 90s/15m/12h/7d (default %(default)s; 0: keep none)")
     _straggler_flags(s)
+    _limit_and_relay_flags(s)
+    s.set_defaults(func=_serve, verb="serve")
+
+
+def _limit_and_relay_flags(s: argparse.ArgumentParser) -> None:
+    """serve's limits (what one caller or job may cost) and relaying."""
     g = s.add_argument_group("limits: what one caller or job may cost")
     g.add_argument("--max-message-bytes", type=positive_int, default=1 << 20, help="largest gRPC message accepted")
     g.add_argument("--max-jobs", type=positive_int, default=1_000, help="running jobs this deployment accepts (finished "
@@ -787,7 +793,6 @@ def _serve_parser(sub) -> None:
     g.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
     g.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
     g.add_argument("--peer-tls-key", help="its private key (PEM)")
-    s.set_defaults(func=_serve, verb="serve")
 
 
 def _straggler_flags(s: argparse.ArgumentParser) -> None:
