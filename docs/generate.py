@@ -76,6 +76,8 @@ def expand(markdown: str, where: Path) -> str:
             body = bench_others(shown)
         elif name == "modules":
             body = module_map()
+        elif name == "faults":
+            body = fault_table(arg, where)
         else:
             raise GenerationError(f"{where}: unknown marker muster:{name}")
         return f"<!-- muster:{name}{' ' + arg if arg else ''} -->\n{body.rstrip()}\n{END}"
@@ -172,6 +174,21 @@ def module_map() -> str:
             said = sentence[1] if sentence else first
             rows.append([f"`{folder}/{path.name}`", said if len(said) <= 240 else said[:239].rsplit(" ", 1)[0] + " …"])
     return table(["module", "what it is (its docstring's first sentence)"], rows)
+
+
+def fault_table(tables: str | None, where: Path) -> str:
+    """The chaos faults of `tables` (comma-separated: single, partition, compound), from the
+    records the chaos suite injects (tests/chaos/faults.py): a new fault kind is a new row."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos_faults", ROOT / "tests" / "chaos" / "faults.py")
+    faults = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (a dataclass looks itself up there)
+    spec.loader.exec_module(faults)
+    names = (tables or "").split(",")
+    unknown = set(names) - {k.table for k in faults.KINDS}
+    if unknown:
+        raise GenerationError(f"{where}: muster:faults names no fault table {sorted(unknown)}")
+    return faults.markdown(*names)
 
 
 # --- the CLI reference -----------------------------------------------------------------------------

@@ -14,24 +14,11 @@ from harness import AFTERMATH_S, HEAL_BOUND_S, LIVENESS_BOUND_S, Chaos
 
 from muster.local import record_time
 
-# The single faults of test_faults.py, each answered by the job (see docs/reliability.md's table).
-TABLE = ["rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform",
-         "slow_rank"]
-# Whole-deployment faults, each a scenario of the harness with its repair.
-COMPOUND = [
-    "etcd_outage",  # every etcd member SIGKILLed (10 s; the soak: up to 2 minutes), restarted with its data: nothing changes
-    "etcd_freeze",  # every etcd member SIGSTOPped ~10 s, then SIGCONT: nothing changes
-    "coordinators_down",  # every coordinator SIGKILLed (20 s; the soak: up to 2 minutes), restarted at its address: nothing changes
-    "etcd_data_loss",  # etcd wiped and started fresh: exactly one state_rebuilt generation
-    "rank_in_etcd_outage",  # a rank killed during an etcd outage: survivors hold, re-form once a leader is back
-    "rank0_in_etcd_outage",  # the same with rank 0 (the store host)
-    "agent_in_etcd_outage",  # a whole node lost during an etcd outage: judged silent once a leader is back
-    "rank_in_coordinators_down",  # the same three with every coordinator down
-    "rank0_in_coordinators_down",
-    "agent_in_coordinators_down",
-    "leader_frozen_at_reform",  # the leader SIGSTOPped as it publishes a reform; resumed, it is fenced
-    "hostile_client",  # garbage, oversized names, guessed member_ids without the secret: nothing changes
-]
+from faults import COMPOUND as COMPOUND_TABLE
+from faults import SINGLE, named
+
+TABLE = named(SINGLE)  # the single faults of test_faults.py (docs/reliability.md's table)
+COMPOUND = named(COMPOUND_TABLE)  # whole-deployment faults, each a scenario of the harness with its repair
 
 
 def draw(rng: random.Random, names: list[str], n: int) -> list[str]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import faults
 import hostile
 from muster.client import Coordinators
 from muster.coordinator.core.kinds import EVICTIONS
@@ -71,13 +72,6 @@ STEP_DOWN_BOUND_S = 5.0  # a resumed, frozen leader logs that it lost the job wi
 STRAGGLER_BOUND_S = 30.0
 HOSTILE_SETTLE_S = HEARTBEAT_TIMEOUT_S + 1.0  # after the hostile client: the ranks step on this long (an eviction shows)
 AFTERMATH_S = HEARTBEAT_TIMEOUT_S + 3.0  # after the last fault of a sequence: time for a late consequence to show
-# Faults after which a new leader may lead. Its grace (nodes reconnect before anyone is evicted
-# for silence) and then a heartbeat timeout must pass before the invariants are checked: an
-# eviction for a silence that began in the outage shows only then.
-NEW_LEADER = frozenset({"leader", "rank_and_leader", "etcd_member", "etcd_leader", "etcd_outage", "etcd_freeze",
-                        "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage", "rank0_in_etcd_outage",
-                        "agent_in_etcd_outage", "rank_in_coordinators_down", "rank0_in_coordinators_down",
-                        "agent_in_coordinators_down", "leader_frozen_at_reform"})
 # What explains a rank killed during an outage: its agent's exit report reaching the new leader, or,
 # when that report was lost with the refused streams of the outage, the survivors found holding in a
 # broken group (after the heartbeat timeout).
@@ -799,62 +793,24 @@ class Chaos:
                                   f"read {leader.log_path}")
         return fault
 
-    SCENARIOS = {
-        # the table of single faults (test_faults.SEQUENCE) ...
-        "rank", "rank0", "hang", "agent", "leader", "etcd_member", "etcd_leader", "rank_and_leader", "during_reform",
-        "slow_rank", "partition",
-        # ... and the compound ones
-        "etcd_outage", "etcd_freeze", "coordinators_down", "etcd_data_loss", "rank_in_etcd_outage",
-        "rank_in_coordinators_down", "leader_frozen_at_reform", "hostile_client",
-        # with relays on (test_relays)
-        "relay",
-    }
-
     def scenario(self, name: str) -> Fault:
         """One named fault: inject it (an outage also heals inside), check that the job steps again
         within LIVENESS_BOUND_S, time the answer, repair what it broke, wait for full strength,
         check the invariants."""
-        inject, repair = {
-            "rank": (self.kill_rank, None),
-            "rank0": (lambda: self.kill_rank(0), None),
-            "hang": (self.hang_rank, self.resume),
-            "agent": (self.kill_agent, lambda f: self.restart_agent(f.victims[0][0])),
-            "leader": (self.kill_leader, lambda f: self.restart_coordinator()),
-            "etcd_member": (lambda: self.kill_etcd(leader=False), lambda f: self.restart_etcd()),
-            "etcd_leader": (lambda: self.kill_etcd(leader=True), lambda f: self.restart_etcd()),
-            "rank_and_leader": (self.kill_rank_and_leader, lambda f: self.restart_coordinator()),
-            "during_reform": (self.kill_during_reform, None),
-            "partition": (lambda: self.partition(next(iter(self.netns))), self.heal),
-            "etcd_outage": (self.etcd_outage, None),
-            "etcd_freeze": (lambda: self.etcd_outage(freeze=True), None),
-            "coordinators_down": (self.coordinators_down, None),
-            "etcd_data_loss": (self.etcd_data_loss, None),
-            "rank_in_etcd_outage": (lambda: self.etcd_outage(kill="rank"), None),
-            "rank0_in_etcd_outage": (lambda: self.etcd_outage(kill="rank0"), None),
-            "agent_in_etcd_outage": (lambda: self.etcd_outage(kill="agent"),
-                                     lambda f: self.restart_agent(f.victims[0][0])),
-            "rank_in_coordinators_down": (lambda: self.coordinators_down(kill="rank"), None),
-            "rank0_in_coordinators_down": (lambda: self.coordinators_down(kill="rank0"), None),
-            "agent_in_coordinators_down": (lambda: self.coordinators_down(kill="agent"),
-                                           lambda f: self.restart_agent(f.victims[0][0])),
-            "leader_frozen_at_reform": (self.freeze_leader_at_reform, self.resume_leader),
-            "slow_rank": (self.slow_rank, self.unthrottle),
-            "hostile_client": (self.hostile_client, None),
-            "relay": (self.kill_relay, lambda f: self.restart_coordinator()),
-        }[name]
+        kind = faults.BY_NAME[name]
         self.between()
-        fault = inject()
+        fault = kind.inject(self)
         fault.kind = name
         self.liveness(fault)
         fault.lost = self.find_lost(fault)
         if self.strict and (fault.wedged or fault.lost or fault.problems):  # fail fast, with the cause first
             self.verdict(fault)
         self.recover(fault)
-        if repair is not None:
-            repair(fault)
+        if kind.repair is not None:
+            kind.repair(self, fault)
         fault.notes.extend(self.revive())
         self.full_strength()
-        if name in NEW_LEADER:
+        if kind.new_leader:
             self.past_grace(fault)
         self.check(fault)
         return fault
