@@ -56,6 +56,7 @@ from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.server import EtcdServer
 from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_time, wait_until
 from muster.examples.train_ddp import MODELS, parameter_count
+from muster.rank_logs import tail
 from muster.worker import Worker, WorkerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -208,7 +209,8 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
                     return None  # still reforming
             return firsts
 
-        stepped = wait_until(first_new_steps, 60, "survivors stepping in the new group")
+        stepped = wait_until(first_new_steps, 60, "survivors stepping in the new group",
+                             diagnose=lambda: stalled(fleet, survivors, generation))
         firsts = [r for _, r in stepped]
         for p, first in stepped:
             for name, value in reform_phases(p, first).items():
@@ -236,6 +238,16 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
             "healthy_evictions": healthy_evictions, "rejoin_s": summary(rejoins),
             "phases": p50_max(phases), "state": p50_max(state),
             "late_arrivals": late}
+
+
+def stalled(fleet: Fleet, survivors: list[TrainingProcess], generation: int) -> str:
+    """Where the survivors that made no step after `generation` are, and what the replicas decided
+    (a wait that timed out names its cause instead of only its bound)."""
+    lines = [f"{p.log_path}: {[line[:300] for line in tail(p.log_path, 15)[0]]}"
+             for p in survivors if p.proc.poll() is None and not any(r["generation"] > generation for r in p.steps())]
+    decided = [{k: r.get(k) for k in ("timestamp", "kind", "generation", "nodes", "reason")}
+               for r in fleet.changes(0, {"process_exited", "node_silent", "rank_stalled", "node_joined", "group_broken"})]
+    return "\n".join([f"stalled survivors (generation {generation}):", *lines, f"decisions: {decided[-10:]}"])
 
 
 def late_arrivals(stepped: list[tuple[TrainingProcess, dict]]) -> list[dict]:

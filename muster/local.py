@@ -28,14 +28,16 @@ FAST = [
 ]
 
 
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02, diagnose=None):
+    """The predicate's first truthy value; past `timeout_s`, AssertionError naming what was waited
+    for (and what `diagnose()` says of why it did not come)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f"\n{diagnose()}" if diagnose else ""))
 
 
 async def until(predicate, what: str, timeout_s: float = 5.0, interval_s: float = 0.01):

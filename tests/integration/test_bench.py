@@ -32,7 +32,7 @@ def bench(*args: str, timeout_s: float) -> dict:
         raise AssertionError(f"{args[0]} ran past {timeout_s:g}s; its stderr ends: {err[-3000:]}") from None
     finally:
         left = end_tagged(f"{TAG_ENV}={tag}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-12000:]  # (a timed-out wait names where the ranks were)
     assert not left, f"{args[0]} left processes running: {left}"
     return json.loads(done.stdout)
 
