@@ -49,7 +49,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from muster.worker.backends import Nccl, take_groups
+    from muster.worker.library.backends import Nccl, take_groups
 
     if args.backend == "nccl":
         Nccl().prepare(os.environ)  # the library's watchdog settings

@@ -153,7 +153,8 @@ def plain_environment():
 # --- the module map ---------------------------------------------------------------------------------
 
 PACKAGES = {"coordinator": "muster.coordinator", "coordinator/core": "muster.coordinator.core",
-            "coordinator/etcd": "muster.coordinator.etcd", "worker": "muster.worker", "muster": "muster"}
+            "coordinator/etcd": "muster.coordinator.etcd", "worker": "muster.worker", "worker/agent": "muster.worker.agent",
+            "worker/library": "muster.worker.library", "muster": "muster"}
 
 
 def module_map() -> str:

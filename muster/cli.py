@@ -24,7 +24,7 @@ from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
 from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
-from muster.worker.zygote import PRELOAD
+from muster.worker.agent.zygote import PRELOAD
 
 log = structlog.get_logger(__name__)
 
@@ -168,9 +168,9 @@ def _tls_files(args: argparse.Namespace, ca: str, cert: str, key: str):
 
 def _run(args: argparse.Namespace) -> int:
     from muster.client import parse_addresses
-    from muster.worker.agent import NodeAgent
-    from muster.worker.agent_config import AgentConfig
-    from muster.worker.launch import LaunchError, job_name, parse_nodes, plan
+    from muster.worker.agent.agent import NodeAgent
+    from muster.worker.agent.agent_config import AgentConfig
+    from muster.worker.agent.launch import LaunchError, job_name, parse_nodes, plan
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
@@ -271,7 +271,7 @@ def _secret_file(path: str, flag: str) -> str:
 
 def _job(args: argparse.Namespace) -> str:
     """--job as given, or as the coordinator names it (`muster run` maps ids such as `MyRun`)."""
-    from muster.worker.launch import job_name
+    from muster.worker.agent.launch import job_name
 
     return job_name(args.job) if args.job else ""
 

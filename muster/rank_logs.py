@@ -1,5 +1,5 @@
 """`muster logs`, the files' side: what an agent writes with `muster run --log-dir DIR`, its ranks'
-output (DIR/<node>-slot<K>-<start>.log, one file per start of a slot: worker/supervisor.py) and its
+output (DIR/<node>-slot<K>-<start>.log, one file per start of a slot: worker/agent/supervisor.py) and its
 own log (DIR/<node>-agent.log, JSON lines), their last lines, and following them as they grow and
 as a restarted slot starts a new file."""
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from muster.net import free_port
-from muster.worker.backends import Nccl
+from muster.worker.library.backends import Nccl
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL's watchdog: needs CUDA"),
               pytest.mark.timeout(120)]
@@ -26,7 +26,7 @@ WATCHDOG_SAW = ("failure detected by watchdog", "signal dumping")  # torch's log
 RANK = """
 import json, os, sys, time
 import torch, torch.distributed as dist
-from muster.worker.backends import Nccl
+from muster.worker.library.backends import Nccl
 r, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2,
                         device_id=torch.device("cuda", 0))

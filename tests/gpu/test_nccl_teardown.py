@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec
+from muster.worker.library.comm import Comm, GroupSpec
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NCCL"),
               pytest.mark.timeout(240)]

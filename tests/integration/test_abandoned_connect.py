@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import GLOO_ACCEPT_WAITS, GLOO_CONNECT_MIN_S
+from muster.worker.library.comm import GLOO_ACCEPT_WAITS, GLOO_CONNECT_MIN_S
 
 PREFIX = "generation-1"
 
@@ -31,7 +31,7 @@ PEER = textwrap.dedent("""
 # Rank 0 of generation 1 through Comm; generation 2 (an abort) arrives a second into its connect.
 RANK = textwrap.dedent("""
     import sys, threading, time
-    from muster.worker.comm import Comm, GroupSpec
+    from muster.worker.library.comm import Comm, GroupSpec
     comm = Comm("gloo", host_store=False, timeout_s=300)
     spec = GroupSpec(1, 0, 2, 0, "127.0.0.1:" + sys.argv[1], sys.argv[2])
     threading.Timer(1.0, comm.abort, args=(2,)).start()

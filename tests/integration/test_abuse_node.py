@@ -23,12 +23,12 @@ from muster.coordinator.wire import Assignments
 from muster.local import wait_until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
-from muster.worker.agent import NodeAgent
-from muster.worker.agent_config import AgentConfig
-from muster.worker.comm import Comm, GroupSpec, StoreKeyTaken
+from muster.worker.agent.agent import NodeAgent
+from muster.worker.agent.agent_config import AgentConfig
+from muster.worker.library.comm import Comm, GroupSpec, StoreKeyTaken
 from muster.worker.outcome import EXIT_FAILED
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
-from muster.worker.rendezvous import MusterRendezvousHandler
+from muster.worker.agent.rendezvous import MusterRendezvousHandler
 
 PREDICTABLE = "muster/j/g2"  # generation 2's store prefix, as it was before prefixes had an unguessable part
 NOT_BEFORE_S = 0.5  # a reader that returns sooner took a planted key: the real one is not published yet

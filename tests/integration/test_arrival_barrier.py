@@ -8,8 +8,8 @@ import pytest
 import structlog
 import torch.distributed as dist
 
-from muster.worker import comm as comm_module
-from muster.worker.comm import Comm, GroupSpec, Superseded
+from muster.worker.library import comm as comm_module
+from muster.worker.library.comm import Comm, GroupSpec, Superseded
 
 
 @pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec
+from muster.worker.library.comm import Comm, GroupSpec
 
 
 @pytest.mark.timeout(60)

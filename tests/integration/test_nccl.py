@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec
+from muster.worker.library.comm import Comm, GroupSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NCCL")
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from muster.local import EXAMPLE, wait_until
-from muster.worker.launch import job_name
+from muster.worker.agent.launch import job_name
 
 PLAIN = EXAMPLE.parent / "train_plain.py"
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share torchrun's stdout: lines may interleave

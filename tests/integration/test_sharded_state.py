@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import GroupChannel, GroupSpec
-from muster.worker.sharded import Replicas, ShardedState
+from muster.worker.library.comm import GroupChannel, GroupSpec
+from muster.worker.library.sharded import Replicas, ShardedState
 
 pytestmark = pytest.mark.timeout(150)
 CPU = torch.device("cpu")

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.comm import GroupChannel, GroupSpec
-from muster.worker.errors import StateMismatch
-from muster.worker.state import ReplicatedState
+from muster.worker.library.comm import GroupChannel, GroupSpec
+from muster.worker.library.errors import StateMismatch
+from muster.worker.library.state import ReplicatedState
 
 pytestmark = pytest.mark.timeout(120)
 CPU = torch.device("cpu")

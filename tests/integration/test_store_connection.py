@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from muster.worker.comm import Comm, GroupSpec, Superseded
-from muster.worker.sockets import is_tcp, new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
+from muster.worker.library.comm import Comm, GroupSpec, Superseded
+from muster.worker.library.sockets import is_tcp, new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
 from muster.local import wait_until
 
 

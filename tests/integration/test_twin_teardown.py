@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.backends import NcclTwin
-from muster.worker.comm import Comm, GroupSpec
+from muster.worker.library.backends import NcclTwin
+from muster.worker.library.comm import Comm, GroupSpec
 
 WAIT_S = 30.0  # a bound on every wait below, never a measurement
 PEER = """
 import sys
-from muster.worker.comm import Comm, GroupSpec
+from muster.worker.library.comm import Comm, GroupSpec
 comm = Comm("nccl-twin", host_store=False, timeout_s=30)
 comm.form(GroupSpec(1, 1, 2, 0, sys.argv[1], "g1"), abandoned=lambda: False)
 print("formed", flush=True)

@@ -59,7 +59,7 @@ def test_the_wheel_installs_and_its_demo_runs_from_an_empty_directory(tmp_path):
     meta = run([str(python), "-c", "from importlib.metadata import metadata, entry_points as e; m = metadata('torch-muster');"
                 " print(m['Name'], m.get_all('Provides-Extra'), [p.value for p in e(group='torchrun.handlers')])"],
                60, cwd=empty, env=env).stdout
-    assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.rendezvous" in meta, meta
+    assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.agent.rendezvous" in meta, meta
     page = run([str(python), "-c", "from importlib.resources import files; print(sorted(f.name for f in "
                 "files('muster.web').iterdir() if f.suffix in ('.html', '.js', '.css')))"], 60, cwd=empty, env=env)
     assert page.stdout.split() == ["['app.js',", "'index.html',", "'style.css']"]  # muster serve --http's page

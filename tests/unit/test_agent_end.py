@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent import NodeAgent
-from muster.worker.agent_config import AgentConfig
+from muster.worker.agent.agent import NodeAgent
+from muster.worker.agent.agent_config import AgentConfig
 from muster.worker.node_session import JobEnded
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED
-from muster.worker.slot import CRASH_LOOP_S, outside_crash_loop
-from muster.worker.supervisor import RankSupervisor
+from muster.worker.agent.slot import CRASH_LOOP_S, outside_crash_loop
+from muster.worker.agent.supervisor import RankSupervisor
 
 
 class FakeSession:
@@ -146,8 +146,8 @@ def test_a_rank_started_as_a_newer_map_arrives_keeps_the_generation_of_its_envir
     """Its env (RANK, MASTER_PORT) is the map's current when its start began; a map arriving while
     the process starts must find it stale, or it waits for good on the older MASTER_PORT (seen
     under warm_stress: a rank logged in generation 16 with generation 15's port)."""
-    from muster.worker.runner import Program
-    from muster.worker.zygote import WarmProcess
+    from muster.worker.agent.runner import Program
+    from muster.worker.agent.zygote import WarmProcess
 
     async def scenario():
         a = agent(FakeSession(), slots=1)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import tempfile
 
-from muster.worker.agent import SOCKET_DIR_PREFIX, _remove_stale_socket_dirs
+from muster.worker.agent.agent import SOCKET_DIR_PREFIX, _remove_stale_socket_dirs
 
 
 def test_socket_dirs_of_dead_agents_are_removed_and_live_ones_kept():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.worker.backends import NCCL_DUMP_WAIT, NCCL_ENV, Gloo, Nccl, NcclTwin, backend_named
+from muster.worker.library.backends import NCCL_DUMP_WAIT, NCCL_ENV, Gloo, Nccl, NcclTwin, backend_named
 
 V = "NCCL version 2.27.3"
 # A peer died, hung or the communicator was aborted: the group's failure.
@@ -112,7 +112,7 @@ def test_devices_and_names(monkeypatch):
 
 def test_every_backend_keeps_the_backend_protocol():
     """The contract Comm relies on: each backend (the twin included) has every member of `Backend`."""
-    from muster.worker.backends import BACKENDS, Backend
+    from muster.worker.library.backends import BACKENDS, Backend
 
     for name in BACKENDS:
         backend = backend_named(name)

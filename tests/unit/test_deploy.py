@@ -10,7 +10,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from muster.cli import parser  # noqa: E402
-from muster.worker.launch import plan  # noqa: E402
+from muster.worker.agent.launch import plan  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 

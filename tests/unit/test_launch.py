@@ -7,10 +7,10 @@ import pytest
 
 from muster.names import JOB_NAME
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent_config import AgentConfig
-from muster.worker.crash_report import failure_report, last_failure
-from muster.worker.launch import LaunchError, job_name, plan
-from muster.worker.slot import Crash, Slot
+from muster.worker.agent.agent_config import AgentConfig
+from muster.worker.agent.crash_report import failure_report, last_failure
+from muster.worker.agent.launch import LaunchError, job_name, plan
+from muster.worker.agent.slot import Crash, Slot
 
 
 def test_valid_job_names_are_kept_and_any_other_id_is_mapped_deterministically_without_collisions():

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.errors import CoordinatorLost, FencedOut, RunEnded
-from muster.worker.link import Link
+from muster.worker.library.errors import CoordinatorLost, FencedOut, RunEnded
+from muster.worker.library.link import Link
 from muster.worker.node_session import Evicted, JobEnded
 
 

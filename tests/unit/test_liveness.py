@@ -12,7 +12,7 @@ from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.stalls import judge_ranks
 from muster.coordinator.core.state import JobState
 from muster.v1 import muster_pb2 as pb
-from muster.worker.crash_report import FAILURES
+from muster.worker.agent.crash_report import FAILURES
 
 TIMING = Timing(heartbeat_timeout_s=2.0, progress_floor_s=1.0, progress_factor=10.0,
                 startup_progress_timeout_s=30.0, long_phase_timeout_s=60.0, grace_s=5.0)

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.master_port import MasterPorts
+from muster.worker.agent.master_port import MasterPorts
 
 
 @pytest.mark.timeout(60)

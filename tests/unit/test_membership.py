@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent import NodeAgent
-from muster.worker.agent_config import AgentConfig
-from muster.worker.membership import MAX_REJOINS
+from muster.worker.agent.agent import NodeAgent
+from muster.worker.agent.agent_config import AgentConfig
+from muster.worker.agent.membership import MAX_REJOINS
 from muster.worker.node_session import Evicted
 from muster.worker.outcome import EXIT_FAILED
 

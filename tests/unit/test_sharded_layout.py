@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from muster.worker import LayoutMismatch, Replicas, StateMismatch, Worker, WorkerConfig
-from muster.worker.sharded import ShardedState, place
+from muster.worker.library.sharded import ShardedState, place
 
 LAYOUT = Replicas(2, 2)
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muster.worker.state import ReplicatedState, fingerprint
-from muster.worker.transfer import Card, TensorRef, describe, flatten, paths, pieces, plan, unflatten
+from muster.worker.library.state import ReplicatedState, fingerprint
+from muster.worker.library.transfer import Card, TensorRef, describe, flatten, paths, pieces, plan, unflatten
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 L, M = "1" * 16, "2" * 16
@@ -123,7 +123,7 @@ def test_the_fingerprint_sees_one_bit_and_the_optimizer_and_extras():
 
 
 def test_the_device_sums_see_a_swap_that_a_plain_sum_misses():
-    from muster.worker.state import _device_sums
+    from muster.worker.library.state import _device_sums
     a = torch.arange(100, dtype=torch.float32)
     b = a.clone()
     b[[3, 40]] = b[[40, 3]]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from muster.worker.slot import PARTIAL_LINE_S, StderrTail
+from muster.worker.agent.slot import PARTIAL_LINE_S, StderrTail
 
 pytestmark = pytest.mark.timeout(30)
 

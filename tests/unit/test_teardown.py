@@ -1,4 +1,4 @@
-"""The background teardown of aborted groups (worker/teardown.py), with stand-in groups whose
+"""The background teardown of aborted groups (worker/library/teardown.py), with stand-in groups whose
 abort and shutdown the test holds and releases: the order of its steps, one abort per group, its
 bound, and no thread left per teardown. No timings: every wait is an event, bounded."""
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from muster.worker.teardown import Teardown
+from muster.worker.library.teardown import Teardown
 
 WAIT_S = 10.0  # a bound on every wait below, never a measurement
 
@@ -145,7 +145,7 @@ def test_a_process_that_exits_first_ends_its_pending_teardowns():
 
     script = (
         "import time\n"
-        "from muster.worker.teardown import Teardown\n"
+        "from muster.worker.library.teardown import Teardown\n"
         "class G:\n"
         "    def shutdown(self): print('shutdown', flush=True)\n"
         "t = Teardown(lambda groups: (time.sleep(0.5), print('aborted', flush=True)), lambda *a: None)\n"

@@ -4,8 +4,8 @@ import threading
 
 from structlog.testing import capture_logs
 
-from muster.worker import unwinding
-from muster.worker.unwinding import Unwinding
+from muster.worker.library import unwinding
+from muster.worker.library.unwinding import Unwinding
 
 
 def test_a_training_thread_that_left_the_group_is_not_named():

@@ -104,7 +104,7 @@ def test_a_drain_ends_training_as_the_step_after_the_agreed_one_begins():
 
 
 def test_the_group_to_form_is_an_unformed_abort_before_the_planned_switch_that_follows_it():
-    from muster.worker.api import to_form
+    from muster.worker.library.api import to_form
 
     def gen(g, slots=(0, 1), *, abort=False, switch_at=0):
         return pb.Assignment(generation=g, role=pb.ROLE_ACTIVE, local_ranks=list(slots), abort_previous=abort,
@@ -152,7 +152,7 @@ class Group:
 
 
 def guards(generation=3, device="cpu"):
-    from muster.worker.step_guards import StepGuards
+    from muster.worker.library.step_guards import StepGuards
 
     group, at = Group(), {"generation": generation}
     return StepGuards(lambda: at["generation"], lambda: 7, lambda: group, lambda: False,
@@ -162,7 +162,7 @@ def guards(generation=3, device="cpu"):
 def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(monkeypatch):
     """NCCL's all-reduce finishes on the GPU after the host moved on; cut short by an abort, its
     partial sums must not reach the parameters (the step is discarded and redone instead)."""
-    from muster.worker.backends import Nccl
+    from muster.worker.library.backends import Nccl
 
     synced = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
@@ -185,7 +185,7 @@ def test_on_cuda_an_optimizer_step_after_an_abort_is_refused_and_the_state_kept(
 
 
 def test_a_step_in_flight_when_its_group_is_aborted_stops_at_its_next_module_or_gradient():
-    from muster.worker.comm import StepCut
+    from muster.worker.library.comm import StepCut
 
     g, _, at = guards(generation=3)
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
@@ -217,7 +217,7 @@ def test_an_aborted_groups_ddp_wrapper_stops_before_ddps_own_collectives():
     comes first."""
     import torch.distributed as dist
 
-    from muster.worker.comm import StepCut
+    from muster.worker.library.comm import StepCut
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -8,8 +8,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.api import give_up_waiting, report_waiting
-from muster.worker.errors import CoordinatorLost, HoldExpired
+from muster.worker.library.api import give_up_waiting, report_waiting
+from muster.worker.library.errors import CoordinatorLost, HoldExpired
 
 
 def link(silent_s: float, generation: int | None = 7):

@@ -7,7 +7,7 @@ import os
 import sys
 
 from muster.examples import train_ddp
-from muster.worker import comm
+from muster.worker.library import comm
 
 _sleep = ctypes.PyDLL("libc.so.6").sleep  # PyDLL: the GIL stays held during the call
 HOLD_S = int(os.environ["GIL_HOLD_S"])

@@ -60,7 +60,7 @@ class MasterPorts:
         host, master_port = split_host_port(a.master_address)
         key = f"{a.store_prefix}/muster-agent/master-port"
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
-            from muster.worker.comm import StoreKeyTaken, publish
+            from muster.worker.library.comm import StoreKeyTaken, publish
 
             # Library ranks need no store, but a node placed since, whose ranks have not started
             # (so it cannot know they are library ranks), waits for the key: it is published anyway.

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import structlog
 
-from muster.worker.stuck import exit_stuck
+from muster.worker.library.stuck import exit_stuck
 
 log = structlog.get_logger(__name__)
 

@@ -17,18 +17,18 @@ from typing import Protocol
 import structlog
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker import orphan_guard
-from muster.worker.agent_config import AgentConfig
-from muster.worker.crash_report import exit_words, failure_report, last_failure
-from muster.worker.group_end import ENDED_SUFFIX, EndedFile
-from muster.worker.master_port import MasterPorts
+from muster.worker.agent import orphan_guard
+from muster.worker.agent.agent_config import AgentConfig
+from muster.worker.agent.crash_report import exit_words, failure_report, last_failure
+from muster.worker.agent.group_end import ENDED_SUFFIX, EndedFile
+from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import SLOT_SECRET_ENV
-from muster.worker.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
-from muster.worker.slot import Crash, Slot, StderrTail, error_message, outside_crash_loop, read_tail
-from muster.worker.step_probe import STEP_FILE_ENV, StepFile
-from muster.worker.waiting import QUERY_WAIT_S, query
-from muster.worker.zygote import WarmProcess, WarmStarts, ZygoteLost
+from muster.worker.agent.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
+from muster.worker.agent.slot import Crash, Slot, StderrTail, error_message, outside_crash_loop, read_tail
+from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
+from muster.worker.agent.waiting import QUERY_WAIT_S, query
+from muster.worker.agent.zygote import WarmProcess, WarmStarts, ZygoteLost
 
 log = structlog.get_logger(__name__)
 

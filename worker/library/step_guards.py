@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from muster.worker.backends import NCCL_ABORTED
-from muster.worker.comm import Comm, StepCut
+from muster.worker.library.backends import NCCL_ABORTED
+from muster.worker.library.comm import Comm, StepCut
 
 
 class StepGuards:

@@ -6,7 +6,7 @@ holds the whole state (data parallel). After every reform:
 
 1. each rank publishes its Card on the generation's store (a fingerprint computed where the state
    lives: on the GPU for CUDA tensors, xxh3 over host memory for CPU ones); every rank computes the
-   same plan (worker/transfer.py). Where every rank holds the reference, nothing else happens: a
+   same plan (worker/library/transfer.py). Where every rank holds the reference, nothing else happens: a
    survivor's sync costs one store round trip and one fingerprint, whatever the model's size.
 2. otherwise the first source publishes the skeleton (the state's structure, tensors replaced by
    shape and dtype: the only thing pickled), and the reference's tensors move in pieces of at most
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from muster.worker.errors import ShardedStateRefused, StateMismatch
-from muster.worker.transfer import (BUCKET_BYTES, Card, Piece, SyncPlan, TensorRef, describe, flatten, paths,
+from muster.worker.library.errors import ShardedStateRefused, StateMismatch
+from muster.worker.library.transfer import (BUCKET_BYTES, Card, Piece, SyncPlan, TensorRef, describe, flatten, paths,
                                     pieces, plan, unflatten)
 
 log = structlog.get_logger(__name__)

@@ -11,7 +11,7 @@ import grpc
 
 from muster.client import Coordinators
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent_config import AgentConfig
+from muster.worker.agent.agent_config import AgentConfig
 
 QUERY_WAIT_S = 3.0  # for the job's history or status
 

@@ -9,8 +9,8 @@ import time
 from collections.abc import Sequence
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent_config import AgentConfig
-from muster.worker.slot import Crash, Slot
+from muster.worker.agent.agent_config import AgentConfig
+from muster.worker.agent.slot import Crash, Slot
 
 
 def exit_words(code: int) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 import structlog
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.errors import CoordinatorLost, FencedOut, RunEnded, WorkerError
+from muster.worker.library.errors import CoordinatorLost, FencedOut, RunEnded, WorkerError
 from muster.worker.node_session import Evicted, JobEnded, NodeSession
 from muster.worker.rank_link import RankLink
 

@@ -6,8 +6,8 @@ import asyncio
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.outcome import EXIT_FAILED
-from muster.worker.supervisor import Node, say
-from muster.worker.waiting import waiting_for
+from muster.worker.agent.supervisor import Node, say
+from muster.worker.agent.waiting import waiting_for
 
 async def watch_coordinator(node: Node) -> None:
     """Hold while no coordinator answers (an etcd or coordinator outage must not cost the ranks),

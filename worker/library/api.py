@@ -38,20 +38,20 @@ import torch.distributed as dist
 
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
-from muster.worker import group_end, step_probe
+from muster.worker.agent import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
-from muster.worker.backends import backend_named
-from muster.worker.comm import Comm, GroupSpec, StepCut, Superseded
-from muster.worker.sockets import interface_of
-from muster.worker.stuck import exit_stuck
-from muster.worker.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
-from muster.worker.link import Link, immediate
+from muster.worker.library.backends import backend_named
+from muster.worker.library.comm import Comm, GroupSpec, StepCut, Superseded
+from muster.worker.library.sockets import interface_of
+from muster.worker.library.stuck import exit_stuck
+from muster.worker.library.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
+from muster.worker.library.link import Link, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.sharded import Build, Replicas, ShardedState
-from muster.worker.state import ReplicatedState, StateTransfer
-from muster.worker.step_guards import StepGuards
-from muster.worker.unwinding import Unwinding
+from muster.worker.library.sharded import Build, Replicas, ShardedState
+from muster.worker.library.state import ReplicatedState, StateTransfer
+from muster.worker.library.step_guards import StepGuards
+from muster.worker.library.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
 

@@ -10,7 +10,7 @@ import grpc
 from muster.client import TRANSIENT
 from muster.worker.node_session import Evicted
 from muster.worker.outcome import EXIT_FAILED
-from muster.worker.supervisor import Node, say
+from muster.worker.agent.supervisor import Node, say
 
 MAX_REJOINS = 3  # in a row, none of them heard as a member: a leader that keeps refusing ends the node
 

@@ -11,9 +11,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.sockets import shutdown_peer_sockets
-from muster.worker.stuck import exit_stuck
-from muster.worker.teardown import Teardown
+from muster.worker.library.sockets import shutdown_peer_sockets
+from muster.worker.library.stuck import exit_stuck
+from muster.worker.library.teardown import Teardown
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +129,7 @@ class Nccl:
     forming, so a reform pays for it before the first step rather than inside it. An abort takes
     every group out of torch's registry at once (`Comm.destroy` then has nothing left to destroy,
     and the next generation's group may form) and leaves NCCL's own abort (`ncclCommAbort`, half a
-    second) to a background teardown (worker/teardown.py): its first microseconds set the abort
+    second) to a background teardown (worker/library/teardown.py): its first microseconds set the abort
     flag that releases the training thread, the rest is nobody's wait."""
 
     name = torch_backend = "nccl"

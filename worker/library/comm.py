@@ -5,9 +5,9 @@ Every process hosts a TCPStore from the start, so whichever process is rank 0 of
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
 barrier polled without blocking, so a newer generation can abandon a half-formed one, or one whose
 store does not answer (its host died as the map was published).
-Abort: through the backend (worker/backends.py): NCCL's `abort()` runs in the background
-(worker/teardown.py) once the groups are out of torch's registry; gloo has none, so the sockets the
-generation's group opened are shut down (worker/sockets.py), which makes a collective blocked on a
+Abort: through the backend (worker/library/backends.py): NCCL's `abort()` runs in the background
+(worker/library/teardown.py) once the groups are out of torch's registry; gloo has none, so the sockets the
+generation's group opened are shut down (worker/library/sockets.py), which makes a collective blocked on a
 hung or dead peer fail at once.
 """
 
@@ -26,9 +26,9 @@ import structlog
 import torch.distributed as dist
 
 from muster.net import split_host_port
-from muster.worker.backends import Backend, backend_named
-from muster.worker.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
-from muster.worker.stuck import exit_stuck
+from muster.worker.library.backends import Backend, backend_named
+from muster.worker.library.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
+from muster.worker.library.stuck import exit_stuck
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +132,7 @@ def await_keys(store: dist.Store, spec: GroupSpec, keys: list[str], abandoned: C
 
 class GroupChannel:
     """The formed group's store, for what its ranks tell each other besides collectives (the state
-    transfer's cards, skeleton and verdicts: worker/state.py's Channel)."""
+    transfer's cards, skeleton and verdicts: worker/library/state.py's Channel)."""
 
     def __init__(self, store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], timeout_s: float):
         self.store, self.spec, self.abandoned, self.timeout_s = store, spec, abandoned, timeout_s

@@ -38,16 +38,16 @@ import structlog
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
-from muster.worker.agent_config import AgentConfig
-from muster.worker.crash_report import exit_words
-from muster.worker.master_port import MasterPorts
-from muster.worker.membership import join, rejoin
+from muster.worker.agent.agent_config import AgentConfig
+from muster.worker.agent.crash_report import exit_words
+from muster.worker.agent.master_port import MasterPorts
+from muster.worker.agent.membership import join, rejoin
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
-from muster.worker.slot import Slot
-from muster.worker.rank_hub import RankHub, process_state
-from muster.worker.supervisor import RankSupervisor, say
-from muster.worker.watchdogs import watch_coordinator, watch_place
+from muster.worker.agent.slot import Slot
+from muster.worker.agent.rank_hub import RankHub, process_state
+from muster.worker.agent.supervisor import RankSupervisor, say
+from muster.worker.agent.watchdogs import watch_coordinator, watch_place
 
 log = structlog.get_logger(__name__)
 

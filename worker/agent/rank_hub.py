@@ -13,8 +13,8 @@ import grpc
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
-from muster.worker.slot import Slot
-from muster.worker.supervisor import Node
+from muster.worker.agent.slot import Slot
+from muster.worker.agent.supervisor import Node
 
 
 class RankHub(pb_grpc.NodeAgentServicer):

@@ -34,9 +34,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.errors import LayoutMismatch, StateMismatch
-from muster.worker.state import Channel, ReplicatedState, Stateful, SyncResult
-from muster.worker.transfer import BUCKET_BYTES, Card, unflatten
+from muster.worker.library.errors import LayoutMismatch, StateMismatch
+from muster.worker.library.state import Channel, ReplicatedState, Stateful, SyncResult
+from muster.worker.library.transfer import BUCKET_BYTES, Card, unflatten
 
 if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a second, sharded or not)
     from torch.distributed.device_mesh import DeviceMesh
