@@ -58,6 +58,14 @@ class Evicted(Exception):
     """The coordinator fenced this node out (or it never was a member): rejoin as a new member."""
 
 
+def evicted(d: pb.Directive) -> str | None:
+    """Why `d` evicts its receiver from the job, or None: the one check of every transport and the
+    agent (an evicted node joins again or ends; its stream raises Evicted)."""
+    if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
+        return d.assignment.reason
+    return None
+
+
 class JobEnded(Exception):
     """The job's run ended (`JobEnd`: succeeded, failed or stopped): nothing more to run here."""
 
@@ -339,9 +347,7 @@ class NodeSession:
             self.pulses += 1
             return None
         self._on_directive(d)
-        if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
-            return d.assignment.reason
-        return None
+        return evicted(d)
 
     async def _watch(self, call, channel, address: str, relayed: bool) -> None:
         """End a stream whose leader (or relay) went silent, but only once a probe confirms it is

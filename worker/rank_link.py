@@ -15,7 +15,7 @@ import structlog
 
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
-from muster.worker.node_session import Evicted, JobEnded
+from muster.worker.node_session import Evicted, JobEnded, evicted
 
 log = structlog.get_logger(__name__)
 
@@ -55,8 +55,8 @@ class RankLink:
                     self._lost_at = None
                     async for d in call:
                         self._on_directive(d)
-                        if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
-                            raise Evicted(d.assignment.reason)
+                        if (reason := evicted(d)) is not None:
+                            raise Evicted(reason)
                         if d.HasField("end"):  # relayed by the agent, which stops its ranks next
                             raise JobEnded(d.end)
                     return
@@ -75,6 +75,9 @@ class RankLink:
         """The agent answers for the coordinator (it gives up on it after its own hold timeout, and
         its ranks die with it): silent only while the agent's stream is down."""
         return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
+
+    async def join(self, **_) -> None:
+        """Membership is the agent's business: the agent is the job's member for its ranks."""
 
     async def leave(self, **_) -> None:
         """Membership is the agent's business: a rank just exits."""

@@ -1,14 +1,19 @@
 """The worker's link, in-process with a fake transport: what the mailbox keeps, and how the
-transport's end reaches the owner (once, as a WorkerError; not at all after leaving)."""
+transport's end reaches the owner (once, as a WorkerError; not at all after leaving). And the
+Transport contract: NodeSession, RankLink and the fake keep it; a RankLink over a real gRPC stream
+ends as the fake does."""
 
 import asyncio
 
+import grpc
 import pytest
 
 from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.library.errors import CoordinatorLost, FencedOut, RunEnded
-from muster.worker.library.link import Link
-from muster.worker.node_session import Evicted, JobEnded
+from muster.worker.link import Link, Transport
+from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
+from muster.worker.rank_link import SLOT_SECRET_METADATA, RankLink
 
 
 class FakeTransport:
@@ -19,6 +24,12 @@ class FakeTransport:
         self.generation = 0
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.left: dict = {}
+
+    async def join(self, **_) -> None:
+        pass
+
+    def silent_s(self) -> float:
+        return 0.0
 
     async def run(self) -> None:
         while (item := await self.inbox.get()) is not None:
@@ -102,3 +113,48 @@ def test_the_generation_run_reaches_the_transport_and_a_reopen_empties_the_mailb
     old = link.session
     link.open(FakeTransport)
     assert link.session is not old and link.latest is None and link.base is None and link.ended is None
+
+
+def test_every_transport_keeps_the_protocol():
+    node = NodeSession(["127.0.0.1:1"], NodeIdentity("j", "n", 1, "127.0.0.1", 1), reports=list,
+                       on_directive=print)
+    rank = RankLink("/nonexistent.sock", 0, "secret", report=pb.RankReport, on_directive=print)
+    for transport in (node, rank, FakeTransport(print)):
+        assert isinstance(transport, Transport), type(transport).__name__
+
+
+class _Agent(pb_grpc.NodeAgentServicer):
+    """An agent's end of the rank stream that sends what it is given, after checking the slot's secret."""
+
+    def __init__(self, directives: list[pb.Directive]):
+        self.directives = directives
+
+    async def RankSession(self, request_iterator, context):
+        if dict(context.invocation_metadata()).get(SLOT_SECRET_METADATA) != "secret":
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong secret")
+        await anext(aiter(request_iterator))  # the rank's first report
+        for d in self.directives:
+            yield d
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("last, raised", [(assignment(3, role=pb.ROLE_EVICTED, reason="hung"), Evicted),
+                                          (pb.Directive(end=pb.JobEnd(reason="done")), JobEnded)])
+def test_a_rank_link_delivers_then_ends_as_the_contract_says(tmp_path, last, raised):
+    async def scenario():
+        server = grpc.aio.server()
+        pb_grpc.add_NodeAgentServicer_to_server(_Agent([assignment(2), last]), server)
+        server.add_insecure_port(f"unix:{tmp_path}/agent.sock")
+        await server.start()
+        seen = []
+        try:
+            link = RankLink(f"{tmp_path}/agent.sock", 0, "secret", report=pb.RankReport, on_directive=seen.append)
+            await link.join()  # (the agent is the member: nothing to do)
+            with pytest.raises(raised):
+                await asyncio.wait_for(link.run(), 10)
+        finally:
+            await server.stop(None)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert [d.WhichOneof("kind") for d in seen] == ["assignment", last.WhichOneof("kind")]

@@ -42,7 +42,7 @@ from muster.worker.agent.agent_config import AgentConfig
 from muster.worker.agent.crash_report import exit_words
 from muster.worker.agent.master_port import MasterPorts
 from muster.worker.agent.membership import join, rejoin
-from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, job_spec
+from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, evicted, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
 from muster.worker.agent.slot import Slot
 from muster.worker.agent.rank_hub import RankHub, process_state
@@ -191,7 +191,7 @@ class NodeAgent:
     # ---- directives ------------------------------------------------------------------
 
     def _on_directive(self, d: pb.Directive) -> None:
-        if d.HasField("assignment") and d.assignment.role == pb.ROLE_EVICTED:
+        if evicted(d) is not None:
             return  # the session raises Evicted next: the node joins again or ends (_stream), its ranks held
         self.hub.deliver(d)
         if d.HasField("end"):

@@ -40,7 +40,7 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.comm import publish
 from muster.worker.agent.launch import job_name
-from muster.worker.library.link import Link
+from muster.worker.link import Link
 from muster.worker.node_session import NodeIdentity, NodeSession
 from muster.worker.outcome import EXIT_FAILED, EXIT_SUCCEEDED, exit_code
 

@@ -45,7 +45,7 @@ from muster.worker.library.comm import Comm, GroupSpec, StepCut, Superseded
 from muster.worker.library.sockets import interface_of
 from muster.worker.library.stuck import exit_stuck
 from muster.worker.library.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
-from muster.worker.library.link import Link, immediate
+from muster.worker.link import Link, Transport, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.library.sharded import Build, Replicas, ShardedState
@@ -505,7 +505,7 @@ class Worker:
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],
-            on_directive: Callable[[pb.Directive], None]) -> NodeSession | RankLink:
+            on_directive: Callable[[pb.Directive], None]) -> Transport:
     """The rank's link: to its agent under `muster run`, else to the coordinator as a one-slot node."""
     if c.agent_socket:
         return RankLink(c.agent_socket, slot, c.agent_secret, report=lambda: reports()[0], on_directive=on_directive)

@@ -1,5 +1,5 @@
 """A process's link to the coordinator (NodeSession) or to its node agent (RankLink), shared by the
-worker library and the torchrun rendezvous handler.
+worker library and the torchrun rendezvous handler. Both ends are a `Transport`.
 
 One owner for what the training thread and the link thread share: the link thread, with its own
 asyncio loop, runs the transport and is the only writer of the mailbox (`latest`, `base`,
@@ -13,17 +13,36 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
+from typing import Protocol, runtime_checkable
 
 import structlog
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.errors import CoordinatorLost, FencedOut, RunEnded, WorkerError
-from muster.worker.node_session import Evicted, JobEnded, NodeSession
-from muster.worker.rank_link import RankLink
+from muster.worker.node_session import Evicted, JobEnded, evicted
 
 log = structlog.get_logger(__name__)
 
-Transport = NodeSession | RankLink
+
+@runtime_checkable
+class Transport(Protocol):
+    """A process's stream of directives: NodeSession (a node's, to the coordinator) or RankLink (a
+    rank's, to its agent, which is the job's member for it). `run` delivers each directive to the
+    callback it was built with and ends by raising Evicted (after delivering the eviction),
+    JobEnded, or what lost it; returning means it was stopped."""
+
+    generation: int  # the generation this process runs (its frames carry it)
+
+    async def join(self, *, retry_for_s: float = 30.0) -> object: ...  # become the job's member
+
+    async def run(self) -> None: ...
+
+    async def leave(self, **kwargs) -> None: ...  # leave the job (the stream's end that follows is expected)
+
+    async def stop(self) -> None: ...
+
+    def silent_s(self) -> float: ...  # since when whoever answers for the coordinator was last heard
+
 # Builds the transport on the link's loop, given the callback its directives go to.
 Connect = Callable[[Callable[[pb.Directive], None]], Transport]
 
@@ -105,9 +124,9 @@ class Link:
             await self.session.stop()
         self.latest = self.base = self.drain_after = self.ended = None
         self.session = session = connect(self._deliver)
-        if joined and isinstance(session, NodeSession):
+        if joined:
             await session.join(retry_for_s=join_timeout_s)
-        asyncio.create_task(self._run(session, join=not joined and isinstance(session, NodeSession)))
+        asyncio.create_task(self._run(session, join=not joined))
 
     async def _run(self, session: Transport, *, join: bool) -> None:
         try:
@@ -141,7 +160,7 @@ class Link:
                 self.latest = a
                 if immediate(a):
                     self.base = a
-            if a.role == pb.ROLE_EVICTED:
+            if evicted(d) is not None:
                 return  # the transport raises Evicted next: the failure tells
         elif d.HasField("drain"):
             self.drain_after = d.drain.after_step
