@@ -2,7 +2,8 @@
 
 A single asyncio task owns every change: it folds queued requests, exit reports and the
 liveness failures of one tick into one decision, persists it (fenced on the term) and only
-then adopts it and pushes each node its part of the new map. Frames only update liveness.
+then adopts it and pushes each node its part of the new map. A frame updates liveness, and
+what it says of the node (finishing, slots up or down, lost, a regroup) is queued for that task.
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ def stream_end(item) -> pb.StreamEnd:
 
 
 def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:
-    """A relayed stream's end (`relay.stream_end`) as the error the relay ends the node's stream with."""
+    """A relayed stream's end (the `stream_end` table above, which RelayLink encodes it with) as the error the relay ends the node's stream with."""
     if end.code == grpc.StatusCode.UNAVAILABLE.value[0]:
         return errors.NotLeader(job, end.leader)
     return ERROR_OF.get(end.code, errors.Unavailable)(end.message)

@@ -1,5 +1,5 @@
-"""The `muster` command: serve (coordinator), run (node agent), demo, and the client verbs: status,
-events, logs, jobs, stop, drain, delete."""
+"""The `muster` command: serve (coordinator), run (node agent), demo, completion, and the client
+verbs: status, events, logs, jobs, stop, drain, delete."""
 
 from __future__ import annotations
 

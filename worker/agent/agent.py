@@ -251,8 +251,6 @@ class NodeAgent:
                         continue
                     await self.ranks.start(slot, master)
 
-    # ---- ranks -----------------------------------------------------------------------
-
     # ---- leaving ---------------------------------------------------------------------
 
     async def settle(self) -> None:

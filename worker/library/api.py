@@ -90,7 +90,7 @@ class WorkerConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
-        """MUSTER_COORDINATOR (HOST:PORT[,...]) and MUSTER_JOB are required; see the README."""
+        """MUSTER_COORDINATOR (HOST:PORT[,...]) and MUSTER_JOB are required; the variables are in docs/reference/environment.md."""
         env = dict(os.environ if env is None else env)
         required = ("MUSTER_JOB",) if env.get("MUSTER_AGENT_SOCKET") else ("MUSTER_COORDINATOR", "MUSTER_JOB")
         missing = [k for k in required if not env.get(k)]
