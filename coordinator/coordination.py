@@ -65,3 +65,8 @@ class Coordination(Protocol):
 
     def current_leader(self, job: str) -> tuple[str, int] | None:
         """(address, term) of the job's leader, needing no session; raises StoreUnavailable."""
+
+    def watch_elections(self, job: str, changed: Callable[[], None]) -> Callable[[], None]:
+        """changed(), on another thread, after the job's candidates change (a key created,
+        resigned, withdrawn or gone with its lease), and once if the watch itself fails: read
+        current_leader then. Returns cancel(). Raises StoreUnavailable."""

@@ -12,6 +12,7 @@ the job is campaigned for again after a backoff.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -38,6 +39,9 @@ from muster.v1 import muster_pb2 as pb
 log = structlog.get_logger(__name__)
 
 LEADER_LOOKUP_S = 0.5  # a NotLeader hint is worth this much wait, no more
+# A Join waiting on a new job's election re-reads etcd this often without an event (a watch lost
+# with etcd's stream says so, but one never made, with etcd unreachable, does not).
+ELECTION_RECHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Replica:
         self.coordination = coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
+        self._electing: dict[str, set[asyncio.Event]] = {}  # job -> the Joins waiting on its election
         self.campaigns = Campaigns(coordination, session_ttl_s=config.session_ttl_s,
                                    renew_deadline_s=config.renew_deadline_s, balance_delay_s=config.balance_delay_s,
                                    jobs=self.jobs, leaders=self.leaders, won=self._lead,
@@ -157,6 +162,8 @@ class Replica:
             self._leadership_lost(job, f"could not lead: {exc!r}")
             return
         self.leaders[job] = leader
+        for waiter in self._electing.get(job, ()):
+            waiter.set()  # the Joins waiting on this job's election
         leader.start()
         following = asyncio.ensure_future(self._follow(leader))
         self._following.add(following)
@@ -318,13 +325,30 @@ class Replica:
         self._discovered(job)
 
     async def _await_election(self, job: str) -> None:
-        """A new job's election takes a moment: wait for it rather than bounce the caller."""
+        """A new job's election takes a moment: wait for it rather than bounce the caller. Woken
+        when this replica leads it or the job's candidates change in etcd (another replica won)."""
         deadline = self._loop.time() + self.config.leader_wait_s
-        while job not in self.leaders and self._loop.time() < deadline:
-            address = await self._leader_address(job)
-            if address:
-                raise NotLeader(job, address)
-            await asyncio.sleep(0.02)
+        changed = asyncio.Event()
+        self._electing.setdefault(job, set()).add(changed)
+        try:
+            cancel = await asyncio.to_thread(self.coordination.watch_elections, job,
+                                             lambda: self._loop.call_soon_threadsafe(changed.set))
+        except StoreUnavailable:
+            cancel = None  # etcd unreachable: the election cannot end either; re-read at ELECTION_RECHECK_S
+        try:
+            while job not in self.leaders and (left := deadline - self._loop.time()) > 0:
+                changed.clear()
+                address = await self._leader_address(job)
+                if address:
+                    raise NotLeader(job, address)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(left, ELECTION_RECHECK_S))
+        finally:
+            self._electing[job].discard(changed)
+            if not self._electing[job]:
+                del self._electing[job]
+            if cancel is not None:
+                await asyncio.to_thread(cancel)
 
     async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page(),
                      run: int = 0) -> pb.StatusResponse:

@@ -202,6 +202,8 @@ class MemoryCoordination:
         self._keys: dict[str, dict[int, tuple[int, str, MemorySession]]] = {}
         self._unavailable = False
         self.refused = 0  # calls refused as unavailable (session grants among them)
+        self._watchers: dict[int, tuple[str, Callable[[], None]]] = {}  # watch_elections' callbacks
+        self._watch_ids = itertools.count(1)
 
     # ---- fault hooks -----------------------------------------------------------------
 
@@ -247,6 +249,24 @@ class MemoryCoordination:
             term, address, _ = min(held.values(), key=lambda k: k[0])
             return address, term
 
+    def watch_elections(self, job: str, changed: Callable[[], None]) -> Callable[[], None]:
+        with self._changed:
+            self._check()
+            watch = next(self._watch_ids)
+            self._watchers[watch] = (check_job_name(job), changed)
+
+        def cancel() -> None:
+            with self._changed:
+                self._watchers.pop(watch, None)
+        return cancel
+
+    def _keys_changed(self, jobs: set[str]) -> None:
+        """Under `_changed`: wake the campaigns and tell the watchers of `jobs`."""
+        self._changed.notify_all()
+        for job, changed in list(self._watchers.values()):
+            if job in jobs:
+                changed()
+
     def _check(self) -> None:
         if self._unavailable:
             self.refused += 1
@@ -254,9 +274,8 @@ class MemoryCoordination:
 
     def _drop_keys(self, lease: int) -> None:
         with self._changed:
-            for held in self._keys.values():
-                held.pop(lease, None)
-            self._changed.notify_all()
+            dropped = {job for job, held in self._keys.items() if held.pop(lease, None) is not None}
+            self._keys_changed(dropped)
 
 
 class MemorySession:
@@ -340,6 +359,7 @@ class MemoryElection:
                     if lease not in held:
                         c._revision += 1
                         held[lease] = (c._revision, self.address, self._session)
+                        c._keys_changed({self.job})
                     term = held[lease][0]
                     if term == min(k[0] for k in held.values()) and self._session.alive():
                         self._term = term
@@ -361,7 +381,7 @@ class MemoryElection:
             deleted = held.get(self._session.lease_id, (None,))[0] == term
             if deleted:
                 del held[self._session.lease_id]
-                c._changed.notify_all()
+                c._keys_changed({self.job})
         log.info("leadership_resigned", job=self.job, term=term, deleted=deleted)
         return deleted
 
@@ -371,6 +391,6 @@ class MemoryElection:
             c._check()
             held = c._keys.get(self.job, {})
             if held.pop(self._session.lease_id, None) is not None:
-                c._changed.notify_all()
+                c._keys_changed({self.job})
             if not held:
                 c._keys.pop(self.job, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import etcd3.watch
@@ -212,3 +213,19 @@ class EtcdCoordination:
 
     def current_leader(self, job: str) -> tuple[str, int] | None:
         return current_leader(self.client, job)
+
+    def watch_elections(self, job: str, changed: Callable[[], None]) -> Callable[[], None]:
+        def on_response(response: Any) -> None:
+            if not isinstance(response, etcd3.watch.WatchResponse) or response.events:
+                changed()  # (a failed stream too: the waiter reads etcd rather than wait for an event)
+
+        prefix = f"{DEFAULT_PREFIX}/election/{check_job_name(job)}/"
+        watch_id = call(self.client, lambda: self.client.add_watch_prefix_callback(prefix, on_response),
+                        "election watch")
+
+        def cancel() -> None:
+            try:
+                self.client.cancel_watch(watch_id)
+            except Exception as exc:  # best effort: the stream may be gone already
+                log.debug("watch_cancel_failed", error=str(exc))
+        return cancel

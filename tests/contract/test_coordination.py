@@ -141,3 +141,28 @@ def test_elections_of_different_jobs_do_not_wait_on_each_other(backend, sessions
     a = campaign(pool, c.election(session, "one", "a")).result(5)
     b = campaign(pool, c.election(sessions(), "two", "b")).result(5)
     assert (c.current_leader("one"), c.current_leader("two")) == (("a", a.term), ("b", b.term))
+
+
+def test_a_watch_of_a_jobs_elections_hears_each_change_of_its_candidates_and_nothing_after_cancel(
+        backend, sessions, pool):
+    c = backend.coordination
+    heard, other = threading.Semaphore(0), threading.Event()
+    cancel = c.watch_elections("job", heard.release)
+    cancel_other = c.watch_elections("other", other.set)
+    first = c.election(sessions(), "job", "a")
+    campaign(pool, first).result(5)
+    assert heard.acquire(timeout=5), "a candidate's key written"
+    waiting = campaign(pool, c.election(sessions(), "job", "b"))
+    assert heard.acquire(timeout=5), "a second candidate"
+    first.resign()
+    assert heard.acquire(timeout=5), "the leader resigned"
+    assert waiting.result(5).address == "b"
+    cancel()
+    while heard.acquire(timeout=0.3):  # (what was told before the cancel)
+        pass
+    stop = threading.Event()
+    campaign(pool, c.election(sessions(), "job", "c"), stop)
+    wait_until(lambda: backend.candidates("job") == 2, 5, "a third candidate's key written after the cancel")
+    stop.set()
+    assert not heard.acquire(timeout=0.5) and not other.is_set()
+    cancel_other()
