@@ -20,7 +20,10 @@ from muster.worker.agent.zygote import WarmProcess
 CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
 TAIL_LINES = 20  # of a given-up slot's stderr, in its report
 TAIL_BYTES = 64 * 1024
-PARTIAL_LINE_S = 0.5  # a rank's line with no end yet (a prompt, a progress bar) is passed on after this
+# A rank's line with no end yet (a prompt) is passed on after this. Not less: with PYTHONUNBUFFERED
+# (common in containers) print() writes a line and its end in two calls, and on a loaded host 0.5 s
+# between them was seen, the agent's next record then sharing the line.
+PARTIAL_LINE_S = 2.0
 
 
 def outside_crash_loop(code: int, lived_s: float) -> bool:
