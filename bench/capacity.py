@@ -54,7 +54,7 @@ from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.streams import NodeStream
-from muster.coordinator.twins import MemoryJobStore
+from muster.coordinator.memory import MemoryJobStore
 from muster.local import CoordinatorProcess, SimulatedNode, wait_until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc

@@ -51,7 +51,7 @@ from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay import RelayLink
 from muster.coordinator.server import stream_end
 from muster.coordinator.streams import NodeStream
-from muster.coordinator.twins import MemoryJobStore
+from muster.coordinator.memory import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).parent))

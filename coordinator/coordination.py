@@ -2,7 +2,7 @@
 leases and election keys.
 
 `Coordination` is what `Replica` calls; `etcd.election.EtcdCoordination` is the real one and
-`twins.MemoryCoordination` its in-memory twin, whose fault hooks (a lease that expires, etcd
+`memory.MemoryCoordination` its in-memory twin, whose fault hooks (a lease that expires, etcd
 unreachable) let replica failover run in-process with no etcd. One contract suite (tests/contract/)
 holds both to the same behaviour, as it does the job stores.
 """

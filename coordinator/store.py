@@ -1,7 +1,7 @@
 """Job storage as a replica needs it: the seam between the coordinator and etcd.
 
 `JobStorage` is what `Replica` calls; `etcd.store.JobStore` is the real one and
-`twins.MemoryJobStore` its in-memory twin, which can be told to fail the way etcd fails (a fenced
+`memory.MemoryJobStore` its in-memory twin, which can be told to fail the way etcd fails (a fenced
 write, unavailability, lost data) so that leaders and replicas are tested in-process. One
 contract suite (tests/contract/) holds both to the same behaviour.
 """

@@ -13,7 +13,7 @@ import pytest
 from muster.coordinator.coordination import Coordination
 from muster.coordinator.etcd.client import DEFAULT_PREFIX
 from muster.coordinator.etcd.election import EtcdCoordination
-from muster.coordinator.twins import MemoryCoordination
+from muster.coordinator.memory import MemoryCoordination
 from muster.local import wait_until
 
 pytestmark = pytest.mark.timeout(20)

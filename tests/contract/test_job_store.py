@@ -17,7 +17,7 @@ from muster.coordinator.etcd.election import Election
 from muster.coordinator.etcd.session import Session
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.store import JobStorage
-from muster.coordinator.twins import MemoryJobStore
+from muster.coordinator.memory import MemoryJobStore
 
 pytestmark = pytest.mark.timeout(20)
 

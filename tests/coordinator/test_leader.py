@@ -20,7 +20,7 @@ from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.streams import NodeStream
-from muster.coordinator.twins import MemoryJobStore
+from muster.coordinator.memory import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(5)

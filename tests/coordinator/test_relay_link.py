@@ -21,7 +21,7 @@ from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, R
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.server import CoordinatorServicer, stream_end
 from muster.coordinator.streams import NodeStream, Pulses
-from muster.coordinator.twins import MemoryJobStore
+from muster.coordinator.memory import MemoryJobStore
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 

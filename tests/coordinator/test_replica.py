@@ -15,7 +15,7 @@ from muster.local import SimulatedNode, until
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.replica import Replica, ReplicaConfig
 from muster.coordinator.server import create_server
-from muster.coordinator.twins import MemoryCoordination, MemoryJobStore, MemorySession
+from muster.coordinator.memory import MemoryCoordination, MemoryJobStore, MemorySession
 from muster.v1 import muster_pb2 as pb
 
 pytestmark = pytest.mark.timeout(20)
