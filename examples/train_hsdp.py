@@ -1,9 +1,11 @@
 """FSDP2 on an HSDP mesh (2 replica groups x 2 shards by default) under the Muster worker library:
 a lost rank's shard is taken from the other replica group, the job keeps training in place.
     MUSTER_COORDINATOR=127.0.0.1:7600 MUSTER_JOB=hsdp python examples/train_hsdp.py --steps 100
-(run 4 ranks; a 5th waits as a spare). The model and optimizer are built by `build(mesh)`, which the
-library calls on each generation's mesh: the loop takes `worker.model` and `worker.optimizer` afresh
-every step. Each rank logs one JSON line per completed step, with its mesh slot and the fingerprint
+(run 4 ranks; a 5th waits as a spare. A replica group that loses a rank leaves the mesh, and the
+other trains on, until a replacement or the spare fills the slot.) The model and optimizer are built
+by `build(mesh)`, which the library calls on each generation's mesh: the loop takes `worker.model`
+and `worker.optimizer` afresh every step, and its data by `worker.mesh_slot`. Each rank logs one
+JSON line per completed step, with its mesh slot, the replica groups training, and the fingerprint
 of its shards (equal across replicas).
 """
 
@@ -54,9 +56,8 @@ def batch(step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True)
 
 
-def train_step(worker: Worker, layout: Replicas) -> torch.Tensor:
-    replica, shard = worker.mesh.get_coordinate()
-    x, y = batch(worker.step, replica * layout.shards + shard)
+def train_step(worker: Worker) -> torch.Tensor:
+    x, y = batch(worker.step, worker.mesh_slot)  # the slot: the mesh holds only the replica groups training now
     loss = torch.nn.functional.mse_loss(worker.model(x), y)
     loss.backward()
     worker.optimizer.step()
@@ -81,12 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         while worker.step < args.steps:
             with worker.step_scope() as step:
                 time.sleep(args.step_sleep)
-                loss = train_step(worker, layout)
+                loss = train_step(worker)
             if not step.completed:
                 continue  # discarded by a membership change: redone on the new mesh
             data.epoch = worker.step
-            replica, shard = worker.mesh.get_coordinate()
-            log.info("step", step=worker.step, rank=worker.rank, slot=replica * layout.shards + shard,
+            log.info("step", step=worker.step, rank=worker.rank, slot=worker.mesh_slot, replicas=worker.mesh.size(0),
                      world_size=worker.world_size, generation=worker.generation,
                      digest=worker.state.fingerprint(worker.device).hex(), loss=round(loss.item(), 6))
         worker.close()

@@ -24,6 +24,7 @@ new generation gives it a place, or gives up after `hold_timeout_s` with HoldExp
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -48,8 +49,8 @@ from muster.worker.library.errors import CoordinatorLost, Drained, FencedOut, Ho
 from muster.worker.link import Link, Transport, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.library.sharded import Build, Replicas, ShardedState
-from muster.worker.library.state import ReplicatedState, StateTransfer
+from muster.worker.library.sharded import BENCHED, Bench, Build, Replicas, ShardedState
+from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
 from muster.worker.library.step_guards import StepGuards
 from muster.worker.library.unwinding import Unwinding
 
@@ -218,8 +219,8 @@ class Worker:
                             "optimizer= (the library builds them on each generation's mesh)")
         if self.config.digest_every:
             raise TypeError("digest_every compares every rank's digest, and a sharded job's ranks hold different shards")
-        if not self.config.agent_socket:  # this rank may create the job: no generation of another size
-            self.config = replace(self.config, world_size_multiple=self.config.world_size_multiple or layout.world_size,
+        if not self.config.agent_socket:  # this rank may create the job: a generation of one replica group or more
+            self.config = replace(self.config, min_nodes=self.config.min_nodes or layout.shards,
                                   max_nodes=self.config.max_nodes or layout.world_size)
         self.state = ShardedState(build, layout, dict(extras), subgroups=lambda: self.comm.subgroups(),
                                   on_built=self._guards.install)
@@ -237,8 +238,14 @@ class Worker:
 
     @property
     def mesh(self):
-        """This generation's DeviceMesh ("replicate", "shard") where a layout was registered, else None."""
+        """This generation's DeviceMesh ("replicate", "shard") where a layout was registered, else
+        None. It holds the replica groups training now: index data by `mesh_slot`, not its coordinate."""
         return getattr(self.state, "mesh", None)
+
+    @property
+    def mesh_slot(self) -> int:
+        """This rank's place in the layout, kept for life: replica r, shard s at r * S + s (-1: none)."""
+        return getattr(self.state, "slot", -1)
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
@@ -343,11 +350,11 @@ class Worker:
             self.link.changed.wait(min(remaining, 0.05))
             self.link.changed.clear()
 
-    def _wait_for_place(self, after: int, hold: str, deadline: float) -> pb.Assignment:
+    def _wait_for_place(self, after: int, hold: str, deadline: float, bench: Bench | None = None) -> pb.Assignment:
         """Block until an assignment newer than generation `after` gives this rank a place (spares
         and waiting jobs wait). Holding (`hold` says why), no longer than `deadline`; otherwise
         bounded by the link: a coordinator not heard from for the hold timeout ends the wait.
-        It says what it waits for every WAIT_REPORT_S."""
+        It says what it waits for every WAIT_REPORT_S. A benched rank (`bench`) ends with the others."""
         began = report_at = time.monotonic()
         while True:
             self.link.changed.clear()
@@ -357,15 +364,31 @@ class Worker:
             target = to_form(self.link.latest, self.link.base, self._slot, after)
             if target is not None:
                 return target
+            if bench is not None and bench.others_finished():
+                self._error = bench.finish(self.link)
+                self._raise_error()
             if time.monotonic() >= report_at + WAIT_REPORT_S:
-                report_at = report_waiting(self.link, self.config.hold_timeout_s, after, hold, began, deadline)
+                report_at = report_waiting(self.link, self.config.hold_timeout_s, after, hold or getattr(bench, "why", ""),
+                                           began, deadline)
             give_up_waiting(self.link, self.config.hold_timeout_s, after, hold, deadline)
             self.link.changed.wait(0.1)
 
     def _reform(self, *, discard: bool, hold: str = "") -> None:
-        """Leave the current group and join the next one this rank has a place in. `hold`: why the
+        """Leave the current group and join the next one this rank trains in. `hold`: why the
         group broke with no new generation in sight; the wait for one is then bounded by the hold
-        timeout, and a failure while forming holds the same way."""
+        timeout, and a failure while forming holds the same way. A rank benched in the generation
+        formed (its replica group is out of the mesh: worker/sharded.py) sits it out, state kept and
+        reporting a long phase (not a stall), until a newer generation places it."""
+        state, phase = self._progress[2:4]
+        while self._form_next(discard=discard, hold=hold).role == BENCHED:
+            step, us, *_ = self._progress
+            self._progress = (step, us, "long_phase", f"benched: {self.state.benched}"[:200], self.generation)
+            self._wait_for_place(self.generation, "", math.inf, Bench(self.state.benched))
+            self.comm.abort(self.generation + 1)  # (the bench's barrier would hold the group's destroy)
+            discard, hold = False, ""
+        self._progress = (*self._progress[:2], state, phase, self._progress[4])
+
+    def _form_next(self, *, discard: bool, hold: str) -> SyncResult:
         started = time.perf_counter()
         step, us, state, phase, _ = self._progress
         after = self.generation
@@ -431,6 +454,7 @@ class Worker:
                  step=step, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
                  steps_behind=lost, backend=self.backend.name, **moved,
                  **{k: round(v, 4) for k, v in phases.items()})
+        return sync
 
     def _group(self, a: pb.Assignment) -> GroupSpec:
         return group_spec(a, self._slot, self.config.local_rank)

@@ -1,25 +1,35 @@
 """Sharded training state (FSDP2 on an HSDP mesh) that survives a lost rank: each shard is held by
-every replica group, so a lost one is taken from another replica.
+every replica group, so a lost one is taken from another replica, and while a group lacks a rank
+the other groups train without it.
 
 A job declares its layout at register: `Replicas(R, S)`, R replica groups (R >= 2) of S shards, a
-mesh of R x S ranks with dimensions ("replicate", "shard"), and a `build(mesh) -> (model, optimizer)`
-the library calls on every generation's mesh. FSDP2 keeps the process groups it was built on for
-life, so after a reform the model is built again on the new mesh rather than its groups swapped.
+mesh with dimensions ("replicate", "shard"), and a `build(mesh) -> (model, optimizer)` the library
+calls on every generation's mesh. FSDP2 keeps the process groups it was built on for life, so after
+a reform the model is built again on the new mesh rather than its groups swapped.
 
 Every rank keeps a mesh slot (replica r, shard s; slot = r * S + s) for life: the coordinator
 numbers ranks by node age, so a replacement gets whatever rank is last, not the lost one's. After
-each reform the ranks tell each other their slots on the generation's store, survivors keep theirs,
-fresh processes take the free ones in rank order, and the mesh is laid out by slot. Then:
+each reform the ranks tell each other their slots and steps on the generation's store, survivors
+keep their slots, fresh processes take the free ones (the groups missing fewest first), and the
+mesh is laid out over the replica groups that can train (`place`): the complete ones, provided
+that between them they hold every shard at the job's step (the highest a survivor holds). The
+ranks of the other groups are benched: in the generation, out of the mesh, their shards kept, until
+a generation completes their group (Worker waits for it). Then, on the training groups:
 
 1. a survivor copies its own local shards (parameters, optimizer state) into the newly built model
    and optimizer: its shards never cross the network;
 2. the ranks holding the same shard index (the mesh's replicate group) keep their local shards
-   identical as ReplicatedState does for a whole model: where they agree nothing moves; a
-   replacement receives its shard in place, striped over the healthy replicas;
-3. every rank must then be at the same step, or the job ends (StateMismatch).
+   identical as ReplicatedState does for a whole model, at the highest step among them: where they
+   agree nothing moves; a replacement, or a benched survivor whose group is complete again (it
+   missed the steps trained without it), receives its shard in place, striped over the healthy
+   replicas.
 
-A shard lost in every replica at once (e.g. R nodes lost together, each holding it) cannot be
-recovered: the job ends saying so rather than train on a freshly initialised shard.
+FSDP2 averages gradients over the mesh it was built on, so while a group is out the loss is
+averaged over the R - 1 groups' batches: a smaller global batch, correctly scaled.
+
+A shard whose latest step is lost in every replica at once (e.g. the ranks holding it in every
+replica lost together) cannot be recovered: the job ends saying so rather than train on a stale or
+freshly initialised shard.
 """
 
 from __future__ import annotations
@@ -28,15 +38,17 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.library.errors import LayoutMismatch, StateMismatch
+from muster.v1 import muster_pb2 as pb
+from muster.worker.library.errors import LayoutMismatch, RunEnded, StateMismatch
 from muster.worker.library.state import Channel, ReplicatedState, Stateful, SyncResult
-from muster.worker.library.transfer import BUCKET_BYTES, Card, unflatten
+from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan, unflatten
 
 if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a second, sharded or not)
     from torch.distributed.device_mesh import DeviceMesh
@@ -44,6 +56,7 @@ if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a s
 log = structlog.get_logger(__name__)
 
 MESH_DIMS = ("replicate", "shard")
+BENCHED = "benched"  # SyncResult.role of a rank whose replica group is out of the generation's mesh
 Build = Callable[["DeviceMesh"], tuple[torch.nn.Module, Any]]
 
 
@@ -66,36 +79,73 @@ class Replicas:
     def world_size(self) -> int:
         return self.replicas * self.shards
 
-    def mesh(self, rank_of_slot: Sequence[int], device_type: str) -> DeviceMesh:
-        """The (replicate, shard) mesh with slot r * S + s at [r, s]: every rank must call it."""
+    def mesh(self, groups: Sequence[Sequence[int]], device_type: str) -> DeviceMesh:
+        """The (replicate, shard) mesh with the ranks of each training group (its S slots in
+        order) in a row: every rank of the generation must call it, in or out of it."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.tensor(list(rank_of_slot), dtype=torch.int).view(self.replicas, self.shards)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+        return DeviceMesh(device_type, torch.tensor([list(g) for g in groups], dtype=torch.int),
+                          mesh_dim_names=MESH_DIMS)
 
 
-def place(claims: Sequence[int], layout: Replicas) -> list[int]:
-    """The rank in each mesh slot, from each rank's claim (its slot, -1 for a fresh process): a
-    claim is kept, fresh ranks fill the free slots in rank order. The same on every rank."""
-    if len(claims) != layout.world_size:
-        raise LayoutMismatch(f"the generation has {len(claims)} ranks; the layout {layout} needs exactly "
-                             f"{layout.world_size} (set the job's world_size_multiple and max size to it)")
+@dataclass(frozen=True)
+class Placement:
+    """A generation laid out on the mesh (the same on every rank)."""
+
+    rank_of_slot: tuple[int, ...]  # -1: an empty slot
+    training: tuple[int, ...]  # the replica groups in the mesh, ascending; the others are benched
+    step: int  # the job's step: the highest a survivor holds (0 at a first formation)
+
+    def groups(self, layout: Replicas) -> list[tuple[int, ...]]:
+        """The ranks of each training group, by shard index."""
+        s = layout.shards
+        return [self.rank_of_slot[r * s:(r + 1) * s] for r in self.training]
+
+    def why_benched(self, replica: int, layout: Replicas) -> str:
+        """Why `replica`'s ranks are out of this generation's mesh."""
+        s = layout.shards
+        empty = [slot for slot in range(replica * s, (replica + 1) * s) if self.rank_of_slot[slot] < 0]
+        if empty:
+            return (f"replica group {replica} lacks slot(s) {empty}: out of the data-parallel dimension until a "
+                    "replacement or a spare fills them")
+        if self.step == 0 and not self.training:
+            return f"replica group {replica} waits for the whole mesh of {layout}: a first formation trains on it only"
+        return (f"replica group {replica} waits: the complete groups lack a shard at step {self.step}, "
+                "held only in incomplete ones")
+
+
+def place(claims: Sequence[tuple[int, int]], layout: Replicas) -> Placement:
+    """The generation on the mesh, from each rank's claim (its slot, -1 for a fresh process; and
+    its step): a claim is kept, fresh ranks fill the free slots, those of the groups missing fewest
+    first, in rank order. The same on every rank."""
+    if len(claims) > layout.world_size:
+        raise LayoutMismatch(f"the generation has {len(claims)} ranks; the layout {layout} has {layout.world_size} "
+                             f"slots (set the job's max size to {layout.world_size}: more ranks wait as spares)")
+    s = layout.shards
     rank_of_slot = [-1] * layout.world_size
     fresh = []
-    for rank, slot in enumerate(claims):
+    for rank, (slot, _) in enumerate(claims):
         if 0 <= slot < layout.world_size and rank_of_slot[slot] < 0:
             rank_of_slot[slot] = rank
         else:
             fresh.append(rank)  # (a duplicate claim cannot come from the coordinator's maps: taken as fresh)
-    held = {slot % layout.shards for slot, rank in enumerate(rank_of_slot) if rank >= 0}
-    lost = sorted(set(range(layout.shards)) - held)
+    held = {slot: claims[rank][1] for slot, rank in enumerate(rank_of_slot) if rank >= 0}  # survivor's slot -> step
+    step = max(held.values(), default=0)
+    lost = sorted(set(range(s)) - {slot % s for slot, at in held.items() if at == step})
     if held and lost:
-        raise StateMismatch(f"shard(s) {lost[:8]} of {layout} were lost in every replica at once: no rank holds "
-                            "them. Restart from your checkpoint")
-    free = (slot for slot, rank in enumerate(rank_of_slot) if rank < 0)
+        raise StateMismatch(f"shard(s) {lost[:8]} of {layout} at step {step} were lost in every replica at once: no "
+                            "rank holds them. Restart from your checkpoint")
+    empty = [sum(r < 0 for r in rank_of_slot[g * s:(g + 1) * s]) for g in range(layout.replicas)]
+    free = sorted((slot for slot, rank in enumerate(rank_of_slot) if rank < 0), key=lambda slot: (empty[slot // s], slot))
     for rank, slot in zip(fresh, free):
         rank_of_slot[slot] = rank
-    return rank_of_slot
+    complete = tuple(g for g in range(layout.replicas) if all(r >= 0 for r in rank_of_slot[g * s:(g + 1) * s]))
+    if not held:  # a first formation: every shard from `build`, trained on the whole mesh only
+        training = complete if len(complete) == layout.replicas else ()
+    else:  # between them the complete groups must hold every shard at the job's step
+        among = {slot % s for slot, at in held.items() if at == step and slot // s in complete}
+        training = complete if len(among) == s else ()
+    return Placement(tuple(rank_of_slot), training, step)
 
 
 @dataclass
@@ -113,6 +163,8 @@ class ShardedState:
     optimizer: Any = None
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
+    benched: str = ""  # why this rank is out of the generation's mesh ("": it trains)
+    _kept: dict[str, Any] | None = None  # a benched survivor's shards (LocalShards' tree), until its group trains
 
     def __post_init__(self) -> None:
         # FSDP2's first call imports torch._dynamo (1.0 s of a 1.3 s first step here): paid at
@@ -136,34 +188,48 @@ class ShardedState:
     def sync(self, step: int, channel: Channel, device: torch.device,
              progress: Callable[[str], None] | None = None) -> SyncResult:
         started = time.perf_counter()
-        claims = [int(v) for v in channel.exchange("mesh/slot", str(self.slot))]
-        rank_of_slot = place(claims, self.layout)
+        claims = [claim(v) for v in channel.exchange("mesh/slot", f"{self.slot}:{step}")]
+        placement = place(claims, self.layout)
         # Tensors only: the old model and optimizer hold the old generation's groups, dropped here.
-        kept = self._shards()._tree() if self.model is not None else None
+        if self.model is not None:
+            self._kept = self._shards()._tree()
         self.model = self.optimizer = self.mesh = None
-        self.slot = rank_of_slot.index(channel.rank)
-        with self.subgroups():
-            self.mesh = self.layout.mesh(rank_of_slot, device.type)
+        self.slot = placement.rank_of_slot.index(channel.rank)
+        replica, shard = divmod(self.slot, self.layout.shards)
+        mesh = None
+        if placement.training:
+            with self.subgroups():
+                mesh = self.layout.mesh(placement.groups(self.layout), device.type)
         meshed = time.perf_counter()
+        self.benched = "" if replica in placement.training else placement.why_benched(replica, self.layout)
+        if self.benched:
+            log.info("replica_benched", slot=self.slot, step=step, job_step=placement.step, training=placement.training,
+                     why=self.benched)
+            return SyncResult(step, SyncPlan(Card(step, "", ""), (), (), ()), BENCHED, phases={"mesh_s": meshed - started})
+        self.mesh = mesh
         self.model, self.optimizer = self.build(self.mesh)
         self.on_built(self.model, self.optimizer)
         built = time.perf_counter()
-        if kept is not None:
-            restore(self.model, self.optimizer, kept)
+        if self._kept is not None:
+            restore(self.model, self.optimizer, self._kept)
+            self._kept = None
         restored = time.perf_counter()
         replicate = self.mesh.get_group(MESH_DIMS[0])
-        replica, shard = divmod(self.slot, self.layout.shards)
         result = self._shards(replicate).sync(step, ReplicaChannel(channel, shard, dist.get_rank(replicate),
-                                                                   self.layout.replicas), device, progress)
-        steps = [int(v) for v in channel.exchange("mesh/step", str(result.step))]
-        if len(set(steps)) > 1:
-            raise StateMismatch(f"after the reform the shards are at different steps ({sorted(set(steps))}): a step "
-                                "completed on some replica groups only, and no rank holds the others' shards of it")
+                                                                   len(placement.training)), device, progress)
+        if result.step != placement.step:  # (cannot happen: place() saw every shard at the step in a training group)
+            raise StateMismatch(f"shard {shard} is at step {result.step} after the reform, the job at {placement.step}")
         result.phases = {"mesh_s": meshed - started, "build_s": built - meshed, "restore_s": restored - built,
                          **result.phases}
-        log.info("mesh_placed", slot=self.slot, replica=replica, shard=shard, kept=kept is not None,
-                 fresh=claims.count(-1), role=result.role)
+        log.info("mesh_placed", slot=self.slot, replica=replica, shard=shard, training=placement.training,
+                 fresh=sum(c[0] < 0 for c in claims), role=result.role, steps_missed=placement.step - step)
         return result
+
+
+def claim(value: bytes) -> tuple[int, int]:
+    """A rank's "slot:step" (slot -1: a fresh process)."""
+    slot, step = value.decode().split(":")
+    return int(slot), int(step)
 
 
 class LocalShards(ReplicatedState):
@@ -236,3 +302,31 @@ def restore(model: torch.nn.Module, optimizer: Any, kept: dict[str, Any]) -> Non
             t.copy_(kept["model"][name])
     if optimizer is not None and kept["optimizer"] is not None:
         optimizer.load_state_dict(on_params(optimizer, kept["optimizer"]))
+
+
+class Bench:
+    """What a benched rank watches in the generation it sits out, besides the next map: the final
+    barrier of the ranks that train (Worker.close), which ends its wait with theirs. Posted at once,
+    with no timeout of its own: the wait is bounded by the link and the coordinator's long-phase
+    timeout. Leaving the bench, the rank must abort the group before destroying it: the pending
+    barrier holds gloo's destroy until it completes."""
+
+    def __init__(self, why: str):
+        self.why = why
+        opts = dist.BarrierOptions()
+        opts.timeout = timedelta(days=365)
+        self._closing = dist.group.WORLD.barrier(opts)
+
+    def others_finished(self) -> bool:
+        return self._closing.is_completed() and self._closing.is_success()
+
+    def finish(self, link: Any) -> RunEnded:
+        """The ranks that train finished while this one sat out: it finishes too (its stale shards
+        are the others' earlier ones), leaving the job as finished so that the run succeeds."""
+        reason = f"the others finished while this rank was benched: {self.why}"
+        log.info("benched_rank_finished", why=self.why)
+        try:
+            link.leave(10, finished=True, reason=reason)
+        except Exception as exc:  # (not left: the coordinator finds the node gone instead, and the run fails)
+            log.warning("leave_failed", error=str(exc))
+        return RunEnded(pb.JobEnd(outcome="succeeded", reason=reason, run=getattr(link.session, "joined_run", 0)))
