@@ -5,17 +5,21 @@ issue's setup), a lost node's by a spare node; training goes on without a restar
 and every slot ends bit-identical to an uninterrupted run of the same batches (2-rank reductions on
 CPU are exact whatever the order). Each test prints the time from the fault to the first step after."""
 
+import importlib.util
 import os
 import signal
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from muster.local import TrainingProcess, record_time, wait_until
 
-HSDP_COMMAND = [sys.executable, str(Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py")]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py"
+HSDP_COMMAND = [sys.executable, str(EXAMPLE)]
 HEARTBEAT = ["--heartbeat-timeout", "2.0"]
 STEPS = 12
 STEP_SLEEP = "0.2"
@@ -33,9 +37,10 @@ class HsdpRank(TrainingProcess):
 def hsdp(tmp_path):
     started = []
 
-    def start(coordinator: str, job: str, n: int, steps: int = STEPS) -> list[HsdpRank]:
+    def start(coordinator: str, job: str, n: int, steps: int = STEPS, step_sleep_s: float = float(STEP_SLEEP),
+              min_nodes: int = 1) -> list[HsdpRank]:
         new = [HsdpRank([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=steps,
-                        step_sleep_s=float(STEP_SLEEP)).start() for i in range(n)]
+                        step_sleep_s=step_sleep_s, min_nodes=min_nodes).start() for i in range(n)]
         started.extend(new)
         return new
 
@@ -141,3 +146,102 @@ def test_under_muster_run_a_lost_node_is_replaced_by_a_spare_node(coordinators, 
     assert all(r["bytes_received"] == 0 for s in (0, 1) for r in kept.rank_records(s, "group_formed"))
     finals = {r["slot"]: r["digest"] for n in (kept, spare) for s in (0, 1) for r in n.steps(s)[-1:]}
     assert finals == final_digests(reference, steps)
+
+
+BENCH_STEPS = 150
+
+
+def reference_losses(participation: dict[int, set[int]], steps: int) -> dict[tuple[int, int], float]:
+    """The loss of each (step, slot) of a job whose step t trained the replica groups
+    participation[t], computed here on one unsharded model: built as examples/train_hsdp.py's, each
+    step's gradient the mean over the slots that trained it (as FSDP2 averages over its mesh)."""
+    spec = importlib.util.spec_from_file_location("train_hsdp", EXAMPLE)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(ex.WIDTH, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = {}
+    for t in range(steps):
+        slots = [r * 2 + s for r in sorted(participation[t + 1]) for s in (0, 1)]
+        per_slot = [torch.nn.functional.mse_loss(model(x), y) for x, y in (ex.batch(t, slot) for slot in slots)]
+        losses.update({(t + 1, slot): loss.item() for slot, loss in zip(slots, per_slot)})
+        torch.stack(per_slot).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("lost", ["a rank", "a replica group"])
+def test_without_a_spare_the_other_replica_trains_on_and_the_group_rejoins_when_filled(coordinators, hsdp, lost):
+    """No spare: the lost rank's replica group (or the whole group, a node's worth) leaves the mesh
+    and the other replica keeps stepping alone; replacements started later fill the slots and the
+    group rejoins at a step boundary, its benched survivor and the new processes healing from the
+    healthy replica. Every slot's loss at every step equals the reference's for the replica groups
+    that trained it, and the replicas end identical."""
+    (leader,) = coordinators(1, extra=HEARTBEAT)
+    ranks = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", 4, BENCH_STEPS, 0.1, min_nodes=2)
+    wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 60, "4 ranks past step 3")
+    by_slot = {p.steps()[-1]["slot"]: p for p in ranks}
+    victims = [by_slot[1]] if lost == "a rank" else [by_slot[0], by_slot[1]]
+    healthy = [by_slot[2], by_slot[3]]
+    for p in victims:
+        p.signal(signal.SIGKILL)
+    killed_at = time.time()
+    benched_at = by_slot[0].last_step
+    # Started at once: they take seconds to join (a fresh interpreter, torch), replica 1 trains meanwhile.
+    replacements = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", len(victims), BENCH_STEPS, 0.1, min_nodes=2)
+    alone = lambda: [r for r in healthy[0].steps() if r["replicas"] == 1]  # noqa: E731
+    for p in [*healthy, *replacements] + ([by_slot[0]] if lost == "a rank" else []):
+        assert p.wait(90) == 0, p.log_path.read_text()[-3000:]
+    first_alone = alone()[0]
+    print(f"\nHSDP 2x2, {lost} lost at step {benched_at}, no spare: replica 1 trained alone "
+          f"{record_time(first_alone) - killed_at:.2f} s after the kill, for {len(alone())} steps")
+
+    # Replica 1 stepped on alone, every step once, none redone; its shards never moved.
+    for p in healthy:
+        assert [r["step"] for r in p.steps()] == list(range(1, BENCH_STEPS + 1))
+        assert all(r["bytes_received"] == 0 and r["steps_behind"] == 0 for r in p.records("group_formed"))
+    survivors = [by_slot[0]] if lost == "a rank" else []
+    back = [*survivors, *replacements]
+    assert {r["slot"] for p in back for r in p.steps()} == {0, 1}, "the group's slots were filled and trained again"
+    for p in back:  # healed from the healthy replica, at the step it had reached, and trained to the end
+        rejoined = p.records("group_formed")[-1]
+        assert rejoined["state"] == "receiver" and rejoined["bytes_received"] > 0, rejoined
+        later = [r["step"] for r in p.steps() if r["step"] > benched_at]
+        assert later[0] > benched_at + 3 and later[-1] == BENCH_STEPS, later
+
+    # The loss of every slot at every step is the reference's for the replicas that trained it.
+    records = {(r["step"], r["slot"]): r for p in [*ranks, *replacements] for r in p.steps()}
+    participation = defaultdict(set)
+    for step, slot in records:
+        participation[step].add(slot // 2)
+    assert all(participation[t] for t in range(1, BENCH_STEPS + 1))
+    assert any(participation[t] == {1} for t in participation) and participation[BENCH_STEPS] == {0, 1}
+    assert all(len({s for (t, s) in records if t == step}) == 2 * len(participation[step]) for step in participation)
+    expected = reference_losses(participation, BENCH_STEPS)
+    for key, r in records.items():
+        assert r["loss"] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), (key, r, expected[key])
+    finals = {r["slot"]: r["digest"] for p in [*healthy, *back] for r in p.steps()[-1:]}
+    assert finals[0] == finals[2] != finals[1] == finals[3], "the replicas end identical, shard by shard"
+
+
+@pytest.mark.timeout(90)
+def test_a_benched_survivor_finishes_with_the_others_and_the_run_succeeds(coordinators, hsdp):
+    """No replacement ever comes: the lost rank's partner sits the rest out; when replica 1 has
+    trained to the end, the partner finishes too (the others' final barrier) and leaves finished."""
+    (leader,) = coordinators(1, extra=HEARTBEAT)
+    ranks = hsdp(leader.address, "hsdp-bench-end", 4, 30, 0.1, min_nodes=2)
+    wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 60, "4 ranks past step 3")
+    by_slot = {p.steps()[-1]["slot"]: p for p in ranks}
+    by_slot[1].signal(signal.SIGKILL)
+    for p in (by_slot[0], by_slot[2], by_slot[3]):
+        assert p.wait(60) == 0, p.log_path.read_text()[-3000:]
+    (ended,) = by_slot[0].records("training_ended")
+    assert ended["outcome"] == "succeeded" and "benched" in ended["reason"], ended
+    assert by_slot[0].last_step < 30 and by_slot[2].last_step == by_slot[3].last_step == 30
+    assert by_slot[0].records("benched_rank_finished")
+    ended = wait_until(lambda: [r for r in leader.records() if r.get("event") == "run_ended" and "outcome" in r], 10,
+                       "the run's end")
+    assert ended[0]["outcome"] == "succeeded", ended
