@@ -382,13 +382,14 @@ class Worker:
         state, phase = self._progress[2:4]
         while self._form_next(discard=discard, hold=hold).role == BENCHED:
             step, us, *_ = self._progress
-            self._progress = (step, us, "long_phase", f"benched: {self.state.benched}"[:200], self.generation)
-            self._wait_for_place(self.generation, "", math.inf, Bench(self.state.benched))
+            self._progress = (step, us, "long_phase", f"benched: {self.state.bench.why}"[:200], self.generation)
+            self._wait_for_place(self.generation, "", math.inf, self.state.bench)
             self.comm.abort(self.generation + 1)  # (the bench's barrier would hold the group's destroy)
             discard, hold = False, ""
         self._progress = (*self._progress[:2], state, phase, self._progress[4])
 
     def _form_next(self, *, discard: bool, hold: str) -> SyncResult:
+        """One reform: leave the current group, form the next one this rank has a place in, sync the state."""
         started = time.perf_counter()
         step, us, state, phase, _ = self._progress
         after = self.generation

@@ -163,7 +163,7 @@ class ShardedState:
     optimizer: Any = None
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
-    benched: str = ""  # why this rank is out of the generation's mesh ("": it trains)
+    bench: Bench | None = None  # this rank is out of the generation's mesh: why, and what it watches
     _kept: dict[str, Any] | None = None  # a benched survivor's shards (LocalShards' tree), until its group trains
 
     def __post_init__(self) -> None:
@@ -188,7 +188,8 @@ class ShardedState:
     def sync(self, step: int, channel: Channel, device: torch.device,
              progress: Callable[[str], None] | None = None) -> SyncResult:
         started = time.perf_counter()
-        claims = [claim(v) for v in channel.exchange("mesh/slot", f"{self.slot}:{step}")]
+        holds = self.model is not None or self._kept is not None  # (a rank benched since it started holds nothing)
+        claims = [claim(v) for v in channel.exchange("mesh/slot", f"{self.slot if holds else -1}:{step}")]
         placement = place(claims, self.layout)
         # Tensors only: the old model and optimizer hold the old generation's groups, dropped here.
         if self.model is not None:
@@ -201,10 +202,11 @@ class ShardedState:
             with self.subgroups():
                 mesh = self.layout.mesh(placement.groups(self.layout), device.type)
         meshed = time.perf_counter()
-        self.benched = "" if replica in placement.training else placement.why_benched(replica, self.layout)
-        if self.benched:
+        self.bench = None if replica in placement.training else Bench(placement.why_benched(replica, self.layout),
+                                                                      others_train=bool(placement.training))
+        if self.bench is not None:
             log.info("replica_benched", slot=self.slot, step=step, job_step=placement.step, training=placement.training,
-                     why=self.benched)
+                     why=self.bench.why)
             return SyncResult(step, SyncPlan(Card(step, "", ""), (), (), ()), BENCHED, phases={"mesh_s": meshed - started})
         self.mesh = mesh
         self.model, self.optimizer = self.build(self.mesh)
@@ -311,14 +313,16 @@ class Bench:
     timeout. Leaving the bench, the rank must abort the group before destroying it: the pending
     barrier holds gloo's destroy until it completes."""
 
-    def __init__(self, why: str):
+    def __init__(self, why: str, *, others_train: bool):
         self.why = why
-        opts = dist.BarrierOptions()
-        opts.timeout = timedelta(days=365)
-        self._closing = dist.group.WORLD.barrier(opts)
+        self._closing = None
+        if others_train:  # (with nobody training, every rank of the generation would reach it at once)
+            opts = dist.BarrierOptions()
+            opts.timeout = timedelta(days=365)
+            self._closing = dist.group.WORLD.barrier(opts)
 
     def others_finished(self) -> bool:
-        return self._closing.is_completed() and self._closing.is_success()
+        return self._closing is not None and self._closing.is_completed() and self._closing.is_success()
 
     def finish(self, link: Any) -> RunEnded:
         """The ranks that train finished while this one sat out: it finishes too (its stale shards
