@@ -377,7 +377,7 @@ class Worker:
         """Leave the current group and join the next one this rank trains in. `hold`: why the
         group broke with no new generation in sight; the wait for one is then bounded by the hold
         timeout, and a failure while forming holds the same way. A rank benched in the generation
-        formed (its replica group is out of the mesh: worker/sharded.py) sits it out, state kept and
+        formed (its replica group is out of the mesh: worker/library/sharded.py) sits it out, state kept and
         reporting a long phase (not a stall), until a newer generation places it."""
         state, phase = self._progress[2:4]
         while self._form_next(discard=discard, hold=hold).role == BENCHED:
