@@ -368,8 +368,8 @@ class Worker:
                 self._error = bench.finish(self.link)
                 self._raise_error()
             if time.monotonic() >= report_at + WAIT_REPORT_S:
-                report_at = report_waiting(self.link, self.config.hold_timeout_s, after, hold or getattr(bench, "why", ""),
-                                           began, deadline)
+                cause = hold or getattr(bench, "why", "")
+                report_at = report_waiting(self.link, self.config.hold_timeout_s, after, cause, began, deadline)
             give_up_waiting(self.link, self.config.hold_timeout_s, after, hold, deadline)
             self.link.changed.wait(0.1)
 
@@ -377,8 +377,8 @@ class Worker:
         """Leave the current group and join the next one this rank trains in. `hold`: why the
         group broke with no new generation in sight; the wait for one is then bounded by the hold
         timeout, and a failure while forming holds the same way. A rank benched in the generation
-        formed (its replica group is out of the mesh: worker/library/sharded.py) sits it out, state kept and
-        reporting a long phase (not a stall), until a newer generation places it."""
+        formed (its replica group is out of the mesh: worker/library/sharded.py) sits it out, state
+        kept and reporting a long phase (not a stall), until a newer generation places it."""
         state, phase = self._progress[2:4]
         while self._form_next(discard=discard, hold=hold).role == BENCHED:
             step, us, *_ = self._progress

@@ -136,7 +136,8 @@ def place(claims: Sequence[tuple[int, int]], layout: Replicas) -> Placement:
         raise StateMismatch(f"shard(s) {lost[:8]} of {layout} at step {step} were lost in every replica at once: no "
                             "rank holds them. Restart from your checkpoint")
     empty = [sum(r < 0 for r in rank_of_slot[g * s:(g + 1) * s]) for g in range(layout.replicas)]
-    free = sorted((slot for slot, rank in enumerate(rank_of_slot) if rank < 0), key=lambda slot: (empty[slot // s], slot))
+    free = sorted((slot for slot, rank in enumerate(rank_of_slot) if rank < 0),
+                  key=lambda slot: (empty[slot // s], slot))
     for rank, slot in zip(fresh, free):
         rank_of_slot[slot] = rank
     complete = tuple(g for g in range(layout.replicas) if all(r >= 0 for r in rank_of_slot[g * s:(g + 1) * s]))
@@ -207,7 +208,8 @@ class ShardedState:
         if self.bench is not None:
             log.info("replica_benched", slot=self.slot, step=step, job_step=placement.step, training=placement.training,
                      why=self.bench.why)
-            return SyncResult(step, SyncPlan(Card(step, "", ""), (), (), ()), BENCHED, phases={"mesh_s": meshed - started})
+            return SyncResult(step, SyncPlan(Card(step, "", ""), (), (), ()), BENCHED,
+                              phases={"mesh_s": meshed - started})
         self.mesh = mesh
         self.model, self.optimizer = self.build(self.mesh)
         self.on_built(self.model, self.optimizer)
