@@ -1,9 +1,11 @@
 """FSDP2 on an HSDP mesh (2 replicas x 2 shards, examples/train_hsdp.py) under a real coordinator:
-the job never forms smaller than its mesh; a killed or hung rank's slot is taken by the spare
+the job first trains on the whole mesh; a killed or hung rank's slot is taken by the spare
 (standalone ranks) or by the process its agent restarts (`muster run`, 2 nodes x 2 slots: the
 issue's setup), a lost node's by a spare node; training goes on without a restart of the others,
 and every slot ends bit-identical to an uninterrupted run of the same batches (2-rank reductions on
-CPU are exact whatever the order). Each test prints the time from the fault to the first step after."""
+CPU are exact whatever the order). With no spare, the lost rank's replica group leaves the mesh and
+the other trains alone until replacements fill the slots (the last tests). Each test prints the
+time from the fault to the first step after."""
 
 import importlib.util
 import os
