@@ -15,7 +15,8 @@ from importlib import import_module
 _EXPORTS = {"Worker": "library.api", "WorkerConfig": "library.api", "WorkerError": "library.errors",
             "FencedOut": "library.errors", "CoordinatorLost": "library.errors", "HoldExpired": "library.errors",
             "Drained": "library.errors", "RunEnded": "library.errors", "StateMismatch": "library.errors",
-            "ShardedStateRefused": "library.errors", "LayoutMismatch": "library.errors", "Replicas": "library.sharded"}
+            "ShardedStateRefused": "library.errors", "LayoutMismatch": "library.errors",
+            "ShardLost": "library.errors", "Replicas": "library.sharded", "Snapshots": "library.snapshots"}
 __all__ = list(_EXPORTS)
 
 

@@ -168,3 +168,16 @@ def test_warm_stress_bench_every_restarted_rank_reaches_its_first_step():
     assert "error" not in result, result.get("no_first_step")
     assert result["cycles"] == 4 and result["rank_starts_reached_first_step"] == 4 * 4
     assert result["workers_left_after_stop"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_snapshots_bench_measures_cost_memory_and_a_recovery():
+    """bench/snapshots.py with a tiny model: snapshots are taken and cost something, a rank's
+    memory holds them, and a killed rank's job rolls back at most K steps and goes on."""
+    result = bench("snapshots.py", "--sizes", "tiny", "--steps", "12", "--rounds", "1", timeout_s=80)
+    tiny = result["sizes"]["tiny"]
+    assert tiny["step_s"]["with"]["mean"] > 0 and tiny["step_s"]["without"]["median"] > 0 and tiny["take_s"]["median"] > 0
+    assert tiny["memory_mib"]["snapshots"] >= tiny["memory_mib"]["shard"] > 0
+    recovery = tiny["recovery"]
+    assert 0 < recovery["steps_redone"] <= result["every"] and recovery["rolled_back_to"] % result["every"] == 0
+    assert recovery["spare_received_bytes"] > 0 and recovery["kill_to_step_s"] > 0

@@ -50,6 +50,7 @@ from muster.worker.link import Link, Transport, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.library.sharded import BENCHED, Bench, Build, Replicas, ShardedState
+from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
 from muster.worker.library.step_guards import StepGuards
 from muster.worker.library.unwinding import Unwinding
@@ -150,6 +151,8 @@ class _StepScope:
             w._unwinding.stepped(us)
             self.compute.step_done(self.started)
             w._redos = 0
+            if w._stepped is not None:
+                w._stepped(w.step)
             if self.digest_every and w.step % self.digest_every == 0:
                 w._digest = (w.step, w.state.fingerprint(w.device))
             if w.link.changed.is_set():
@@ -191,6 +194,7 @@ class Worker:
         self._redos = 0  # attempts of the current step discarded in a row
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
+        self._stepped: Callable[[int], None] | None = None  # the state's step boundary work (peer snapshots)
         self._scope = _StepScope(self)
         self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
@@ -200,13 +204,15 @@ class Worker:
     # ---- setup -----------------------------------------------------------------------
 
     def register(self, *, model: torch.nn.Module | None = None, optimizer=None, build: Build | None = None,
-                 layout: Replicas | None = None, **extras) -> Worker:
+                 layout: Replicas | Snapshots | None = None, **extras) -> Worker:
         """The state kept identical on every rank: the model's parameters and buffers, the
         optimizer, and any extras with state_dict()/load_state_dict() (e.g. a data position).
 
-        Sharded state (FSDP2 over an HSDP mesh) declares its `layout` instead of a model, and a
-        `build(mesh) -> (model, optimizer)` the library calls on each generation's mesh (a
-        DeviceMesh with dimensions "replicate" and "shard"); see docs/guide/sharded.md."""
+        Sharded state declares its `layout` instead of a model, and a `build(mesh) -> (model,
+        optimizer)` the library calls on each generation's mesh: Replicas(R, S) for FSDP2 over an
+        HSDP mesh (dimensions "replicate" and "shard"), Snapshots(N) for sharding without replicas
+        (FSDP2 over a 1-D mesh of the whole job, or ZeRO-1: a ZeroRedundancyOptimizer on
+        mesh.get_group()); see docs/guide/sharded.md."""
         for name, obj in extras.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
@@ -219,11 +225,26 @@ class Worker:
                             "optimizer= (the library builds them on each generation's mesh)")
         if self.config.digest_every:
             raise TypeError("digest_every compares every rank's digest, and a sharded job's ranks hold different shards")
+        if isinstance(layout, Snapshots):
+            return self._register_snapshots(build, layout, extras)
         if not self.config.agent_socket:  # this rank may create the job: a generation of one replica group or more
             self.config = replace(self.config, min_nodes=self.config.min_nodes or layout.shards,
                                   max_nodes=self.config.max_nodes or layout.world_size)
         self.state = ShardedState(build, layout, dict(extras), subgroups=lambda: self.comm.subgroups(),
                                   on_built=self._guards.install)
+        return self
+
+    def _register_snapshots(self, build: Build, layout: Snapshots, extras: dict) -> Worker:
+        """Sharding without replicas: the shard count stays fixed, so a job this rank creates has
+        exactly `layout.shards` ranks (more wait as spares)."""
+        if not self.config.agent_socket:
+            n = layout.shards
+            self.config = replace(self.config, min_nodes=self.config.min_nodes or n,
+                                  max_nodes=self.config.max_nodes or n,
+                                  world_size_multiple=self.config.world_size_multiple or n)
+        self.state = SnapshotState(build, layout, dict(extras), node=self.config.node_id,
+                                   subgroups=lambda: self.comm.subgroups(), on_built=self._guards.install)
+        self._stepped = self.state.stepped
         return self
 
     @property
@@ -294,11 +315,14 @@ class Worker:
             self._progress = (*self._progress[:2], "running", "", self._progress[4])
 
     def ddp(self, module: torch.nn.Module | None = None, **kwargs) -> torch.nn.Module:
-        """A DistributedDataParallel wrapper over the current group, rebuilt after every reform
-        (the old wrapper is dropped, so nothing keeps the old group alive)."""
+        """A DistributedDataParallel wrapper over the current group (a 1-D mesh's, whose ranks are
+        the slots, with Snapshots), rebuilt after every reform (the old wrapper is dropped, so nothing
+        keeps the old group alive)."""
         from torch.nn.parallel import DistributedDataParallel
 
         module = module if module is not None else self.state.model
+        if self.mesh is not None and self.mesh.ndim == 1:
+            kwargs.setdefault("process_group", self.mesh.get_group())
         cached = self._ddp.get(id(module))
         if cached is None or cached[0] != self.generation:
             kwargs.setdefault("init_sync", False)  # the state sync already made replicas identical

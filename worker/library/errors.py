@@ -31,9 +31,16 @@ class StateMismatch(WorkerError):
     It never trains on a state that is not the others'; the job goes on without it."""
 
 
+class ShardLost(StateMismatch):
+    """A sharded job with peer snapshots lost a rank together with the buddy that held its snapshot
+    (or before any snapshot was exchanged): no rank holds that shard. The job ends rather than train
+    on a partial state; restart it from a checkpoint."""
+
+
 class ShardedStateRefused(WorkerError):
     """`register` was given sharded state (FSDP/FSDP2, DTensor parameters, ZeroRedundancyOptimizer)
-    without a layout that holds each shard twice: a lost shard could not be recovered. Refused, never
+    without a layout that keeps a second copy of each shard (replica groups, or peer snapshots): a lost
+    shard could not be recovered. Refused, never
     trained on as if it were replicated."""
 
 
@@ -53,5 +60,5 @@ class RunEnded(WorkerError):
         self.reason = end.reason
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardedStateRefused", "LayoutMismatch",
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardLost", "ShardedStateRefused", "LayoutMismatch",
            "Evicted"]

@@ -70,8 +70,8 @@ class Replicas:
     def __post_init__(self) -> None:
         if self.replicas < 2:
             raise ValueError(f"Replicas({self.replicas}, {self.shards}): a lost shard is recovered from another "
-                             "replica, so at least 2 are needed (sharding without replicas needs peer snapshots, "
-                             "not built yet)")
+                             "replica, so at least 2 are needed (sharding without replicas: layout=Snapshots(shards), "
+                             "peer snapshots)")
         if self.shards < 1:
             raise ValueError(f"Replicas({self.replicas}, {self.shards}): at least 1 shard")
 

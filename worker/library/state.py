@@ -116,9 +116,10 @@ class ReplicatedState:
                 f"{shard}, and no layout was declared: a lost shard would exist nowhere else. Two ways to "
                 "recover one: (1) replica groups (HSDP): register(build=..., layout=Replicas(R, S)) with "
                 "R >= 2, the library builds the mesh and a lost shard is taken from another replica (see "
-                "docs/guide/sharded.md); (2) peer in-memory snapshots of each shard, for sharding without "
-                "replicas (FSDP over the whole job, ZeRO): not built yet. Until then register a replicated "
-                "model (DDP), or restart from your checkpoint")
+                "docs/guide/sharded.md); (2) peer snapshots, for sharding without replicas (FSDP2 over the "
+                "whole job, ZeRO-1): register(build=..., layout=Snapshots(N)), each rank's shard is copied "
+                "to another rank every K steps and a lost one is taken from that copy, at most K steps "
+                "redone (docs/guide/sharded.md#peer-snapshots)")
         return cls(model, optimizer, extras)
 
     def discard_step(self) -> None:

@@ -1,0 +1,94 @@
+"""Sharding without replicas (examples/train_sharded.py: FSDP2 over a 1-D mesh of 4 ranks, and
+ZeRO-1) under a real coordinator, with peer snapshots every 4 steps: a rank SIGKILLed mid-training
+is replaced by the spare in its slot, which takes its shard from its buddy's snapshot; the survivors
+roll back in place to the last complete snapshot (no restart) and the job ends with every slot
+bit-identical to an uninterrupted run that saw the same batches (the mesh's group numbers its ranks
+by slot, so reductions keep their order). Both a rank and its buddy lost ends the job, saying so."""
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from muster.local import TrainingProcess, record_time, wait_until
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py")
+STEPS, EVERY = 14, 4
+
+
+class ShardedRank(TrainingProcess):
+    """A rank of examples/train_sharded.py (TrainingProcess runs train_ddp.py)."""
+
+    def __init__(self, coordinators, job, log_path, *, zero: bool, **kwargs):
+        super().__init__(coordinators, job, log_path, args=("--every", str(EVERY), *(["--zero"] if zero else [])),
+                         **kwargs)
+        self.args[1] = SCRIPT
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    started = []
+
+    def start(coordinator: str, job: str, n: int, zero: bool, steps: int = STEPS) -> list[ShardedRank]:
+        new = [ShardedRank([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", zero=zero, steps=steps,
+                           step_sleep_s=0.1).start() for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def final_digests(ranks) -> dict[int, str]:
+    last = [p.steps()[-1] for p in ranks]
+    assert all(r["step"] == STEPS for r in last), last
+    return {r["slot"]: r["digest"] for r in last}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["fsdp2", "zero1"])
+def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in_place(coordinators, sharded, kind):
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    zero = kind == "zero1"
+    reference = sharded(leader.address, f"{kind}-ref", 4, zero)
+    ranks = sharded(leader.address, f"{kind}-kill", 5, zero)  # 4 in the mesh, the 5th a spare
+    wait_until(lambda: sum(p.last_step >= EVERY + 2 for p in ranks) == 4, 60, f"4 ranks past step {EVERY + 2}")
+    (spare,) = [p for p in ranks if not p.steps()]
+    (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == 1]
+    survivors = [p for p in ranks if p not in (victim, spare)]
+    generation = victim.steps()[-1]["generation"]
+    killed_at = time.time()
+    victim.signal(signal.SIGKILL)
+    for p in reference + survivors + [spare]:
+        assert p.wait(60) == 0, p.log_path.read_text()[-3000:]
+    resumed = min(record_time(r) for p in survivors for r in p.steps() if r["generation"] > generation)
+    reformed = [[r for r in p.records("group_formed") if r["generation"] > generation][0] for p in survivors]
+    back_to = {r["step"] for r in reformed}
+    print(f"\n{kind}, a rank killed at step {victim.last_step}: every survivor stepping {resumed - killed_at:.2f} s "
+          f"later, rolled back to step {back_to}, {max(r['steps_behind'] for r in reformed)} steps redone")
+
+    (step,) = back_to
+    assert step % EVERY == 0 and max(r["steps_behind"] for r in reformed) <= EVERY, reformed
+    assert all(r["bytes_received"] == 0 for r in reformed), "survivors roll back from their own copies"
+    took = [r for r in spare.records("group_formed") if r["generation"] > generation][0]
+    assert took["state"] == "receiver" and took["bytes_received"] > 0 and took["step"] == step, took
+    assert {r["slot"] for r in spare.steps()} == {1}, "the spare landed in the lost slot"
+    assert sum(r["bytes_sent"] for r in reformed) == took["bytes_received"], "sent by the buddy alone"
+    assert [r["step"] for r in spare.steps()][0] == step + 1, "the replayed steps start after the snapshot"
+    assert final_digests(survivors + [spare]) == final_digests(reference)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_lost_with_its_buddy_ends_the_job_saying_so(coordinators, sharded):
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    ranks = sharded(leader.address, "both-lost", 6, False, steps=200)  # 4 in the mesh, 2 spares
+    wait_until(lambda: sum(p.last_step >= 2 for p in ranks) == 4, 60, "4 ranks stepping")
+    by_slot = {p.steps()[-1]["slot"]: p for p in ranks if p.steps()}
+    for slot in (1, 2):  # slot 2 holds slot 1's snapshot (standalone ranks: one node each, stride 1)
+        by_slot[slot].signal(signal.SIGKILL)
+    for p in [by_slot[0], by_slot[3]]:
+        assert p.wait(60) == 3, p.log_path.read_text()[-3000:]
+        (stopped,) = p.records("training_stopped")
+        assert stopped["kind"] == "ShardLost" and "slot 1 and its buddy slot 2" in stopped["error"], stopped
