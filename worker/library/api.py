@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -49,8 +49,9 @@ from muster.worker.library.errors import CoordinatorLost, Drained, FencedOut, Ho
 from muster.worker.link import Link, Transport, immediate
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
-from muster.worker.library.sharded import BENCHED, Bench, Build, Replicas, ShardedState
-from muster.worker.library.snapshots import Snapshots, SnapshotState
+from muster.worker.library.registration import registered
+from muster.worker.library.sharded import BENCHED, Bench, Build, Replicas
+from muster.worker.library.snapshots import Snapshots
 from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
 from muster.worker.library.step_guards import StepGuards
 from muster.worker.library.unwinding import Unwinding
@@ -213,38 +214,10 @@ class Worker:
         HSDP mesh (dimensions "replicate" and "shard"), Snapshots(N) for sharding without replicas
         (FSDP2 over a 1-D mesh of the whole job, or ZeRO-1: a ZeroRedundancyOptimizer on
         mesh.get_group()); see docs/guide/sharded.md."""
-        for name, obj in extras.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
-        if layout is None and build is None:
-            self.state = ReplicatedState.of(model, optimizer, dict(extras))
-            self._guards.install(model, optimizer)
-            return self
-        if layout is None or build is None or model is not None or optimizer is not None:
-            raise TypeError("sharded state is registered as build= and layout= together, without model= or "
-                            "optimizer= (the library builds them on each generation's mesh)")
-        if self.config.digest_every:
-            raise TypeError("digest_every compares every rank's digest, and a sharded job's ranks hold different shards")
-        if isinstance(layout, Snapshots):
-            return self._register_snapshots(build, layout, extras)
-        if not self.config.agent_socket:  # this rank may create the job: a generation of one replica group or more
-            self.config = replace(self.config, min_nodes=self.config.min_nodes or layout.shards,
-                                  max_nodes=self.config.max_nodes or layout.world_size)
-        self.state = ShardedState(build, layout, dict(extras), subgroups=lambda: self.comm.subgroups(),
-                                  on_built=self._guards.install)
-        return self
-
-    def _register_snapshots(self, build: Build, layout: Snapshots, extras: dict) -> Worker:
-        """Sharding without replicas: the shard count stays fixed, so a job this rank creates has
-        exactly `layout.shards` ranks (more wait as spares)."""
-        if not self.config.agent_socket:
-            n = layout.shards
-            self.config = replace(self.config, min_nodes=self.config.min_nodes or n,
-                                  max_nodes=self.config.max_nodes or n,
-                                  world_size_multiple=self.config.world_size_multiple or n)
-        self.state = SnapshotState(build, layout, dict(extras), node=self.config.node_id,
-                                   subgroups=lambda: self.comm.subgroups(), on_built=self._guards.install)
-        self._stepped = self.state.stepped
+        self.state, self.config = registered(self.config, model=model, optimizer=optimizer, build=build,
+                                             layout=layout, extras=extras, guard=self._guards.install,
+                                             subgroups=lambda: self.comm.subgroups())
+        self._stepped = getattr(self.state, "stepped", None)
         return self
 
     @property
@@ -468,17 +441,9 @@ class Worker:
             # A planned switch that came while this group formed (the waits above cleared its
             # signal): the step boundaries look at it from now on.
             self.link.changed.set()
-        took = time.perf_counter() - started
         phases = {**self.comm.phases, **sync.phases, "transfer_s": sync.transfer_s, "sync_s": sync_s,
-                  "before_form_s": before_form_s}
-        moved = {"state": sync.role if sync.plan.moves else "agreed", "sources": list(sync.plan.sources)[:8],
-                 "bytes_sent": sync.sent, "bytes_received": sync.received}
-        self.reforms.append({"generation": spec.generation, "seconds": took, "form_s": formed_s, "step": step,
-                             **moved, **phases})
-        log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
-                 step=step, store=spec.store_address, seconds=round(took, 4), form_s=round(formed_s, 4),
-                 steps_behind=lost, backend=self.backend.name, **moved,
-                 **{k: round(v, 4) for k, v in phases.items()})
+                  "before_form_s": before_form_s, "form_s": formed_s, "seconds": time.perf_counter() - started}
+        self.reforms.append(group_formed(spec, sync, phases, steps_behind=lost, backend=self.backend.name))
         return sync
 
     def _group(self, a: pb.Assignment) -> GroupSpec:
@@ -551,6 +516,17 @@ class Worker:
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation, compute_us=self._scope.compute.compute_us())]
+
+
+def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **logged) -> dict:
+    """A reform's record (Worker.reforms, for benchmarks), logged as group_formed: what it took, phase
+    by phase, and what the state's sync moved."""
+    moved = {"state": sync.role if sync.plan.moves else "agreed", "sources": list(sync.plan.sources)[:8],
+             "bytes_sent": sync.sent, "bytes_received": sync.received}
+    log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
+             step=sync.step, store=spec.store_address, **logged, **moved,
+             **{k: round(v, 4) for k, v in phases.items()})
+    return {"generation": spec.generation, "step": sync.step, **moved, **phases}
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],
