@@ -18,13 +18,13 @@ import structlog
 from muster.coordinator import wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import GROUP_KINDS, FailureKind
-from muster.coordinator.core.liveness import Divergence, Failure, Liveness
+from muster.coordinator.core.liveness import Divergence, Failure, Liveness, Vouch
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
                                              Regroup, SlotDown, SlotsUp, Stop, Tick, decide)
-from muster.coordinator.core.policy import JobSpec, Limits, Timing
+from muster.coordinator.core.policy import MAX_STEP, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
-from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
+from muster.coordinator.errors import Fenced, InvalidArgument, NotFound, NotLeader, PersistUnavailable
 from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
@@ -380,6 +380,22 @@ class JobLeader:
         """The relay carrying `stream` has heard nothing from its node for `silent_ms`."""
         if self.streams.get(stream.node_id) is stream:
             self.live.silent_since(stream.node_id, self._clock() - silent_ms / 1000)
+
+    def summarised(self, vouch: Vouch, summary: pb.RelaySummary, streams: dict[int, NodeStream]) -> None:
+        """A relay's summary of the nodes it carries (`streams`, by its numbers): its word stands for
+        the progress of those not lagging. O(the nodes it names), not O(the nodes it carries)."""
+        if not summary.low_step <= summary.high_step <= MAX_STEP:
+            raise InvalidArgument(f"a relay summary's steps must be low <= high <= {MAX_STEP}; "
+                                  f"this one's {summary.low_step} and {summary.high_step}")
+        now = self._clock()
+        vouch.at, vouch.low, vouch.high = now, summary.low_step, summary.high_step
+        named = [(streams.get(lag.stream), lag) for lag in summary.lagging]
+        for stream, lag in named:
+            if stream is not None and self.streams.get(stream.node_id) is stream:
+                self.live.lagging(stream.node_id, lag.step, now - lag.since_ms / 1000)
+        for stream in map(streams.get, summary.resumed):
+            if stream is not None and self.streams.get(stream.node_id) is stream:
+                self.live.resumed(stream.node_id)
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
         """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that

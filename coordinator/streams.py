@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from muster.coordinator import wire
+from muster.coordinator.core.live_records import Vouch
 from muster.coordinator.core.machine import Decision
 from muster.coordinator.core.state import JobState, NodeKind, Outcome
 from muster.coordinator.errors import FailedPrecondition
@@ -22,7 +23,10 @@ FAN_OUT_SLICE = 1_000  # directives sent between yields to the loop
 
 class RelayedBy(Protocol):
     """What a node's stream needs of the relay carrying it (`relay.RelayLink`): its directives go
-    into the relay's batch under the relay's number for the stream, and one pulse per relay."""
+    into the relay's batch under the relay's number for the stream, and one pulse per relay; its
+    summaries' word for the progress of the nodes it carries."""
+
+    vouch: Vouch
 
     def push(self, stream: int, item) -> None: ...
 

@@ -788,8 +788,9 @@ def _limit_and_relay_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--relay-batch", type=positive_float, default=0.02,
                    help="seconds a relay gathers node frames into one batch (exits go at once; default %(default)s)")
     g.add_argument("--relay-progress", type=positive_float, default=1.0,
-                   help="seconds a relay holds a node's frames that only advance steps before forwarding the "
-                        "latest (changes go at once; the relay judges silence itself; default %(default)s)")
+                   help="seconds between a relay's summaries of its nodes' progress, which stand for their frames "
+                        "that only advance steps (changes go at once; the relay judges silence itself; a leader "
+                        "before summaries gets each node's latest progress this often; default %(default)s)")
     g.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
     g.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
     g.add_argument("--peer-tls-key", help="its private key (PEM)")

@@ -349,3 +349,27 @@ def test_a_relay_message_quotes_what_it_was_sent_in_a_bounded_message():
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())
+
+
+def test_a_relays_summary_is_its_word_for_its_nodes_and_names_only_the_lagging():
+    async def scenario():
+        clock = FakeClock()
+        leader, joined = await led_job(clock)
+        link = RelayLink(leader, "relay:1", stream_end)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
+            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        clock.advance(0.5)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(
+            low_step=7, high_step=9, nodes=2, lagging=[pb.LaggingStream(stream=2, since_ms=300, step=7),
+                                                       pb.LaggingStream(stream=5, since_ms=1, step=1)])))
+        assert (link.vouch.at, link.vouch.high) == (clock(), 9)
+        nodes = leader.live.nodes
+        assert nodes["p1"].vouch is link.vouch and not nodes["p1"].lagging and nodes["p2"].lagging
+        assert leader.live.max_step(leader.state) == 9
+        link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(high_step=10, resumed=[2])))
+        assert not nodes["p2"].lagging
+        with pytest.raises(InvalidArgument, match="low <= high"):
+            link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(high_step=2**60)))
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
