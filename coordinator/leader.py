@@ -222,8 +222,8 @@ class JobLeader:
         if not events:
             return
         step_time_s = self.live.median_step_time()
-        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
-                      self.live.max_step(self.state, now, step_time_s), step_time_s,
+        reached, reported = self.live.max_steps(self.state, now, step_time_s)
+        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, reached, step_time_s,
                       prestart=self.live.runs_library(self.state),
                       max_members=self.limits.members_of(self.state.spec),
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
@@ -234,7 +234,7 @@ class JobLeader:
             decision = decide(self.state, events, ctx)
         if decision.persist and not await self._persist(decision, batch):
             return
-        await self._adopt(decision, now, self.live.max_step(self.state))  # (recovery counts from steps reported)
+        await self._adopt(decision, now, reported)  # (recovery counts from steps reported)
         settle(batch, decision)
         if self.state.ended and await self._run_end.carried_out(self.state, now, self.streams):
             self.ended = True
@@ -267,7 +267,7 @@ class JobLeader:
 
     async def _adopt(self, d: Decision, now: float, step_before: int) -> None:
         started_finishing = d.state.finishing and not self.state.finishing
-        self.state = d.state
+        previous, self.state = self.state.rank_map, d.state
         if started_finishing:
             self.streams.pulse_all(self._pulse_directive())
         for e in d.events:
@@ -275,7 +275,7 @@ class JobLeader:
                           nodes=list(e.nodes), world_size=e.world_size)
         self.stats.adopted(d, now, step_before)
         apply(self.live, d, now)
-        await self.streams.deliver(d, self.term, len(self.state.members) >= LARGE_JOB_NODES)
+        await self.streams.deliver(d, self.term, len(self.state.members) >= LARGE_JOB_NODES, previous)
         if d.new_generation:
             self._freeze_gc()
 

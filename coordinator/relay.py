@@ -19,6 +19,7 @@ end of one Relay call, `Relay` the relaying replica's end.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import math
 from collections.abc import Awaitable, Callable
@@ -167,7 +168,7 @@ class RelayLink:
         self.relay = relay[:256]
         self.streams = {}  # stream number -> NodeStream
         self.last_stream = 0  # numbers only grow: a frame of an ended stream does not open it again
-        self.out: list[pb.RelayedDirective] = []
+        self.out: list[pb.RelayedDirective | pb.RelayedMap] = []  # a map goes after the items before it
         self.pulse_due: pb.Directive | None = None  # goes with the message that empties `out`
         self.overflowed = False  # the caller left too many replies unread: the call ends
         self.ready = asyncio.Event()
@@ -187,6 +188,11 @@ class RelayLink:
             self.out.append(pb.RelayedDirective(stream=stream, end=self._stream_end(item)))
         self.ready.set()
 
+    def push_map(self, relayed_map: pb.RelayedMap) -> None:
+        """A loss-only map for every stream of this relay (`streams.RelayedMaps`), after the items before it."""
+        self.out.append(relayed_map)
+        self.ready.set()
+
     def pulse(self, directive: pb.Directive) -> None:
         """The leader's pulse for every stream of this relay: one per message, after its directives."""
         self.pulse_due = directive
@@ -197,8 +203,15 @@ class RelayLink:
         return bool(self.out) or self.pulse_due is not None
 
     def take(self) -> pb.RelayDown:
-        down = pb.RelayDown(items=self.out[:MAX_ITEMS])
-        del self.out[:MAX_ITEMS]
+        down = pb.RelayDown()
+        taken = 0
+        for item in self.out[:MAX_ITEMS]:
+            taken += 1
+            if isinstance(item, pb.RelayedMap):
+                down.map.CopyFrom(item)  # the message ends with it: the next items go after it
+                break
+            down.items.append(item)
+        del self.out[:taken]
         if not self.out:
             if self.pulse_due is not None:
                 down.pulse.CopyFrom(self.pulse_due)
@@ -305,6 +318,9 @@ class RelayedNode:
     compute_us: int = 0  # its ranks' longest compute time, last reported (the slowest node goes up)
     lagging: bool = False  # named lagging to the leader
     latest: pb.NodeFrame | None = None  # its latest frame, when the leader has not had it
+    # The placement it was last given (generation, node rank, rank offset, local ranks): what a
+    # loss-only map renumbers (`renumbered`).
+    placement: tuple[int, int, int, tuple[int, ...]] | None = None
 
 
 class Changes:
@@ -420,6 +436,41 @@ class Changes:
         """The stream ended: its held frame, if any (it still goes, before the end)."""
         held = self.held.pop(stream, None)
         return held[1] if held else None
+
+
+def placement_of(directive: pb.Directive) -> tuple[int, int, int, tuple[int, ...]] | None:
+    """What a relay keeps of a node's assignment: its placement, if it is placed."""
+    a = directive.assignment
+    if a.role != pb.ROLE_ACTIVE:
+        return None
+    return directive.generation, a.node_rank, a.rank_offset, tuple(a.local_ranks)
+
+
+def renumbered(placement: tuple[int, int, int, tuple[int, ...]] | None, m: pb.RelayedMap) -> pb.Directive | None:
+    """A node's directive of the loss-only map `m`, from its placement of the map it shrinks: its
+    ranks left out dropped, the rest moved down past every rank and node left out before them. None:
+    the node had no placement of that map, or keeps no rank."""
+    a = m.directive.assignment
+    if placement is None or placement[0] != a.shrink_of:
+        return None
+    _, node_rank, offset, slots = placement
+    excluded = a.excluded_ranks
+    kept = [s for i, s in enumerate(slots) if not _holds(excluded, offset + i)]
+    if not kept:
+        return None
+    d = pb.Directive()
+    d.CopyFrom(m.directive)
+    mine = d.assignment
+    mine.node_rank = node_rank - bisect.bisect_left(m.removed_node_ranks, node_rank)
+    mine.rank_offset = offset - bisect.bisect_left(excluded, offset)
+    mine.local_world_size = len(kept)
+    mine.local_ranks.extend(kept)
+    return d
+
+
+def _holds(ascending, value: int) -> bool:
+    i = bisect.bisect_left(ascending, value)
+    return i < len(ascending) and ascending[i] == value
 
 
 class Relay:
@@ -624,14 +675,24 @@ class Relay:
         self._task.cancel()
 
     def fan_out(self, down: pb.RelayDown) -> None:
-        """What the leader sent down, to the nodes it names; its pulse to every node, spread."""
+        """What the leader sent down, to the nodes it names (a loss-only map, to each node it does not
+        name, renumbered); its pulse to every node, spread."""
         for item in down.items:
             node = self.nodes.get(item.stream)
             if node is None:
                 continue  # it hung up meanwhile
             if item.HasField("end"):
                 del self.nodes[item.stream]
+            elif item.directive.HasField("assignment"):
+                node.placement = placement_of(item.directive)
             node.queue.put_nowait(item)
+        if down.HasField("map"):
+            own = set(down.map.own)
+            for node in self.nodes.values():
+                directive = None if node.stream_id in own else renumbered(node.placement, down.map)
+                if directive is not None:
+                    node.placement = placement_of(directive)
+                    node.queue.put_nowait(pb.RelayedDirective(stream=node.stream_id, directive=directive))
         if down.HasField("pulse"):
             if self._pulsing is not None:
                 self._pulsing.cancel()  # superseded

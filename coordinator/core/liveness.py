@@ -291,21 +291,32 @@ class Liveness:
         `now` and the median step time: the step its ranks are likely at by now, each node's report
         advanced by its frame's age over the step time (a frame is up to 1.5 heartbeat intervals old
         at a tally), so that a planned switch's lead has only the map's delivery to cover."""
+        return self.max_steps(state, now, step_time_s)[0]
+
+    def max_steps(self, state: JobState, now: float | None, step_time_s: float | None) -> tuple[int, int]:
+        """`max_step` projected to `now` and as reported, in one pass over the map (a decision wants
+        both: 125k nodes are ~0.1 s a pass). A relay's summary counts as a newer report."""
         rm = state.rank_map
         if rm is None:
-            return 0
+            return 0, 0
         cap = self.timing.heartbeat_timeout_s  # a node silent longer is judged, not projected
-
-        def reached(node: NodeLive) -> int:
+        project = now is not None and bool(step_time_s)
+        nodes = self.nodes
+        reached = reported = 0
+        for p in rm.placements:
+            node = nodes.get(p.node_id)
+            if node is None:
+                continue
             top, at, vouch = node.top_step, node.last_frame_at, node.vouch
             if vouch is not None and vouch.high > top:  # its relay's summary is newer than its frame
                 top, at = vouch.high, vouch.at
-            if now is None or not step_time_s:
-                return top
-            return top + int(min(max(0.0, now - at), cap) / step_time_s)
-
-        nodes = self.nodes
-        return max((reached(node) for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
+            if top > reported:
+                reported = top
+            if project:
+                top += int(min(max(0.0, now - at), cap) / step_time_s)
+            if top > reached:
+                reached = top
+        return reached, reported
 
     def runs_library(self, state: JobState) -> bool:
         """Some rank of the map reports library progress (scripts without it are unmonitored)."""

@@ -7,6 +7,7 @@ its node lives, and otherwise moves to the oldest surviving node); new nodes fol
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,6 +90,17 @@ def excluded_ranks(previous: RankMap | None, placements: Sequence[Placement]) ->
         end = before.rank_offset + len(before.slots)
     excluded.extend(range(end, previous.world_size))
     return tuple(excluded)  # () when nobody was left out
+
+
+def removed_node_ranks(previous: RankMap, rm: RankMap) -> list[int]:
+    """The node ranks of `previous` that the loss-only map `rm` (`excluded_ranks`) leaves out,
+    ascending: found from its excluded ranks, O(excluded x log nodes), not O(nodes)."""
+    found: list[int] = []
+    for rank in rm.excluded_ranks:
+        p = previous.placements[bisect_right(previous.placements, rank, key=lambda p: p.rank_offset) - 1]
+        if (not found or found[-1] != p.node_rank) and rm.placement(p.node_id) is None:
+            found.append(p.node_rank)
+    return found
 
 
 def rank0_address(members: Sequence[Member], placements: Sequence[Placement], *, master: bool = False) -> str:

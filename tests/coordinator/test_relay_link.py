@@ -17,7 +17,9 @@ from muster.coordinator.errors import InvalidArgument, ResourceExhausted
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink
+from muster.coordinator import wire
+from muster.coordinator.relay import (MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink, placement_of,
+                                      renumbered)
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.server import CoordinatorServicer, stream_end
 from muster.coordinator.streams import NodeStream, Pulses
@@ -370,6 +372,27 @@ def test_a_relays_summary_is_its_word_for_its_nodes_and_names_only_the_lagging()
         assert not nodes["p2"].lagging
         with pytest.raises(InvalidArgument, match="low <= high"):
             link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(high_step=2**60)))
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_loss_only_map_goes_to_a_relay_once_for_the_nodes_it_can_renumber():
+    async def scenario():
+        leader, joined = await led_job()
+        link = RelayLink(leader, "relay:1", stream_end)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
+            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        given = {}
+        while link.pending:
+            given.update((item.stream, placement_of(item.directive)) for item in link.take().items)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", ended=[2]))  # p2's process exited: p1 goes on alone
+        await until(lambda: leader.state.member("p2") is None, "p2 lost")
+        down = link.take()
+        assert not down.items and down.HasField("map") and list(down.map.own) == []
+        mine = renumbered(given[1], down.map)
+        assert mine == wire.assignment_for(leader.state, "p1", mine.assignment.reason)
+        assert leader.streams["p1"].assigned == leader.state.generation
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

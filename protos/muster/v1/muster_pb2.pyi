@@ -619,11 +619,23 @@ class RelayedDirective(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., directive: _Optional[_Union[Directive, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class RelayDown(_message.Message):
-    __slots__ = ("items", "pulse", "summaries")
+    __slots__ = ("items", "pulse", "summaries", "map")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     PULSE_FIELD_NUMBER: _ClassVar[int]
     SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[RelayedDirective]
     pulse: Directive
     summaries: bool
-    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ..., pulse: _Optional[_Union[Directive, _Mapping]] = ..., summaries: _Optional[bool] = ...) -> None: ...
+    map: RelayedMap
+    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ..., pulse: _Optional[_Union[Directive, _Mapping]] = ..., summaries: _Optional[bool] = ..., map: _Optional[_Union[RelayedMap, _Mapping]] = ...) -> None: ...
+
+class RelayedMap(_message.Message):
+    __slots__ = ("directive", "removed_node_ranks", "own")
+    DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_NODE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    directive: Directive
+    removed_node_ranks: _containers.RepeatedScalarFieldContainer[int]
+    own: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, directive: _Optional[_Union[Directive, _Mapping]] = ..., removed_node_ranks: _Optional[_Iterable[int]] = ..., own: _Optional[_Iterable[int]] = ...) -> None: ...
