@@ -30,6 +30,8 @@ What it reports:
   encoding), every surviving node's directive built and queued; change_loop_held_ms: the longest
   the event loop went without running another task meanwhile (wall clock: frames wait that long);
 - evicted: the nodes the run evicted (the victim alone, or load evicted someone);
+- process_rss_mib: the benchmark's peak resident memory: the leader's (state, liveness, streams) and
+  the simulated nodes' frames;
 - leader_cpu_cores: the CPU the leader needs at this rate, frames and ticks together (one core is
   all a Python process has).
 """
@@ -41,6 +43,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -101,7 +104,8 @@ class Simulation:
                 link = self.links.get(relay) or self.links.setdefault(relay, RelayLink(self.leader, relay, stream_end))
                 self.relay_of[m.node_id] = relay
             self.streams[m.node_id] = self.leader.streams[m.node_id] = NodeStream(
-                JOB, m.node_id, m.member_id, m.kind, link=link, stream_id=i + 1)
+                JOB, m.node_id, m.member_id, m.kind, link=link, stream_id=i + 1,
+                assigned=state.generation)  # its assignment came as it attached
             if link is not None:
                 link.streams[i + 1] = self.streams[m.node_id]
             self.frames[m.node_id] = pb.NodeFrame(job=JOB, node_id=m.node_id, member_id=m.member_id, term=1,
@@ -191,7 +195,7 @@ class Simulation:
             self.map_queued_s = time.process_time() - self._decided_cpu
         elif t > 2 * self.timing.grace_s:  # past the takeover grace and every node's first judgement
             self.quiet_ticks.append(took)
-        for stream in self.streams.values():
+        for stream in self.streams.values() if not self.relayed else ():
             while not stream.queue.empty():  # the nodes read their directives
                 stream.queue.get_nowait()
         for link in self.links.values():  # the relays read theirs
@@ -238,6 +242,7 @@ class Simulation:
             "new_world_size": leader.state.rank_map.world_size if leader.state.rank_map else 0,
             "evicted": [n for nodes_ in evicted for n in nodes_],
             "victim": self.victim,
+            "process_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "leader_cpu_cores": round(frame_us * 1e-6 * len(self.phases) / self.interval
                                       + statistics.median(self.quiet_ticks) / self.tick_s, 4),
         }

@@ -718,6 +718,8 @@ def render_scale(d: dict) -> str:
         [("one relay's summary" if relayed else "one frame") + " in the leader p50 / p99",
          f"{num(d['frame_us']['p50'])} / {num(d['frame_us']['p99'])} µs"],
         ["the leader's CPU", f"{num(d['leader_cpu_cores'])} cores"],
+        *([["the process's peak memory (the leader and the simulated nodes)", f"{d['process_rss_mib']:,} MiB"]]
+          if "process_rss_mib" in d else []),
         ["evicted", ", ".join(d["evicted"]) + f" (the victim: {d['victim']})"],
     ])
 

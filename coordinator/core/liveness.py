@@ -151,7 +151,7 @@ class Liveness:
             node = self._node(node_id, now)
             self._deadlines.arm(node_id, now)
         self._wheel.heard(node_id, node, now, vouched)
-        node.vouch = vouch if vouched else None
+        self._vouched_by(node, vouch if vouched else None)
         node.generation = generation
         recovered = []
         lost_ms = self.timing.heartbeat_timeout_s * 1000
@@ -204,7 +204,7 @@ class Liveness:
         if None in lives:
             return False
         self._wheel.heard(node_id, node, now, vouched)
-        node.vouch = vouch if vouched else None
+        self._vouched_by(node, vouch if vouched else None)
         lost_ms = self.timing.heartbeat_timeout_s * 1000
         top_step = 0
         for live, (step, step_time_us, heard_ms_ago, compute_us) in zip(lives, steps):
@@ -221,6 +221,11 @@ class Liveness:
         if steps:
             node.top_step = top_step
         return True
+
+    @staticmethod
+    def _vouched_by(node: NodeLive, vouch: Vouch | None) -> None:
+        if node.vouch is not vouch:  # another relay (or none): what the last one said of it is void
+            node.vouch, node.lagging = vouch, False
 
     def lagging(self, node_id: str, step: int, since: float) -> None:
         """Its relay names the node lagging: its ranks at `step` or below have not advanced since
@@ -294,29 +299,8 @@ class Liveness:
         return self.max_steps(state, now, step_time_s)[0]
 
     def max_steps(self, state: JobState, now: float | None, step_time_s: float | None) -> tuple[int, int]:
-        """`max_step` projected to `now` and as reported, in one pass over the map (a decision wants
-        both: 125k nodes are ~0.1 s a pass). A relay's summary counts as a newer report."""
-        rm = state.rank_map
-        if rm is None:
-            return 0, 0
-        cap = self.timing.heartbeat_timeout_s  # a node silent longer is judged, not projected
-        project = now is not None and bool(step_time_s)
-        nodes = self.nodes
-        reached = reported = 0
-        for p in rm.placements:
-            node = nodes.get(p.node_id)
-            if node is None:
-                continue
-            top, at, vouch = node.top_step, node.last_frame_at, node.vouch
-            if vouch is not None and vouch.high > top:  # its relay's summary is newer than its frame
-                top, at = vouch.high, vouch.at
-            if top > reported:
-                reported = top
-            if project:
-                top += int(min(max(0.0, now - at), cap) / step_time_s)
-            if top > reached:
-                reached = top
-        return reached, reported
+        """`max_step` projected to `now` and as reported, in one pass over the map (`max_steps`)."""
+        return max_steps(self.nodes, state, self.timing.heartbeat_timeout_s, now, step_time_s)
 
     def runs_library(self, state: JobState) -> bool:
         """Some rank of the map reports library progress (scripts without it are unmonitored)."""
@@ -385,3 +369,29 @@ class Liveness:
         """Once every rank of the map has sent a parameter digest of the same step, compare them
         (`DigestTally`: each step once, the same odd ranks flagged once)."""
         return self._digests.divergence(state.rank_map, self.nodes)
+
+
+def max_steps(nodes: dict[str, NodeLive], state: JobState, cap: float, now: float | None,
+              step_time_s: float | None) -> tuple[int, int]:
+    """The highest step of the map's nodes projected to `now` (a report's age over the step time,
+    at most `cap`) and as reported: a decision wants both (one pass: 125k nodes are ~0.1 s a pass).
+    A relay's summary counts as a newer report."""
+    rm = state.rank_map
+    if rm is None:
+        return 0, 0
+    project = now is not None and bool(step_time_s)
+    reached = reported = 0
+    for p in rm.placements:
+        node = nodes.get(p.node_id)
+        if node is None:
+            continue
+        top, at, vouch = node.top_step, node.last_frame_at, node.vouch
+        if vouch is not None and vouch.high > top:  # its relay's summary is newer than its frame
+            top, at = vouch.high, vouch.at
+        if top > reported:
+            reported = top
+        if project:
+            top += int(min(max(0.0, now - at), cap) / step_time_s)
+        if top > reached:
+            reached = top
+    return reached, reported

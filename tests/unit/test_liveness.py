@@ -626,3 +626,6 @@ def test_a_relays_summary_stands_for_its_nodes_progress_until_it_names_one_laggi
     assert [(f.kind, f.node_id) for f in live.failures(state, 5.5)] == [("rank_stalled", "n0")]
     live.resumed("n0")
     assert live.failures(state, 5.5) == []
+    live.lagging("n0", 1, since=5.0)
+    live.observe("n0", 1, report(111), 5.6, vouched=True, vouch=Vouch())  # through another relay now
+    assert live.nodes["n0"].vouch is not vouch and not live.nodes["n0"].lagging  # the old relay's word is void
