@@ -102,6 +102,7 @@ class Simulation:
             if self.relayed:
                 relay = f"relay-{i // relay_nodes:04d}"
                 link = self.links.get(relay) or self.links.setdefault(relay, RelayLink(self.leader, relay, stream_end))
+                link.maps = True  # as its first message said
                 self.relay_of[m.node_id] = relay
             self.streams[m.node_id] = self.leader.streams[m.node_id] = NodeStream(
                 JOB, m.node_id, m.member_id, m.kind, link=link, stream_id=i + 1,

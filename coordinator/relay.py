@@ -10,9 +10,11 @@ by it); a frame with nothing new is not sent at all. The relay vouches for its n
 instead: it judges their silence with the heartbeat timeout and says so; and, to a leader that
 asks for it, for their progress: one `RelaySummary` every `progress_s` stands for every node's
 frames that only advance steps, naming only the nodes that start or stop lagging. So the leader's
-work is O(relays + changes), not O(nodes x frame rate). (To a leader before summaries, such a frame
-is held, the latest replacing the last, and goes once `progress_s` has passed.) Down, the leader's directives come
-back addressed by stream and are fanned out. `FrameBatch` is the folding (pure), `RelayLink` the leader's
+work is O(relays + changes), not O(nodes x frame rate). (To a leader before summaries, such a
+frame is held, the latest replacing the last, and goes once `progress_s` has passed.) Down, the
+leader's directives come back addressed by stream and are fanned out; a loss-only new map comes
+once for all the relay's nodes (`RelayedMap`), and the relay renumbers each node's placement
+itself (`renumbered`). `FrameBatch` is the folding (pure), `RelayLink` the leader's
 end of one Relay call, `Relay` the relaying replica's end.
 """
 
@@ -175,6 +177,7 @@ class RelayLink:
         self.heard_at = asyncio.get_running_loop().time()  # the relay's last message (it keeps alive)
         self.carried_at = self.heard_at  # the last message that found node streams on this call
         self.vouch = Vouch()  # its summaries' word for its nodes' progress (one update a summary)
+        self.maps = False  # it builds its nodes' parts of a loss-only map (its first message says so)
 
     def push(self, stream: int, item) -> None:
         """`NodeStream.send` of a relayed stream: a Directive, an error that ends the stream, or CLOSE."""
@@ -221,6 +224,7 @@ class RelayLink:
 
     def receive(self, up: pb.RelayUp) -> None:
         self.heard_at = asyncio.get_running_loop().time()
+        self.maps = self.maps or up.maps
         if up.job != self.job:
             raise InvalidArgument(f"every message of a Relay call must name its job {self.job!r}, not "
                                   f"{wire.shown(up.job)}")
@@ -642,7 +646,7 @@ class Relay:
             pass  # the call ended: its reader tells why
 
     async def _batches(self, call) -> None:
-        await call.write(pb.RelayUp(job=self.job, relay=self.address))
+        await call.write(pb.RelayUp(job=self.job, relay=self.address, maps=True))
         while True:
             try:  # an idle relay still writes: the leader takes a silent one for frozen
                 await asyncio.wait_for(self._pending.wait(), self.keepalive_s)

@@ -28,6 +28,7 @@ class RelayedBy(Protocol):
     summaries' word for the progress of the nodes it carries."""
 
     vouch: Vouch
+    maps: bool  # it builds its nodes' parts of a loss-only map (`RelayedMaps`)
 
     def push(self, stream: int, item) -> None: ...
 
@@ -243,7 +244,7 @@ class RelayedMaps:
     def carries(self, stream: NodeStream) -> bool:
         """Whether the stream's relay builds its directive (else it is named `own`)."""
         link = stream.link
-        if link is None:
+        if link is None or not link.maps:
             return False
         m = self._maps.get(link)
         if m is None:

@@ -381,7 +381,7 @@ def test_a_loss_only_map_goes_to_a_relay_once_for_the_nodes_it_can_renumber():
     async def scenario():
         leader, joined = await led_job()
         link = RelayLink(leader, "relay:1", stream_end)
-        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
+        link.receive(pb.RelayUp(job="job", relay="relay:1", maps=True, frames=[
             pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
         given = {}
         while link.pending:
@@ -393,6 +393,24 @@ def test_a_loss_only_map_goes_to_a_relay_once_for_the_nodes_it_can_renumber():
         mine = renumbered(given[1], down.map)
         assert mine == wire.assignment_for(leader.state, "p1", mine.assignment.reason)
         assert leader.streams["p1"].assigned == leader.state.generation
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_before_maps_gets_a_loss_only_map_as_a_directive_per_node():
+    async def scenario():
+        leader, joined = await led_job()
+        link = RelayLink(leader, "relay:1", stream_end)  # its first message did not say `maps`
+        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
+            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        while link.pending:
+            link.take()
+        link.receive(pb.RelayUp(job="job", relay="relay:1", ended=[2]))
+        await until(lambda: leader.state.member("p2") is None, "p2 lost")
+        down = link.take()
+        assert not down.HasField("map") and [item.stream for item in down.items] == [1]
+        assert down.items[0].directive.generation == leader.state.generation
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

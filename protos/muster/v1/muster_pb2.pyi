@@ -551,20 +551,22 @@ class RelayedFrame(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., frame: _Optional[_Union[NodeFrame, _Mapping]] = ...) -> None: ...
 
 class RelayUp(_message.Message):
-    __slots__ = ("job", "relay", "frames", "ended", "silent", "summary")
+    __slots__ = ("job", "relay", "frames", "ended", "silent", "summary", "maps")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     SILENT_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    MAPS_FIELD_NUMBER: _ClassVar[int]
     job: str
     relay: str
     frames: _containers.RepeatedCompositeFieldContainer[RelayedFrame]
     ended: _containers.RepeatedScalarFieldContainer[int]
     silent: _containers.RepeatedCompositeFieldContainer[SilentStream]
     summary: RelaySummary
-    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., silent: _Optional[_Iterable[_Union[SilentStream, _Mapping]]] = ..., summary: _Optional[_Union[RelaySummary, _Mapping]] = ...) -> None: ...
+    maps: bool
+    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., silent: _Optional[_Iterable[_Union[SilentStream, _Mapping]]] = ..., summary: _Optional[_Union[RelaySummary, _Mapping]] = ..., maps: _Optional[bool] = ...) -> None: ...
 
 class RelaySummary(_message.Message):
     __slots__ = ("low_step", "high_step", "nodes", "lagging", "resumed")
