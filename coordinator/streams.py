@@ -149,7 +149,10 @@ class Streams(dict[str, NodeStream]):
         `maps`. `in_slices` (a large job): the loop is yielded between slices. A stream that attaches
         during a yield has the new map already (`bind`): a second copy is harmless."""
         for i, (node_id, stream) in enumerate(list(self.items())):
-            if not stream.departed and (maps is None or not maps.carries(stream)):
+            if stream.departed:
+                if maps is not None:
+                    maps.withhold(stream)  # nor from its relay
+            elif maps is None or not maps.carries(stream):
                 stream.send(directive_for(node_id))
             if in_slices and i % FAN_OUT_SLICE == FAN_OUT_SLICE - 1:
                 await asyncio.sleep(0)
@@ -242,20 +245,30 @@ class RelayedMaps:
         return cls(state, previous, shared)
 
     def carries(self, stream: NodeStream) -> bool:
-        """Whether the stream's relay builds its directive (else it is named `own`)."""
+        """Whether the stream's relay builds its directive (else it is named `own`: it gets one
+        from the leader)."""
         link = stream.link
         if link is None or not link.maps:
             return False
-        m = self._maps.get(link)
-        if m is None:
-            m = self._maps[link] = pb.RelayedMap(directive=self._shared, removed_node_ranks=self._removed)
         member = self.state.member(stream.node_id)
         if (stream.assigned == self.rm.shrink_of and member is not None and not member.down_slots
                 and self.rm.placement(stream.node_id) is not None):
+            self._map_for(link)
             stream.assigned = self.rm.generation
             return True
-        m.own.append(stream.stream_id)
+        self.withhold(stream)
         return False
+
+    def withhold(self, stream: NodeStream) -> None:
+        """Its relay builds it nothing (a node that is leaving, or one the leader sends its own)."""
+        if stream.link is not None and stream.link.maps:
+            self._map_for(stream.link).own.append(stream.stream_id)
+
+    def _map_for(self, link: RelayedBy) -> pb.RelayedMap:
+        m = self._maps.get(link)
+        if m is None:
+            m = self._maps[link] = pb.RelayedMap(directive=self._shared, removed_node_ranks=self._removed)
+        return m
 
     def send(self) -> None:
         for link, m in self._maps.items():
