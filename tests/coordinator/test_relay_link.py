@@ -61,6 +61,15 @@ def first(joined: pb.JoinResponse, secret: bytes | None = None) -> pb.NodeFrame:
                         session_secret=joined.session_secret if secret is None else secret, via_relay=True)
 
 
+def both_relayed(leader: JobLeader, joined: dict[str, pb.JoinResponse], *, maps: bool = False) -> RelayLink:
+    """A relay call carrying both nodes, p1 as stream 1 and p2 as stream 2 (`maps`: its first
+    message says it builds loss-only maps)."""
+    link = RelayLink(leader, "relay:1", stream_end)
+    link.receive(pb.RelayUp(job="job", relay="relay:1", maps=maps, frames=[
+        pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+    return link
+
+
 def relayed(stream: int, frame: pb.NodeFrame) -> pb.RelayUp:
     return pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=stream, frame=frame)])
 
@@ -95,9 +104,7 @@ def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():
 def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit():
     async def scenario():
         leader, joined = await led_job()
-        link = RelayLink(leader, "relay:1", stream_end)
-        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
-            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        link = both_relayed(leader, joined)
         assert set(leader.streams) == {"p1", "p2"}
         link.close()  # the relay's stream ended: its nodes reconnect elsewhere
         assert not leader.streams
@@ -357,9 +364,7 @@ def test_a_relays_summary_is_its_word_for_its_nodes_and_names_only_the_lagging()
     async def scenario():
         clock = FakeClock()
         leader, joined = await led_job(clock)
-        link = RelayLink(leader, "relay:1", stream_end)
-        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
-            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        link = both_relayed(leader, joined)
         clock.advance(0.5)
         link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(
             low_step=7, high_step=9, nodes=2, lagging=[pb.LaggingStream(stream=2, since_ms=300, step=7),
@@ -380,9 +385,7 @@ def test_a_relays_summary_is_its_word_for_its_nodes_and_names_only_the_lagging()
 def test_a_loss_only_map_goes_to_a_relay_once_for_the_nodes_it_can_renumber():
     async def scenario():
         leader, joined = await led_job()
-        link = RelayLink(leader, "relay:1", stream_end)
-        link.receive(pb.RelayUp(job="job", relay="relay:1", maps=True, frames=[
-            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        link = both_relayed(leader, joined, maps=True)
         given = {}
         while link.pending:
             given.update((item.stream, placement_of(item.directive)) for item in link.take().items)
@@ -401,9 +404,7 @@ def test_a_loss_only_map_goes_to_a_relay_once_for_the_nodes_it_can_renumber():
 def test_a_relay_before_maps_gets_a_loss_only_map_as_a_directive_per_node():
     async def scenario():
         leader, joined = await led_job()
-        link = RelayLink(leader, "relay:1", stream_end)  # its first message did not say `maps`
-        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
-            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        link = both_relayed(leader, joined)  # its first message did not say `maps`
         while link.pending:
             link.take()
         link.receive(pb.RelayUp(job="job", relay="relay:1", ended=[2]))
