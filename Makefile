@@ -42,11 +42,13 @@ bench: $(STAMP)
 	$(BIN)/python bench/capacity.py --nodes 1000 --rate 10,15,20 --skip-membership > bench/results/capacity_direct_rates.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 3,10 --nodes 1000 --skip-membership > bench/results/capacity_relays.json
 	$(BIN)/python bench/capacity.py --relays 0 --rate 3,10 --nodes 1000 --skip-membership > bench/results/capacity_direct.json
+	$(BIN)/python bench/capacity.py --relays 2 --rate 3 --nodes 250,1000,2000 --skip-membership > bench/results/capacity_relays_summaries.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 0.25 --heartbeat-timeout 20 --nodes 12500 --window 16 --skip-membership > bench/results/capacity_relays_12500.json
 	$(BIN)/python bench/grpc_floor.py --streams 1000 --rate 10 > bench/results/grpc_floor.json
 	$(BIN)/python bench/grpc_floor.py --streams 1000 --rate 10 --loop asyncio > bench/results/grpc_floor_asyncio.json
 	$(BIN)/python bench/scale.py > bench/results/scale.json
 	$(BIN)/python bench/scale.py --relayed > bench/results/scale_relayed.json
+	$(BIN)/python bench/scale.py --relayed --ranks 1000000 > bench/results/scale_1m_relayed.json
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
 	$(BIN)/python bench/churn.py > bench/results/churn.json
 	$(BIN)/python bench/churn.py --retain-finished 15s > bench/results/churn_retention.json

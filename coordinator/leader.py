@@ -19,13 +19,13 @@ import structlog
 from muster.coordinator import wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import GROUP_KINDS, FailureKind
-from muster.coordinator.core.liveness import Divergence, Failure, Liveness
+from muster.coordinator.core.liveness import Divergence, Failure, Liveness, Vouch
 from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
                                              Regroup, SlotDown, SlotsUp, Stop, Tick, decide)
-from muster.coordinator.core.policy import JobSpec, Limits, Timing
+from muster.coordinator.core.policy import MAX_STEP, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
-from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
+from muster.coordinator.errors import Fenced, InvalidArgument, NotFound, NotLeader, PersistUnavailable
 from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
@@ -223,8 +223,8 @@ class JobLeader:
         if not events:
             return
         step_time_s = self.live.median_step_time()
-        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing,
-                      self.live.max_step(self.state, now, step_time_s), step_time_s,
+        reached, reported = self.live.max_steps(self.state, now, step_time_s)
+        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, reached, step_time_s,
                       prestart=self.live.runs_library(self.state),
                       max_members=self.limits.members_of(self.state.spec),
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
@@ -235,7 +235,7 @@ class JobLeader:
             decision = decide(self.state, events, ctx)
         if decision.persist and not await self._persist(decision, batch):
             return
-        await self._adopt(decision, now, self.live.max_step(self.state))  # (recovery counts from steps reported)
+        await self._adopt(decision, now, reported)  # (recovery counts from steps reported)
         settle(batch, decision)
         if self.state.ended and await self._run_end.carried_out(self.state, now, self.streams):
             self.ended = True
@@ -268,7 +268,7 @@ class JobLeader:
 
     async def _adopt(self, d: Decision, now: float, step_before: int) -> None:
         started_finishing = d.state.finishing and not self.state.finishing
-        self.state = d.state
+        previous, self.state = self.state.rank_map, d.state
         if started_finishing:
             self.streams.pulse_all(self._pulse_directive())
         for e in d.events:
@@ -276,7 +276,7 @@ class JobLeader:
                           nodes=list(e.nodes), world_size=e.world_size)
         self.stats.adopted(d, now, step_before)
         apply(self.live, d, now)
-        await self.streams.deliver(d, self.term, len(self.state.members) >= LARGE_JOB_NODES)
+        await self.streams.deliver(d, self.term, len(self.state.members) >= LARGE_JOB_NODES, previous)
         if d.new_generation:
             self._freeze_gc()
 
@@ -381,6 +381,22 @@ class JobLeader:
         """The relay carrying `stream` has heard nothing from its node for `silent_ms`."""
         if self.streams.get(stream.node_id) is stream:
             self.live.silent_since(stream.node_id, self._clock() - silent_ms / 1000)
+
+    def summarised(self, vouch: Vouch, summary: pb.RelaySummary, streams: dict[int, NodeStream]) -> None:
+        """A relay's summary of the nodes it carries (`streams`, by its numbers): its word stands for
+        the progress of those not lagging. O(the nodes it names), not O(the nodes it carries)."""
+        if not summary.low_step <= summary.high_step <= MAX_STEP:
+            raise InvalidArgument(f"a relay summary's steps must be low <= high <= {MAX_STEP}; "
+                                  f"this one's {summary.low_step} and {summary.high_step}")
+        now = self._clock()
+        vouch.at, vouch.low, vouch.high = now, summary.low_step, summary.high_step
+        named = [(streams.get(lag.stream), lag) for lag in summary.lagging]
+        for stream, lag in named:
+            if stream is not None and self.streams.get(stream.node_id) is stream:
+                self.live.lagging(stream.node_id, lag.step, now - lag.since_ms / 1000)
+        for stream in map(streams.get, summary.resumed):
+            if stream is not None and self.streams.get(stream.node_id) is stream:
+                self.live.resumed(stream.node_id)
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
         """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that

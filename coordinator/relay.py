@@ -5,18 +5,24 @@ batch window instead of one per node frame.
 Up, each batch holds each node's latest frame only (its exits merged in, never dropped; a batch
 with an exit goes at once), the streams that ended and the nodes found silent. Only changes go
 up: a frame that changes what the leader judges by (rank states, pids, generations, phases,
-digests, exits) goes in the next batch; one that only advances steps is held, the latest
-replacing the last, and goes once `progress_s` has passed (the first advance after a change at
-once: recovery is timed by it); a frame with nothing new is not sent at all. The relay vouches
-for its nodes' liveness instead: it judges their silence with the heartbeat timeout and says so.
-So the leader's work is O(changes), not O(nodes x frame rate). Down, the leader's directives come
-back addressed by stream and are fanned out. `FrameBatch` is the folding (pure), `RelayLink` the leader's
+digests, exits) goes in the next batch (the first advance after a change too: recovery is timed
+by it); a frame with nothing new is not sent at all. The relay vouches for its nodes' liveness
+instead: it judges their silence with the heartbeat timeout and says so; and, to a leader that
+asks for it, for their progress: one `RelaySummary` every `progress_s` stands for every node's
+frames that only advance steps, naming only the nodes that start or stop lagging. So the leader's
+work is O(relays + changes), not O(nodes x frame rate). (To a leader before summaries, such a
+frame is held, the latest replacing the last, and goes once `progress_s` has passed.) Down, the
+leader's directives come back addressed by stream and are fanned out; a loss-only new map comes
+once for all the relay's nodes (`RelayedMap`), and the relay renumbers each node's placement
+itself (`renumbered`). `FrameBatch` is the folding (pure), `RelayLink` the leader's
 end of one Relay call, `Relay` the relaying replica's end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import heapq
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +33,7 @@ import structlog
 from muster.client import leader_hint
 from muster.coordinator import wire
 from muster.coordinator.auth import Tokens
+from muster.coordinator.core.live_records import Vouch
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.coordinator.quotas import refusals
 from muster.net import Backoff
@@ -47,6 +54,8 @@ NOT_RELAYED = grpc.StatusCode.FAILED_PRECONDITION.name
 # and this many messages' worth besides. A caller that reads none is cut off there.
 PENDING_MESSAGES = 4
 PULSE_SLICE = 64  # node streams a relay pulses per turn of its loop
+LAG_STEPS = 3  # a summarised node is lagging once its slowest rank has not advanced for this many step times
+SLOWEST = 2  # nodes whose latest frame a summary brings along, by their ranks' compute time
 RETRY_MOST_S = 0.5  # a relay's attempts on the leader back off to this (or heartbeat_timeout/8), jittered x2
 
 
@@ -81,9 +90,10 @@ class FrameBatch:
         self.frames: dict[int, pb.NodeFrame] = {}
         self.ended: list[int] = []
         self.silent: list[pb.SilentStream] = []
+        self.summary: pb.RelaySummary | None = None  # goes with the message that takes the last frame
 
     def __bool__(self) -> bool:
-        return bool(self.frames or self.ended or self.silent)
+        return bool(self.frames or self.ended or self.silent or self.summary)
 
     def add(self, stream: int, frame: pb.NodeFrame) -> bool:
         """Keep `frame` as the stream's latest; True when the batch should go at once (an exit)."""
@@ -114,6 +124,9 @@ class FrameBatch:
         up = pb.RelayUp(job=job, relay=relay, ended=ended, silent=self.silent[:MAX_ITEMS],
                         frames=[pb.RelayedFrame(stream=s, frame=f) for s, f in frames.items()])
         del self.silent[:MAX_ITEMS]
+        if self.summary is not None and not self.frames:  # after the lagging nodes' frames it names
+            up.summary.CopyFrom(self.summary)
+            self.summary = None
         return up
 
     def put_back(self, up: pb.RelayUp) -> None:
@@ -125,6 +138,8 @@ class FrameBatch:
             self.add(stream, frame)
         self.ended[:0] = up.ended
         self.silent[:0] = up.silent
+        if up.HasField("summary") and self.summary is None:
+            self.summary = up.summary
 
 
 # ---- the leader's end ------------------------------------------------------------------------
@@ -132,10 +147,12 @@ class FrameBatch:
 
 def check_size(up: pb.RelayUp) -> int:
     """The items of a RelayUp, at most MAX_ITEMS of each kind: what it may make the leader do."""
-    if max(len(up.frames), len(up.ended), len(up.silent)) > MAX_ITEMS:
-        raise ResourceExhausted(f"a RelayUp carries at most {MAX_ITEMS} frames, {MAX_ITEMS} ended and {MAX_ITEMS} "
-                                f"silent streams; this one {len(up.frames)}, {len(up.ended)} and {len(up.silent)}")
-    return len(up.frames) + len(up.ended) + len(up.silent)
+    lagging, resumed = len(up.summary.lagging), len(up.summary.resumed)
+    if max(len(up.frames), len(up.ended), len(up.silent), lagging, resumed) > MAX_ITEMS:
+        raise ResourceExhausted(f"a RelayUp carries at most {MAX_ITEMS} frames, {MAX_ITEMS} ended, {MAX_ITEMS} "
+                                f"silent, {MAX_ITEMS} lagging and {MAX_ITEMS} resumed streams; this one "
+                                f"{len(up.frames)}, {len(up.ended)}, {len(up.silent)}, {lagging} and {resumed}")
+    return len(up.frames) + len(up.ended) + len(up.silent) + lagging + resumed
 
 
 class RelayLink:
@@ -153,12 +170,14 @@ class RelayLink:
         self.relay = relay[:256]
         self.streams = {}  # stream number -> NodeStream
         self.last_stream = 0  # numbers only grow: a frame of an ended stream does not open it again
-        self.out: list[pb.RelayedDirective] = []
+        self.out: list[pb.RelayedDirective | pb.RelayedMap] = []  # a map goes after the items before it
         self.pulse_due: pb.Directive | None = None  # goes with the message that empties `out`
         self.overflowed = False  # the caller left too many replies unread: the call ends
         self.ready = asyncio.Event()
         self.heard_at = asyncio.get_running_loop().time()  # the relay's last message (it keeps alive)
         self.carried_at = self.heard_at  # the last message that found node streams on this call
+        self.vouch = Vouch()  # its summaries' word for its nodes' progress (one update a summary)
+        self.maps = False  # it builds its nodes' parts of a loss-only map (its first message says so)
 
     def push(self, stream: int, item) -> None:
         """`NodeStream.send` of a relayed stream: a Directive, an error that ends the stream, or CLOSE."""
@@ -172,6 +191,11 @@ class RelayLink:
             self.out.append(pb.RelayedDirective(stream=stream, end=self._stream_end(item)))
         self.ready.set()
 
+    def push_map(self, relayed_map: pb.RelayedMap) -> None:
+        """A loss-only map for every stream of this relay (`streams.RelayedMaps`), after the items before it."""
+        self.out.append(relayed_map)
+        self.ready.set()
+
     def pulse(self, directive: pb.Directive) -> None:
         """The leader's pulse for every stream of this relay: one per message, after its directives."""
         self.pulse_due = directive
@@ -182,8 +206,15 @@ class RelayLink:
         return bool(self.out) or self.pulse_due is not None
 
     def take(self) -> pb.RelayDown:
-        down = pb.RelayDown(items=self.out[:MAX_ITEMS])
-        del self.out[:MAX_ITEMS]
+        down = pb.RelayDown()
+        taken = 0
+        for item in self.out[:MAX_ITEMS]:
+            taken += 1
+            if isinstance(item, pb.RelayedMap):
+                down.map.CopyFrom(item)  # the message ends with it: the next items go after it
+                break
+            down.items.append(item)
+        del self.out[:taken]
         if not self.out:
             if self.pulse_due is not None:
                 down.pulse.CopyFrom(self.pulse_due)
@@ -193,6 +224,7 @@ class RelayLink:
 
     def receive(self, up: pb.RelayUp) -> None:
         self.heard_at = asyncio.get_running_loop().time()
+        self.maps = self.maps or up.maps
         if up.job != self.job:
             raise InvalidArgument(f"every message of a Relay call must name its job {self.job!r}, not "
                                   f"{wire.shown(up.job)}")
@@ -222,6 +254,8 @@ class RelayLink:
             stream = self.streams.get(silent.stream)
             if stream is not None:
                 self.leader.silent_at_relay(stream, silent.silent_ms)
+        if up.HasField("summary"):
+            self.leader.summarised(self.vouch, up.summary, self.streams)
         if self.streams:
             self.carried_at = self.heard_at
 
@@ -261,6 +295,14 @@ def top_step(frame: pb.NodeFrame) -> int:
     return max((r.step for r in frame.ranks), default=0)
 
 
+JUDGED = frozenset({pb.RANK_STATE_RUNNING, pb.RANK_STATE_STARTING, pb.RANK_STATE_LONG_PHASE})
+
+
+def slowest_step(frame: pb.NodeFrame) -> int | None:
+    """The step of the node's slowest rank whose progress the leader judges (None: none is)."""
+    return min((r.step for r in frame.ranks if r.state in JUDGED), default=None)
+
+
 @dataclass(eq=False)
 class RelayedNode:
     """A node stream this replica relays: its directives (RelayedDirective) arrive on `queue`."""
@@ -273,6 +315,16 @@ class RelayedNode:
     step: int = 0  # the highest step of the last frame forwarded
     fresh: bool = True  # no step advance forwarded since its signature changed
     silent: bool = False  # reported silent to the leader; its next frame goes at once
+    # Summarised (the leader reads RelaySummary): what the relay judges its progress by.
+    low: int | None = None  # its slowest judged rank's step (None: no rank judged)
+    advanced_at: float = 0.0  # when `low` last changed
+    step_time_s: float = 0.0  # its ranks' longest step time, last reported
+    compute_us: int = 0  # its ranks' longest compute time, last reported (the slowest node goes up)
+    lagging: bool = False  # named lagging to the leader
+    latest: pb.NodeFrame | None = None  # its latest frame, when the leader has not had it
+    # The placement it was last given (generation, node rank, rank offset, local ranks): what a
+    # loss-only map renumbers (`renumbered`).
+    placement: tuple[int, int, int, tuple[int, ...]] | None = None
 
 
 class Changes:
@@ -281,29 +333,81 @@ class Changes:
     reported silent) goes at once, and so does the first step advance after a change (recovery is
     timed by it); one that only advances steps is held, the latest replacing the last, until
     `progress_s` after the first of them; one with nothing new is dropped. Silence is judged here,
-    with the heartbeat timeout, and reported once."""
+    with the heartbeat timeout, and reported once.
+
+    `summarising` (the leader reads summaries): a frame that only advances steps is not sent at all;
+    once every `progress_s` a `RelaySummary` stands for every node's progress, naming only the nodes
+    that started or stopped lagging (their slowest judged rank not advanced for LAG_STEPS of their
+    step time, at least `progress_s`), with the frames of the lagging and of the SLOWEST nodes."""
 
     def __init__(self, heartbeat_timeout_s: float, progress_s: float):
         self.heartbeat_timeout_s, self.progress_s = heartbeat_timeout_s, progress_s
         self.held: dict[int, tuple[float, pb.NodeFrame]] = {}  # stream -> (held since, latest), in due order
         self._silence_checked_at = -math.inf
+        self.summarising = False
+        self._summarised_at = -math.inf
 
     def frame(self, node: RelayedNode, frame: pb.NodeFrame, now: float) -> list[pb.NodeFrame]:
         """The frames of `node` to forward now, oldest first (a held one goes with a newer change)."""
         node.heard_at = now
         sig = signature(frame, self.heartbeat_timeout_s * 250)
         step = top_step(frame)
+        if self.summarising:
+            self._progress(node, frame, now)
         if node.signature is not None and sig == node.signature and not frame.exits and not node.silent:
             if step <= node.step:
                 return []  # a keep-alive: the relay vouches for the node
             if not node.fresh:
+                if self.summarising:  # the summary stands for it
+                    node.step, node.latest = step, frame
+                    return []
                 since = self.held.get(node.stream_id, (now, None))[0]
                 self.held[node.stream_id] = (since, frame)
                 return []
         node.fresh = sig != node.signature or (node.fresh and step <= node.step)
-        node.signature, node.step, node.silent = sig, step, False
+        node.signature, node.step, node.silent, node.latest = sig, step, False, None
         held = self.held.pop(node.stream_id, None)
         return [held[1], frame] if held else [frame]
+
+    @staticmethod
+    def _progress(node: RelayedNode, frame: pb.NodeFrame, now: float) -> None:
+        low = slowest_step(frame)
+        if low != node.low:
+            node.low, node.advanced_at = low, now
+        node.step_time_s = max((r.step_time_us for r in frame.ranks), default=0) / 1e6
+        node.compute_us = max((r.compute_us for r in frame.ranks), default=0)
+
+    def summary(self, nodes, now: float) -> tuple[pb.RelaySummary | None, list[tuple[int, pb.NodeFrame]]]:
+        """Every `progress_s` while summarising: the summary of `nodes` (O(nodes of this relay)), and
+        the frames to send before it (the newly lagging nodes' and the slowest's, where the leader
+        has not had them)."""
+        if not self.summarising or now - self._summarised_at < self.progress_s:
+            return None, []
+        self._summarised_at = now
+        summary, frames = pb.RelaySummary(nodes=len(nodes)), []
+        low, high = None, 0
+        for node in nodes:
+            high = max(high, node.step)
+            if node.low is None:
+                continue  # no rank judged by its progress (forming, exited, a script's)
+            lags = now - node.advanced_at > max(self.progress_s, LAG_STEPS * node.step_time_s)
+            if lags and not node.lagging and len(summary.lagging) < MAX_ITEMS:
+                node.lagging = True
+                summary.lagging.append(pb.LaggingStream(stream=node.stream_id, step=node.low,
+                                                        since_ms=round((now - node.advanced_at) * 1000)))
+                if node.latest is not None:
+                    frames.append((node.stream_id, node.latest))
+                    node.latest = None
+            elif not lags and node.lagging and len(summary.resumed) < MAX_ITEMS:
+                node.lagging = False
+                summary.resumed.append(node.stream_id)
+            if not node.lagging:
+                low = node.low if low is None else min(low, node.low)
+        summary.low_step, summary.high_step = low or 0, high
+        for node in heapq.nlargest(SLOWEST, (n for n in nodes if n.latest is not None), key=lambda n: n.compute_us):
+            frames.append((node.stream_id, node.latest))  # the straggler watch's view of it stays fresh
+            node.latest = None
+        return summary, frames
 
     def due(self, nodes: dict[int, RelayedNode], now: float) -> list[tuple[int, pb.NodeFrame]]:
         """Held progress whose time has come (O(what is due))."""
@@ -336,6 +440,41 @@ class Changes:
         """The stream ended: its held frame, if any (it still goes, before the end)."""
         held = self.held.pop(stream, None)
         return held[1] if held else None
+
+
+def placement_of(directive: pb.Directive) -> tuple[int, int, int, tuple[int, ...]] | None:
+    """What a relay keeps of a node's assignment: its placement, if it is placed."""
+    a = directive.assignment
+    if a.role != pb.ROLE_ACTIVE:
+        return None
+    return directive.generation, a.node_rank, a.rank_offset, tuple(a.local_ranks)
+
+
+def renumbered(placement: tuple[int, int, int, tuple[int, ...]] | None, m: pb.RelayedMap) -> pb.Directive | None:
+    """A node's directive of the loss-only map `m`, from its placement of the map it shrinks: its
+    ranks left out dropped, the rest moved down past every rank and node left out before them. None:
+    the node had no placement of that map, or keeps no rank."""
+    a = m.directive.assignment
+    if placement is None or placement[0] != a.shrink_of:
+        return None
+    _, node_rank, offset, slots = placement
+    excluded = a.excluded_ranks
+    kept = [s for i, s in enumerate(slots) if not _holds(excluded, offset + i)]
+    if not kept:
+        return None
+    d = pb.Directive()
+    d.CopyFrom(m.directive)
+    mine = d.assignment
+    mine.node_rank = node_rank - bisect.bisect_left(m.removed_node_ranks, node_rank)
+    mine.rank_offset = offset - bisect.bisect_left(excluded, offset)
+    mine.local_world_size = len(kept)
+    mine.local_ranks.extend(kept)
+    return d
+
+
+def _holds(ascending, value: int) -> bool:
+    i = bisect.bisect_left(ascending, value)
+    return i < len(ascending) and ascending[i] == value
 
 
 class Relay:
@@ -397,6 +536,12 @@ class Relay:
         now = self._clock()
         for stream, frame in self.changes.due(self.nodes, now):
             self._forward(stream, frame)
+        summary, frames = self.changes.summary(self.nodes.values(), now)
+        for stream, frame in frames:
+            self._forward(stream, frame)
+        if summary is not None:
+            self.batch.summary = summary
+            self._pending.set()
         silent = self.changes.silent(self.nodes.values(), now)
         if silent:
             self.batch.silent.extend(silent)
@@ -455,6 +600,7 @@ class Relay:
                     self._heard_at = self._clock()
                     if not self._accepted:  # the leader's first, empty answer
                         self._accepted, self._sent = True, []
+                        self.changes.summarising = down.summaries
                         self.log.info("relay_accepted", leader=address, nodes=len(self.nodes))
                     self.fan_out(down)
                 return self._accepted, "the leader ended it", ""
@@ -500,7 +646,7 @@ class Relay:
             pass  # the call ended: its reader tells why
 
     async def _batches(self, call) -> None:
-        await call.write(pb.RelayUp(job=self.job, relay=self.address))
+        await call.write(pb.RelayUp(job=self.job, relay=self.address, maps=True))
         while True:
             try:  # an idle relay still writes: the leader takes a silent one for frozen
                 await asyncio.wait_for(self._pending.wait(), self.keepalive_s)
@@ -533,14 +679,24 @@ class Relay:
         self._task.cancel()
 
     def fan_out(self, down: pb.RelayDown) -> None:
-        """What the leader sent down, to the nodes it names; its pulse to every node, spread."""
+        """What the leader sent down, to the nodes it names (a loss-only map, to each node it does not
+        name, renumbered); its pulse to every node, spread."""
         for item in down.items:
             node = self.nodes.get(item.stream)
             if node is None:
                 continue  # it hung up meanwhile
             if item.HasField("end"):
                 del self.nodes[item.stream]
+            elif item.directive.HasField("assignment"):
+                node.placement = placement_of(item.directive)
             node.queue.put_nowait(item)
+        if down.HasField("map"):
+            own = set(down.map.own)
+            for node in self.nodes.values():
+                directive = None if node.stream_id in own else renumbered(node.placement, down.map)
+                if directive is not None:
+                    node.placement = placement_of(directive)
+                    node.queue.put_nowait(pb.RelayedDirective(stream=node.stream_id, directive=directive))
         if down.HasField("pulse"):
             if self._pulsing is not None:
                 self._pulsing.cancel()  # superseded

@@ -251,7 +251,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s, floor=MAX_ITEMS)
             self._receive(link, first, budget)
             log.info("relay_attached", job=first.job, relay=link.relay)
-            yield pb.RelayDown()  # accepted: the relay stops retrying elsewhere
+            yield pb.RelayDown(summaries=True)  # accepted: the relay stops retrying elsewhere
             reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
             lost = asyncio.create_task(leader.leadership.lost.wait())
             timeout_s = self.replica.config.timing.heartbeat_timeout_s

@@ -131,9 +131,11 @@ class FrameReader:
             )
         now = self._clock()
         self.stats.framed()
-        vouched = stream.link is not None
+        vouch = stream.link.vouch if stream.link is not None else None
+        vouched = vouch is not None
         if fast:
-            if self.live.advance(member.node_id, frame.generation, stream.local_ranks, steps, now, vouched=vouched):
+            if self.live.advance(member.node_id, frame.generation, stream.local_ranks, steps, now, vouched=vouched,
+                                 vouch=vouch):
                 return []
             reports = wire.check_frame_ranks(frame, member)  # not the ranks it had: read it all
         if frame.exits:
@@ -145,7 +147,7 @@ class FrameReader:
                 self._finishing_asked = True
                 events.append(Finishing(member.node_id, f"local rank {done.local_rank} (pid {done.pid}) of node "
                                                         f"{member.node_id!r} completed its script: the job is ending"))
-        recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=vouched)
+        recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=vouched, vouch=vouch)
         stream.local_ranks = tuple(r.local_rank for r in reports)
         if frame.exits:
             events += self._exits(member, frame, state)

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from muster.coordinator import wire
+from muster.coordinator.core.live_records import Vouch
 from muster.coordinator.core.machine import Decision
-from muster.coordinator.core.state import JobState, NodeKind, Outcome
+from muster.coordinator.core.rankmap import removed_node_ranks
+from muster.coordinator.core.state import JobState, NodeKind, Outcome, RankMap
 from muster.coordinator.errors import FailedPrecondition
 from muster.v1 import muster_pb2 as pb
 
@@ -22,9 +24,15 @@ FAN_OUT_SLICE = 1_000  # directives sent between yields to the loop
 
 class RelayedBy(Protocol):
     """What a node's stream needs of the relay carrying it (`relay.RelayLink`): its directives go
-    into the relay's batch under the relay's number for the stream, and one pulse per relay."""
+    into the relay's batch under the relay's number for the stream, and one pulse per relay; its
+    summaries' word for the progress of the nodes it carries."""
+
+    vouch: Vouch
+    maps: bool  # it builds its nodes' parts of a loss-only map (`RelayedMaps`)
 
     def push(self, stream: int, item) -> None: ...
+
+    def push_map(self, relayed_map: pb.RelayedMap) -> None: ...
 
     def pulse(self, directive: pb.Directive) -> None: ...
 
@@ -50,8 +58,11 @@ class NodeStream:
     stream_id: int = 0
     seq: int = 0  # NodeFrame.stream_seq of its first frame: the member's streams counted (0: not counted)
     local_ranks: tuple[int, ...] | None = None  # of its last frame read in full: what a steps_only frame reports
+    assigned: int = -1  # the generation of the last assignment sent to it (its relay holds that placement)
 
     def send(self, item) -> None:
+        if isinstance(item, pb.Directive) and item.HasField("assignment"):
+            self.assigned = item.generation
         if self.link is not None:
             self.link.push(self.stream_id, item)
         else:
@@ -132,25 +143,32 @@ class Streams(dict[str, NodeStream]):
         for link in links:
             link.pulse(pulse)
 
-    async def fan_out(self, directive_for: Callable[[str], pb.Directive], in_slices: bool) -> None:
-        """Each node's own directive (not to a node that is leaving). `in_slices` (a large job):
-        the loop is yielded between slices. A stream that attaches during a yield has the new map
-        already (`bind`): a second copy is harmless."""
+    async def fan_out(self, directive_for: Callable[[str], pb.Directive], in_slices: bool,
+                      maps: RelayedMaps | None = None) -> None:
+        """Each node's own directive (not to a node that is leaving), unless its relay builds it from
+        `maps`. `in_slices` (a large job): the loop is yielded between slices. A stream that attaches
+        during a yield has the new map already (`bind`): a second copy is harmless."""
         for i, (node_id, stream) in enumerate(list(self.items())):
-            if not stream.departed:
+            if stream.departed:
+                if maps is not None:
+                    maps.withhold(stream)  # nor from its relay
+            elif maps is None or not maps.carries(stream):
                 stream.send(directive_for(node_id))
             if in_slices and i % FAN_OUT_SLICE == FAN_OUT_SLICE - 1:
                 await asyncio.sleep(0)
+        if maps is not None:
+            maps.send()
 
-    async def deliver(self, d: Decision, term: int, in_slices: bool) -> None:
+    async def deliver(self, d: Decision, term: int, in_slices: bool, previous: RankMap | None = None) -> None:
         """What an adopted decision tells the nodes: the evicted their eviction (and the end of their
-        stream), every node its part of a new map, the leaving their drain."""
+        stream), every node its part of a new map (a loss-only one to the relayed nodes through
+        their relays, `RelayedMaps`), the leaving their drain. `previous`: the map before."""
         state = d.state
         for node_id, member_id in d.evicted:
             self.evict(node_id, member_id, wire.evicted_directive(state, "evicted: " + reason_for(state, node_id)))
         if d.new_generation:
             assignments = wire.Assignments(state, d.events[-1].reason if d.events else "")
-            await self.fan_out(assignments.directive, in_slices)
+            await self.fan_out(assignments.directive, in_slices, RelayedMaps.of(state, previous, assignments.active))
         stopped = d.ended and state.outcome is Outcome.STOPPED
         for node_id, after_step in d.drains:
             stream = self.get(node_id)
@@ -205,6 +223,56 @@ class Streams(dict[str, NodeStream]):
             for item in items:
                 stream.send(item)
         self.clear()
+
+
+class RelayedMaps:
+    """A loss-only map (`RankMap.shrink_of`) for the relayed nodes: one `RelayedMap` per relay, from
+    which it renumbers the placements of shrink_of it gave its nodes; only a node it cannot renumber
+    (given no such placement, left out, or with a slot down) gets a directive of its own. The
+    leader's cost is a check per node and a message per relay, not a directive per node."""
+
+    def __init__(self, state: JobState, previous: RankMap, shared: pb.Directive):
+        self.state, self.rm = state, state.rank_map
+        self._removed = removed_node_ranks(previous, self.rm)
+        self._shared = shared
+        self._maps: dict[RelayedBy, pb.RelayedMap] = {}
+
+    @classmethod
+    def of(cls, state: JobState, previous: RankMap | None, shared: pb.Directive) -> RelayedMaps | None:
+        rm = state.rank_map
+        if rm is None or not rm.shrink_of or previous is None or previous.generation != rm.shrink_of:
+            return None
+        return cls(state, previous, shared)
+
+    def carries(self, stream: NodeStream) -> bool:
+        """Whether the stream's relay builds its directive (else it is named `own`: it gets one
+        from the leader)."""
+        link = stream.link
+        if link is None or not link.maps:
+            return False
+        member = self.state.member(stream.node_id)
+        if (stream.assigned == self.rm.shrink_of and member is not None and not member.down_slots
+                and self.rm.placement(stream.node_id) is not None):
+            self._map_for(link)
+            stream.assigned = self.rm.generation
+            return True
+        self.withhold(stream)
+        return False
+
+    def withhold(self, stream: NodeStream) -> None:
+        """Its relay builds it nothing (a node that is leaving, or one the leader sends its own)."""
+        if stream.link is not None and stream.link.maps:
+            self._map_for(stream.link).own.append(stream.stream_id)
+
+    def _map_for(self, link: RelayedBy) -> pb.RelayedMap:
+        m = self._maps.get(link)
+        if m is None:
+            m = self._maps[link] = pb.RelayedMap(directive=self._shared, removed_node_ranks=self._removed)
+        return m
+
+    def send(self) -> None:
+        for link, m in self._maps.items():
+            link.push_map(m)
 
 
 def reason_for(state: JobState, node_id: str) -> str:

@@ -354,11 +354,12 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
             budget -= 1
             slot = p.slots[index]
             r = node.ranks.get(slot) if node else None
+            step = (node.vouch.step_of(node, r) if node.vouch is not None else r.step) if r else 0
             rank_state = (r.state if r else "unknown") if live else "persisted"
             if page.states and rank_state not in page.states:
                 continue
             ranks.append(pb.RankStatus(rank=p.rank_offset + index, local_rank=slot, node=p.node_id,
-                                       node_rank=p.node_rank, pid=r.pid if r else 0, step=r.step if r else 0,
+                                       node_rank=p.node_rank, pid=r.pid if r else 0, step=step,
                                        state=rank_state, compute_us=int(r.compute_s * 1e6) if r else 0,
                                        step_time_us=int(r.step_time_s * 1e6) if r else 0,
                                        straggler_factor=r.straggler_factor if r else 0.0,

@@ -719,17 +719,25 @@ def render_bench_check(d: dict) -> str:
 
 
 def render_scale(d: dict) -> str:
+    relayed = "relays" in d
+    rate = (f"{num(d['summaries_per_s_per_relay'])} message/s per relay at the leader" if relayed else
+            f"{num(d['frames_per_s_per_node'])} frames/s per node at the leader")
+    queued = [["every node's new map queued after the decision (CPU)", ms(d["map_queued_ms"])]] \
+        if "map_queued_ms" in d else []
     return table(["what", "measured"], [
-        ["job", f"{d['ranks']:,} ranks on {d['nodes']:,} nodes, {d['mode']}, "
-                f"{num(d['frames_per_s_per_node'])} frames/s per node at the leader"],
+        ["job", f"{d['ranks']:,} ranks on {d['nodes']:,} nodes, {d['mode']}, {rate}"],
         ["a node's death decided after its last frame", f"{s(d['detection_s'])} "
                                                          f"(heartbeat timeout {num(d['heartbeat_timeout_s'])} s)"],
         ["tally tick p50 / p99 / max", f"{ms(d['tick_ms']['p50'])} / {ms(d['tick_ms']['p99'])} / "
                                        f"{ms(d['tick_ms']['max'])}"],
         ["the change (decide, fenced write, every node's directive)", ms(d["change_ms"])],
+        *queued,
         ["the event loop held meanwhile, at most", ms(d["change_loop_held_ms"])],
-        ["one frame in the leader p50 / p99", f"{num(d['frame_us']['p50'])} / {num(d['frame_us']['p99'])} µs"],
+        [("one relay's summary" if relayed else "one frame") + " in the leader p50 / p99",
+         f"{num(d['frame_us']['p50'])} / {num(d['frame_us']['p99'])} µs"],
         ["the leader's CPU", f"{num(d['leader_cpu_cores'])} cores"],
+        *([["the process's peak memory (the leader and the simulated nodes)", f"{d['process_rss_mib']:,} MiB"]]
+          if "process_rss_mib" in d else []),
         ["evicted", ", ".join(d["evicted"]) + f" (the victim: {d['victim']})"],
     ])
 

@@ -22,7 +22,7 @@ import structlog
 from muster import logs, rank_logs
 from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
-from muster.coordinator.core.policy import STRAGGLER_ACTIONS, JobSpec
+from muster.coordinator.core.policy import MAX_NODES, STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.agent.zygote import PRELOAD
 
@@ -731,7 +731,7 @@ def _serve_parser(sub) -> None:
                         "and events), refreshed every second; with --tokens it asks for the same token as the API")
     g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")
     g.add_argument("--min-nodes", type=positive_int, default=1, help="default min_nodes of new jobs")
-    g.add_argument("--max-nodes", type=positive_int, default=100_000, help="default max_nodes of new jobs")
+    g.add_argument("--max-nodes", type=positive_int, default=MAX_NODES, help="default max_nodes of new jobs")
     g.add_argument("--world-size-multiple", type=positive_int, default=1, help="default world_size_multiple of new jobs")
     g = s.add_argument_group("timing: heartbeats, failure detection, forming")
     g.add_argument("--heartbeat-interval", type=positive_float, default=0.1, help="seconds between node frames")
@@ -767,7 +767,7 @@ def _limit_and_relay_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-message-bytes", type=positive_int, default=1 << 20, help="largest gRPC message accepted")
     g.add_argument("--max-jobs", type=positive_int, default=1_000, help="running jobs this deployment accepts (finished "
                    "ones do not count)")
-    g.add_argument("--max-nodes-per-job", type=positive_int, default=100_000, help="nodes per job, spares "
+    g.add_argument("--max-nodes-per-job", type=positive_int, default=MAX_NODES, help="nodes per job, spares "
                    "included: the most any job's members quota may be (default %(default)s)")
     g.add_argument("--max-spares-per-job", type=int, default=16, help="a job's members quota is its max_nodes and "
                    "this many spares (default %(default)s)")
@@ -788,8 +788,9 @@ def _limit_and_relay_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--relay-batch", type=positive_float, default=0.02,
                    help="seconds a relay gathers node frames into one batch (exits go at once; default %(default)s)")
     g.add_argument("--relay-progress", type=positive_float, default=1.0,
-                   help="seconds a relay holds a node's frames that only advance steps before forwarding the "
-                        "latest (changes go at once; the relay judges silence itself; default %(default)s)")
+                   help="seconds between a relay's summaries of its nodes' progress, which stand for their frames "
+                        "that only advance steps (changes go at once; the relay judges silence itself; a leader "
+                        "before summaries gets each node's latest progress this often; default %(default)s)")
     g.add_argument("--peer-tls-ca", help="relaying: trust this CA for the other replicas' TLS (PEM)")
     g.add_argument("--peer-tls-cert", help="relaying, mTLS: this replica's client certificate (PEM)")
     g.add_argument("--peer-tls-key", help="its private key (PEM)")

@@ -31,6 +31,24 @@ class RankLive:
     restarts: int = 0  # its slot's restarts by its agent, as last reported
 
 
+@dataclass(slots=True, eq=False)
+class Vouch:
+    """A relay's word for every node it carries (`RelaySummary`): as of `at`, each of them not
+    lagging had advanced within the relay's interval, the highest of them to `high`. One per relay
+    call, shared by its nodes: a summary updates it once, not once a node. `at` is -inf until the
+    first summary (and stays so for a relay that sends none)."""
+
+    at: float = float("-inf")
+    low: int = 0
+    high: int = 0
+
+    def step_of(self, node: NodeLive, rank: RankLive) -> int:
+        """The step `rank` of `node` is known to be at: its last frame's, or the summary's floor."""
+        if node.lagging or rank.state != "running":
+            return rank.step
+        return max(rank.step, self.low)
+
+
 @dataclass(slots=True)
 class NodeLive:
     last_frame_at: float
@@ -39,6 +57,8 @@ class NodeLive:
     top_step: int = 0  # the highest step of its ranks in its last frame
     heard_slot: int = -1  # the `SilenceWheel` slot that holds it (by its last frame); -1: none
     early: float = 0.0  # in [0, 0.5): how much of the progress timeout's floor its judgements come early
+    vouch: Vouch | None = None  # relayed by a relay that summarises: its progress is the relay's word
+    lagging: bool = False  # its relay named it lagging: its progress is its own ranks' again
 
 
 @dataclass(frozen=True)

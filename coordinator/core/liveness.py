@@ -16,6 +16,7 @@ them frames and asks them at a tally.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -23,13 +24,13 @@ from collections.abc import Sequence
 from muster.coordinator.core.exits import ExitBook
 from muster.coordinator.core.groups import DigestTally, GroupWatch
 from muster.coordinator.core.live_records import (
-    NO_PROGRESS, UNMONITORED, WAITING, Divergence, Failure, NodeLive, RankLive, RankReport, Recovery)
+    NO_PROGRESS, UNMONITORED, WAITING, Divergence, Failure, NodeLive, RankLive, RankReport, Recovery, Vouch)
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.silence import SilenceWheel
 from muster.coordinator.core.stalls import Deadlines, calibrated_timeout, judge_ranks
 from muster.coordinator.core.state import JobState
 
-__all__ = ["Divergence", "Failure", "Liveness", "RankReport", "Recovery"]  # the records callers import from here
+__all__ = ["Divergence", "Failure", "Liveness", "RankReport", "Recovery", "Vouch"]  # the records callers import from here
 
 JUDGED_PER_TALLY = 256  # nodes whose ranks one tally judges at most (a few ms)
 TAKEOVER_UNHEARD_TIMEOUTS = 4  # the grace goes on this many heartbeat timeouts while no node reaches a new leader
@@ -124,6 +125,9 @@ class Liveness:
         node = self.nodes.get(node_id)
         if node is not None:
             self._wheel.heard(node_id, node, now)
+            if node.vouch is not None:  # nor its progress: judged from its own frames, from now on
+                node.vouch, node.lagging = None, False
+                self._deadlines.arm(node_id, now)
 
     def silent_since(self, node_id: str, since: float) -> None:
         """Its relay heard nothing from `node_id` since `since`: judged here as if its last frame
@@ -133,11 +137,11 @@ class Liveness:
             self._wheel.heard(node_id, node, min(since, node.last_frame_at))
 
     def observe(self, node_id: str, generation: int, reports: list[RankReport], now: float, *,
-                vouched: bool = False) -> list[int]:
+                vouched: bool = False, vouch: Vouch | None = None) -> list[int]:
         """Record a frame. Returns the local ranks that came back (a new process in a failed slot).
         `vouched`: it came through a relay, which judges the node's silence and forwards frames
         that only advance steps now and then: the node leaves the wheel until `unvouched` or
-        `silent_since`."""
+        `silent_since`. `vouch`: the relay's summaries, which stand for its progress (`summarised`)."""
         if self._unattached:
             if self.unheard_since_takeover:
                 self._first_frame_since_takeover(now)
@@ -147,6 +151,7 @@ class Liveness:
             node = self._node(node_id, now)
             self._deadlines.arm(node_id, now)
         self._wheel.heard(node_id, node, now, vouched)
+        self._vouched_by(node, vouch if vouched else None)
         node.generation = generation
         recovered = []
         lost_ms = self.timing.heartbeat_timeout_s * 1000
@@ -185,7 +190,8 @@ class Liveness:
         return recovered
 
     def advance(self, node_id: str, generation: int, local_ranks: Sequence[int],
-                steps: Sequence[tuple[int, int, int, int]], now: float, *, vouched: bool = False) -> bool:
+                steps: Sequence[tuple[int, int, int, int]], now: float, *, vouched: bool = False,
+                vouch: Vouch | None = None) -> bool:
         """Record a frame that only advances steps (`NodeFrame.steps_only`): `steps` holds
         (step, step_time_us, heard_ms_ago, compute_us) for each rank of `local_ranks`, whose other
         fields are as last observed. The hot path: four numbers a rank. False, recording nothing, when these are
@@ -198,6 +204,7 @@ class Liveness:
         if None in lives:
             return False
         self._wheel.heard(node_id, node, now, vouched)
+        self._vouched_by(node, vouch if vouched else None)
         lost_ms = self.timing.heartbeat_timeout_s * 1000
         top_step = 0
         for live, (step, step_time_us, heard_ms_ago, compute_us) in zip(lives, steps):
@@ -214,6 +221,30 @@ class Liveness:
         if steps:
             node.top_step = top_step
         return True
+
+    @staticmethod
+    def _vouched_by(node: NodeLive, vouch: Vouch | None) -> None:
+        if node.vouch is not vouch:  # another relay (or none): what the last one said of it is void
+            node.vouch, node.lagging = vouch, False
+
+    def lagging(self, node_id: str, step: int, since: float) -> None:
+        """Its relay names the node lagging: its ranks at `step` or below have not advanced since
+        `since` (its latest frame, read just before, holds their steps). Its progress is judged from
+        its ranks again, at the next tally."""
+        node = self.nodes.get(node_id)
+        if node is None or node.vouch is None:
+            return
+        node.lagging = True
+        for live in node.ranks.values():
+            if live.step <= step and live.state not in UNMONITORED:
+                live.progress_at = since
+        self._deadlines.arm(node_id, since)
+
+    def resumed(self, node_id: str) -> None:
+        """Its relay names the node progressing again: its summaries stand for it again."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.lagging = False
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""
@@ -265,18 +296,11 @@ class Liveness:
         `now` and the median step time: the step its ranks are likely at by now, each node's report
         advanced by its frame's age over the step time (a frame is up to 1.5 heartbeat intervals old
         at a tally), so that a planned switch's lead has only the map's delivery to cover."""
-        rm = state.rank_map
-        if rm is None:
-            return 0
-        cap = self.timing.heartbeat_timeout_s  # a node silent longer is judged, not projected
+        return self.max_steps(state, now, step_time_s)[0]
 
-        def reached(node: NodeLive) -> int:
-            if now is None or not step_time_s:
-                return node.top_step
-            return node.top_step + int(min(max(0.0, now - node.last_frame_at), cap) / step_time_s)
-
-        nodes = self.nodes
-        return max((reached(node) for p in rm.placements if (node := nodes.get(p.node_id)) is not None), default=0)
+    def max_steps(self, state: JobState, now: float | None, step_time_s: float | None) -> tuple[int, int]:
+        """`max_step` projected to `now` and as reported, in one pass over the map (`max_steps`)."""
+        return max_steps(self.nodes, state, self.timing.heartbeat_timeout_s, now, step_time_s)
 
     def runs_library(self, state: JobState) -> bool:
         """Some rank of the map reports library progress (scripts without it are unmonitored)."""
@@ -327,9 +351,14 @@ class Liveness:
             node, member = self.nodes.get(node_id), state.member(node_id)
             if node is None or member is None:
                 continue  # armed again when it joins or reports
-            failed, next_at = judge_ranks(self.timing, member, node, state.rank_map, self.published[1], stall_after, now)
+            vouch = node.vouch
+            vouched_at = vouch.at if vouch is not None and not node.lagging else -math.inf
+            failed, next_at = judge_ranks(self.timing, member, node, state.rank_map,
+                                          max(self.published[1], vouched_at), stall_after, now)
             found.extend((member.seq, f.local_rank, f) for f in failed)
-            judged.append((node_id, now if failed else next_at))
+            if vouched_at == -math.inf or failed:
+                judged.append((node_id, now if failed else next_at))
+            # else its relay's summaries stand for its progress: judged again once it lags (`lagging`)
             if len(judged) == JUDGED_PER_TALLY:
                 break
         for node_id, at in judged:
@@ -340,3 +369,29 @@ class Liveness:
         """Once every rank of the map has sent a parameter digest of the same step, compare them
         (`DigestTally`: each step once, the same odd ranks flagged once)."""
         return self._digests.divergence(state.rank_map, self.nodes)
+
+
+def max_steps(nodes: dict[str, NodeLive], state: JobState, cap: float, now: float | None,
+              step_time_s: float | None) -> tuple[int, int]:
+    """The highest step of the map's nodes projected to `now` (a report's age over the step time,
+    at most `cap`) and as reported: a decision wants both (one pass: 125k nodes are ~0.1 s a pass).
+    A relay's summary counts as a newer report."""
+    rm = state.rank_map
+    if rm is None:
+        return 0, 0
+    project = now is not None and bool(step_time_s)
+    reached = reported = 0
+    for p in rm.placements:
+        node = nodes.get(p.node_id)
+        if node is None:
+            continue
+        top, at, vouch = node.top_step, node.last_frame_at, node.vouch
+        if vouch is not None and vouch.high > top:  # its relay's summary is newer than its frame
+            top, at = vouch.high, vouch.at
+        if top > reported:
+            reported = top
+        if project:
+            top += int(min(max(0.0, now - at), cap) / step_time_s)
+        if top > reached:
+            reached = top
+    return reached, reported

@@ -10,7 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 
 MAX_SLOTS = 1024
-MAX_NODES = 100_000
+# Nodes per job: a job of 1M GPUs (125k nodes x 8). What bounds it, measured (docs/limits.md): the
+# job's state is ~68 bytes a node encoded (zlib; a member's secret hash does not compress), 8.5 MB
+# at 125k nodes, so etcd's --max-request-bytes must be raised past its 1.5 MiB default (~22k nodes)
+# to 10 MiB (etcd's own advice as the most); and the leader's memory, ~2 GiB at 125k nodes.
+MAX_NODES = 125_000
 # Steps and generations far beyond any real run (2**48 steps at 1 µs each are 9 years) but far
 # below 2**64: arithmetic on them (a switch step ahead, a generation plus one) stays in uint64.
 MAX_STEP = 2**48

@@ -17,7 +17,9 @@ from muster.coordinator.errors import InvalidArgument, ResourceExhausted
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.relay import MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink
+from muster.coordinator import wire
+from muster.coordinator.relay import (MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink, placement_of,
+                                      renumbered)
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.server import CoordinatorServicer, stream_end
 from muster.coordinator.streams import NodeStream, Pulses
@@ -59,6 +61,15 @@ def first(joined: pb.JoinResponse, secret: bytes | None = None) -> pb.NodeFrame:
                         session_secret=joined.session_secret if secret is None else secret, via_relay=True)
 
 
+def both_relayed(leader: JobLeader, joined: dict[str, pb.JoinResponse], *, maps: bool = False) -> RelayLink:
+    """A relay call carrying both nodes, p1 as stream 1 and p2 as stream 2 (`maps`: its first
+    message says it builds loss-only maps)."""
+    link = RelayLink(leader, "relay:1", stream_end)
+    link.receive(pb.RelayUp(job="job", relay="relay:1", maps=maps, frames=[
+        pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+    return link
+
+
 def relayed(stream: int, frame: pb.NodeFrame) -> pb.RelayUp:
     return pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=stream, frame=frame)])
 
@@ -93,9 +104,7 @@ def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():
 def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit():
     async def scenario():
         leader, joined = await led_job()
-        link = RelayLink(leader, "relay:1", stream_end)
-        link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[
-            pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
+        link = both_relayed(leader, joined)
         assert set(leader.streams) == {"p1", "p2"}
         link.close()  # the relay's stream ended: its nodes reconnect elsewhere
         assert not leader.streams
@@ -346,6 +355,63 @@ def test_a_relay_message_quotes_what_it_was_sent_in_a_bounded_message():
         (item,) = link.take().items
         assert item.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and len(item.end.message) < 200
         assert len(link.relay) == 256
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_relays_summary_is_its_word_for_its_nodes_and_names_only_the_lagging():
+    async def scenario():
+        clock = FakeClock()
+        leader, joined = await led_job(clock)
+        link = both_relayed(leader, joined)
+        clock.advance(0.5)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(
+            low_step=7, high_step=9, nodes=2, lagging=[pb.LaggingStream(stream=2, since_ms=300, step=7),
+                                                       pb.LaggingStream(stream=5, since_ms=1, step=1)])))
+        assert (link.vouch.at, link.vouch.high) == (clock(), 9)
+        nodes = leader.live.nodes
+        assert nodes["p1"].vouch is link.vouch and not nodes["p1"].lagging and nodes["p2"].lagging
+        assert leader.live.max_step(leader.state) == 9
+        link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(high_step=10, resumed=[2])))
+        assert not nodes["p2"].lagging
+        with pytest.raises(InvalidArgument, match="low <= high"):
+            link.receive(pb.RelayUp(job="job", relay="relay:1", summary=pb.RelaySummary(high_step=2**60)))
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_loss_only_map_goes_to_a_relay_once_for_the_nodes_it_can_renumber():
+    async def scenario():
+        leader, joined = await led_job()
+        link = both_relayed(leader, joined, maps=True)
+        given = {}
+        while link.pending:
+            given.update((item.stream, placement_of(item.directive)) for item in link.take().items)
+        link.receive(pb.RelayUp(job="job", relay="relay:1", ended=[2]))  # p2's process exited: p1 goes on alone
+        await until(lambda: leader.state.member("p2") is None, "p2 lost")
+        down = link.take()
+        assert not down.items and down.HasField("map") and list(down.map.own) == []
+        mine = renumbered(given[1], down.map)
+        assert mine == wire.assignment_for(leader.state, "p1", mine.assignment.reason)
+        assert leader.streams["p1"].assigned == leader.state.generation
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_before_maps_gets_a_loss_only_map_as_a_directive_per_node():
+    async def scenario():
+        leader, joined = await led_job()
+        link = both_relayed(leader, joined)  # its first message did not say `maps`
+        while link.pending:
+            link.take()
+        link.receive(pb.RelayUp(job="job", relay="relay:1", ended=[2]))
+        await until(lambda: leader.state.member("p2") is None, "p2 lost")
+        down = link.take()
+        assert not down.HasField("map") and [item.stream for item in down.items] == [1]
+        assert down.items[0].directive.generation == leader.state.generation
         await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

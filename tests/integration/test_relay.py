@@ -31,10 +31,10 @@ def names_spread(addresses: list[str], per_replica: int) -> list[str]:
     return names
 
 
-async def stepping_job(addresses, job, names, *, slots=1, is_process=False):
+async def stepping_job(addresses, job, names, *, slots=1, is_process=False, node=SimulatedNode):
     n = len(names)
-    nodes = [SimulatedNode(addresses, job, name, slots=slots, spec=pb.JobSpec(min_nodes=n, max_nodes=n),
-                           is_process=is_process) for name in names]
+    nodes = [node(addresses, job, name, slots=slots, spec=pb.JobSpec(min_nodes=n, max_nodes=n),
+                  is_process=is_process) for name in names]
     for node in nodes:
         await node.join()
         node.start()
@@ -96,8 +96,8 @@ async def pulses_heard(nodes, pulses: int) -> None:
 
 
 async def leader_heard_progress(address: str, job: str, node_ids: list[str], times: int) -> None:
-    """The leader saw each of `node_ids`' steps advance `times` times (a relay forwards held progress
-    once per --relay-progress)."""
+    """The leader saw each of `node_ids`' steps advance `times` times (a relay summarises its nodes'
+    progress once per --relay-progress: their steps are at least its summary's lowest)."""
     seen: dict[str, set[int]] = {n: set() for n in node_ids}
     deadline = time.monotonic() + 15
     with Coordinators([address], timeout_s=2) as c:
@@ -189,6 +189,44 @@ def test_a_relay_forwards_only_changes_and_judges_silence_itself(coordinators):
         with Coordinators([leader.address], timeout_s=2) as c:
             events = c.call("Events", pb.EventsRequest(job="quiet")).events
         assert [list(e.nodes) for e in events if e.kind == "node_silent"] == [[victim.node_id]]
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())
+
+
+class StuckNode(SimulatedNode):
+    """A node whose ranks stop advancing once `stuck` (a hung collective): its frames go on."""
+
+    stuck = False
+
+    def _reports(self) -> list[pb.RankReport]:
+        self.step -= self.stuck
+        return super()._reports()
+
+
+@pytest.mark.timeout(90)
+def test_a_relayed_rank_that_stops_advancing_is_named_lagging_and_judged_stalled(coordinators):
+    replicas = coordinators(3, RELAY + ["--progress-timeout", "2"])
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "hung", names_spread(addresses, 2), node=StuckNode)
+        leader = leader_of(replicas, "hung")
+        # Steady: the relays summarise their nodes' progress, no frame of theirs goes up.
+        await leader_heard_progress(leader.address, "hung", [n.node_id for n in nodes], 3)
+        victim = next(n for n in nodes if n.session.relay != leader.address)
+        generation = victim.generation
+        victim.stuck = True
+        stuck_at = time.monotonic()
+        other = next(n for n in nodes if n is not victim)
+        await other.wait_for(lambda x: x.generation > generation, 10, "the generation without it")
+        # The progress timeout, a relay interval (--relay-progress 1) to name it lagging, a tally.
+        assert time.monotonic() - stuck_at < 2 + 1 + 0.6
+        with Coordinators([leader.address], timeout_s=2) as c:
+            events = c.call("Events", pb.EventsRequest(job="hung")).events
+        assert [list(e.nodes) for e in events if e.kind in EVICTIONS] == [[victim.node_id]], events
+        assert [e.kind for e in events if e.kind in EVICTIONS] == ["rank_stalled"]
         for n in nodes:
             await n.stop()
 

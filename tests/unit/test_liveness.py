@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from muster.coordinator.core import liveness
 from muster.coordinator.core.kinds import FailureKind
-from muster.coordinator.core.liveness import Liveness, RankReport, Recovery
+from muster.coordinator.core.liveness import Liveness, RankReport, Recovery, Vouch
 from muster.coordinator.core.machine import Context, Join, Regroup, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.stalls import judge_ranks
@@ -606,3 +606,26 @@ def test_a_takeover_nobody_ever_reaches_ends_its_grace_within_the_bound():
     bound = TIMING.grace_s + liveness.TAKEOVER_UNHEARD_TIMEOUTS * TIMING.heartbeat_timeout_s
     assert live.in_grace(bound - 0.1) and live.failures(state, bound - 0.1) == []
     assert sorted(f.node_id for f in live.failures(state, bound + 0.1)) == ["n0", "n1"]
+
+
+def test_a_relays_summary_stands_for_its_nodes_progress_until_it_names_one_lagging():
+    state = job(2)
+    live, vouch = Liveness(TIMING, now=0), Vouch()
+    live.observe("n0", 1, report(1), 0, vouched=True, vouch=vouch)
+    for t in range(1, 21):  # n1 streams directly; its steps calibrate the timeout to its 1 s floor
+        live.observe("n1", 1, report(t), t * 0.05)
+    assert live.progress_timeout() == 1.0
+    for t in (1.5, 2.5, 3.5, 4.5):  # n0's progress is its relay's word, no frame of it comes
+        vouch.at, vouch.high = t, 90
+        live.observe("n1", 1, report(int(t * 20)), t)
+        assert live.failures(state, t) == []
+    assert live.max_step(state) == 90
+    live.lagging("n0", 1, since=4.0)  # its relay names it lagging: step 1 did not advance since 4.0
+    vouch.at = 5.5
+    live.observe("n1", 1, report(110), 5.5)
+    assert [(f.kind, f.node_id) for f in live.failures(state, 5.5)] == [("rank_stalled", "n0")]
+    live.resumed("n0")
+    assert live.failures(state, 5.5) == []
+    live.lagging("n0", 1, since=5.0)
+    live.observe("n0", 1, report(111), 5.6, vouched=True, vouch=Vouch())  # through another relay now
+    assert live.nodes["n0"].vouch is not vouch and not live.nodes["n0"].lagging  # the old relay's word is void

@@ -1,11 +1,12 @@
 """Refusals as counted lines (security review 4, N3: a line per refused attach made 65 MB of log
-for 4 MB sent), and a job's members quota from its spec (N4)."""
+for 4 MB sent), and a job's members quota from its spec (N4) within the node cap."""
 
 import asyncio
 
+import pytest
 from structlog.testing import capture_logs
 
-from muster.coordinator.core.policy import MAX_NODES, JobSpec, Limits
+from muster.coordinator.core.policy import MAX_NODES, InvalidPolicy, JobSpec, Limits
 from muster.coordinator.quotas import RefusalLog
 from muster.local import FakeClock
 
@@ -33,3 +34,9 @@ def test_a_jobs_members_quota_is_its_max_nodes_and_spares_within_the_deployments
     assert Limits(max_spares=0).members_of(JobSpec(1, 4, 1)) == 4
     assert Limits(max_members=10).members_of(JobSpec(1, 8, 1)) == 10
     assert Limits().members_of(JobSpec()) == MAX_NODES, "a job that names no max_nodes: the deployment's limit"
+
+
+def test_a_job_of_a_million_gpus_is_allowed_and_one_node_more_is_refused_with_the_cap():
+    assert JobSpec(1, 125_000, 1).validate().max_nodes == MAX_NODES == 125_000  # 1M GPUs: 125k nodes x 8
+    with pytest.raises(InvalidPolicy, match=r"max_nodes must be in min_nodes\.\.125000 \(1\.\.125000\), got 125001"):
+        JobSpec(1, MAX_NODES + 1, 1).validate()

@@ -69,3 +69,29 @@ def test_a_node_that_hangs_up_still_sends_its_held_progress():
     c.frame(node, frame(2), 0.1)
     c.frame(node, frame(3), 0.2)
     assert c.drop(1).ranks[0].step == 3 and c.drop(1) is None
+
+
+def test_summarising_no_progress_goes_and_a_node_is_named_lagging_and_resumed_once():
+    c, a, b = Changes(2.0, 1.0), RelayedNode(1, "a"), RelayedNode(2, "b")
+    c.summarising = True
+    for n in (a, b):
+        assert steps(c.frame(n, frame(1), 0.0)) == [1]
+        assert steps(c.frame(n, frame(2), 0.1)) == [2]  # the first advance still goes at once
+    for i in range(3, 12):  # a advances, b stays at step 2
+        assert c.frame(a, frame(i), i * 0.1) == []
+        assert c.frame(b, frame(2), i * 0.1) == []
+    summary, frames = c.summary([a, b], 1.2)
+    assert [(lag.stream, lag.step, lag.since_ms) for lag in summary.lagging] == [(2, 2, 1100)]
+    assert (summary.low_step, summary.high_step, summary.nodes, list(summary.resumed)) == (11, 11, 2, [])
+    assert [(s, f.ranks[0].step) for s, f in frames] == [(1, 11)]  # the slowest's latest (b's it had)
+    assert c.summary([a, b], 1.5) == (None, [])  # once an interval
+    assert c.frame(a, frame(12), 2.0) == [] and c.frame(b, frame(3), 2.0) == []
+    summary, frames = c.summary([a, b], 2.3)
+    assert list(summary.lagging) == [] and list(summary.resumed) == [2] and summary.low_step == 3
+    assert sorted(s for s, _ in frames) == [1, 2]  # at most SLOWEST of those the leader has not had
+
+
+def test_not_summarising_no_summary_is_made():
+    c, a = Changes(2.0, 1.0), RelayedNode(1, "a")
+    c.frame(a, frame(1), 0.0)
+    assert c.summary([a], 5.0) == (None, [])

@@ -551,18 +551,46 @@ class RelayedFrame(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., frame: _Optional[_Union[NodeFrame, _Mapping]] = ...) -> None: ...
 
 class RelayUp(_message.Message):
-    __slots__ = ("job", "relay", "frames", "ended", "silent")
+    __slots__ = ("job", "relay", "frames", "ended", "silent", "summary", "maps")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     SILENT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    MAPS_FIELD_NUMBER: _ClassVar[int]
     job: str
     relay: str
     frames: _containers.RepeatedCompositeFieldContainer[RelayedFrame]
     ended: _containers.RepeatedScalarFieldContainer[int]
     silent: _containers.RepeatedCompositeFieldContainer[SilentStream]
-    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., silent: _Optional[_Iterable[_Union[SilentStream, _Mapping]]] = ...) -> None: ...
+    summary: RelaySummary
+    maps: bool
+    def __init__(self, job: _Optional[str] = ..., relay: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[RelayedFrame, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., silent: _Optional[_Iterable[_Union[SilentStream, _Mapping]]] = ..., summary: _Optional[_Union[RelaySummary, _Mapping]] = ..., maps: _Optional[bool] = ...) -> None: ...
+
+class RelaySummary(_message.Message):
+    __slots__ = ("low_step", "high_step", "nodes", "lagging", "resumed")
+    LOW_STEP_FIELD_NUMBER: _ClassVar[int]
+    HIGH_STEP_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LAGGING_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    low_step: int
+    high_step: int
+    nodes: int
+    lagging: _containers.RepeatedCompositeFieldContainer[LaggingStream]
+    resumed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, low_step: _Optional[int] = ..., high_step: _Optional[int] = ..., nodes: _Optional[int] = ..., lagging: _Optional[_Iterable[_Union[LaggingStream, _Mapping]]] = ..., resumed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LaggingStream(_message.Message):
+    __slots__ = ("stream", "since_ms", "step")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    since_ms: int
+    step: int
+    def __init__(self, stream: _Optional[int] = ..., since_ms: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SilentStream(_message.Message):
     __slots__ = ("stream", "silent_ms")
@@ -593,9 +621,23 @@ class RelayedDirective(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., directive: _Optional[_Union[Directive, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class RelayDown(_message.Message):
-    __slots__ = ("items", "pulse")
+    __slots__ = ("items", "pulse", "summaries", "map")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     PULSE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[RelayedDirective]
     pulse: Directive
-    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ..., pulse: _Optional[_Union[Directive, _Mapping]] = ...) -> None: ...
+    summaries: bool
+    map: RelayedMap
+    def __init__(self, items: _Optional[_Iterable[_Union[RelayedDirective, _Mapping]]] = ..., pulse: _Optional[_Union[Directive, _Mapping]] = ..., summaries: _Optional[bool] = ..., map: _Optional[_Union[RelayedMap, _Mapping]] = ...) -> None: ...
+
+class RelayedMap(_message.Message):
+    __slots__ = ("directive", "removed_node_ranks", "own")
+    DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_NODE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    directive: Directive
+    removed_node_ranks: _containers.RepeatedScalarFieldContainer[int]
+    own: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, directive: _Optional[_Union[Directive, _Mapping]] = ..., removed_node_ranks: _Optional[_Iterable[int]] = ..., own: _Optional[_Iterable[int]] = ...) -> None: ...
