@@ -49,6 +49,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/scale.py > bench/results/scale.json
 	$(BIN)/python bench/scale.py --relayed > bench/results/scale_relayed.json
 	$(BIN)/python bench/scale.py --relayed --ranks 1000000 > bench/results/scale_1m_relayed.json
+	$(BIN)/python bench/hsdp.py > bench/results/hsdp.json
+	$(BIN)/python bench/snapshots.py > bench/results/snapshots.json
 	$(BIN)/python bench/rank_start.py > bench/results/rank_start.json
 	$(BIN)/python bench/churn.py > bench/results/churn.json
 	$(BIN)/python bench/churn.py --retain-finished 15s > bench/results/churn_retention.json
