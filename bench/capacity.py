@@ -356,7 +356,10 @@ def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: 
     args = ["--heartbeat-interval", str(1 / rate), "--heartbeat-timeout", str(timeout_s),
             "--grace", str(timeout_s), "--relay-min-nodes", "1",
             # A simulated node steps once per frame: at a low --rate its steps are that far apart.
-            "--progress-floor", str(max(10.0, 3 * timeout_s))]
+            "--progress-floor", str(max(10.0, 3 * timeout_s)),
+            # Every simulated node comes from this one host, and without tokens the quota of calls yet to
+            # send their first message is per host (256): a real job's nodes each come from their own.
+            "--max-idle-streams", str(nodes + 64)]
     try:
         coordinators.append(CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", args).start())
         if relays:
