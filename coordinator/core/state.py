@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+import threading
 import zlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -21,6 +22,7 @@ from muster.coordinator.core.policy import JobSpec
 SCHEMA = 1
 COMPRESS_ABOVE = 256 * 1024  # bytes of JSON; smaller states stay readable with etcdctl
 _PAGE_CACHES: dict[str, PageCache] = {}
+_PAGE_CACHES_LOCK = threading.Lock()
 _CACHED_JOBS = 16  # the large jobs whose pages are kept (the oldest dropped past it)
 _ITEMS = "\x00"  # where the members' and the placements' items go (JSON text never holds a raw NUL)
 
@@ -308,10 +310,11 @@ def encode(state: JobState) -> bytes:
 
 
 def _page_cache(job: str) -> PageCache:
-    cache = _PAGE_CACHES.pop(job, None) or PageCache()
-    _PAGE_CACHES[job] = cache  # the most recent last
-    while len(_PAGE_CACHES) > _CACHED_JOBS:
-        _PAGE_CACHES.pop(next(iter(_PAGE_CACHES)))
+    with _PAGE_CACHES_LOCK:  # jobs' writes are encoded in worker threads
+        cache = _PAGE_CACHES.pop(job, None) or PageCache()
+        _PAGE_CACHES[job] = cache  # the most recent last
+        while len(_PAGE_CACHES) > _CACHED_JOBS:
+            _PAGE_CACHES.pop(next(iter(_PAGE_CACHES)))
     return cache
 
 
