@@ -10,7 +10,7 @@ generation above theirs. No I/O, no clock reads.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field, replace
 
 from muster.coordinator.core.kinds import FailureKind
@@ -187,7 +187,7 @@ class _Fold:
     state: JobState
     ctx: Context
     members: dict[str, Member]
-    in_map: set[str]  # nodes of the running map: a change to them needs a new generation
+    in_map: Container[str]  # nodes of the running map: a change to them needs a new generation
     next_seq: int
     generation: int
     spec: JobSpec
@@ -210,7 +210,8 @@ class _Fold:
 
     @classmethod
     def of(cls, state: JobState, ctx: Context) -> _Fold:
-        in_map = set(state.rank_map.node_ids) if state.rank_map and state.phase is Phase.RUNNING else set()
+        # The map's own index (made once per map), not a set of 125k ids made per decision.
+        in_map = state.rank_map.by_node if state.rank_map and state.phase is Phase.RUNNING else {}
         return cls(state, ctx, {m.node_id: m for m in state.members}, in_map, state.next_seq, state.generation,
                    state.spec, state.spec_lost, state.finishing, state.failure, state.rebuilding, state.started_ms)
 

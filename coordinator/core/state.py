@@ -9,16 +9,22 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+import threading
 import zlib
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from enum import Enum
 from json.encoder import encode_basestring_ascii
 
+from muster.coordinator.core.pages import PageCache, split
 from muster.coordinator.core.policy import JobSpec
 
 SCHEMA = 1
 COMPRESS_ABOVE = 256 * 1024  # bytes of JSON; smaller states stay readable with etcdctl
+_PAGE_CACHES: dict[str, PageCache] = {}
+_PAGE_CACHES_LOCK = threading.Lock()
+_CACHED_JOBS = 16  # the large jobs whose pages are kept (the oldest dropped past it)
+_ITEMS = "\x00"  # where the members' and the placements' items go (JSON text never holds a raw NUL)
 
 
 class NodeKind(str, Enum):
@@ -76,6 +82,12 @@ class Member:
                       "secret_hash": self.secret_hash, **({"proven": True} if self.proven else {})})
 
 
+@lru_cache(maxsize=1024)
+def _slots_json(slots: tuple[int, ...]) -> str:
+    """A placement's slots as JSON: a job's nodes have a few shapes, so a renumbered map mostly hits."""
+    return f"[{','.join(map(str, slots))}]"
+
+
 @dataclass(frozen=True)
 class Placement:
     """One node's part of a rank map: rank = rank_offset + index of local_rank in slots."""
@@ -84,17 +96,18 @@ class Placement:
     node_rank: int
     rank_offset: int
     slots: tuple[int, ...]  # local ranks in use, ascending (local_rank follows the slot)
+    # Its part of the encoded state, made with it: every placement is written, and a cached_property
+    # (a lock per call on 3.11) cost twice the formatting for the 85k placements a loss renumbers.
+    json: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Formatted by hand, keys in `_json`'s order, the id escaped as `_json` escapes a str.
+        object.__setattr__(self, "json", f'{{"node_id":{encode_basestring_ascii(self.node_id)},'
+                           f'"node_rank":{self.node_rank},"rank_offset":{self.rank_offset},'
+                           f'"slots":{_slots_json(self.slots)}}}')
 
     def rank_of(self, local_rank: int) -> int:
         return self.rank_offset + self.slots.index(local_rank)
-
-    @cached_property
-    def json(self) -> str:
-        # Formatted by hand, keys in `_json`'s order, the id escaped as `_json` escapes a str (without
-        # dumps' setup per call): a new map has new placements, 12.5k at 100k ranks.
-        return (f'{{"node_id":{encode_basestring_ascii(self.node_id)},"node_rank":{self.node_rank},'
-                f'"rank_offset":{self.rank_offset},'
-                f'"slots":[{",".join(map(str, self.slots))}]}}')
 
 
 @dataclass(frozen=True)
@@ -236,10 +249,6 @@ def _object(parts: dict[str, str]) -> str:
     return "{" + ",".join(f"{_json(key)}:{parts[key]}" for key in sorted(parts)) + "}"
 
 
-def _array(items) -> str:
-    return "[" + ",".join(items) + "]"
-
-
 def encode(state: JobState) -> bytes:
     """JSON, so `etcdctl get` shows something an operator can read; zlib-compressed past
     COMPRESS_ABOVE bytes, so a 100k-rank job stays under etcd's request limit (1.5 MiB). Members
@@ -262,7 +271,7 @@ def encode(state: JobState) -> bytes:
         "finishing": _json(state.finishing),
         "failure": _json(state.failure),
         "store_salt": _json(state.store_salt),
-        "members": _array(m.json for m in state.members),
+        "members": f"[{_ITEMS}]",
         "rank_map": "null" if rm is None else _object({
             "generation": _json(rm.generation),
             "world_size": _json(rm.world_size),
@@ -272,7 +281,7 @@ def encode(state: JobState) -> bytes:
             "master_address": _json(rm.master_address),
             "shrink_of": _json(rm.shrink_of),
             "excluded_ranks": _json(list(rm.excluded_ranks)),
-            "placements": _array(p.json for p in rm.placements),
+            "placements": f"[{_ITEMS}]",
         }),
         "history": _json([
             {
@@ -287,8 +296,26 @@ def encode(state: JobState) -> bytes:
             for e in state.history
         ]),
     }
-    data = _object(doc).encode()
-    return zlib.compress(data, 1) if len(data) > COMPRESS_ABOVE else data
+    text = _object(doc).split(_ITEMS)  # the text around the members' items, and the placements'
+    sources = [state.members] + ([rm.placements] if rm else [])
+    items = [[x.json for x in source] for source in sources]
+    size = sum(map(len, text)) + sum(sum(map(len, part)) + len(part) for part in items)
+    if size <= COMPRESS_ABOVE:
+        return "".join(t + ",".join(part) for t, part in zip(text, items + [[]])).encode()
+    # Compressed in pages, this job's kept from its last write: a change compresses what it changed.
+    parts: list = [text[0]]
+    for part, source, after in zip(items, sources, text[1:]):
+        parts += [split(part, [x.node_id for x in source]), after]
+    return _page_cache(state.job).compress(parts)
+
+
+def _page_cache(job: str) -> PageCache:
+    with _PAGE_CACHES_LOCK:  # jobs' writes are encoded in worker threads
+        cache = _PAGE_CACHES.pop(job, None) or PageCache()
+        _PAGE_CACHES[job] = cache  # the most recent last
+        while len(_PAGE_CACHES) > _CACHED_JOBS:
+            _PAGE_CACHES.pop(next(iter(_PAGE_CACHES)))
+    return cache
 
 
 def decode(data: bytes) -> JobState:
