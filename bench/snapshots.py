@@ -35,7 +35,7 @@ from pathlib import Path
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, TrainingProcess, record_time, wait_until
+from muster.local import CoordinatorProcess, TrainingProcess, record_time, spare_victim_survivors, wait_until
 from muster.worker.library.snapshots import EVERY
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_sharded.py")
@@ -110,9 +110,7 @@ def recovery(jobs: Jobs, name: str, shards: int, size: tuple[str, ...]) -> dict:
     ranks = jobs.run(f"{name}-kill", shards + 1, steps, (*size, "--every", str(EVERY)))
     wait_until(lambda: sum(p.last_step >= kill_at for p in ranks) == shards, 600, f"{shards} ranks at step {kill_at}",
                interval_s=0.05)
-    (spare,) = [p for p in ranks if not p.steps()]
-    (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == 1]
-    survivors = [p for p in ranks if p not in (victim, spare)]
+    spare, victim, survivors = spare_victim_survivors(ranks, 1)
     generation = victim.steps()[-1]["generation"]
     killed_at = time.time()
     victim.signal(signal.SIGKILL)

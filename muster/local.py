@@ -265,6 +265,22 @@ class TrainingProcess(_Child):
         return steps[-1]["step"] if steps else 0
 
 
+def spare_victim_survivors(ranks: list[TrainingProcess], slot: int) -> tuple[TrainingProcess, TrainingProcess,
+                                                                             list[TrainingProcess]]:
+    """Of a sharded job's rank processes (their step records name their mesh slot): the one spare
+    (no step yet), the one stepping in `slot`, and the others."""
+    (spare,) = [p for p in ranks if not p.steps()]
+    (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == slot]
+    return spare, victim, [p for p in ranks if p not in (victim, spare)]
+
+
+def final_digests(ranks: list[TrainingProcess], steps: int) -> dict[int, str]:
+    """Each mesh slot's state fingerprint at the last step, once every rank logged step `steps`."""
+    last = [p.steps()[-1] for p in ranks]
+    assert all(r["step"] == steps for r in last), last
+    return {r["slot"]: r["digest"] for r in last}
+
+
 class AgentProcess(_Child):
     """`muster run` for one node, running the packaged muster/examples/train_ddp.py (or `command`) on
     its slots; each rank's output goes to log_dir/<node>-slot<K>-<start>.log. `wrap` prefixes the

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from muster.local import TrainingProcess, record_time, wait_until
+from muster.local import TrainingProcess, final_digests, record_time, spare_victim_survivors, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py"
 HSDP_COMMAND = [sys.executable, str(EXAMPLE)]
@@ -51,12 +51,6 @@ def hsdp(tmp_path):
         p.stop()
 
 
-def final_digests(ranks, steps: int = STEPS) -> dict[int, str]:
-    last = [p.steps()[-1] for p in ranks]
-    assert all(r["step"] == steps for r in last), last
-    return {r["slot"]: r["digest"] for r in last}
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_lost_rank_is_replaced_in_its_slot_and_training_ends_as_if_uninterrupted(coordinators, hsdp, fault):
@@ -67,9 +61,7 @@ def test_a_lost_rank_is_replaced_in_its_slot_and_training_ends_as_if_uninterrupt
     ranks = hsdp(leader.address, "hsdp-kill", 5)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 120, "4 ranks past step 3")
     assert min(r["world_size"] for p in ranks for r in p.steps()) == 4, "no group smaller than the mesh formed"
-    (spare,) = [p for p in ranks if not p.steps()]
-    (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == 1]
-    survivors = [p for p in ranks if p not in (victim, spare)]
+    spare, victim, survivors = spare_victim_survivors(ranks, 1)
     generation = victim.steps()[-1]["generation"]
     killed_at = time.time()
     victim.signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
@@ -84,7 +76,7 @@ def test_a_lost_rank_is_replaced_in_its_slot_and_training_ends_as_if_uninterrupt
     reformed = [r for p in survivors for r in p.records("group_formed") if r["generation"] > generation]
     assert reformed and all(r["bytes_received"] == 0 for r in reformed), "survivors' shards never moved"
     assert sum(r["bytes_sent"] for r in reformed) == took[0]["bytes_received"]
-    assert final_digests(survivors + [spare]) == final_digests(reference)
+    assert final_digests(survivors + [spare], STEPS) == final_digests(reference, STEPS)
 
 
 @pytest.mark.timeout(240)
@@ -113,7 +105,7 @@ def test_under_muster_run_a_killed_rank_restarted_by_its_agent_retakes_its_slot(
     taken = [r for r in b.rank_records(1, "group_formed")]
     assert taken[0]["state"] == "receiver" and taken[0]["bytes_received"] > 0, taken
     finals = {r["slot"]: r["digest"] for n in nodes for s in (0, 1) for r in n.steps(s)[-1:]}
-    assert finals == final_digests(reference)
+    assert finals == final_digests(reference, STEPS)
 
 
 @pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from muster.local import TrainingProcess, record_time, wait_until
+from muster.local import TrainingProcess, final_digests, record_time, spare_victim_survivors, wait_until
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py")
 STEPS, EVERY = 14, 4
@@ -41,12 +41,6 @@ def sharded(tmp_path):
         p.stop()
 
 
-def final_digests(ranks) -> dict[int, str]:
-    last = [p.steps()[-1] for p in ranks]
-    assert all(r["step"] == STEPS for r in last), last
-    return {r["slot"]: r["digest"] for r in last}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["fsdp2", "zero1"])
 def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in_place(coordinators, sharded, kind):
@@ -55,9 +49,7 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
     reference = sharded(leader.address, f"{kind}-ref", 4, zero)
     ranks = sharded(leader.address, f"{kind}-kill", 5, zero)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= EVERY + 2 for p in ranks) == 4, 60, f"4 ranks past step {EVERY + 2}")
-    (spare,) = [p for p in ranks if not p.steps()]
-    (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == 1]
-    survivors = [p for p in ranks if p not in (victim, spare)]
+    spare, victim, survivors = spare_victim_survivors(ranks, 1)
     generation = victim.steps()[-1]["generation"]
     killed_at = time.time()
     victim.signal(signal.SIGKILL)
@@ -77,7 +69,7 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
     assert {r["slot"] for r in spare.steps()} == {1}, "the spare landed in the lost slot"
     assert sum(r["bytes_sent"] for r in reformed) == took["bytes_received"], "sent by the buddy alone"
     assert [r["step"] for r in spare.steps()][0] == step + 1, "the replayed steps start after the snapshot"
-    assert final_digests(survivors + [spare]) == final_digests(reference)
+    assert final_digests(survivors + [spare], STEPS) == final_digests(reference, STEPS)
 
 
 @pytest.mark.timeout(90)
