@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import structlog
@@ -77,6 +78,7 @@ class Replica:
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
         self._electing: dict[str, set[asyncio.Event]] = {}  # job -> the Joins waiting on its election
+        self._election_watches: dict[str, Callable[[], None]] = {}  # job -> cancel() of their shared watch
         self.campaigns = Campaigns(coordination, session_ttl_s=config.session_ttl_s,
                                    renew_deadline_s=config.renew_deadline_s, balance_delay_s=config.balance_delay_s,
                                    jobs=self.jobs, leaders=self.leaders, won=self._lead,
@@ -326,16 +328,15 @@ class Replica:
 
     async def _await_election(self, job: str) -> None:
         """A new job's election takes a moment: wait for it rather than bounce the caller. Woken
-        when this replica leads it or the job's candidates change in etcd (another replica won)."""
+        when this replica leads it or the job's candidates change in etcd (another replica won):
+        the Joins waiting on one job share one watch."""
         deadline = self._loop.time() + self.config.leader_wait_s
         changed = asyncio.Event()
-        self._electing.setdefault(job, set()).add(changed)
+        waiters = self._electing.setdefault(job, set())
+        waiters.add(changed)
         try:
-            cancel = await asyncio.to_thread(self.coordination.watch_elections, job,
-                                             lambda: self._loop.call_soon_threadsafe(changed.set))
-        except StoreUnavailable:
-            cancel = None  # etcd unreachable: the election cannot end either; re-read at ELECTION_RECHECK_S
-        try:
+            if len(waiters) == 1:
+                await self._watch_election(job, waiters)
             while job not in self.leaders and (left := deadline - self._loop.time()) > 0:
                 changed.clear()
                 address = await self._leader_address(job)
@@ -344,11 +345,27 @@ class Replica:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, ELECTION_RECHECK_S))
         finally:
-            self._electing[job].discard(changed)
-            if not self._electing[job]:
+            waiters.discard(changed)
+            if not waiters and self._electing.get(job) is waiters:
                 del self._electing[job]
-            if cancel is not None:
-                await asyncio.to_thread(cancel)
+                cancel = self._election_watches.pop(job, None)
+                if cancel is not None:
+                    await asyncio.to_thread(cancel)
+
+    async def _watch_election(self, job: str, waiters: set[asyncio.Event]) -> None:
+        """The watch that wakes `waiters` (the Joins waiting on `job`'s election), kept while any waits."""
+        def wake() -> None:
+            for waiter in list(waiters):
+                waiter.set()
+        try:
+            cancel = await asyncio.to_thread(self.coordination.watch_elections, job,
+                                             lambda: self._loop.call_soon_threadsafe(wake))
+        except StoreUnavailable:
+            return  # etcd unreachable: the election cannot end either; the waiters re-read at ELECTION_RECHECK_S
+        if self._electing.get(job) is waiters:
+            self._election_watches[job] = cancel
+        else:  # every waiter left meanwhile
+            await asyncio.to_thread(cancel)
 
     async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page(),
                      run: int = 0) -> pb.StatusResponse:
