@@ -81,7 +81,9 @@ def test_a_finished_run_ends_once_leaves_nothing_and_its_name_starts_run_two(coo
         wait_until(lambda: all('job="a"' not in scrape(p) for p in ports), 10.0, "every replica forgot job a",
                    interval_s=0.1)
         assert any('muster_runs_ended_total{outcome="failed"} 1.0' in scrape(p) for p in ports), [[l for l in scrape(p).splitlines() if 'runs_ended' in l] for p in ports]
-        assert not list(etcd_client.get_prefix("/muster/v1/election/a/"))
+        # a standby's campaign withdraws its key as its thread sees the stop (within the campaign's poll, 0.5 s)
+        wait_until(lambda: not list(etcd_client.get_prefix("/muster/v1/election/a/")), 5.0,
+                   "every replica's election key for job a withdrawn", interval_s=0.1)
         assert not list(etcd_client.get_prefix("/muster/v1/specs/"))
         b = SimulatedNode(addresses, "b", "x", slots=1)
         await b.join()

@@ -29,8 +29,8 @@ torch._C._stash_obj_in_tls("context", held)
 torch._C._remove_obj_from_tls("context")
 keep = [held]
 del held
+started = time.monotonic()  # before the timer: it lets go no sooner than 0.5 s after this
 threading.Timer(0.5, keep.clear).start()
-started = time.monotonic()
 dist.destroy_process_group()  # (with `ddp` alive, as the DDP tutorial does)
 waited = time.monotonic() - started
 before = os.stat(ended).st_mtime_ns
