@@ -287,8 +287,8 @@ def signature(frame: pb.NodeFrame, heard_quantum_ms: float) -> tuple:
     forwarded one's only advances steps. How long the agent has not heard a rank counts by
     quarters of the heartbeat timeout, so a rank going quiet is forwarded as it crosses it."""
     return (frame.term, frame.generation, tuple(
-        (r.local_rank, r.pid, r.state, r.generation, r.phase, r.digest_step, r.restarts,
-         int(r.heard_ms_ago // heard_quantum_ms)) for r in frame.ranks))
+        (r.local_rank, r.pid, r.state, r.generation, r.phase, r.digest_step, r.restarts, r.snapshot_every,
+         r.snapshot_bytes, int(r.heard_ms_ago // heard_quantum_ms)) for r in frame.ranks))
 
 
 def top_step(frame: pb.NodeFrame) -> int:

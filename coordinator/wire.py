@@ -149,7 +149,8 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
                 or len(phase) > MAX_PHASE_CHARS or len(digest) > MAX_DIGEST_BYTES or state is None):
             _refuse_rank(r, slots)
         reports.append(RankReport(local_rank, r.pid, step, r.step_time_us / 1e6, state, r.heard_ms_ago, phase,
-                                  digest_step, digest, generation, r.compute_us / 1e6, r.restarts))
+                                  digest_step, digest, generation, r.compute_us / 1e6, r.restarts,
+                                  r.snapshot_every, r.snapshot_bytes))
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")
@@ -364,7 +365,9 @@ def rank_page(state: JobState, live: Liveness | None, page: Page) -> tuple[list[
                                        step_time_us=int(r.step_time_s * 1e6) if r else 0,
                                        straggler_factor=r.straggler_factor if r else 0.0,
                                        phase=r.phase if r and live else "", host=member.host if member else "",
-                                       restarts=r.restarts if r else 0))
+                                       restarts=r.restarts if r else 0,
+                                       snapshot_every=r.snapshot_every if r else 0,
+                                       snapshot_bytes=r.snapshot_bytes if r else 0))
     return ranks, ""
 
 

@@ -361,6 +361,8 @@ def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
             out.append(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions "
                        f"{h['evictions']}  last detection {h['last_detection_s']:.3f}s  last recovery "
                        f"{h['last_recovery_s']:.3f}s")
+        if snapshotting := [r for r in j["ranks"] if r["snapshot_every"]]:
+            out.append(_snapshots_line(snapshotting))
         out.append(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'HOST':<15} {'PID':>8} {'STEP':>10} "
                    f"{'COMPUTE':>9} {'STRAGGLER':>9} {'RESTARTS':>8}  STATE")
         for r in j["ranks"]:
@@ -375,6 +377,14 @@ def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
             unlisted = s["spares"] - len(j["spares"])
             out.append(f"  spares: {', '.join(j['spares']) or '-'}" + (f" (+{unlisted} more)" if unlisted else ""))
     return out
+
+
+def _snapshots_line(ranks: list[dict]) -> str:
+    """The peer snapshots of the ranks shown (the page's): their period and the host memory they take."""
+    every = sorted({r["snapshot_every"] for r in ranks})
+    held = [r["snapshot_bytes"] or 0 for r in ranks]
+    return (f"  peer snapshots every {'/'.join(map(str, every))} steps on {len(ranks)} ranks shown: host memory "
+            f"{max(held) / (1 << 20):.1f} MiB on the rank holding most, {sum(held) / (1 << 20):.1f} MiB in all")
 
 
 def _retry_later(exc: grpc.RpcError) -> bool:

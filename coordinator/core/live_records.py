@@ -29,6 +29,8 @@ class RankLive:
     compute_s: float = 0.0  # median compute part of its latest steps (RankReport.compute_us; 0: not measured)
     straggler_factor: float = 0.0  # named a straggler: its compute over the job's median (0: not named)
     restarts: int = 0  # its slot's restarts by its agent, as last reported
+    snapshot_every: int = 0  # its peer snapshots' period in steps, as last reported (0: none)
+    snapshot_bytes: int = 0  # the host memory they take on it
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +91,8 @@ class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x
     generation: int = 0  # of the group the rank is in or forming (0: none yet)
     compute_s: float = 0.0
     restarts: int = 0  # its slot's restarts by its agent
+    snapshot_every: int = 0
+    snapshot_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ function jobView(doc) {
   }
   out.push(el("h2", {}, "Ranks"), table(
     ["rank", "local", "node", "node rank", "host", "pid", "state", "step", "step time", "compute", "compute share",
-      "straggler", "restarts", "phase"],
+      "straggler", "restarts", "snapshots", "phase"],
     j.ranks.map((r) => ({
       class: (r.straggler_factor ? "straggler " : "") + r.state,
       cells: [r.rank, r.local_rank, r.node, r.node_rank, r.host, r.pid, r.state, r.step,
@@ -103,7 +103,10 @@ function jobView(doc) {
         r.compute_us === null ? null : (r.compute_us / 1000).toFixed(1) + " ms",
         // the rest of a step is the wait for the others in the gradients' all-reduce
         r.compute_us === null || r.step_time_us === null ? null : Math.round((100 * r.compute_us) / r.step_time_us) + "%",
-        r.straggler_factor === null ? null : "straggler " + r.straggler_factor.toFixed(2) + "x", r.restarts, r.phase],
+        r.straggler_factor === null ? null : "straggler " + r.straggler_factor.toFixed(2) + "x", r.restarts,
+        // peer snapshots: the period, and the host memory they take on the rank
+        r.snapshot_every === null ? null : "every " + r.snapshot_every + " steps, " +
+          ((r.snapshot_bytes || 0) / 1048576).toFixed(1) + " MiB", r.phase],
     }))));
   if (j.next_page_token !== null) out.push(el("p", { class: "note" }, "The first ", j.ranks.length, " ranks of ", j.world_size, "."));
   out.push(el("p", {}, "Nodes: ", j.nodes.join(", ") || null, ". Spares: ", j.spares.join(", ") || null, "."));

@@ -5,7 +5,10 @@ roll back in place to the last complete snapshot (no restart) and the job ends w
 bit-identical to an uninterrupted run that saw the same batches (the mesh's group numbers its ranks
 by slot, so reductions keep their order). Both a rank and its buddy lost ends the job, saying so."""
 
+import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +52,11 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
     reference = sharded(leader.address, f"{kind}-ref", 4, zero)
     ranks = sharded(leader.address, f"{kind}-kill", 5, zero)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= EVERY + 2 for p in ranks) == 4, 60, f"4 ranks past step {EVERY + 2}")
+    # `muster status` shows the snapshots' period and the host memory they take (K and its cost)
+    shown = subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address, "--job", f"{kind}-kill",
+                            "--json"], capture_output=True, text=True, timeout=30)
+    in_map = [r for r in json.loads(shown.stdout)["jobs"][0]["ranks"]]
+    assert len(in_map) == 4 and all(r["snapshot_every"] == EVERY and r["snapshot_bytes"] > 0 for r in in_map), in_map
     spare, victim, survivors = spare_victim_survivors(ranks, 1)
     generation = victim.steps()[-1]["generation"]
     killed_at = time.time()

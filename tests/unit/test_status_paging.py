@@ -205,3 +205,26 @@ def test_a_finished_run_shows_its_outcome_and_no_live_phase():
     ended = replace(state, outcome=Outcome.SUCCEEDED, outcome_reason="every rank completed its script")
     js = wire.job_status(ended, "", 7, None, brief=True)
     assert (js.outcome, js.phase) == ("succeeded", "ended")
+
+
+def test_peer_snapshots_reported_in_a_frame_are_shown_by_status_per_rank_and_summed_in_its_table():
+    from muster.cli import _status_view
+    from muster.json_output import status_document
+
+    state = running(2)
+    lv = Liveness(TIMING, 0.0)
+    mib = 1 << 20
+    for i, p in enumerate(state.rank_map.placements):
+        frame = pb.NodeFrame(ranks=[pb.RankReport(local_rank=s, pid=100 + s, step=5, state=pb.RANK_STATE_RUNNING,
+                                                  snapshot_every=10 if i == 0 else 0,
+                                                  snapshot_bytes=(s + 1) * mib if i == 0 else 0)
+                                    for s in p.slots])
+        lv.observe(p.node_id, state.generation, wire.check_frame_ranks(frame, state.member(p.node_id)), 0.0)
+    status = wire.job_status(state, "127.0.0.1:7600", 7, lv)
+    doc = status_document(pb.StatusResponse(jobs=[status]), "job")
+    ranks = doc["jobs"][0]["ranks"]
+    assert [(r["snapshot_every"], r["snapshot_bytes"]) for r in ranks] == [(10, mib), (10, 2 * mib), (10, 3 * mib)] + [
+        (None, None)] * 3  # a rank without snapshots: null, as the JSON shape says "none"
+    lines = _status_view(type("Args", (), {"json": False, "watch": False})(), "job", pb.StatusResponse(jobs=[status]))
+    assert "  peer snapshots every 10 steps on 3 ranks shown: host memory 3.0 MiB on the rank holding most, 6.0 MiB " \
+           "in all" in lines, lines

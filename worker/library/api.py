@@ -196,6 +196,7 @@ class Worker:
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._stepped: Callable[[int], None] | None = None  # the state's step boundary work (peer snapshots)
+        self._snapshots: Callable[[], tuple[int, int]] | None = None  # peer snapshots' (every, bytes held)
         self._scope = _StepScope(self)
         self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
@@ -218,6 +219,7 @@ class Worker:
                                              layout=layout, extras=extras, guard=self._guards.install,
                                              subgroups=lambda: self.comm.subgroups())
         self._stepped = getattr(self.state, "stepped", None)
+        self._snapshots = getattr(self.state, "snapshots", None)
         return self
 
     @property
@@ -513,9 +515,11 @@ class Worker:
     def _reports(self) -> list[pb.RankReport]:
         step, step_time_us, state, phase, generation = self._progress
         digest_step, digest = self._digest
+        every, held = self._snapshots() if self._snapshots else (0, 0)
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
-                              generation=generation, compute_us=self._scope.compute.compute_us())]
+                              generation=generation, compute_us=self._scope.compute.compute_us(),
+                              snapshot_every=every, snapshot_bytes=held)]
 
 
 def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **logged) -> dict:

@@ -174,6 +174,10 @@ class SnapshotState(ShardedState):
     def _shards(self, group: dist.ProcessGroup | None = None) -> LocalShards:
         return LocalShards(self.model, inner(self.optimizer), self.extras)
 
+    def snapshots(self) -> tuple[int, int]:
+        """(every how many steps, the host memory they take here): what `muster status` shows."""
+        return self.layout.every, self.ring.memory_bytes()
+
     def stepped(self, step: int) -> None:
         """At every completed step's boundary, on the training thread."""
         self.ring.ask()

@@ -132,7 +132,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., switch_at_step: _Optional[int] = ...) -> None: ...
 
 class RankReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation", "compute_us", "restarts")
+    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation", "compute_us", "restarts", "snapshot_every", "snapshot_bytes")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,8 @@ class RankReport(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     step: int
@@ -157,7 +159,9 @@ class RankReport(_message.Message):
     generation: int
     compute_us: int
     restarts: int
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    snapshot_every: int
+    snapshot_bytes: int
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
     __slots__ = ("local_rank", "pid", "exit_code", "restarting")
@@ -296,7 +300,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., run: _Optional[int] = ..., node: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state", "compute_us", "straggler_factor", "phase", "host", "step_time_us", "restarts")
+    __slots__ = ("rank", "local_rank", "node", "node_rank", "pid", "step", "state", "compute_us", "straggler_factor", "phase", "host", "step_time_us", "restarts", "snapshot_every", "snapshot_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +314,8 @@ class RankStatus(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_US_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     node: str
@@ -323,7 +329,9 @@ class RankStatus(_message.Message):
     host: str
     step_time_us: int
     restarts: int
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., compute_us: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., phase: _Optional[str] = ..., host: _Optional[str] = ..., step_time_us: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    snapshot_every: int
+    snapshot_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., compute_us: _Optional[int] = ..., straggler_factor: _Optional[float] = ..., phase: _Optional[str] = ..., host: _Optional[str] = ..., step_time_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("name", "leader", "term", "generation", "world_size", "ranks", "spares", "phase", "live", "nodes", "health", "summary", "next_page_token", "run", "outcome", "outcome_reason", "started_unix_ms", "ended_unix_ms")
