@@ -2,6 +2,7 @@
 
 1. `pytest tests/gpu`: a rank killed, the store host killed, a rank hung (SIGSTOP), a rank joining
    and a planned leave, at 4 and 8 ranks sharing the visible GPUs (one NCCL_HOSTID per process);
+   FSDP2 on an HSDP mesh (2 x 2) losing a rank, refilled by a spare from the other replica;
 2. `bench/recovery.py --backend nccl --ranks 8` (kills and hangs, per-phase timings), its JSON
    written to bench/results/nccl.json; then its kills again in each variant (--variants, VARIANTS
    below: NCCL settings that move or reduce the new communicator's connection setup, and faults in a

@@ -93,8 +93,8 @@ class Job:
         for _ in range(n):
             p = TrainingProcess([self.coordinator.address], "hsdp", self.workdir / f"rank-{len(self.ranks)}.log",
                                 steps=10**9, step_sleep_s=0.0, min_nodes=2, max_nodes=4,
-                                args=("--rank", "--width", str(self.width), "--layers", str(self.layers)))
-            p.args[1] = str(Path(__file__).resolve())
+                                args=("--rank", "--width", str(self.width), "--layers", str(self.layers)),
+                                script=Path(__file__).resolve())
             self.ranks.append(p.start())
             new.append(p)
         return new

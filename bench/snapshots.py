@@ -43,12 +43,6 @@ SIZES = {"small": (512, 4), "17M": (2048, 4), "tiny": (32, 2)}  # (width, layers
 SKIP = 3  # first steps left out of the medians (the first formation, first allocations)
 
 
-class ShardedRank(TrainingProcess):
-    def __init__(self, coordinator: str, job: str, log_path: Path, steps: int, args: tuple[str, ...]):
-        super().__init__([coordinator], job, log_path, steps=steps, step_sleep_s=0.0, args=args)
-        self.args[1] = SCRIPT
-
-
 def parameters(width: int, layers: int) -> int:
     return layers * (width * width + width) + width + 1
 
@@ -59,8 +53,9 @@ class Jobs:
     def __init__(self, coordinator: str, workdir: Path):
         self.coordinator, self.workdir, self.started = coordinator, workdir, []
 
-    def run(self, job: str, n: int, steps: int, args: tuple[str, ...]) -> list[ShardedRank]:
-        ranks = [ShardedRank(self.coordinator, job, self.workdir / f"{job}-{i}.log", steps, args).start()
+    def run(self, job: str, n: int, steps: int, args: tuple[str, ...]) -> list[TrainingProcess]:
+        ranks = [TrainingProcess([self.coordinator], job, self.workdir / f"{job}-{i}.log", steps=steps, step_sleep_s=0.0,
+                                 args=args, script=SCRIPT).start()
                  for i in range(n)]
         self.started.extend(ranks)
         return ranks
@@ -70,14 +65,14 @@ class Jobs:
             p.stop()
 
 
-def finish(ranks: list[ShardedRank], timeout_s: float) -> None:
+def finish(ranks: list[TrainingProcess], timeout_s: float) -> None:
     for p in ranks:
         code = p.wait(timeout_s)
         if code != 0:
             raise RuntimeError(f"{p.log_path.name} exited {code}: {p.log_path.read_text()[-2000:]}")
 
 
-def step_times(ranks: list[ShardedRank]) -> dict[str, float]:
+def step_times(ranks: list[TrainingProcess]) -> dict[str, float]:
     """The median step (what most steps take) and the mean (which counts the 1 in K that snapshots)."""
     times = [r["seconds"] for p in ranks for r in p.steps() if r["step"] > SKIP]
     return {"median": round(statistics.median(times), 4), "mean": round(statistics.fmean(times), 4)}
@@ -86,7 +81,7 @@ def step_times(ranks: list[ShardedRank]) -> dict[str, float]:
 def cost(jobs: Jobs, name: str, shards: int, steps: int, size: tuple[str, ...], rounds: int) -> dict:
     """Step times with and without snapshots: jobs one after the other, with-without-without-with...
     (a drift in the machine's load weighs on both alike)."""
-    runs: dict[str, list[ShardedRank]] = {"with": [], "without": []}
+    runs: dict[str, list[TrainingProcess]] = {"with": [], "without": []}
     variants = [v for r in range(rounds) for v in (("with", "without"), ("without", "with"))[r % 2]]
     for i, variant in enumerate(variants):
         every = EVERY if variant == "with" else 10**9

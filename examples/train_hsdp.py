@@ -57,7 +57,8 @@ def batch(step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_step(worker: Worker) -> torch.Tensor:
-    x, y = batch(worker.step, worker.mesh_slot)  # the slot: the mesh holds only the replica groups training now
+    # the slot: the mesh holds only the replica groups training now (batches are made on the CPU: the same bits anywhere)
+    x, y = (t.to(worker.device) for t in batch(worker.step, worker.mesh_slot))
     loss = torch.nn.functional.mse_loss(worker.model(x), y)
     loss.backward()
     worker.optimizer.step()

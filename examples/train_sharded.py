@@ -24,7 +24,7 @@ from muster.worker import RunEnded, Snapshots, Worker, WorkerConfig, WorkerError
 from muster.worker.outcome import exit_code
 
 
-def builder(width: int, layers: int, zero: bool):
+def builder(width: int, layers: int, zero: bool, device: torch.device):
     """`build(mesh)` for the worker: seeded, so every rank starts from the same weights."""
     def build(mesh):
         from torch.distributed.fsdp import fully_shard
@@ -33,6 +33,7 @@ def builder(width: int, layers: int, zero: bool):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)), torch.nn.Linear(width, 1))
         if zero:  # the model replicated (DDP over the mesh's group), Adam's state sharded by mesh slot
+            model.to(device)  # (fully_shard moves FSDP2's to the mesh's device itself)
             return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam,
                                                   process_group=mesh.get_group(), lr=1e-3)
         for layer in model:
@@ -63,15 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     log = structlog.get_logger("train_sharded")
     data = DataPosition()
     try:
-        worker = Worker(WorkerConfig.from_env()).register(
-            build=builder(args.width, args.layers, args.zero), layout=Snapshots(args.shards, args.every), data=data)
+        worker = Worker(WorkerConfig.from_env())
+        worker.register(build=builder(args.width, args.layers, args.zero, worker.device),
+                        layout=Snapshots(args.shards, args.every), data=data)
         worker.start()
         while worker.step < args.steps:
             began = time.perf_counter()
             with worker.step_scope() as step:
                 time.sleep(args.step_sleep)
                 slot = worker.mesh_slot
-                x, y = batch(worker.step, slot, args.width)
+                x, y = (t.to(worker.device) for t in batch(worker.step, slot, args.width))  # made on the CPU
                 # (one gradient per DDP bucket: a DDP rebuilt after a reform starts from its initial bucket
                 # layout, and on > 2 ranks another layout sums in another order, last bits apart)
                 model = worker.ddp(worker.model, bucket_cap_mb_list=[1e-6]) if args.zero else worker.model

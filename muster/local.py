@@ -237,14 +237,16 @@ def rank_env(backend: str) -> dict[str, str]:
 
 
 class TrainingProcess(_Child):
-    """One rank of `examples/train_ddp.py` under the worker library (no agent), logging JSON lines."""
+    """One rank of `examples/train_ddp.py` (or `script`, taking --steps and --step-sleep too) under
+    the worker library (no agent), logging JSON lines."""
 
     def __init__(self, coordinators: list[str], job: str, log_path: Path, *, steps: int, step_sleep_s: float = 0.05,
-                 min_nodes: int = 1, max_nodes: int = 0, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+                 min_nodes: int = 1, max_nodes: int = 0, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 script: Path | str = EXAMPLE):
         self.log_path = log_path
         self.env = {**os.environ, "MUSTER_COORDINATOR": ",".join(coordinators), "MUSTER_JOB": job,
                     "MUSTER_MIN_NODES": str(min_nodes), "MUSTER_MAX_NODES": str(max_nodes), **(env or {})}
-        self.args = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-sleep", str(step_sleep_s), *args]
+        self.args = [sys.executable, str(script), "--steps", str(steps), "--step-sleep", str(step_sleep_s), *args]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> TrainingProcess:

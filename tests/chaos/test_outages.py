@@ -40,18 +40,15 @@ def outages(tmp_path, job: str, names: list[str], seconds: float, **options) -> 
 
 
 @pytest.mark.timeout(300)
-def test_rank0_and_then_a_node_lost_in_30_s_etcd_outages_are_back_within_the_bound(tmp_path):
-    outages(tmp_path, "outage30", ["rank0_in_etcd_outage", "agent_in_etcd_outage"], 30.0)
-
-
-@pytest.mark.timeout(240)
-def test_a_node_lost_in_a_30_s_etcd_outage_is_judged_without_waiting_out_the_default_grace(tmp_path):
-    """Issue 40: with the default 5 s grace the survivors, attached within 0.25 s of the new leader's
-    election, stepped again only 7.2-7.6 s after the heal: the grace held the lost node's eviction.
-    The grace ends a heartbeat timeout (2 s) after their first frame: back within HEAL_BOUND_S, and
-    the loss decided about a heartbeat timeout after the takeover, however long etcd took to answer."""
-    chaos = outages(tmp_path, "nodelost30", ["agent_in_etcd_outage"], 30.0, grace_s=5.0)
-    (fault,) = chaos.faults
+def test_rank0_and_then_a_node_lost_in_30_s_etcd_outages_are_back_within_the_bound_whatever_the_grace(tmp_path):
+    """With the coordinator's default takeover grace (5 s). Issue 40: the survivors, attached within
+    0.25 s of the new leader's election, stepped again only 7.2-7.6 s after the heal: the grace held
+    the lost node's eviction. The grace ends a heartbeat timeout (2 s) after their first frame: back
+    within HEAL_BOUND_S, and the loss decided about a heartbeat timeout after the takeover, however
+    long etcd took to answer."""
+    chaos = outages(tmp_path, "outage30", ["rank0_in_etcd_outage", "agent_in_etcd_outage"], 30.0, grace_s=5.0)
+    fault = chaos.faults[-1]
+    assert fault.kind == "agent_in_etcd_outage"
     records = [r for c in chaos.replicas for r in c.records() if record_time(r) >= fault.healed_at]
     takeover = min(record_time(r) for r in records if r.get("event") == "leadership_acquired" and r.get("members"))
     decided = min(record_time(r) for r in records

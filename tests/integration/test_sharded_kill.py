@@ -27,22 +27,15 @@ STEPS = 12
 STEP_SLEEP = "0.2"
 
 
-class HsdpRank(TrainingProcess):
-    """A rank of examples/train_hsdp.py (TrainingProcess runs train_ddp.py)."""
-
-    def __init__(self, coordinators, job, log_path, **kwargs):
-        super().__init__(coordinators, job, log_path, **kwargs)
-        self.args[1] = HSDP_COMMAND[1]
-
-
 @pytest.fixture
 def hsdp(tmp_path):
     started = []
 
     def start(coordinator: str, job: str, n: int, steps: int = STEPS, step_sleep_s: float = float(STEP_SLEEP),
-              min_nodes: int = 1) -> list[HsdpRank]:
-        new = [HsdpRank([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=steps,
-                        step_sleep_s=step_sleep_s, min_nodes=min_nodes).start() for i in range(n)]
+              min_nodes: int = 1) -> list[TrainingProcess]:
+        new = [TrainingProcess([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=steps,
+                               step_sleep_s=step_sleep_s, min_nodes=min_nodes, script=EXAMPLE).start()
+               for i in range(n)]
         started.extend(new)
         return new
 

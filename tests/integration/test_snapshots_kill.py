@@ -3,7 +3,8 @@ ZeRO-1) under a real coordinator, with peer snapshots every 4 steps: a rank SIGK
 is replaced by the spare in its slot, which takes its shard from its buddy's snapshot; the survivors
 roll back in place to the last complete snapshot (no restart) and the job ends with every slot
 bit-identical to an uninterrupted run that saw the same batches (the mesh's group numbers its ranks
-by slot, so reductions keep their order). Both a rank and its buddy lost ends the job, saying so."""
+by slot, so reductions keep their order). Both a rank and its buddy lost ends the job, saying so.
+Under `muster run` (2 nodes x 2 slots and a spare node) a whole node lost is refilled the same way."""
 
 import json
 import signal
@@ -20,22 +21,14 @@ SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sharded.p
 STEPS, EVERY = 14, 4
 
 
-class ShardedRank(TrainingProcess):
-    """A rank of examples/train_sharded.py (TrainingProcess runs train_ddp.py)."""
-
-    def __init__(self, coordinators, job, log_path, *, zero: bool, **kwargs):
-        super().__init__(coordinators, job, log_path, args=("--every", str(EVERY), *(["--zero"] if zero else [])),
-                         **kwargs)
-        self.args[1] = SCRIPT
-
-
 @pytest.fixture
 def sharded(tmp_path):
     started = []
 
-    def start(coordinator: str, job: str, n: int, zero: bool, steps: int = STEPS) -> list[ShardedRank]:
-        new = [ShardedRank([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", zero=zero, steps=steps,
-                           step_sleep_s=0.1).start() for i in range(n)]
+    def start(coordinator: str, job: str, n: int, zero: bool, steps: int = STEPS) -> list[TrainingProcess]:
+        args = ("--every", str(EVERY), *(["--zero"] if zero else []))
+        new = [TrainingProcess([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=steps,
+                               step_sleep_s=0.1, args=args, script=SCRIPT).start() for i in range(n)]
         started.extend(new)
         return new
 
@@ -92,3 +85,35 @@ def test_a_rank_lost_with_its_buddy_ends_the_job_saying_so(coordinators, sharded
         assert p.wait(60) == 3, p.log_path.read_text()[-3000:]
         (stopped,) = p.records("training_stopped")
         assert stopped["kind"] == "ShardLost" and "slot 1 and its buddy slot 2" in stopped["error"], stopped
+
+
+@pytest.mark.timeout(180)
+def test_under_muster_run_a_lost_node_is_refilled_from_its_buddies_on_the_other_node(coordinators, sharded, agents):
+    """ZeRO-1 on 2 nodes x 2 slots under `muster run`, a third node a spare: a node is killed, agent
+    and ranks. Its slots' buddies are on the other node (stride 2), so the spare node's ranks take
+    both slots, each receiving its shard from its buddy, while the other node's ranks roll back in
+    place; every slot ends bit-identical to an uninterrupted run of the same batches."""
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    steps = 40  # the kept node holds (no step) while the spare's ranks start cold: the job cannot end first
+    reference = sharded(leader.address, "node-ref", 4, True, steps=steps)
+    run = {"nodes": "2:2", "extra": ["--world-size-multiple", "4"],
+           "command": [sys.executable, SCRIPT, "--zero", "--every", str(EVERY), "--steps", str(steps),
+                       "--step-sleep", "0.1"]}
+    nodes = agents([leader.address], "node-loss", ["a", "b", "c"], **run)
+    stepping = lambda n: all(n.steps(s) and n.steps(s)[-1]["step"] >= EVERY + 2 for s in (0, 1))  # noqa: E731
+    wait_until(lambda: sum(map(stepping, nodes)) == 2, 120, f"two nodes past step {EVERY + 2}")
+    kept, victim = [n for n in nodes if stepping(n)]
+    (spare,) = [n for n in nodes if n not in (kept, victim)]
+    lost = {victim.steps(s)[-1]["slot"] for s in (0, 1)}
+    generation = victim.steps(0)[-1]["generation"]
+    victim.signal(signal.SIGKILL)
+    for p in [*reference, kept, spare]:
+        assert p.wait(120) == 0, p.log_path.read_text()[-3000:]
+    assert {r["slot"] for s in (0, 1) for r in spare.steps(s)} == lost, "the spare node took the lost slots"
+    for s in (0, 1):
+        took = [r for r in spare.rank_records(s, "group_formed") if r["generation"] > generation][0]
+        assert took["state"] == "receiver" and took["bytes_received"] > 0 and took["step"] % EVERY == 0, took
+        rolled = [r for r in kept.rank_records(s, "group_formed") if r["generation"] > generation][0]
+        assert rolled["bytes_received"] == 0 and rolled["step"] == took["step"], rolled  # in place, from its own copy
+    finals = {r["slot"]: r["digest"] for n in (kept, spare) for s in (0, 1) for r in n.steps(s)[-1:]}
+    assert finals == final_digests(reference, steps)
