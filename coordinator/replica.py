@@ -286,6 +286,7 @@ class Replica:
                 connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,
                 heartbeat_timeout_s=self.config.timing.heartbeat_timeout_s,
                 progress_s=self.config.timing.relay_progress_s)
+            relay.start()
         return relay
 
     async def session_leader(self, first: pb.NodeFrame) -> JobLeader:

@@ -19,7 +19,9 @@ from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
 from muster.coordinator.quotas import FrameBudget, IdleStreams, RelayCalls, refusals, tenant_of
-from muster.coordinator.relay import MAX_ITEMS, RelayedNode, RelayLink, check_size
+from muster.coordinator.relay import Relay
+from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode
+from muster.coordinator.relay_link import RelayLink, check_size
 from muster.coordinator.replica import Replica
 from muster.coordinator.streams import CLOSE
 from muster.v1 import muster_pb2 as pb
@@ -231,7 +233,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         node.queue.put_nowait(CLOSE)
 
     async def Relay(self, request_iterator, context):
-        """The leader's end of a relay's stream (see `muster.coordinator.relay`). A replica's call
+        """The leader's end of a relay's stream (see `muster.coordinator.relay_link`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
         link = reader = lost = host = named = None
         try:

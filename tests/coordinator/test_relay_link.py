@@ -18,8 +18,9 @@ from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator import wire
-from muster.coordinator.relay import (MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink, placement_of,
-                                      renumbered)
+from muster.coordinator.relay import PULSE_SLICE, Relay
+from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode, placement_of, renumbered
+from muster.coordinator.relay_link import PENDING_MESSAGES, RelayLink
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.server import CoordinatorServicer, stream_end
 from muster.coordinator.streams import NodeStream, Pulses
@@ -227,6 +228,7 @@ def test_a_relay_spreads_the_leaders_pulse_over_its_nodes_and_forwards_frames_to
         # Its own address as the leader's: the call ends at once, and the relay's end stays to test.
         relay = Relay("job", "relay:1", "relay:1", security=ClientSecurity(), find_leader=nowhere, window_s=0.01,
                       connect_s=0.0, heartbeat_timeout_s=0.8, progress_s=0.1)
+        relay.start()
         await until(lambda: not relay.accepting, "the relay's call over")
         relay.nodes = {i: RelayedNode(i, f"n{i}") for i in range(1, 1001)}
         nodes = list(relay.nodes.values())
