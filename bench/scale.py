@@ -58,7 +58,6 @@ from muster.coordinator import leader as leader_module
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.relay_link import RelayLink
-from muster.coordinator.server import stream_end
 from muster.coordinator.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
@@ -101,7 +100,7 @@ class Simulation:
             link = None
             if self.relayed:
                 relay = f"relay-{i // relay_nodes:04d}"
-                link = self.links.get(relay) or self.links.setdefault(relay, RelayLink(self.leader, relay, stream_end))
+                link = self.links.get(relay) or self.links.setdefault(relay, RelayLink(self.leader, relay))
                 link.maps = True  # as its first message said
                 self.relay_of[m.node_id] = relay
             self.streams[m.node_id] = self.leader.streams[m.node_id] = NodeStream(

@@ -30,7 +30,10 @@ import structlog
 
 from muster.client import leader_hint
 from muster.coordinator.auth import Tokens
+from muster.coordinator.codes import CLOSE_CODE, error_of
+from muster.coordinator.errors import NotLeader
 from muster.coordinator.relay_fold import Changes, FrameBatch, RelayedNode, placement_of, renumbered
+from muster.coordinator.streams import CLOSE
 from muster.net import Backoff
 from muster.security import ClientSecurity, TlsFiles
 from muster.v1 import muster_pb2 as pb
@@ -163,11 +166,9 @@ class Relay:
             self._pulsing.cancel()
         if self.nodes:
             self.log.info("relay_ended", leader=self.leader, reason=reason, nodes=len(self.nodes), accepted=accepted)
-        end = pb.RelayedDirective(end=pb.StreamEnd(code=grpc.StatusCode.UNAVAILABLE.value[0], leader=self.leader,
-                                                   message=f"the relay's stream to the leader ended: {reason}"[:512]))
         nodes, self.nodes = self.nodes, {}
-        for node in nodes.values():
-            node.queue.put_nowait(end)
+        for node in nodes.values():  # each to the leader: the relay's call to it ended
+            node.queue.put_nowait(NotLeader(self.job, self.leader))
 
     async def _call(self, address: str) -> tuple[bool, str, str]:
         """One Relay call to `address`: (accepted by a leader, why it ended, the leader it named).
@@ -266,29 +267,32 @@ class Relay:
 
     def fan_out(self, down: pb.RelayDown) -> None:
         """What the leader sent down, to the nodes it names (a loss-only map, to each node it does not
-        name, renumbered); its pulse to every node, spread."""
+        name, renumbered); its pulse to every node, spread. A node's queue takes what a direct
+        node's stream does: its directives, and how the stream ends (CLOSE, or an error of the tree)."""
         for item in down.items:
             node = self.nodes.get(item.stream)
             if node is None:
                 continue  # it hung up meanwhile
-            if item.HasField("end"):
+            if not item.HasField("directive"):
                 del self.nodes[item.stream]
-            elif item.directive.HasField("assignment"):
+                node.queue.put_nowait(CLOSE if item.end.code == CLOSE_CODE else error_of(item.end, self.job))
+                continue
+            if item.directive.HasField("assignment"):
                 node.placement = placement_of(item.directive)
-            node.queue.put_nowait(item)
+            node.queue.put_nowait(item.directive)
         if down.HasField("map"):
             own = set(down.map.own)
             for node in self.nodes.values():
                 directive = None if node.stream_id in own else renumbered(node.placement, down.map)
                 if directive is not None:
                     node.placement = placement_of(directive)
-                    node.queue.put_nowait(pb.RelayedDirective(stream=node.stream_id, directive=directive))
+                    node.queue.put_nowait(directive)
         if down.HasField("pulse"):
             if self._pulsing is not None:
                 self._pulsing.cancel()  # superseded
-            self._pulsing = asyncio.create_task(self._pulse(pb.RelayedDirective(directive=down.pulse)))
+            self._pulsing = asyncio.create_task(self._pulse(down.pulse))
 
-    async def _pulse(self, pulse: pb.RelayedDirective) -> None:
+    async def _pulse(self, pulse: pb.Directive) -> None:
         """The leader's pulse to every node of this relay, a slice at a time over `pulse_spread_s`:
         all at once, 6,250 nodes' pulses held the relay's loop for a quarter of a second, and every
         frame and directive behind them."""

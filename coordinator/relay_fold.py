@@ -128,7 +128,8 @@ def slowest_step(frame: pb.NodeFrame) -> int | None:
 
 @dataclass(eq=False)
 class RelayedNode:
-    """A node stream this replica relays: its directives (RelayedDirective) arrive on `queue`."""
+    """A node stream this replica relays: what a direct node's stream queues arrives on `queue` (its
+    directives, then CLOSE or the error its stream ends with)."""
 
     stream_id: int
     node_id: str

@@ -8,10 +8,10 @@ and its unread replies (PENDING_MESSAGES).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Protocol
 
 from muster.coordinator import wire
+from muster.coordinator.codes import stream_end
 from muster.coordinator.core.live_records import Vouch
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.coordinator.quotas import refusals
@@ -57,10 +57,8 @@ class RelayLink:
     it did not open, and open none without the node's secret (checked by `attach`). What a call costs
     is bounded: MAX_ITEMS of each kind a message, and its unread replies (`overflowed`)."""
 
-    def __init__(self, leader: RelayTarget, relay: str, stream_end: Callable[[object], pb.StreamEnd]):
-        """`stream_end`: an error of the tree (or CLOSE) as the wire carries it (the server's table)."""
+    def __init__(self, leader: RelayTarget, relay: str):
         self.leader = leader
-        self._stream_end = stream_end
         self.job = leader.job
         self.relay = relay[:256]
         self.streams: dict[int, NodeStream] = {}  # by the relay's number
@@ -83,7 +81,7 @@ class RelayLink:
         if isinstance(item, pb.Directive):
             self.out.append(pb.RelayedDirective(stream=stream, directive=item))
         else:
-            self.out.append(pb.RelayedDirective(stream=stream, end=self._stream_end(item)))
+            self.out.append(pb.RelayedDirective(stream=stream, end=stream_end(item)))
         self.ready.set()
 
     def push_map(self, relayed_map: pb.RelayedMap) -> None:

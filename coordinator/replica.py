@@ -31,6 +31,7 @@ from muster.coordinator.errors import NotLeader, StoreUnavailable
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
+from muster.coordinator.ports import LeaderPort, RelayPort, SessionPort
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
 from muster.coordinator.sessions import rejoin_of
@@ -289,7 +290,16 @@ class Replica:
             relay.start()
         return relay
 
-    async def session_leader(self, first: pb.NodeFrame) -> JobLeader:
+    async def open_session(self, first: pb.NodeFrame) -> SessionPort:
+        """A node's Session stream, by its first frame: to the job's leader on this replica, or to
+        the relay of a job led elsewhere (`relay_for`)."""
+        try:
+            leader = await self._session_leader(first)
+        except NotLeader as exc:
+            return RelayPort(self.relay_for(first, exc), first)
+        return LeaderPort(leader, first)
+
+    async def _session_leader(self, first: pb.NodeFrame) -> JobLeader:
         """The leader for a Session stream. A node of a job this replica never heard of (etcd lost
         the job, and this replica started since) says on its first frame who it is: the job is
         created from that as its Join did and its election awaited, so that the node is taken
