@@ -16,7 +16,7 @@ from muster.coordinator.core.live_records import Vouch
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.coordinator.quotas import refusals
 from muster.coordinator.relay_fold import MAX_ITEMS
-from muster.coordinator.streams import NodeStream
+from muster.coordinator.streams import NodeStream, RelayedBy
 from muster.v1 import muster_pb2 as pb
 
 # Replies a Relay call may leave unread: a new map's directive to each of its streams, twice over,
@@ -29,7 +29,7 @@ class RelayTarget(Protocol):
 
     job: str
 
-    def attach(self, first: pb.NodeFrame, *, link=None, stream_id: int = 0) -> NodeStream: ...
+    def attach(self, first: pb.NodeFrame, *, link: RelayedBy | None = None, stream_id: int = 0) -> NodeStream: ...
 
     def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None: ...
 

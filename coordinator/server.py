@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
@@ -74,7 +74,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.idle = IdleStreams(limits.idle_streams)
         self.relay_calls = RelayCalls(limits.relay_calls)
 
-    def admit(self, context, request, *, relay: bool = False) -> None:
+    def admit(self, context: grpc.aio.ServicerContext, request: Message | errors.MusterError, *,
+              relay: bool = False) -> None:
         """Refuse a request that did not decode, or whose job is no job name (checked before the
         token, whose refusal quotes the name); then the caller's token must cover the job (a relay's
         covers every job: `relay_role`)."""
@@ -150,7 +151,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._operator(context)
         return await self.replica.delete_runs(request.job, request.run)
 
-    async def Session(self, request_iterator, context):
+    async def Session(self, request_iterator: AsyncIterator[pb.NodeFrame | errors.MusterError],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Directive]:
         """A node's stream: its frames into the port its first frame opens (`Replica.open_session`: the
         job's leader here, or the relay to it), the port's directives back out."""
         port = reader = None
@@ -172,7 +174,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if port:
                 port.close()
 
-    async def Relay(self, request_iterator, context):
+    async def Relay(self, request_iterator: AsyncIterator[pb.RelayUp | errors.MusterError],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RelayDown]:
         """The leader's end of a relay's stream (see `muster.coordinator.relay_link`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
         link = reader = lost = host = named = None
@@ -250,7 +253,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise _unread(link)
 
     @classmethod
-    async def _read_relay(cls, link: RelayLink, request_iterator: AsyncIterator,
+    async def _read_relay(cls, link: RelayLink, request_iterator: AsyncIterator[pb.RelayUp | errors.MusterError],
                           budget: FrameBudget) -> errors.MusterError | None:
         """Feed the link; the call ends when the relay stops writing (or with the refusal returned).
         A refused call's streams go at once: one that reads no reply holds its last write forever
