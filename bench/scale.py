@@ -12,7 +12,7 @@ part of the new map. Writes go to the in-memory store (encoded in a thread, as o
     python bench/scale.py --ranks 16000 --rate 2
 
 Relayed (`--relayed`): the nodes stream through relays of `--relay-nodes` nodes each, and the leader
-sees what relays send (`relay.Changes`) on their `RelayLink`s: every node's first frame, then one
+sees what relays send (`relay_fold.Changes`) on their `RelayLink`s: every node's first frame, then one
 `RelaySummary` per relay and `--relay-progress` (at the relay's phase) standing for every node's
 progress, and the victim's silence as its relay reports it: at the relay's first look past the
 heartbeat timeout (it looks every eighth of it), plus one batch window. Its directives are wrapped
@@ -57,8 +57,7 @@ from muster.coordinator.coordination import LeaderKey
 from muster.coordinator import leader as leader_module
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
-from muster.coordinator.relay import RelayLink
-from muster.coordinator.server import stream_end
+from muster.coordinator.relay_link import RelayLink
 from muster.coordinator.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
@@ -101,7 +100,7 @@ class Simulation:
             link = None
             if self.relayed:
                 relay = f"relay-{i // relay_nodes:04d}"
-                link = self.links.get(relay) or self.links.setdefault(relay, RelayLink(self.leader, relay, stream_end))
+                link = self.links.get(relay) or self.links.setdefault(relay, RelayLink(self.leader, relay))
                 link.maps = True  # as its first message said
                 self.relay_of[m.node_id] = relay
             self.streams[m.node_id] = self.leader.streams[m.node_id] = NodeStream(

@@ -1,5 +1,5 @@
 """The coordinator's error tree. Raised by the core and the edges; mapped to gRPC status
-codes in one table (`muster.coordinator.server.STATUS_OF`). Below it, the job store's write
+codes in one table (`muster.coordinator.codes.STATUS_OF`). Below it, the job store's write
 errors, which a leader acts on and never reports."""
 
 

@@ -35,7 +35,7 @@ from muster.coordinator.run_end import RunEnd
 from muster.coordinator.sessions import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
                                          rejoin_of, secret_hash)
 from muster.coordinator.straggler_duty import StragglerDuty
-from muster.coordinator.streams import NodeStream, Streams
+from muster.coordinator.streams import NodeStream, RelayedBy, Streams
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -327,7 +327,7 @@ class JobLeader:
 
     # ---- node streams ----------------------------------------------------------------
 
-    def attach(self, first: pb.NodeFrame, *, link=None, stream_id: int = 0) -> NodeStream:
+    def attach(self, first: pb.NodeFrame, *, link: RelayedBy | None = None, stream_id: int = 0) -> NodeStream:
         """Bind a Session stream to its node; the node gets its current assignment at once. While
         a lost state is rebuilt, a node that is no member but says who it was is taken back.
         A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
@@ -357,7 +357,7 @@ class JobLeader:
         return keys is not None and keys.verify(first.session_secret, self.job, self.state.run, first.node_id,
                                                 first.member_id) is not None
 
-    def _take_back(self, first: pb.NodeFrame, link, stream_id: int) -> NodeStream:
+    def _take_back(self, first: pb.NodeFrame, link: RelayedBy | None, stream_id: int) -> NodeStream:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
         rejoin = rejoin_of(first, self.state.run, self.member_keys(), int(self._wall() * 1000))
         stream = NodeStream(self.job, first.node_id, first.member_id, rejoin.kind, pending=True,

@@ -9,12 +9,16 @@ import asyncio
 import math
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import structlog
 
 from muster.coordinator import errors
 
 log = structlog.get_logger(__name__)
+
+M = TypeVar("M")  # a stream's message
 
 
 class FrameBudget:
@@ -57,7 +61,7 @@ class IdleStreams:
         self.limit = limit
         self.waiting: Counter[str] = Counter()
 
-    async def first(self, request_iterator, tenant: str, timeout_s: float, missing: str):
+    async def first(self, request_iterator: AsyncIterator[M], tenant: str, timeout_s: float, missing: str) -> M:
         if self.waiting[tenant] >= self.limit:
             raise errors.Unavailable(f"{self.limit} calls of the {tenant} have sent no first message yet "
                                      f"(--max-idle-streams); retry later")

@@ -12,10 +12,8 @@ the job is campaigned for again after a backoff.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import structlog
@@ -27,10 +25,12 @@ from muster.coordinator.coordination import Coordination, LeaderKey
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
 from muster.coordinator.core.stragglers import StragglerPolicy
+from muster.coordinator.election_waits import ElectionWaits
 from muster.coordinator.errors import NotLeader, StoreUnavailable
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
+from muster.coordinator.ports import LeaderPort, RelayPort, SessionPort
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
 from muster.coordinator.sessions import rejoin_of
@@ -40,9 +40,6 @@ from muster.v1 import muster_pb2 as pb
 log = structlog.get_logger(__name__)
 
 LEADER_LOOKUP_S = 0.5  # a NotLeader hint is worth this much wait, no more
-# A Join waiting on a new job's election re-reads etcd this often without an event (a watch lost
-# with etcd's stream says so, but one never made, with etcd unreachable, does not).
-ELECTION_RECHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -77,8 +74,7 @@ class Replica:
         self.coordination = coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
-        self._electing: dict[str, set[asyncio.Event]] = {}  # job -> the Joins waiting on its election
-        self._election_watches: dict[str, Callable[[], None]] = {}  # job -> cancel() of their shared watch
+        self.elections = ElectionWaits(coordination, self.leaders, self._leader_address, config.leader_wait_s)
         self.campaigns = Campaigns(coordination, session_ttl_s=config.session_ttl_s,
                                    renew_deadline_s=config.renew_deadline_s, balance_delay_s=config.balance_delay_s,
                                    jobs=self.jobs, leaders=self.leaders, won=self._lead,
@@ -164,8 +160,7 @@ class Replica:
             self._leadership_lost(job, f"could not lead: {exc!r}")
             return
         self.leaders[job] = leader
-        for waiter in self._electing.get(job, ()):
-            waiter.set()  # the Joins waiting on this job's election
+        self.elections.won(job)  # the Joins waiting on its election go on
         leader.start()
         following = asyncio.ensure_future(self._follow(leader))
         self._following.add(following)
@@ -286,9 +281,19 @@ class Replica:
                 connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,
                 heartbeat_timeout_s=self.config.timing.heartbeat_timeout_s,
                 progress_s=self.config.timing.relay_progress_s)
+            relay.start()
         return relay
 
-    async def session_leader(self, first: pb.NodeFrame) -> JobLeader:
+    async def open_session(self, first: pb.NodeFrame) -> SessionPort:
+        """A node's Session stream, by its first frame: to the job's leader on this replica, or to
+        the relay of a job led elsewhere (`relay_for`)."""
+        try:
+            leader = await self._session_leader(first)
+        except NotLeader as exc:
+            return RelayPort(self.relay_for(first, exc), first)
+        return LeaderPort(leader, first)
+
+    async def _session_leader(self, first: pb.NodeFrame) -> JobLeader:
         """The leader for a Session stream. A node of a job this replica never heard of (etcd lost
         the job, and this replica started since) says on its first frame who it is: the job is
         created from that as its Join did and its election awaited, so that the node is taken
@@ -298,7 +303,7 @@ class Replica:
             wire.check_rejoin(first)
             rejoin_of(first, first.run, self.member_keys(), int(time.time() * 1000))  # no job for a forged claim
             await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
-            await self._await_election(first.job)
+            await self.elections.wait(first.job)
         leader = await self.leader_for(first.job)
         if first.run and first.run != leader.state.run:  # a node of a run that ended: how it ended
             raise await self.runs.unknown(first.job, first.run)
@@ -310,7 +315,7 @@ class Replica:
         if req.job not in self.leaders:
             if req.job not in self.jobs:
                 await self._create_job(req.job, requested)
-            await self._await_election(req.job)
+            await self.elections.wait(req.job)
         leader = await self.leader_for(req.job)
         response = await leader.join(req, requested)
         response.relay = self.relayed(leader)
@@ -325,47 +330,6 @@ class Replica:
     async def _create_job(self, job: str, requested: JobSpec) -> None:
         await self.runs.admit(job, requested)
         self._discovered(job)
-
-    async def _await_election(self, job: str) -> None:
-        """A new job's election takes a moment: wait for it rather than bounce the caller. Woken
-        when this replica leads it or the job's candidates change in etcd (another replica won):
-        the Joins waiting on one job share one watch."""
-        deadline = self._loop.time() + self.config.leader_wait_s
-        changed = asyncio.Event()
-        waiters = self._electing.setdefault(job, set())
-        waiters.add(changed)
-        try:
-            if len(waiters) == 1:
-                await self._watch_election(job, waiters)
-            while job not in self.leaders and (left := deadline - self._loop.time()) > 0:
-                changed.clear()
-                address = await self._leader_address(job)
-                if address:
-                    raise NotLeader(job, address)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), min(left, ELECTION_RECHECK_S))
-        finally:
-            waiters.discard(changed)
-            if not waiters and self._electing.get(job) is waiters:
-                del self._electing[job]
-                cancel = self._election_watches.pop(job, None)
-                if cancel is not None:
-                    await asyncio.to_thread(cancel)
-
-    async def _watch_election(self, job: str, waiters: set[asyncio.Event]) -> None:
-        """The watch that wakes `waiters` (the Joins waiting on `job`'s election), kept while any waits."""
-        def wake() -> None:
-            for waiter in list(waiters):
-                waiter.set()
-        try:
-            cancel = await asyncio.to_thread(self.coordination.watch_elections, job,
-                                             lambda: self._loop.call_soon_threadsafe(wake))
-        except StoreUnavailable:
-            return  # etcd unreachable: the election cannot end either; the waiters re-read at ELECTION_RECHECK_S
-        if self._electing.get(job) is waiters:
-            self._election_watches[job] = cancel
-        else:  # every waiter left meanwhile
-            await asyncio.to_thread(cancel)
 
     async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page(),
                      run: int = 0) -> pb.StatusResponse:

@@ -1,4 +1,4 @@
-"""The gRPC edge: a thin servicer over the Replica and the one table from errors to status codes.
+"""The gRPC edge: a thin servicer over the Replica, its refusals coded by `codes.STATUS_OF`.
 
 `create_server` binds (port 0 in tests) and returns (server, port). Standbys answer job
 traffic with UNAVAILABLE plus trailing metadata `muster-leader: HOST:PORT`. Every refusal is one
@@ -9,45 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
+from muster.coordinator.codes import MAX_MESSAGE_CHARS, STATUS_OF
+from muster.coordinator.ports import feed_each
 from muster.coordinator.quotas import FrameBudget, IdleStreams, RelayCalls, refusals, tenant_of
-from muster.coordinator.relay import MAX_ITEMS, RelayedNode, RelayLink, check_size
+from muster.coordinator.relay_fold import MAX_ITEMS
+from muster.coordinator.relay_link import RelayLink, check_size
 from muster.coordinator.replica import Replica
-from muster.coordinator.streams import CLOSE
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
-MAX_MESSAGE_CHARS = 512  # of a refusal, as sent and logged: it may quote what a caller sent
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 # (client streaming, server streaming) -> handler; a method of another kind fails at startup.
 HANDLER_OF = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-STATUS_OF: dict[type[errors.MusterError], grpc.StatusCode] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.RunEnded: grpc.StatusCode.NOT_FOUND,
-    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.NotLeader: grpc.StatusCode.UNAVAILABLE,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -86,7 +74,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.idle = IdleStreams(limits.idle_streams)
         self.relay_calls = RelayCalls(limits.relay_calls)
 
-    def admit(self, context, request, *, relay: bool = False) -> None:
+    def admit(self, context: grpc.aio.ServicerContext, request: Message | errors.MusterError, *,
+              relay: bool = False) -> None:
         """Refuse a request that did not decode, or whose job is no job name (checked before the
         token, whose refusal quotes the name); then the caller's token must cover the job (a relay's
         covers every job: `relay_role`)."""
@@ -162,76 +151,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._operator(context)
         return await self.replica.delete_runs(request.job, request.run)
 
-    async def Session(self, request_iterator, context):
-        stream = leader = reader = None
+    async def Session(self, request_iterator: AsyncIterator[pb.NodeFrame | errors.MusterError],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Directive]:
+        """A node's stream: its frames into the port its first frame opens (`Replica.open_session`: the
+        job's leader here, or the relay to it), the port's directives back out."""
+        port = reader = None
         try:
             first = await self.idle.first(request_iterator, self.tenant(context), self._first_within_s,
                                           "a session starts with a frame naming its job and node")
             self.admit(context, first)
+            port = await self.replica.open_session(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
-            try:
-                leader = await self.replica.session_leader(first)
-            except errors.NotLeader as exc:
-                relay = self.replica.relay_for(first, exc)  # raises `exc` where this replica relays nothing
-                async for directive in self._relayed(relay, first, request_iterator, budget):
-                    yield directive
-                return
-            stream = leader.attach(first)
-            reader = asyncio.create_task(self._read(leader, stream, request_iterator, budget))
-            while True:
-                item = await stream.queue.get()
-                if item is CLOSE:
-                    return
-                if isinstance(item, errors.MusterError):
-                    raise item
-                yield item
+            reader = asyncio.create_task(port.feed(request_iterator, budget))
+            async for directive in port.directives():
+                yield directive
         except errors.MusterError as exc:
             refusals.refused("session_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
             if reader:
                 reader.cancel()
-            if stream:
-                leader.detach(stream)
+            if port:
+                port.close()
 
-    async def _relayed(self, relay: Relay, first, request_iterator, budget: FrameBudget):
-        """A node stream this replica relays: frames into the relay's batch, directives back out."""
-        node = relay.open(first)
-        reader = asyncio.create_task(self._read_relayed(relay, node, request_iterator, budget))
-        try:
-            while True:
-                item = await node.queue.get()
-                if item is CLOSE:
-                    return
-                if isinstance(item, errors.MusterError):
-                    raise item
-                if item.HasField("directive"):
-                    yield item.directive
-                elif item.end.code == CLOSE_CODE:
-                    return
-                else:
-                    raise error_of(item.end, first.job)
-        finally:
-            reader.cancel()
-            relay.hang_up(node)
-
-    @staticmethod
-    async def _read_relayed(relay: Relay, node: RelayedNode, request_iterator, budget: FrameBudget) -> None:
-        try:
-            async for frame in request_iterator:
-                budget.spend()
-                if isinstance(frame, errors.MusterError):
-                    raise frame
-                relay.frame(node, frame)
-        except errors.MusterError as exc:
-            node.queue.put_nowait(exc)
-            return
-        except (asyncio.CancelledError, grpc.RpcError):
-            pass
-        node.queue.put_nowait(CLOSE)
-
-    async def Relay(self, request_iterator, context):
-        """The leader's end of a relay's stream (see `muster.coordinator.relay`). A replica's call
+    async def Relay(self, request_iterator: AsyncIterator[pb.RelayUp | errors.MusterError],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RelayDown]:
+        """The leader's end of a relay's stream (see `muster.coordinator.relay_link`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
         link = reader = lost = host = named = None
         try:
@@ -247,7 +192,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                                 f"{self.replica.config.relay_min_nodes} nodes): its nodes stream to "
                                                 f"the leader")
             named = self.relay_calls.name(host, first.job)
-            link = RelayLink(leader, first.relay, stream_end)
+            link = RelayLink(leader, first.relay)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s, floor=MAX_ITEMS)
             self._receive(link, first, budget)
             log.info("relay_attached", job=first.job, relay=link.relay)
@@ -308,68 +253,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise _unread(link)
 
     @classmethod
-    async def _read_relay(cls, link: RelayLink, request_iterator, budget: FrameBudget) -> errors.MusterError | None:
+    async def _read_relay(cls, link: RelayLink, request_iterator: AsyncIterator[pb.RelayUp | errors.MusterError],
+                          budget: FrameBudget) -> errors.MusterError | None:
         """Feed the link; the call ends when the relay stops writing (or with the refusal returned).
         A refused call's streams go at once: one that reads no reply holds its last write forever
         (grpc cannot end a call with a write pending), but nothing more of it is read or kept."""
         try:
-            async for up in request_iterator:
-                if isinstance(up, errors.MusterError):
-                    raise up
-                cls._receive(link, up, budget)
-        except errors.MusterError as exc:
-            link.close()
-            return exc
-        except grpc.RpcError:
-            pass
+            refusal = await feed_each(request_iterator, None, lambda up: cls._receive(link, up, budget))
+            if refusal is not None:
+                link.close()
+            return refusal
         finally:
             link.ready.set()
-        return None
-
-    @staticmethod
-    async def _read(leader, stream, request_iterator, budget: FrameBudget) -> None:
-        try:
-            async for frame in request_iterator:
-                budget.spend()
-                if isinstance(frame, errors.MusterError):  # it did not decode: the stream ends with it
-                    raise frame
-                leader.on_frame(stream, frame)
-        except errors.MusterError as exc:
-            stream.send(exc)
-            return
-        except (asyncio.CancelledError, grpc.RpcError):
-            pass
-        stream.send(CLOSE)
 
 
 def _unread(link: RelayLink) -> errors.ResourceExhausted:
     return errors.ResourceExhausted(f"this Relay call left {len(link.out)} replies unread; it is closed")
 
 
-ERROR_OF = {code.value[0]: kind for kind, code in STATUS_OF.items() if kind is not errors.NotLeader}
-CLOSE_CODE = 0  # StreamEnd.code of a relayed stream that ends normally (the leader's CLOSE)
-
-
-def stream_end(item) -> pb.StreamEnd:
-    """How a relayed stream ends, as the leader sends it to the relay: an error of the tree with its
-    status code, or CLOSE. `error_of` reads it back at the relay."""
-    if not isinstance(item, errors.MusterError):
-        return pb.StreamEnd(code=CLOSE_CODE)
-    return pb.StreamEnd(code=STATUS_OF[type(item)].value[0], message=str(item)[:MAX_MESSAGE_CHARS],
-                        leader=getattr(item, "leader", ""))
-
-
-def error_of(end: pb.StreamEnd, job: str) -> errors.MusterError:
-    """A relayed stream's end (the `stream_end` table above, which RelayLink encodes it with) as the error the relay ends the node's stream with."""
-    if end.code == grpc.StatusCode.UNAVAILABLE.value[0]:
-        return errors.NotLeader(job, end.leader)
-    return ERROR_OF.get(end.code, errors.Unavailable)(end.message)
-
-
 def _decoder(message_type):
     """Parse a request of `message_type`, or return the refusal for bytes that are none (a string
     field that is not UTF-8, a truncated field): grpc.aio answers a deserializer that raises with
-    UNKNOWN, so the servicer raises the refusal instead (`admit`, `_read`)."""
+    UNKNOWN, so the servicer raises the refusal instead (`admit`, `ports.feed_each`)."""
     name = message_type.DESCRIPTOR.full_name
 
     def decode(data: bytes):

@@ -23,7 +23,7 @@ FAN_OUT_SLICE = 1_000  # directives sent between yields to the loop
 
 
 class RelayedBy(Protocol):
-    """What a node's stream needs of the relay carrying it (`relay.RelayLink`): its directives go
+    """What a node's stream needs of the relay carrying it (`relay_link.RelayLink`): its directives go
     into the relay's batch under the relay's number for the stream, and one pulse per relay; its
     summaries' word for the progress of the nodes it carries."""
 

@@ -18,10 +18,11 @@ from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator import wire
-from muster.coordinator.relay import (MAX_ITEMS, PENDING_MESSAGES, PULSE_SLICE, Relay, RelayedNode, RelayLink, placement_of,
-                                      renumbered)
+from muster.coordinator.relay import PULSE_SLICE, Relay
+from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode, placement_of, renumbered
+from muster.coordinator.relay_link import PENDING_MESSAGES, RelayLink
 from muster.coordinator.quotas import FrameBudget
-from muster.coordinator.server import CoordinatorServicer, stream_end
+from muster.coordinator.server import CoordinatorServicer
 from muster.coordinator.streams import NodeStream, Pulses
 from muster.coordinator.memory import MemoryJobStore
 from muster.security import ClientSecurity
@@ -64,7 +65,7 @@ def first(joined: pb.JoinResponse, secret: bytes | None = None) -> pb.NodeFrame:
 def both_relayed(leader: JobLeader, joined: dict[str, pb.JoinResponse], *, maps: bool = False) -> RelayLink:
     """A relay call carrying both nodes, p1 as stream 1 and p2 as stream 2 (`maps`: its first
     message says it builds loss-only maps)."""
-    link = RelayLink(leader, "relay:1", stream_end)
+    link = RelayLink(leader, "relay:1")
     link.receive(pb.RelayUp(job="job", relay="relay:1", maps=maps, frames=[
         pb.RelayedFrame(stream=1, frame=first(joined["p1"])), pb.RelayedFrame(stream=2, frame=first(joined["p2"]))]))
     return link
@@ -79,7 +80,7 @@ def relayed(stream: int, frame: pb.NodeFrame) -> pb.RelayUp:
 def test_relayed_streams_attach_by_secret_and_forged_facts_do_nothing():
     async def scenario():
         leader, joined = await led_job()
-        link = RelayLink(leader, "relay:1", stream_end)
+        link = RelayLink(leader, "relay:1")
         link.receive(relayed(1, first(joined["p1"])))
         assert leader.streams["p1"].link is link and leader.streams["p1"].stream_id == 1
         (item,) = link.take().items
@@ -111,7 +112,7 @@ def test_a_lost_relay_is_a_stream_loss_but_a_relayed_hang_up_is_a_process_exit()
         await tallies(leader)
         assert leader.state.generation == 1 and len(leader.state.members) == 2
 
-        again = RelayLink(leader, "relay:2", stream_end)
+        again = RelayLink(leader, "relay:2")
         again.receive(relayed(1, first(joined["p1"])))
         again.receive(pb.RelayUp(job="job", relay="relay:2", ended=[1]))  # p1's own stream ended at the relay
         await until(lambda: leader.state.member("p1") is None, "p1 lost as its process exited")
@@ -127,7 +128,7 @@ def test_a_relay_gets_the_leaders_pulse_once_after_its_directives_and_a_direct_s
         leader, joined = await led_job(clock)
         direct = leader.attach(pb.NodeFrame(job="job", node_id="p2", member_id=joined["p2"].member_id,
                                             term=joined["p2"].term, session_secret=joined["p2"].session_secret))
-        link = RelayLink(leader, "relay:1", stream_end)
+        link = RelayLink(leader, "relay:1")
         link.receive(relayed(1, first(joined["p1"])))
         assert not direct.queue.empty() and link.out  # each node's current assignment
         while not direct.queue.empty():
@@ -176,7 +177,7 @@ def test_a_frame_in_flight_on_a_superseded_stream_does_not_bring_back_the_leader
         frame = pb.NodeFrame(job="job", node_id="p1", member_id=p1.member_id, term=p1.term,
                              session_secret=p1.session_secret, generation=1)
         direct = leader.attach(frame)
-        link = RelayLink(leader, "relay:1", stream_end)
+        link = RelayLink(leader, "relay:1")
         link.receive(relayed(1, first(p1)))  # the node's newer session, through a relay
         assert leader.streams["p1"].link is link
         leader.on_frame(direct, frame)  # still in flight on the old stream
@@ -203,7 +204,7 @@ def test_a_stale_first_frame_a_relay_still_held_does_not_displace_the_nodes_newe
                                 session_secret=p1.session_secret, via_relay=via_relay, stream_seq=seq)
 
         direct = leader.attach(opening(2, via_relay=False))
-        link = RelayLink(leader, "relay:1", stream_end)
+        link = RelayLink(leader, "relay:1")
         link.receive(pb.RelayUp(job="job", relay="relay:1", frames=[pb.RelayedFrame(stream=1, frame=opening(1, True))],
                                 ended=[1]))
         (item,) = link.take().items
@@ -227,6 +228,7 @@ def test_a_relay_spreads_the_leaders_pulse_over_its_nodes_and_forwards_frames_to
         # Its own address as the leader's: the call ends at once, and the relay's end stays to test.
         relay = Relay("job", "relay:1", "relay:1", security=ClientSecurity(), find_leader=nowhere, window_s=0.01,
                       connect_s=0.0, heartbeat_timeout_s=0.8, progress_s=0.1)
+        relay.start()
         await until(lambda: not relay.accepting, "the relay's call over")
         relay.nodes = {i: RelayedNode(i, f"n{i}") for i in range(1, 1001)}
         nodes = list(relay.nodes.values())
@@ -237,7 +239,7 @@ def test_a_relay_spreads_the_leaders_pulse_over_its_nodes_and_forwards_frames_to
         # The last slice reached node 999 in the same pass that passed over node 1000:
         await until(lambda: nodes[998].queue.qsize(), "the last slice sent")
         assert [n.queue.qsize() for n in nodes] == [1] * 999 + [0]
-        assert nodes[0].queue.get_nowait().directive.term == 1
+        assert nodes[0].queue.get_nowait().term == 1
         # What a relay forwards is read in full: the leader does not see every frame of the node,
         # so a steps_only frame may not refer to the frame the leader saw last.
         forwarded = pb.NodeFrame(job="job", node_id="n1", steps_only=True)
@@ -292,7 +294,7 @@ def test_a_flood_of_fresh_stream_numbers_is_budgeted_and_cut_off_after_a_message
     nothing gets one message's worth ahead of its streams."""
     async def scenario():
         leader, _ = await led_job()
-        link = RelayLink(leader, "flood", stream_end)
+        link = RelayLink(leader, "flood")
         attaches = []
         attach = leader.attach
         leader.attach = lambda *a, **k: attaches.append(1) or attach(*a, **k)
@@ -317,7 +319,7 @@ TIMING_RATE = 50.0  # --max-frames-per-second's default
 def test_a_relay_message_of_more_than_max_items_is_refused_before_any_is_looked_at():
     async def scenario():
         leader, _ = await led_job()
-        link = RelayLink(leader, "flood", stream_end)
+        link = RelayLink(leader, "flood")
         budget = FrameBudget(TIMING_RATE, floor=10 * MAX_ITEMS)
         for up in (fresh_numbers(1, MAX_ITEMS + 1), pb.RelayUp(job="job", ended=range(1, MAX_ITEMS + 2)),
                    pb.RelayUp(job="job", silent=[pb.SilentStream(stream=n) for n in range(1, MAX_ITEMS + 2)])):
@@ -332,7 +334,7 @@ def test_a_relay_message_of_more_than_max_items_is_refused_before_any_is_looked_
 def test_replies_a_relay_leaves_unread_are_bounded_and_end_its_call():
     async def scenario():
         leader, joined = await led_job()
-        link = RelayLink(leader, "slow", stream_end)
+        link = RelayLink(leader, "slow")
         link.receive(relayed(1, first(joined["p1"])))
         for start in range(2, 2 + (PENDING_MESSAGES + 1) * MAX_ITEMS, MAX_ITEMS):
             link.receive(fresh_numbers(start, MAX_ITEMS))  # refusals, never taken
@@ -347,7 +349,7 @@ def test_a_relay_message_quotes_what_it_was_sent_in_a_bounded_message():
     """Security review 3, F6: a job name of a million characters was echoed whole."""
     async def scenario():
         leader, _ = await led_job()
-        link = RelayLink(leader, "r" * 10**6, stream_end)
+        link = RelayLink(leader, "r" * 10**6)
         with pytest.raises(InvalidArgument) as refused:
             link.receive(pb.RelayUp(job="x" * 10**6))
         assert len(str(refused.value)) < 200 and "1000000 chars" in str(refused.value)
