@@ -289,8 +289,8 @@ class JobLeader:
         # kept by the state only as a hash, never logged.
         secret = secrets.token_bytes(RANDOM_BYTES)
         kind = wire.node_kind(req.is_process)
-        member = await self._inbox.put(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
-                                            secret_hash(secret), requested), want_result=True)
+        member = await self._inbox.ask(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
+                                            secret_hash(secret), requested))
         keys = self.member_keys()
         if keys is not None:  # what proves the member if etcd loses the job
             secret = keys.sign(secret, self.job, self.state.run, member.node_id, member.member_id,
@@ -303,14 +303,13 @@ class JobLeader:
     async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
         authenticate(member_of(self.state, req.node_id, req.member_id), req.session_secret)
         self.streams.depart(req.node_id)
-        fut = self._inbox.put(Leave(req.node_id, req.immediate, req.reason or "requested", req.finished),
-                              want_result=True)
-        generation, switch_at = await fut
+        generation, switch_at = await self._inbox.ask(Leave(req.node_id, req.immediate, req.reason or "requested",
+                                                            req.finished))
         return pb.LeaveResponse(generation=generation, switch_at_step=switch_at)
 
     async def stop_job(self, reason: str) -> pb.StopResponse:
         """An operator's stop: the run ends `stopped` now, every node drains at one step."""
-        after_step = await self._inbox.put(Stop(reason), want_result=True)
+        after_step = await self._inbox.ask(Stop(reason))
         return pb.StopResponse(run=self.state.run, after_step=after_step)
 
     async def drain_node(self, node_id: str, reason: str) -> pb.DrainResponse:
@@ -320,7 +319,7 @@ class JobLeader:
             raise NotFound(f"node {node_id!r} is not a member of job {self.job!r}")
         placed = self.state.rank_map is not None and self.state.rank_map.placement(node_id) is not None
         stream = self.streams.depart(node_id)
-        generation, switch_at = await self._inbox.put(Leave(node_id, False, reason), want_result=True)
+        generation, switch_at = await self._inbox.ask(Leave(node_id, False, reason))
         if stream and not placed:  # a spare or a waiting node: the decision sent it no drain
             stream.send(pb.Directive(term=self.term, generation=generation, drain=pb.Drain(reason=reason)))
         return pb.DrainResponse(generation=generation, after_step=switch_at if placed else 0)
@@ -362,7 +361,7 @@ class JobLeader:
         rejoin = rejoin_of(first, self.state.run, self.member_keys(), int(self._wall() * 1000))
         stream = NodeStream(self.job, first.node_id, first.member_id, rejoin.kind, pending=True,
                             term_ahead=first.term, link=link, stream_id=stream_id, seq=first.stream_seq)
-        fut = self._inbox.put(rejoin, want_result=True)
+        fut = self._inbox.ask(rejoin)
         fut.add_done_callback(lambda decided: self._taken_back(stream, decided, first.generation))
         return stream
 
