@@ -19,10 +19,11 @@ from muster.coordinator.core.state import JobState, NodeKind
 
 @dataclass(eq=False)  # not frozen: made every tick, and a frozen one costs 5x to make (0.8 µs)
 class Assessment:
-    """One tally's findings, read and never changed. The failures, divergence, grace, re-forming and recovery are found at
-    once (`Liveness.assess`); the figures that cost a pass over the map's nodes or a sort are worked
-    out when first read, which a tally does only when it has something to decide, from liveness's
-    records as they stand in that tally (no frame is recorded between its assessment and its decision)."""
+    """One tally's findings, read and never changed. The failures, divergence, grace, re-forming
+    and recovery are found at once (`Liveness.assess`); the figures that cost a pass over the map's
+    nodes or a sort are worked out when first read, which a tally does only when it has something
+    to decide, from liveness's records as they stand in that tally (no frame is recorded between
+    its assessment and its decision)."""
 
     state: JobState
     now: float
