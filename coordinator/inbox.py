@@ -1,12 +1,13 @@
 """What waits for a leader's next tally: membership events, each with the future of the request
 that asked for it (None where nobody waits). Requests and frames put; the tally takes them all,
-and its decision settles each request."""
+and its decision settles each request by its ticket."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
-from muster.coordinator.core.machine import Decision, Join, Leave, MembershipEvent, Rejoin, Stop
+from muster.coordinator.core.machine import Decision, Join, Leave, MembershipEvent, Rejoin, Request, Stop
 from muster.coordinator.errors import MusterError
 
 Queued = tuple[MembershipEvent, asyncio.Future | None]
@@ -16,11 +17,18 @@ class Inbox:
     def __init__(self):
         self._queued: list[Queued] = []
         self._wake = asyncio.Event()
+        self._tickets = 0  # the last ticket given: a request's number, unique for this leader
 
-    def put(self, event: MembershipEvent, want_result: bool = False) -> asyncio.Future | None:
-        """Queue `event` and wake the tally; with `want_result`, the future its decision settles."""
-        fut = asyncio.get_running_loop().create_future() if want_result else None
-        self._queued.append((event, fut))
+    def put(self, event: MembershipEvent) -> None:
+        """Queue `event`, which nobody waits on, and wake the tally."""
+        self._queued.append((event, None))
+        self._wake.set()
+
+    def ask(self, request: Request) -> asyncio.Future:
+        """Queue `request` under a new ticket and wake the tally; the future its decision settles."""
+        self._tickets += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._queued.append((replace(request, ticket=self._tickets), fut))
         self._wake.set()
         return fut
 
@@ -52,13 +60,13 @@ class Inbox:
 
 
 def settle(batch: list[Queued], d: Decision) -> None:
-    """Answer each request of `batch` from the decision adopted: its refusal, or its result."""
-    rejected = dict(d.rejected)
-    for index, (event, fut) in enumerate(batch):
+    """Answer each request of `batch` from the decision adopted: its refusal (by its ticket,
+    wherever its event stood among those decided), or its result."""
+    for event, fut in batch:
         if fut is None or fut.done():
-            continue
-        if index in rejected:
-            fut.set_exception(rejected[index])
+            continue  # a request's event is a `Request`, with the ticket `ask` gave it
+        if event.ticket in d.rejected:
+            fut.set_exception(d.rejected[event.ticket])
         elif isinstance(event, (Join, Rejoin)):
             fut.set_result(d.state.member(event.node_id))
         elif isinstance(event, Leave):

@@ -18,10 +18,10 @@ import structlog
 
 from muster.coordinator import wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
-from muster.coordinator.core.kinds import GROUP_KINDS, FailureKind
-from muster.coordinator.core.liveness import Divergence, Failure, Liveness, Vouch
-from muster.coordinator.core.machine import (Context, Decision, Diverged, Join, Leave, MembershipEvent, NodeLost,
-                                             Regroup, SlotDown, SlotsUp, Stop, Tick, decide)
+from muster.coordinator.core.kinds import FailureKind
+from muster.coordinator.core.liveness import Liveness, Vouch
+from muster.coordinator.core.machine import (Context, Decision, Join, Leave, MembershipEvent, NodeLost, SlotsUp, Stop,
+                                             Tick, decide)
 from muster.coordinator.core.policy import MAX_STEP, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
@@ -48,14 +48,6 @@ log = structlog.get_logger(__name__)
 LARGE_JOB_NODES = 1_000
 
 
-def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
-    if f.kind in GROUP_KINDS:
-        return Regroup(f.kind, f.reason, (f.node_id,) if f.node_id else ())
-    if f.local_rank is None or kind is NodeKind.PROCESS:
-        return NodeLost(f.node_id, f.kind, f.reason)
-    return SlotDown(f.node_id, f.local_rank, f.kind, f.reason)
-
-
 def liveness_for(state: JobState, timing: Timing, now: float) -> Liveness:
     """Liveness of a job as a new leader takes it over (or starts it)."""
     live = Liveness(timing, now)
@@ -65,32 +57,6 @@ def liveness_for(state: JobState, timing: Timing, now: float) -> Liveness:
     for m in state.members:  # the failed pids died with the previous leader: any process is new
         live.awaiting(m.node_id, m.down_slots)
     return live
-
-
-def assess(live: Liveness, state: JobState, now: float) -> tuple[list[MembershipEvent], list[float], Divergence | None]:
-    """What liveness found by `now`, as events for the core: its failures (with the first signal
-    of each, where known) and a divergence of the replicas."""
-    events, signals = [], []
-    for failure in live.failures(state, now):
-        member = state.member(failure.node_id)
-        events.append(_failure_event(failure, member.kind if member else NodeKind.AGENT))
-        if failure.since is not None:
-            signals.append(failure.since)
-    diverged = live.divergence(state)
-    if diverged is not None:
-        events.append(Diverged(diverged.nodes, diverged.reason))
-    return events, signals, diverged
-
-
-def apply(live: Liveness, d: Decision, now: float) -> None:
-    """What liveness learns of an adopted decision: whom to watch from now on, and its generation."""
-    for node_id, _ in d.evicted:  # first: a proven claim displaces its node id's other member
-        live.forget(node_id)
-    for member in d.joined:
-        live.track(member.node_id, now)
-        live.awaiting(member.node_id, member.down_slots)
-    if d.new_generation:
-        live.generation_published(d.state.generation, now)
 
 
 class JobLeader:
@@ -200,33 +166,33 @@ class JobLeader:
         self.tallies += 1
 
     async def _tally(self) -> None:
+        """take -> assess -> decide -> persist -> adopt -> settle: liveness is asked once for what it
+        found (`Liveness.assess`) and told once what was adopted (`Liveness.apply`, in `_adopt`)."""
         now = self._clock()
-        self.stats.measure(now, self.live, self.state)
-        if self._graced and not self.live.in_grace(now):
+        batch = self._inbox.take()
+        seen = self.live.assess(self.state, now, slots_back=any(isinstance(e, SlotsUp) for e, _ in batch),
+                                recovering=self.stats.recovering)
+        self.stats.measure(now, seen)
+        if self._graced and seen.grace_over:
             self._graced = False
             self._freeze_gc()
-        batch = self._inbox.take()
-        if any(isinstance(e, SlotsUp) for e, _ in batch) and self.live.reforming(self.state):  # O(ranks): only then
+        if seen.reforming:
             # A slot back while the abort generation still forms waits until it has formed: its
             # planned switch would reach a node that reconnects only as the current map, without
             # the abort before it, and an abort instead would cut the forming group again.
             self._inbox.defer([(e, f) for e, f in batch if isinstance(e, SlotsUp)])
             batch = [(e, f) for e, f in batch if not isinstance(e, SlotsUp)]
-        found, signals, diverged = assess(self.live, self.state, now)
-        for at in signals:
-            self.stats.signalled(at)
-        if diverged is not None:
-            self.log.warning("replicas_diverged", step=diverged.step, ranks=list(diverged.ranks))
-        events = [event for event, _ in batch] + found + self.stragglers.look(now, self.state, self.live, self.streams)
+        if seen.diverged is not None:
+            self.log.warning("replicas_diverged", step=seen.diverged.step, ranks=list(seen.diverged.ranks))
+        events = [event for event, _ in batch] + seen.events()  # requests first, though refusals go by ticket
+        events += self.stragglers.look(now, self.state, seen, self.streams)
         if self.state.phase is not Phase.RUNNING or self.state.ended or self.state.rebuilding:
             events.append(Tick())  # forming, waiting, draining and rebuilding deadlines
         if not events:
             return
-        step_time_s = self.live.median_step_time()
-        reached, reported = self.live.max_steps(self.state, now, step_time_s)
-        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, reached, step_time_s,
-                      prestart=self.live.runs_library(self.state),
-                      max_members=self.limits.members_of(self.state.spec),
+        reached, reported = seen.steps  # O(nodes): only when there is something to decide
+        ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, reached, seen.median_step_time,
+                      prestart=seen.prestart, max_members=self.limits.members_of(self.state.spec),
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
         if len(self.state.members) >= LARGE_JOB_NODES:
             # Pure, on an immutable state, and only this task adopts: frames go on meanwhile.
@@ -275,7 +241,7 @@ class JobLeader:
             self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
                           nodes=list(e.nodes), world_size=e.world_size)
         self.stats.adopted(d, now, step_before)
-        apply(self.live, d, now)
+        self.live.apply(d, now)
         await self.streams.deliver(d, self.term, len(self.state.members) >= LARGE_JOB_NODES, previous)
         if d.new_generation:
             self._freeze_gc()
@@ -289,8 +255,8 @@ class JobLeader:
         # kept by the state only as a hash, never logged.
         secret = secrets.token_bytes(RANDOM_BYTES)
         kind = wire.node_kind(req.is_process)
-        member = await self._inbox.put(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
-                                            secret_hash(secret), requested), want_result=True)
+        member = await self._inbox.ask(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
+                                            secret_hash(secret), requested))
         keys = self.member_keys()
         if keys is not None:  # what proves the member if etcd loses the job
             secret = keys.sign(secret, self.job, self.state.run, member.node_id, member.member_id,
@@ -303,14 +269,13 @@ class JobLeader:
     async def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
         authenticate(member_of(self.state, req.node_id, req.member_id), req.session_secret)
         self.streams.depart(req.node_id)
-        fut = self._inbox.put(Leave(req.node_id, req.immediate, req.reason or "requested", req.finished),
-                              want_result=True)
-        generation, switch_at = await fut
+        generation, switch_at = await self._inbox.ask(Leave(req.node_id, req.immediate, req.reason or "requested",
+                                                            req.finished))
         return pb.LeaveResponse(generation=generation, switch_at_step=switch_at)
 
     async def stop_job(self, reason: str) -> pb.StopResponse:
         """An operator's stop: the run ends `stopped` now, every node drains at one step."""
-        after_step = await self._inbox.put(Stop(reason), want_result=True)
+        after_step = await self._inbox.ask(Stop(reason))
         return pb.StopResponse(run=self.state.run, after_step=after_step)
 
     async def drain_node(self, node_id: str, reason: str) -> pb.DrainResponse:
@@ -320,7 +285,7 @@ class JobLeader:
             raise NotFound(f"node {node_id!r} is not a member of job {self.job!r}")
         placed = self.state.rank_map is not None and self.state.rank_map.placement(node_id) is not None
         stream = self.streams.depart(node_id)
-        generation, switch_at = await self._inbox.put(Leave(node_id, False, reason), want_result=True)
+        generation, switch_at = await self._inbox.ask(Leave(node_id, False, reason))
         if stream and not placed:  # a spare or a waiting node: the decision sent it no drain
             stream.send(pb.Directive(term=self.term, generation=generation, drain=pb.Drain(reason=reason)))
         return pb.DrainResponse(generation=generation, after_step=switch_at if placed else 0)
@@ -362,7 +327,7 @@ class JobLeader:
         rejoin = rejoin_of(first, self.state.run, self.member_keys(), int(self._wall() * 1000))
         stream = NodeStream(self.job, first.node_id, first.member_id, rejoin.kind, pending=True,
                             term_ahead=first.term, link=link, stream_id=stream_id, seq=first.stream_seq)
-        fut = self._inbox.put(rejoin, want_result=True)
+        fut = self._inbox.ask(rejoin)
         fut.add_done_callback(lambda decided: self._taken_back(stream, decided, first.generation))
         return stream
 

@@ -10,6 +10,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from muster.coordinator import wire
+from muster.coordinator.core.assessment import Assessment
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.core.liveness import Liveness, Recovery
 from muster.coordinator.core.machine import Decision
@@ -31,7 +32,7 @@ class LeaderStats:
         self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0  # counted per frame, reported per tally
         self._frames_reported = 0
         self._signals: list[float] = []  # first signals of failures not decided yet
-        self._recovering: Recovery | None = None
+        self.recovering: Recovery | None = None  # the latest generation's, until its recovery is over
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
         self._measuring: pb.RecoveryRecord | None = None  # the recovery under way, as Status will show it
@@ -44,8 +45,9 @@ class LeaderStats:
         """A failure's first sign (an exit reported, or the silence a failure was judged on)."""
         self._signals.append(at)
 
-    def measure(self, now: float, live: Liveness, state: JobState) -> None:
-        """Frames/s (smoothed, and the metric's count), and the end of a recovery (`Liveness.recovered`)."""
+    def measure(self, now: float, seen: Assessment) -> None:
+        """Frames/s (smoothed, and the metric's count), the first signals of the failures found, and
+        the end of the recovery under way (`Assessment.recovered`, asked of liveness for `recovering`)."""
         if self._frame_count > self._frames_reported:
             self._frames.inc(self._frame_count - self._frames_reported)
             self._frames_reported = self._frame_count
@@ -53,17 +55,19 @@ class LeaderStats:
             rate = self._frame_count / (now - self._rate_at)
             self.frames_per_s = rate if not self.frames_per_s else 0.7 * self.frames_per_s + 0.3 * rate
             self._frame_count, self._frames_reported, self._rate_at = 0, 0, now
-        if self._recovering is None:
+        if seen.failures:
+            self._signals.extend(f.since for f in seen.failures if f.since is not None)
+        if self.recovering is None or seen.recovered is None:
             return
-        over, took = live.recovered(state, self._recovering, now)
+        over, took = seen.recovered
         if took is not None:
             self.last_recovery_s = took
             self.metrics.recovery.labels(self.job).observe(took)
-            if self._measuring is not None and self._measuring.generation == self._recovering.generation:
+            if self._measuring is not None and self._measuring.generation == self.recovering.generation:
                 self._measuring.recovery_s = round(took, 4)
                 self.recoveries.append(self._measuring)
         if over:
-            self._recovering = None
+            self.recovering = None
 
     def adopted(self, d: Decision, now: float, step_before: int) -> None:
         """A decision the leader adopted: its evictions, and a new generation's detection time; the
@@ -79,7 +83,7 @@ class LeaderStats:
                 self.last_detection_s = detection
                 self.metrics.detection.labels(self.job).observe(detection)
             if d.state.rank_map is not None and d.state.rank_map.world_size:
-                self._recovering = Recovery(d.state.generation, now, step_before)
+                self.recovering = Recovery(d.state.generation, now, step_before)
                 self._measuring = pb.RecoveryRecord(generation=d.state.generation, detection_s=round(detection, 4),
                                                     decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
         if d.persist:

@@ -5,7 +5,7 @@ step, within the policy's window and never below min_nodes."""
 
 from __future__ import annotations
 
-from muster.coordinator.core.liveness import Liveness
+from muster.coordinator.core.assessment import Assessment
 from muster.coordinator.core.machine import Leave, MembershipEvent, Straggling
 from muster.coordinator.core.state import JobState, Phase
 from muster.coordinator.core.stragglers import Straggler, StragglerPolicy, StragglerWatch
@@ -26,15 +26,16 @@ class StragglerDuty:
     def named(self) -> dict[tuple[str, int], float]:
         return self.watch.named
 
-    def look(self, now: float, state: JobState, live: Liveness, streams: Streams) -> list[MembershipEvent]:
-        """The events of this look: a Straggling per node named, and a Leave per node replaced."""
+    def look(self, now: float, state: JobState, seen: Assessment, streams: Streams) -> list[MembershipEvent]:
+        """The events of this look at the ranks as liveness holds them (`seen`, this tally's
+        assessment): a Straggling per node named, and a Leave per node replaced."""
         policy = self.watch.policy
         if policy.action == "off" or now < self._next_at or state.phase is not Phase.RUNNING \
                 or state.finishing or state.ended or state.rank_map is None:
             return []
         placements = state.rank_map.placements
         self._next_at = now + STRAGGLER_EVERY_S + sum(len(p.slots) for p in placements) / STRAGGLER_RANKS_PER_S
-        found, cleared = self.watch.assess(placements, live.nodes, live.median_step_time() or 0.0)
+        found, cleared = self.watch.assess(placements, seen.nodes, seen.median_step_time or 0.0)
         for node_id in cleared:
             self.log.info("straggler_cleared", node=node_id)
         events: list[MembershipEvent] = []

@@ -11,7 +11,9 @@ A tally costs O(what changed), not O(ranks): silence is found in a timing wheel 
 a node's ranks are judged when their earliest deadline can have passed (a heap, `stalls.py`: a
 frame only updates fields, the deadline is found again when judged); exits, holds and digests
 are kept in small indexes as frames report them (`exits.py`, `groups.py`). `Liveness` feeds
-them frames and asks them at a tally.
+them frames and asks them at a tally. A leader's tally crosses into it twice: `assess`, one
+snapshot of what it found for the decision (`assessment.py`), and `apply`, what the decision
+adopted changes (whom to watch, the generation published).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 
+from muster.coordinator.core.assessment import Assessment, RecoveryWatch, max_steps, median, reforming
 from muster.coordinator.core.exits import ExitBook
 from muster.coordinator.core.groups import DigestTally, GroupWatch
 from muster.coordinator.core.live_records import (
-    NO_PROGRESS, UNMONITORED, WAITING, Divergence, Failure, NodeLive, RankLive, RankReport, Recovery, Vouch)
+    UNMONITORED, WAITING, Divergence, Failure, NodeLive, RankLive, RankReport, Recovery, Vouch)
+from muster.coordinator.core.machine import Decision
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.core.silence import SilenceWheel
 from muster.coordinator.core.stalls import Deadlines, calibrated_timeout, judge_ranks
@@ -52,7 +56,7 @@ class Liveness:
         self._exits = ExitBook()
         self._group = GroupWatch(timing)
         self._digests = DigestTally()
-        self._recovery: tuple[int, int] = (0, 0)  # (generation, placements found recovered so far)
+        self._recoveries = RecoveryWatch()
 
     def start_grace(self, node_ids, now: float) -> None:
         """A new leader: its members get time to reconnect before silence or a stall counts (`in_grace`)."""
@@ -261,74 +265,18 @@ class Liveness:
         (every rank's progress counts from now), and the form timeout counts from now."""
         self.published = (generation, now)
 
-
-    def recovered(self, state: JobState, recovery: Recovery, now: float) -> tuple[bool, float | None]:
-        """Whether `recovery` is over, and how long it took: until every node of its map reported
-        the generation and a step past the one at the decision (None: another map superseded it,
-        or there is nothing to run; never for a script's ranks, whose steps count from their
-        process's start). Nodes found recovered stay so: each tally goes on from the first that
-        was not."""
-        rm = state.rank_map
-        if rm is None or rm.generation != recovery.generation:
-            return True, None
-        generation, start = self._recovery
-        i = start if generation == recovery.generation else 0
-        for p in rm.placements[i:]:
-            node = self.nodes.get(p.node_id)
-            if node is None or node.generation < recovery.generation or not any(
-                    r.step > recovery.step and r.state not in UNMONITORED
-                    for s, r in node.ranks.items() if s in p.slots):
-                self._recovery = (recovery.generation, i)
-                return False, None
-            i += 1
-        return True, now - recovery.decided_at
-
     def progress_timeout(self) -> float:
         return calibrated_timeout(self.timing, self.step_times)
 
     def median_step_time(self) -> float | None:
-        if not self.step_times:
-            return None
-        ordered = sorted(self.step_times)
-        return ordered[len(ordered) // 2]
+        return median(self.step_times)
 
     def max_step(self, state: JobState, now: float | None = None, step_time_s: float | None = None) -> int:
         """The highest step a node of the map reported last (O(nodes), at a decision only). With
         `now` and the median step time: the step its ranks are likely at by now, each node's report
         advanced by its frame's age over the step time (a frame is up to 1.5 heartbeat intervals old
         at a tally), so that a planned switch's lead has only the map's delivery to cover."""
-        return self.max_steps(state, now, step_time_s)[0]
-
-    def max_steps(self, state: JobState, now: float | None, step_time_s: float | None) -> tuple[int, int]:
-        """`max_step` projected to `now` and as reported, in one pass over the map (`max_steps`)."""
-        return max_steps(self.nodes, state, self.timing.heartbeat_timeout_s, now, step_time_s)
-
-    def runs_library(self, state: JobState) -> bool:
-        """Some rank of the map reports library progress (scripts without it are unmonitored)."""
-        rm = state.rank_map
-        for p in rm.placements if rm else ():
-            node = self.nodes.get(p.node_id)
-            if node is not None and any(r.state not in NO_PROGRESS for r in node.ranks.values()):
-                return True
-        return False
-
-    def reforming(self, state: JobState) -> bool:
-        """The current map is an abort generation that some library rank of it has not formed yet
-        (it still forms or holds, or runs an older group): the leader holds back planned changes
-        until it has (a node that reconnects gets only the current map, never the abort before a
-        planned one: it would form the new group while the others form the abort's)."""
-        rm = state.rank_map
-        if rm is None or not rm.abort_previous:
-            return False
-        for p in rm.placements:
-            node = self.nodes.get(p.node_id)
-            for slot in p.slots:
-                r = node.ranks.get(slot) if node else None
-                if r is None or r.state in NO_PROGRESS:
-                    continue
-                if r.state in ("forming", "holding") or r.generation < rm.generation:
-                    return True
-        return False
+        return max_steps(self.nodes, state, self.timing.heartbeat_timeout_s, now, step_time_s)[0]
 
     def failures(self, state: JobState, now: float) -> list[Failure]:
         """Exited ranks of the map; silence and stalls among the members, except during the grace.
@@ -371,28 +319,23 @@ class Liveness:
         (`DigestTally`: each step once, the same odd ranks flagged once)."""
         return self._digests.divergence(state.rank_map, self.nodes)
 
+    def assess(self, state: JobState, now: float, *, slots_back: bool = False,
+               recovering: Recovery | None = None) -> Assessment:
+        """What liveness finds at a tally, the one snapshot its decision reads (`Assessment`).
+        `slots_back`: slots came back, so ask whether the map still re-forms (O(ranks): only then);
+        `recovering`: the recovery under way, whose end is looked for."""
+        recovered = self._recoveries.look(self.nodes, state, recovering, now) if recovering else None
+        return Assessment(state, now, recovered=recovered, grace_over=not self.in_grace(now),
+                          reforming=slots_back and reforming(self.nodes, state), failures=self.failures(state, now),
+                          diverged=self.divergence(state), nodes=self.nodes, step_times=self.step_times,
+                          cap_s=self.timing.heartbeat_timeout_s)
 
-def max_steps(nodes: dict[str, NodeLive], state: JobState, cap: float, now: float | None,
-              step_time_s: float | None) -> tuple[int, int]:
-    """The highest step of the map's nodes projected to `now` (a report's age over the step time,
-    at most `cap`) and as reported: a decision wants both (one pass: 125k nodes are ~0.1 s a pass).
-    A relay's summary counts as a newer report."""
-    rm = state.rank_map
-    if rm is None:
-        return 0, 0
-    project = now is not None and bool(step_time_s)
-    reached = reported = 0
-    for p in rm.placements:
-        node = nodes.get(p.node_id)
-        if node is None:
-            continue
-        top, at, vouch = node.top_step, node.last_frame_at, node.vouch
-        if vouch is not None and vouch.high > top:  # its relay's summary is newer than its frame
-            top, at = vouch.high, vouch.at
-        if top > reported:
-            reported = top
-        if project:
-            top += int(min(max(0.0, now - at), cap) / step_time_s)
-        if top > reached:
-            reached = top
-    return reached, reported
+    def apply(self, d: Decision, now: float) -> None:
+        """What liveness learns of an adopted decision: whom to watch from now on, and its generation."""
+        for node_id, _ in d.evicted:  # first: a proven claim displaces its node id's other member
+            self.forget(node_id)
+        for member in d.joined:
+            self.track(member.node_id, now)
+            self.awaiting(member.node_id, member.down_slots)
+        if d.new_generation:
+            self.generation_published(d.state.generation, now)

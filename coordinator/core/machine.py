@@ -10,7 +10,7 @@ generation above theirs. No I/O, no clock reads.
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from muster.coordinator.core.kinds import FailureKind
@@ -39,6 +39,7 @@ class Join:
     master_port: int = 0
     secret_hash: str = ""  # of the session secret the edge made for this member (never the secret)
     spec: JobSpec | None = None  # what the node asks for: adopted only while the job's spec is lost
+    ticket: int = field(default=0, compare=False)  # its request's number (`Request`)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Rejoin:
     # When the run its secret proved it a member of started (`claims`; 0: unproven). A proven claim
     # keeps its seniority, and outranks a run made anew under the same number since.
     run_started_ms: int = 0
+    ticket: int = field(default=0, compare=False)  # its request's number (`Request`)
 
     @property
     def proven(self) -> bool:
@@ -72,6 +74,7 @@ class Leave:
     immediate: bool
     reason: str
     finished: bool = False  # the job is ending: the others finish too, nothing to reform
+    ticket: int = field(default=0, compare=False)  # its request's number (`Request`)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Stop:
     """An operator stops the job: every node drains at one step, and the run ends `stopped`."""
 
     reason: str
+    ticket: int = field(default=0, compare=False)  # its request's number (`Request`)
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,10 @@ class Tick:
 
 MembershipEvent = (Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Straggling | Regroup | Finishing
                    | Stop | Tick)
+# The events a request waits on, the only ones `decide` refuses: each carries its request's ticket, a
+# number the inbox gives it (0: nobody waits), so that a refusal reaches its request wherever the
+# event stands in the batch.
+Request = Join | Rejoin | Leave | Stop
 
 
 @dataclass(frozen=True)
@@ -175,14 +183,14 @@ class Decision:
     evicted: tuple[tuple[str, int], ...] = ()  # (node_id, member_id) fenced out
     drains: tuple[tuple[str, int], ...] = ()  # (node_id, after_step) leaving at a step boundary
     joined: tuple[Member, ...] = ()
-    rejected: tuple[tuple[int, MusterError], ...] = ()  # (index in events, why): nothing of it applied
+    rejected: Mapping[int, MusterError] = field(default_factory=dict)  # ticket -> why: nothing of it applied
     ended: bool = False  # this decision ended the run (its outcome is in `state`)
 
 
 @dataclass
 class _Fold:
     """What `decide` gathers over a batch of events: the members, the job's counters and flags as
-    they change, and what to tell (events, evictions, joins, refusals by the batch's index)."""
+    they change, and what to tell (events, evictions, joins, refusals by ticket)."""
 
     state: JobState
     ctx: Context
@@ -202,7 +210,7 @@ class _Fold:
     evicted: list[tuple[str, int]] = field(default_factory=list)
     leaving: list[str] = field(default_factory=list)
     joined: list[Member] = field(default_factory=list)
-    rejected: list[tuple[int, MusterError]] = field(default_factory=list)
+    rejected: dict[int, MusterError] = field(default_factory=dict)  # by the request's ticket
     unplanned: bool = False  # a change that aborts the running group
     planned: bool = False  # a change the group can switch to at a step
     changed: bool = False  # something to persist
@@ -223,7 +231,7 @@ class _Fold:
         self.failure = self.failure or failure
 
 
-def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
+def _on_rejoin(f: _Fold, ev: Rejoin) -> None:
     current = f.members.get(ev.node_id)
     if (f.rebuilding and current is not None and current.member_id == ev.member_id
             and current.admits(ev.secret_hash)):
@@ -239,7 +247,7 @@ def _on_rejoin(f: _Fold, index: int, ev: Rejoin) -> None:
     if refusal is None:
         f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
     if refusal is not None:
-        f.rejected.append((index, refusal))
+        f.rejected[ev.ticket] = refusal
         return
     for held in displaced:
         f.note("member_displaced", f"member {held.member_id} ({held.node_id!r}) gave way to the proven claim of "
@@ -295,12 +303,12 @@ def _members_quota(state: JobState, members: int, ctx: Context) -> ResourceExhau
                              f"--max-spares-per-job spares, at most --max-nodes-per-job ({ctx.max_members})")
 
 
-def _on_join(f: _Fold, index: int, ev: Join) -> None:
+def _on_join(f: _Fold, ev: Join) -> None:
     refusal = _join_refusal(f, ev)
     if refusal is None:
         f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)
     if refusal is not None:
-        f.rejected.append((index, refusal))
+        f.rejected[ev.ticket] = refusal
         return
     prestart = f.ctx.prestart and ev.kind is NodeKind.AGENT and f.state.phase is Phase.RUNNING
     f.members[ev.node_id] = Member(ev.node_id, f.next_seq, ev.host, ev.store_port, ev.slots, f.next_seq, ev.kind,
@@ -314,9 +322,9 @@ def _on_join(f: _Fold, index: int, ev: Join) -> None:
     f.planned = f.changed = True
 
 
-def _on_leave(f: _Fold, index: int, ev: Leave) -> None:
+def _on_leave(f: _Fold, ev: Leave) -> None:
     if ev.node_id not in f.members:
-        f.rejected.append((index, NotFound(f"node {ev.node_id!r} is not a member of job {f.state.job!r}")))
+        f.rejected[ev.ticket] = NotFound(f"node {ev.node_id!r} is not a member of job {f.state.job!r}")
         return
     del f.members[ev.node_id]
     f.changed = True
@@ -339,7 +347,7 @@ def _on_leave(f: _Fold, index: int, ev: Leave) -> None:
         f.unplanned = True
 
 
-def _on_lost(f: _Fold, index: int, ev: NodeLost) -> None:
+def _on_lost(f: _Fold, ev: NodeLost) -> None:
     lost = f.members.pop(ev.node_id, None)
     if lost is None:
         return  # already gone: several signals for one failure
@@ -352,7 +360,7 @@ def _on_lost(f: _Fold, index: int, ev: NodeLost) -> None:
         f.fail(f"node {ev.node_id!r} was lost while the job finished ({ev.kind}: {ev.reason})")
 
 
-def _on_slot_down(f: _Fold, index: int, ev: SlotDown) -> None:
+def _on_slot_down(f: _Fold, ev: SlotDown) -> None:
     member = f.members.get(ev.node_id)
     if member is None or ev.slot in member.down_slots or ev.slot >= member.slots:
         return
@@ -367,7 +375,7 @@ def _on_slot_down(f: _Fold, index: int, ev: SlotDown) -> None:
                f"failed while the job finished ({ev.kind}: {ev.reason})")
 
 
-def _on_slots_up(f: _Fold, index: int, ev: SlotsUp) -> None:
+def _on_slots_up(f: _Fold, ev: SlotsUp) -> None:
     member = f.members.get(ev.node_id)
     back = frozenset(ev.slots) & member.down_slots if member else frozenset()
     if not back:
@@ -377,32 +385,32 @@ def _on_slots_up(f: _Fold, index: int, ev: SlotsUp) -> None:
     f.planned = f.changed = True
 
 
-def _on_diverged(f: _Fold, index: int, ev: Diverged) -> None:
+def _on_diverged(f: _Fold, ev: Diverged) -> None:
     f.note("replicas_diverged", ev.reason, *ev.nodes)
     f.changed = True
 
 
-def _on_straggling(f: _Fold, index: int, ev: Straggling) -> None:
+def _on_straggling(f: _Fold, ev: Straggling) -> None:
     f.note("straggler", ev.reason, ev.node_id)
     f.changed = True
 
 
-def _on_finishing(f: _Fold, index: int, ev: Finishing) -> None:
+def _on_finishing(f: _Fold, ev: Finishing) -> None:
     if not f.finishing and not f.state.ended:
         f.finishing = f.changed = True
         f.note("finishing", ev.reason, ev.node_id)
 
 
-def _on_stop(f: _Fold, index: int, ev: Stop) -> None:
+def _on_stop(f: _Fold, ev: Stop) -> None:
     if f.state.ended or f.stop is not None:
-        f.rejected.append((index, FailedPrecondition(
-            f"run {f.state.run} of job {f.state.job!r} has ended already ({f.state.outcome.value})")))
+        f.rejected[ev.ticket] = FailedPrecondition(
+            f"run {f.state.run} of job {f.state.job!r} has ended already ({f.state.outcome.value})")
         return
     f.stop = ev
     f.changed = True
 
 
-def _on_regroup(f: _Fold, index: int, ev: Regroup) -> None:
+def _on_regroup(f: _Fold, ev: Regroup) -> None:
     if f.state.phase is not Phase.RUNNING or f.finishing:
         return
     if not any(e.kind == ev.kind and e.nodes == ev.nodes[:EVENT_NODES_MAX] for e in f.log):
@@ -416,13 +424,13 @@ _FOLD = {Rejoin: _on_rejoin, Join: _on_join, Leave: _on_leave, NodeLost: _on_los
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
-    """The next state of the job after `events`: each folded in turn (a refusal is kept by its index
-    in the batch), then at most one new generation, then the run's end if it ends now."""
+    """The next state of the job after `events`: each folded in turn (a refusal is kept by its
+    request's ticket), then at most one new generation, then the run's end if it ends now."""
     f = _Fold.of(state, ctx)
-    for index, ev in enumerate(events):
+    for ev in events:
         fold = _FOLD.get(type(ev))
         if fold is not None:  # a Tick changes nothing but the clock
-            fold(f, index, ev)
+            fold(f, ev)
     nxt = replace(state.with_members(tuple(f.members.values())), next_seq=f.next_seq, generation=f.generation,
                   spec=f.spec, spec_lost=f.spec_lost, finishing=f.finishing, failure=f.failure,
                   rebuilding=f.rebuilding, started_ms=f.started_ms or ctx.wall_ms)
@@ -448,7 +456,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
         evicted=tuple(f.evicted),
         drains=drains,
         joined=tuple(f.joined),
-        rejected=tuple(f.rejected),
+        rejected=f.rejected,
         ended=ending is not None,
     )
 

@@ -277,7 +277,7 @@ def test_a_rank_restarting_in_place_re_forms_the_job_once_with_its_slot():
     assert [e.kind for e in d.events] == ["rank_restarted", "generation"], "one fault, noted once"
     live.observe("n1", 2, ranks("restarting", step=0, generation=1, pid=101), 1.1)
     assert live.failures(d.state, 1.2) == []  # answered: generation 2 restarts it
-    assert live.runs_library(d.state) is False
+    assert live.assess(d.state, 1.2).prestart is False, "no rank runs the library"
 
 
 def test_recovery_ends_once_every_node_of_its_map_reports_a_step_past_the_decision():
@@ -286,16 +286,17 @@ def test_recovery_ends_once_every_node_of_its_map_reports_a_step_past_the_decisi
     recovery = Recovery(generation=1, decided_at=10.0, step=5)
     live.observe("n0", 1, report(6), 11)
     live.observe("n1", 1, report(5), 11)
-    assert live.recovered(state, recovery, 11.5) == (False, None)  # n1 is not past the decision's step
+    assert live.assess(state, 11.5, recovering=recovery).recovered == (False, None)  # n1 not past its step
     live.observe("n1", 0, report(7), 12)
-    assert live.recovered(state, recovery, 12) == (False, None)  # n1 still runs the previous generation
+    assert live.assess(state, 12, recovering=recovery).recovered == (False, None)  # n1 runs the previous generation
     live.observe("n1", 1, report(7), 12.5)
-    assert live.recovered(state, recovery, 13.0) == (True, 3.0)
+    assert live.assess(state, 13.0).recovered is None, "none asked about"
+    assert live.assess(state, 13.0, recovering=recovery).recovered == (True, 3.0)
 
 
 def test_a_superseded_recovery_is_over_without_a_time():
     live = Liveness(TIMING, now=0)
-    assert live.recovered(job(), Recovery(generation=2, decided_at=1.0, step=0), 5.0) == (True, None)
+    assert live.assess(job(), 5.0, recovering=Recovery(generation=2, decided_at=1.0, step=0)).recovered == (True, None)
 
 
 def test_failure_kinds_are_the_strings_of_the_history_the_wire_and_the_worker():
@@ -308,15 +309,16 @@ def test_failure_kinds_are_the_strings_of_the_history_the_wire_and_the_worker():
 def test_an_abort_generation_is_reforming_until_every_library_rank_runs_in_it():
     state = job()
     live = Liveness(TIMING, now=0)
-    assert not live.reforming(state), "generation 1 formed at once is no abort generation"
+    assert not live.assess(state, 0, slots_back=True).reforming, "generation 1 formed at once is no abort generation"
     aborted = decide(state, [Regroup("group_broken", "held")], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
     live.observe("n0", 2, ranks("running", generation=2), 1)
     live.observe("n1", 1, ranks("holding", generation=1), 1)
-    assert live.reforming(aborted)
+    assert live.assess(aborted, 1, slots_back=True).reforming
+    assert not live.assess(aborted, 1).reforming, "asked only when slots came back (O(ranks))"
     live.observe("n1", 2, ranks("forming", generation=2), 2)
-    assert live.reforming(aborted)
+    assert live.assess(aborted, 2, slots_back=True).reforming
     live.observe("n1", 2, ranks("running", generation=2, step=21), 3)
-    assert not live.reforming(aborted)
+    assert not live.assess(aborted, 3, slots_back=True).reforming
 
 
 # ---- a tally costs O(what changed) -------------------------------------------------------------

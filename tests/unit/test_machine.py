@@ -1,9 +1,13 @@
 """The generation state machine: forming, unplanned and planned changes, spares, history."""
 
+import asyncio
+
+from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.machine import Context, Diverged, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
 from muster.coordinator.errors import AlreadyExists, NotFound
+from muster.coordinator.inbox import Inbox, settle
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5)
 
@@ -13,8 +17,8 @@ def ctx(now=0.0, max_step=0, step_time_s=None, term=7):
                    max_step=max_step, step_time_s=step_time_s)
 
 
-def join(i, slots=2):
-    return Join(f"n{i}", f"10.0.0.{i}", 29500 + i, slots)
+def join(i, slots=2, ticket=0):
+    return Join(f"n{i}", f"10.0.0.{i}", 29500 + i, slots, ticket=ticket)
 
 
 def running(n=3, spec=JobSpec(2, 3, 1)):
@@ -120,12 +124,32 @@ def test_several_failures_in_one_tally_make_one_generation():
 
 def test_duplicate_node_id_and_unknown_leave_are_rejected_and_change_nothing():
     state = running()
-    d = decide(state, [join(1), Leave("nx", False, ""), join(5)], ctx(now=5))
-    (i, dup), (j, unknown) = d.rejected
-    assert (i, j) == (0, 1)
+    d = decide(state, [join(1, ticket=1), Leave("nx", False, "", ticket=2), join(5, ticket=3)], ctx(now=5))
+    assert list(d.rejected) == [1, 2], "refusals are keyed by the requests' tickets"
+    dup, unknown = d.rejected[1], d.rejected[2]
     assert isinstance(dup, AlreadyExists) and "already a member" in str(dup)
     assert isinstance(unknown, NotFound) and "not a member" in str(unknown)
     assert [m.node_id for m in d.joined] == ["n5"] and d.state.member("n1") == state.member("n1")
+
+
+def test_a_refusal_reaches_its_request_wherever_failures_stand_in_the_batch():
+    """The leader decides the inbox's requests with what liveness found; a refusal is keyed by its
+    request's ticket, so failures placed before the requests (which shifts every index) still leave
+    each request its own answer."""
+    async def tally():
+        inbox = Inbox()
+        answers = inbox.ask(join(5)), inbox.ask(join(1)), inbox.ask(Leave("nx", False, "gone"))
+        batch = inbox.take()
+        found = [NodeLost("n2", FailureKind.NODE_SILENT, "x"), SlotDown("n3", 1, FailureKind.RANK_STALLED, "y")]
+        d = decide(running(), found + [event for event, _ in batch], ctx(now=5))
+        settle(batch, d)
+        return d, answers
+
+    d, (joined, dup, unknown) = asyncio.run(tally())
+    assert sorted(d.rejected) == [2, 3] and d.state.generation == 2 and d.state.member("n2") is None
+    assert joined.result() == d.state.member("n5")
+    assert isinstance(dup.exception(), AlreadyExists) and "already a member" in str(dup.exception())
+    assert isinstance(unknown.exception(), NotFound) and "'nx'" in str(unknown.exception())
 
 
 def test_repeated_loss_of_the_same_node_is_ignored():

@@ -58,8 +58,8 @@ def test_stop_drains_every_node_at_one_step_and_refuses_joins_and_a_second_stop(
     assert d.ended and d.state.outcome is Outcome.STOPPED and d.state.outcome_reason == "maintenance"
     steps = {step for _, step in d.drains}
     assert sorted(n for n, _ in d.drains) == ["n1", "n2", "n3"] and len(steps) == 1 and steps.pop() > 40
-    d2 = decide(d.state, [Stop("again"), Join("n9", "10.0.0.9", 1, 1)], ctx(now=4))
-    assert isinstance(d2.rejected[0][1], FailedPrecondition) and isinstance(d2.rejected[1][1], Unavailable)
+    d2 = decide(d.state, [Stop("again", ticket=1), Join("n9", "10.0.0.9", 1, 1, ticket=2)], ctx(now=4))
+    assert isinstance(d2.rejected[1], FailedPrecondition) and isinstance(d2.rejected[2], Unavailable)
     d3 = decide(d2.state, [NodeLost("n1", "node_silent", "x"), Leave("n2", False, "drained")], ctx(now=5))
     assert not d3.new_generation and d3.state.outcome is Outcome.STOPPED and d3.state.outcome_reason == "maintenance"
 

@@ -29,8 +29,13 @@ def lost(spec=JobSpec(2, 3, 1), spec_lost=False):
     return JobState("job", spec, rebuilding=True, spec_lost=spec_lost)
 
 
-def rejected(d, index=0):
-    return dict(d.rejected)[index]
+def tickets(*events):
+    """The events as requests under tickets 1, 2, ... (as the leader's inbox numbers them)."""
+    return [replace(e, ticket=i) for i, e in enumerate(events, 1)]
+
+
+def rejected(d, ticket=0):
+    return d.rejected[ticket]
 
 
 def test_nodes_are_taken_back_as_they_were_and_one_abort_generation_above_theirs_reforms_them_after_the_grace():
@@ -82,21 +87,23 @@ def test_a_claim_without_a_member_id_or_a_generation_is_refused(member_id, gener
 
 
 def test_claims_beyond_any_real_run_and_past_the_member_limit_are_refused():
-    d = decide(lost(), [rejoin(1, 1, MAX_GENERATION + 1), rejoin(2, MAX_GENERATION + 1, 1),
-                        rejoin(3, 1, MAX_CLAIMED + 1), rejoin(4, MAX_CLAIMED + 1, 1)], ctx())
-    assert all(isinstance(e, InvalidArgument) for _, e in d.rejected) and len(d.rejected) == 4
-    assert f"below {MAX_CLAIMED}" in str(rejected(d)) and not d.state.members
-    d = decide(lost(), [rejoin(1, 1, MAX_CLAIMED), rejoin(2, MAX_CLAIMED, 1)], ctx())  # 2^32 itself: refused
-    assert [type(e) for _, e in d.rejected] == [InvalidArgument, InvalidArgument] and not d.state.members
-    d = decide(lost(), [rejoin(1, 1, 2), rejoin(2, 2, 2)], ctx(max_members=1))
-    assert isinstance(rejected(d, 1), ResourceExhausted) and [m.node_id for m in d.state.members] == ["n1"]
+    d = decide(lost(), tickets(rejoin(1, 1, MAX_GENERATION + 1), rejoin(2, MAX_GENERATION + 1, 1),
+                               rejoin(3, 1, MAX_CLAIMED + 1), rejoin(4, MAX_CLAIMED + 1, 1)), ctx())
+    assert all(isinstance(e, InvalidArgument) for e in d.rejected.values()) and sorted(d.rejected) == [1, 2, 3, 4]
+    assert f"below {MAX_CLAIMED}" in str(rejected(d, 1)) and not d.state.members
+    d = decide(lost(), tickets(rejoin(1, 1, MAX_CLAIMED), rejoin(2, MAX_CLAIMED, 1)), ctx())  # 2^32 itself: refused
+    assert {t: type(e) for t, e in d.rejected.items()} == {1: InvalidArgument, 2: InvalidArgument}
+    assert not d.state.members
+    d = decide(lost(), tickets(rejoin(1, 1, 2), rejoin(2, 2, 2)), ctx(max_members=1))
+    assert list(d.rejected) == [2] and isinstance(rejected(d, 2), ResourceExhausted)
+    assert [m.node_id for m in d.state.members] == ["n1"]
 
 
 def test_the_same_member_from_a_second_stream_is_taken_back_once_and_a_stranger_is_refused():
     d = decide(lost(), [rejoin(1, 3, 5), rejoin(1, 3, 5)], ctx())
     assert not d.rejected and len(d.state.members) == 1 and len(d.joined) == 1
-    d = decide(d.state, [rejoin(1, 3, 5, secret="forged"), rejoin(1, 4, 5)], ctx(now=1.0))
-    assert isinstance(rejected(d, 0), PermissionDenied) and isinstance(rejected(d, 1), FailedPrecondition)
+    d = decide(d.state, tickets(rejoin(1, 3, 5, secret="forged"), rejoin(1, 4, 5)), ctx(now=1.0))
+    assert isinstance(rejected(d, 1), PermissionDenied) and isinstance(rejected(d, 2), FailedPrecondition)
     assert d.state.members[0].secret_hash == "hash-s-1" and not d.persist
 
 
@@ -192,8 +199,9 @@ def test_a_forged_claim_takes_neither_rank_0_nor_the_job_past_its_generations():
 
 
 def test_a_member_id_taken_back_already_is_refused_to_another_node_which_joins_again_rather_than_exits():
-    d = decide(lost(), [rejoin(1, member_id=4, generation=3), rejoin(2, member_id=4, generation=3)], ctx())
-    assert isinstance(rejected(d, 1), FailedPrecondition) and "node 'n1'" in str(rejected(d, 1))
+    d = decide(lost(), tickets(rejoin(1, member_id=4, generation=3), rejoin(2, member_id=4, generation=3)), ctx())
+    assert list(d.rejected) == [2] and isinstance(rejected(d, 2), FailedPrecondition)
+    assert "node 'n1'" in str(rejected(d, 2))
     assert [m.node_id for m in d.state.members] == ["n1"]
     d = decide(d.state, [rejoin(3, member_id=4, generation=3)], ctx(now=1.0))  # in a later tally too
     assert isinstance(rejected(d), FailedPrecondition) and not d.persist
@@ -242,12 +250,12 @@ def test_unproven_members_age_after_every_proven_one_whatever_their_ids():
 def test_a_proven_member_is_not_displaced_by_another_claim():
     s = decide(lost(), [proven(1, member_id=3, generation=4)], ctx()).state
     assert s.started_ms == STARTED_MS, "the run it ran"
-    d = decide(s, [proven(2, member_id=3, generation=4), rejoin(1, 3, 4, secret="other"),
-                   proven(1, member_id=2, generation=4), proven(4, member_id=4, generation=4, started_ms=5)],
+    d = decide(s, tickets(proven(2, member_id=3, generation=4), rejoin(1, 3, 4, secret="other"),
+                          proven(1, member_id=2, generation=4), proven(4, member_id=4, generation=4, started_ms=5)),
                ctx(now=1.0))
-    assert [type(e) for _, e in d.rejected] == [FailedPrecondition, PermissionDenied, FailedPrecondition,
-                                                FailedPrecondition]
-    assert "ran another run" in str(rejected(d, 3))
+    assert {t: type(e) for t, e in d.rejected.items()} == {1: FailedPrecondition, 2: PermissionDenied,
+                                                           3: FailedPrecondition, 4: FailedPrecondition}
+    assert "ran another run" in str(rejected(d, 4))
     assert [(m.node_id, m.member_id) for m in d.state.members] == [("n1", 3)] and not d.evicted
 
 
