@@ -26,14 +26,14 @@ from muster.coordinator.core.policy import MAX_STEP, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.errors import Fenced, InvalidArgument, NotFound, NotLeader, PersistUnavailable
+from muster.coordinator.frames import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
+                                       rejoin_of, secret_hash)
 from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.run_end import RunEnd
-from muster.coordinator.sessions import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
-                                         rejoin_of, secret_hash)
 from muster.coordinator.straggler_duty import StragglerDuty
 from muster.coordinator.streams import NodeStream, RelayedBy, Streams
 from muster.v1 import muster_pb2 as pb

@@ -27,13 +27,13 @@ from muster.coordinator.core.state import JobState, decode, decode_spec
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.election_waits import ElectionWaits
 from muster.coordinator.errors import NotLeader, StoreUnavailable
+from muster.coordinator.frames import rejoin_of
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.ports import LeaderPort, RelayPort, SessionPort
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
-from muster.coordinator.sessions import rejoin_of
 from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
 

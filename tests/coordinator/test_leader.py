@@ -9,7 +9,7 @@ import asyncio
 import json
 
 import pytest
-from muster.local import FakeClock, until
+from muster.testing import FakeClock, until
 
 from muster.coordinator.core.liveness import TAKEOVER_UNHEARD_TIMEOUTS
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide

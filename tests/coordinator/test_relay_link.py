@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 import pytest
-from muster.local import FakeClock, until
+from muster.testing import FakeClock, until
 
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind

@@ -10,7 +10,8 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import pytest
-from muster.local import SimulatedNode, until
+from muster.local import SimulatedNode
+from muster.testing import until
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.replica import Replica, ReplicaConfig

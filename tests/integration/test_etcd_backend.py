@@ -22,7 +22,7 @@ from muster.coordinator.etcd.election import Election, LeaderKey
 from muster.coordinator.etcd.server import EtcdCluster, EtcdServer, EtcdStartError, find_etcd_binary
 from muster.coordinator.etcd.session import Session
 from muster.coordinator.etcd.store import JobStore
-from muster.local import FakeClock
+from muster.testing import FakeClock
 from muster.net import free_port
 
 TTL_S = 2

@@ -5,7 +5,8 @@ fault is gone; the other jobs of the replica keep their leader. In-process repli
 import asyncio
 
 import pytest
-from muster.local import SimulatedNode, until
+from muster.local import SimulatedNode
+from muster.testing import until
 
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.client import connect

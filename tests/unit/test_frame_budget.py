@@ -5,7 +5,7 @@ import pytest
 
 from muster.coordinator.errors import ResourceExhausted
 from muster.coordinator.quotas import FrameBudget
-from muster.local import FakeClock
+from muster.testing import FakeClock
 
 
 def test_a_session_bursts_two_seconds_worth_then_is_held_to_its_rate():

@@ -1,6 +1,6 @@
 import pytest
 
-from muster.local import FakeClock
+from muster.testing import FakeClock
 from muster.net import Backoff, join_host_port, split_host_port
 
 

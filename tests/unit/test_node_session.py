@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from muster.local import FakeClock, until
+from muster.testing import FakeClock, until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.node_session import NodeIdentity, NodeSession

@@ -8,7 +8,7 @@ from structlog.testing import capture_logs
 
 from muster.coordinator.core.policy import MAX_NODES, InvalidPolicy, JobSpec, Limits
 from muster.coordinator.quotas import RefusalLog
-from muster.local import FakeClock
+from muster.testing import FakeClock
 
 
 def test_a_flood_of_refusals_is_a_line_a_window_with_its_count_and_nothing_is_lost():

@@ -158,7 +158,7 @@ def test_a_node_asking_another_straggler_policy_than_the_job_s_is_refused():
     from muster.coordinator.core.policy import JobSpec
     from muster.coordinator.core.state import JobState
     from muster.coordinator.errors import FailedPrecondition
-    from muster.coordinator.sessions import check_joinable
+    from muster.coordinator.frames import check_joinable
 
     state = JobState("j", JobSpec(1, 4, 1, straggler_action="replace"))
     check_joinable(state, JobSpec(0, 0, 0))  # asking nothing: the job's

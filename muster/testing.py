@@ -1,0 +1,38 @@
+"""What only tests use: `until`, a wait on an event loop for a condition, and `FakeClock`, a
+monotonic clock that moves only when told (pass it as a component's `clock=`). The harness that
+the demo and the benchmarks share, `wait_until` among it, is in `muster.local`."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def until(predicate, what: str, timeout_s: float = 5.0, interval_s: float = 0.01):
+    """`wait_until` on an event loop: the predicate's first truthy value, or AssertionError naming
+    what was waited for."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (value := predicate()):
+        if loop.time() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+    return value
+
+
+class FakeClock:
+    """Monotonic time that moves only when told: `advance(s)`, or `sleep(s)` in place of
+    `asyncio.sleep` (the wait is taken at once, on this clock). Pass it as a `clock=`; read `now`."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> float:
+        self.now += s
+        return self.now
+
+    async def sleep(self, s: float) -> None:
+        self.now += max(0.0, s)
+        await asyncio.sleep(0)  # others run, as they would while this waited
