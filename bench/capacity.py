@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 
 from muster import logs
-from muster.coordinator import wire
+from muster.coordinator import status_pages, wire
 from muster.coordinator.core.liveness import RankReport
 from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
 from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
@@ -225,7 +225,7 @@ async def _steps(stub, job: str) -> tuple[float, dict[str, int], int]:
     """(when, step of each node as the leader sees it, world size)."""
     asked = time.monotonic()
     steps: dict[str, int] = {}
-    request = pb.StatusRequest(job=job, page_size=wire.MAX_PAGE_SIZE)
+    request = pb.StatusRequest(job=job, page_size=status_pages.MAX_PAGE_SIZE)
     while True:  # every page: a job of 1,000 nodes has 8,000 ranks
         js = (await stub.Status(request, timeout=10)).jobs[0]
         steps.update((r.node, r.step) for r in js.ranks if r.local_rank == 0)
@@ -669,7 +669,7 @@ def status_costs(leader: JobLeader, reps: int) -> dict:
     """A default Status, one node's page, the job summary: their time, size and the longest the
     loop waits on one."""
     middle = leader.state.rank_map.placements[len(leader.state.rank_map.placements) // 2]
-    one_node = wire.Page(node=middle.node_id)
+    one_node = status_pages.Page(node=middle.node_id)
 
     async def status_stall() -> float:
         """The longest the loop waits on one default Status: a task that only yields measures it."""
@@ -695,7 +695,7 @@ def status_costs(leader: JobLeader, reps: int) -> dict:
         "status_stall_ms": max(asyncio.run(status_stall()) for _ in range(reps)),
         "status_node_ms": median_ms(lambda: asyncio.run(leader.status(page=one_node)), reps),
         "status_node_bytes": asyncio.run(leader.status(page=one_node)).ByteSize(),
-        "summary_ms": median_ms(lambda: wire.job_summary(leader.state, leader.live), reps),
+        "summary_ms": median_ms(lambda: status_pages.job_summary(leader.state, leader.live), reps),
     }
 
 
@@ -721,11 +721,11 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
             "straggler_look_ms": "the straggler watch's look over every rank of the map, on the leader's loop "
                                  "once every 1 s + ranks / 20,000 s (straggler_duty.py)",
             "status_ms": "JobLeader.status of a default Status: header, summary, health and the first page of "
-                         f"{wire.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
+                         f"{status_pages.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
             "status_stall_ms": "the longest the leader's loop waits while a default Status is built (the "
                                "summary is counted in slices of 500 nodes, yielding between them); worst of reps",
             "status_node_ms": "JobLeader.status of a page of one node's ranks (StatusRequest.node; no summary)",
-            "summary_ms": "wire.job_summary: rank counts by state over the whole job at once (inside status_ms, "
+            "summary_ms": "status_pages.job_summary: rank counts by state over the whole job at once (inside status_ms, "
                           "in slices)",
         },
         "sizes": [membership_at(ranks, slots, reps if ranks <= 20_000 else max(3, reps // 2)) for ranks in sizes],

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from muster.coordinator import wire
+from muster.coordinator import status_pages, wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness, Vouch
@@ -381,12 +381,12 @@ class JobLeader:
         for event in self._frames.read(stream, frame, self.state):
             self._inbox.put(event)
 
-    async def status(self, brief: bool = False, page: wire.Page = wire.Page()) -> pb.JobStatus:
+    async def status(self, brief: bool = False, page: status_pages.Page = status_pages.Page()) -> pb.JobStatus:
         state = self.state  # one map for the summary and the page, whatever is adopted meanwhile
         if brief or not page.summarised:
-            return wire.job_status(state, self.address, self.term, self.live, brief, page)  # O(1), O(page)
+            return status_pages.job_status(state, self.address, self.term, self.live, brief, page)  # O(1), O(page)
         counts, live = await summarised(state, self.live, self._clock, self.timing.heartbeat_timeout_s)
-        js = wire.job_status(state, self.address, self.term, self.live, brief, page,
-                             wire.job_summary(state, self.live, counts))
+        js = status_pages.job_status(state, self.address, self.term, self.live, brief, page,
+                             status_pages.job_summary(state, self.live, counts))
         js.health.CopyFrom(self.stats.health(live))
         return js

@@ -9,7 +9,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
-from muster.coordinator import wire
+from muster.coordinator import status_pages
 from muster.coordinator.core.assessment import Assessment
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.core.liveness import Liveness, Recovery
@@ -110,7 +110,7 @@ async def summarised(state: JobState, live: Liveness, clock: Callable[[], float]
     for start in range(0, len(placements), SUMMARY_SLICE):
         await asyncio.sleep(0)
         part = placements[start:start + SUMMARY_SLICE]
-        counts.update(wire.rank_states(part, live))
+        counts.update(status_pages.rank_states(part, live))
         live_count += live_ranks(part, live, clock(), timeout_s)
     await asyncio.sleep(0)
     return counts, live_count

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from muster.coordinator import wire
+from muster.coordinator import status_pages, wire
 from muster.coordinator.campaigns import Campaigns
 from muster.coordinator.claims import MemberKeys
 from muster.coordinator.coordination import Coordination, LeaderKey
@@ -331,7 +331,7 @@ class Replica:
         await self.runs.admit(job, requested)
         self._discovered(job)
 
-    async def status(self, job: str, brief: bool = False, page: wire.Page = wire.Page(),
+    async def status(self, job: str, brief: bool = False, page: status_pages.Page = status_pages.Page(),
                      run: int = 0) -> pb.StatusResponse:
         return await self.runs.status(self.address, job, brief, page, run)
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 from collections.abc import Mapping, Set
 
-from muster.coordinator import wire
+from muster.coordinator import status_pages, wire
 from muster.coordinator.coordination import Coordination
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits
 from muster.coordinator.core.state import JobState, decode, decode_spec, encode_spec
@@ -80,14 +80,14 @@ class Runs:
             last = await asyncio.to_thread(self.store.last_run, job)
             raise FailedPrecondition(f"job {job!r} is not running" + (f" (its run {last} has ended)" if last else ""))
 
-    async def status(self, address: str, job: str, brief: bool, page: wire.Page, run: int) -> pb.StatusResponse:
+    async def status(self, address: str, job: str, brief: bool, page: status_pages.Page, run: int) -> pb.StatusResponse:
         """The jobs' status as this replica, at `address`, reports it."""
         names = [wire.check_job(job)] if job else sorted(self.jobs)
         resp = pb.StatusResponse(replica=address)
         if job and (run or job not in self.jobs):  # a finished run, or the running one
             state = await self._of_run(job, run)
             if state is not None:
-                resp.jobs.append(wire.job_status(state, "", 0, None, brief, page))
+                resp.jobs.append(status_pages.job_status(state, "", 0, None, brief, page))
                 return resp
         for name in names:
             leader = self.leaders.get(name)
@@ -95,7 +95,7 @@ class Runs:
                 resp.jobs.append(await leader.status(brief, page))
                 continue
             state, (led_at, term) = await self._persisted(name)
-            resp.jobs.append(wire.job_status(state, led_at, term, None, brief, page))
+            resp.jobs.append(status_pages.job_status(state, led_at, term, None, brief, page))
         return resp
 
     async def events(self, job: str, run: int = 0) -> pb.EventsResponse:
@@ -137,7 +137,7 @@ class Runs:
             finished = await asyncio.to_thread(self.store.runs, job)
         except StoreUnavailable as exc:
             raise Unavailable(f"etcd is unavailable: {exc}") from exc
-        records = sorted((wire.job_record(name, run, json.loads(summary)) for name, run, summary in finished),
+        records = sorted((status_pages.job_record(name, run, json.loads(summary)) for name, run, summary in finished),
                          key=lambda r: (-r.ended_unix_ms, r.name))
         recorded = {(r.name, r.run) for r in records}
         resp = pb.JobsResponse()
@@ -155,7 +155,7 @@ class Runs:
             if (name, state.run) in recorded:
                 continue
             rm = state.rank_map
-            record = wire.job_record(name, state.run, {
+            record = status_pages.job_record(name, state.run, {
                 "outcome": state.outcome.value, "reason": state.outcome_reason, "generation": state.generation,
                 "world_size": rm.world_size if rm else 0, "started_ms": state.started_ms, "ended_ms": state.ended_ms},
                 led_at)

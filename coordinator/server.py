@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
-from muster.coordinator import errors, wire
+from muster.coordinator import errors, status_pages, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
 from muster.coordinator.codes import MAX_MESSAGE_CHARS, STATUS_OF
 from muster.coordinator.ports import feed_each
@@ -118,7 +118,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals
     async def Status(self, request, context):
-        return await self.replica.status(request.job, request.brief, wire.check_page(request), request.run)
+        return await self.replica.status(request.job, request.brief, status_pages.check_page(request), request.run)
 
     @_refusals
     async def Events(self, request, context):

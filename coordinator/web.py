@@ -23,7 +23,7 @@ import structlog
 
 from muster.coordinator import errors
 from muster.coordinator.auth import Tokens
-from muster.coordinator.wire import Page
+from muster.coordinator.status_pages import Page
 from muster.json_output import as_json, status_document
 from muster.security import TOKEN_METADATA, ClientSecurity, TlsFiles
 from muster.v1 import muster_pb2 as pb

@@ -1,10 +1,10 @@
-"""Status in pages (wire.check_page, wire.rank_page, wire.job_status): pages in rank order whose
+"""Status in pages (status_pages.check_page, .rank_page, .job_status): pages in rank order whose
 tokens lead through every rank once, a page boundary inside a node, the node and states filters,
 the summary over the whole job, and precise refusals of bad paging input."""
 
 import pytest
 
-from muster.coordinator import wire
+from muster.coordinator import status_pages, wire
 from muster.coordinator.core.liveness import Liveness, RankReport
 from muster.coordinator.core.machine import Context, Join, decide
 from muster.coordinator.core.policy import JobSpec, Timing
@@ -38,14 +38,14 @@ def live(state: JobState, exited: dict[str, int] = {}) -> Liveness:
     return lv
 
 
-def page(**request) -> wire.Page:
-    return wire.check_page(pb.StatusRequest(job="job", **request))
+def page(**request) -> status_pages.Page:
+    return status_pages.check_page(pb.StatusRequest(job="job", **request))
 
 
 def all_pages(state, lv, **request) -> list[list[pb.RankStatus]]:
     pages, token = [], ""
     while True:
-        ranks, token = wire.rank_page(state, lv, page(page_token=token, **request))
+        ranks, token = status_pages.rank_page(state, lv, page(page_token=token, **request))
         pages.append(ranks)
         if not token:
             return pages
@@ -65,7 +65,7 @@ def test_pages_cover_every_rank_once_in_order_with_boundaries_inside_nodes():
 
 def test_a_job_under_the_page_size_is_one_page_and_the_last_page_ends_exactly():
     state = running(4)
-    js = wire.job_status(state, "me", 7, live(state), page=page())
+    js = status_pages.job_status(state, "me", 7, live(state), page=page())
     assert len(js.ranks) == 12 and js.next_page_token == ""
     assert [len(p) for p in all_pages(state, live(state), page_size=6)] == [6, 6]
 
@@ -73,11 +73,11 @@ def test_a_job_under_the_page_size_is_one_page_and_the_last_page_ends_exactly():
 def test_the_summary_nodes_and_spares_come_with_the_first_page_only():
     state = running(4, spares=2)
     lv = live(state, exited={"n2": 1})
-    first = wire.job_status(state, "me", 7, lv, page=page(page_size=5))
+    first = status_pages.job_status(state, "me", 7, lv, page=page(page_size=5))
     assert (first.summary.nodes, first.summary.spares) == (6, 2)
     assert dict(first.summary.rank_states) == {"running": 11, "exited": 1}
     assert list(first.nodes) == ["n0", "n1", "n2", "n3", "s0", "s1"] and list(first.spares) == ["s0", "s1"]
-    second = wire.job_status(state, "me", 7, lv, page=page(page_size=5, page_token=first.next_page_token))
+    second = status_pages.job_status(state, "me", 7, lv, page=page(page_size=5, page_token=first.next_page_token))
     assert not second.HasField("summary") and not second.nodes and not second.spares
     assert [r.rank for r in second.ranks] == [5, 6, 7, 8, 9]
 
@@ -87,7 +87,7 @@ def test_persisted_status_pages_the_same_with_every_rank_persisted():
     pages = all_pages(state, None, page_size=2)
     assert [r.rank for p in pages for r in p] == list(range(9))
     assert {r.state for p in pages for r in p} == {"persisted"}
-    first = wire.job_status(state, "", 7, None, page=page())
+    first = status_pages.job_status(state, "", 7, None, page=page())
     assert dict(first.summary.rank_states) == {"persisted": 9}
 
 
@@ -99,34 +99,34 @@ def test_each_ranks_restarts_are_its_agents_latest_report():
         reports = [pb.RankReport(local_rank=s, pid=100 + s, state=pb.RANK_STATE_RUNNING, restarts=n)
                    for s, n in enumerate(restarts)]
         lv.observe("n0", state.generation, wire.check_frame_ranks(pb.NodeFrame(ranks=reports), state.member("n0")), now)
-        return [r.restarts for r in wire.rank_page(state, lv, page())[0]]
+        return [r.restarts for r in status_pages.rank_page(state, lv, page())[0]]
 
     assert frame([0, 2, 0], 0.0) == [0, 2, 0]
     assert frame([1, 3, 0], 1.0) == [1, 3, 0]  # replaced, not summed: the agent keeps the count
-    assert {r.restarts for r in wire.rank_page(state, None, page())[0]} == {0}  # persisted: not known
+    assert {r.restarts for r in status_pages.rank_page(state, None, page())[0]} == {0}  # persisted: not known
 
 
 def test_ranks_of_a_node_not_yet_heard_from_are_unknown():
     state = running(2)
     lv = Liveness(TIMING, 0.0)
-    ranks, _ = wire.rank_page(state, lv, page())
+    ranks, _ = status_pages.rank_page(state, lv, page())
     assert {r.state for r in ranks} == {"unknown"}
-    assert dict(wire.job_summary(state, lv).rank_states) == {"unknown": 6}
+    assert dict(status_pages.job_summary(state, lv).rank_states) == {"unknown": 6}
 
 
 def test_node_filter_gives_that_nodes_ranks_and_a_spare_none():
     state = running(4, spares=1)
-    ranks, token = wire.rank_page(state, live(state), page(node="n2"))
+    ranks, token = status_pages.rank_page(state, live(state), page(node="n2"))
     assert [(r.rank, r.node, r.local_rank) for r in ranks] == [(6, "n2", 0), (7, "n2", 1), (8, "n2", 2)]
     assert token == ""
     # Paged within the node: the token of its second page resumes in it.
-    first, token = wire.rank_page(state, live(state), page(node="n2", page_size=2))
-    rest, end = wire.rank_page(state, live(state), page(node="n2", page_size=2, page_token=token))
+    first, token = status_pages.rank_page(state, live(state), page(node="n2", page_size=2))
+    rest, end = status_pages.rank_page(state, live(state), page(node="n2", page_size=2, page_token=token))
     assert [r.rank for r in first + rest] == [6, 7, 8] and end == ""
-    assert wire.rank_page(state, live(state), page(node="s0")) == ([], "")
-    assert not wire.job_status(state, "me", 7, live(state), page=page(node="n2")).HasField("summary")
+    assert status_pages.rank_page(state, live(state), page(node="s0")) == ([], "")
+    assert not status_pages.job_status(state, "me", 7, live(state), page=page(node="n2")).HasField("summary")
     with pytest.raises(NotFound, match="'n9' is no member"):
-        wire.rank_page(state, live(state), page(node="n9"))
+        status_pages.rank_page(state, live(state), page(node="n9"))
 
 
 def test_states_filter_selects_ranks_and_bounds_the_scan_of_each_page():
@@ -136,25 +136,25 @@ def test_states_filter_selects_ranks_and_bounds_the_scan_of_each_page():
     found = [(r.rank, r.node) for p in pages for r in p]
     assert found == [(5, "n1"), (114, "n38")]
     # A page of 1 scans at most SCAN_FACTOR ranks: the 120 ranks take several pages, some empty.
-    assert len(pages) >= 120 // wire.SCAN_FACTOR and [] in pages
+    assert len(pages) >= 120 // status_pages.SCAN_FACTOR and [] in pages
 
 
 def test_an_empty_job_has_an_empty_last_page():
     state = JobState("job", JobSpec(1, 2, 1))
-    js = wire.job_status(state, "me", 1, Liveness(TIMING, 0.0), page=page())
+    js = status_pages.job_status(state, "me", 1, Liveness(TIMING, 0.0), page=page())
     assert (list(js.ranks), js.next_page_token, js.summary.nodes, dict(js.summary.rank_states)) == ([], "", 0, {})
 
 
 def test_listing_of_nodes_is_bounded_and_the_summary_counts_them_all(monkeypatch):
-    monkeypatch.setattr(wire, "MAX_LISTED_NODES", 3)
+    monkeypatch.setattr(status_pages, "MAX_LISTED_NODES", 3)
     state = running(5)
-    js = wire.job_status(state, "me", 7, None, page=page())
+    js = status_pages.job_status(state, "me", 7, None, page=page())
     assert list(js.nodes) == ["n0", "n1", "n2"] and js.summary.nodes == 5
 
 
 def test_brief_has_neither_ranks_nor_summary():
     state = running(2)
-    js = wire.job_status(state, "me", 7, live(state), brief=True)
+    js = status_pages.job_status(state, "me", 7, live(state), brief=True)
     assert not js.ranks and not js.HasField("summary") and not js.nodes
 
 
@@ -166,7 +166,7 @@ def refusal(error, check, *args) -> str:
 
 
 @pytest.mark.parametrize("request_, says", [
-    (dict(page_size=wire.MAX_PAGE_SIZE + 1), f"at most {wire.MAX_PAGE_SIZE}"),
+    (dict(page_size=status_pages.MAX_PAGE_SIZE + 1), f"at most {status_pages.MAX_PAGE_SIZE}"),
     (dict(page_token="-5"), "page_token '-5' is none that Status gave"),
     (dict(page_token="g1r-1"), "page_token"),
     (dict(page_token="x" * 10_000), "(10000 chars)"),
@@ -177,22 +177,22 @@ def refusal(error, check, *args) -> str:
     (dict(states=["running"] * 100), "states lists 100 states"),
 ])
 def test_bad_paging_input_is_refused_precisely(request_, says):
-    assert says in refusal(InvalidArgument, wire.check_page, pb.StatusRequest(job="job", **request_))
+    assert says in refusal(InvalidArgument, status_pages.check_page, pb.StatusRequest(job="job", **request_))
 
 
 def test_paging_needs_a_job():
-    assert "need a job" in refusal(InvalidArgument, wire.check_page, pb.StatusRequest(page_token="g1r0"))
-    assert "need a job" in refusal(InvalidArgument, wire.check_page, pb.StatusRequest(node="n0"))
-    assert wire.check_page(pb.StatusRequest(page_size=10)).size == 10  # every job's first page
+    assert "need a job" in refusal(InvalidArgument, status_pages.check_page, pb.StatusRequest(page_token="g1r0"))
+    assert "need a job" in refusal(InvalidArgument, status_pages.check_page, pb.StatusRequest(node="n0"))
+    assert status_pages.check_page(pb.StatusRequest(page_size=10)).size == 10  # every job's first page
 
 
 def test_a_token_of_another_generation_or_beyond_the_job_is_refused():
     state = running(2)  # generation 1, 6 ranks
-    msg = refusal(FailedPrecondition, wire.rank_page, state, None, page(page_token="g2r3"))
+    msg = refusal(FailedPrecondition, status_pages.rank_page, state, None, page(page_token="g2r3"))
     assert "generation 2" in msg and "without a page_token" in msg
-    assert "beyond the job's world size 6" in refusal(InvalidArgument, wire.rank_page, state, None,
+    assert "beyond the job's world size 6" in refusal(InvalidArgument, status_pages.rank_page, state, None,
                                                       page(page_token="g1r7"))
-    assert wire.rank_page(state, None, page(page_token="g1r6")) == ([], "")
+    assert status_pages.rank_page(state, None, page(page_token="g1r6")) == ([], "")
 
 
 def test_a_finished_run_shows_its_outcome_and_no_live_phase():
@@ -201,9 +201,9 @@ def test_a_finished_run_shows_its_outcome_and_no_live_phase():
     from muster.coordinator.core.state import Outcome
 
     state = running(2)
-    assert wire.job_status(state, "leader:1", 7, None, brief=True).phase == "running"
+    assert status_pages.job_status(state, "leader:1", 7, None, brief=True).phase == "running"
     ended = replace(state, outcome=Outcome.SUCCEEDED, outcome_reason="every rank completed its script")
-    js = wire.job_status(ended, "", 7, None, brief=True)
+    js = status_pages.job_status(ended, "", 7, None, brief=True)
     assert (js.outcome, js.phase) == ("succeeded", "ended")
 
 
@@ -220,7 +220,7 @@ def test_peer_snapshots_reported_in_a_frame_are_shown_by_status_per_rank_and_sum
                                                   snapshot_bytes=(s + 1) * mib if i == 0 else 0)
                                     for s in p.slots])
         lv.observe(p.node_id, state.generation, wire.check_frame_ranks(frame, state.member(p.node_id)), 0.0)
-    status = wire.job_status(state, "127.0.0.1:7600", 7, lv)
+    status = status_pages.job_status(state, "127.0.0.1:7600", 7, lv)
     doc = status_document(pb.StatusResponse(jobs=[status]), "job")
     ranks = doc["jobs"][0]["ranks"]
     assert [(r["snapshot_every"], r["snapshot_bytes"]) for r in ranks] == [(10, mib), (10, 2 * mib), (10, 3 * mib)] + [
