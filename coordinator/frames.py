@@ -67,6 +67,24 @@ def check_first(first: pb.NodeFrame, state: JobState) -> None:
                                  f"{state.run} now")
 
 
+def taken_back(first: pb.NodeFrame, state: JobState, member_keys: Callable[[], MemberKeys | None]) -> bool:
+    """Whether a first frame is a claim the core decides on (a `Rejoin`), not a member's stream: it
+    says who its node was, is not the member the node is now, and either the job's lost state is
+    being rebuilt from its nodes or the claim proves itself by its secret (it then displaces whoever
+    took the node id unproven; the core decides whether the running state is a run made anew since
+    etcd lost the one it ran, else it is told NOT_FOUND)."""
+    if not first.HasField("rejoin"):
+        return False
+    member = state.member(first.node_id)
+    if member is not None and member.member_id == first.member_id and member.admits(secret_hash(first.session_secret)):
+        return False
+    if state.rebuilding:
+        return True
+    keys = member_keys()  # only now: most frames never get here
+    return keys is not None and keys.verify(first.session_secret, state.job, state.run, first.node_id,
+                                            first.member_id) is not None
+
+
 def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: int) -> Rejoin:
     """The member a node that is no member says it was (a lost state rebuilt): for the core to take
     back. Where the replicas share a proof key the claim must prove it (else the node joins anew,

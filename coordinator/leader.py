@@ -27,7 +27,7 @@ from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.errors import Fenced, InvalidArgument, NotFound, NotLeader, PersistUnavailable
 from muster.coordinator.frames import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
-                                       rejoin_of, secret_hash)
+                                       rejoin_of, secret_hash, taken_back)
 from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
@@ -297,7 +297,7 @@ class JobLeader:
         a lost state is rebuilt, a node that is no member but says who it was is taken back.
         A relayed stream (`link`, `stream_id`) is authenticated the same way, by its first frame."""
         check_first(first, self.state)
-        if first.HasField("rejoin") and not self._is_member(first) and (self.state.rebuilding or self._proven(first)):
+        if taken_back(first, self.state, self.member_keys):
             return self._take_back(first, link, stream_id)
         member = admit(first, self.state, self.streams.get(first.node_id))
         stream = NodeStream(self.job, member.node_id, member.member_id, member.kind,
@@ -307,20 +307,6 @@ class JobLeader:
         self.streams.bind(stream, self.state, self.term)
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
-
-    def _is_member(self, first: pb.NodeFrame) -> bool:
-        """The first frame is of the member its node is now (else a claim: one that proves itself
-        displaces whoever took the node id unproven)."""
-        member = self.state.member(first.node_id)
-        return member is not None and member.member_id == first.member_id and \
-            member.admits(secret_hash(first.session_secret))
-
-    def _proven(self, first: pb.NodeFrame) -> bool:
-        """The claim of a node that is no member proves itself: the core decides whether the running
-        state is a run made anew since etcd lost the one it ran (else it is told NOT_FOUND)."""
-        keys = self.member_keys()
-        return keys is not None and keys.verify(first.session_secret, self.job, self.state.run, first.node_id,
-                                                first.member_id) is not None
 
     def _take_back(self, first: pb.NodeFrame, link: RelayedBy | None, stream_id: int) -> NodeStream:
         """The core decides (Rejoin); until then the stream is bound to nothing and its frames wait."""
@@ -387,6 +373,6 @@ class JobLeader:
             return status_pages.job_status(state, self.address, self.term, self.live, brief, page)  # O(1), O(page)
         counts, live = await summarised(state, self.live, self._clock, self.timing.heartbeat_timeout_s)
         js = status_pages.job_status(state, self.address, self.term, self.live, brief, page,
-                             status_pages.job_summary(state, self.live, counts))
+                                     status_pages.job_summary(state, self.live, counts))
         js.health.CopyFrom(self.stats.health(live))
         return js
