@@ -362,6 +362,13 @@ class Comm:
         timer.daemon = True
         timer.start()
 
+    def leave(self, abort_below: int = 0) -> None:
+        """Leave the current group for the next generation's: aborted first where its generation is
+        below `abort_below` (its collectives, and peers blocked on this rank, fail now), then destroyed."""
+        if abort_below:
+            self.abort(abort_below)
+        self.destroy()
+
     def destroy(self) -> None:
         """Leave the current group (after an abort, or at a planned switch). Its store connection
         stays for the next generation on the same store."""
