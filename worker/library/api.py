@@ -41,7 +41,7 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.library.backends import backend_named
-from muster.worker.library.comm import Comm, StepCut
+from muster.worker.library.comm import Comm, GroupSpec, StepCut
 from muster.worker.library.sockets import interface_of
 from muster.worker.library.stuck import exit_unless_raised
 from muster.worker.library.errors import Drained, FencedOut, RunEnded, WorkerError
@@ -49,10 +49,10 @@ from muster.worker.link import Link, Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.library.registration import registered
-from muster.worker.library.reform import Formed, Reform, at_boundary, group_formed
+from muster.worker.library.reform import Formed, Reform, at_boundary
 from muster.worker.library.sharded import BENCHED, Build, Replicas
 from muster.worker.library.snapshots import Snapshots
-from muster.worker.library.state import ReplicatedState, StateTransfer
+from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
 from muster.worker.library.step_guards import StepGuards
 from muster.worker.library.unwinding import Unwinding
 
@@ -448,6 +448,17 @@ class Worker:
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation, compute_us=self._scope.compute.compute_us(),
                               snapshot_every=every, snapshot_bytes=held)]
+
+
+def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **logged) -> dict:
+    """A reform's record (Worker.reforms, for benchmarks), logged as group_formed: what it took, phase
+    by phase, and what the state's sync moved."""
+    moved = {"state": sync.role if sync.plan.moves else "agreed", "sources": list(sync.plan.sources)[:8],
+             "bytes_sent": sync.sent, "bytes_received": sync.received}
+    log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
+             step=sync.step, store=spec.store_address, **logged, **moved,
+             **{k: round(v, 4) for k, v in phases.items()})
+    return {"generation": spec.generation, "step": sync.step, **moved, **phases}
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],

@@ -1,11 +1,11 @@
 """A reform as a plan the training thread runs when its group must change: leave the old group
 (aborting it first where it broke, so that peers blocked on this rank fail at once), wait for an
 assignment that gives this rank a place, form that generation's group, and sync the state to the
-step its ranks agree on. It speaks to the process group (worker/library/comm.py) in three verbs,
-`leave`, `form` and `channel`, only reads the link's mailbox (worker/link.py), and says what the
-rank does meanwhile (forming, holding) through a callback; the worker adopts the group formed. A
-rank whose group broke with no new generation in sight holds, process and state kept, for at most
-the hold timeout; so does one whose reform itself failed.
+step its ranks agree on. It speaks to the process group (worker/library/comm.py) in two verbs,
+`leave` and `form` (which hands back the channel the state syncs over), only reads the link's
+mailbox (worker/link.py), and says what the rank does meanwhile (forming, holding) through a
+callback; the worker adopts the group formed. A rank whose group broke with no new generation in
+sight holds, process and state kept, for at most the hold timeout; so does one whose reform failed.
 """
 
 from __future__ import annotations
@@ -81,10 +81,11 @@ class Reform:
             self.forming = True
             before_form_s = time.perf_counter() - started  # the old group's teardown, the wait for a place
             abandoned = partial(self.abandoned, spec.generation, immediate(a))
+            forming = time.perf_counter()
             try:
-                formed_s = self.comm.form(spec, abandoned=abandoned)
+                channel = self.comm.form(spec, abandoned=abandoned)
                 synced = time.perf_counter()
-                sync = state.sync(step, self.comm.channel(abandoned), self.device,
+                sync = state.sync(step, channel, self.device,
                                   progress=lambda phase, g=spec.generation: self.report("forming", phase, g))
                 sync_s = time.perf_counter() - synced
                 break
@@ -101,7 +102,7 @@ class Reform:
             self.unwinding.began(spec.generation)  # (an abort may be watching for it to leave this one)
             self.comm.leave()
         phases = {**self.comm.phases, **sync.phases, "transfer_s": sync.transfer_s, "sync_s": sync_s,
-                  "before_form_s": before_form_s, "form_s": formed_s, "seconds": time.perf_counter() - started}
+                  "before_form_s": before_form_s, "form_s": synced - forming, "seconds": time.perf_counter() - started}
         return Formed(spec, sync, phases)
 
     def abandoned(self, generation: int, at_once: bool) -> bool:
@@ -141,17 +142,6 @@ def at_boundary(drain_after: int | None, latest: pb.Assignment | None, base: pb.
             base is not None and base.generation > generation and placed(base, slot)):
         return "reform"  # (an abort came with a planned switch after it: form the abort's group)
     return "again"  # a planned switch ahead
-
-
-def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **logged) -> dict:
-    """A reform's record (Worker.reforms, for benchmarks), logged as group_formed: what it took, phase
-    by phase, and what the state's sync moved."""
-    moved = {"state": sync.role if sync.plan.moves else "agreed", "sources": list(sync.plan.sources)[:8],
-             "bytes_sent": sync.sent, "bytes_received": sync.received}
-    log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
-             step=sync.step, store=spec.store_address, **logged, **moved,
-             **{k: round(v, 4) for k, v in phases.items()})
-    return {"generation": spec.generation, "step": sync.step, **moved, **phases}
 
 
 def placed(a: pb.Assignment | None, slot: int) -> bool:
