@@ -58,7 +58,6 @@ from muster.worker.library.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
 
-
 _STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
            "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING, "holding": pb.RANK_STATE_HOLDING}
 

@@ -81,7 +81,7 @@ class Reform:
             self.forming = True
             before_form_s = time.perf_counter() - started  # the old group's teardown, the wait for a place
             abandoned = partial(self.abandoned, spec.generation, immediate(a))
-            forming = time.perf_counter()
+            form_began = time.perf_counter()
             try:
                 channel = self.comm.form(spec, abandoned=abandoned)
                 synced = time.perf_counter()
@@ -102,7 +102,7 @@ class Reform:
             self.unwinding.began(spec.generation)  # (an abort may be watching for it to leave this one)
             self.comm.leave()
         phases = {**self.comm.phases, **sync.phases, "transfer_s": sync.transfer_s, "sync_s": sync_s,
-                  "before_form_s": before_form_s, "form_s": synced - forming, "seconds": time.perf_counter() - started}
+                  "before_form_s": before_form_s, "form_s": synced - form_began, "seconds": time.perf_counter() - started}
         return Formed(spec, sync, phases)
 
     def abandoned(self, generation: int, at_once: bool) -> bool:
