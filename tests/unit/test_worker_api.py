@@ -104,7 +104,7 @@ def test_a_drain_ends_training_as_the_step_after_the_agreed_one_begins():
 
 
 def test_the_group_to_form_is_an_unformed_abort_before_the_planned_switch_that_follows_it():
-    from muster.worker.library.api import to_form
+    from muster.worker.library.reform import to_form
 
     def gen(g, slots=(0, 1), *, abort=False, switch_at=0):
         return pb.Assignment(generation=g, role=pb.ROLE_ACTIVE, local_ranks=list(slots), abort_previous=abort,
@@ -116,6 +116,23 @@ def test_the_group_to_form_is_an_unformed_abort_before_the_planned_switch_that_f
     assert to_form(gen(5, abort=True), planned, 0, after=2).generation == 5  # a newer abort wins at once
     assert to_form(gen(5, slots=(1,)), None, 0, after=2) is None  # no place for this rank
     assert to_form(gen(2), None, 0, after=2) is None  # nothing newer
+
+
+def test_a_step_boundary_reforms_for_an_abort_or_a_switch_due_and_looks_again_for_one_ahead():
+    from muster.worker.library.reform import at_boundary
+
+    def gen(g, *, slots=(0,), abort=False, switch_at=0):
+        return pb.Assignment(generation=g, role=pb.ROLE_ACTIVE, local_ranks=list(slots), abort_previous=abort,
+                             switch_at_step=switch_at)
+    assert at_boundary(None, None, None, 1, 5, 0) == "nothing"
+    assert at_boundary(None, gen(1), gen(1), 1, 5, 0) == "nothing"  # nothing newer than this generation
+    assert at_boundary(None, gen(2, abort=True), gen(2, abort=True), 1, 5, 0) == "reform"
+    assert at_boundary(None, gen(2, switch_at=9), None, 1, 5, 0) == "again"  # a planned switch ahead
+    assert at_boundary(None, gen(2, switch_at=9), None, 1, 9, 0) == "reform"  # ...due at its step
+    assert at_boundary(None, gen(3, switch_at=9), gen(2, abort=True), 1, 5, 0) == "reform"  # the abort's group first
+    assert at_boundary(None, gen(3, switch_at=9), gen(2, slots=(1,), abort=True), 1, 5, 0) == "again"  # no place in it
+    assert at_boundary(7, gen(2, abort=True), None, 1, 7, 0) == "again"  # drained: Drained as the next step begins
+    assert at_boundary(9, None, None, 1, 7, 0) == "again"  # the drain's step is ahead
 
 
 def test_an_abort_watches_a_group_formed_but_not_yet_adopted():

@@ -8,7 +8,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.library.api import give_up_waiting, report_waiting
+from muster.worker.library.reform import give_up_waiting, report_waiting
 from muster.worker.library.errors import CoordinatorLost, HoldExpired
 
 

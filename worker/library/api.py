@@ -29,7 +29,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import NoReturn
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -42,24 +41,22 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.library.backends import backend_named
-from muster.worker.library.comm import Comm, GroupSpec, StepCut, Superseded
+from muster.worker.library.comm import Comm, GroupSpec, StepCut
 from muster.worker.library.sockets import interface_of
-from muster.worker.library.stuck import exit_stuck
-from muster.worker.library.errors import CoordinatorLost, Drained, FencedOut, HoldExpired, RunEnded, WorkerError
-from muster.worker.link import Link, Transport, immediate
+from muster.worker.library.stuck import exit_unless_raised
+from muster.worker.library.errors import Drained, FencedOut, RunEnded, WorkerError
+from muster.worker.link import Link, Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.library.registration import registered
-from muster.worker.library.sharded import BENCHED, Bench, Build, Replicas
+from muster.worker.library.reform import Formed, Reform, at_boundary
+from muster.worker.library.sharded import BENCHED, Build, Replicas
 from muster.worker.library.snapshots import Snapshots
 from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
 from muster.worker.library.step_guards import StepGuards
 from muster.worker.library.unwinding import Unwinding
 
 log = structlog.get_logger(__name__)
-
-STUCK_EXIT_S = 10.0  # a fenced rank whose training thread does not raise within this long exits
-WAIT_REPORT_S = 10.0  # a rank waiting for a place in a newer generation says so this often
 
 _STATES = {"starting": pb.RANK_STATE_STARTING, "running": pb.RANK_STATE_RUNNING,
            "long_phase": pb.RANK_STATE_LONG_PHASE, "forming": pb.RANK_STATE_FORMING, "holding": pb.RANK_STATE_HOLDING}
@@ -126,51 +123,29 @@ class _StepScope:
     afterwards whether it counted (False: discarded by a membership change, to be redone).
     Reusable; allocation-free on success."""
 
-    __slots__ = ("worker", "started", "completed", "compute", "digest_every")
+    __slots__ = ("worker", "started", "completed", "compute")
 
     def __init__(self, worker: Worker):
         self.worker = worker
         self.started = 0.0
         self.completed = False
         self.compute = ComputeClock()  # compute vs waiting, for the leader's straggler watch
-        self.digest_every = worker.config.digest_every
 
     def __enter__(self) -> _StepScope:
-        if self.worker.link.changed.is_set():
-            self.worker._check_drain()  # raised here, so the script saw the last step complete
+        self.worker.step_begins()
         self.started = time.perf_counter()
         self.completed = False
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        w = self.worker
         if exc_type is None:
-            w.step += 1
             self.completed = True
-            us = int((time.perf_counter() - self.started) * 1e6)
-            w._progress = (w.step, us, "running", "", w.generation)
-            w._unwinding.stepped(us)
             self.compute.step_done(self.started)
-            w._redos = 0
-            if w._stepped is not None:
-                w._stepped(w.step)
-            if self.digest_every and w.step % self.digest_every == 0:
-                w._digest = (w.step, w.state.fingerprint(w.device))
-            if w.link.changed.is_set():
-                w._boundary()
+            self.worker.step_done(int((time.perf_counter() - self.started) * 1e6))
             return False
         if not issubclass(exc_type, Exception) or issubclass(exc_type, WorkerError):
             return False
-        outside = isinstance(exc, StepCut) or w.backend.is_transport_failure(exc)
-        if not outside and not w._membership_changed(w.config.abort_wait_s):
-            return False  # not ours: the script's own error
-        w._redos += 1
-        if w._redos > w.config.max_redos:
-            log.error("step_failed_repeatedly", step=w.step + 1, attempts=w._redos, error=str(exc)[:200])
-            return False  # the same step failed in every fresh group: the script's error after all
-        log.info("step_discarded", step=w.step + 1, generation=w.generation, error=str(exc)[:200])
-        w._reform(discard=True, hold=f"a collective of generation {w.generation} failed: {str(exc)[:200]}")
-        return True  # swallowed: the loop redoes the step
+        return self.worker.step_failed(exc)  # True: swallowed, the loop redoes the step
 
 
 class Worker:
@@ -189,7 +164,7 @@ class Worker:
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
         self._error: WorkerError | None = None
         self._error_seen = threading.Event()  # the training thread has raised it
-        self._forming = False  # the training thread is inside Comm.form
+        self._plan: Reform | None = None  # how this rank reforms (once started)
         self._unwinding = Unwinding(excused=lambda: self._closing or self._progress[2] == "long_phase")
         self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
         self._redos = 0  # attempts of the current step discarded in a row
@@ -250,8 +225,11 @@ class Worker:
         group_end.detach()  # the runner's too: the library destroys its groups at every reform
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
+        self._plan = Reform(self.comm, self.link, self._unwinding, slot=self._slot, local_rank=c.local_rank,
+                            device=self.device, hold_timeout_s=c.hold_timeout_s, report=self._report, halt=self._halt,
+                            failed=lambda: self._error is not None, let_go=self._ddp.clear)
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
-        self._reform(discard=False)
+        self._reform()
         return self
 
     def close(self, *, leave: bool = True) -> None:
@@ -282,12 +260,11 @@ class Worker:
     @contextmanager
     def long_phase(self, name: str) -> Iterator[None]:
         """Declare a long phase (checkpoint save, evaluation): no stall is detected meanwhile."""
-        step, us, _, _, generation = self._progress
-        self._progress = (step, us, "long_phase", name, generation)
+        self._report("long_phase", name, self._progress[4])
         try:
             yield
         finally:
-            self._progress = (*self._progress[:2], "running", "", self._progress[4])
+            self._report("running", "", self._progress[4])
 
     def ddp(self, module: torch.nn.Module | None = None, **kwargs) -> torch.nn.Module:
         """A DistributedDataParallel wrapper over the current group (a 1-D mesh's, whose ranks are
@@ -309,37 +286,64 @@ class Worker:
             self._scope.compute.watch(module)
         return cached[1]
 
-    # ---- step boundary ---------------------------------------------------------------
+    # ---- step boundary (the step scope's) ----------------------------------------------
+
+    def step_begins(self) -> None:
+        """As a step begins: Drained past the drain's step (raised here: the script saw the last step complete)."""
+        if self.link.changed.is_set():
+            self._check_drain()
+
+    def step_done(self, us: int) -> None:
+        """The step in flight completed in `us` µs: count and report it, then take a membership
+        change due at this boundary."""
+        self.step += 1
+        self._progress = (self.step, us, "running", "", self.generation)
+        self._unwinding.stepped(us)
+        self._redos = 0
+        if self._stepped is not None:
+            self._stepped(self.step)
+        if self.config.digest_every and self.step % self.config.digest_every == 0:
+            self._digest = (self.step, self.state.fingerprint(self.device))
+        if self.link.changed.is_set():
+            self._boundary()
+
+    def step_failed(self, exc: Exception) -> bool:
+        """The step in flight raised `exc`. True: lost to a failure outside this rank (or an abort within
+        abort_wait_s), it is discarded and this rank has reformed: redo it. False: the script's own error."""
+        outside = isinstance(exc, StepCut) or self.backend.is_transport_failure(exc)
+        if not outside and not self._membership_changed(self.config.abort_wait_s):
+            return False  # not ours: the script's own error
+        self._redos += 1
+        if self._redos > self.config.max_redos:
+            log.error("step_failed_repeatedly", step=self.step + 1, attempts=self._redos, error=str(exc)[:200])
+            return False  # the same step failed in every fresh group: the script's error after all
+        log.info("step_discarded", step=self.step + 1, generation=self.generation, error=str(exc)[:200])
+        self._reform(discard=True, hold=f"a collective of generation {self.generation} failed: {str(exc)[:200]}")
+        return True
 
     def _boundary(self) -> None:
         self.link.changed.clear()
-        if self._error is not None:
-            self._raise_error()
-        if self.link.drain_after is not None and self.step >= self.link.drain_after:
-            self.link.changed.set()  # Drained is raised as the next step begins
-            return
-        latest = self.link.latest
-        if latest is None or latest.generation <= self.generation:
-            if self.link.drain_after is not None:
-                self.link.changed.set()  # the drain step is ahead: look again at the next boundary
-            return
-        base = self.link.base
-        if latest.abort_previous or self.step >= latest.switch_at_step or (
-                base is not None and base.generation > self.generation and placed(base, self._slot)):
-            self._reform(discard=False)  # (an abort came with a planned switch after it: form the abort's group)
-        else:
-            self.link.changed.set()  # a planned switch ahead: look again at the next boundary
+        self._raise_error()
+        due = at_boundary(self.link.drain_after, self.link.latest, self.link.base, self.generation, self.step, self._slot)
+        if due == "reform":
+            self._reform()
+        elif due == "again":
+            self.link.changed.set()
 
     def _check_drain(self) -> None:
         if self.link.drain_after is not None and self.step >= self.link.drain_after:
             raise Drained(f"the node leaves the job after step {self.link.drain_after}")
 
+    def _halt(self, error: WorkerError | None = None) -> None:
+        """Raise what ends this rank's training, if anything: `error`, the link's, or a drain past this step."""
+        self._raise_error(error)
+        self._check_drain()
+
     def _membership_changed(self, wait_s: float) -> bool:
         """After a collective failed: is (or does, within wait_s) an abort of this generation come?"""
         deadline = time.monotonic() + wait_s
         while True:
-            if self._error is not None:
-                self._raise_error()
+            self._raise_error()
             latest = self.link.latest
             if latest is not None and latest.generation > self.generation and latest.abort_previous:
                 return True
@@ -349,110 +353,36 @@ class Worker:
             self.link.changed.wait(min(remaining, 0.05))
             self.link.changed.clear()
 
-    def _wait_for_place(self, after: int, hold: str, deadline: float, bench: Bench | None = None) -> pb.Assignment:
-        """Block until an assignment newer than generation `after` gives this rank a place (spares
-        and waiting jobs wait). Holding (`hold` says why), no longer than `deadline`; otherwise
-        bounded by the link: a coordinator not heard from for the hold timeout ends the wait.
-        It says what it waits for every WAIT_REPORT_S. A benched rank (`bench`) ends with the others."""
-        began = report_at = time.monotonic()
-        while True:
-            self.link.changed.clear()
-            if self._error is not None:
-                self._raise_error()
-            self._check_drain()
-            target = to_form(self.link.latest, self.link.base, self._slot, after)
-            if target is not None:
-                return target
-            if bench is not None and bench.others_finished():
-                self._error = bench.finish(self.link)
-                self._raise_error()
-            if time.monotonic() >= report_at + WAIT_REPORT_S:
-                cause = hold or getattr(bench, "why", "")
-                report_at = report_waiting(self.link, self.config.hold_timeout_s, after, cause, began, deadline)
-            give_up_waiting(self.link, self.config.hold_timeout_s, after, hold, deadline)
-            self.link.changed.wait(0.1)
-
-    def _reform(self, *, discard: bool, hold: str = "") -> None:
-        """Leave the current group and join the next one this rank trains in. `hold`: why the
-        group broke with no new generation in sight; the wait for one is then bounded by the hold
-        timeout, and a failure while forming holds the same way. A rank benched in the generation
-        formed (its replica group is out of the mesh: worker/library/sharded.py) sits it out, state
-        kept and reporting a long phase (not a stall), until a newer generation places it."""
+    def _reform(self, *, discard: bool = False, hold: str = "") -> None:
+        """Leave the current group and join the next one this rank trains in (the plan: Reform).
+        A rank benched in the generation formed (its replica group is out of the mesh:
+        worker/library/sharded.py) sits it out, state kept and reporting a long phase (not a
+        stall), until a newer generation places it."""
         state, phase = self._progress[2:4]
-        while self._form_next(discard=discard, hold=hold).role == BENCHED:
-            step, us, *_ = self._progress
-            self._progress = (step, us, "long_phase", f"benched: {self.state.bench.why}"[:200], self.generation)
-            self._wait_for_place(self.generation, "", math.inf, self.state.bench)
-            self.comm.abort(self.generation + 1)  # (the bench's barrier would hold the group's destroy)
-            discard, hold = False, ""
-        self._progress = (*self._progress[:2], state, phase, self._progress[4])
+        formed = self._plan.run(self.state, self.generation, self.step, discard=discard, hold=hold)
+        self._adopt(formed, state, phase)
+        while formed.sync.role == BENCHED:
+            self._report("long_phase", f"benched: {self.state.bench.why}"[:200], self.generation)
+            self._plan.wait_for_place(self.generation, "", math.inf, self.state.bench)
+            # (aborted first: the bench's barrier would hold the group's destroy)
+            formed = self._plan.run(self.state, self.generation, self.step, abort=True)
+            self._adopt(formed, state, phase)
 
-    def _form_next(self, *, discard: bool, hold: str) -> SyncResult:
-        """One reform: leave the current group, form the next one this rank has a place in, sync the state."""
-        started = time.perf_counter()
-        step, us, state, phase, _ = self._progress
-        after = self.generation
-        self._unwinding.began(after)
-        if discard:
-            self.state.discard_step()
-        self._ddp.clear()
-        if hold:
-            self.comm.abort(after + 1)  # peers blocked on this rank fail now instead of at the timeout
-            latest = self.link.latest
-            if latest is None or latest.generation <= after:
-                log.info("rank_holding", generation=after, step=self.step, cause=hold,
-                            hold_timeout_s=self.config.hold_timeout_s)
-        self.comm.destroy()
-        deadline = time.monotonic() + self.config.hold_timeout_s
-        while True:
-            # Waiting for the others is not a stall; holding says that this generation broke.
-            self._progress = (step, us, "holding" if hold else "forming", "", after)
-            a = self._wait_for_place(after, hold, deadline)
-            spec = self._group(a)
-            self._progress = (step, us, "forming", "", spec.generation)
-            self._forming = True
-            before_form_s = time.perf_counter() - started  # the old group's teardown, the wait for a place
-            try:
-                formed_s = self.comm.form(spec, abandoned=lambda g=spec.generation, i=immediate(a):
-                                          self._superseded(g, i))
-                synced = time.perf_counter()
-                channel = self.comm.channel(lambda g=spec.generation, i=immediate(a): self._superseded(g, i))
-                sync = self.state.sync(self.step, channel, self.device,
-                                       progress=lambda phase, s=step, u=us, g=spec.generation:
-                                       setattr(self, "_progress", (s, u, "forming", phase, g)))
-                sync_s, step = time.perf_counter() - synced, sync.step
-                break
-            except Superseded:
-                pass
-            # A fault during the reform itself: hold for the next. (ValueError: an abort that came
-            # as this group formed left NCCL's torch without a group for the state exchange.)
-            except (RuntimeError, ValueError) as exc:
-                log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200],
-                            hold_left_s=round(max(0.0, deadline - time.monotonic()), 1))  # then HoldExpired
-                after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
-            finally:
-                self._forming = False
-            self._unwinding.began(spec.generation)  # (an abort may be watching for it to leave this one)
-            self.comm.destroy()
-        lost = self.step - step if step < self.step else 0
-        self.step, self.rank, self.world_size, self.generation = step, spec.rank, spec.world_size, spec.generation
+    def _adopt(self, formed: Formed, state: str, phase: str) -> None:
+        """Train in the group a reform formed, from the step the state was synced to."""
+        spec, sync = formed.spec, formed.sync
+        lost = self.step - sync.step if sync.step < self.step else 0
+        self.step, self.rank, self.world_size, self.generation = sync.step, spec.rank, spec.world_size, spec.generation
         self.link.running(spec.generation)
-        self._progress = (step, us, state, phase, spec.generation)
+        self._progress = (sync.step, self._progress[1], state, phase, spec.generation)
         latest = self.link.latest
         if latest is not None and latest.generation > spec.generation:
-            # A planned switch that came while this group formed (the waits above cleared its
-            # signal): the step boundaries look at it from now on.
-            self.link.changed.set()
-        phases = {**self.comm.phases, **sync.phases, "transfer_s": sync.transfer_s, "sync_s": sync_s,
-                  "before_form_s": before_form_s, "form_s": formed_s, "seconds": time.perf_counter() - started}
-        self.reforms.append(group_formed(spec, sync, phases, steps_behind=lost, backend=self.backend.name))
-        return sync
+            self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
+        self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
 
-    def _group(self, a: pb.Assignment) -> GroupSpec:
-        return group_spec(a, self._slot, self.config.local_rank)
-
-    def _superseded(self, generation: int, at_once: bool) -> bool:
-        return self._error is not None or superseded(self.link.latest, generation, at_once)
+    def _report(self, state: str, phase: str, generation: int) -> None:
+        """What this rank says it does (one tuple swap: the link thread reads it), at the step it reported last."""
+        self._progress = (*self._progress[:2], state, phase, generation)
 
     # ---- background thread -----------------------------------------------------------
 
@@ -467,19 +397,16 @@ class Worker:
             log.error("worker_link_failed", error=str(error))
         self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
         self.link.changed.set()
-        threading.Thread(target=self._exit_unless_raised, args=(error,), name="muster-fence", daemon=True).start()
+        threading.Thread(target=exit_unless_raised, args=(str(error), self._error_seen, lambda: self._closing),
+                         name="muster-fence", daemon=True).start()
 
-    def _raise_error(self) -> NoReturn:
-        self._error_seen.set()
-        raise self._error
-
-    def _exit_unless_raised(self, error: WorkerError) -> None:
-        """A rank whose training thread cannot get to its error (stuck in a C++ call that no abort
-        reaches, e.g. gloo connecting to a peer that died mid-init) would hold its slot forever: it
-        exits, and its agent starts a fresh process for the slot."""
-        if self._error_seen.wait(STUCK_EXIT_S) or self._closing:
-            return
-        exit_stuck(str(error), STUCK_EXIT_S)
+    def _raise_error(self, error: WorkerError | None = None) -> None:
+        """On the training thread: raise the link's error (or `error`, which becomes it), if there is one."""
+        if error is not None:
+            self._error = error
+        if self._error is not None:
+            self._error_seen.set()
+            raise self._error
 
     def _abort(self, below_generation: int) -> None:
         """Off the link's loop, which must keep streaming while the training thread is watched."""
@@ -498,7 +425,7 @@ class Worker:
         """On the link thread, after the mailbox has it."""
         if d.HasField("assignment"):
             a = d.assignment
-            if (self.generation or self._forming) and self._slot in a.down_local_ranks:
+            if (self.generation or self._plan is not None and self._plan.forming) and self._slot in a.down_local_ranks:
                 # This process held a place, or was forming one, and was declared failed (it hung, or
                 # never formed): its state is stale. A fresh process (the agent restarts this one)
                 # takes the slot back.
@@ -542,66 +469,3 @@ def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], l
                             job_spec(c.min_nodes, c.max_nodes, c.world_size_multiple, c.stragglers),
                             is_process=True, agent_pid=os.getpid())
     return NodeSession(c.coordinators, identity, reports=reports, on_directive=on_directive, security=c.security)
-
-
-def placed(a: pb.Assignment | None, slot: int) -> bool:
-    """`a` gives local rank `slot` a place in its group."""
-    return a is not None and a.role == pb.ROLE_ACTIVE and slot in a.local_ranks
-
-
-def give_up_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, deadline: float) -> None:
-    """Raise if a rank waiting for a place after generation `after` has waited long enough: holding
-    (`hold` says why) past `deadline`, or otherwise with the coordinator silent for the hold timeout."""
-    if hold and time.monotonic() > deadline:
-        log.error("hold_expired", generation=after, held_s=hold_timeout_s, cause=hold)
-        raise HoldExpired(f"held {hold_timeout_s:g}s for a new generation after {hold}; none came "
-                          f"(the coordinator was last heard {link.silent_s():.0f}s ago): giving up")
-    silent_s = 0.0 if hold else link.silent_s()
-    if silent_s > hold_timeout_s:
-        log.error("coordinator_lost", generation=after, silent_s=round(silent_s, 1), hold_timeout_s=hold_timeout_s)
-        raise CoordinatorLost(f"no word from the coordinator for {silent_s:.0f}s while waiting for a place "
-                              f"in generation > {after} (hold timeout {hold_timeout_s:g}s)")
-
-
-def report_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, began: float, deadline: float) -> float:
-    """A rank waiting for a place in a generation after `after` says what it waits for and when it
-    gives up (see give_up_waiting); returns now."""
-    now = time.monotonic()
-    latest = link.latest
-    silent_s = link.silent_s()
-    if hold:
-        gives_up = {"gives_up_in_s": round(deadline - now, 1)}
-    else:  # while heard, the coordinator bounds the wait: it fails a run left waiting past its waiting timeout
-        gives_up = {"gives_up_in_s": round(max(0.0, hold_timeout_s - silent_s), 1),
-                    "gives_up_if": "the coordinator stays silent (it ends a run waiting past its waiting timeout)"}
-    log.info("rank_waiting", after_generation=after, waited_s=round(now - began, 1),
-             latest_generation=latest.generation if latest is not None else None,
-             cause=hold or "no place for this rank yet", coordinator_silent_s=round(silent_s, 1), **gives_up)
-    return now
-
-
-def group_spec(a: pb.Assignment, slot: int, local_rank: int) -> GroupSpec:
-    """Local rank `slot`'s group in `a`, which places it."""
-    return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(slot), a.world_size, local_rank,
-                     a.store_address, a.store_prefix)
-
-
-def superseded(latest: pb.Assignment | None, generation: int, at_once: bool) -> bool:
-    """Abandon the group of `generation` being formed (`at_once`: for an abort, not a planned
-    switch)? For a newer one formed at once, yes; a group formed at once is not abandoned for a
-    planned switch away from it (its ranks must train to the switch in it); one formed for a
-    planned switch is, for any newer one (the others skip to the newest at its step)."""
-    return latest is not None and latest.generation > generation and (immediate(latest) or not at_once)
-
-
-def to_form(latest: pb.Assignment | None, base: pb.Assignment | None, slot: int,
-            after: int) -> pb.Assignment | None:
-    """The generation to form, newer than `after`: the latest, unless that is a planned switch away
-    from a group (`base`) this rank has a place in but has not formed yet (an abort just before it):
-    then that group first; its ranks train in it up to the switch. A rank that is new in the
-    planned one forms it at once and waits there for the others."""
-    if not placed(latest, slot) or latest.generation <= after:
-        return None
-    if immediate(latest) or base is None or base.generation <= after or not placed(base, slot):
-        return latest
-    return base

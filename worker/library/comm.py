@@ -170,7 +170,6 @@ class Comm:
                        if host_store else None)
         self.store_port = self.server.port if self.server is not None else 0
         self.spec: GroupSpec | None = None
-        self._group_store: dist.Store | None = None  # the formed group's generation store (its prefix)
         self._lock = threading.Lock()
         self._sockets: dict[int, str] = {}  # the group's: descriptor -> inode
         self._abort_below = 0  # generations below this are to be aborted
@@ -236,8 +235,9 @@ class Comm:
             client.set_timeout(self.timeout)
             return client, store_connections(new_sockets(before), port)
 
-    def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> float:
-        """Join `spec`'s group; returns seconds spent. Raises Superseded when `abandoned()` turns true."""
+    def form(self, spec: GroupSpec, abandoned: Callable[[], bool]) -> GroupChannel:
+        """Join `spec`'s group; returns its channel: the generation's store, bounded like the group's
+        collectives and abandonable. Raises Superseded when `abandoned()` turns true."""
         started = time.monotonic()
         client, connections = self._store(spec, abandoned, started)
         self.phases["store_s"] = time.monotonic() - started
@@ -284,25 +284,17 @@ class Comm:
             self._sockets = new_sockets(before)
             if client is not self.server and not cut:
                 self._client = (spec.store_address, client, connections)
-            self.spec, self._aborted, self._group_store = spec, False, store
+            self.spec, self._aborted = spec, False
             late_abort = spec.generation < self._abort_below
         if late_abort:
             self.abort(spec.generation + 1)
         self.phases["init_s"] = time.monotonic() - started - self.phases["barrier_s"]
-        return time.monotonic() - started
+        return GroupChannel(store, spec, abandoned, self.timeout.total_seconds())
 
     def aborted(self) -> bool:
         """The current group was aborted (or is to be): its in-flight collectives may have been cut short."""
         with self._lock:
             return self.spec is None or self._aborted or self.spec.generation < self._abort_below
-
-    def channel(self, abandoned: Callable[[], bool]) -> GroupChannel:
-        """The formed group's store, bounded like the group's collectives and abandonable."""
-        with self._lock:
-            spec, store = self.spec, self._group_store
-        if spec is None or store is None:
-            raise RuntimeError("no group formed")
-        return GroupChannel(store, spec, abandoned, self.timeout.total_seconds())
 
     @contextmanager
     def subgroups(self) -> Iterator[None]:
@@ -362,13 +354,20 @@ class Comm:
         timer.daemon = True
         timer.start()
 
+    def leave(self, abort_below: int = 0) -> None:
+        """Leave the current group for the next generation's: aborted first where its generation is
+        below `abort_below` (its collectives, and peers blocked on this rank, fail now), then destroyed."""
+        if abort_below:
+            self.abort(abort_below)
+        self.destroy()
+
     def destroy(self) -> None:
         """Leave the current group (after an abort, or at a planned switch). Its store connection
         stays for the next generation on the same store."""
         started = time.monotonic()
         self.backend.release()
         with self._lock:
-            self.spec, self._group_store = None, None
+            self.spec = None
             self._sockets = {}
         if dist.is_initialized():  # (not after NCCL's abort, which cleared torch's registry)
             dist.destroy_process_group()
