@@ -245,6 +245,23 @@ def spare_victim_survivors(ranks: list[TrainingProcess], slot: int) -> tuple[Tra
     return spare, victim, [p for p in ranks if p not in (victim, spare)]
 
 
+def kill_and_finish(victim: TrainingProcess, finishing: list[TrainingProcess], wait_s: float,
+                    sig: int = signal.SIGKILL) -> tuple[int, float]:
+    """Signal `victim`, then wait for every process of `finishing` to exit 0 (failing with its log's
+    tail); the generation the victim last stepped in and when it was signalled (Unix seconds)."""
+    generation = victim.steps()[-1]["generation"]
+    at = time.time()
+    victim.signal(sig)
+    for p in finishing:
+        assert p.wait(wait_s) == 0, p.log_path.read_text()[-3000:]
+    return generation, at
+
+
+def resumed_at(survivors: list[TrainingProcess], generation: int) -> float:
+    """When the first of `survivors` completed a step in a generation after `generation`."""
+    return min(record_time(r) for p in survivors for r in p.steps() if r["generation"] > generation)
+
+
 def final_digests(ranks: list[TrainingProcess], steps: int) -> dict[int, str]:
     """Each mesh slot's state fingerprint at the last step, once every rank logged step `steps`."""
     last = [p.steps()[-1] for p in ranks]

@@ -6,14 +6,13 @@ batches. Skipped without CUDA; MUSTER_GPU_TEST_BACKEND=gloo (or nccl-twin) runs 
 `make gpu-check` runs it with the other tests of tests/gpu."""
 
 import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from muster.local import TrainingProcess, final_digests, rank_env, record_time, spare_victim_survivors, wait_until
+from muster.local import (TrainingProcess, final_digests, kill_and_finish, rank_env, resumed_at, spare_victim_survivors,
+                          wait_until)
 
 BACKEND = os.environ.get("MUSTER_GPU_TEST_BACKEND", "nccl")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py"
@@ -47,14 +46,9 @@ def test_hsdp_a_killed_rank_is_replaced_by_the_spare_from_the_other_replica(coor
     ranks = hsdp(leader.address, "hsdp-kill", 5)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 180, "4 ranks past step 3", interval_s=0.1)
     spare, victim, survivors = spare_victim_survivors(ranks, 1)
-    generation = victim.steps()[-1]["generation"]
-    killed_at = time.time()
-    victim.signal(signal.SIGKILL)
-    for p in reference + survivors + [spare]:
-        assert p.wait(200) == 0, p.log_path.read_text()[-3000:]
-    resumed = min(record_time(r) for p in survivors for r in p.steps() if r["generation"] > generation)
+    generation, killed_at = kill_and_finish(victim, reference + survivors + [spare], 200)
     print(f"\nHSDP 2x2 on {BACKEND}, a rank killed at step {victim.last_step}: training resumed "
-          f"{resumed - killed_at:.2f} s later")
+          f"{resumed_at(survivors, generation) - killed_at:.2f} s later")
     took = [r for r in spare.records("group_formed") if r["generation"] > generation]
     assert took and took[0]["state"] == "receiver" and took[0]["bytes_received"] > 0, took
     reformed = [r for p in survivors for r in p.records("group_formed") if r["generation"] > generation]

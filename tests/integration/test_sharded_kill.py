@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from muster.local import TrainingProcess, final_digests, record_time, spare_victim_survivors, wait_until
+from muster.local import (TrainingProcess, final_digests, kill_and_finish, record_time, resumed_at,
+                          spare_victim_survivors, wait_until)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hsdp.py"
 HSDP_COMMAND = [sys.executable, str(EXAMPLE)]
@@ -55,12 +56,9 @@ def test_a_lost_rank_is_replaced_in_its_slot_and_training_ends_as_if_uninterrupt
     wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 120, "4 ranks past step 3")
     assert min(r["world_size"] for p in ranks for r in p.steps()) == 4, "no group smaller than the mesh formed"
     spare, victim, survivors = spare_victim_survivors(ranks, 1)
-    generation = victim.steps()[-1]["generation"]
-    killed_at = time.time()
-    victim.signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-    for p in reference + survivors + [spare]:
-        assert p.wait(150) == 0, p.log_path.read_text()[-3000:]
-    resumed = min(record_time(r) for p in survivors for r in p.steps() if r["generation"] > generation)
+    generation, killed_at = kill_and_finish(victim, reference + survivors + [spare], 150,
+                                            signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    resumed = resumed_at(survivors, generation)
     print(f"\nHSDP 2x2, a rank {fault} at step {victim.last_step}: training resumed {resumed - killed_at:.2f} s later")
 
     took = [r for r in spare.records("group_formed") if r["generation"] > generation]

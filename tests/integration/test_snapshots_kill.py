@@ -10,12 +10,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from muster.local import TrainingProcess, final_digests, record_time, spare_victim_survivors, wait_until
+from muster.local import (TrainingProcess, final_digests, kill_and_finish, resumed_at, spare_victim_survivors,
+                          wait_until)
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py")
 STEPS, EVERY = 14, 4
@@ -46,17 +46,13 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
     ranks = sharded(leader.address, f"{kind}-kill", 5, zero)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= EVERY + 2 for p in ranks) == 4, 60, f"4 ranks past step {EVERY + 2}")
     # `muster status` shows the snapshots' period and the host memory they take (K and its cost)
-    shown = subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address, "--job", f"{kind}-kill",
-                            "--json"], capture_output=True, text=True, timeout=30)
-    in_map = [r for r in json.loads(shown.stdout)["jobs"][0]["ranks"]]
+    shown = subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address,
+                            "--job", f"{kind}-kill", "--json"], capture_output=True, text=True, timeout=30)
+    in_map = json.loads(shown.stdout)["jobs"][0]["ranks"]
     assert len(in_map) == 4 and all(r["snapshot_every"] == EVERY and r["snapshot_bytes"] > 0 for r in in_map), in_map
     spare, victim, survivors = spare_victim_survivors(ranks, 1)
-    generation = victim.steps()[-1]["generation"]
-    killed_at = time.time()
-    victim.signal(signal.SIGKILL)
-    for p in reference + survivors + [spare]:
-        assert p.wait(60) == 0, p.log_path.read_text()[-3000:]
-    resumed = min(record_time(r) for p in survivors for r in p.steps() if r["generation"] > generation)
+    generation, killed_at = kill_and_finish(victim, reference + survivors + [spare], 60)
+    resumed = resumed_at(survivors, generation)
     reformed = [[r for r in p.records("group_formed") if r["generation"] > generation][0] for p in survivors]
     back_to = {r["step"] for r in reformed}
     print(f"\n{kind}, a rank killed at step {victim.last_step}: every survivor stepping {resumed - killed_at:.2f} s "
