@@ -26,18 +26,12 @@ pytestmark = [
 
 
 @pytest.fixture
-def hsdp(tmp_path):
-    started = []
-
+def hsdp(training):
+    """`training`'s ranks (ended afterwards) of examples/train_hsdp.py, each on `BACKEND`."""
     def start(coordinator: str, job: str, n: int) -> list[TrainingProcess]:
-        new = [TrainingProcess([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=STEPS,
-                               step_sleep_s=0.2, env=rank_env(BACKEND), script=EXAMPLE).start() for i in range(n)]
-        started.extend(new)
-        return new
-
-    yield start
-    for p in started:
-        p.stop()
+        return [training([coordinator], job, 1, steps=STEPS, step_sleep_s=0.2, env=rank_env(BACKEND),
+                         script=EXAMPLE)[0] for _ in range(n)]
+    return start
 
 
 def test_hsdp_a_killed_rank_is_replaced_by_the_spare_from_the_other_replica(coordinators, hsdp):

@@ -29,20 +29,13 @@ STEP_SLEEP = "0.2"
 
 
 @pytest.fixture
-def hsdp(tmp_path):
-    started = []
-
+def hsdp(training):
+    """`training`'s ranks (ended afterwards) of examples/train_hsdp.py."""
     def start(coordinator: str, job: str, n: int, steps: int = STEPS, step_sleep_s: float = float(STEP_SLEEP),
               min_nodes: int = 1) -> list[TrainingProcess]:
-        new = [TrainingProcess([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=steps,
-                               step_sleep_s=step_sleep_s, min_nodes=min_nodes, script=EXAMPLE).start()
-               for i in range(n)]
-        started.extend(new)
-        return new
-
-    yield start
-    for p in started:
-        p.stop()
+        return training([coordinator], job, n, steps=steps, step_sleep_s=step_sleep_s, min_nodes=min_nodes,
+                        script=EXAMPLE)
+    return start
 
 
 @pytest.mark.timeout(240)

@@ -22,19 +22,12 @@ STEPS, EVERY = 14, 4
 
 
 @pytest.fixture
-def sharded(tmp_path):
-    started = []
-
+def sharded(training):
+    """`training`'s ranks (ended afterwards) of examples/train_sharded.py."""
     def start(coordinator: str, job: str, n: int, zero: bool, steps: int = STEPS) -> list[TrainingProcess]:
         args = ("--every", str(EVERY), *(["--zero"] if zero else []))
-        new = [TrainingProcess([coordinator], job, tmp_path / f"{job}-{len(started) + i}.log", steps=steps,
-                               step_sleep_s=0.1, args=args, script=SCRIPT).start() for i in range(n)]
-        started.extend(new)
-        return new
-
-    yield start
-    for p in started:
-        p.stop()
+        return training([coordinator], job, n, steps=steps, step_sleep_s=0.1, args=args, script=SCRIPT)
+    return start
 
 
 @pytest.mark.timeout(120)
