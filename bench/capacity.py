@@ -461,6 +461,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
             "every_node_held_it_after_s": round(held - decided[0], 3) if decided and held else None,
         },
         "healthy": not evictions and not errors and world == nodes * slots and not changes,
+        "world_size": world,  # at the window's end (healthy: every node's slots)
         "evictions": len(evictions),
         "membership_changes_in_window": len(changes),
         "client_node_errors": errors,

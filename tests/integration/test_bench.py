@@ -76,19 +76,11 @@ def test_recovery_bench_with_state_of_real_size():
     assert state["state_rate_mib_s"]["p50"] > 0 and run["raw_broadcast"]["bytes"] == run["parameters"] * 12
 
 
-@pytest.mark.timeout(250)
+@pytest.mark.timeout(150)
 def test_capacity_bench_quick():
-    result = bench("capacity.py", "--quick", "--nodes", "20", timeout_s=120)
+    result = bench("capacity.py", "--quick", "--nodes", "20", timeout_s=140)
     (point,) = result["heartbeat"]["points"]
-    if not point["healthy"]:
-        # A timing verdict (no node unheard for the 5 s heartbeat timeout, no change in the window):
-        # CI's 2 cores running another test's ranks beside it missed it once. Measured again, the
-        # first point shown if the second misses it too.
-        first = point
-        result = bench("capacity.py", "--quick", "--nodes", "20", timeout_s=120)
-        (point,) = result["heartbeat"]["points"]
-        assert point["healthy"], {"first": first, "again": point}
-    assert point["evictions"] == 0 and point["frames_per_s_per_node"] == 10, point
+    assert point["healthy"] and point["evictions"] == 0 and point["frames_per_s_per_node"] == 10, point
     # the nodes' raw HTTP/2 frames (bench/h2_nodes.py) reach the leader as an agent's would
     assert result["heartbeat"]["clients"].startswith("raw HTTP/2") and point["client_node_errors"] == 0
     assert point["delivered_frames_per_s"] >= 0.8 * point["offered_frames_per_s"]
