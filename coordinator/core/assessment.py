@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 
 from muster.coordinator.core.kinds import GROUP_KINDS
 from muster.coordinator.core.live_records import NO_PROGRESS, UNMONITORED, Divergence, Failure, NodeLive, Recovery
@@ -130,6 +131,9 @@ class RecoveryWatch:
         return True, now - recovery.decided_at
 
 
+_NODE_ID = attrgetter("node_id")
+
+
 def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: float | None,
               step_time_s: float | None) -> tuple[int, int]:
     """The highest step of the map's nodes projected to `now` (a report's age over the step time,
@@ -138,19 +142,15 @@ def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: f
     rm = state.rank_map
     if rm is None:
         return 0, 0
-    project = now is not None and bool(step_time_s)
-    reached = reported = 0
-    for p in rm.placements:
-        node = nodes.get(p.node_id)
-        if node is None:
-            continue
-        top, at, vouch = node.top_step, node.last_frame_at, node.vouch
-        if vouch is not None and vouch.high > top:  # its relay's summary is newer than its frame
-            top, at = vouch.high, vouch.at
-        if top > reported:
-            reported = top
-        if project:
-            top += int(min(max(0.0, now - at), cap) / step_time_s)
-        if top > reached:
-            reached = top
+    # Each node's newest word (its frame, or its relay's summary if newer), then the maxima over the
+    # distinct ones: a relay's nodes share its summary, so the projection runs per relay, not per node.
+    found = filter(None, map(nodes.get, map(_NODE_ID, rm.placements)))
+    words = {(v.high, v.at) if (v := n.vouch) is not None and v.high > n.top_step else (n.top_step, n.last_frame_at)
+             for n in found}
+    if not words:
+        return 0, 0
+    reported = max(top for top, _ in words)
+    if now is None or not step_time_s:
+        return reported, reported
+    reached = max(top + int(min(max(0.0, now - at), cap) / step_time_s) for top, at in words)
     return reached, reported

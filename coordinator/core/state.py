@@ -19,7 +19,8 @@ from json.encoder import encode_basestring_ascii
 from muster.coordinator.core.pages import PageCache, split
 from muster.coordinator.core.policy import JobSpec
 
-SCHEMA = 1
+SCHEMA = 2  # 2: a placement is written without node_rank and rank_offset (its order gives them)
+READS = (1, 2)
 COMPRESS_ABOVE = 256 * 1024  # bytes of JSON; smaller states stay readable with etcdctl
 _PAGE_CACHES: dict[str, PageCache] = {}
 _PAGE_CACHES_LOCK = threading.Lock()
@@ -88,7 +89,7 @@ def _slots_json(slots: tuple[int, ...]) -> str:
     return f"[{','.join(map(str, slots))}]"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Placement:
     """One node's part of a rank map: rank = rank_offset + index of local_rank in slots."""
 
@@ -96,15 +97,18 @@ class Placement:
     node_rank: int
     rank_offset: int
     slots: tuple[int, ...]  # local ranks in use, ascending (local_rank follows the slot)
-    # Its part of the encoded state, made with it: every placement is written, and a cached_property
-    # (a lock per call on 3.11) cost twice the formatting for the 85k placements a loss renumbers.
-    json: str = field(init=False, repr=False, compare=False)
+    # Its part of the encoded state, made with it: the node and its slots, not its numbers (which
+    # follow from the map's order), so a placement a loss renumbered keeps the text, and the
+    # pages that hold it their compressed form (`encode`).
+    json: str = field(repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        # Formatted by hand, keys in `_json`'s order, the id escaped as `_json` escapes a str.
-        object.__setattr__(self, "json", f'{{"node_id":{encode_basestring_ascii(self.node_id)},'
-                           f'"node_rank":{self.node_rank},"rank_offset":{self.rank_offset},'
-                           f'"slots":{_slots_json(self.slots)}}}')
+    def __init__(self, node_id: str, node_rank: int, rank_offset: int, slots: tuple[int, ...],
+                 json: str | None = None) -> None:
+        # Written through __dict__: frozen's object.__setattr__ per field was most of what
+        # renumbering the 85k placements after a loss in a 125k-node map cost.
+        self.__dict__.update(node_id=node_id, node_rank=node_rank, rank_offset=rank_offset, slots=slots,
+                             json=json if json is not None else
+                             f'{{"node_id":{encode_basestring_ascii(node_id)},"slots":{_slots_json(slots)}}}')
 
     def rank_of(self, local_rank: int) -> int:
         return self.rank_offset + self.slots.index(local_rank)
@@ -192,11 +196,11 @@ class JobState:
         return self.finishing or self.ended
 
     @cached_property
-    def _by_node(self) -> dict[str, Member]:
+    def members_by_node(self) -> dict[str, Member]:
         return {m.node_id: m for m in self.members}
 
     def member(self, node_id: str) -> Member | None:
-        return self._by_node.get(node_id)
+        return self.members_by_node.get(node_id)
 
     @property
     def rebuilt_members(self) -> bool:
@@ -318,10 +322,22 @@ def _page_cache(job: str) -> PageCache:
     return cache
 
 
+def _placed(docs: list[dict]) -> tuple[Placement, ...]:
+    """A rank map's placements from their documents, numbered by their order (schema 1 wrote the
+    numbers too, always these)."""
+    out, offset = [], 0
+    for node_rank, p in enumerate(docs):
+        slots = tuple(p["slots"])
+        out.append(Placement(p["node_id"], node_rank, offset, slots))
+        offset += len(slots)
+    return tuple(out)
+
+
 def decode(data: bytes) -> JobState:
     doc = json.loads(data if data[:1] == b"{" else zlib.decompress(data))
-    if doc.get("schema") != SCHEMA:
-        raise ValueError(f"unsupported job state schema {doc.get('schema')!r} (this build reads {SCHEMA})")
+    if doc.get("schema") not in READS:
+        raise ValueError(f"unsupported job state schema {doc.get('schema')!r} (this build reads "
+                         f"{', '.join(map(str, READS))})")
     rm = doc["rank_map"]
     return JobState(
         job=doc["job"],
@@ -354,9 +370,7 @@ def decode(data: bytes) -> JobState:
             master_address=rm.get("master_address", ""),
             shrink_of=rm.get("shrink_of", 0),
             excluded_ranks=tuple(rm.get("excluded_ranks", ())),
-            placements=tuple(
-                Placement(p["node_id"], p["node_rank"], p["rank_offset"], tuple(p["slots"])) for p in rm["placements"]
-            ),
+            placements=_placed(rm["placements"]),
         ),
         history=tuple(Event(**{**e, "nodes": tuple(e["nodes"])}) for e in doc["history"]),
     )

@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.machine import Context, Diverged, Join, Leave, NodeLost, SlotDown, SlotsUp, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
@@ -173,19 +175,35 @@ def test_state_round_trips_through_its_encoding():
     assert decode(encode(state)) == state
 
 
-def test_a_placements_text_is_its_fields_as_json_and_an_unchanged_one_is_kept_across_a_change():
+def test_a_placements_text_is_its_node_and_slots_and_a_renumbered_one_keeps_it():
     import json
 
     from muster.coordinator.core.state import Placement
 
     p = Placement('n"\u00e9\\1', 3, 24, (0, 2))
-    assert p.json == json.dumps({"node_id": p.node_id, "node_rank": 3, "rank_offset": 24, "slots": [0, 2]},
-                                separators=(",", ":"), sort_keys=True)
+    assert p.json == json.dumps({"node_id": p.node_id, "slots": [0, 2]}, separators=(",", ":"), sort_keys=True)
     state = running(4, JobSpec(2, 4, 1))
     before = state.rank_map
     after = decide(state, [NodeLost("n3", "node_silent", "x")], ctx(now=5)).state.rank_map
     assert after.placements[:2] == before.placements[:2] and after.placements[0] is before.placements[0]
-    assert after.placements[2].node_id == "n4" and after.placements[2] is not before.placements[3]
+    moved, was = after.placements[2], before.placements[3]
+    assert moved.node_id == "n4" and moved is not was and moved.json is was.json
+    assert (moved.node_rank, moved.rank_offset) == (2, was.rank_offset - 2)
+
+
+def test_a_schema_1_state_with_the_placements_numbers_written_is_read():
+    import json
+
+    state = decide(running(), [SlotDown("n2", 0, "rank_exited", "exit")], ctx(now=5)).state
+    doc = json.loads(encode(state))
+    assert doc["schema"] == 2 and set(doc["rank_map"]["placements"][1]) == {"node_id", "slots"}
+    doc["schema"] = 1
+    for p in state.rank_map.placements:  # what a build before schema 2 wrote
+        doc["rank_map"]["placements"][p.node_rank].update(node_rank=p.node_rank, rank_offset=p.rank_offset)
+    assert decode(json.dumps(doc).encode()) == state
+    doc["schema"] = 3
+    with pytest.raises(ValueError, match="unsupported job state schema 3 \\(this build reads 1, 2\\)"):
+        decode(json.dumps(doc).encode())
 
 
 def test_divergence_is_recorded_without_a_new_generation():
