@@ -220,7 +220,7 @@ class _Fold:
     def of(cls, state: JobState, ctx: Context) -> _Fold:
         # The map's own index (made once per map), not a set of 125k ids made per decision.
         in_map = state.rank_map.by_node if state.rank_map and state.phase is Phase.RUNNING else {}
-        return cls(state, ctx, {m.node_id: m for m in state.members}, in_map, state.next_seq, state.generation,
+        return cls(state, ctx, dict(state.members_by_node), in_map, state.next_seq, state.generation,
                    state.spec, state.spec_lost, state.finishing, state.failure, state.rebuilding, state.started_ms)
 
     def note(self, kind: str, reason: str, *nodes: str) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
-from itertools import compress, count
 
 LEVEL = 1
 PAGE_ITEMS = 1024  # items per page on average: a page is ~80-250 KiB of JSON
@@ -35,18 +33,14 @@ def _adler_combine(a1: int, a2: int, len2: int) -> int:
     return s1 | s2 << 16
 
 
-@lru_cache(maxsize=1 << 18)  # a 125k-node job's ids twice over: its members' and its placements'
-def _ends_page(node_id: str) -> bool:
-    return zlib.crc32(node_id.encode()) % PAGE_ITEMS == 0  # not hash(): the same cuts in every process
-
-
 def split(items: Sequence[str], ids: Iterable[str]) -> list[tuple[str, ...]]:
     """`items` cut into pages after each item whose id hashes to a page end: the cuts follow the
     ids, not the positions, so an item that leaves or changes changes its own page only."""
     pages, start = [], 0
-    for end in compress(count(1), map(_ends_page, ids)):  # in C but for the ids not seen before
-        pages.append(tuple(items[start:end]))
-        start = end
+    for i, node_id in enumerate(ids):
+        if zlib.crc32(node_id.encode()) % PAGE_ITEMS == 0:  # not hash(): the same cuts in every process
+            pages.append(tuple(items[start:i + 1]))
+            start = i + 1
     if start < len(items):
         pages.append(tuple(items[start:]))
     return pages

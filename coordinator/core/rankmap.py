@@ -8,7 +8,7 @@ its node lives, and otherwise moves to the oldest surviving node); new nodes fol
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import accumulate, count
+from itertools import accumulate, count, repeat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -18,7 +18,7 @@ from muster.coordinator.core.state import Member, Placement, RankMap
 from muster.net import join_host_port
 
 
-_USABLE = attrgetter("usable_slots")
+_USABLE, _NODE_ID, _SLOTS = attrgetter("usable_slots"), attrgetter("node_id"), attrgetter("slots")
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class Assignment:
 def priority_order(members: Sequence[Member], previous: RankMap | None) -> list[Member]:
     """Nodes of the previous map in their node-rank order, then the others by age (only those
     sorted: at 125k nodes a sort of all of them was a tenth of a second of every change)."""
-    others = {m.node_id: m for m in members}
-    placed = [m for p in previous.placements if (m := others.pop(p.node_id, None)) is not None] if previous else []
+    others = dict(zip(map(_NODE_ID, members), members))
+    placed = [m for m in map(others.pop, previous.node_ids, repeat(None)) if m is not None] if previous else []
     return placed + sorted(others.values(), key=lambda m: m.seq)
 
 
@@ -134,10 +134,10 @@ def _whole_nodes_left_out(placements: Sequence[Placement], before: Sequence[Plac
     """The common loss: `placements` are `before` less some whole nodes, in order, with their slots.
     Then their ranks are what is left out (in list passes: at 125k nodes the general walk was
     a tenth of the decision); None when it is not that."""
-    ids = [p.node_id for p in placements]
+    ids = list(map(_NODE_ID, placements))
     kept = set(ids)
     survivors = [b for b in before if b.node_id in kept]
-    if [b.node_id for b in survivors] != ids or [b.slots for b in survivors] != [p.slots for p in placements]:
+    if list(map(_NODE_ID, survivors)) != ids or list(map(_SLOTS, survivors)) != list(map(_SLOTS, placements)):
         return None
     return tuple(r for b in before if b.node_id not in kept for r in range(b.rank_offset, b.rank_offset + len(b.slots)))
 

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from enum import Enum
 from json.encoder import encode_basestring_ascii
+from operator import attrgetter
 
 from muster.coordinator.core.pages import PageCache, split
 from muster.coordinator.core.policy import JobSpec
 
 SCHEMA = 2  # 2: a placement is written without node_rank and rank_offset (its order gives them)
 READS = (1, 2)
+_NODE_ID, _JSON, _SEQ = attrgetter("node_id"), attrgetter("json"), attrgetter("seq")  # the passes over every node run in C
 COMPRESS_ABOVE = 256 * 1024  # bytes of JSON; smaller states stay readable with etcdctl
 _PAGE_CACHES: dict[str, PageCache] = {}
 _PAGE_CACHES_LOCK = threading.Lock()
@@ -129,14 +131,14 @@ class RankMap:
     @cached_property
     def by_node(self) -> dict[str, Placement]:
         """The placements by node id (a loop over every node looks up in it, not through `placement`)."""
-        return {p.node_id: p for p in self.placements}
+        return dict(zip(map(_NODE_ID, self.placements), self.placements))  # in C: 125k in a few ms
 
     def placement(self, node_id: str) -> Placement | None:
         return self.by_node.get(node_id)
 
     @property
     def node_ids(self) -> tuple[str, ...]:
-        return tuple(p.node_id for p in self.placements)
+        return tuple(map(_NODE_ID, self.placements))
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ class JobState:
 
     @cached_property
     def members_by_node(self) -> dict[str, Member]:
-        return {m.node_id: m for m in self.members}
+        return dict(zip(map(_NODE_ID, self.members), self.members))
 
     def member(self, node_id: str) -> Member | None:
         return self.members_by_node.get(node_id)
@@ -216,7 +218,7 @@ class JobState:
         return tuple(m.node_id for m in self.members if m.node_id not in used and m.usable_slots)
 
     def with_members(self, members: tuple[Member, ...]) -> JobState:
-        return replace(self, members=tuple(sorted(members, key=lambda m: m.seq)))
+        return replace(self, members=tuple(sorted(members, key=_SEQ)))
 
 
 def _spec_doc(spec: JobSpec) -> dict:
@@ -302,14 +304,14 @@ def encode(state: JobState) -> bytes:
     }
     text = _object(doc).split(_ITEMS)  # the text around the members' items, and the placements'
     sources = [state.members] + ([rm.placements] if rm else [])
-    items = [[x.json for x in source] for source in sources]
+    items = [list(map(_JSON, source)) for source in sources]
     size = sum(map(len, text)) + sum(sum(map(len, part)) + len(part) for part in items)
     if size <= COMPRESS_ABOVE:
         return "".join(t + ",".join(part) for t, part in zip(text, items + [[]])).encode()
     # Compressed in pages, this job's kept from its last write: a change compresses what it changed.
     parts: list = [text[0]]
     for part, source, after in zip(items, sources, text[1:]):
-        parts += [split(part, [x.node_id for x in source]), after]
+        parts += [split(part, map(_NODE_ID, source)), after]
     return _page_cache(state.job).compress(parts)
 
 
