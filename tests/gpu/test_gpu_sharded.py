@@ -39,7 +39,7 @@ def test_hsdp_a_killed_rank_is_replaced_by_the_spare_from_the_other_replica(coor
     reference = hsdp(leader.address, "hsdp-ref", 4)
     ranks = hsdp(leader.address, "hsdp-kill", 5)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 180, "4 ranks past step 3", interval_s=0.1)
-    spare, victim, survivors = spare_victim_survivors(ranks, 1)
+    spare, victim, survivors = spare_victim_survivors(ranks, 1, leader.address, "hsdp-kill")
     generation, killed_at = kill_and_finish(victim, reference + survivors + [spare], 200)
     print(f"\nHSDP 2x2 on {BACKEND}, a rank killed at step {victim.last_step}: training resumed "
           f"{resumed_at(survivors, generation) - killed_at:.2f} s later")

@@ -48,7 +48,7 @@ def test_a_lost_rank_is_replaced_in_its_slot_and_training_ends_as_if_uninterrupt
     ranks = hsdp(leader.address, "hsdp-kill", 5)  # 4 in the mesh, the 5th a spare
     wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 120, "4 ranks past step 3")
     assert min(r["world_size"] for p in ranks for r in p.steps()) == 4, "no group smaller than the mesh formed"
-    spare, victim, survivors = spare_victim_survivors(ranks, 1)
+    spare, victim, survivors = spare_victim_survivors(ranks, 1, leader.address, "hsdp-kill")
     generation, killed_at = kill_and_finish(victim, reference + survivors + [spare], 150,
                                             signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     resumed = resumed_at(survivors, generation)

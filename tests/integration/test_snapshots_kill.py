@@ -43,7 +43,7 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
                             "--job", f"{kind}-kill", "--json"], capture_output=True, text=True, timeout=30)
     in_map = json.loads(shown.stdout)["jobs"][0]["ranks"]
     assert len(in_map) == 4 and all(r["snapshot_every"] == EVERY and r["snapshot_bytes"] > 0 for r in in_map), in_map
-    spare, victim, survivors = spare_victim_survivors(ranks, 1)
+    spare, victim, survivors = spare_victim_survivors(ranks, 1, leader.address, f"{kind}-kill")
     generation, killed_at = kill_and_finish(victim, reference + survivors + [spare], 60)
     resumed = resumed_at(survivors, generation)
     reformed = [[r for r in p.records("group_formed") if r["generation"] > generation][0] for p in survivors]
