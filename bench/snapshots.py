@@ -105,7 +105,7 @@ def recovery(jobs: Jobs, name: str, shards: int, size: tuple[str, ...]) -> dict:
     ranks = jobs.run(f"{name}-kill", shards + 1, steps, (*size, "--every", str(EVERY)))
     wait_until(lambda: sum(p.last_step >= kill_at for p in ranks) == shards, 600, f"{shards} ranks at step {kill_at}",
                interval_s=0.05)
-    spare, victim, survivors = spare_victim_survivors(ranks, 1)
+    spare, victim, survivors = spare_victim_survivors(ranks, 1, jobs.coordinator, f"{name}-kill")
     generation = victim.steps()[-1]["generation"]
     killed_at = time.time()
     victim.signal(signal.SIGKILL)
