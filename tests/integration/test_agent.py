@@ -177,8 +177,10 @@ def test_a_script_failing_at_start_on_every_rank_ends_with_a_report_on_every_nod
     """Restarts for a new map count as well: the crash loop of a bad argument ends, on every node,
     with the failing rank, its exit code and the last lines of its stderr (no --log-dir)."""
     (leader,) = coordinators(1)
+    # One write for the error line: print() writes its text and its newline apart, and unbuffered
+    # (PYTHONUNBUFFERED=1, as CI sets it) an agent record written between them tore the line.
     script = ("import os, sys, time; print('restart', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True); "
-              "time.sleep(0.3); print('train.py: error: argument --lr: invalid float value', file=sys.stderr); "
+              "time.sleep(0.3); sys.stderr.write('train.py: error: argument --lr: invalid float value\\n'); "
               "sys.exit(2)")
     for node in ("a", "b"):
         started.append(muster_run(leader.address, "BadArg", node, tmp_path, "--nodes", "1:2", "--slots", "2",
