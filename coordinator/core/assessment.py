@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from operator import attrgetter
 
 from muster.coordinator.core.kinds import GROUP_KINDS
 from muster.coordinator.core.live_records import NO_PROGRESS, UNMONITORED, Divergence, Failure, NodeLive, Recovery
@@ -131,9 +130,6 @@ class RecoveryWatch:
         return True, now - recovery.decided_at
 
 
-_NODE_ID = attrgetter("node_id")
-
-
 def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: float | None,
               step_time_s: float | None) -> tuple[int, int]:
     """The highest step of the map's nodes projected to `now` (a report's age over the step time,
@@ -144,7 +140,7 @@ def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: f
         return 0, 0
     # Each node's newest word (its frame, or its relay's summary if newer), then the maxima over the
     # distinct ones: a relay's nodes share its summary, so the projection runs per relay, not per node.
-    found = filter(None, map(nodes.get, map(_NODE_ID, rm.placements)))
+    found = filter(None, map(nodes.get, rm.node_ids))
     words = {(v.high, v.at) if (v := n.vouch) is not None and v.high > n.top_step else (n.top_step, n.last_frame_at)
              for n in found}
     if not words:
