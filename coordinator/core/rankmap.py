@@ -8,17 +8,18 @@ its node lives, and otherwise moves to the oldest surviving node); new nodes fol
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import accumulate, count, repeat
+from itertools import accumulate, compress, count, repeat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, ne, not_
 
 from muster.coordinator.core.policy import JobSpec
-from muster.coordinator.core.state import Member, Placement, RankMap
+from muster.coordinator.core.state import Member, Placement, RankMap, renumbered
 from muster.net import join_host_port
 
 
-_USABLE, _NODE_ID, _SLOTS = attrgetter("usable_slots"), attrgetter("node_id"), attrgetter("slots")
+_USABLE, _NODE_ID, _SLOTS, _JSON = (attrgetter("usable_slots"), attrgetter("node_id"), attrgetter("slots"),
+                                   attrgetter("json"))
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,12 @@ def priority_order(members: Sequence[Member], previous: RankMap | None) -> list[
     """Nodes of the previous map in their node-rank order, then the others by age (only those
     sorted: at 125k nodes a sort of all of them was a tenth of a second of every change)."""
     others = dict(zip(map(_NODE_ID, members), members))
-    placed = [m for m in map(others.pop, previous.node_ids, repeat(None)) if m is not None] if previous else []
+    placed = list(filter(None, map(others.pop, previous.node_ids, repeat(None)))) if previous else []
     return placed + sorted(others.values(), key=lambda m: m.seq)
 
 
 def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobSpec) -> Assignment:
-    candidates = [m for m in priority_order(members, previous) if m.usable_slots][: spec.max_nodes]
+    candidates = list(filter(_USABLE, priority_order(members, previous)))[: spec.max_nodes]
     total = sum(map(len, map(_USABLE, candidates)))  # in C: a generator over 125k nodes was 47 ms
     target = total - total % spec.world_size_multiple
     placements = _kept_prefix(candidates, previous, target)
@@ -56,17 +57,7 @@ def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobS
     if whole < len(rest) and end < target:
         usables[whole] = usables[whole][:target - end]
         whole, end = whole + 1, target
-    kept = previous.by_node.get if previous else {}.get
-    append = placements.append
-    for node_rank, member, slots, start in zip(count(len(placements)), rest[:whole], usables, starts):
-        # An unchanged placement is kept; a renumbered one keeps its encoded text (`Placement.json`).
-        p = kept(member.node_id)
-        if p is None or p.slots != slots:
-            append(Placement(member.node_id, node_rank, start, slots))
-        elif p.rank_offset != start or p.node_rank != node_rank:
-            append(Placement(member.node_id, node_rank, start, slots, p.json))
-        else:
-            append(p)
+    placements += _placed_tail(rest[:whole], usables[:whole], starts, len(placements), previous)
     offset = end
     if len(placements) < spec.min_nodes:
         return Assignment(
@@ -88,12 +79,36 @@ def _kept_prefix(candidates: Sequence[Member], previous: RankMap | None, target:
     same slots, within the target): taken whole, so a loss costs the placements after it."""
     if previous is None:
         return []
-    n = 0
-    for member, p in zip(candidates, previous.placements):
-        if member.node_id != p.node_id or member.usable_slots != p.slots or p.rank_offset + len(p.slots) > target:
-            break
-        n += 1
-    return list(previous.placements[:n])
+    # The first difference found in C passes (compress of the unequal pairs), not a loop per node.
+    before = previous.placements
+    n = min(len(candidates), bisect_right(before, target, key=lambda p: p.rank_offset + len(p.slots)))
+    n = next(compress(count(), map(ne, map(_NODE_ID, candidates[:n]), map(_NODE_ID, before[:n]))), n)
+    n = next(compress(count(), map(ne, map(_USABLE, candidates[:n]), map(_SLOTS, before[:n]))), n)
+    return list(before[:n])
+
+
+def _placed_tail(members: Sequence[Member], usables: list[tuple[int, ...]], starts: list[int], first: int,
+                 previous: RankMap | None) -> list[Placement]:
+    """The placements of the members after the kept prefix. After a loss these are the same nodes
+    with the same slots, renumbered: they keep their encoded text and are made in C (`renumbered`);
+    otherwise a node is placed anew where it is new or its slots changed."""
+    ids = list(map(_NODE_ID, members))
+    kept = list(map(previous.by_node.get, ids)) if previous else [None] * len(ids)
+    if None not in kept and list(map(_SLOTS, kept)) == usables:
+        if kept and (kept[0].node_rank, kept[0].rank_offset, kept[-1].node_rank) == (first, starts[0], first + len(ids) - 1):
+            return kept  # consecutive before, numbered from the same place: unchanged
+        return renumbered(ids, first, starts, usables, map(_JSON, kept))
+    return [_place(node_id, node_rank, start, slots, p)
+            for node_id, node_rank, start, slots, p in zip(ids, count(first), starts, usables, kept)]
+
+
+def _place(node_id: str, node_rank: int, start: int, slots: tuple[int, ...], before: Placement | None) -> Placement:
+    """A node's placement: kept as it was where nothing changed, its text kept where its slots did not."""
+    if before is None or before.slots != slots:
+        return Placement(node_id, node_rank, start, slots)
+    if before.rank_offset != start or before.node_rank != node_rank:
+        return Placement(node_id, node_rank, start, slots, before.json)
+    return before
 
 
 def excluded_ranks(previous: RankMap | None, placements: Sequence[Placement]) -> tuple[int, ...]:
@@ -135,11 +150,11 @@ def _whole_nodes_left_out(placements: Sequence[Placement], before: Sequence[Plac
     Then their ranks are what is left out (in list passes: at 125k nodes the general walk was
     a tenth of the decision); None when it is not that."""
     ids = list(map(_NODE_ID, placements))
-    kept = set(ids)
-    survivors = [b for b in before if b.node_id in kept]
+    kept = list(map(set(ids).__contains__, map(_NODE_ID, before)))
+    survivors = list(compress(before, kept))
     if list(map(_NODE_ID, survivors)) != ids or list(map(_SLOTS, survivors)) != list(map(_SLOTS, placements)):
         return None
-    return tuple(r for b in before if b.node_id not in kept for r in range(b.rank_offset, b.rank_offset + len(b.slots)))
+    return tuple(r for b in compress(before, map(not_, kept)) for r in range(b.rank_offset, b.rank_offset + len(b.slots)))
 
 
 def removed_node_ranks(previous: RankMap, rm: RankMap) -> list[int]:
