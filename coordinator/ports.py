@@ -66,7 +66,8 @@ class SessionPort(ABC):
                     budget: FrameBudget) -> AsyncIterator[pb.Directive]:
         """The node's stream, opened by its first frame: what to send the node, until the stream
         ends (raising the error it ends with). Its frames, a frame of `budget` each, are read
-        meanwhile until it stops writing or is refused."""
+        meanwhile until it stops writing or is refused. The edge calls it as soon as the port is
+        chosen, with no await between: the relay or leader chosen still takes the node."""
         queue = self.open(first)
         self._reader = asyncio.create_task(self._feed(frames, budget, queue))
         while True:
@@ -84,8 +85,8 @@ class SessionPort(ABC):
 
     def close(self) -> None:
         """The call is over, however far `serve` got: nothing more is read, and an attached node's
-        stream is hung up. Here rather than in `serve`: the edge's generator may be closed while
-        `serve` waits on its own yield, which nobody closes then."""
+        stream is hung up. Not in `serve`'s own cleanup: grpc may close the edge's generator while
+        `serve` waits at its yield, and nothing would close `serve` then."""
         if self._reader is not None:
             self._reader.cancel()
         self.hang_up()
