@@ -58,10 +58,26 @@ def authenticate(member: Member, secret: bytes) -> None:
                                f"{member.member_id} ({presented}); only the node that joined as it may use it")
 
 
+def check_rejoin(first: pb.NodeFrame) -> None:
+    """What a stream's first frame carries besides its address: the session secret, and the node's
+    own JoinRequest (by Join's rules, naming the frame's job and node) to rebuild a lost job from."""
+    wire.check_secret(first.session_secret)
+    if not first.HasField("rejoin"):
+        return
+    if not first.session_secret:  # else a lost state would keep the hash of nothing as the member's
+        raise InvalidArgument("a first frame with rejoin must present the node's session_secret")
+    try:
+        wire.check_join(first.rejoin)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"rejoin: {exc}") from exc
+    if (first.rejoin.job, first.rejoin.node_id) != (first.job, first.node_id):
+        raise InvalidArgument("rejoin must name the job and node_id of its frame")
+
+
 def check_first(first: pb.NodeFrame, state: JobState) -> None:
     """A session's first frame, before the leader looks its node up."""
     wire.check_node(first.node_id)
-    wire.check_rejoin(first)
+    check_rejoin(first)
     if first.run and first.run != state.run:
         raise FailedPrecondition(f"run {first.run} of job {state.job!r} has ended; the job's name runs run "
                                  f"{state.run} now")
@@ -105,6 +121,13 @@ def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: in
     return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
                   r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec),
                   run_started_ms=started_ms)
+
+
+def check_claim(first: pb.NodeFrame, keys: MemberKeys | None, now_ms: int) -> None:
+    """A rejoining node's claim, checked as its leader will (`rejoin_of`) before a replica that
+    does not know the job (etcd lost it) creates the job from it: a forged claim creates none."""
+    check_rejoin(first)
+    rejoin_of(first, first.run, keys, now_ms)
 
 
 def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> Member:

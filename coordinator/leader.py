@@ -20,13 +20,13 @@ import structlog
 from muster.coordinator import status_pages, wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import FailureKind
-from muster.coordinator.core.liveness import Liveness, Vouch
+from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.machine import (Context, Decision, Join, Leave, MembershipEvent, NodeLost, SlotsUp, Stop,
                                              Tick, decide)
-from muster.coordinator.core.policy import MAX_STEP, JobSpec, Limits, Timing
+from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
-from muster.coordinator.errors import Fenced, InvalidArgument, NotFound, NotLeader, PersistUnavailable
+from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
 from muster.coordinator.frames import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
                                        rejoin_of, secret_hash, taken_back)
 from muster.coordinator.inbox import Inbox, Queued, settle
@@ -34,6 +34,7 @@ from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.quotas import FrameBudget
+from muster.coordinator.relay_link import RelayWord
 from muster.coordinator.run_end import RunEnd
 from muster.coordinator.straggler_duty import StragglerDuty
 from muster.coordinator.streams import NodeStream, RelayedBy, Streams
@@ -109,6 +110,7 @@ class JobLeader:
         now = clock()
         self.live = liveness_for(state, timing, now)
         self.streams = Streams(timing.heartbeat_timeout_s / 4, tick_s)
+        self.relay_word = RelayWord(self.streams, self.live, clock)
         self._inbox = Inbox()
         self._task: asyncio.Task | None = None
         self.tallies = 0  # tallies done: a test waits for some before it asserts that nothing changed
@@ -346,27 +348,6 @@ class JobLeader:
         elif not stream.closed:
             self.streams.bind(stream, self.state, self.term)
             self.log.info("node_taken_back", node=stream.node_id, member=stream.member_id, generation=generation)
-
-    def silent_at_relay(self, stream: NodeStream, silent_ms: int) -> None:
-        """The relay carrying `stream` has heard nothing from its node for `silent_ms`."""
-        if self.streams.get(stream.node_id) is stream:
-            self.live.silent_since(stream.node_id, self._clock() - silent_ms / 1000)
-
-    def summarised(self, vouch: Vouch, summary: pb.RelaySummary, streams: dict[int, NodeStream]) -> None:
-        """A relay's summary of the nodes it carries (`streams`, by its numbers): its word stands for
-        the progress of those not lagging. O(the nodes it names), not O(the nodes it carries)."""
-        if not summary.low_step <= summary.high_step <= MAX_STEP:
-            raise InvalidArgument(f"a relay summary's steps must be low <= high <= {MAX_STEP}; "
-                                  f"this one's {summary.low_step} and {summary.high_step}")
-        now = self._clock()
-        vouch.at, vouch.low, vouch.high = now, summary.low_step, summary.high_step
-        named = [(streams.get(lag.stream), lag) for lag in summary.lagging]
-        for stream, lag in named:
-            if stream is not None and self.streams.get(stream.node_id) is stream:
-                self.live.lagging(stream.node_id, lag.step, now - lag.since_ms / 1000)
-        for stream in map(streams.get, summary.resumed):
-            if stream is not None and self.streams.get(stream.node_id) is stream:
-                self.live.resumed(stream.node_id)
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
         """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that

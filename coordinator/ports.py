@@ -2,8 +2,8 @@
 on this replica (`LeaderPort`: frames to the `JobLeader`, directives from the node's `NodeStream`),
 or the relay of a job led elsewhere (`RelayPort`: frames into the `Relay`'s batch, directives fanned
 back out by it). `Replica.open_session` picks one by the stream's first frame; the gRPC edge hands
-it the stream's frames and writes the directives it yields, the same way for both. `feed_each` is
-the one reader of a client's stream, a Relay call's too.
+it the whole stream (`serve`) and writes the directives it yields, the same way for both.
+`feed_each` is the one reader of a client's stream, a Relay call's too.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -19,7 +19,8 @@ from muster.coordinator.errors import MusterError
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.relay import Relay
-from muster.coordinator.streams import CLOSE
+from muster.coordinator.relay_fold import RelayedNode
+from muster.coordinator.streams import CLOSE, NodeStream
 from muster.v1 import muster_pb2 as pb
 
 
@@ -42,71 +43,88 @@ async def feed_each(items: AsyncIterator, budget: FrameBudget | None,
     return None
 
 
-class SessionPort(Protocol):
-    async def feed(self, frames: AsyncIterator[pb.NodeFrame | MusterError], budget: FrameBudget) -> None:
-        """The node's frames, a frame of `budget` each, until it stops writing or is refused;
-        `directives` then ends (raising the refusal)."""
+class SessionPort(ABC):
+    """One node's Session stream at this replica. The node's directives arrive on the queue `open`
+    returns as a direct `NodeStream`'s do (directives, then CLOSE or the error of the tree that
+    ends the stream); `serve` pumps them out while a task reads the node's frames into `take`."""
 
-    def directives(self) -> AsyncIterator[pb.Directive]:
-        """What to send the node, until its stream ends (raising the error it ends with)."""
+    _reader: asyncio.Task | None = None
 
-    def close(self) -> None:
-        """The call is over: the node's stream is gone (the node is not)."""
-
-
-class QueuedPort(ABC):
-    """What both ports share: the node's directives arrive on `queue` as a direct `NodeStream`'s do
-    (directives, then CLOSE or the error of the tree that ends the stream), and are pumped out."""
-
-    def __init__(self, queue: asyncio.Queue):
-        self.queue = queue
+    @abstractmethod
+    def open(self, first: pb.NodeFrame) -> asyncio.Queue:
+        """Attach the node by its stream's first frame (raising the refusal); its directives' queue."""
 
     @abstractmethod
     def take(self, frame: pb.NodeFrame) -> None:
         """One frame of the node, decoded; raises the error of the tree that ends its stream."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def hang_up(self) -> None:
+        """The node's stream, attached, is gone (the node is not)."""
 
-    async def feed(self, frames: AsyncIterator[pb.NodeFrame | MusterError], budget: FrameBudget) -> None:
-        refusal = await feed_each(frames, budget, self.take)
-        self.queue.put_nowait(CLOSE if refusal is None else refusal)
-
-    async def directives(self) -> AsyncIterator[pb.Directive]:
+    async def serve(self, first: pb.NodeFrame, frames: AsyncIterator[pb.NodeFrame | MusterError],
+                    budget: FrameBudget) -> AsyncIterator[pb.Directive]:
+        """The node's stream, opened by its first frame: what to send the node, until the stream
+        ends (raising the error it ends with). Its frames, a frame of `budget` each, are read
+        meanwhile until it stops writing or is refused. The edge calls it as soon as the port is
+        chosen, with no await between: the relay or leader chosen still takes the node."""
+        queue = self.open(first)
+        self._reader = asyncio.create_task(self._feed(frames, budget, queue))
         while True:
-            item = await self.queue.get()
+            item = await queue.get()
             if item is CLOSE:
                 return
             if isinstance(item, MusterError):
                 raise item
             yield item
 
+    async def _feed(self, frames: AsyncIterator[pb.NodeFrame | MusterError], budget: FrameBudget,
+                    queue: asyncio.Queue) -> None:
+        refusal = await feed_each(frames, budget, self.take)
+        queue.put_nowait(CLOSE if refusal is None else refusal)
 
-class LeaderPort(QueuedPort):
+    def close(self) -> None:
+        """The call is over, however far `serve` got: nothing more is read, and an attached node's
+        stream is hung up. Not in `serve`'s own cleanup: grpc may close the edge's generator while
+        `serve` waits at its yield, and nothing would close `serve` then."""
+        if self._reader is not None:
+            self._reader.cancel()
+        self.hang_up()
+
+
+class LeaderPort(SessionPort):
     """A node stream of a job this replica leads: attached to the leader by its first frame."""
 
-    def __init__(self, leader: JobLeader, first: pb.NodeFrame):
+    def __init__(self, leader: JobLeader):
         self.leader = leader
-        self.stream = leader.attach(first)
-        super().__init__(self.stream.queue)
+        self.stream: NodeStream | None = None
+
+    def open(self, first: pb.NodeFrame) -> asyncio.Queue:
+        self.stream = self.leader.attach(first)
+        return self.stream.queue
 
     def take(self, frame: pb.NodeFrame) -> None:
         self.leader.on_frame(self.stream, frame)
 
-    def close(self) -> None:
-        self.leader.detach(self.stream)
+    def hang_up(self) -> None:
+        if self.stream is not None:
+            self.leader.detach(self.stream)
 
 
-class RelayPort(QueuedPort):
+class RelayPort(SessionPort):
     """A node stream this replica relays to the job's leader: one of the relay's nodes."""
 
-    def __init__(self, relay: Relay, first: pb.NodeFrame):
+    def __init__(self, relay: Relay):
         self.relay = relay
-        self.node = relay.open(first)
-        super().__init__(self.node.queue)
+        self.node: RelayedNode | None = None
+
+    def open(self, first: pb.NodeFrame) -> asyncio.Queue:
+        self.node = self.relay.open(first)
+        return self.node.queue
 
     def take(self, frame: pb.NodeFrame) -> None:
         self.relay.frame(self.node, frame)
 
-    def close(self) -> None:
-        self.relay.hang_up(self.node)
+    def hang_up(self) -> None:
+        if self.node is not None:
+            self.relay.hang_up(self.node)

@@ -1,22 +1,26 @@
 """The leader's end of one Relay call (`RelayLink`): the node streams one replica relays for a job,
-each an ordinary `NodeStream` of the leader (`RelayTarget`: attach, frames, silence, summaries,
-detach) whose directives go back down the call, addressed by the relay's number for the stream.
-What a call may make the leader do is bounded: MAX_ITEMS of each kind a message (`check_size`),
-and its unread replies (PENDING_MESSAGES).
+each an ordinary `NodeStream` of the leader (`RelayTarget`: attach, frames, detach) whose directives
+go back down the call, addressed by the relay's number for the stream; what the relay says of its
+nodes' silence and progress goes into the leader's liveness (`RelayWord`). What a call may make the
+leader do is bounded: MAX_ITEMS of each kind a message (`check_size`), and its unread replies
+(PENDING_MESSAGES).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 from muster.coordinator import wire
 from muster.coordinator.codes import stream_end
 from muster.coordinator.core.live_records import Vouch
+from muster.coordinator.core.liveness import Liveness
+from muster.coordinator.core.policy import MAX_STEP
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.coordinator.quotas import refusals
 from muster.coordinator.relay_fold import MAX_ITEMS
-from muster.coordinator.streams import NodeStream, RelayedBy
+from muster.coordinator.streams import NodeStream, RelayedBy, Streams
 from muster.v1 import muster_pb2 as pb
 
 # Replies a Relay call may leave unread: a new map's directive to each of its streams, twice over,
@@ -24,18 +28,47 @@ from muster.v1 import muster_pb2 as pb
 PENDING_MESSAGES = 4
 
 
+class RelayWord:
+    """What relays say of the nodes they carry, taken into the leader's liveness: a node silent at its
+    relay, and a relay's summaries, whose word stands for its nodes' progress. Only of a stream that
+    is still its node's: the node may have moved on to another."""
+
+    def __init__(self, streams: Streams, live: Liveness, clock: Callable[[], float]):
+        self.streams = streams
+        self.live = live
+        self._clock = clock
+
+    def silent(self, stream: NodeStream, silent_ms: int) -> None:
+        """The relay carrying `stream` has heard nothing from its node for `silent_ms`."""
+        if self.streams.get(stream.node_id) is stream:
+            self.live.silent_since(stream.node_id, self._clock() - silent_ms / 1000)
+
+    def summarised(self, vouch: Vouch, summary: pb.RelaySummary, streams: dict[int, NodeStream]) -> None:
+        """A relay's summary of the nodes it carries (`streams`, by its numbers): its word stands for
+        the progress of those not lagging. O(the nodes it names), not O(the nodes it carries)."""
+        if not summary.low_step <= summary.high_step <= MAX_STEP:
+            raise InvalidArgument(f"a relay summary's steps must be low <= high <= {MAX_STEP}; "
+                                  f"this one's {summary.low_step} and {summary.high_step}")
+        now = self._clock()
+        vouch.at, vouch.low, vouch.high = now, summary.low_step, summary.high_step
+        named = [(streams.get(lag.stream), lag) for lag in summary.lagging]
+        for stream, lag in named:
+            if stream is not None and self.streams.get(stream.node_id) is stream:
+                self.live.lagging(stream.node_id, lag.step, now - lag.since_ms / 1000)
+        for stream in map(streams.get, summary.resumed):
+            if stream is not None and self.streams.get(stream.node_id) is stream:
+                self.live.resumed(stream.node_id)
+
+
 class RelayTarget(Protocol):
     """What a Relay call's streams need of the job's leader (`leader.JobLeader`)."""
 
     job: str
+    relay_word: RelayWord
 
     def attach(self, first: pb.NodeFrame, *, link: RelayedBy | None = None, stream_id: int = 0) -> NodeStream: ...
 
     def on_frame(self, stream: NodeStream, frame: pb.NodeFrame) -> None: ...
-
-    def silent_at_relay(self, stream: NodeStream, silent_ms: int) -> None: ...
-
-    def summarised(self, vouch: Vouch, summary: pb.RelaySummary, streams: dict[int, NodeStream]) -> None: ...
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None: ...
 
@@ -146,9 +179,9 @@ class RelayLink:
         for silent in up.silent:
             stream = self.streams.get(silent.stream)
             if stream is not None:
-                self.leader.silent_at_relay(stream, silent.silent_ms)
+                self.leader.relay_word.silent(stream, silent.silent_ms)
         if up.HasField("summary"):
-            self.leader.summarised(self.vouch, up.summary, self.streams)
+            self.leader.relay_word.summarised(self.vouch, up.summary, self.streams)
         if self.streams:
             self.carried_at = self.heard_at
 

@@ -27,7 +27,7 @@ from muster.coordinator.core.state import JobState, decode, decode_spec
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.election_waits import ElectionWaits
 from muster.coordinator.errors import NotLeader, StoreUnavailable
-from muster.coordinator.frames import rejoin_of
+from muster.coordinator.frames import check_claim
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
@@ -262,20 +262,40 @@ class Replica:
             return ""
         return found[0] if found else ""
 
-    def relay_for(self, first: pb.NodeFrame, not_leader: NotLeader) -> Relay:
-        """The relay of a job this replica does not lead, for a node that picked this replica as its
-        relay; raises `not_leader` (go to the leader) where this replica relays nothing, and for a
-        node whose secret does not prove it (with tokens): what a relay carries shares one budget at
-        the leader with the job's real nodes (a real node that joined before the key goes direct)."""
-        keys = self.member_keys()
-        if (not (self.config.relay and first.via_relay) or self.campaigns.closing
-                or keys is not None and keys.verify(first.session_secret, first.job, first.run, first.node_id,
-                                                    first.member_id) is None):
-            raise not_leader
-        relay = self.relays.get(first.job)
+    async def open_session(self, first: pb.NodeFrame) -> SessionPort:
+        """The port of a node's Session stream, by its first frame: the job's leader on this replica,
+        or the relay of a job led elsewhere. A node of a job this replica never heard of (etcd lost
+        the job, and this replica started since) says on its first frame who it was: the job is
+        created from that as its Join did (a forged claim creates none) and its election awaited, so
+        that the node is taken back rather than told it is no member (which ends its agent)."""
+        wire.check_job(first.job)
+        try:
+            if first.job not in self.jobs and first.HasField("rejoin"):
+                check_claim(first, self.member_keys(), int(time.time() * 1000))
+                await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
+                await self.elections.wait(first.job)
+            leader = await self.leader_for(first.job)
+        except NotLeader as exc:
+            # Relayed where this replica relays and the node picked it as its relay, and (with
+            # tokens) its secret proves it: what a relay carries shares one budget at the leader
+            # with the job's real nodes (a real node that joined before the key goes direct).
+            keys = self.member_keys()
+            if (not (self.config.relay and first.via_relay) or self.campaigns.closing
+                    or keys is not None and keys.verify(first.session_secret, first.job, first.run, first.node_id,
+                                                        first.member_id) is None):
+                raise
+            return RelayPort(self._relay(first.job, exc.leader))
+        if first.run and first.run != leader.state.run:  # a node of a run that ended: how it ended
+            raise await self.runs.unknown(first.job, first.run)
+        return LeaderPort(leader)
+
+    def _relay(self, job: str, leader: str) -> Relay:
+        """This replica's relay of `job` (led at `leader`, "" unknown): a new one once the last
+        stopped taking nodes."""
+        relay = self.relays.get(job)
         if relay is None or not relay.accepting:
-            relay = self.relays[first.job] = Relay(
-                first.job, self.address, not_leader.leader, security=self.peers.security(),
+            relay = self.relays[job] = Relay(
+                job, self.address, leader, security=self.peers.security(),
                 find_leader=self._elected, window_s=self.config.relay_batch_s,
                 # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
                 connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,
@@ -283,31 +303,6 @@ class Replica:
                 progress_s=self.config.timing.relay_progress_s)
             relay.start()
         return relay
-
-    async def open_session(self, first: pb.NodeFrame) -> SessionPort:
-        """A node's Session stream, by its first frame: to the job's leader on this replica, or to
-        the relay of a job led elsewhere (`relay_for`)."""
-        try:
-            leader = await self._session_leader(first)
-        except NotLeader as exc:
-            return RelayPort(self.relay_for(first, exc), first)
-        return LeaderPort(leader, first)
-
-    async def _session_leader(self, first: pb.NodeFrame) -> JobLeader:
-        """The leader for a Session stream. A node of a job this replica never heard of (etcd lost
-        the job, and this replica started since) says on its first frame who it is: the job is
-        created from that as its Join did and its election awaited, so that the node is taken
-        back rather than told it is no member (which ends its agent)."""
-        wire.check_job(first.job)
-        if first.job not in self.jobs and first.HasField("rejoin"):
-            wire.check_rejoin(first)
-            rejoin_of(first, first.run, self.member_keys(), int(time.time() * 1000))  # no job for a forged claim
-            await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
-            await self.elections.wait(first.job)
-        leader = await self.leader_for(first.job)
-        if first.run and first.run != leader.state.run:  # a node of a run that ended: how it ended
-            raise await self.runs.unknown(first.job, first.run)
-        return leader
 
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         wire.check_join(req)

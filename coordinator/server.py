@@ -153,24 +153,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Session(self, request_iterator: AsyncIterator[pb.NodeFrame | errors.MusterError],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Directive]:
-        """A node's stream: its frames into the port its first frame opens (`Replica.open_session`: the
-        job's leader here, or the relay to it), the port's directives back out."""
-        port = reader = None
+        """A node's stream, whole, to the port its first frame opens (`Replica.open_session`: the
+        job's leader here, or the relay to it); the port's directives back out."""
+        port = None
         try:
             first = await self.idle.first(request_iterator, self.tenant(context), self._first_within_s,
                                           "a session starts with a frame naming its job and node")
             self.admit(context, first)
             port = await self.replica.open_session(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
-            reader = asyncio.create_task(port.feed(request_iterator, budget))
-            async for directive in port.directives():
+            async for directive in port.serve(first, request_iterator, budget):
                 yield directive
         except errors.MusterError as exc:
             refusals.refused("session_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
-            if reader:
-                reader.cancel()
             if port:
                 port.close()
 

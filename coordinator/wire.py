@@ -103,22 +103,6 @@ def check_reason(reason: str) -> str:
     return reason
 
 
-def check_rejoin(first: pb.NodeFrame) -> None:
-    """What a stream's first frame carries besides its address: the session secret, and the node's
-    own JoinRequest (by Join's rules, naming the frame's job and node) to rebuild a lost job from."""
-    check_secret(first.session_secret)
-    if not first.HasField("rejoin"):
-        return
-    if not first.session_secret:  # else a lost state would keep the hash of nothing as the member's
-        raise InvalidArgument("a first frame with rejoin must present the node's session_secret")
-    try:
-        check_join(first.rejoin)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"rejoin: {exc}") from exc
-    if (first.rejoin.job, first.rejoin.node_id) != (first.job, first.node_id):
-        raise InvalidArgument("rejoin must name the job and node_id of its frame")
-
-
 def spec_of(msg: pb.JobSpec) -> JobSpec:
     return JobSpec(msg.min_nodes, msg.max_nodes, msg.world_size_multiple, msg.straggler_action,
                    round(msg.straggler_factor, 4), msg.straggler_min_steps)  # a float32 on the wire

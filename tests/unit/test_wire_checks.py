@@ -1,11 +1,12 @@
-"""The edge checks (wire.check_*): what they accept, what they refuse, and that every refusal names
-the field and quotes client input bounded. The request decoders of the gRPC edge refuse bytes
-that are no valid message instead of letting grpc.aio answer UNKNOWN."""
+"""The edge checks (wire.check_*, and a first frame's frames.check_rejoin): what they accept, what
+they refuse, and that every refusal names the field and quotes client input bounded. The request
+decoders of the gRPC edge refuse bytes that are no valid message instead of letting grpc.aio answer
+UNKNOWN."""
 
 import grpc
 import pytest
 
-from muster.coordinator import server, wire
+from muster.coordinator import frames, server, wire
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_STEP
 from muster.coordinator.core.state import Member
 from muster.coordinator.errors import InvalidArgument
@@ -75,16 +76,17 @@ def test_leave_bounds_reason_and_secret():
 
 def test_rejoin_is_checked_by_joins_rules_and_names_its_frame():
     frame = dict(job="job", node_id="n0", member_id=1)
-    wire.check_rejoin(pb.NodeFrame(**frame))
-    wire.check_rejoin(pb.NodeFrame(**frame, session_secret=b"s" * 64, rejoin=join_request()))
-    assert "session_secret" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, session_secret=b"s" * 65))
+    frames.check_rejoin(pb.NodeFrame(**frame))
+    frames.check_rejoin(pb.NodeFrame(**frame, session_secret=b"s" * 64, rejoin=join_request()))
+    assert "session_secret" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, session_secret=b"s" * 65))
     frame["session_secret"] = b"s"
-    assert refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(host="a b"))).startswith("rejoin: host")
-    assert "slots" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(slots=0)))
-    assert "job and node_id" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(node_id="n1")))
+    assert refusal(frames.check_rejoin,
+                   pb.NodeFrame(**frame, rejoin=join_request(host="a b"))).startswith("rejoin: host")
+    assert "slots" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(slots=0)))
+    assert "job and node_id" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(node_id="n1")))
     # a claim of membership without the secret: a lost state would keep the hash of nothing as its member's
     del frame["session_secret"]
-    assert "session_secret" in refusal(wire.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request()))
+    assert "session_secret" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request()))
 
 
 def ranks(**report):
