@@ -27,7 +27,7 @@ def test_a_completed_step_counts_and_reports_its_duration():
     with w.step_scope() as step:
         pass
     assert step.completed and w.step == 1
-    assert w._progress[0] == 1 and w._progress[2] == "running"
+    assert w._progress.now[0] == 1 and w._progress.now[2] == "running"
 
 
 def test_an_error_without_a_membership_change_is_the_scripts_own_and_propagates():
@@ -79,9 +79,9 @@ def test_a_planned_switch_heard_past_its_step_leaves_the_group_at_once():
 def test_long_phase_is_reported_and_ends():
     w = worker()
     with w.long_phase("checkpoint"):
-        assert w._progress[2:4] == ("long_phase", "checkpoint")
+        assert w._progress.now[2:4] == ("long_phase", "checkpoint")
         assert w._reports()[0].state == pb.RANK_STATE_LONG_PHASE
-    assert w._progress[2:4] == ("running", "")
+    assert w._progress.now[2:4] == ("running", "")
 
 
 def test_register_refuses_extras_without_state_dict():

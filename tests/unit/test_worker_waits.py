@@ -1,14 +1,16 @@
 """A rank waiting for a place in a newer generation says what it waits for, and gives up at its
 bounds with the reason (a rank that 'stopped silently' after reform_failed was waiting here)."""
 
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from structlog.testing import capture_logs
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.library.reform import give_up_waiting, report_waiting
+from muster.worker.library.reform import Progress, Reform, give_up_waiting, report_waiting
 from muster.worker.library.errors import CoordinatorLost, HoldExpired
 
 
@@ -40,3 +42,16 @@ def test_a_holding_rank_gives_up_at_its_deadline_and_a_waiting_one_when_the_coor
     give_up_waiting(link(299), 300, 7, "", now - 1)  # not holding: the coordinator's silence rules
     with pytest.raises(CoordinatorLost, match="no word from the coordinator for 301s"):
         give_up_waiting(link(301), 300, 7, "", now + 100)
+
+
+def test_a_wait_the_workers_error_or_a_drain_ends_returns_to_the_worker_to_raise_it():
+    """The plan raises nothing of the worker's: it stops (None), and the worker raises why."""
+    failed = threading.Event()
+    mailbox = SimpleNamespace(latest=pb.Assignment(generation=2), base=None, drain_after=5,
+                              changed=threading.Event(), silent_s=lambda: 0.0)
+    plan = Reform(None, mailbox, None, Progress(), slot=0, local_rank=0, device=torch.device("cpu"),
+                  hold_timeout_s=300, failed=failed, let_go=lambda: None)
+    assert plan.wait_for_place(2, "", time.monotonic() + 60, step=5) is None  # drained past step 5
+    mailbox.drain_after = None
+    failed.set()
+    assert plan.wait_for_place(2, "", time.monotonic() + 60, step=5) is None

@@ -49,7 +49,7 @@ from muster.worker.link import Link, Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
 from muster.worker.library.registration import registered
-from muster.worker.library.reform import Formed, Reform, at_boundary
+from muster.worker.library.reform import Formed, Progress, Reform, at_boundary, drain_due
 from muster.worker.library.sharded import BENCHED, Build, Replicas
 from muster.worker.library.snapshots import Snapshots
 from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
@@ -163,10 +163,11 @@ class Worker:
         self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
         self._error: WorkerError | None = None
+        self._failed = threading.Event()  # _error is set: a reform under way stops for it
         self._error_seen = threading.Event()  # the training thread has raised it
         self._plan: Reform | None = None  # how this rank reforms (once started)
-        self._unwinding = Unwinding(excused=lambda: self._closing or self._progress[2] == "long_phase")
-        self._progress: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)  # step, µs, state, phase, generation
+        self._progress = Progress()  # what this rank says it does (the link thread reports it)
+        self._unwinding = Unwinding(excused=lambda: self._closing or self._progress.now[2] == "long_phase")
         self._redos = 0  # attempts of the current step discarded in a row
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
@@ -225,9 +226,9 @@ class Worker:
         group_end.detach()  # the runner's too: the library destroys its groups at every reform
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
                          gloo_interface=c.gloo_interface or interface_of(c.host))
-        self._plan = Reform(self.comm, self.link, self._unwinding, slot=self._slot, local_rank=c.local_rank,
-                            device=self.device, hold_timeout_s=c.hold_timeout_s, report=self._report, halt=self._halt,
-                            failed=lambda: self._error is not None, let_go=self._ddp.clear)
+        self._plan = Reform(self.comm, self.link, self._unwinding, self._progress, slot=self._slot,
+                            local_rank=c.local_rank, device=self.device, hold_timeout_s=c.hold_timeout_s,
+                            failed=self._failed, let_go=self._ddp.clear)
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
         self._reform()
         return self
@@ -260,11 +261,11 @@ class Worker:
     @contextmanager
     def long_phase(self, name: str) -> Iterator[None]:
         """Declare a long phase (checkpoint save, evaluation): no stall is detected meanwhile."""
-        self._report("long_phase", name, self._progress[4])
+        self._progress.say("long_phase", name, self._progress.now[4])
         try:
             yield
         finally:
-            self._report("running", "", self._progress[4])
+            self._progress.say("running", "", self._progress.now[4])
 
     def ddp(self, module: torch.nn.Module | None = None, **kwargs) -> torch.nn.Module:
         """A DistributedDataParallel wrapper over the current group (a 1-D mesh's, whose ranks are
@@ -297,7 +298,7 @@ class Worker:
         """The step in flight completed in `us` µs: count and report it, then take a membership
         change due at this boundary."""
         self.step += 1
-        self._progress = (self.step, us, "running", "", self.generation)
+        self._progress.now = (self.step, us, "running", "", self.generation)
         self._unwinding.stepped(us)
         self._redos = 0
         if self._stepped is not None:
@@ -331,13 +332,8 @@ class Worker:
             self.link.changed.set()
 
     def _check_drain(self) -> None:
-        if self.link.drain_after is not None and self.step >= self.link.drain_after:
+        if drain_due(self.link.drain_after, self.step):
             raise Drained(f"the node leaves the job after step {self.link.drain_after}")
-
-    def _halt(self, error: WorkerError | None = None) -> None:
-        """Raise what ends this rank's training, if anything: `error`, the link's, or a drain past this step."""
-        self._raise_error(error)
-        self._check_drain()
 
     def _membership_changed(self, wait_s: float) -> bool:
         """After a collective failed: is (or does, within wait_s) an abort of this generation come?"""
@@ -358,31 +354,34 @@ class Worker:
         A rank benched in the generation formed (its replica group is out of the mesh:
         worker/library/sharded.py) sits it out, state kept and reporting a long phase (not a
         stall), until a newer generation places it."""
-        state, phase = self._progress[2:4]
+        said = self._progress.now[2:4]  # said again once formed
         formed = self._plan.run(self.state, self.generation, self.step, discard=discard, hold=hold)
-        self._adopt(formed, state, phase)
-        while formed.sync.role == BENCHED:
-            self._report("long_phase", f"benched: {self.state.bench.why}"[:200], self.generation)
-            self._plan.wait_for_place(self.generation, "", math.inf, self.state.bench)
+        while True:
+            self._adopt(formed, said)
+            if formed.sync.role != BENCHED:
+                return
+            self._progress.say("long_phase", f"benched: {self.state.bench.why}"[:200], self.generation)
+            try:
+                placed = self._plan.wait_for_place(self.generation, "", math.inf, self.step, self.state.bench)
+            except RunEnded as ended:  # the others finished while this rank sat out: so does it
+                self._raise_error(ended)
             # (aborted first: the bench's barrier would hold the group's destroy)
-            formed = self._plan.run(self.state, self.generation, self.step, abort=True)
-            self._adopt(formed, state, phase)
+            formed = None if placed is None else self._plan.run(self.state, self.generation, self.step, abort=True)
 
-    def _adopt(self, formed: Formed, state: str, phase: str) -> None:
-        """Train in the group a reform formed, from the step the state was synced to."""
+    def _adopt(self, formed: Formed | None, said: tuple[str, str]) -> None:
+        """Train in the group a reform formed, from the step the state was synced to, saying `said`
+        (what the rank said before it). None: the plan stopped for the link's error or a drain, raised here."""
+        if formed is None:
+            self._raise_error()
+            self._check_drain()  # (one of the two raises: the plan saw it)
         spec, sync = formed.spec, formed.sync
         lost = self.step - sync.step if sync.step < self.step else 0
         self.step, self.rank, self.world_size, self.generation = sync.step, spec.rank, spec.world_size, spec.generation
-        self.link.running(spec.generation)
-        self._progress = (sync.step, self._progress[1], state, phase, spec.generation)
+        self._progress.now = (sync.step, self._progress.now[1], *said, spec.generation)
         latest = self.link.latest
         if latest is not None and latest.generation > spec.generation:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
-
-    def _report(self, state: str, phase: str, generation: int) -> None:
-        """What this rank says it does (one tuple swap: the link thread reads it), at the step it reported last."""
-        self._progress = (*self._progress[:2], state, phase, generation)
 
     # ---- background thread -----------------------------------------------------------
 
@@ -391,6 +390,7 @@ class Worker:
             return  # leaving anyway: nothing to abort
         error.__cause__ = cause
         self._error = error
+        self._failed.set()
         if isinstance(error, RunEnded):  # no fault: the training loop ends at its next boundary
             log.info("run_ended", outcome=error.outcome, reason=error.reason)
         else:
@@ -404,6 +404,7 @@ class Worker:
         """On the training thread: raise the link's error (or `error`, which becomes it), if there is one."""
         if error is not None:
             self._error = error
+            self._failed.set()
         if self._error is not None:
             self._error_seen.set()
             raise self._error
@@ -440,7 +441,7 @@ class Worker:
             log.info("drain_received", after_step=d.drain.after_step, reason=d.drain.reason)
 
     def _reports(self) -> list[pb.RankReport]:
-        step, step_time_us, state, phase, generation = self._progress
+        step, step_time_us, state, phase, generation = self._progress.now
         digest_step, digest = self._digest
         every, held = self._snapshots() if self._snapshots else (0, 0)
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,

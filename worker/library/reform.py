@@ -2,14 +2,17 @@
 (aborting it first where it broke, so that peers blocked on this rank fail at once), wait for an
 assignment that gives this rank a place, form that generation's group, and sync the state to the
 step its ranks agree on. It speaks to the process group (worker/library/comm.py) in two verbs,
-`leave` and `form` (which hands back the channel the state syncs over), only reads the link's
-mailbox (worker/link.py), and says what the rank does meanwhile (forming, holding) through a
-callback; the worker adopts the group formed. A rank whose group broke with no new generation in
-sight holds, process and state kept, for at most the hold timeout; so does one whose reform failed.
+`leave` and `form` (which hands back the channel the state syncs over), reads the link's mailbox
+(worker/link.py) and tells it the generation formed, and says what the rank does meanwhile
+(forming, holding) in the rank's Progress. It never calls back into the worker: a wait the link's
+failure or a drain ends returns None, for the worker to raise why, and the worker adopts the group
+formed. A rank whose group broke with no new generation in sight holds, process and state kept,
+for at most the hold timeout; so does one whose reform failed.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ import torch
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.comm import Comm, GroupSpec, Superseded
-from muster.worker.library.errors import CoordinatorLost, HoldExpired, WorkerError
+from muster.worker.library.errors import CoordinatorLost, HoldExpired
 from muster.worker.library.sharded import Bench
 from muster.worker.library.state import StateTransfer, SyncResult
 from muster.worker.library.unwinding import Unwinding
@@ -30,6 +33,21 @@ from muster.worker.link import Link, immediate
 log = structlog.get_logger(__name__)
 
 WAIT_REPORT_S = 10.0  # a rank waiting for a place in a newer generation says so this often
+
+
+class Progress:
+    """What the rank says it does, for the link thread's reports: (step, µs per step, state, phase,
+    generation), swapped whole so that a report never mixes two. The worker says the steps; the
+    reform says the rest while it runs (forming, holding, the sync's phases)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now: tuple[int, int, str, str, int] = (0, 0, "starting", "", 0)
+
+    def say(self, state: str, phase: str, generation: int) -> None:
+        """At the step said last."""
+        self.now = (*self.now[:2], state, phase, generation)
 
 
 @dataclass(frozen=True)
@@ -42,25 +60,24 @@ class Formed:
 
 
 class Reform:
-    def __init__(self, comm: Comm, link: Link, unwinding: Unwinding, *, slot: int, local_rank: int,
-                 device: torch.device, hold_timeout_s: float, report: Callable[[str, str, int], None],
-                 halt: Callable[[WorkerError | None], None], failed: Callable[[], bool],
+    def __init__(self, comm: Comm, link: Link, unwinding: Unwinding, progress: Progress, *, slot: int,
+                 local_rank: int, device: torch.device, hold_timeout_s: float, failed: threading.Event,
                  let_go: Callable[[], None]):
-        """`report(state, phase, generation)`: what the rank says it does. `halt(error)`: raise what
-        ends this rank's training (`error`, the link's, or a drain), if anything. `failed()`: the
-        link has failed (a group being formed is abandoned). `let_go()`: the worker drops what it
-        holds of a group it leaves (its DDP wrappers)."""
-        self.comm, self.link, self.unwinding = comm, link, unwinding
+        """`failed`: set once the worker has an error that ends its training (a group being formed
+        is abandoned, a wait ends). `let_go()`: the worker drops what it holds of a group it leaves
+        (its DDP wrappers)."""
+        self.comm, self.link, self.unwinding, self.progress = comm, link, unwinding, progress
         self.slot, self.local_rank, self.device, self.hold_timeout_s = slot, local_rank, device, hold_timeout_s
-        self.report, self.halt, self.failed, self.let_go = report, halt, failed, let_go
+        self.failed, self.let_go = failed, let_go
         self.forming = False  # the training thread is inside Comm.form (read on the link thread)
 
     def run(self, state: StateTransfer, after: int, step: int, *, discard: bool = False, hold: str = "",
-            abort: bool = False) -> Formed:
+            abort: bool = False) -> Formed | None:
         """Leave generation `after`'s group (at `step`) and form the next one this rank has a place in.
         `discard`: the step in flight was lost. `hold`: why the group broke with no new generation
         in sight; the wait for one is then bounded by the hold timeout, and a failure while forming
-        holds the same way. `abort`: the old group is aborted before it is destroyed (as where it broke)."""
+        holds the same way. `abort`: the old group is aborted before it is destroyed (as where it broke).
+        None: the wait ended for the link's failure or a drain (see wait_for_place)."""
         started = time.perf_counter()
         self.unwinding.began(after)
         if discard:
@@ -74,19 +91,21 @@ class Reform:
         deadline = time.monotonic() + self.hold_timeout_s
         while True:
             # Waiting for the others is not a stall; holding says that this generation broke.
-            self.report("holding" if hold else "forming", "", after)
-            a = self.wait_for_place(after, hold, deadline)
+            self.progress.say("holding" if hold else "forming", "", after)
+            a = self.wait_for_place(after, hold, deadline, step)
+            if a is None:
+                return None
+            abandoned = partial(self.abandoned, a.generation, immediate(a))
             spec = group_spec(a, self.slot, self.local_rank)
-            self.report("forming", "", spec.generation)
+            self.progress.say("forming", "", spec.generation)
             self.forming = True
             before_form_s = time.perf_counter() - started  # the old group's teardown, the wait for a place
-            abandoned = partial(self.abandoned, spec.generation, immediate(a))
             form_began = time.perf_counter()
             try:
                 channel = self.comm.form(spec, abandoned=abandoned)
                 synced = time.perf_counter()
                 sync = state.sync(step, channel, self.device,
-                                  progress=lambda phase, g=spec.generation: self.report("forming", phase, g))
+                                  progress=lambda phase, g=spec.generation: self.progress.say("forming", phase, g))
                 sync_s = time.perf_counter() - synced
                 break
             except Superseded:
@@ -101,28 +120,32 @@ class Reform:
                 self.forming = False
             self.unwinding.began(spec.generation)  # (an abort may be watching for it to leave this one)
             self.comm.leave()
+        self.link.running(spec.generation)  # the link's frames carry it from now on
         phases = {**self.comm.phases, **sync.phases, "transfer_s": sync.transfer_s, "sync_s": sync_s,
                   "before_form_s": before_form_s, "form_s": synced - form_began, "seconds": time.perf_counter() - started}
         return Formed(spec, sync, phases)
 
     def abandoned(self, generation: int, at_once: bool) -> bool:
         """Abandon the group of `generation` being formed: the link failed, or a newer one supersedes it."""
-        return self.failed() or superseded(self.link.latest, generation, at_once)
+        return self.failed.is_set() or superseded(self.link.latest, generation, at_once)
 
-    def wait_for_place(self, after: int, hold: str, deadline: float, bench: Bench | None = None) -> pb.Assignment:
+    def wait_for_place(self, after: int, hold: str, deadline: float, step: int,
+                       bench: Bench | None = None) -> pb.Assignment | None:
         """Block until an assignment newer than generation `after` gives this rank a place (spares
         and waiting jobs wait). Holding (`hold` says why), no longer than `deadline`; otherwise
         bounded by the link: a coordinator not heard from for the hold timeout ends the wait.
-        It says what it waits for every WAIT_REPORT_S. A benched rank (`bench`) ends with the others."""
+        It says what it waits for every WAIT_REPORT_S. None: the worker failed, or its node
+        drains past `step`. A benched rank (`bench`) ends with the others (raising RunEnded)."""
         began = report_at = time.monotonic()
         while True:
             self.link.changed.clear()
-            self.halt(None)
+            if self.failed.is_set() or drain_due(self.link.drain_after, step):
+                return None
             target = to_form(self.link.latest, self.link.base, self.slot, after)
             if target is not None:
                 return target
             if bench is not None and bench.others_finished():
-                self.halt(bench.finish(self.link))
+                raise bench.finish(self.link)
             if time.monotonic() >= report_at + WAIT_REPORT_S:
                 cause = hold or getattr(bench, "why", "")
                 report_at = report_waiting(self.link, self.hold_timeout_s, after, cause, began, deadline)
@@ -134,7 +157,7 @@ def at_boundary(drain_after: int | None, latest: pb.Assignment | None, base: pb.
                 generation: int, step: int, slot: int) -> Literal["reform", "again", "nothing"]:
     """What a rank in `generation` does with its mailbox at the boundary after `step`: "reform" now,
     look "again" at the next boundary (a drain or a planned switch ahead), or "nothing"."""
-    if drain_after is not None and step >= drain_after:
+    if drain_due(drain_after, step):
         return "again"  # Drained is raised as the next step begins
     if latest is None or latest.generation <= generation:
         return "again" if drain_after is not None else "nothing"  # (the drain step is ahead)
@@ -142,6 +165,11 @@ def at_boundary(drain_after: int | None, latest: pb.Assignment | None, base: pb.
             base is not None and base.generation > generation and placed(base, slot)):
         return "reform"  # (an abort came with a planned switch after it: form the abort's group)
     return "again"  # a planned switch ahead
+
+
+def drain_due(drain_after: int | None, step: int) -> bool:
+    """The node drains, and this rank has completed the drain's step: it trains no further."""
+    return drain_after is not None and step >= drain_after
 
 
 def placed(a: pb.Assignment | None, slot: int) -> bool:
