@@ -592,7 +592,6 @@ def test_a_member_that_reattaches_within_a_heartbeat_timeout_of_the_first_frame_
 
 
 def test_a_member_removed_during_the_grace_is_not_waited_for():
-    state = job(3)
     live = Liveness(TIMING, now=100)
     live.start_grace(["n0", "n1", "n2"], now=100)
     live.observe("n0", 1, report(1), 100.1)
