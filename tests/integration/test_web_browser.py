@@ -12,6 +12,7 @@ import time
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
@@ -57,7 +58,10 @@ def shown(page, css: str, predicate, timeout_s: float, what: str) -> str:
     deadline, text = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         found = page.find_elements(By.CSS_SELECTOR, css)
-        text = found[0].text if found else None
+        try:
+            text = found[0].text if found else None
+        except StaleElementReferenceException:  # the page re-rendered it between the find and the read
+            continue
         if text is not None and predicate(text):
             return text
         time.sleep(0.05)
