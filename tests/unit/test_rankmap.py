@@ -1,11 +1,13 @@
 """Rank assignment: the invariants every rank map keeps, by property tests and examples."""
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.rankmap import assign_ranks
-from muster.coordinator.core.state import Member, RankMap
+from muster.coordinator.core.state import Member, Placement, RankMap
 
 
 def member(i, slots=2, down=()):
@@ -66,6 +68,31 @@ def test_survivors_keep_relative_order_and_rank0_stays_with_its_node(members, sp
     if after.runnable and rank0 not in lost and after.placements[0].node_id != rank0:
         # only a multiple that trims every slot of the old rank-0 node may move rank 0
         assert rank0 not in {p.node_id for p in after.placements}
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes_strategy, spec_strategy, st.data())
+def test_a_new_map_keeps_its_unchanged_placements_and_a_renumbered_ones_text(members, spec, data):
+    """The next map after losses and joins reuses what did not change: a placement with the same
+    numbers and slots is the previous map's own object (a loss-only check takes the untouched prefix
+    by identity), and every placement's encoded text is its node and slots, numbers left out, so a
+    renumbered one encodes as before (its state pages stay compressed)."""
+    before = assign_ranks(members, None, spec)
+    if not before.runnable:
+        return
+    lost = data.draw(st.sets(st.sampled_from([m.node_id for m in members])))
+    sizes = data.draw(st.lists(st.integers(1, 8), max_size=3))
+    joined = [member(len(members) + 1 + i, slots) for i, slots in enumerate(sizes)]
+    now = [m for m in members if m.node_id not in lost] + joined
+    previous = as_map(before)
+    after = assign_ranks(now, previous, spec)
+    check_invariants(now, spec, after)
+    for p in after.placements:
+        was = previous.placement(p.node_id)
+        if was is not None and (was.node_rank, was.rank_offset, was.slots) == (p.node_rank, p.rank_offset, p.slots):
+            assert p is was
+        assert p.json == Placement(p.node_id, 0, 0, p.slots).json
+        assert p.json == json.dumps({"node_id": p.node_id, "slots": list(p.slots)}, separators=(",", ":"))
 
 
 def test_first_map_puts_rank0_on_the_oldest_node_and_ranks_follow_slots():
