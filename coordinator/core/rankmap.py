@@ -95,8 +95,9 @@ def _placed_tail(members: Sequence[Member], usables: list[tuple[int, ...]], star
     ids = list(map(_NODE_ID, members))
     kept = list(map(previous.by_node.get, ids)) if previous else [None] * len(ids)
     if None not in kept and list(map(_SLOTS, kept)) == usables:
-        if kept and (kept[0].node_rank, kept[0].rank_offset, kept[-1].node_rank) == (first, starts[0], first + len(ids) - 1):
-            return kept  # consecutive before, numbered from the same place: unchanged
+        head, tail = (kept[0], kept[-1]) if kept else (None, None)
+        if head and (head.node_rank, head.rank_offset, tail.node_rank) == (first, starts[0], first + len(ids) - 1):
+            return kept  # consecutive in the previous map and numbered from the same place: each unchanged
         return renumbered(ids, first, starts, usables, map(_JSON, kept))
     return [_place(node_id, node_rank, start, slots, p)
             for node_id, node_rank, start, slots, p in zip(ids, count(first), starts, usables, kept)]
@@ -154,7 +155,8 @@ def _whole_nodes_left_out(placements: Sequence[Placement], before: Sequence[Plac
     survivors = list(compress(before, kept))
     if list(map(_NODE_ID, survivors)) != ids or list(map(_SLOTS, survivors)) != list(map(_SLOTS, placements)):
         return None
-    return tuple(r for b in compress(before, map(not_, kept)) for r in range(b.rank_offset, b.rank_offset + len(b.slots)))
+    left_out = compress(before, map(not_, kept))
+    return tuple(r for b in left_out for r in range(b.rank_offset, b.rank_offset + len(b.slots)))
 
 
 def removed_node_ranks(previous: RankMap, rm: RankMap) -> list[int]:
