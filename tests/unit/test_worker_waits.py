@@ -46,12 +46,12 @@ def test_a_holding_rank_gives_up_at_its_deadline_and_a_waiting_one_when_the_coor
 
 def test_a_wait_the_workers_error_or_a_drain_ends_returns_to_the_worker_to_raise_it():
     """The plan raises nothing of the worker's: it stops (None), and the worker raises why."""
-    failed = threading.Event()
+    failed = []  # the worker's error, once it has one
     mailbox = SimpleNamespace(latest=pb.Assignment(generation=2), base=None, drain_after=5,
                               changed=threading.Event(), silent_s=lambda: 0.0)
     plan = Reform(None, mailbox, None, Progress(), slot=0, local_rank=0, device=torch.device("cpu"),
-                  hold_timeout_s=300, failed=failed, let_go=lambda: None)
+                  hold_timeout_s=300, failed=lambda: bool(failed), let_go=lambda: None)
     assert plan.wait_for_place(2, "", time.monotonic() + 60, step=5) is None  # drained past step 5
     mailbox.drain_after = None
-    failed.set()
+    failed.append("the link failed")
     assert plan.wait_for_place(2, "", time.monotonic() + 60, step=5) is None

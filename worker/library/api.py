@@ -163,7 +163,6 @@ class Worker:
         self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
         self._error: WorkerError | None = None
-        self._failed = threading.Event()  # _error is set: a reform under way stops for it
         self._error_seen = threading.Event()  # the training thread has raised it
         self._plan: Reform | None = None  # how this rank reforms (once started)
         self._progress = Progress()  # what this rank says it does (the link thread reports it)
@@ -228,7 +227,7 @@ class Worker:
                          gloo_interface=c.gloo_interface or interface_of(c.host))
         self._plan = Reform(self.comm, self.link, self._unwinding, self._progress, slot=self._slot,
                             local_rank=c.local_rank, device=self.device, hold_timeout_s=c.hold_timeout_s,
-                            failed=self._failed, let_go=self._ddp.clear)
+                            failed=lambda: self._error is not None, let_go=self._ddp.clear)
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
         self._reform()
         return self
@@ -390,7 +389,6 @@ class Worker:
             return  # leaving anyway: nothing to abort
         error.__cause__ = cause
         self._error = error
-        self._failed.set()
         if isinstance(error, RunEnded):  # no fault: the training loop ends at its next boundary
             log.info("run_ended", outcome=error.outcome, reason=error.reason)
         else:
@@ -404,7 +402,6 @@ class Worker:
         """On the training thread: raise the link's error (or `error`, which becomes it), if there is one."""
         if error is not None:
             self._error = error
-            self._failed.set()
         if self._error is not None:
             self._error_seen.set()
             raise self._error

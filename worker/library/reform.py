@@ -12,7 +12,6 @@ for at most the hold timeout; so does one whose reform failed.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,9 +60,9 @@ class Formed:
 
 class Reform:
     def __init__(self, comm: Comm, link: Link, unwinding: Unwinding, progress: Progress, *, slot: int,
-                 local_rank: int, device: torch.device, hold_timeout_s: float, failed: threading.Event,
+                 local_rank: int, device: torch.device, hold_timeout_s: float, failed: Callable[[], bool],
                  let_go: Callable[[], None]):
-        """`failed`: set once the worker has an error that ends its training (a group being formed
+        """`failed()`: the worker has an error that ends its training (a group being formed
         is abandoned, a wait ends). `let_go()`: the worker drops what it holds of a group it leaves
         (its DDP wrappers)."""
         self.comm, self.link, self.unwinding, self.progress = comm, link, unwinding, progress
@@ -127,7 +126,7 @@ class Reform:
 
     def abandoned(self, generation: int, at_once: bool) -> bool:
         """Abandon the group of `generation` being formed: the link failed, or a newer one supersedes it."""
-        return self.failed.is_set() or superseded(self.link.latest, generation, at_once)
+        return self.failed() or superseded(self.link.latest, generation, at_once)
 
     def wait_for_place(self, after: int, hold: str, deadline: float, step: int,
                        bench: Bench | None = None) -> pb.Assignment | None:
@@ -139,7 +138,7 @@ class Reform:
         began = report_at = time.monotonic()
         while True:
             self.link.changed.clear()
-            if self.failed.is_set() or drain_due(self.link.drain_after, step):
+            if self.failed() or drain_due(self.link.drain_after, step):
                 return None
             target = to_form(self.link.latest, self.link.base, self.slot, after)
             if target is not None:
