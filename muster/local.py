@@ -242,11 +242,11 @@ def spare_victim_survivors(ranks: list[TrainingProcess], slot: int, coordinator:
     (no step yet), the one stepping in `slot`, and the others. The spare is first waited for as a
     member of `job`: a fault before it joined (a slow start on a loaded host) shrinks the mesh and
     grows it again, two reforms where the caller means one."""
-    def spares() -> list[str]:
-        with Coordinators([coordinator], timeout_s=5) as c:
+    with Coordinators([coordinator], timeout_s=5) as c:  # one client for the whole wait
+        def spares() -> list[str]:
             status = c.call("Status", pb.StatusRequest(job=job))
-        return list(status.jobs[0].spares) if status.jobs else []
-    wait_until(spares, 60, f"a spare member of job {job!r}", interval_s=0.1)
+            return list(status.jobs[0].spares) if status.jobs else []
+        wait_until(spares, 60, f"a spare member of job {job!r}", interval_s=0.1)
     (spare,) = [p for p in ranks if not p.steps()]
     (victim,) = [p for p in ranks if p.steps() and p.steps()[-1]["slot"] == slot]
     return spare, victim, [p for p in ranks if p not in (victim, spare)]
