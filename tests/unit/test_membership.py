@@ -12,6 +12,8 @@ from muster.v1 import muster_pb2 as pb
 from muster.worker.agent.agent import NodeAgent
 from muster.worker.agent.agent_config import AgentConfig
 from muster.worker.agent.membership import MAX_REJOINS
+from muster.worker.agent.rank_hub import RankHub
+from muster.worker.agent.slot import Slot
 from muster.worker.node_session import Evicted
 from muster.worker.outcome import EXIT_FAILED
 
@@ -97,3 +99,27 @@ def test_a_refused_rejoin_ends_the_node_with_the_refusal(capsys):
     _, code = stream(session)
     assert code == EXIT_FAILED
     assert "could not join again: ALREADY_EXISTS" in capsys.readouterr().err
+
+
+class Running:
+    """A live process, as a slot sees one."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+
+def test_a_rank_kept_across_the_rejoin_is_told_to_leave_its_group_and_the_others_are_told_as_the_leader_said():
+    kept, placed = Slot(0, proc=Running(101), kept_pid=101), Slot(1, proc=Running(102))
+    hub = RankHub(node=None)
+    to_kept, to_placed = asyncio.Queue(), asyncio.Queue()
+    hub.queues = {to_kept: kept, to_placed: placed}
+    switch = pb.Directive(term=3, generation=3, assignment=pb.Assignment(
+        generation=3, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], switch_at_step=11))
+    hub.deliver(switch)
+    # The leader removed its node, so the others aborted the group it is in: it leaves at once
+    # rather than step on in it to the switch (a gloo wait there may never end).
+    gone = to_kept.get_nowait()
+    assert gone.assignment.abort_previous and gone.assignment.switch_at_step == 11
+    assert to_placed.get_nowait() == switch and not switch.assignment.abort_previous
+    hub.deliver(pb.Directive(term=3, drain=pb.Drain(after_step=20)))
+    assert to_kept.get_nowait().HasField("drain")

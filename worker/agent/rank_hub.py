@@ -26,7 +26,7 @@ class RankHub(pb_grpc.NodeAgentServicer):
         """A directive of the leader, to every library rank it is for."""
         for q, slot in self.queues.items():
             if _for_rank(d, slot):
-                q.put_nowait(d)
+                q.put_nowait(_group_gone(d) if slot.kept and d.HasField("assignment") else d)
 
     def crash_answered(self, slot: Slot) -> bool:
         """The leader has acted on the slot's last crash: a generation after the one it crashed in,
@@ -147,6 +147,18 @@ def _for_rank(d: pb.Directive, slot: Slot) -> bool:
         return True
     a = d.assignment
     return a.generation > slot.crashed_in and not (slot.kept and a.start_ranks and slot.index in a.down_local_ranks)
+
+
+def _group_gone(d: pb.Directive) -> pb.Directive:
+    """The assignment as a process kept across its node's rejoin reads it: its group is gone (the
+    leader removed the node it could not hear, and the others aborted that group), so it leaves
+    the group at once (abort_previous) instead of stepping on in it to a planned switch. A
+    collective it is in may never end otherwise: a gloo wait on a pair its peer closed during the
+    partition was seen to outlast the leader's stall timeout."""
+    gone = pb.Directive()
+    gone.CopyFrom(d)
+    gone.assignment.abort_previous = True
+    return gone
 
 
 def process_state(pid: int) -> str | None:

@@ -8,8 +8,10 @@ UNWIND_LATE_S it is named, with where it is, once per abort. A thread still ther
 its longest recent steps (UNWIND_EXIT_STEPS, at least UNWIND_EXIT_MIN_S) is stuck in a call the
 abort did not reach (a gloo wait on a pair closed before it was posted, seen once in a consecutive
 suite run): the process exits, its agent starts a fresh one, and the others form without it rather
-than wait for the leader's stall timeout. Not before MEASURED_STEPS steps (a first step may take
-long), nor in a declared long phase.
+than wait for the leader's stall timeout. Not before MEASURED_STEPS steps (the first step, with its
+one-off costs, sets the longest; one more is measured against it), nor in a declared long phase.
+Early in a job matters: a partition five steps in left a healthy node's ranks in such a wait, and
+the leader's stall timeout evicted that node too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ log = structlog.get_logger(__name__)
 UNWIND_LATE_S = 1.0
 UNWIND_EXIT_STEPS = 3.0  # a stuck training thread: still there after this many of its longest steps
 UNWIND_EXIT_MIN_S = 3.0
-MEASURED_STEPS = 10
+MEASURED_STEPS = 2
 STACK_FRAMES = 8  # the innermost frames quoted
 
 
