@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -399,32 +398,10 @@ def _retry_later(exc: grpc.RpcError) -> bool:
     return True
 
 
-INTERRUPT_GRACE_S = 2.0
-
-
-def _ended_by_ctrl_c() -> None:
-    """Ctrl-C ends a live view within INTERRUPT_GRACE_S wherever its main thread is. The main
-    thread's KeyboardInterrupt ends it the ordinary way (status 0, no traceback); the signal's byte,
-    written to a wakeup fd by the C handler itself, also arms an exit on a thread of its own, for a
-    main thread that does not get back to Python in time (a call in C, a flush to a full pipe: in a
-    CI run a `status --watch` outlived its Ctrl-C by 10 s)."""
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-
-    def end_after_grace() -> None:
-        while os.read(wake_read, 1) != bytes([signal.SIGINT]):
-            pass
-        time.sleep(INTERRUPT_GRACE_S)
-        os._exit(0)
-    threading.Thread(target=end_after_grace, name="muster-ctrl-c", daemon=True).start()
-
-
 def _watch(args: argparse.Namespace, view) -> int:
     """`view()`'s lines every --interval seconds until Ctrl-C: redrawn in place on a terminal (as
     `watch` does, cut to its size), else one frame after another (--json: a document per line)."""
     in_place = sys.stdout.isatty() and not args.json
-    _ended_by_ctrl_c()
     try:
         while True:
             began = time.monotonic()
@@ -468,7 +445,6 @@ def _follow_events(args: argparse.Namespace, request, coordinators) -> int:
     """The run's events as they come (asked every --interval), until its record is final or Ctrl-C;
     one run: the name's next run is not this one's history. --json: each event a document on a line."""
     last, asked = None, False
-    _ended_by_ctrl_c()
     try:
         while True:
             try:
@@ -580,7 +556,6 @@ def _logs(args: argparse.Namespace) -> int:
             followers.append(rank_logs.Follower(node, slot, path, offset))
         if not args.follow:
             return 0
-        _ended_by_ctrl_c()
         try:
             while True:
                 time.sleep(args.interval)
