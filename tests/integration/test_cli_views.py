@@ -26,8 +26,11 @@ def muster(*args, timeout=30):
 
 
 def started(*args, **kwargs):
+    """A view that the test ends with Ctrl-C: SIGINT as at a terminal, even for a suite started in the
+    background (a shell's background job inherits SIGINT ignored, and Python keeps it so)."""
     kwargs.setdefault("stdout", subprocess.PIPE)
-    return subprocess.Popen([sys.executable, "-m", "muster.cli", *args], stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen([sys.executable, "-m", "muster.cli", *args], stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
 
 
 def valid(doc, kind: str):
