@@ -104,6 +104,10 @@ def test_a_node_removed_while_unheard_joins_again_with_its_ranks(coordinators, a
         60, "all four ranks training together again after b was removed")
     for (n, s), pid in pids.items():
         assert n.rank_pids(s)[-1] == pid and process_alive(pid), f"{n.node_id}/{s} lost its process"
+    # b's kept ranks were told their old group is gone (a's ranks aborted it when b was removed):
+    # they leave it at once rather than step on in it to a planned switch.
+    for s in (0, 1):
+        assert any(r["abort"] for r in b.rank_records(s, "assignment_received") if r["generation"] > removed), s
     assert b.proc.poll() is None and not b.records("node_evicted")
     joined = [r for r in leader.find("membership_changed", kind="node_joined") if r["nodes"] == ["b"]]
     assert len(joined) == 2, joined  # its first join, and the one after its removal
