@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 from structlog.testing import capture_logs
 
 from muster.worker.library import unwinding
@@ -80,8 +82,9 @@ def stuck_rank(monkeypatch, steps: int, step_us: int, excused: bool = False):
     return u, exits, release, t
 
 
-def test_a_training_thread_still_in_the_aborted_group_after_a_few_of_its_steps_ends_the_process(monkeypatch):
-    u, exits, release, t = stuck_rank(monkeypatch, steps=20, step_us=50_000)
+@pytest.mark.parametrize("steps", [2, 20])  # early in a job too (a partition at step 5 was met in CI)
+def test_a_training_thread_still_in_the_aborted_group_after_a_few_of_its_steps_ends_the_process(monkeypatch, steps):
+    u, exits, release, t = stuck_rank(monkeypatch, steps=steps, step_us=50_000)
     try:
         assert not u.watch(2, aborted_by=3)
     finally:
