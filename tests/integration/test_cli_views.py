@@ -25,12 +25,17 @@ def muster(*args, timeout=30):
     return subprocess.run([sys.executable, "-m", "muster.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+# A view that the test ends with Ctrl-C gets SIGINT as at a terminal, even in a suite started in the
+# background (a shell's background job inherits SIGINT ignored, and Python keeps it so). The child
+# sets it itself: a preexec_fn forks a test process whose gRPC threads are running, and such a child
+# can die before its exec (stop 53's CI: the view's stdout closed empty).
+AT_A_TERMINAL = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "runpy.run_module('muster.cli', run_name='__main__', alter_sys=True)")
+
+
 def started(*args, **kwargs):
-    """A view that the test ends with Ctrl-C: SIGINT as at a terminal, even for a suite started in the
-    background (a shell's background job inherits SIGINT ignored, and Python keeps it so)."""
     kwargs.setdefault("stdout", subprocess.PIPE)
-    return subprocess.Popen([sys.executable, "-m", "muster.cli", *args], stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
+    return subprocess.Popen([sys.executable, "-c", AT_A_TERMINAL, *args], stderr=subprocess.PIPE, **kwargs)
 
 
 def valid(doc, kind: str):
