@@ -12,6 +12,7 @@ last one carries the fingerprint of its shard.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -22,6 +23,9 @@ from muster import logs
 from muster.examples.train_ddp import DataPosition  # (part of each snapshot: replayed steps see the same batches)
 from muster.worker import RunEnded, Snapshots, Worker, WorkerConfig, WorkerError
 from muster.worker.outcome import exit_code
+
+
+STALL_S = 60.0
 
 
 def builder(width: int, layers: int, zero: bool, device: torch.device):
@@ -59,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--zero", action="store_true", help="ZeRO-1 (ZeroRedundancyOptimizer) instead of FSDP2")
+    p.add_argument("--stall-at-step", type=int, default=0, metavar="N",
+                   help="tests: the first process in mesh slot 0 sleeps STALL_S inside step N, a rank stuck in a step")
     args = p.parse_args(argv)
     logs.configure("info", json=True)
     log = structlog.get_logger("train_sharded")
     data = DataPosition()
+    first_process = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # of its slot, under `muster run`
     try:
         worker = Worker(WorkerConfig.from_env())
         worker.register(build=builder(args.width, args.layers, args.zero, worker.device),
@@ -73,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             with worker.step_scope() as step:
                 time.sleep(args.step_sleep)
                 slot = worker.mesh_slot
+                if slot == 0 and first_process and worker.step + 1 == args.stall_at_step:
+                    log.info("stalling", step=worker.step + 1, seconds=STALL_S)
+                    time.sleep(STALL_S)
                 x, y = (t.to(worker.device) for t in batch(worker.step, slot, args.width))  # made on the CPU
                 # (one gradient per DDP bucket: a DDP rebuilt after a reform starts from its initial bucket
                 # layout, and on > 2 ranks another layout sums in another order, last bits apart)

@@ -21,6 +21,9 @@ log = structlog.get_logger(__name__)
 
 SLOT_SECRET_ENV = "MUSTER_SLOT_SECRET"  # set by the agent for each process it starts, never inherited
 SLOT_SECRET_METADATA = "muster-slot-secret"
+# Set by the agent: a file of its private directory, one per slot, where a process exiting stuck leaves
+# what it alone holds (its peer snapshots) for the slot's next process.
+HANDOVER_FILE_ENV = "MUSTER_HANDOVER_FILE"
 
 
 class RankLink:

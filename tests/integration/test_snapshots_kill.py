@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from muster.local import (TrainingProcess, final_digests, kill_and_finish, resumed_at, spare_victim_survivors,
-                          wait_until)
+from muster.local import (TrainingProcess, final_digests, json_lines, kill_and_finish, resumed_at,
+                          spare_victim_survivors, wait_until)
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py")
 STEPS, EVERY = 14, 4
@@ -104,5 +104,49 @@ def test_under_muster_run_a_lost_node_is_refilled_from_its_buddies_on_the_other_
         assert took["state"] == "receiver" and took["bytes_received"] > 0 and took["step"] % EVERY == 0, took
         rolled = [r for r in kept.rank_records(s, "group_formed") if r["generation"] > generation][0]
         assert rolled["bytes_received"] == 0 and rolled["step"] == took["step"], rolled  # in place, from its own copy
+    finals = {r["slot"]: r["digest"] for n in (kept, spare) for s in (0, 1) for r in n.steps(s)[-1:]}
+    assert finals == final_digests(reference, steps)
+
+
+@pytest.mark.timeout(180)
+def test_under_muster_run_a_survivor_exiting_stuck_hands_its_snapshots_to_its_slots_next_process(
+        coordinators, sharded, agents):
+    """As above, but the kept node's slot 0 sits in its step when the other node is lost: here a sleep,
+    in stop 53's CI gloo's wait on a message the dead peer half sent, which the abort does not end.
+    Slot 0 exits stuck, and it held the only copy of slot 2's shard (its predecessor's, on the lost
+    node): the job would end in ShardLost. It leaves its snapshots to its slot's next process, which
+    takes them over and rolls back from them with the others; every slot ends bit-identical."""
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    steps, stall = 30, 2 * EVERY + 2  # two snapshots taken before the stall
+    reference = sharded(leader.address, "stuck-ref", 4, True, steps=steps)
+    run = {"nodes": "2:2", "extra": ["--world-size-multiple", "4"],
+           "command": [sys.executable, SCRIPT, "--zero", "--every", str(EVERY), "--steps", str(steps),
+                       "--step-sleep", "0.1", "--stall-at-step", str(stall)]}
+    nodes = agents([leader.address], "stuck-exit", ["a", "b", "c"], **run)
+
+    def stalled():
+        return next(((n, s) for n in nodes for s in (0, 1) if n.rank_records(s, "stalling")), None)
+    kept, slot0 = wait_until(stalled, 120, f"mesh slot 0 stalling in step {stall}")
+    (victim,) = [n for n in nodes if n is not kept and n.steps(0)]
+    (spare,) = [n for n in nodes if n not in (kept, victim)]
+    generation = victim.steps(0)[-1]["generation"]
+    victim.signal(signal.SIGKILL)
+    for p in [*reference, kept, spare]:
+        assert p.wait(120) == 0, p.log_path.read_text()[-3000:]
+
+    (first, *later) = [json_lines(log) for log in kept.rank_logs(slot0)]
+    assert [r["event"] for r in first if r["event"] in ("rank_exited_stuck", "snapshots_left_behind")] == \
+        ["rank_exited_stuck", "snapshots_left_behind"]
+    (left,) = [r for r in first if r["event"] == "snapshots_left_behind"]
+    assert left["slot"] == 0 and left["own"] == [EVERY, 2 * EVERY] and left["held"], left
+    (taken,) = [r for log in later for r in log if r["event"] == "snapshots_taken_over"]
+    assert (taken["slot"], taken["own"], taken["held"]) == (0, left["own"], left["held"])
+    back_to = [r for r in kept.rank_records(slot0, "group_formed") if r["generation"] > generation][0]
+    assert back_to["step"] in left["own"] and back_to["bytes_received"] == 0, back_to  # from the copies taken over
+    for s in (0, 1):  # the spare node's ranks took the lost slots, slot 2's shard from the copy taken over
+        took = [r for r in spare.rank_records(s, "group_formed") if r["generation"] > generation][0]
+        assert took["state"] == "receiver" and took["bytes_received"] > 0 and took["step"] == back_to["step"], took
+    logs = [log for n in (kept, spare) for s in (0, 1) for log in n.rank_logs(s)]
+    assert not [r for log in logs for r in json_lines(log, "training_stopped")], "no ShardLost, no restart from step 0"
     finals = {r["slot"]: r["digest"] for n in (kept, spare) for s in (0, 1) for r in n.steps(s)[-1:]}
     assert finals == final_digests(reference, steps)

@@ -1,12 +1,18 @@
 """Peer snapshots' pure parts: where a slot's buddy is, which snapshot every rank rolls back to after
-a loss, when a shard is lost for good; a snapshot's packing; what register takes."""
+a loss, when a shard is lost for good; a snapshot's packing; what register takes; the snapshots a
+process exiting stuck leaves for its slot's next process."""
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from muster.worker import LayoutMismatch, ShardLost, Snapshots, Worker, WorkerConfig
-from muster.worker.library.snapshot_ring import pack
-from muster.worker.library.snapshots import Holding, SnapshotState, buddy_stride, keep_slots, recover
+from muster.worker.library.snapshot_ring import Ring, pack
+from muster.worker.library.snapshots import NO_LIVE_STATE, Holding, SnapshotState, buddy_stride, keep_slots, recover
+from muster.worker.library.stuck import STUCK_EXIT_CODE
 
 ONE_NODE_EACH = ["a", "b", "c", "d"]
 
@@ -27,6 +33,10 @@ def test_slots_are_kept_and_a_fresh_process_takes_the_free_one():
     assert keep_slots([0, 2, 3, -1], 4) == [0, 3, 1, 2]  # slot 1 lost, its replacement numbered last
     with pytest.raises(LayoutMismatch, match="3 ranks.*exactly 4.*stays fixed"):
         keep_slots([0, 1, -1], 4)
+    # Snapshots taken over claim their slot unless a live rank holds it (refilled since): then it is fresh.
+    assert keep_slots([-1, 0, 2, 3], 4, [False, True, False, False]) == [1, 0, 2, 3]
+    assert keep_slots([0, 0, 2, 3], 4, [True, False, False, False]) == [1, 0, 2, 3]
+    assert keep_slots([0, 0, 2, 3], 4, [False, False, False, False]) == [0, 1, 2, 3]
 
 
 def test_a_first_formation_keeps_every_built_state_and_places_buddies():
@@ -73,6 +83,76 @@ def test_a_rank_lost_with_its_buddy_ends_the_job():
 def test_no_snapshot_held_for_every_slot_ends_the_job():
     with pytest.raises(ShardLost, match="no snapshot step is held for every slot"):
         recover([holding(1, (0,), ()), None, holding(1, (0,), ()), holding(1, (0,), ())], ONE_NODE_EACH)
+
+
+def test_snapshots_taken_over_without_a_live_state_roll_every_rank_back():
+    # Slot 0's process exited stuck; the next one holds its snapshots but no live state, so the
+    # survivors cannot keep theirs even at one step: back to the newest snapshot held for every slot.
+    survivor = holding(9, (4, 8), (4, 8))
+    r = recover([holding(NO_LIVE_STATE, (4, 8), (4, 8)), survivor, survivor, survivor], ONE_NODE_EACH)
+    assert (r.step, r.fresh, r.receivers) == (8, (), ())
+    # ...and it is the copy of its predecessor's shard that a lost buddy needs (2 nodes: slot 2's on slot 0)
+    r = recover([holding(NO_LIVE_STATE, (8,), (8,), 2), holding(9, (8,), (8,), 2), None, None], ["a", "a", "b", "b"])
+    assert (r.step, r.fresh, r.receivers) == (8, (2, 3), (2, 3))
+
+
+def snapshot_ring(tmp_path):
+    ring = Ring()
+    for step in (4, 8):
+        ring.own[step] = pack({"w": torch.full((3,), float(step))}, step)
+        ring.held[step] = pack({"w": torch.full((5,), -float(step)), "lr": 0.1}, step)
+    return ring
+
+
+def test_a_ring_left_behind_is_taken_over_once_byte_for_byte(tmp_path):
+    ring, path = snapshot_ring(tmp_path), str(tmp_path / "handover-slot0")
+    assert Ring().leave(path, 0, 2) == 0 and not (tmp_path / "handover-slot0").exists(), "nothing held, nothing written"
+    written = ring.leave(path, 1, 2)
+    assert written == sum(s.nbytes for s in (*ring.own.values(), *ring.held.values()))
+    assert oct((tmp_path / "handover-slot0").stat().st_mode & 0o777) == "0o600"
+    again = Ring()
+    assert again.take_over(path) == (1, 2)
+    assert not (tmp_path / "handover-slot0").exists(), "taken once"
+    for kind in ("own", "held"):
+        mine, theirs = getattr(ring, kind), getattr(again, kind)
+        assert sorted(mine) == sorted(theirs) == [4, 8]
+        for step in (4, 8):
+            assert torch.equal(mine[step].tree()["w"], theirs[step].tree()["w"])
+    assert again.held[8].tree()["lr"] == 0.1
+    assert Ring().take_over(path) is None
+
+
+def test_a_handover_cut_short_is_refused_and_the_process_starts_without_it(tmp_path):
+    path = tmp_path / "handover-slot0"
+    snapshot_ring(tmp_path).leave(str(path), 1, 2)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="cut short"):
+        Ring().take_over(str(path))
+    path = tmp_path / "handover-slot1"
+    snapshot_ring(tmp_path).leave(str(path), 1, 2)
+    path.write_bytes(path.read_bytes()[:-10])
+    state = SnapshotState(lambda mesh: None, Snapshots(4), {}, handover=str(path))
+    state._take_over()
+    assert (state.slot, state.ring.own, state.ring.held) == (-1, {}, {}), "as a fresh process"
+
+
+def test_a_stuck_exit_leaves_the_snapshots_behind_then_exits_even_if_that_fails(tmp_path):
+    """In a real process: exit_stuck calls what was left behind, then exits with STUCK_EXIT_CODE."""
+    child = textwrap.dedent(f"""
+        import sys
+        from muster.worker.library import stuck
+        def leave():
+            open({str(tmp_path / "left")!r}, "w").write("left")
+            if sys.argv[1] == "fails":
+                raise OSError("disk full")
+        stuck.leave_behind(leave)
+        stuck.exit_stuck("a test", 3.0)
+    """)
+    for how in ("works", "fails"):
+        done = subprocess.run([sys.executable, "-c", child, how], capture_output=True, text=True, timeout=60)
+        assert done.returncode == STUCK_EXIT_CODE, done.stderr
+        assert (tmp_path / "left").read_text() == "left"
+        assert ("leave_behind_failed" in done.stdout + done.stderr) == (how == "fails")
 
 
 def test_a_holding_travels_as_text():

@@ -23,7 +23,7 @@ from muster.worker.agent.crash_report import exit_words, failure_report, last_fa
 from muster.worker.agent.group_end import ENDED_SUFFIX, EndedFile
 from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
-from muster.worker.rank_link import SLOT_SECRET_ENV
+from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
 from muster.worker.agent.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
 from muster.worker.agent.slot import Crash, Slot, StderrTail, error_message, outside_crash_loop, read_tail
 from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
@@ -42,7 +42,7 @@ RANK_ENV = frozenset({
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
     "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, SLOT_SECRET_ENV,
-    STEP_FILE_ENV,
+    STEP_FILE_ENV, HANDOVER_FILE_ENV,
     # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
     # or etcd (and trackers that record a process's environment would keep them).
     "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
@@ -117,6 +117,7 @@ class RankSupervisor:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
             "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
+            HANDOVER_FILE_ENV: os.path.join(self.files, f"handover-slot{slot.index}"),  # kept across its starts
         })
         if slot.error_file:
             env["TORCHELASTIC_ERROR_FILE"] = slot.error_file

@@ -47,7 +47,7 @@ from muster.worker.library.stuck import exit_unless_raised
 from muster.worker.library.errors import Drained, FencedOut, RunEnded, WorkerError
 from muster.worker.link import Link, Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
-from muster.worker.rank_link import SLOT_SECRET_ENV, RankLink
+from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV, RankLink
 from muster.worker.library.registration import registered
 from muster.worker.library.reform import Formed, Progress, Reform, at_boundary, drain_due
 from muster.worker.library.sharded import BENCHED, Build, Replicas
@@ -72,6 +72,7 @@ class WorkerConfig:
     local_rank: int = 0  # the slot: the device index (NCCL), and this rank's place under an agent
     agent_socket: str = ""  # set by `muster run`: talk to the node agent instead of the coordinator
     agent_secret: str = field(default="", repr=False)  # set by `muster run`: this process's pass to its slot
+    handover_file: str = ""  # set by `muster run`: a stuck exit leaves peer snapshots there for the next process
     min_nodes: int = 0  # job size, used when this rank creates the job (0: the coordinator's default)
     max_nodes: int = 0
     world_size_multiple: int = 0
@@ -112,6 +113,7 @@ class WorkerConfig:
             digest_every=int(env.get("MUSTER_DIGEST_EVERY", "0")),
             agent_socket=env.get("MUSTER_AGENT_SOCKET", ""),
             agent_secret=env.get(SLOT_SECRET_ENV, ""),
+            handover_file=env.get(HANDOVER_FILE_ENV, ""),
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
             security=ClientSecurity.from_env(env),
             gloo_interface=env.get("GLOO_SOCKET_IFNAME", ""),

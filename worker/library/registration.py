@@ -15,6 +15,7 @@ import torch
 from muster.worker.library.sharded import Build, Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer
+from muster.worker.library.stuck import leave_behind
 
 if TYPE_CHECKING:
     from muster.worker.library.api import WorkerConfig
@@ -42,7 +43,9 @@ def registered(config: WorkerConfig, *, model: torch.nn.Module | None, optimizer
         # The shard count stays fixed: a job this rank creates has exactly that many ranks (more wait as spares).
         n = layout.shards
         sizes = {"min_nodes": n, "max_nodes": n, "world_size_multiple": n}
-        state = SnapshotState(build, layout, dict(extras), node=config.node_id, subgroups=subgroups, on_built=guard)
+        state = SnapshotState(build, layout, dict(extras), node=config.node_id, subgroups=subgroups, on_built=guard,
+                              handover=config.handover_file)
+        leave_behind(state.hand_over if config.handover_file else None)
     else:  # replica groups: a generation of one group or more (the others wait benched)
         sizes = {"min_nodes": layout.shards, "max_nodes": layout.world_size}
         state = ShardedState(build, layout, dict(extras), subgroups=subgroups, on_built=guard)

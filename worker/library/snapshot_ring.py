@@ -13,10 +13,16 @@ ever waits for bytes already on their way, and a reform finds it done, or failed
 
 Each rank keeps two snapshots of its own and two of its predecessor's (4 x its shard of host memory):
 while the newest is in flight the one before stays complete.
+
+A process that exits stuck (worker/library/stuck.py) writes its complete snapshots to a file of its
+agent's (`leave`), and the slot's next process reads them back (`take_over`): its buddy may be lost in
+the same fault, and then these are the only copies of two shards.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import queue
 import threading
@@ -219,3 +225,42 @@ class Ring:
     def memory_bytes(self) -> int:
         with self._lock:
             return sum(s.data.numel() for s in (*self.own.values(), *self.held.values()))
+
+    # ---- across a stuck exit -----------------------------------------------------------
+
+    def leave(self, path: str, slot: int, stride: int) -> int:
+        """Write the complete snapshots (own ones are, once taken) for the slot's next process; from
+        any thread (the training thread is stuck). A header (JSON: the slot, the stride, each
+        snapshot's step and size) then the bytes, no pickle. Returns the bytes written (0: none held)."""
+        with self._lock:
+            kinds = {"own": dict(self.own), "held": dict(self.held)}
+        if not any(kinds.values()):
+            return 0
+        header = json.dumps({"slot": slot, "stride": stride, **{k: [[step, snap.nbytes] for step, snap in v.items()]
+                                                                 for k, v in kinds.items()}}).encode()
+        partial = f"{path}.{os.getpid()}"
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header)
+            for snaps in kinds.values():
+                for snap in snaps.values():
+                    f.write(memoryview(snap.data[:snap.nbytes].numpy()))
+        os.replace(partial, path)  # whole or not at all
+        return sum(snap.nbytes for snaps in kinds.values() for snap in snaps.values())
+
+    def take_over(self, path: str) -> tuple[int, int] | None:
+        """The snapshots a stuck process left in `path` become this (fresh) ring's; the file is
+        removed. Returns (the slot, the stride) they are of, or None: no file."""
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            os.unlink(path)  # read once: a later process of the slot must not take them again
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            for kind in ("own", "held"):
+                for step, nbytes in header[kind]:
+                    data = host_buffer(nbytes)
+                    if f.readinto(memoryview(data.numpy())) != nbytes:
+                        raise ValueError(f"{path}: cut short in snapshot {step}")
+                    getattr(self, kind)[step] = Snapshot(step, data, nbytes)
+        return header["slot"], header["stride"]

@@ -18,6 +18,10 @@ thread). After a reform the ranks tell each other what they hold:
    loop sees `worker.step` go back (the extras with it, so replayed steps see the same batches);
    a fresh process in a lost slot receives its shard from the buddy;
 3. a slot lost together with its buddy has no copy left: every rank raises ShardLost.
+
+A process that exits stuck (its training thread held in a dead group's collective) leaves its
+snapshots, its own and its buddy-held ones, for the slot's next process (under `muster run`), which
+claims the slot and rolls back from them: a buddy lost in the same fault then loses nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ log = structlog.get_logger(__name__)
 
 EVERY = 10  # steps between snapshots by default: at most 10 redone; the training thread pays < 0.5% of a step
 MESH_DIM = "shard"
+NO_LIVE_STATE = -1  # a Holding's step where the process has snapshots but no live state (taken over)
 
 
 @dataclass(frozen=True)
@@ -72,14 +77,17 @@ class Snapshots:
         return DeviceMesh.from_group(group, device_type, mesh_dim_names=(MESH_DIM,))
 
 
-def keep_slots(claims: Sequence[int], n: int) -> list[int]:
+def keep_slots(claims: Sequence[int], n: int, taken_over: Sequence[bool] = ()) -> list[int]:
     """The rank in each slot from each rank's claim (-1: a fresh process): claims are kept, fresh
-    ranks take the free slots in rank order. The same on every rank."""
+    ranks take the free slots in rank order. A claim from snapshots taken over (`taken_over[rank]`)
+    yields to a live one: its slot may have been refilled since. The same on every rank."""
     if len(claims) != n:
         raise LayoutMismatch(f"the generation has {len(claims)} ranks; Snapshots(shards={n}) needs exactly {n} "
                              "(the shard count stays fixed: set the job's world_size_multiple and max size to it)")
     rank_of_slot = [-1] * n
-    for rank, slot in enumerate(claims):
+    live_first = sorted(range(n), key=lambda rank: rank < len(taken_over) and taken_over[rank])
+    for rank in live_first:
+        slot = claims[rank]
         if 0 <= slot < n and rank_of_slot[slot] < 0:
             rank_of_slot[slot] = rank
     fresh = iter(rank for rank, slot in enumerate(claims) if rank not in rank_of_slot)
@@ -97,7 +105,7 @@ def buddy_stride(nodes: Sequence[str]) -> int:
 class Holding:
     """What a surviving process holds at a reform (a fresh one holds nothing: None)."""
 
-    step: int  # its live state's
+    step: int  # its live state's (NO_LIVE_STATE: none)
     own: tuple[int, ...]  # steps of its own snapshots
     held: tuple[int, ...]  # steps of its predecessor's snapshots, complete
     stride: int
@@ -135,7 +143,7 @@ def recover(holdings: Sequence[Holding | None], nodes: Sequence[str]) -> Recover
         return Recovery(None, buddy_stride(nodes))
     stride = known[0].stride
     fresh = tuple(s for s, h in enumerate(holdings) if h is None)
-    if not fresh and len({h.step for h in known}) == 1:
+    if not fresh and len({h.step for h in known}) == 1 and known[0].step != NO_LIVE_STATE:
         return Recovery(None, stride)
     for s in fresh:
         b = (s + stride) % n
@@ -170,6 +178,7 @@ class SnapshotState(ShardedState):
     node: str = ""  # this process's node, where buddies are placed
     stride: int = 0  # slot -> buddy distance, fixed at the first formation; 0 until then
     ring: Ring = field(default_factory=Ring)
+    handover: str = ""  # the agent's file where a stuck exit leaves the snapshots for the slot's next process
 
     def _shards(self, group: dist.ProcessGroup | None = None) -> LocalShards:
         return LocalShards(self.model, inner(self.optimizer), self.extras)
@@ -188,14 +197,23 @@ class SnapshotState(ShardedState):
              progress: Callable[[str], None] | None = None) -> SyncResult:
         started = time.perf_counter()
         self.ring.stop()
-        mine = Holding(step, tuple(self.ring.own), tuple(self.ring.held), self.stride) if self.slot >= 0 else None
+        if self.slot < 0 and self.handover:
+            self._take_over()
+        live = step if self.model is not None else NO_LIVE_STATE
+        mine = Holding(live, tuple(self.ring.own), tuple(self.ring.held), self.stride) if self.slot >= 0 else None
         cards = [json.loads(v) for v in channel.exchange("snapshots/holding", json.dumps(
             [self.slot, self.node, mine and mine.encode()]))]
-        rank_of_slot = keep_slots([slot for slot, _, _ in cards], self.layout.shards)
-        recovery = recover([Holding.decode(cards[r][2]) for r in rank_of_slot], [cards[r][1] for r in rank_of_slot])
+        held = [Holding.decode(h) for _, _, h in cards]
+        rank_of_slot = keep_slots([slot for slot, _, _ in cards], self.layout.shards,
+                                  [h is not None and h.step == NO_LIVE_STATE for h in held])
+        # A holding counts for the slot its rank claimed (a claim not kept holds another slot's shard)
+        holdings = [held[r] if cards[r][0] == s else None for s, r in enumerate(rank_of_slot)]
+        recovery = recover(holdings, [cards[r][1] for r in rank_of_slot])
         kept = self._shards()._tree() if self.model is not None and recovery.step is None else None
         self.model = self.optimizer = self.mesh = None
-        self.slot, self.stride = rank_of_slot.index(channel.rank), recovery.stride
+        claimed, self.slot, self.stride = self.slot, rank_of_slot.index(channel.rank), recovery.stride
+        if claimed != self.slot:
+            self.ring.keep_until(-1)  # none of them is this slot's
         with self.subgroups():
             self.mesh = self.layout.mesh(rank_of_slot, device.type)
             ring_group = dist.new_group(rank_of_slot, sort_ranks=False, backend="gloo", timeout=TIMEOUT)
@@ -224,10 +242,32 @@ class SnapshotState(ShardedState):
                             sent=sent, received=received)
         result.phases = {"agree_s": meshed - started, "build_s": built - meshed, "restore_s": restored - built}
         log.info("snapshot_recovery" if recovery.step is not None else "mesh_placed", slot=self.slot, step=now,
-                 rolled_back=step - now if recovery.step is not None and self.slot not in recovery.fresh else 0,
+                 rolled_back=max(0, step - now) if recovery.step is not None and self.slot not in recovery.fresh else 0,
                  fresh=list(recovery.fresh), stride=recovery.stride, role=role,
                  snapshot_mib=round(self.ring.memory_bytes() / (1 << 20), 2))
         return result
+
+    def hand_over(self) -> None:
+        """At a stuck exit, on another thread than the stuck training one: the snapshots, for the
+        slot's next process."""
+        if self.slot < 0:
+            return
+        began = time.perf_counter()
+        nbytes = self.ring.leave(self.handover, self.slot, self.stride)
+        log.info("snapshots_left_behind", slot=self.slot, own=sorted(self.ring.own), held=sorted(self.ring.held),
+                 mib=round(nbytes / (1 << 20), 3), seconds=round(time.perf_counter() - began, 3))
+
+    def _take_over(self) -> None:
+        """A fresh process in a slot whose last process exited stuck: that one's snapshots are this one's."""
+        try:
+            taken = self.ring.take_over(self.handover)
+        except (OSError, ValueError, KeyError) as exc:  # then it starts fresh, as without them
+            self.ring.keep_until(-1)
+            log.warning("snapshots_not_taken_over", path=self.handover, error=str(exc)[:200])
+            return
+        if taken is not None:
+            self.slot, self.stride = taken
+            log.info("snapshots_taken_over", slot=self.slot, own=sorted(self.ring.own), held=sorted(self.ring.held))
 
     def _recover(self, recovery: Recovery, group: dist.ProcessGroup) -> tuple[int, int]:
         """Every rank's state back to snapshot `recovery.step`, a receiver's from its buddy (sends
