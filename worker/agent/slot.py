@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,3 +196,9 @@ def read_tail(slot: Slot) -> tuple[str, ...]:
         except OSError:
             pass
     return ()
+
+
+async def crash_of(slot: Slot, pid: int, code: int) -> Crash:
+    """Its process's non-zero exit, as the failure report shows it (the tail read on a thread)."""
+    return Crash(code, pid, slot.rank, slot.generation, time.time(), await asyncio.to_thread(read_tail, slot),
+                 error_message(slot.error_file))

@@ -25,7 +25,7 @@ from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
 from muster.worker.agent.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
-from muster.worker.agent.slot import Crash, Slot, StderrTail, error_message, outside_crash_loop, read_tail
+from muster.worker.agent.slot import Slot, StderrTail, crash_of, outside_crash_loop, read_tail
 from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
 from muster.worker.agent.waiting import QUERY_WAIT_S, query
 from muster.worker.agent.zygote import WarmProcess, WarmStarts, ZygoteLost
@@ -218,8 +218,7 @@ class RankSupervisor:
             return
         if self.node.finishing() and not self.node.draining:
             self._lost_as_finishing(slot, proc.pid, code, report=True)
-            slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
-                                    await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
+            slot.last_crash = await crash_of(slot, proc.pid, code)
             await self.node.settle()
             return
         a = self.node.assignment
@@ -242,8 +241,7 @@ class RankSupervisor:
         self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code,
                                                    restarting=in_place))
         self.node.session.send_now()  # the leader hears of it within milliseconds
-        slot.last_crash = Crash(code, proc.pid, slot.rank, slot.generation, time.time(),
-                                await asyncio.to_thread(read_tail, slot), error_message(slot.error_file))
+        slot.last_crash = await crash_of(slot, proc.pid, code)
         if self.node.draining:
             return
         if not await self.restart_allowed(slot, f"its process ended ({exit_words(code)})"):
