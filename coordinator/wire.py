@@ -15,6 +15,7 @@ from muster.coordinator.core.policy import MAX_GENERATION, MAX_SLOTS, MAX_STEP, 
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Phase, RankMap
 from muster.coordinator.errors import InvalidArgument
 from muster.names import JOB_NAME, NODE_ID
+from muster.terminal import CONTROL
 from muster.v1 import muster_pb2 as pb
 
 MAX_DIGEST_BYTES = 64
@@ -100,6 +101,8 @@ def check_leave(req: pb.LeaveRequest) -> None:
 def check_reason(reason: str) -> str:
     if len(reason) > MAX_REASON_CHARS:
         raise InvalidArgument(f"reason is {len(reason)} characters; at most {MAX_REASON_CHARS}")
+    if CONTROL.search(reason):  # it is shown in operators' terminals (events, status)
+        raise InvalidArgument(f"reason {shown(reason)} holds a control character: give one line of text")
     return reason
 
 
@@ -118,7 +121,8 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
         local_rank, step, digest_step, generation = r.local_rank, r.step, r.digest_step, r.generation
         phase, digest, state = r.phase, r.digest, RANK_STATES.get(r.state)
         if (local_rank >= slots or step > MAX_STEP or digest_step > MAX_STEP or generation > MAX_GENERATION
-                or len(phase) > MAX_PHASE_CHARS or len(digest) > MAX_DIGEST_BYTES or state is None):
+                or len(phase) > MAX_PHASE_CHARS or (phase and CONTROL.search(phase))
+                or len(digest) > MAX_DIGEST_BYTES or state is None):
             _refuse_rank(r, slots)
         reports.append(RankReport(local_rank, r.pid, step, r.step_time_us / 1e6, state, r.heard_ms_ago, phase,
                                   digest_step, digest, generation, r.compute_us / 1e6, r.restarts,
@@ -155,6 +159,7 @@ class Assignments:
             shared.store_address = rm.store_address
             shared.master_address = rm.master_address
             shared.store_prefix = store_prefix(state)
+            shared.store_key = store_key(state)
             shared.shrink_of = rm.shrink_of
             shared.excluded_ranks.extend(rm.excluded_ranks)
         self.active = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
@@ -193,6 +198,13 @@ def store_prefix(state: JobState) -> str:
     return f"muster/{state.job}/g{state.generation}-{nonce[:16].hex()}"
 
 
+def store_key(state: JobState) -> bytes:
+    """The key that seals the generation's store values (worker/store.py): anyone can list the store's
+    keys, prefix included, so what ranks act on must prove it came from a rank that heard the leader.
+    Keyed by the job's salt under another label than the prefix: knowing one says nothing of the other."""
+    return hmac.digest(bytes.fromhex(state.store_salt), b"store-key\0" + state.generation.to_bytes(8, "big"), "sha256")
+
+
 def _refuse_rank(r: pb.RankReport, slots: int) -> None:
     """Why a rank report is refused (the checks of `check_frame_ranks`, one by one)."""
     if r.local_rank >= slots:
@@ -205,6 +217,9 @@ def _refuse_rank(r: pb.RankReport, slots: int) -> None:
     if len(r.phase) > MAX_PHASE_CHARS:
         raise InvalidArgument(f"phase of local_rank {r.local_rank} is {len(r.phase)} characters; "
                               f"at most {MAX_PHASE_CHARS}")
+    if CONTROL.search(r.phase):
+        raise InvalidArgument(f"phase of local_rank {r.local_rank} {shown(r.phase)} holds a control character: "
+                              "give one line of text")
     if len(r.digest) > MAX_DIGEST_BYTES:
         raise InvalidArgument(f"digest of local_rank {r.local_rank} is {len(r.digest)} bytes; at most {MAX_DIGEST_BYTES}")
     raise InvalidArgument(f"state of local_rank {r.local_rank} is unspecified or unknown ({r.state})")

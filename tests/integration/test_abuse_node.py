@@ -25,7 +25,8 @@ from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.agent.agent import NodeAgent
 from muster.worker.agent.agent_config import AgentConfig
-from muster.worker.library.comm import Comm, GroupSpec, StoreKeyTaken
+from muster.worker.library.comm import Comm, GroupSpec
+from muster.worker.store import StoreKeyTaken
 from muster.worker.outcome import EXIT_FAILED
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
 from muster.worker.agent.rendezvous import MusterRendezvousHandler

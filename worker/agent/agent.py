@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import tempfile
+from datetime import timedelta
 
 import grpc
 import structlog
@@ -48,6 +49,7 @@ from muster.worker.agent.slot import Slot
 from muster.worker.agent.rank_hub import RankHub, process_state
 from muster.worker.agent.supervisor import RankSupervisor, say
 from muster.worker.agent.watchdogs import watch_coordinator, watch_place
+from muster.worker.store import serve
 
 log = structlog.get_logger(__name__)
 
@@ -75,12 +77,10 @@ class NodeAgent:
     # ---- lifecycle -------------------------------------------------------------------
 
     async def run(self) -> int:
-        import torch.distributed as dist  # the node's store outlives its ranks
-
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         c = self.config
-        store = self.masters.store = dist.TCPStore(c.host, 0, is_master=True, wait_for_workers=False)
+        store = self.masters.store = serve(c.host, timedelta(seconds=300))  # it outlives the node's ranks
         master_port = free_port(c.host)
         _remove_stale_socket_dirs()
         sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")

@@ -16,6 +16,7 @@ import structlog
 
 from muster.net import split_host_port
 from muster.v1 import muster_pb2 as pb
+from muster.worker.store import Seal, StoreKeyTaken, StoreTampered, publish, serve
 
 log = structlog.get_logger(__name__)
 
@@ -60,14 +61,12 @@ class MasterPorts:
         host, master_port = split_host_port(a.master_address)
         key = f"{a.store_prefix}/muster-agent/master-port"
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
-            from muster.worker.library.comm import StoreKeyTaken, publish
-
             # Library ranks need no store, but a node placed since, whose ranks have not started
             # (so it cannot know they are library ranks), waits for the key: it is published anyway.
             served = None if self._library() else await asyncio.to_thread(serve_store, self.host)
             port = str(served.port if served is not None else master_port)
             try:
-                await asyncio.to_thread(publish, self.store, key, port)
+                await asyncio.to_thread(publish, self.store, key, port, Seal(a.store_key, a.store_prefix))
             except StoreKeyTaken as exc:  # nodes that read it first would use someone else's port
                 self._planted(a.generation, exc)
                 return None
@@ -83,7 +82,13 @@ class MasterPorts:
         warned = False
         while self._assignment().generation == a.generation and not self._ended():
             try:
-                return host, (await asyncio.to_thread(self._get, a.store_address, key)).decode()
+                found = await asyncio.to_thread(self._get, a.store_address, key)
+                return host, Seal(a.store_key, a.store_prefix).open(key, found).decode()
+            except StoreTampered as exc:  # never used: the ranks wait for a newer map (the leader's form timeout)
+                if not warned:
+                    warned = True
+                    log.error("master_port_tampered", generation=a.generation, store=a.store_address, error=str(exc))
+                await asyncio.sleep(0.2)
             except Exception as exc:
                 if not warned:
                     warned = True
@@ -112,7 +117,4 @@ class MasterPorts:
 
 def serve_store(host: str):
     """A TCPStore server on a free port, for one generation's ranks (blocking: a thread)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=MASTER_PORT_WAIT_S))
+    return serve(host, timedelta(seconds=MASTER_PORT_WAIT_S))

@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
 from muster.net import address_towards, free_port, split_host_port
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
-from muster.worker.library.comm import publish
+from muster.worker.store import Seal, publish, serve
 from muster.worker.agent.launch import job_name
 from muster.worker.link import Link
 from muster.worker.node_session import NodeIdentity, NodeSession
@@ -62,8 +62,7 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._spec = pb.JobSpec(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
         self._join_timeout_s = float(params.get("join_timeout", 600))
         self._rejoin_after_s = float(params.get("rejoin_after", 3.0))
-        self._server = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False,
-                                     timeout=timedelta(seconds=self._join_timeout_s))
+        self._server = serve(self._host, timedelta(seconds=self._join_timeout_s))
         self._generation = 0
         self._rounds = 0
         self._closed = False
@@ -135,11 +134,13 @@ class MusterRendezvousHandler(RendezvousHandler):
         client = self._server if own else dist.TCPStore(host, port, is_master=False,
                                                         timeout=timedelta(seconds=self._join_timeout_s))
         store = dist.PrefixStore(a.store_prefix + "/", client)
-        if a.node_rank == 0:  # as RendezvousStoreInfo.build, but a planted MASTER_ADDR/PORT is found, not overwritten
-            publish(store, RendezvousStoreInfo.MASTER_ADDR_KEY, self._host)
-            publish(store, RendezvousStoreInfo.MASTER_PORT_KEY, str(free_port(self._host)))
-        bootstrap = RendezvousStoreInfo(store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode(),
-                                        int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY)))
+        seal = Seal(a.store_key, a.store_prefix)
+        addr_key, port_key = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
+        if a.node_rank == 0:  # as RendezvousStoreInfo.build, but sealed, and a planted key is found, not overwritten
+            publish(store, addr_key, self._host, seal)
+            publish(store, port_key, str(free_port(self._host)), seal)
+        bootstrap = RendezvousStoreInfo(seal.open(addr_key, store.get(addr_key)).decode(),
+                                        int(seal.open(port_key, store.get(port_key))))
         log.info("rdzv_round", job=self._job, generation=a.generation, node_rank=a.node_rank, nodes=a.num_nodes)
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
 

@@ -29,6 +29,7 @@ from muster.net import split_host_port
 from muster.worker.library.backends import Backend, backend_named
 from muster.worker.library.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
 from muster.worker.library.stuck import exit_stuck
+from muster.worker.store import Seal, StoreKeyTaken, serve
 
 log = structlog.get_logger(__name__)
 
@@ -58,20 +59,6 @@ class StepCut(RuntimeError):
     """The training thread's step stopped at a module or a gradient: its group was aborted."""
 
 
-class StoreKeyTaken(RuntimeError):
-    """A key only this process writes was already on the generation's store (which has no auth):
-    planted there by someone who knew the prefix. Its value is never used: the generation fails."""
-
-
-def publish(store: dist.Store, key: str, value: str) -> None:
-    """Write a key that the other nodes read on trust, the first write only: one already there is
-    refused loudly, never shared silently with the readers that got to it first."""
-    found = store.compare_set(key, "", value)
-    if found != value.encode():
-        raise StoreKeyTaken(f"store key {key!r} held {found[:64]!r} before this process published it: "
-                            "planted on the generation's store, so this generation is not formed")
-
-
 @dataclass(frozen=True)
 class GroupSpec:
     generation: int
@@ -80,8 +67,7 @@ class GroupSpec:
     local_rank: int
     store_address: str  # host:port of rank 0's store
     store_prefix: str
-
-
+    store_key: bytes = b""  # seals the values ranks steer by (worker/store.py); from the assignment, never the store
 
 
 def arrive(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], started: float,
@@ -132,24 +118,27 @@ def await_keys(store: dist.Store, spec: GroupSpec, keys: list[str], abandoned: C
 
 class GroupChannel:
     """The formed group's store, for what its ranks tell each other besides collectives (the state
-    transfer's cards, skeleton and verdicts: worker/library/state.py's Channel)."""
+    transfer's cards, skeleton and verdicts: worker/library/state.py's Channel). Every value is
+    sealed with the generation's key and checked when read: one written by anyone else fails the
+    generation (StoreTampered), whatever it says."""
 
     def __init__(self, store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], timeout_s: float):
         self.store, self.spec, self.abandoned, self.timeout_s = store, spec, abandoned, timeout_s
         self.rank, self.world_size = spec.rank, spec.world_size
+        self.seal = Seal(spec.store_key, spec.store_prefix)
 
     def exchange(self, key: str, value: str | bytes) -> list[bytes]:
-        self.store.set(f"{key}/{self.rank}", value)
+        self.publish(f"{key}/{self.rank}", value)
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         await_keys(self.store, self.spec, keys, self.abandoned, time.monotonic() + self.timeout_s, f"publish {key}")
-        return self.store.multi_get(keys)
+        return [self.seal.open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
 
-    def publish(self, key: str, value: bytes) -> None:
-        self.store.set(key, value)
+    def publish(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, self.seal.seal(key, value))
 
     def fetch(self, key: str) -> bytes:
         await_keys(self.store, self.spec, [key], self.abandoned, time.monotonic() + self.timeout_s, f"publish {key}")
-        return self.store.get(key)
+        return self.seal.open(key, self.store.get(key))
 
 
 class Comm:
@@ -166,8 +155,7 @@ class Comm:
             os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface
         self.timeout = timedelta(seconds=timeout_s)
         # Under a node agent the agent hosts the store (it outlives its ranks); alone, each process does.
-        self.server = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-                       if host_store else None)
+        self.server = serve(host, self.timeout) if host_store else None
         self.store_port = self.server.port if self.server is not None else 0
         self.spec: GroupSpec | None = None
         self._lock = threading.Lock()

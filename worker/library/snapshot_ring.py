@@ -2,8 +2,9 @@
 their exchange with the buddy over a gloo group of their own.
 
 A snapshot is the rank's local state (its parameters' local shards, optimizer state, extras) packed
-into one flat byte buffer: the skeleton (the only thing pickled: structure, shapes, dtypes, and
-plain values such as an optimizer's learning rate) then every tensor at a 64-byte aligned offset.
+into one flat byte buffer: the skeleton (structure, shapes, dtypes, and plain values such as an
+optimizer's learning rate, in the closed format of worker/library/transfer.py's `encode`: no pickle,
+since a buddy's bytes are read back) then every tensor at a 64-byte aligned offset.
 
 Taking one (at the step boundary, on the training thread) is a copy into a buffer allocated once and
 reused, then a non-blocking send to the buddy: gloo's own threads move the bytes while the next steps
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import queue
 import threading
 import time
@@ -35,7 +35,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.library.transfer import TensorRef, describe, flatten, unflatten
+from muster.worker.library.transfer import DTYPES, SkeletonRefused, TensorRef, decode, describe, encode, flatten, unflatten
 
 log = structlog.get_logger(__name__)
 
@@ -55,10 +55,16 @@ class Snapshot:
     def tree(self) -> Any:
         """The packed state, every tensor a clone (what is loaded must not alias a reused buffer)."""
         n = int(self.data[:8].view(torch.int64).item())
-        described = pickle.loads(self.data[8:8 + n].numpy().tobytes())
+        if not 0 <= n <= self.nbytes - 8:
+            raise SkeletonRefused(f"snapshot {self.step}: a skeleton of {n} bytes in {self.nbytes}")
+        described = decode(self.data[8:8 + n].numpy().tobytes())
         refs = sorted(_refs(described), key=lambda r: r.index)
-        tensors = [self.data[off:off + r.nbytes].view(getattr(torch, r.dtype)).view(r.shape).clone()
-                   for r, off in zip(refs, _offsets(refs, 8 + n))]
+        offsets = _offsets(refs, 8 + n)
+        if refs and offsets[-1] + refs[-1].nbytes > self.nbytes:
+            raise SkeletonRefused(f"snapshot {self.step}: its tensors need {offsets[-1] + refs[-1].nbytes} bytes, "
+                                  f"it has {self.nbytes}")
+        tensors = [self.data[off:off + r.nbytes].view(DTYPES[r.dtype]).view(r.shape).clone()
+                   for r, off in zip(refs, offsets)]
         return unflatten(described, tensors)
 
 
@@ -69,7 +75,7 @@ def pack(tree: Any, step: int, reuse: torch.Tensor | None = None) -> Snapshot:
     tensors = [t.detach() for _, t in leaves]
     refs = [TensorRef(i, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size(), False)
             for i, t in enumerate(tensors)]
-    head = pickle.dumps(describe(skeleton, refs), protocol=pickle.HIGHEST_PROTOCOL)
+    head = encode(describe(skeleton, refs))
     offsets = _offsets(refs, 8 + len(head))
     nbytes = offsets[-1] + refs[-1].nbytes if refs else 8 + len(head)
     data = reuse if reuse is not None and reuse.numel() >= nbytes else host_buffer(nbytes)
@@ -231,7 +237,7 @@ class Ring:
     def leave(self, path: str, slot: int, stride: int) -> int:
         """Write the complete snapshots (own ones are, once taken) for the slot's next process; from
         any thread (the training thread is stuck). A header (JSON: the slot, the stride, each
-        snapshot's step and size) then the bytes, no pickle. Returns the bytes written (0: none held)."""
+        snapshot's step and size) then the bytes (each snapshot's skeleton in the closed format). Returns the bytes written (0: none held)."""
         with self._lock:
             kinds = {"own": dict(self.own), "held": dict(self.held)}
         if not any(kinds.values()):

@@ -9,7 +9,8 @@ holds the whole state (data parallel). After every reform:
    same plan (worker/library/transfer.py). Where every rank holds the reference, nothing else happens: a
    survivor's sync costs one store round trip and one fingerprint, whatever the model's size.
 2. otherwise the first source publishes the skeleton (the state's structure, tensors replaced by
-   shape and dtype: the only thing pickled), and the reference's tensors move in pieces of at most
+   shape and dtype, in a closed format: worker/library/transfer.py's `encode`, no pickle), checked
+   by each rank against the reference's layout before use, and the reference's tensors move in pieces of at most
    a bucket, striped over the sources (point to point on gloo, broadcasts on NCCL), received in
    place (two staging buckets at most); optimizer state a receiver lacks (Adam's, before its first
    step) is allocated from the skeleton.
@@ -23,7 +24,6 @@ rank's link keeps reporting while gigabytes move, and a long transfer logs its p
 
 from __future__ import annotations
 
-import pickle
 import sys
 import time
 from collections import deque
@@ -37,8 +37,8 @@ import torch.distributed as dist
 import xxhash
 
 from muster.worker.library.errors import ShardedStateRefused, StateMismatch
-from muster.worker.library.transfer import (BUCKET_BYTES, Card, Piece, SyncPlan, TensorRef, describe, flatten, paths,
-                                    pieces, plan, unflatten)
+from muster.worker.library.transfer import (BUCKET_BYTES, DTYPES, Card, Piece, SyncPlan, TensorRef, decode, describe, encode,
+                                           flatten, paths, pieces, plan, unflatten)
 
 log = structlog.get_logger(__name__)
 
@@ -166,8 +166,11 @@ class ReplicatedState:
         if not p.moves:
             return result
         if channel.rank == p.sources[0]:
-            channel.publish("state/skeleton", pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL))
-        reference = pickle.loads(channel.fetch("state/skeleton"))
+            channel.publish("state/skeleton", encode(described))
+        reference = decode(channel.fetch("state/skeleton"))
+        if _layout(reference) != p.reference.layout:
+            raise StateMismatch(f"the skeleton published for step {p.reference.step} does not describe the model "
+                                "layout its sources' cards agreed on: not taken")
         refs = sorted(paths(reference).values(), key=lambda r: r.index)
         mismatch = first_mismatch(reference, described) if result.role == "incompatible" else ""
         targets, fixups = (self._targets(reference, described, tensors, device) if result.role == "receiver"
@@ -219,7 +222,7 @@ class ReplicatedState:
         for path, ref in by_index:
             t = own.get(path)
             if t is None or tuple(t.shape) != ref.shape or str(t.dtype).removeprefix("torch.") != ref.dtype:
-                t = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device=device if ref.on_device else "cpu")
+                t = torch.empty(ref.shape, dtype=DTYPES[ref.dtype], device=device if ref.on_device else "cpu")
             elif not t.is_contiguous():
                 fixups.append((t, torch.empty_like(t, memory_format=torch.contiguous_format)))
                 t = fixups[-1][1]
@@ -274,15 +277,20 @@ def first_mismatch(reference: Any, described: Any) -> str:
 
 
 def _card(step: int, described: Any, tensors: list[torch.Tensor], device: torch.device) -> Card:
-    layout = xxhash.xxh3_64(repr(sorted((p, r.shape, r.dtype) for p, r in paths(described["model"]).items())).encode())
-    return Card(step, fingerprint(described, tensors, device).hex(), layout.hexdigest())
+    return Card(step, fingerprint(described, tensors, device).hex(), _layout(described))
+
+
+def _layout(described: Any) -> str:
+    """The model's tensors' names, shapes and dtypes, hashed: equal on ranks built from the same code."""
+    model = described.get("model", {}) if isinstance(described, dict) else {}
+    return xxhash.xxh3_64(repr(sorted((p, r.shape, r.dtype) for p, r in paths(model).items())).encode()).hexdigest()
 
 
 def fingerprint(described: Any, tensors: list[torch.Tensor], device: torch.device) -> bytes:
     """xxh3-128 over the skeleton and every tensor's bits: host tensors hashed where they lie (no
     copy), device tensors summed on the device (two wrapping int64 sums of their words, one
     weighted by position), so that only 16 bytes a tensor cross to the host."""
-    h = xxhash.xxh3_128(pickle.dumps(described, protocol=4))
+    h = xxhash.xxh3_128(encode(described))
     on_device = []
     for t in tensors:
         if t.device.type == "cpu":

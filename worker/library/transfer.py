@@ -8,14 +8,19 @@ model has another layout (a joiner built from other code) cannot take it. Where 
 the reference, the common case after a kill in steady DDP training, nothing moves.
 
 What moves is described by a skeleton (the state's structure with each tensor replaced by a
-TensorRef) and cut into pieces of at most a bucket: a large tensor on the exchange device is sent
-in place, in slices; small ones, and those elsewhere (an optimizer's step counters on the host),
-are packed into staging buckets. Piece k comes from source k mod len(sources): the sources share
-the sending.
+TensorRef), sent between ranks in a closed format (`encode`/`decode`: tagged JSON of plain values,
+never a pickle, so whoever writes it chooses data, not code), and cut into pieces of at most a
+bucket: a large tensor on the exchange device is sent in place, in slices; small ones, and those
+elsewhere (an optimizer's step counters on the host), are packed into staging buckets. Piece k
+comes from source k mod len(sources): the sources share the sending.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import math
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 
+SKELETON_MAX_BYTES = 256 << 20  # a skeleton this large is refused unread (a state's is kilobytes to megabytes)
 BUCKET_BYTES = 64 << 20  # a broadcast's size: large enough for link speed, small enough to stage twice
 DIRECT_MIN_BYTES = 1 << 20  # a tensor on the exchange device this large is sent in place, not packed
 
@@ -176,3 +182,112 @@ def paths(skeleton: Any, path: str = "") -> dict[str, TensorRef]:
 @dataclass(frozen=True)
 class _Leaf:
     index: int
+
+
+class SkeletonRefused(ValueError):
+    """A skeleton this rank cannot carry (a value of a type the closed format lacks) or will not
+    take (not a well-formed skeleton: made by something other than this library)."""
+
+
+# The dtypes a TensorRef may name: torch's own, by name, never an arbitrary attribute of torch.
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)}
+
+
+def encode(skeleton: Any) -> bytes:
+    """A described skeleton (or any state of plain values) in the closed format: tagged JSON.
+    Carries dicts (any of these as keys), lists, tuples, TensorRefs, str, int, float (nan and inf
+    too), bool, None, bytes and numpy arrays and scalars; anything else is refused by its path."""
+    return json.dumps(_tagged(skeleton, ""), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(data: bytes) -> Any:
+    """The inverse of `encode`, for bytes another process wrote: only the tags it makes, every
+    TensorRef checked (a known dtype and its size, non-negative dimensions, indices 0..n-1 once
+    each); anything else raises SkeletonRefused."""
+    if len(data) > SKELETON_MAX_BYTES:
+        raise SkeletonRefused(f"a skeleton of {len(data)} bytes (more than {SKELETON_MAX_BYTES})")
+    try:
+        tree = _plain(json.loads(data))
+    except SkeletonRefused:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+        raise SkeletonRefused(f"not a skeleton: {type(exc).__name__}: {str(exc)[:200]}") from None
+    indices = sorted(r.index for r in paths(tree).values())
+    if indices != list(range(len(indices))):
+        raise SkeletonRefused("its tensor indices are not 0..n-1, each once")
+    return tree
+
+
+def _tagged(v: Any, path: str) -> Any:
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return v if -(1 << 63) <= v < 1 << 64 else {"I": str(v)}
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"F": repr(v)}
+    if isinstance(v, dict):
+        return {"d": [[_tagged(k, f"{path}/{k!r}"), _tagged(x, f"{path}/{k}")] for k, x in v.items()]}
+    if isinstance(v, list):
+        return [_tagged(x, f"{path}/{i}") for i, x in enumerate(v)]
+    if isinstance(v, tuple):
+        return {"t": [_tagged(x, f"{path}/{i}") for i, x in enumerate(v)]}
+    if isinstance(v, TensorRef):
+        return {"T": [v.index, list(v.shape), v.dtype, v.itemsize, v.on_device]}
+    if isinstance(v, (bytes, bytearray)):
+        return {"b": base64.b64encode(v).decode()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)) and v.dtype.kind in "biufc":
+        a = numpy.ascontiguousarray(v)
+        return {"n": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode(),
+                      isinstance(v, numpy.generic)]}
+    raise SkeletonRefused(f"the state at {path or '/'} holds a {type(v).__module__}.{type(v).__qualname__}, which "
+                          "the state transfer cannot carry: a state_dict may hold tensors, numbers, strings, bytes, "
+                          "None, numpy arrays, and lists, tuples and dicts of them")
+
+
+def _plain(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, str, int, float)):
+        return v
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    (tag, body), = v.items()  # (a dict of another shape raises: not a skeleton)
+    if tag == "d":
+        return {_key(_plain(k)): _plain(x) for k, x in body}
+    if tag == "t":
+        return tuple(_plain(x) for x in body)
+    if tag == "T":
+        return _ref(*body)
+    if tag == "I":
+        return int(body)
+    if tag == "F" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    if tag == "b":
+        return base64.b64decode(body, validate=True)
+    if tag == "n":
+        import numpy
+
+        dtype, shape, data, scalar = body
+        dtype = numpy.dtype(dtype)
+        if dtype.kind not in "biufc" or not all(type(d) is int and d >= 0 for d in shape):
+            raise SkeletonRefused(f"an array of dtype {dtype} and shape {shape}")
+        a = numpy.frombuffer(base64.b64decode(data, validate=True), dtype=dtype).reshape(shape).copy()
+        return a[()] if scalar else a
+    raise SkeletonRefused(f"an unknown tag {tag!r}")
+
+
+def _key(k: Any) -> Any:
+    if isinstance(k, (list, dict)):
+        raise SkeletonRefused("a dict key that is a list or dict")
+    return k
+
+
+def _ref(index: Any, shape: Any, dtype: Any, itemsize: Any, on_device: Any) -> TensorRef:
+    d = DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if (d is None or type(index) is not int or index < 0 or type(on_device) is not bool
+            or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape)
+            or itemsize != d.itemsize):
+        raise SkeletonRefused(f"a malformed tensor reference {[index, shape, dtype, itemsize, on_device]!r:.200}")
+    return TensorRef(index, tuple(shape), dtype, itemsize, on_device)

@@ -206,7 +206,7 @@ class NodeFrame(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ..., run: _Optional[int] = ..., steps_only: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks", "shrink_of", "excluded_ranks")
+    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks", "shrink_of", "excluded_ranks", "store_key")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ABORT_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class Assignment(_message.Message):
     START_RANKS_FIELD_NUMBER: _ClassVar[int]
     SHRINK_OF_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     role: Role
     abort_previous: bool
@@ -243,7 +244,8 @@ class Assignment(_message.Message):
     start_ranks: bool
     shrink_of: int
     excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., master_address: _Optional[str] = ..., down_local_ranks: _Optional[_Iterable[int]] = ..., start_ranks: _Optional[bool] = ..., shrink_of: _Optional[int] = ..., excluded_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    store_key: bytes
+    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., master_address: _Optional[str] = ..., down_local_ranks: _Optional[_Iterable[int]] = ..., start_ranks: _Optional[bool] = ..., shrink_of: _Optional[int] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., store_key: _Optional[bytes] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("term", "generation", "assignment", "drain", "end", "finishing")
