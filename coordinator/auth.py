@@ -8,6 +8,7 @@ import hmac
 import os
 import ssl
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -20,6 +21,8 @@ OPERATOR = "*"  # a token for every job (and for listing them)
 # A replica's token when it relays (the Relay call, for every job) and for nothing else: no job is
 # named so. A job's token does not make its holder a relay, which the leader trusts with its nodes.
 RELAY = "@relay"
+# Prometheus's token: /metrics (every job's name and figures) and nothing else.
+METRICS = "@metrics"
 
 log = structlog.get_logger(__name__)
 MAX_RETIRED_KEYS = 4  # proof keys of relay credentials rotated out, still accepted (`member_keys`)
@@ -27,14 +30,16 @@ MAX_RETIRED_KEYS = 4  # proof keys of relay credentials rotated out, still accep
 
 class Tokens:
     """Per-job tokens, from a file of `JOB TOKEN` lines (`#` starts a comment line); job `*` is an
-    operator's, `@relay` the replicas' own when they relay. `reload` reads the file again (SIGHUP, or
-    `changed`): tokens rotate without a restart."""
+    operator's, `@relay` the replicas' own when they relay, `@metrics` a scraper's. `reload` reads
+    the file again (SIGHUP, or `changed`): tokens rotate without a restart, and the open streams a
+    token no longer covers end (`hold`)."""
 
     def __init__(self, entries: list[tuple[str, str]], path: str | Path = ""):
         self.entries = entries
         self.path = path
         self._seen = _signature(path) if path else None
         self._retired: tuple[bytes, ...] = ()
+        self._holds: dict[object, tuple[Callable[[], None], Callable[[Exception], None]]] = {}
 
     @classmethod
     def load(cls, path: str | Path) -> Tokens:
@@ -61,8 +66,29 @@ class Tokens:
         now = self.member_keys()
         if before is not None and (now is None or before.keys[0] != now.keys[0]):
             self._retired = (before.keys[0], *self._retired)[:MAX_RETIRED_KEYS]
-        log.info("tokens_reloaded", path=str(self.path), entries=len(entries))
+        revoked = self._revoke()
+        log.info("tokens_reloaded", path=str(self.path), entries=len(entries), streams_ended=revoked)
         return True
+
+    def hold(self, check: Callable[[], None], end: Callable[[Exception], None]) -> Callable[[], None]:
+        """An open stream's right to go on: after each reload `check` runs again (the stream's own
+        check, with its call's token), and where it raises, `end` gets the refusal, once: a token
+        rotated out revokes its streams too, not only its new calls. Returns the release (the
+        stream is over). Reloads and holds are the event loop's, so no lock."""
+        key = object()
+        self._holds[key] = (check, end)
+        return lambda: self._holds.pop(key, None)
+
+    def _revoke(self) -> int:
+        ended = 0
+        for key, (check, end) in list(self._holds.items()):
+            try:
+                check()
+            except (Unauthenticated, PermissionDenied) as exc:
+                del self._holds[key]
+                end(type(exc)(f"the tokens file, read again, no longer admits this stream: {exc}"))
+                ended += 1
+        return ended
 
     def relay_token(self) -> str:
         """The token a replica presents when it relays to another: the relay entry, else an
@@ -103,6 +129,14 @@ class Tokens:
         if OPERATOR not in grants and RELAY not in grants:
             raise PermissionDenied(f"Relay is a replica's call: it needs the operator token or the tokens file's "
                                    f"{RELAY!r} entry, not a job's token")
+
+    def check_scrape(self, metadata) -> None:
+        """Raise unless the call's token is a scraper's (the `@metrics` entry) or an operator's:
+        /metrics names every job, which a job's token holder may not learn."""
+        grants = self.grants(metadata)
+        if OPERATOR not in grants and METRICS not in grants:
+            raise PermissionDenied(f"/metrics names every job: it needs the operator token or the tokens file's "
+                                   f"{METRICS!r} entry, not a job's token")
 
 
 def _signature(path: str | Path) -> tuple[int, int, int]:

@@ -49,6 +49,7 @@ class SessionPort(ABC):
     ends the stream); `serve` pumps them out while a task reads the node's frames into `take`."""
 
     _reader: asyncio.Task | None = None
+    _queue: asyncio.Queue | None = None
 
     @abstractmethod
     def open(self, first: pb.NodeFrame) -> asyncio.Queue:
@@ -68,7 +69,7 @@ class SessionPort(ABC):
         ends (raising the error it ends with). Its frames, a frame of `budget` each, are read
         meanwhile until it stops writing or is refused. The edge calls it as soon as the port is
         chosen, with no await between: the relay or leader chosen still takes the node."""
-        queue = self.open(first)
+        queue = self._queue = self.open(first)
         self._reader = asyncio.create_task(self._feed(frames, budget, queue))
         while True:
             item = await queue.get()
@@ -82,6 +83,11 @@ class SessionPort(ABC):
                     queue: asyncio.Queue) -> None:
         refusal = await feed_each(frames, budget, self.take)
         queue.put_nowait(CLOSE if refusal is None else refusal)
+
+    def end(self, exc: MusterError) -> None:
+        """End the stream with `exc` once the directives queued before it are out (its token was
+        revoked). Only once `serve` opened it."""
+        self._queue.put_nowait(exc)
 
     def close(self) -> None:
         """The call is over, however far `serve` got: nothing more is read, and an attached node's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -98,6 +98,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         grants = self.tokens.grants(context.invocation_metadata()) if self.tokens is not None else None
         return tenant_of(grants, context.peer())
 
+    def hold(self, check: Callable[[], None], end: Callable[[Exception], None]) -> Callable[[], None]:
+        """The open stream ends (`end`) once a reload of the tokens file fails its `check`
+        (`Tokens.hold`); returns the release."""
+        return self.tokens.hold(check, end) if self.tokens is not None else lambda: None
+
     def relay_role(self, context) -> str:
         """Relay is a replica's call: the leader trusts a relay to vouch for its nodes' liveness.
         Its tenant, as `tenant`."""
@@ -155,19 +160,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Directive]:
         """A node's stream, whole, to the port its first frame opens (`Replica.open_session`: the
         job's leader here, or the relay to it); the port's directives back out."""
-        port = None
+        port = release = None
         try:
             first = await self.idle.first(request_iterator, self.tenant(context), self._first_within_s,
                                           "a session starts with a frame naming its job and node")
             self.admit(context, first)
             port = await self.replica.open_session(first)
             budget = FrameBudget(self.replica.config.limits.max_frames_per_s)
+            # held from here: `serve` opens the port at its first step, and no reload runs before it
+            release = self.hold(lambda: self.admit(context, first), port.end)
             async for directive in port.serve(first, request_iterator, budget):
                 yield directive
         except errors.MusterError as exc:
             refusals.refused("session_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
+            if release:
+                release()
             if port:
                 port.close()
 
@@ -175,9 +184,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RelayDown]:
         """The leader's end of a relay's stream (see `muster.coordinator.relay_link`). A replica's call
         (`relay_role`), checked before anything is read; every item of it is budgeted."""
-        link = reader = lost = host = named = None
+        link = reader = lost = host = named = release = None
         try:
             tenant = self.relay_role(context)
+            revoked = asyncio.get_running_loop().create_future()
+            release = self.hold(lambda: self.relay_role(context), revoked.set_result)
             host = self.relay_calls.enter(context.peer(), len(self.replica.leaders))
             first = await self.idle.first(request_iterator, tenant, self._first_within_s,
                                           "a relay starts with a message naming its job")
@@ -198,6 +209,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             lost = asyncio.create_task(leader.leadership.lost.wait())
             timeout_s = self.replica.config.timing.heartbeat_timeout_s
             while not reader.done() or link.pending:
+                if revoked.done():
+                    raise revoked.result()
                 if reader.done() and reader.result() is not None:
                     raise reader.result()  # refused: the replies it was owed go no further
                 if link.overflowed:
@@ -205,12 +218,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if link.pending:
                     yield link.take()
                     continue
-                # Woken by a reply to carry, the leadership's loss, the reader's end, or the moment
-                # the relay would count as silent (or as carrying nothing).
+                # Woken by a reply to carry, the leadership's loss, the reader's end, the token's
+                # revocation, or the moment the relay would count as silent (or as carrying nothing).
                 now = asyncio.get_running_loop().time()
                 due = link.heard_at + timeout_s / 2 if link.streams else link.carried_at + timeout_s
                 ready = asyncio.ensure_future(link.ready.wait())
-                await asyncio.wait((ready, lost, reader), timeout=max(0.0, due - now) + 0.01,
+                await asyncio.wait((ready, lost, reader, revoked), timeout=max(0.0, due - now) + 0.01,
                                    return_when=asyncio.FIRST_COMPLETED)
                 ready.cancel()
                 if leader.lost_reason is not None and not link.pending:
@@ -231,6 +244,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             refusals.refused("relay_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
+            if release:
+                release()
             for task in (reader, lost):
                 if task:
                     task.cancel()

@@ -1,7 +1,9 @@
 """The tokens file of a running `muster serve` (issue 44, part 4): rotated without a restart, on
 SIGHUP or as it changes; refused when group or others may read it, at start in one line and on a
-reload (the tokens stay as they were)."""
+reload (the tokens stay as they were); a node's open Session ends once its token is rotated out
+(review 5, L4)."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -10,7 +12,8 @@ import sys
 import grpc
 import pytest
 
-from muster.local import wait_until
+from muster.local import SimulatedNode, wait_until
+from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -67,3 +70,39 @@ def test_serve_refuses_a_tokens_file_others_may_read_in_one_line_before_anything
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr == f"muster serve: {path}: mode 0644 lets group or others read it; chmod 600 {path}\n"
     assert not (tmp_path / "data").exists(), "no etcd started"
+
+
+@pytest.mark.timeout(60)
+def test_a_node_streaming_with_a_token_rotated_out_is_cut_off_at_the_reload(coordinators, tmp_path):
+    path = tmp_path / "tokens"
+    write(path, f"job-a {FIRST}\njob-b {THIRD}\n")
+    (replica,) = coordinators(1, ["--tokens", str(path)])
+
+    async def scenario():
+        spec = pb.JobSpec(min_nodes=1, max_nodes=1)
+        a, b = (SimulatedNode([replica.address], job, "n0", slots=1, spec=spec, security=ClientSecurity(token))
+                for job, token in (("job-a", FIRST), ("job-b", THIRD)))
+        try:
+            for node in (a, b):
+                await node.join()
+                node.start()
+            for node in (a, b):
+                await node.wait_for(lambda n: n.step > 3, 10, "steps")
+            write(path, f"job-a {SECOND}\njob-b {THIRD}\n")
+            os.kill(replica.proc.pid, signal.SIGHUP)
+            deadline = asyncio.get_running_loop().time() + 5
+            while not a.errors:  # within a reload, not at the stream's next reconnect
+                assert asyncio.get_running_loop().time() < deadline, "job A's stream went on with its old token"
+                await asyncio.sleep(0.05)
+            stepping = b.step
+            await b.wait_for(lambda n: n.step > stepping + 3, 10, "job B's steps after the reload")
+            return a.errors, b.errors
+        finally:
+            for node in (a, b):
+                await node.stop()
+
+    a_errors, b_errors = asyncio.run(scenario())
+    assert a_errors[0].code() == grpc.StatusCode.UNAUTHENTICATED and "no longer admits" in a_errors[0].details()
+    assert b_errors == []  # a token that stayed keeps its stream
+    assert replica.find("tokens_reloaded")[0]["streams_ended"] == 1
+    assert replica.find("session_refused", code="UNAUTHENTICATED")
