@@ -240,7 +240,7 @@ def _tagged(v: Any, path: str) -> Any:
         return {"b": base64.b64encode(v).decode()}
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)) and v.dtype.kind in "biufc":
-        a = numpy.ascontiguousarray(v)
+        a = numpy.asarray(v)  # (tobytes is in C order whatever the strides)
         return {"n": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode(),
                       isinstance(v, numpy.generic)]}
     raise SkeletonRefused(f"the state at {path or '/'} holds a {type(v).__module__}.{type(v).__qualname__}, which "
