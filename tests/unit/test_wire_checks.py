@@ -110,6 +110,25 @@ def test_rank_report_phase_is_bounded():
     assert "phase" in refusal(ranks(phase="p" * 129))
 
 
+TERMINAL_TRICKS = ["\x1b]0;owned\x07", "\x1b[2J", "a\nb", "tab\there", "\x9b31m", "\u202etxt.exe", "\u2066x", "\u200f"]
+
+
+@pytest.mark.parametrize("text", TERMINAL_TRICKS)
+def test_control_characters_are_refused_in_reasons_and_phases_naming_the_field(text):
+    # shown in operators' terminals (events, status): a title, a cleared screen, reordered text
+    said = refusal(wire.check_leave, pb.LeaveRequest(job="job", node_id="n0", reason=text))
+    assert said.startswith("reason") and "control character" in said and "\x1b" not in said
+    assert refusal(wire.check_reason, f"drained: {text}").startswith("reason")
+    said = refusal(ranks(phase=text))
+    assert said.startswith("phase of local_rank 0") and "control character" in said
+
+
+def test_reasons_and_phases_in_any_script_pass():
+    assert wire.check_reason("maintenance: réseau 日本 — node 3") == "maintenance: réseau 日本 — node 3"
+    (r,) = ranks(phase="checkpoint → s3 (ß)")()
+    assert r.phase == "checkpoint → s3 (ß)"
+
+
 def test_undecodable_requests_become_refusals():
     data = join_request(job="bad").SerializeToString().replace(b"bad", b"\xffad")
     decoded = server._decoder(pb.JoinRequest)(data)
