@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from muster import logs, rank_logs
+from muster.terminal import escaped
 from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
 from muster.coordinator.core.policy import MAX_NODES, STRAGGLER_ACTIONS, JobSpec
@@ -208,10 +209,10 @@ def _run(args: argparse.Namespace) -> int:
               "[a-z0-9._-]; `muster status --job` takes either)", file=sys.stderr)
     max_restarts = args.max_restarts if args.max_restarts is not None else launch.max_restarts
     node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    if args.log_dir:  # the agent's own lines beside its ranks', for `muster logs`
+    if args.log_dir:  # the agent's own lines beside its ranks', for `muster logs`, from its Join on
         try:
-            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-            logs.configure(args.log_level, json=args.log_json, copy_to=rank_logs.agent_log(Path(args.log_dir), node_id))
+            rank_logs.made_dir(Path(args.log_dir), job)  # the job's part now: one it cannot make is said at once
+            logs.configure(args.log_level, json=args.log_json, copy=True)
         except OSError as exc:
             print(f"muster run: --log-dir {args.log_dir}: {exc.strerror}", file=sys.stderr)
             return 2
@@ -376,7 +377,7 @@ def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
         if s:
             unlisted = s["spares"] - len(j["spares"])
             out.append(f"  spares: {', '.join(j['spares']) or '-'}" + (f" (+{unlisted} more)" if unlisted else ""))
-    return out
+    return [escaped(line) for line in out]  # phases, reasons, hosts: others' text
 
 
 def _snapshots_line(ranks: list[dict]) -> str:
@@ -478,8 +479,8 @@ def _after(events, last) -> list:
 
 
 def _event_line(e) -> str:
-    return (f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} {','.join(e.nodes):<24} "
-            f"{e.reason}")
+    return escaped(f"{_when(e.time_unix_ms)}  g{e.generation:<4} term {e.term:<6} {e.kind:<16} "
+                   f"{','.join(e.nodes):<24} {e.reason}")
 
 
 def _when(unix_ms: int | None) -> str:
@@ -498,7 +499,7 @@ def _jobs(args: argparse.Namespace) -> int:
     for j in response.jobs:
         rate = f"{j.steps_per_second:.1f}" if j.steps_per_second else "-"
         print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} {j.step or '-':>9} "
-              f"{rate:>7} {_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {j.reason}")
+              f"{rate:>7} {_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {escaped(j.reason)}")
     return 0
 
 
@@ -535,9 +536,11 @@ def _answer(args: argparse.Namespace, response, text: str, **named) -> None:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    """The ranks' output from the agents' --log-dir (shared, or this node's): the last --tail lines
-    of each chosen slot's latest start, then with --follow what they write next, until the run ends
-    (asked every --interval) or Ctrl-C."""
+    """The ranks' output from the agents' --log-dir (shared, or this node's), the job's run's part of
+    it: the last --tail lines of each chosen slot's latest start, then with --follow what they write
+    next, until the run ends (asked every --interval) or Ctrl-C."""
+    from muster.v1 import muster_pb2 as pb
+
     given = args.log_dir or os.environ.get("MUSTER_LOG_DIR")
     if not given:
         raise ValueError("--log-dir is required (or set MUSTER_LOG_DIR): the directory given to muster run --log-dir")
@@ -548,7 +551,13 @@ def _logs(args: argparse.Namespace) -> int:
         raise ValueError("--tail must be at least 0")
     job = _job(args)
     with _coordinators(args) as coordinators:
-        chosen = _log_slots(args, job, log_dir, coordinators)
+        # Asked first whatever the flags: the caller's token must let it see the job (as `status`),
+        # and the answer names the run, whose directory alone is read.
+        every_page = argparse.Namespace(**{**vars(args), "all": args.rank is not None})
+        js = _ask(every_page, "Status", pb.StatusRequest(job=job, run=args.run, page_size=0 if args.rank is not None
+                                                         else 1), coordinators).jobs[0]
+        run = rank_logs.run_dir(log_dir, job, js.run)
+        chosen = _log_slots(args, js, run)
         followers = []
         for node, slot, path in chosen:
             lines, offset = rank_logs.tail(path, args.tail)
@@ -559,46 +568,41 @@ def _logs(args: argparse.Namespace) -> int:
         try:
             while True:
                 time.sleep(args.interval)
-                over = _run_over(args, job, 0, coordinators)
+                over = _run_over(args, job, js.run, coordinators)
                 for f in followers:
-                    _print_logs(args, f.node, f.slot, f.read(log_dir))
+                    _print_logs(args, f.node, f.slot, f.read(run))
                 if over:
                     return 0
         except KeyboardInterrupt:
             return 0
 
 
-def _log_slots(args, job: str, log_dir: Path, coordinators) -> list[tuple[str, int | None, Path]]:
-    """(node, slot, latest file) of what to show: the slot that runs --rank now, or --node's agent
-    (slot None) and slots, or every member node's (the job's map from the coordinator, but for
-    --node alone)."""
-    from muster.v1 import muster_pb2 as pb
-
+def _log_slots(args, js, run: Path) -> list[tuple[str, int | None, Path]]:
+    """(node, slot, latest file) of what to show from the run's directory: the slot that runs --rank
+    now, or --node's agent (slot None) and slots, or every member node's (`js`: the job's status)."""
     if args.rank is not None:
-        every_page = argparse.Namespace(**{**vars(args), "all": True})
-        js = _ask(every_page, "Status", pb.StatusRequest(job=job), coordinators).jobs[0]
         r = next((r for r in js.ranks if r.rank == args.rank), None)
         if r is None:
-            raise ValueError(f"job {job} has no rank {args.rank} in generation {js.generation} "
+            raise ValueError(f"job {js.name} has no rank {args.rank} in generation {js.generation} "
                              f"(world size {js.world_size})")
         if args.node and args.node != r.node:
-            raise ValueError(f"rank {args.rank} of job {job} runs on node {r.node}, not {args.node}")
+            raise ValueError(f"rank {args.rank} of job {js.name} runs on node {r.node}, not {args.node}")
         wanted = [(r.node, r.local_rank)]
     elif args.node:
         wanted = [(args.node, None)]
     else:
-        nodes = _ask(args, "Status", pb.StatusRequest(job=job, page_size=1), coordinators).jobs[0].nodes
-        if not nodes:
-            raise ValueError(f"job {job} has no member nodes now (its run ended?): name one with --node")
-        wanted = [(n, None) for n in nodes]
+        if not js.nodes:
+            raise ValueError(f"job {js.name} has no member nodes now (its run ended?): name one with --node")
+        wanted = [(n, None) for n in js.nodes]
     chosen: list[tuple[str, int | None, Path]] = []
-    for node, only in wanted:
-        agent = rank_logs.agent_log(log_dir, node)
-        chosen += [(node, None, agent)] if only is None and agent.is_file() else []
-        chosen += [(node, slot, files[-1][1]) for slot, files in sorted(rank_logs.starts(log_dir, node, only).items())]
+    if run.is_dir():
+        for node, only in wanted:
+            agent = rank_logs.agent_log(run, node)
+            chosen += [(node, None, agent)] if only is None and agent.is_file() else []
+            chosen += [(node, slot, files[-1][1]) for slot, files in sorted(rank_logs.starts(run, node, only).items())]
     if not chosen:
         names = ", ".join(n for n, _ in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
-        raise ValueError(f"no rank logs of {names} in {log_dir} (muster run --log-dir writes them there)")
+        raise ValueError(f"no logs of {names} in {run} (muster run --log-dir writes them there)")
     return chosen
 
 
@@ -619,7 +623,7 @@ def _run_over(args, job: str, run: int, coordinators) -> bool:
 def _print_logs(args, node: str, slot: int | None, lines: list[str]) -> None:
     prefix = "" if args.rank is not None else f"{node}/{'agent' if slot is None else slot}| "
     for line in lines:
-        print(prefix + line)
+        print(prefix + escaped(line))
     sys.stdout.flush()
 
 
@@ -860,8 +864,9 @@ def _run_parser(sub) -> None:
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
-    r.add_argument("--log-dir", help="write each rank's output to a file here, and a copy of the agent's log as JSON "
-                   "lines (NODE-agent.log; `muster logs` reads both; default: the agent's stdout/stderr only)")
+    r.add_argument("--log-dir", help="write each rank's output to a file under DIR/JOB/RUN/, and a copy of the agent's "
+                   "log as JSON lines (NODE-agent.log), made 0600 in 0700 directories; `muster logs` reads both; "
+                   "default: the agent's stdout/stderr only")
     r.add_argument("--hold-timeout", type=positive_float, default=300.0,
                    help="keep the ranks this long while no coordinator answers, then exit (default %(default)s s)")
     r.add_argument("--join-timeout", type=positive_float, default=300.0,
@@ -908,7 +913,7 @@ def _client_parsers(sub) -> None:
             q.add_argument("job", help="the job's name")
         else:
             _job_flag(q, name in ("events", "drain"), help="the job's name (default $MUSTER_JOB)")
-        if name in ("status", "events", "delete"):
+        if name in ("status", "events", "delete", "logs"):
             q.add_argument("--run", type=int, default=0, help="a finished run of the job (default: the running one, "
                            "else the latest)" if name != "delete" else "only this run (default: every retained run)")
         if name in ("stop", "drain"):
@@ -929,9 +934,9 @@ def _client_parsers(sub) -> None:
             q.add_argument("--interval", type=refresh_interval, default=2.0 if name == "status" else 1.0,
                            help="seconds between refreshes (default %(default)s; 0.1 to 3600)")
         if name == "logs":
-            q.add_argument("--log-dir", help="the agents' --log-dir: shared by the nodes, or this node's (default "
-                           "$MUSTER_LOG_DIR)")
-            q.add_argument("--node", help="only this node's agent and ranks (needs no coordinator)")
+            q.add_argument("--log-dir", help="the agents' --log-dir: shared by the nodes, or this node's; the "
+                           "job's run's files are read, DIR/JOB/RUN/ (default $MUSTER_LOG_DIR)")
+            q.add_argument("--node", help="only this node's agent and ranks (a node that left the run too)")
             q.add_argument("--rank", type=int, help="only the slot that runs this global rank now (its node's "
                            "files: a rank that moves after a re-form is not followed)")
             q.add_argument("--tail", type=int, default=100, help="the last lines of each slot's latest start "

@@ -36,7 +36,7 @@ def _rank_runs(agents: list[AgentProcess]) -> dict[str, list[dict]]:
     """Every rank process's steps, by '<node>/slot<K>#<start>'."""
     runs = {}
     for a in agents:
-        for log in sorted(a.log_dir.glob(f"{a.node_id}-slot*-*.log")):
+        for log in sorted(a.log_dir.glob(f"{a.job}/*/{a.node_id}-slot*-*.log")):
             steps = json_lines(log, "step")
             if steps:
                 runs[log.stem] = steps

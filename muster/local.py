@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from muster.client import Coordinators
+from muster.worker.agent.launch import job_name
 from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 
@@ -278,7 +279,7 @@ def final_digests(ranks: list[TrainingProcess], steps: int) -> dict[int, str]:
 
 class AgentProcess(_Child):
     """`muster run` for one node, running the packaged muster/examples/train_ddp.py (or `command`) on
-    its slots; each rank's output goes to log_dir/<node>-slot<K>-<start>.log. `wrap` prefixes the
+    its slots; each rank's output goes to log_dir/<job>/<run>/<node>-slot<K>-<start>.log. `wrap` prefixes the
     command line (e.g. `ip netns exec NS`, which execs: the PID stays the agent's)."""
 
     # Shipped in the package (not read from a checkout): `muster demo` works after a pip install.
@@ -288,6 +289,7 @@ class AgentProcess(_Child):
                  nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05, host: str = "127.0.0.1",
                  command: list[str] | None = None, extra: list[str] | None = None, wrap: list[str] | None = None,
                  env: dict[str, str] | None = None, cwd: Path | None = None):
+        self.job = job_name(job)  # the name its files are kept under (a job id maps onto one)
         self.node_id = node_id
         self.cwd = cwd  # its ranks' too (what they write to relative paths)
         self.env = {**os.environ, **env} if env else None  # the agent's, which its ranks inherit
@@ -312,7 +314,9 @@ class AgentProcess(_Child):
         return json_lines(self.log_path, event)
 
     def rank_logs(self, slot: int) -> list[Path]:
-        return sorted(self.log_dir.glob(f"{self.node_id}-slot{slot}-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        """A slot's files, of every run the node joined, oldest first."""
+        return sorted(self.log_dir.glob(f"{self.job}/*/{self.node_id}-slot{slot}-*.log"),
+                      key=lambda p: (int(p.parent.name), int(p.stem.rsplit("-", 1)[1])))
 
     def rank_records(self, slot: int, event: str | None = None, start: int = -1) -> list[dict]:
         """The JSON records of one of a slot's rank logs (by default its latest process's)."""

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import sys
 from pathlib import Path
 
 import structlog
 
+from muster import rank_logs
 
-def configure(level: str = "info", *, json: bool | None = None, copy_to: Path | None = None) -> None:
-    """Logs to stderr; with `copy_to`, each record also as a JSON line to that file (what `muster
-    logs` reads of an agent: `muster run --log-dir`)."""
+_copy: _JsonCopy | None = None
+
+
+def configure(level: str = "info", *, json: bool | None = None, copy: bool = False) -> None:
+    """Logs to stderr; with `copy`, each record also as a JSON line to the file `copy_to` names (what
+    `muster logs` reads of an agent: `muster run --log-dir`)."""
+    global _copy
+    _copy = _JsonCopy() if copy else None
     if json is None:
         json = not sys.stderr.isatty()
     # A plain traceback on the console too: structlog's default there is rich's, with every frame's
@@ -25,7 +33,7 @@ def configure(level: str = "info", *, json: bool | None = None, copy_to: Path | 
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info if json else structlog.dev.set_exc_info,
-            *([_JsonCopy(copy_to)] if copy_to else []),
+            *([_copy] if _copy else []),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
@@ -34,14 +42,36 @@ def configure(level: str = "info", *, json: bool | None = None, copy_to: Path | 
     )
 
 
-class _JsonCopy:
-    """A processor writing each record to a file as a JSON line, the console's own rendering aside."""
+def copy_to(path: Path) -> None:
+    """Where the copy goes from now on, the records so far first: an agent knows its log's place
+    (its run's directory) only once it joined. Nothing without `configure(copy=True)` (an agent run
+    in-process, as tests do, keeps its log on stderr)."""
+    if _copy is not None:
+        _copy.open(path)
 
-    def __init__(self, path: Path):
-        self.file = open(path, "a", buffering=1)  # a line at a time: `muster logs --follow` reads as it grows
+
+class _JsonCopy:
+    """A processor writing each record to a file as a JSON line, the console's own rendering aside;
+    held in memory (the latest HELD) until the file is named."""
+
+    HELD = 1000  # records before the Join: a few lines, or a --join-timeout of waiting notes
+
+    def __init__(self):
+        self.file = None
+        self.held: collections.deque[str] = collections.deque(maxlen=self.HELD)
         self.render = structlog.processors.JSONRenderer()
+
+    def open(self, path: Path) -> None:
+        # a line at a time: `muster logs --follow` reads as it grows
+        self.file = os.fdopen(rank_logs.open_log(path), "a", buffering=1)
+        self.file.writelines(self.held)
+        self.held.clear()
 
     def __call__(self, logger, name: str, event_dict: dict) -> dict:
         record = structlog.processors.format_exc_info(logger, name, dict(event_dict))  # a traceback as text
-        self.file.write(self.render(logger, name, record) + "\n")
+        line = self.render(logger, name, record) + "\n"
+        if self.file is None:
+            self.held.append(line)
+        else:
+            self.file.write(line)
         return event_dict

@@ -346,7 +346,7 @@ class Chaos:
         for agents in self.incarnations.values():
             for a in agents:
                 for r in a.records("rank_started"):
-                    out.append(RankRun(a.node_id, r["slot"], r["pid"], a.log_dir / f"{a.node_id}-slot{r['slot']}-{r['start']}.log"))
+                    out.append(RankRun(a.node_id, r["slot"], r["pid"], Path(r["log"])))
         return out
 
     def _run_named(self, reason: str) -> RankRun | None:
@@ -361,7 +361,7 @@ class Chaos:
             if agent.proc.poll() is not None:
                 continue
             for run in self.runs():
-                if run.node == node and run.log.parent == agent.log_dir and process_alive(run.pid):
+                if run.node == node and run.log.is_relative_to(agent.log_dir) and process_alive(run.pid):
                     out[(run.node, run.slot)] = run
         return out
 
@@ -917,7 +917,8 @@ class Chaos:
             if _replaced_stuck(old, fault):
                 continue
             now = f"now pid {current[key].pid}" if key in current else "the slot runs nothing now"
-            agent = next((a for a in self.incarnations[key[0]] if old is not None and old.log.parent == a.log_dir), None)
+            agent = next((a for a in self.incarnations[key[0]] if old is not None and old.log.is_relative_to(a.log_dir)),
+                         None)
             why = ""
             if agent is not None and (agent.proc.poll() is not None or key not in current):
                 state = f"exited with {agent.proc.returncode}" if agent.proc.poll() is not None else "running"

@@ -2,6 +2,8 @@
 when rich is installed) printed every frame's locals, 360 KB and 1.2 s for one exception on the
 leader's event loop, and with them whatever values they held."""
 
+import json
+import stat
 import subprocess
 import sys
 import textwrap
@@ -28,3 +30,23 @@ def test_a_console_exception_is_a_plain_traceback_without_locals():
     assert out.returncode == 0, out.stderr
     assert "tally_failed" in out.stderr and "RuntimeError: injected tally fault" in out.stderr
     assert "secret-token" not in out.stderr and len(out.stderr) < 4000, out.stderr[:2000]
+
+
+COPY = textwrap.dedent("""
+    import sys, structlog
+    from pathlib import Path
+    from muster import logs
+    logs.configure("info", json=True, copy=True)
+    structlog.get_logger().info("before_join")  # held: the run, and so the file, is not known yet
+    assert not Path(sys.argv[1]).exists()
+    logs.copy_to(Path(sys.argv[1]))
+    structlog.get_logger().info("after_join")
+""")
+
+
+def test_an_agents_log_copy_is_held_until_its_file_is_named_then_written_0600(tmp_path):
+    path = tmp_path / "n0-agent.log"
+    out = subprocess.run([sys.executable, "-c", COPY, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["before_join", "after_join"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600

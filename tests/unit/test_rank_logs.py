@@ -1,5 +1,10 @@
 """`muster logs`' file side: which files are whose, a bounded tail, following across a restart."""
 
+import os
+import stat
+
+import pytest
+
 from muster import rank_logs
 
 
@@ -39,3 +44,21 @@ def test_the_agents_own_log_is_followed_and_never_switched(tmp_path):
     follower = rank_logs.Follower("a", None, agent, 0)
     assert follower.read(tmp_path) == ['{"event": "rank_started"}'] and follower.path == agent
     assert list(rank_logs.starts(tmp_path, "a")) == [0]  # not a slot's file
+
+
+def test_a_runs_directory_and_its_files_are_the_agents_users_alone_whatever_the_umask(tmp_path):
+    old = os.umask(0)  # the most open a user could have set: the modes are the code's
+    try:
+        run = rank_logs.made_dir(tmp_path / "shared" / "logs", "job-a", 3)
+        fd = rank_logs.open_log(rank_logs.slot_log(run, "n0", 0, 1))
+        os.close(fd)
+    finally:
+        os.umask(old)
+    assert run == tmp_path / "shared" / "logs" / "job-a" / "3"
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (run.parent.parent, run.parent, run)] == [0o700] * 3
+    assert stat.S_IMODE((run / "n0-slot0-1.log").stat().st_mode) == 0o600
+    assert rank_logs.made_dir(tmp_path / "shared" / "logs", "job-a", 3) == run  # made once, found after
+    (run / "n0-agent.log").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):  # a link planted in its place is not written through
+        rank_logs.open_log(rank_logs.agent_log(run, "n0"))
+    assert not (tmp_path / "elsewhere").exists()

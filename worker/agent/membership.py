@@ -1,5 +1,6 @@
 """The node agent's membership of its job: joining within --join-timeout, saying what it waits for,
-and joining again when the leader removed the node while it could not hear it."""
+and joining again when the leader removed the node while it could not hear it. The Join tells the
+run, and with it where --log-dir's files go (DIR/<job>/<run>/: muster/rank_logs.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 
 import grpc
 
+from muster import logs, rank_logs
 from muster.client import TRANSIENT
 from muster.worker.node_session import Evicted
 from muster.worker.outcome import EXIT_FAILED
@@ -29,7 +31,7 @@ async def join(node: Node) -> bool:
         try:
             # the first answer is awaited briefly: a coordinator that is not up yet is said at once
             await node.session.join(retry_for_s=min(remaining, c.wait_report_s if attempts > 1 else 0.5))
-            return True
+            return _logs_opened(node)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in TRANSIENT:
                 node.log.error("join_refused", code=exc.code().name, details=exc.details())
@@ -50,6 +52,24 @@ async def join(node: Node) -> bool:
         node.log.warning("join_waiting", coordinators=list(c.coordinators), error=error,
                          message=f"waiting for a coordinator to accept the join ({error}); "
                                  f"giving up in {remaining:.0f}s")
+
+
+def _logs_opened(node: Node) -> bool:
+    """With --log-dir: the joined run's directory made, and the agent's log copied there from now on
+    (its lines so far first). Only then do ranks start, their files beside it. False: it cannot be
+    made (the agent is done, its exit code set)."""
+    c = node.config
+    if c.log_dir is None:
+        return True
+    try:
+        run = rank_logs.made_dir(c.log_dir, c.job, node.session.joined_run)
+        logs.copy_to(rank_logs.agent_log(run, c.node_id))
+    except OSError as exc:
+        node.log.error("log_dir_unusable", log_dir=str(c.log_dir), run=node.session.joined_run, error=str(exc))
+        say(f"--log-dir {c.log_dir}: {exc}; node {c.node_id!r} stops")
+        node.finish(EXIT_FAILED)
+        return False
+    return True
 
 
 async def rejoin(node: Node, evicted: Evicted, rejoins: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import structlog
 
+from muster import rank_logs
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import orphan_guard
 from muster.worker.agent.agent_config import AgentConfig
@@ -158,10 +159,10 @@ class RankSupervisor:
         slot.rank = int(env["RANK"]) if "RANK" in env else None
         out = err = None
         slot.log_path = slot.stderr = None
-        if c.log_dir is not None:
-            c.log_dir.mkdir(parents=True, exist_ok=True)
-            slot.log_path = c.log_dir / f"{c.node_id}-slot{slot.index}-{slot.starts}.log"
-            out = open(slot.log_path, "ab")
+        if c.log_dir is not None:  # in its run's directory, made at the Join (a rank starts after it)
+            run = rank_logs.run_dir(c.log_dir, c.job, self.node.session.joined_run)
+            slot.log_path = rank_logs.slot_log(run, c.node_id, slot.index, slot.starts)
+            out = rank_logs.open_log(slot.log_path)
         else:
             # stdout stays the agent's; stderr passes through the agent, which keeps its last lines
             # for the report should the slot be given up.
@@ -170,7 +171,7 @@ class RankSupervisor:
         try:
             slot.proc = None
             if self.warm is not None:
-                stdio = (0, out.fileno() if out else 1, out.fileno() if out else err)  # as a child would inherit
+                stdio = (0, out if out is not None else 1, out if out is not None else err)  # as a child would inherit
                 try:
                     slot.proc = await self.warm.spawn(self.program, env, stdio)
                 except ZygoteLost as exc:
@@ -179,10 +180,11 @@ class RankSupervisor:
                     self.warm = None
             if slot.proc is None:
                 slot.proc = await asyncio.create_subprocess_exec(
-                    *orphan_guard.prefix(), *self.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else err)
+                    *orphan_guard.prefix(), *self.argv, env=env, stdout=out,
+                    stderr=subprocess.STDOUT if out is not None else err)
         finally:
             if out is not None:
-                out.close()
+                os.close(out)
             if err is not None:
                 os.close(err)
         # Not the map current now: one that arrived while the process started must find it stale
@@ -197,7 +199,7 @@ class RankSupervisor:
         slot.report = None
         self.log.info("rank_started", slot=slot.index, pid=slot.proc.pid, generation=slot.generation,
                       start=slot.starts, rank=slot.rank, restart_count=slot.restarts,
-                      warm=isinstance(slot.proc, WarmProcess))
+                      warm=isinstance(slot.proc, WarmProcess), log=str(slot.log_path) if slot.log_path else None)
         asyncio.ensure_future(self._watch(slot, slot.proc))
 
     async def _watch(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> None:
