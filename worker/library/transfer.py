@@ -200,7 +200,14 @@ def encode(skeleton: Any) -> bytes:
     """A described skeleton (or any state of plain values) in the closed format: tagged JSON.
     Carries dicts (any of these as keys), lists, tuples, TensorRefs, str, int, float (nan and inf
     too), bool, None, bytes and numpy arrays and scalars; anything else is refused by its path."""
-    return json.dumps(_tagged(skeleton, ""), separators=(",", ":"), allow_nan=False).encode()
+    try:
+        tagged = _tagged(skeleton)
+    except _Foreign as exc:
+        raise SkeletonRefused(f"the state at {_path_to(skeleton, exc.args[0]) or '/'} holds a "
+                              f"{type(exc.args[0]).__module__}.{type(exc.args[0]).__qualname__}, which the state "
+                              "transfer cannot carry: a state_dict may hold tensors, numbers, strings, bytes, None, "
+                              "numpy arrays, and lists, tuples and dicts of them") from None
+    return json.dumps(tagged, separators=(",", ":"), allow_nan=False).encode()
 
 
 def decode(data: bytes) -> Any:
@@ -221,21 +228,27 @@ def decode(data: bytes) -> Any:
     return tree
 
 
-def _tagged(v: Any, path: str) -> Any:
-    if v is None or isinstance(v, (bool, str)):
-        return v
-    if isinstance(v, int):
-        return v if -(1 << 63) <= v < 1 << 64 else {"I": str(v)}
-    if isinstance(v, float):
-        return v if math.isfinite(v) else {"F": repr(v)}
-    if isinstance(v, dict):
-        return {"d": [[_tagged(k, f"{path}/{k!r}"), _tagged(x, f"{path}/{k}")] for k, x in v.items()]}
-    if isinstance(v, list):
-        return [_tagged(x, f"{path}/{i}") for i, x in enumerate(v)]
-    if isinstance(v, tuple):
-        return {"t": [_tagged(x, f"{path}/{i}") for i, x in enumerate(v)]}
-    if isinstance(v, TensorRef):
+class _Foreign(Exception):
+    """A value the closed format lacks (args[0]); its path is found only then (encode is on the
+    fingerprint's path: every reform of every rank)."""
+
+
+def _tagged(v: Any) -> Any:
+    t = type(v)  # exact types first: a described skeleton is made of these
+    if t is TensorRef:
         return {"T": [v.index, list(v.shape), v.dtype, v.itemsize, v.on_device]}
+    if t is dict:
+        return {"d": [[_tagged(k), _tagged(x)] for k, x in v.items()]}
+    if t is str or t is bool or v is None:
+        return v
+    if t is int:
+        return v if -(1 << 63) <= v < 1 << 64 else {"I": str(v)}
+    if t is float:
+        return v if math.isfinite(v) else {"F": repr(v)}
+    if t is list:
+        return [_tagged(x) for x in v]
+    if t is tuple:
+        return {"t": [_tagged(x) for x in v]}
     if isinstance(v, (bytes, bytearray)):
         return {"b": base64.b64encode(v).decode()}
     numpy = sys.modules.get("numpy")
@@ -243,9 +256,21 @@ def _tagged(v: Any, path: str) -> Any:
         a = numpy.asarray(v)  # (tobytes is in C order whatever the strides)
         return {"n": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode(),
                       isinstance(v, numpy.generic)]}
-    raise SkeletonRefused(f"the state at {path or '/'} holds a {type(v).__module__}.{type(v).__qualname__}, which "
-                          "the state transfer cannot carry: a state_dict may hold tensors, numbers, strings, bytes, "
-                          "None, numpy arrays, and lists, tuples and dicts of them")
+    for plain in (bool, int, float, str, dict, list, tuple):  # subclasses (an IntEnum, a namedtuple) as their base
+        if isinstance(v, plain):
+            return _tagged(plain(v) if plain is not dict else dict(v))
+    raise _Foreign(v)
+
+
+def _path_to(tree: Any, value: Any, path: str = "") -> str | None:
+    if tree is value:
+        return path
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for k, x in items:
+        found = _path_to(x, value, f"{path}/{k}")
+        if found is not None:
+            return found
+    return None
 
 
 def _plain(v: Any) -> Any:
