@@ -31,6 +31,8 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -43,7 +45,7 @@ import grpc
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, SimulatedNode
+from muster.local import CoordinatorProcess, SimulatedNode, process_alive
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -320,6 +322,57 @@ async def forged_claims(address: str, a_node, b_nodes, args) -> dict:
             "real_node_role": pb.Role.Name(a_node.assignment().role)}
 
 
+def raft_post_as(uid: int, url: str, cwd: str) -> str:
+    """POST the start of a raft message to a peer listener as `uid` (a forked child drops to it): what
+    another local user gets. A unix URL's socket is relative to etcd's working directory."""
+    pid = os.fork()
+    if pid == 0:  # only system calls here, then _exit: nothing of the parent's threads is touched
+        outcome = 3
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            if url.startswith("unix://"):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(os.path.join(cwd, url.removeprefix("unix://")))
+            else:
+                s = socket.create_connection(tuple(url.rsplit("/", 1)[-1].rsplit(":", 1)), timeout=2)
+            s.sendall(b"POST /raft HTTP/1.0\r\nContent-Length: 2\r\n\r\n\x08\x08")
+            outcome = 0
+        except PermissionError:
+            outcome = 1
+        except OSError:
+            outcome = 2
+        os._exit(outcome)
+    _, status = os.waitpid(pid, 0)
+    return ("reached", "PermissionError", "OSError", "setuid failed")[os.waitstatus_to_exitcode(status)]
+
+
+def etcd_peer_port(posts: int = 100) -> dict:
+    """Review 5, M1a: one raft message POSTed to the embedded etcd's peer listener (http://127.0.0.1:PORT,
+    every local user's) crashed it. A `muster serve` with its embedded etcd: the peer listeners its
+    cmdline names (what any local user reads), `posts` POSTs to each as `nobody` (run as root), and
+    whether the etcd lived through them."""
+    # Its own base, which every user may pass through (a 0700 temporary directory would refuse `nobody`
+    # before the data directory's own permissions are tried).
+    base = Path(tempfile.mkdtemp(prefix="muster-abuse-m1-"))
+    base.chmod(0o755)
+    serve = CoordinatorProcess([], base / "embedded.log", ["--data-dir", str(base / "data")]).start()
+    try:
+        pid = serve.find("embedded_etcd_started")[0]["pid"]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        urls = argv[argv.index("--listen-peer-urls") + 1].split(",")
+        started = time.monotonic()
+        outcomes = Counter(raft_post_as(65534, url, os.readlink(f"/proc/{pid}/cwd"))
+                           for url in urls for _ in range(posts)) if os.geteuid() == 0 else "skipped: not root"
+        return {"peer_urls": urls, "tcp_peer_urls": [u for u in urls if not u.startswith("unix://")],
+                "posts_as_nobody": dict(outcomes) if isinstance(outcomes, Counter) else outcomes,
+                "seconds": round(time.monotonic() - started, 3), "etcd_alive_after": process_alive(pid),
+                "etcd_restarts": len(serve.find("embedded_etcd_restarted"))}
+    finally:
+        serve.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=8)
@@ -346,6 +399,7 @@ def main() -> int:
                                          ["--relay-min-nodes", "1", "--tokens", str(tokens)]).start()
             result = {"benchmark": "abuse", "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
                       **asyncio.run(scenario(replica, args))}
+            result["attacks"]["etcd_peer_port"] = etcd_peer_port()
         finally:
             if replica is not None:
                 replica.stop()
