@@ -33,7 +33,8 @@ from muster.coordinator.inbox import Inbox, Queued, settle
 from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
-from muster.coordinator.quotas import FrameBudget
+from muster.coordinator.errors import ResourceExhausted
+from muster.coordinator.quotas import JobBudget, JobBudgets, refusals
 from muster.coordinator.relay_link import RelayWord
 from muster.coordinator.run_end import RunEnd
 from muster.coordinator.straggler_duty import StragglerDuty
@@ -95,6 +96,7 @@ class JobLeader:
         metrics: Metrics | None = None,
         retain_s: float = 7 * 86400.0,
         member_keys: Callable[[], MemberKeys | None] = lambda: None,
+        budgets: JobBudgets | None = None,
     ):
         self.job = state.job
         self.leadership = leadership
@@ -102,7 +104,10 @@ class JobLeader:
         self.address = address
         self.timing = timing
         self.tick_s = tick_s
-        self.limits = limits
+        self.limits = limits.for_job(state.job)
+        # The job's rates are the replica's, by job name: a new term or run does not refill them.
+        self.budgets = budgets or JobBudgets(limits, clock)
+        self._written_at = -float("inf")  # the last state write: at most one a tick
         self.state = state
         self._clock = clock
         self._wall = wall
@@ -119,12 +124,13 @@ class JobLeader:
         self.stats = LeaderStats(self.job, self.metrics, now)
         self._frames = FrameReader(self.term, self.live, self.stats, clock)
         self._graced = True  # the takeover grace has not ended yet
-        self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.metrics, self.log)
+        self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.limits.runs_kept, self.metrics,
+                               self.log)
         self.ended = False  # the run ended and its record was written: the job is no more
         self.stragglers = StragglerDuty(stragglers.for_job(state.spec), now, self.log)
-        self.joins = FrameBudget(limits.joins_per_s, clock, floor=limits.members_of(state.spec),
-                                 quota=f"Joins/s of job {self.job!r} (--max-joins-per-second), past bursts of its "
-                                       f"members quota")
+
+    def budget(self) -> JobBudget:
+        return self.budgets.of(self.job, self.limits.members_of(self.state.spec))
 
     @property
     def lost_reason(self) -> str | None:
@@ -158,6 +164,11 @@ class JobLeader:
     async def _run(self) -> None:
         while self.lost_reason is None:
             await self._inbox.wait(self.tick_s)
+            # One state write a tick at most: what comes in meanwhile (a flood's Joins, its nodes'
+            # changes) folds into the next decision, and its one write.
+            pause = self._written_at + self.tick_s - self._clock()
+            if pause > 0:
+                await asyncio.sleep(pause)
             if not self.leadership.alive():
                 self._lose("session lost: lease renewals failed past the renew deadline")
                 return
@@ -229,10 +240,18 @@ class JobLeader:
 
     async def _persist(self, decision: Decision, batch: list[Queued]) -> bool:
         """Write the decision's state, fenced on the term; whether it was written. Nothing of the
-        batch is adopted otherwise: it is decided again next tick (or by nobody, once fenced)."""
+        batch is adopted otherwise: it is decided again next tick (or by nobody, once fenced), as when
+        the job has written its etcd budget: it waits until the budget is paid back."""
+        budget = self.budget()
+        try:
+            budget.etcd.check()
+        except ResourceExhausted as exc:
+            self._inbox.defer(batch)
+            refusals.refused("state_write_held", "RESOURCE_EXHAUSTED", str(exc), job=self.job)
+            return False
         try:
             with self.metrics.etcd_write.time():
-                await self.leadership.write_state(decision.state)
+                written = await self.leadership.write_state(decision.state)
         except PersistUnavailable as exc:
             self._inbox.defer(batch)
             self.log.warning("state_write_deferred", error=str(exc))
@@ -240,6 +259,8 @@ class JobLeader:
         except Fenced:
             self._inbox.defer(batch)
             raise
+        self._written_at = self._clock()
+        budget.etcd.charge(written)
         return True
 
     def _freeze_gc(self) -> None:
@@ -262,6 +283,8 @@ class JobLeader:
             self.log.info("membership_changed", kind=e.kind, generation=e.generation, reason=e.reason,
                           nodes=list(e.nodes), world_size=e.world_size)
         self.stats.adopted(d, now, step_before)
+        if d.new_generation:
+            self.budget().generations.charge(1)
         self.live.apply(d, now)
         await self.streams.deliver(d, self.term, len(self.state.members) >= LARGE_JOB_NODES, previous)
         if d.new_generation:
@@ -271,7 +294,11 @@ class JobLeader:
 
     async def join(self, req: pb.JoinRequest, requested: JobSpec) -> pb.JoinResponse:
         check_joinable(self.state, requested)
-        self.joins.spend()
+        budget = self.budget()
+        if self.state.phase is Phase.RUNNING:  # a Join makes a new generation of a running job
+            budget.generations.check()
+        budget.etcd.check()
+        budget.joins.spend()
         # The member's proof from now on: made here at the edge (the core stays deterministic),
         # kept by the state only as a hash, never logged.
         secret = secrets.token_bytes(RANDOM_BYTES)

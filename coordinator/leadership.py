@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import structlog
+
 from muster.coordinator.core.state import JobState, encode, encode_spec, run_summary
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.errors import PersistUnavailable, StoreError
 from muster.coordinator.store import JobStorage
+
+log = structlog.get_logger(__name__)
 
 
 class Leadership:
@@ -43,22 +47,39 @@ class Leadership:
         self.lost.set()
         return True
 
-    async def write_state(self, state: JobState) -> None:
-        """Write `state` iff this term still holds. Raises Fenced (the term is over) or
-        PersistUnavailable (not written: the leader decides again on its next tick)."""
+    async def write_state(self, state: JobState) -> int:
+        """Write `state` iff this term still holds; the bytes written. Raises Fenced (the term is
+        over) or PersistUnavailable (not written: the leader decides again on its next tick)."""
         spec = encode_spec(state.spec, state.run) if self._restore_spec else None
+
+        def write() -> int:
+            data = encode(state)
+            self._store.write_state(self.key, data, spec=spec)
+            return len(data) + len(spec or b"")
+
         try:
             # Encoding a large job's state takes a while: off the event loop, with the write.
-            await asyncio.to_thread(lambda: self._store.write_state(self.key, encode(state), spec=spec))
+            written = await asyncio.to_thread(write)
         except StoreError as exc:  # unreachable, or refused (e.g. over etcd's request size): not adopted, retried
             raise PersistUnavailable(str(exc)) from exc
         self._restore_spec = False
+        return written
 
-    async def end_run(self, state: JobState, retain_s: float) -> None:
+    async def end_run(self, state: JobState, retain_s: float, kept: int) -> None:
         """Record the ended run (`state`, its outcome set) for `retain_s` and remove the job, iff this
-        term still holds. Raises Fenced or PersistUnavailable (the leader tries again next tick)."""
+        term still holds; then the job's oldest records past `kept` are deleted (one name cycled through
+        runs keeps `kept`, not all it made in `retain_s`). Raises Fenced or PersistUnavailable (the
+        leader tries again next tick)."""
         try:
             await asyncio.to_thread(lambda: self._store.end_run(self.key, state.run, encode(state), run_summary(state),
                                                                 retain_s))
         except StoreError as exc:
             raise PersistUnavailable(str(exc)) from exc
+        try:
+            await asyncio.to_thread(self._keep_runs, kept)
+        except StoreError as exc:  # the next run's end deletes them
+            log.warning("runs_not_pruned", job=self.job, error=str(exc))
+
+    def _keep_runs(self, kept: int) -> None:
+        for run in sorted(run for _, run, _ in self._store.runs(self.job))[:-kept]:
+            self._store.delete_runs(self.job, run)

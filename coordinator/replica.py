@@ -32,6 +32,7 @@ from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.ports import LeaderPort, RelayPort, SessionPort
+from muster.coordinator.quotas import JobBudgets
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
 from muster.coordinator.store import JobStorage
@@ -79,8 +80,9 @@ class Replica:
                                    renew_deadline_s=config.renew_deadline_s, balance_delay_s=config.balance_delay_s,
                                    jobs=self.jobs, leaders=self.leaders, won=self._lead,
                                    session_lost=self._session_lost)
+        self.budgets = JobBudgets(config.limits)  # each job's rates, by name: its runs and terms share them
         self.runs = Runs(store, coordination, self.jobs, self.leaders, default_spec=config.default_spec,
-                         limits=config.limits)
+                         limits=config.limits, budgets=self.budgets)
         self._cancel_watch = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._following: set[asyncio.Task] = set()  # one per leader: awaits its leadership's end
@@ -193,6 +195,7 @@ class Replica:
             metrics=self.metrics,
             retain_s=self.config.retain_finished_s,
             member_keys=self.member_keys,
+            budgets=self.budgets,
         )
 
     def member_keys(self) -> MemberKeys | None:

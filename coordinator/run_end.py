@@ -13,10 +13,11 @@ from muster.v1 import muster_pb2 as pb
 
 
 class RunEnd:
-    def __init__(self, leadership: Leadership, stop_grace_s: float, retain_s: float, metrics: Metrics, log):
+    def __init__(self, leadership: Leadership, stop_grace_s: float, retain_s: float, kept: int, metrics: Metrics,
+                 log):
         self.leadership = leadership
         self.stop_grace_s = stop_grace_s
-        self.retain_s = retain_s  # the record is kept this long
+        self.retain_s, self.kept = retain_s, kept  # the record is kept this long, the job's newest `kept` of them
         self.metrics = metrics
         self.log = log
         self._at: float | None = None  # when the record is written, whoever is left
@@ -29,7 +30,7 @@ class RunEnd:
         if state.members and now < self._at:
             return False
         try:
-            await self.leadership.end_run(state, self.retain_s)
+            await self.leadership.end_run(state, self.retain_s, self.kept)
         except PersistUnavailable as exc:
             self.log.warning("run_end_deferred", error=str(exc))
             return False

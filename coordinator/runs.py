@@ -17,19 +17,20 @@ from muster.coordinator.errors import (FailedPrecondition, InvalidArgument, NotF
                                        StoreUnavailable, Unavailable)
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.metrics import JobGauges
+from muster.coordinator.quotas import JobBudgets
 from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
 
 
 class Runs:
     def __init__(self, store: JobStorage, coordination: Coordination, jobs: Set[str],
-                 leaders: Mapping[str, JobLeader], *, default_spec: JobSpec, limits: Limits):
+                 leaders: Mapping[str, JobLeader], *, default_spec: JobSpec, limits: Limits, budgets: JobBudgets):
         """`jobs` (known to be running) and `leaders` (those this replica leads) are the replica's,
         read here: the replica alone changes them."""
         self.store = store
         self.coordination = coordination
         self.jobs, self.leaders = jobs, leaders
-        self.default_spec, self.limits = default_spec, limits
+        self.default_spec, self.limits, self.budgets = default_spec, limits, budgets
 
     def gauges(self) -> list[JobGauges]:
         """Every known job as a metrics scrape reports it (read at scrape time)."""
@@ -47,7 +48,8 @@ class Runs:
         return found
 
     async def admit(self, job: str, requested: JobSpec) -> None:
-        """Create a new job's spec (its first run, or the next of a name whose runs ended), within --max-jobs."""
+        """Create a new job's spec (its first run, or the next of a name whose runs ended), within --max-jobs
+        and the name's runs an hour (a name cycled through runs costs a record each)."""
         if len(self.jobs) >= self.limits.max_jobs:
             raise ResourceExhausted(f"this deployment holds {len(self.jobs)} jobs, the most it takes "
                                     f"(--max-jobs {self.limits.max_jobs}); job {job!r} is refused")
@@ -55,6 +57,7 @@ class Runs:
             spec = requested.merged_over(self.default_spec).validate()
         except InvalidPolicy as exc:
             raise InvalidArgument(str(exc)) from exc
+        self.budgets.of(job, self.limits.for_job(job).members_of(spec)).runs.spend()
         try:
             # A name whose runs ended starts the next run (numbered on from the retained records).
             await asyncio.to_thread(lambda: self.store.create_spec(job, encode_spec(spec, self.store.last_run(job) + 1)))

@@ -300,7 +300,8 @@ def _join_refusal(f: _Fold, ev: Join) -> MusterError | None:
 
 def _members_quota(state: JobState, members: int, ctx: Context) -> ResourceExhausted:
     return ResourceExhausted(f"job {state.job!r} has {members} nodes, its members quota: its max_nodes and "
-                             f"--max-spares-per-job spares, at most --max-nodes-per-job ({ctx.max_members})")
+                             f"--max-spares-per-job spares, at most --max-nodes-per-job ({ctx.max_members}); "
+                             f"--job-quota {state.job}:nodes=N raises it for this job")
 
 
 def _on_join(f: _Fold, ev: Join) -> None:

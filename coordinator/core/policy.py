@@ -7,7 +7,10 @@ knobs are the coordinator's (its `muster serve` flags).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from muster.names import JOB_NAME
 
 MAX_SLOTS = 1024
 # Nodes per job: a job of 1M GPUs (125k nodes x 8). What bounds it, measured (docs/limits.md): the
@@ -110,26 +113,65 @@ class Timing:
         return self
 
 
+# A job's members quota unless an operator raises it (--max-nodes-per-job, --job-quota): not the
+# deployment's most, which a job's own spec (its first Join, so any token holder) would reach.
+DEFAULT_MAX_MEMBERS = 1024
+# `--job-quota JOB:KEY=VALUE,...`: the keys and the `Limits` fields they set for that job alone.
+JOB_QUOTA_KEYS = {"nodes": "max_members", "joins": "joins_per_s", "generations": "generations_per_min",
+                  "runs": "runs_per_hour", "kept": "runs_kept", "etcd_mib": "etcd_mib_per_min"}
+
+
 @dataclass(frozen=True)
 class Limits:
-    """What one deployment accepts, so that no client can make it use unbounded memory; past a
-    limit a request gets RESOURCE_EXHAUSTED naming it (`muster serve` flags)."""
+    """What one deployment accepts, so that no client can make it use unbounded memory, nor one job's
+    token the etcd every job shares; past a limit a request gets RESOURCE_EXHAUSTED naming it
+    (`muster serve` flags). The per-job ones an operator raises for a job by name (`per_job`)."""
 
     max_jobs: int = 1_000  # jobs known to the deployment
-    max_members: int = MAX_NODES  # nodes per job, spares included
+    max_members: int = DEFAULT_MAX_MEMBERS  # nodes per job, spares included
     max_frames_per_s: float = 50.0  # per Session stream, sustained (bursts up to 2 s worth)
     max_spares: int = 16  # a job's members: its max_nodes and this many spares (at most max_members)
     joins_per_s: float = 20.0  # per job, sustained; bursts of 2 s worth or its members quota (a job starts at once)
     idle_streams: int = 256  # per tenant (a token; without tokens, a host): calls yet to send a first message
     relay_calls: int = 4  # Relay calls per peer and job (a replica relays a job on one)
+    generations_per_min: float = 60.0  # per job, bursts of a minute's worth; past them its Joins are refused
+    runs_per_hour: float = 60.0  # new runs per job name, bursts of 10 minutes' worth
+    runs_kept: int = 32  # finished runs retained per job name (the oldest go first)
+    etcd_mib_per_min: float = 8.0  # state a job's leader writes to etcd, bursts of a minute's worth
+    per_job: Mapping[str, Limits] = field(default_factory=dict, compare=False)  # `--job-quota`, by job name
+
+    def for_job(self, job: str) -> Limits:
+        """The limits of `job`: the deployment's, or those an operator set for it."""
+        return self.per_job.get(job, self)
+
+    def with_job_quota(self, text: str) -> Limits:
+        """These limits and one job's own: `JOB:KEY=VALUE,...` (keys: JOB_QUOTA_KEYS)."""
+        job, _, pairs = text.partition(":")
+        if not JOB_NAME.fullmatch(job):
+            raise InvalidPolicy(f"job quota {text!r}: {job!r} is no job name (JOB:KEY=VALUE,...)")
+        fields = {}
+        for pair in filter(None, pairs.split(",")):
+            key, _, value = pair.partition("=")
+            if key not in JOB_QUOTA_KEYS:
+                raise InvalidPolicy(f"job quota {text!r}: {key!r} is no quota (one of {', '.join(JOB_QUOTA_KEYS)})")
+            name = JOB_QUOTA_KEYS[key]
+            try:
+                fields[name] = type(getattr(self, name))(value)
+            except ValueError:
+                raise InvalidPolicy(f"job quota {text!r}: {key}={value!r} is no number") from None
+        if not fields:
+            raise InvalidPolicy(f"job quota {text!r}: name at least one quota, e.g. {job}:nodes=4096")
+        base = self.for_job(job)
+        own = dataclasses.replace(base, **fields, per_job={}).validate()
+        return dataclasses.replace(self, per_job={**self.per_job, job: own})
 
     def members_of(self, spec: JobSpec) -> int:
         """A job's members quota: its spec's max_nodes and spares, within the deployment's limit."""
         return min(self.max_members, spec.max_nodes + self.max_spares)
 
     def validate(self) -> Limits:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value < 0 or (value == 0 and field.name != "max_spares"):  # a job may have no spares
-                raise InvalidPolicy(f"{field.name} must be positive, got {value}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "per_job" and (value < 0 or (value == 0 and f.name != "max_spares")):  # spares: may be 0
+                raise InvalidPolicy(f"{f.name} must be positive, got {value}")
         return self

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
-from muster.coordinator.core.policy import MAX_NODES, InvalidPolicy, JobSpec, Limits
+from muster.coordinator.core.policy import DEFAULT_MAX_MEMBERS, MAX_NODES, InvalidPolicy, JobSpec, Limits
 from muster.coordinator.quotas import RefusalLog
 from muster.testing import FakeClock
 
@@ -33,7 +33,9 @@ def test_a_jobs_members_quota_is_its_max_nodes_and_spares_within_the_deployments
     assert Limits().members_of(JobSpec(1, 4, 1)) == 4 + 16
     assert Limits(max_spares=0).members_of(JobSpec(1, 4, 1)) == 4
     assert Limits(max_members=10).members_of(JobSpec(1, 8, 1)) == 10
-    assert Limits().members_of(JobSpec()) == MAX_NODES, "a job that names no max_nodes: the deployment's limit"
+    assert Limits().members_of(JobSpec()) == DEFAULT_MAX_MEMBERS == 1024, \
+        "a job that names no max_nodes (or 125,000): the deployment's quota, not its most"
+    assert Limits().with_job_quota("big:nodes=125016").for_job("big").members_of(JobSpec()) == MAX_NODES + 16
 
 
 def test_a_job_of_a_million_gpus_is_allowed_and_one_node_more_is_refused_with_the_cap():
