@@ -23,7 +23,7 @@ from muster import logs, rank_logs
 from muster.terminal import escaped
 from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
-from muster.coordinator.core.policy import MAX_NODES, STRAGGLER_ACTIONS, JobSpec
+from muster.coordinator.core.policy import DEFAULT_MAX_MEMBERS, MAX_NODES, STRAGGLER_ACTIONS, JobSpec
 from muster.worker.outcome import EXIT_STATUS_HELP
 from muster.worker.agent.zygote import PRELOAD
 
@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from muster.coordinator.auth import Tokens
-    from muster.coordinator.core.policy import InvalidPolicy, Limits, Timing
+    from muster.coordinator.core.policy import InvalidPolicy, Timing
     from muster.coordinator.core.stragglers import StragglerPolicy
     from muster.coordinator.replica import ReplicaConfig
     from muster.coordinator.service import ServeConfig, serve
@@ -62,9 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
             default_spec=JobSpec(args.min_nodes, args.max_nodes, args.world_size_multiple).validate(),
             tick_s=args.tick,
             session_ttl_s=args.session_ttl,
-            limits=Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second,
-                          max_spares=args.max_spares_per_job, joins_per_s=args.max_joins_per_second,
-                          idle_streams=args.max_idle_streams, relay_calls=args.max_relay_calls).validate(),
+            limits=_limits(args),
             stragglers=StragglerPolicy(args.straggler_action, args.straggler_factor, args.straggler_min_steps,
                                        duration(args.straggler_window), args.straggler_replace_max),
             relay=not args.no_relay,
@@ -108,6 +106,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"muster serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _limits(args: argparse.Namespace):
+    """serve's limits: the deployment's, then each --job-quota's for its job."""
+    from muster.coordinator.core.policy import Limits
+
+    limits = Limits(args.max_jobs, args.max_nodes_per_job, args.max_frames_per_second,
+                    max_spares=args.max_spares_per_job, joins_per_s=args.max_joins_per_second,
+                    idle_streams=args.max_idle_streams, relay_calls=args.max_relay_calls,
+                    generations_per_min=args.max_generations_per_minute, runs_per_hour=args.max_runs_per_hour,
+                    runs_kept=args.max_runs_kept, etcd_mib_per_min=args.max_etcd_mib_per_minute).validate()
+    for text in args.job_quota:
+        limits = limits.with_job_quota(text)
+    return limits
 
 
 def _check_listen(args: argparse.Namespace, tls: bool) -> None:
@@ -781,12 +793,27 @@ def _limit_and_relay_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-message-bytes", type=positive_int, default=1 << 20, help="largest gRPC message accepted")
     g.add_argument("--max-jobs", type=positive_int, default=1_000, help="running jobs this deployment accepts (finished "
                    "ones do not count)")
-    g.add_argument("--max-nodes-per-job", type=positive_int, default=MAX_NODES, help="nodes per job, spares "
-                   "included: the most any job's members quota may be (default %(default)s)")
+    g.add_argument("--max-nodes-per-job", type=positive_int, default=DEFAULT_MAX_MEMBERS, help="nodes per job, "
+                   "spares included: the most a job's members quota may be, whatever its spec asks (default "
+                   "%(default)s; --job-quota raises it for a job)")
     g.add_argument("--max-spares-per-job", type=int, default=16, help="a job's members quota is its max_nodes and "
                    "this many spares (default %(default)s)")
     g.add_argument("--max-joins-per-second", type=positive_float, default=20.0, help="Joins per job, sustained, "
                    "past bursts of 2 s worth or of its members quota, whichever is more (default %(default)s)")
+    g.add_argument("--max-generations-per-minute", type=positive_float, default=60.0, help="new generations per "
+                   "job, sustained, past bursts of a minute's worth; past them its Joins are refused (failures "
+                   "still re-form it; default %(default)s)")
+    g.add_argument("--max-runs-per-hour", type=positive_float, default=60.0, help="new runs per job name, "
+                   "sustained, past bursts of 10 minutes' worth (default %(default)s)")
+    g.add_argument("--max-runs-kept", type=positive_int, default=32, help="finished runs retained per job name "
+                   "(--retain-finished), the oldest deleted first (default %(default)s)")
+    g.add_argument("--max-etcd-mib-per-minute", type=positive_float, default=8.0, help="MiB of state a job's "
+                   "leader writes to etcd, sustained, past bursts of a minute's worth; past them its writes wait "
+                   "and its Joins are refused (default %(default)s)")
+    g.add_argument("--job-quota", action="append", default=[], metavar="JOB:KEY=N,...",
+                   help="one job's own quotas, over the --max-* ones (repeatable): nodes, joins (per second), "
+                        "generations (per minute), runs (per hour), kept, etcd_mib (per minute); e.g. "
+                        "big-run:nodes=16384,etcd_mib=256")
     g.add_argument("--max-frames-per-second", type=positive_float, default=50.0,
                    help="frames per Session stream, sustained (bursts of 2 s worth); a flooding node is cut off")
     g.add_argument("--max-idle-streams", type=positive_int, default=256, help="Session and Relay calls yet to send "
