@@ -84,6 +84,15 @@ def test_long_phase_is_reported_and_ends():
     assert w._progress.now[2:4] == ("running", "")
 
 
+def test_a_long_phase_named_with_a_control_character_is_refused_where_it_is_declared():
+    w = worker()
+    before = w._progress.now
+    with pytest.raises(ValueError, match="control character"):  # not later, as the node's frames refused
+        with w.long_phase("eval\x1b[2J"):
+            pass
+    assert w._progress.now == before
+
+
 def test_register_refuses_extras_without_state_dict():
     with pytest.raises(TypeError, match="state_dict"):
         worker().register(loader=object())

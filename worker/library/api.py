@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from muster.security import ClientSecurity
+from muster.terminal import CONTROL
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import group_end, step_probe
 from muster.worker.compute_clock import ComputeClock
@@ -261,7 +262,11 @@ class Worker:
 
     @contextmanager
     def long_phase(self, name: str) -> Iterator[None]:
-        """Declare a long phase (checkpoint save, evaluation): no stall is detected meanwhile."""
+        """Declare a long phase (checkpoint save, evaluation): no stall is detected meanwhile. `name`
+        is one line of text: the coordinator refuses a control character in a phase (it is shown
+        in operators' terminals), and with it this node's frames."""
+        if CONTROL.search(name):
+            raise ValueError(f"long_phase name {name!r} holds a control character: give one line of text")
         self._progress.say("long_phase", name, self._progress.now[4])
         try:
             yield
