@@ -50,6 +50,8 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
+import store_planting  # noqa: E402  (bench/, the script's own directory)
+
 RELAY_METHOD = "/muster.v1.Coordinator/Relay"
 
 
@@ -400,6 +402,7 @@ def main() -> int:
             result = {"benchmark": "abuse", "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
                       **asyncio.run(scenario(replica, args))}
             result["attacks"]["etcd_peer_port"] = etcd_peer_port()
+            result["attacks"]["store_planting"] = store_planting.run(trials=3)
         finally:
             if replica is not None:
                 replica.stop()
