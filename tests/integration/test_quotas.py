@@ -1,9 +1,12 @@
-"""Quotas per job, not per host (issue 44, part 3; security review 4, N3-N5), against a real etcd
-and a real `muster serve` with tokens: Relay calls per peer and job, Relay only for a job the
-leader relays, a job's members from its spec, its Joins per second. Each refusal is
+"""Quotas per job, not per host (issue 44, part 3; security review 4, N3-N5; review 5, H2), against a
+real etcd and a real `muster serve` with tokens: Relay calls per peer and job, Relay only for a job
+the leader relays, a job's members from its spec, its Joins per second; and what one job's token may
+cost the etcd every job shares (its members, generations, runs and bytes written). Each refusal is
 RESOURCE_EXHAUSTED (FAILED_PRECONDITION for a job not relayed) naming its quota."""
 
 import asyncio
+import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -13,13 +16,13 @@ from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
-A, B, RELAY = "a" * 24, "b" * 24, "r" * 24
+A, B, C, OPERATOR, RELAY = "a" * 24, "b" * 24, "c" * 24, "o" * 24, "r" * 24
 
 
 @pytest.fixture
 def tokens(tmp_path) -> str:
     path = tmp_path / "tokens"
-    path.write_text(f"job-a {A}\njob-b {B}\n@relay {RELAY}\n")
+    path.write_text(f"job-a {A}\njob-b {B}\njob-c {C}\n* {OPERATOR}\n@relay {RELAY}\n")
     path.chmod(0o600)
     return str(path)
 
@@ -146,3 +149,104 @@ def test_a_relay_carries_only_nodes_whose_secret_proves_them(coordinators, token
     led = next(r for r in replicas if r.address == leader)
     assert not [r for r in led.find("relay_refused")], "no Relay call for the forged frame"
     assert led.find("relay_attached", job="job-a"), "the real node came through the other replica"
+
+
+ETCD_MIB_PER_MIN = 1.0
+
+
+@pytest.mark.timeout(120)
+def test_a_tokens_join_and_run_floods_are_refused_past_its_quotas_while_another_job_forms_steps_and_reforms(
+        coordinators, tokens, etcd_client):
+    """Review 5, H2: job A's token Joins 32 at a time for 8 s as a job asking for 125,000 nodes, with
+    128-character node ids (before: none refused, etcd +197 MiB in 60 s); job C's token cycles runs
+    (before: 147 in 20 s, each kept 7 days). Meanwhile job B forms, steps, loses a node and re-forms.
+    etcd's growth stays within A's budget (a minute's worth at once, then its rate) and B's and C's
+    few writes."""
+    (replica,) = coordinators(1, ["--tokens", tokens, "--max-nodes-per-job", "64",
+                                  "--max-etcd-mib-per-minute", str(ETCD_MIB_PER_MIN), "--max-runs-per-hour", "12",
+                                  "--max-runs-kept", "1"])
+    size_before = etcd_client.status().db_size
+
+    async def join_flood(stub, seconds: float) -> list[tuple[str, str]]:
+        answers, deadline = [], time.monotonic() + seconds
+        spec = pb.JobSpec(min_nodes=1, max_nodes=125_000)
+
+        async def joiner(k: int) -> None:
+            i = 0
+            while time.monotonic() < deadline:
+                i += 1
+                try:
+                    await stub.Join(pb.JoinRequest(job="job-a", node_id=f"{k:02d}-{i:06d}-".ljust(128, "x"), slots=8,
+                                                   host="127.0.0.1", store_port=29500, spec=spec),
+                                    metadata=bearer(A), timeout=10)
+                    answers.append(("OK", ""))
+                except grpc.aio.AioRpcError as exc:
+                    answers.append((exc.code().name, exc.details()))
+
+        await asyncio.gather(*(joiner(k) for k in range(32)))
+        return answers
+
+    async def run_flood(stub) -> tuple[set[int], tuple[str, str]]:
+        """Runs of job C (a Join, then Leave immediate: the run fails once its takeover grace is
+        over) until one is refused."""
+        runs = set()
+        while True:
+            try:
+                joined = await stub.Join(pb.JoinRequest(job="job-c", node_id="c0", slots=1, host="127.0.0.1",
+                                                        store_port=29500), metadata=bearer(C), timeout=10)
+                runs.add(joined.run)
+                await stub.Leave(pb.LeaveRequest(job="job-c", node_id="c0", member_id=joined.member_id,
+                                                 immediate=True, session_secret=joined.session_secret),
+                                 metadata=bearer(C), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:  # a run ending or electing: as a node, retry
+                    return runs, (exc.code().name, exc.details())
+                await asyncio.sleep(0.05)
+
+    async def scenario():
+        b_nodes = [SimulatedNode([replica.address], "job-b", f"b{i}", slots=1, security=ClientSecurity(B),
+                                 spec=pb.JobSpec(min_nodes=2, max_nodes=3)) for i in range(3)]
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            flood = asyncio.ensure_future(join_flood(stub, 8.0))
+            runs = asyncio.ensure_future(asyncio.wait_for(run_flood(stub), 60))
+            for n in b_nodes:  # B forms while the floods go on
+                await n.join()
+                n.start()
+            for n in b_nodes:
+                await n.wait_for(lambda n: n.assignment().role == pb.ROLE_ACTIVE, 20, "a place")
+            formed, stepped = b_nodes[0].generation, b_nodes[0].step
+            b_nodes[2].silent = True  # lost: B re-forms without it
+            for n in b_nodes[:2]:
+                await n.wait_for(lambda n: n.generation > formed and n.assignment().role == pb.ROLE_ACTIVE, 20,
+                                 "the generation without b2")
+            reformed = b_nodes[0].step
+            await b_nodes[0].wait_for(lambda n: n.step > reformed + 5, 10, "steps after re-forming")
+            answers, (c_runs, c_refused) = await flood, await runs
+            kept = await stub.Jobs(pb.JobsRequest(job="job-c"), metadata=bearer(OPERATOR), timeout=10)
+        b_errors = [e for n in b_nodes[:2] for e in n.errors]
+        for n in b_nodes:
+            await n.stop()
+        return answers, c_runs, c_refused, kept, (formed, stepped, reformed), b_errors
+
+    began = time.monotonic()
+    answers, c_runs, c_refused, kept, (formed, stepped, reformed), b_errors = asyncio.run(scenario())
+    minutes = (time.monotonic() - began) / 60
+    growth_mib = (etcd_client.status().db_size - size_before) / 2**20
+
+    codes = Counter(code for code, _ in answers)
+    refusals = [details for code, details in answers if code == "RESOURCE_EXHAUSTED"]
+    assert codes["OK"] <= 64 * 3 and codes["RESOURCE_EXHAUSTED"] > 10 * codes["OK"], codes
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, codes  # UNAVAILABLE: A's run ending
+    assert any("its members quota" in r and "--max-nodes-per-job (64)" in r and "--job-quota job-a:nodes=N" in r
+               for r in refusals), Counter(refusals).most_common(3)
+    assert all("--job-quota job-a:" in r for r in refusals), Counter(refusals).most_common(3)
+    assert len(c_runs) == 2 and c_refused[0] == "RESOURCE_EXHAUSTED", (c_runs, c_refused)
+    assert "more than 12 new runs an hour of job 'job-c'" in c_refused[1] and "--max-runs-per-hour" in c_refused[1]
+    assert sum(1 for j in kept.jobs if j.ended_unix_ms) <= 1, kept  # --max-runs-kept 1: the oldest went
+    assert not b_errors and reformed > stepped and formed >= 1, (b_errors, formed, stepped, reformed)
+    # A's writes: its budget at once and its rate since, and one state past them (64 members of ~300
+    # bytes); B's and C's: a few states of a few nodes. 1.5 MiB for those and etcd's own pages (a write
+    # copies the pages it changes). Without the quotas: 3,779 Joins taken and etcd +11.3 MiB in 8 s.
+    bound_mib = ETCD_MIB_PER_MIN * (1 + minutes) + 1.5
+    assert growth_mib <= bound_mib, (growth_mib, bound_mib)
