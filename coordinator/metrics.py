@@ -4,24 +4,38 @@ Per-job gauges (leader flag, term, generation, live ranks, spares) are read at s
 callables the replica registers, so nothing has to be kept in sync; counters and histograms are
 fed by the leaders as things happen. Each replica owns its registry (tests run several in one
 process). A leaf: plain values in, nothing of the coordinator imported.
+
+The edge's guard (`Edge`): TLS, the Host names it answers to (DNS rebinding), a token on
+/metrics; each connection has `IDLE_TIMEOUT_S` for its handshake and each request, and at most
+`MAX_CONNECTIONS` are open at once (a thread each, in the process that serves gRPC and etcd's
+calls).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from muster.net import join_host_port, split_host_port
 
+log = structlog.get_logger(__name__)
+
 # failure signal -> decision: exits take milliseconds, silence the heartbeat timeout
 DETECTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# As Go servers' read-header and idle timeouts: a connection that sends no whole request (or
+# handshake) within it is closed, so an idle one holds its thread no longer.
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64  # open at once; a new one beyond is closed unanswered (browsers, scrapes, probes need few)
 
 
 @dataclass(frozen=True)
@@ -105,16 +119,29 @@ class _GaugeCollector:
 Pages = Callable[[str, str], "tuple[int, bytes, str, dict[str, str]] | None"]
 
 
+@dataclass(frozen=True)
+class Edge:
+    """What the port asks of a connection and of a request before answering it."""
+
+    tls: ssl.SSLContext | None = None  # HTTPS with it
+    # Host names answered besides IP literals and localhost (a browser at either is at this
+    # server's own origin): a page of another name reaching the port is DNS rebinding.
+    hosts: frozenset[str] = frozenset()
+    # /metrics: the Authorization header -> None (answer) or the refusal's (status, message)
+    scrape: Callable[[str], tuple[int, str] | None] | None = None
+
+
 class HealthServer:
     """/metrics (Prometheus), /healthz (the process serves), /readyz (leader or healthy standby:
-    a live etcd session), and with `pages` the live page's paths. Daemon threads; stopped with the
-    replica."""
+    a live etcd session), and with `pages` the live page's paths, behind `edge`. Daemon threads;
+    stopped with the replica."""
 
-    def __init__(self, metrics: Metrics, ready: Callable[[], bool], listen: str, pages: Pages | None = None):
+    def __init__(self, metrics: Metrics, ready: Callable[[], bool], listen: str, pages: Pages | None = None,
+                 edge: Edge = Edge()):
         host, port = split_host_port(listen)
-        self.httpd = ThreadingHTTPServer((host, port), _handler(metrics, ready, pages))
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), _handler(metrics, ready, pages, edge), edge.tls)
         self.address = join_host_port(host, self.httpd.server_address[1])
+        self.url = f"{'https' if edge.tls else 'http'}://{self.address}/"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="muster-metrics", daemon=True)
 
     def start(self) -> HealthServer:
@@ -126,14 +153,90 @@ class HealthServer:
         self.httpd.server_close()
 
 
-def _handler(metrics: Metrics, ready: Callable[[], bool], pages: Pages | None):
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most `MAX_CONNECTIONS` at once, TLS's handshake in it (never in
+    the accepting thread, which one silent client would stop)."""
+
+    daemon_threads = True
+    # the listen backlog (socketserver's is 5): a burst of connects beyond it waits a SYN retransmit
+    # (a second) where the accepting thread is a moment behind
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler, tls: ssl.SSLContext | None):
+        super().__init__(address, handler)
+        self.tls = tls
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.capped = False  # refusing now: logged once per spell
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            if not self.capped:
+                log.warning("http_connections_capped", limit=MAX_CONNECTIONS, client=client_address[0])
+            self.capped = True
+            self.shutdown_request(request)
+            return
+        self.capped = False
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started to release it
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def finish_request(self, request, client_address):
+        request.settimeout(IDLE_TIMEOUT_S)  # the handshake's, then each request's (and the wait for one)
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        with self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False) as conn:
+            try:
+                conn.do_handshake()
+            except OSError:  # no TLS client (plain HTTP, a port scan), or too slow: nothing to answer
+                return
+            super().finish_request(conn, client_address)
+
+
+def _host_name(header: str) -> str:
+    """The name of a Host header (`name`, `name:port`, `[v6]:port`), lower case."""
+    name = header.strip().lower()
+    if name.startswith("["):
+        return name[1:].partition("]")[0]
+    return name.partition(":")[0].rstrip(".")
+
+
+def _answers_to(header: str | None, hosts: frozenset[str]) -> bool:
+    if header is None:  # HTTP/1.0 probes; a browser always sends one, so no rebinding without it
+        return True
+    name = _host_name(header)
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name == "localhost" or name in hosts
+
+
+def _handler(metrics: Metrics, ready: Callable[[], bool], pages: Pages | None, edge: Edge):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's naming)
+            if not _answers_to(self.headers.get("Host"), edge.hosts):
+                self._send(421, b"this port does not answer to this Host name (muster serve --http-host adds one)\n")
+                return
             page = pages(self.path, self.headers.get("Authorization", "")) if pages else None
             if page is not None:
                 self._send(*page)
             elif self.path == "/metrics":
-                self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST)
+                refusal = edge.scrape(self.headers.get("Authorization", "")) if edge.scrape else None
+                if refusal is not None:
+                    code, message = refusal
+                    challenge = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+                    self._send(code, f"{message}\n".encode(), headers=challenge)
+                else:
+                    self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 self._send(200, b"ok\n")
             elif self.path == "/readyz":

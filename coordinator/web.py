@@ -8,6 +8,9 @@ markup; a Content-Security-Policy allows no inline script. With tokens on, the A
 token as the gRPC API, checked the same way (an operator's for the jobs list, the job's for its
 page). A replica that does not lead the job asks its leader for the live view, with the caller's
 token; unreachable, it shows what etcd holds and where the leader is.
+
+`http_edge` guards the whole port (`metrics.Edge`): HTTPS with the replica's certificate, the Host
+names it answers to, and /metrics behind a scraper's or an operator's token.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 from importlib.resources import files
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -23,8 +27,10 @@ import structlog
 
 from muster.coordinator import errors
 from muster.coordinator.auth import Tokens
+from muster.coordinator.metrics import Edge
 from muster.coordinator.status_pages import Page
 from muster.json_output import as_json, status_document
+from muster.net import split_host_port
 from muster.security import TOKEN_METADATA, ClientSecurity, TlsFiles
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -46,6 +52,30 @@ HTTP_STATUS = {errors.InvalidArgument: 400, errors.Unauthenticated: 401, errors.
                errors.NotFound: 404, errors.FailedPrecondition: 409, errors.Unavailable: 503,
                errors.NotLeader: 503, errors.DeadlineExceeded: 504}
 ANSWER_WAIT_S = 5.0  # for the replica's answer, and the leader's: a page asks again a second later
+
+
+def http_edge(listen: str, advertise: str, names: tuple[str, ...], tls: TlsFiles, tokens: Tokens | None,
+              metrics_open: bool) -> Edge:
+    """The metrics port's guard: HTTPS with the replica's certificate where it has one (the page
+    takes tokens, operators' too, and /metrics may); Host names: the listen and advertised hosts
+    and `names` (--http-host); /metrics asks a scraper's or an operator's token where tokens are
+    on (it names every job), unless `metrics_open`."""
+    context = None
+    if tls.cert:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(tls.cert, tls.key)
+    own = (split_host_port(listen)[0], split_host_port(advertise)[0], *names)
+    hosts = frozenset(n.lower().rstrip(".") for n in own)
+    return Edge(context, hosts, None if tokens is None or metrics_open else lambda header: _scrape(tokens, header))
+
+
+def _scrape(tokens: Tokens, authorization: str) -> tuple[int, str] | None:
+    try:
+        tokens.check_scrape(((TOKEN_METADATA, authorization),) if authorization else ())
+    except errors.MusterError as exc:
+        return HTTP_STATUS[type(exc)], str(exc)
+    return None
 
 
 class Pages:

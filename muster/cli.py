@@ -92,6 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         metrics_listen=args.metrics_listen,
         http=args.http,
+        http_hosts=tuple(args.http_host),
+        metrics_open=args.metrics_open,
         tokens_file=args.tokens or "",
         tls=tls,
         etcd_access=etcd_access,
@@ -133,9 +135,11 @@ def _check_listen(args: argparse.Namespace, tls: bool) -> None:
                 raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
     if args.http and not args.metrics_listen:
         raise ValueError("--http serves the page on the metrics port: give --metrics-listen HOST:PORT")
-    if args.http and not (args.tokens or args.insecure or is_loopback(split_host_port(args.metrics_listen)[0])):
-        raise ValueError(f"--http on {args.metrics_listen} shows every job to anyone who reaches the port: add "
-                         "--tokens (the page then asks for one), or --insecure to serve it so anyway")
+    if args.http and not (args.insecure or args.tokens and tls
+                          or is_loopback(split_host_port(args.metrics_listen)[0])):
+        raise ValueError(f"--http on {args.metrics_listen} shows every job to anyone who reaches the port, and takes "
+                         "their tokens: add --tokens (the page then asks for one) and --tls-cert/--tls-key (it serves "
+                         "HTTPS with them: no token in the clear), or --insecure to serve it so anyway")
     host, _ = split_host_port(args.listen)
     if not (tls or args.tokens or args.insecure or is_loopback(host)):
         raise ValueError(f"--listen {args.listen} reaches beyond this host with neither TLS (--tls-cert) nor tokens "
@@ -751,10 +755,17 @@ def _serve_parser(sub) -> None:
                    help="serve on an address beyond loopback with neither TLS nor tokens (refused without it: "
                         "anyone reaching the port could stop or delete any job)")
     g.add_argument("--metrics-listen", default="", metavar="HOST:PORT",
-                   help="serve /metrics (Prometheus), /healthz and /readyz here (default: off)")
+                   help="serve /metrics (Prometheus), /healthz and /readyz here (default: off); HTTPS with --tls-cert; "
+                        "with --tokens, /metrics asks for the '*' or '@metrics' entry's token")
     g.add_argument("--http", action="store_true",
                    help="also serve the live page there: / lists the jobs, /jobs/NAME shows one (its ranks, health "
-                        "and events), refreshed every second; with --tokens it asks for the same token as the API")
+                        "and events), refreshed every second; with --tokens it asks for the same token as the API; "
+                        "beyond loopback it needs --tokens and --tls-cert")
+    g.add_argument("--http-host", action="append", default=[], metavar="NAME",
+                   help="a Host name the metrics port answers to besides IP addresses, localhost, the --metrics-listen "
+                        "and --advertise hosts (an ingress's, a Service's); others get 421 (DNS rebinding); repeatable")
+    g.add_argument("--metrics-open", action="store_true",
+                   help="/metrics without a token though --tokens is on (it names every job)")
     g = s.add_argument_group("defaults of new jobs (a job's spec overrides them)")
     g.add_argument("--min-nodes", type=positive_int, default=1, help="default min_nodes of new jobs")
     g.add_argument("--max-nodes", type=positive_int, default=MAX_NODES, help="default max_nodes of new jobs")

@@ -47,6 +47,7 @@ CASES = [
     (["logs", "j", "--log-dir", ".", "--node", "a", "--coordinator", DEAD], 1, r"^muster logs: UNAVAILABLE: .*127\.0\.0\.1:1"),
     (["serve", "--http"], 2, r"^muster serve: --http serves the page on the metrics port"),
     (["serve", "--http", "--metrics-listen", "0.0.0.0:0"], 2, r"^muster serve: --http on 0\.0\.0\.0:0 shows every job"),
+    (["serve", "--http", "--metrics-listen", "0.0.0.0:0", "--tokens", "t"], 2, r"takes their tokens: .* --tls-cert"),
     (["nosuch"], 2, r"^muster: argument command: invalid choice: 'nosuch'"),
 ]
 

@@ -1,10 +1,15 @@
 """The live page of `muster serve --http`, over real HTTP against two replicas and etcd: static
 files with no data and no inline script, its JSON API behind the API's own tokens and in the
---json schema, through the leader and a standby alike, following a killed rank and a stop."""
+--json schema, through the leader and a standby alike, following a killed rank and a stop. The
+port's guard (review 5, M3/L1/L3): HTTPS with the replica's certificate, Host names, a token on
+/metrics, idle connections timed out and capped."""
 
 import asyncio
 import json
 import re
+import socket
+import ssl
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,10 +26,12 @@ SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "reference" 
 JOB, JOB_TOKEN, OPERATOR = "web", "j" * 24, "o" * 24
 
 
-def get(base: str, path: str, token: str = "") -> tuple[int, dict, bytes]:
-    request = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+def get(base: str, path: str, token: str = "", *, host: str = "", tls: ssl.SSLContext | None = None
+        ) -> tuple[int, dict, bytes]:
+    headers = {**({"Authorization": f"Bearer {token}"} if token else {}), **({"Host": host} if host else {})}
+    request = urllib.request.Request(base + path, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=10, context=tls) as resp:
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
@@ -129,3 +136,89 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
             await n.stop()
 
     asyncio.run(scenario())
+
+
+def threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """The server closed it (or reset it) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_the_port_serves_https_answers_its_own_names_asks_a_scrape_token_and_drops_idle_connections(
+        coordinators, tmp_path):
+    pytest.importorskip("cryptography")
+    from test_security import _cert, _write  # the same on-the-fly PKI
+
+    from muster.coordinator.metrics import IDLE_TIMEOUT_S, MAX_CONNECTIONS
+
+    ca_key, ca = _cert("muster-test-ca", None, None, ca=True)
+    ca_pem, _ = _write(tmp_path / "ca", ca_key, ca)
+    cert, key = _write(tmp_path / "server", *_cert("coordinator", ca_key, ca.subject, ip="127.0.0.1"))
+    scraper = "s" * 24
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{JOB} {JOB_TOKEN}\n* {OPERATOR}\n@metrics {scraper}\n")
+    tokens.chmod(0o600)
+    (replica,) = coordinators(1, extra=["--metrics-listen", "127.0.0.1:0", "--http", "--tokens", str(tokens),
+                                        "--tls-cert", cert, "--tls-key", key, "--http-host", "muster.test"])
+    page = replica.find("coordinator_serving")[0]["page"]
+    assert page.startswith("https://127.0.0.1:")
+    base, address = page.rstrip("/"), page.removeprefix("https://").rstrip("/")
+    trust = ssl.create_default_context(cafile=ca_pem)
+
+    # HTTPS, verified against the replica's certificate; the same port in the clear answers nothing
+    assert get(base, "/", tls=trust)[0] == 200
+    assert valid(json.loads(get(base, "/api/jobs", OPERATOR, tls=trust)[2]), "page_jobs")["jobs"] == []
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://{address}/healthz", timeout=10)
+
+    # Host: its own names and IP addresses; another name is a page rebinding its DNS to this port
+    port = address.rsplit(":", 1)[1]
+    for name in (f"localhost:{port}", f"muster.test:{port}", "MUSTER.TEST", f"127.0.0.1:{port}"):
+        assert get(base, "/api/jobs", OPERATOR, host=name, tls=trust)[0] == 200, name
+    for path in ("/api/jobs", "/metrics", "/"):
+        code, _, body = get(base, path, OPERATOR, host=f"attacker.example:{port}", tls=trust)
+        assert code == 421 and b"--http-host" in body, (path, code)
+
+    # /metrics names every job: the scraper's token or an operator's; /healthz asks none
+    code, headers, body = get(base, "/metrics", tls=trust)
+    assert code == 401 and headers["WWW-Authenticate"] == "Bearer" and b"no token" in body
+    code, _, body = get(base, "/metrics", JOB_TOKEN, tls=trust)
+    assert code == 403 and b"'@metrics'" in body
+    for token in (scraper, OPERATOR):
+        code, _, body = get(base, "/metrics", token, tls=trust)
+        assert code == 200 and b"muster_ready 1.0" in body
+    assert get(base, "/healthz", tls=trust)[0] == 200
+
+    # idle connections (nothing sent, or half a handshake: a record header announcing 512 bytes of
+    # ClientHello): a thread each up to the cap, the rest closed at once (accepted in the order they
+    # connected), and all closed after the timeout
+    before = threads(replica.proc.pid)
+    began = time.monotonic()
+    idle = []
+    for i in range(MAX_CONNECTIONS + 100):
+        sock = socket.create_connection(("127.0.0.1", int(port)), timeout=5)
+        if i % 2:
+            sock.sendall(b"\x16\x03\x01\x02\x00")
+        idle.append(sock)
+    held, excess = idle[:MAX_CONNECTIONS], idle[MAX_CONNECTIONS:]
+    assert all(closed_within(s, 5) for s in excess)
+    assert threads(replica.proc.pid) <= before + MAX_CONNECTIONS + 1
+    assert time.monotonic() - began < IDLE_TIMEOUT_S - 2 and not any(closed_within(s, 0.01) for s in held)
+    assert all(closed_within(s, IDLE_TIMEOUT_S + 5 - (time.monotonic() - began)) for s in held)
+    assert time.monotonic() - began > IDLE_TIMEOUT_S - 1
+    for s in idle:
+        s.close()
+    assert get(base, "/healthz", tls=trust)[0] == 200
+    assert threads(replica.proc.pid) <= before + 1
+    assert replica.find("http_connections_capped", limit=MAX_CONNECTIONS)

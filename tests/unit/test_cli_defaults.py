@@ -61,6 +61,20 @@ def test_an_open_address_is_served_with_tls_tokens_or_insecure():
     _check_listen(p.parse_args(["serve", "--listen", "0.0.0.0:7600"]), tls=True)
 
 
+def test_the_page_beyond_loopback_needs_tokens_and_tls_or_insecure():
+    """It takes tokens, operators' too: never in the clear (review 5, M3)."""
+    from muster.cli import _check_listen
+
+    p = parser()
+    page = ["serve", "--metrics-listen", "0.0.0.0:9090", "--http"]
+    _check_listen(p.parse_args([*page, "--tokens", "t"]), tls=True)
+    _check_listen(p.parse_args([*page, "--insecure"]), tls=False)
+    _check_listen(p.parse_args(["serve", "--metrics-listen", "127.0.0.1:9090", "--http"]), tls=False)
+    for extra, tls in ((["--tokens", "t"], False), ([], True)):
+        with pytest.raises(ValueError, match="and takes their tokens: add --tokens .* and --tls-cert/--tls-key"):
+            _check_listen(p.parse_args([*page, *extra]), tls=tls)
+
+
 def test_json_has_one_shape_numbers_as_numbers_every_field_present_and_absent_as_null():
     from muster.cli import as_json
     from muster.v1 import muster_pb2 as pb
