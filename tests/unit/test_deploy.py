@@ -9,7 +9,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from muster.cli import parser  # noqa: E402
+from muster.cli import _check_listen, parser  # noqa: E402
 from muster.worker.agent.launch import plan  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -46,8 +46,8 @@ def test_three_coordinators_with_probes_on_their_metrics_port_against_the_etcd_c
     assert args.advertise == f"muster-coordinator-1.{coord['spec']['serviceName']}:{port_named(c, 'grpc')}"
     assert args.listen.endswith(f":{port_named(c, 'grpc')}")
     assert args.metrics_listen.endswith(f":{port_named(c, 'metrics')}")
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics", "scheme": "HTTPS"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics", "scheme": "HTTPS"}
     service = m[("Service", "muster-coordinator")]
     assert service["spec"]["selector"] == coord["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["clusterIP"] == "None"  # stable per-pod names
@@ -97,6 +97,21 @@ def test_secure_by_default_tls_tokens_from_secrets_and_etcd_client_certificates(
     flags = expand(container(etcd)["command"], POD_NAME="muster-etcd-0")
     assert "--client-cert-auth" in flags and "--peer-client-cert-auth" in flags
     assert not [f for f in flags if "urls=http://" in f and not f.startswith("--listen-metrics-urls")]
+
+
+def test_the_page_and_metrics_are_served_over_https_behind_the_tokens():
+    """The page takes tokens, operators' too (review 5, M3): the metrics port serves HTTPS with the
+    gRPC port's certificate, and the probes and Prometheus speak it; /metrics asks a token."""
+    coord = manifests()[("StatefulSet", "muster-coordinator")]
+    c = container(coord)
+    serve = parser().parse_args(expand(c["args"], POD_NAME="muster-coordinator-0"))
+    assert serve.http and serve.tokens and serve.tls_cert and not serve.insecure and not serve.metrics_open
+    assert not serve.metrics_listen.startswith("127.")  # beyond loopback: accepted only with TLS
+    _check_listen(serve, tls=True)
+    with pytest.raises(ValueError, match="takes their tokens"):
+        _check_listen(serve, tls=False)
+    assert {c[p]["httpGet"]["scheme"] for p in ("readinessProbe", "livenessProbe")} == {"HTTPS"}
+    assert coord["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
 
 
 def test_a_network_policy_admits_only_the_coordinators_to_etcd_and_only_the_job_to_its_stores():
