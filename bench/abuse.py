@@ -20,6 +20,10 @@ job A's token holding idle Sessions while a node of job B joins from the same ho
 flood with job A's token (N4), and forged rebuild claims of job A's member (N1: refused, nothing
 taken).
 
+And review 5's L1 on the page's port (`page_port`): `--idle-http` connections that each send half
+a request line and nothing more, with the replica's threads and RSS at their peak, and when the
+port closed them.
+
     python bench/abuse.py                       # 8 x 46,000 frames, 30 s
     python bench/abuse.py --messages 2 --frames 20000 --duration 5   # a smoke test
 """
@@ -31,6 +35,7 @@ import asyncio
 import json
 import os
 import secrets
+import selectors
 import shutil
 import socket
 import statistics
@@ -38,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -375,6 +381,51 @@ def etcd_peer_port(posts: int = 100) -> dict:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+def page_port(replica: CoordinatorProcess, connections: int, watch_s: float = 30.0) -> dict:
+    """L1 (probe5_web): `connections` connections to the page's port, each half a request line,
+    held open: the replica's threads and RSS at their peak (was a thread each, for good), how many
+    the port closed within 5 s of their connect (past its cap: at once) and the longest it held one;
+    then /healthz."""
+    pid, address = replica.pid, replica.find("coordinator_serving")[0]["metrics"]
+    host, port = address.rsplit(":", 1)
+    before_threads, before_rss = threads(pid), rss_mib(pid)
+    began = time.monotonic()
+    selector = selectors.DefaultSelector()
+    for _ in range(connections):
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        sock.sendall(b"GET /api/jo")
+        selector.register(sock, selectors.EVENT_READ, time.monotonic())
+    peak_threads, peak_rss, held_s = threads(pid), rss_mib(pid), []
+    while selector.get_map() and time.monotonic() - began < watch_s:
+        for key, _ in selector.select(0.2):
+            try:
+                data = key.fileobj.recv(1)
+            except OSError:
+                data = b""
+            if not data:  # closed by the replica
+                held_s.append(time.monotonic() - key.data)
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+        peak_threads, peak_rss = max(peak_threads, threads(pid)), max(peak_rss, rss_mib(pid))
+    still_open = len(selector.get_map())
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+    selector.close()
+    asked = time.perf_counter()
+    with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as resp:
+        healthz = resp.status
+    return {"connections": connections, "threads": {"before": before_threads, "peak": peak_threads},
+            "rss_mib": {"before": round(before_rss, 1), "peak_growth": round(peak_rss - before_rss, 1)},
+            "closed_within_5s": sum(1 for t in held_s if t < 5), "held_longest_s": round(max(held_s, default=0), 1),
+            f"open_after_{watch_s:g}s": still_open,
+            "healthz_after": {"status": healthz, "ms": round((time.perf_counter() - asked) * 1e3, 1)}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=8)
@@ -386,6 +437,7 @@ def main() -> int:
     parser.add_argument("--relay-calls", type=int, default=200, help="unread Relay calls (N3)")
     parser.add_argument("--idle-sessions", type=int, default=300, help="job A's idle Sessions (N2)")
     parser.add_argument("--joins", type=int, default=200, help="job A's Joins (N4)")
+    parser.add_argument("--idle-http", type=int, default=600, help="idle connections to the page's port (L1)")
     args = parser.parse_args()
     logs.configure("warning")
     with tempfile.TemporaryDirectory(prefix="muster-abuse-") as tmp:
@@ -398,10 +450,12 @@ def main() -> int:
             tokens.write_text("".join(f"{job} {token}\n" for job, token in TOKENS.items()))
             tokens.chmod(0o600)
             replica = CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log",
-                                         ["--relay-min-nodes", "1", "--tokens", str(tokens)]).start()
+                                         ["--relay-min-nodes", "1", "--tokens", str(tokens),
+                                          "--metrics-listen", "127.0.0.1:0", "--http"]).start()
             result = {"benchmark": "abuse", "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
                       **asyncio.run(scenario(replica, args))}
             result["attacks"]["etcd_peer_port"] = etcd_peer_port()
+            result["attacks"]["page_port"] = page_port(replica, args.idle_http)
             result["attacks"]["store_planting"] = store_planting.run(trials=3)
         finally:
             if replica is not None:
