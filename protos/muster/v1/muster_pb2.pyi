@@ -164,19 +164,23 @@ class RankReport(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
-    __slots__ = ("local_rank", "pid", "exit_code", "restarting")
+    __slots__ = ("local_rank", "pid", "exit_code", "restarting", "error", "step")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     RESTARTING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     exit_code: int
     restarting: bool
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarting: _Optional[bool] = ...) -> None: ...
+    error: str
+    step: int
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarting: _Optional[bool] = ..., error: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
-    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay", "stream_seq", "run", "steps_only")
+    __slots__ = ("job", "node_id", "member_id", "term", "generation", "ranks", "exits", "session_secret", "rejoin", "via_relay", "stream_seq", "run", "world_size", "local_world_size", "steps_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +193,8 @@ class NodeFrame(_message.Message):
     VIA_RELAY_FIELD_NUMBER: _ClassVar[int]
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEPS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
@@ -202,11 +208,13 @@ class NodeFrame(_message.Message):
     via_relay: bool
     stream_seq: int
     run: int
+    world_size: int
+    local_world_size: int
     steps_only: bool
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ..., run: _Optional[int] = ..., steps_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., member_id: _Optional[int] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., session_secret: _Optional[bytes] = ..., rejoin: _Optional[_Union[JoinRequest, _Mapping]] = ..., via_relay: _Optional[bool] = ..., stream_seq: _Optional[int] = ..., run: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., steps_only: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks", "shrink_of", "excluded_ranks", "store_key")
+    __slots__ = ("generation", "role", "abort_previous", "switch_at_step", "world_size", "node_rank", "rank_offset", "local_world_size", "num_nodes", "store_address", "store_prefix", "reason", "local_ranks", "master_address", "down_local_ranks", "start_ranks", "shrink_of", "excluded_ranks", "store_key", "left_out")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ABORT_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +234,7 @@ class Assignment(_message.Message):
     SHRINK_OF_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     role: Role
     abort_previous: bool
@@ -245,7 +254,8 @@ class Assignment(_message.Message):
     shrink_of: int
     excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
     store_key: bytes
-    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., master_address: _Optional[str] = ..., down_local_ranks: _Optional[_Iterable[int]] = ..., start_ranks: _Optional[bool] = ..., shrink_of: _Optional[int] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., store_key: _Optional[bytes] = ...) -> None: ...
+    left_out: int
+    def __init__(self, generation: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., abort_previous: _Optional[bool] = ..., switch_at_step: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., num_nodes: _Optional[int] = ..., store_address: _Optional[str] = ..., store_prefix: _Optional[str] = ..., reason: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., master_address: _Optional[str] = ..., down_local_ranks: _Optional[_Iterable[int]] = ..., start_ranks: _Optional[bool] = ..., shrink_of: _Optional[int] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., store_key: _Optional[bytes] = ..., left_out: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("term", "generation", "assignment", "drain", "end", "finishing")
