@@ -11,7 +11,8 @@ from muster.coordinator import wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, most_generation
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
-from muster.coordinator.core.machine import Finishing, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp
+from muster.coordinator.core.machine import (Finishing, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp,
+                                             Verdict)
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -202,6 +203,14 @@ class FrameReader:
         events: list[MembershipEvent] = []
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
+            if self.live.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
+                rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
+                where = f"in step {e.step}" if e.step else "before any step it reported"
+                events.append(Verdict(member.node_id, f"{rank}(node {member.node_id!r}, local rank {e.local_rank}) "
+                                                      f"failed again {where} with the same error after a restart: "
+                                                      f"{e.error}"))
+            if e.error:
+                how += f": {e.error}"
             if member.kind is NodeKind.PROCESS:
                 events.append(NodeLost(member.node_id, FailureKind.PROCESS_EXITED, f"pid {e.pid} {how}"))
             elif e.restarting and placement is not None and e.local_rank in placement.slots:

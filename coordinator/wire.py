@@ -22,6 +22,7 @@ MAX_DIGEST_BYTES = 64
 MAX_SECRET_BYTES = 64
 MAX_HOST_CHARS = 253
 MAX_PHASE_CHARS = 128
+MAX_EXIT_ERROR_CHARS = 200  # RankExit.error: the exception a rank died of, one line
 MAX_REASON_CHARS = 256  # a Leave's reason is kept in the job's persisted history
 # RFC 1123, plus "_": container runtimes (Docker Compose) name hosts with it and resolvers accept it.
 HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
@@ -130,6 +131,10 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")
+        if len(e.error) > MAX_EXIT_ERROR_CHARS or CONTROL.search(e.error) or e.step > MAX_STEP:
+            # (the error reaches operators' terminals in a run's outcome)
+            raise InvalidArgument(f"exit of local_rank {e.local_rank}: error must be one line of at most "
+                                  f"{MAX_EXIT_ERROR_CHARS} characters without control characters, step at most {MAX_STEP}")
     return reports
 
 

@@ -1,5 +1,6 @@
-"""The exit bookkeeping: slots whose rank a node reports exited or restarting in place, and the
-pids of failed processes, so that a new process in such a slot counts as its recovery.
+"""The exit bookkeeping: slots whose rank a node reports exited or restarting in place, the
+pids of failed processes, so that a new process in such a slot counts as its recovery, and each
+slot's last failure, so that one repeated by the next process is known (`repeated`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ class ExitBook:
     def __init__(self) -> None:
         self.failed_pids: dict[tuple[str, int], int] = {}  # (node, slot) -> the pid that failed there (-1: none yet)
         self.reported: set[tuple[str, int]] = set()  # slots reporting exited or restarting
+        self.last_errors: dict[tuple[str, int], tuple[str, int, int]] = {}  # (node, slot) -> (error, step, pid)
 
     def note(self, key: tuple[str, int], state: str) -> None:
         """A slot's new state: reported exits and restarts are indexed."""
@@ -26,6 +28,22 @@ class ExitBook:
             self.reported.discard((node_id, slot))
         for key in [k for k in self.failed_pids if k[0] == node_id]:
             del self.failed_pids[key]
+        for key in [k for k in self.last_errors if k[0] == node_id]:
+            del self.last_errors[key]
+
+    def repeated(self, node_id: str, local_rank: int, pid: int, error: str, step: int) -> bool:
+        """A process of the slot died of `error` in `step`: did the slot's previous process die the same
+        way (the same error at the same step)? Then its restart met the same fault: one that repeats
+        (a script's bug at step N, a model sharded after register(), a full disk), not one a process
+        restarted elsewhere outlives. An exit with no error known (a signal) breaks a streak; the same
+        process reported again (to a new leader) is not a repeat."""
+        key = (node_id, local_rank)
+        before = self.last_errors.get(key)
+        if not error:
+            self.last_errors.pop(key, None)
+            return False
+        self.last_errors[key] = (error, step, pid)
+        return before is not None and before[:2] == (error, step) and before[2] != pid
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""

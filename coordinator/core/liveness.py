@@ -255,6 +255,10 @@ class Liveness:
         """The slot's process failed; a different pid in that slot later means it came back."""
         self._exits.mark_failed(node_id, local_rank, pid)
 
+    def repeated(self, node_id: str, local_rank: int, pid: int, error: str, step: int) -> bool:
+        """The slot's process died as its previous one did (`ExitBook.repeated`)."""
+        return self._exits.repeated(node_id, local_rank, pid, error, step)
+
     def awaiting(self, node_id: str, slots) -> None:
         """Slots with no process yet (a node starting its ranks): any process there is their recovery."""
         for slot in slots:

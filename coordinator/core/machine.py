@@ -147,12 +147,21 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """A fault that repeats (a slot's process failed with the same error at the same step as the one
+    before it): restarting it again would only loop, so the run ends failed with this reason."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened but time passed (forming and waiting deadlines)."""
 
 
 MembershipEvent = (Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Straggling | Regroup | Finishing
-                   | Stop | Tick)
+                   | Stop | Verdict | Tick)
 # The events a request waits on, the only ones `decide` refuses: each carries its request's ticket, a
 # number the inbox gives it (0: nobody waits), so that a refusal reaches its request wherever the
 # event stands in the batch.
@@ -205,6 +214,7 @@ class _Fold:
     rebuilding: bool
     started_ms: int
     stop: Stop | None = None
+    verdict: str = ""  # a fault that repeats: the run ends failed with it (`Verdict`)
     departed: str = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
     log: list[Event] = field(default_factory=list)
     evicted: list[tuple[str, int]] = field(default_factory=list)
@@ -411,6 +421,12 @@ def _on_stop(f: _Fold, ev: Stop) -> None:
     f.changed = True
 
 
+def _on_verdict(f: _Fold, ev: Verdict) -> None:
+    if not f.state.ended and f.stop is None and not f.verdict:
+        f.verdict = ev.reason
+        f.changed = True
+
+
 def _on_regroup(f: _Fold, ev: Regroup) -> None:
     if f.state.phase is not Phase.RUNNING or f.finishing:
         return
@@ -421,7 +437,7 @@ def _on_regroup(f: _Fold, ev: Regroup) -> None:
 
 _FOLD = {Rejoin: _on_rejoin, Join: _on_join, Leave: _on_leave, NodeLost: _on_lost, SlotDown: _on_slot_down,
          SlotsUp: _on_slots_up, Diverged: _on_diverged, Straggling: _on_straggling, Finishing: _on_finishing,
-         Stop: _on_stop, Regroup: _on_regroup}
+         Stop: _on_stop, Regroup: _on_regroup, Verdict: _on_verdict}
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:
@@ -438,7 +454,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
     nxt, new_generation, drains = _regenerate(f, nxt)
     nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
                   if nxt.phase is Phase.WAITING and not nxt.ended else None)
-    ending = None if nxt.ended else _outcome(state, nxt, f.stop, f.departed, ctx)
+    ending = None if nxt.ended else _outcome(state, nxt, f.stop, f.verdict, f.departed, ctx)
     if ending is not None:
         outcome, reason = ending
         nxt = replace(nxt, outcome=outcome, outcome_reason=reason, ended_ms=ctx.wall_ms, waiting_deadline=None)
@@ -466,7 +482,7 @@ def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[st
     """At most one new generation for what the batch changed: (state, whether one was published,
     the planned leavers' drains at its switch step)."""
     state, ctx = f.state, f.ctx
-    if nxt.frozen or f.stop is not None:
+    if nxt.frozen or f.stop is not None or f.verdict:
         return nxt, False, ()  # the job is ending: nothing re-forms it
     if nxt.rebuilding:
         nxt, formed = _rebuild(nxt, ctx, f.log)
@@ -498,12 +514,15 @@ def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[st
     return nxt, True, tuple((node_id, switch_at) for node_id in f.leaving if not abort)
 
 
-def _outcome(before: JobState, state: JobState, stop: Stop | None, departed: str,
+def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str, departed: str,
              ctx: Context) -> tuple[Outcome, str] | None:
-    """How the run ends now, if it does: stopped by an operator; every node of its map finished
-    (succeeded, unless a rank failed meanwhile); its last member gone; or below min_nodes too long."""
+    """How the run ends now, if it does: stopped by an operator; a fault that repeats; every node of
+    its map finished (succeeded, unless a rank failed meanwhile); its last member gone; or below
+    min_nodes too long."""
     if stop is not None:
         return Outcome.STOPPED, stop.reason
+    if verdict:
+        return Outcome.FAILED, f"a fault that repeats: {verdict}"
     rm = state.rank_map
     if state.finishing and not any(state.member(n) for n in (rm.node_ids if rm else ())):
         if state.failure:

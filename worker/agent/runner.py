@@ -11,6 +11,8 @@ completion. The warm-start zygote runs its ranks through `run` too. Where the ag
 runner also installs the step probe (`step_probe`): the script's steps and compute time, unmodified.
 It always installs `group_end`: the script's destroy_process_group() frees its group without gloo's
 deadlock, and says that its collective work is done, should its process freeze before __main__ returns.
+An uncaught exception is written to torch's error file as @record writes it, with the step it was
+raised in where the library knows it: the agent reports both with the exit.
 
 The program sees what `python SCRIPT` shows it: `sys.argv`, `sys.path[0]`, `__main__`, its exit
 status, and an uncaught exception's traceback without this module's or runpy's frames.
@@ -19,11 +21,14 @@ status, and an uncaught exception's traceback without this module's or runpy's f
 from __future__ import annotations
 
 import gc
+import json
 import os
 import runpy
 import shutil
 import sys
 import threading
+import time
+import traceback
 from dataclasses import dataclass
 
 from muster.worker.agent import group_end, step_probe
@@ -118,11 +123,32 @@ def _run(program: Program, marker: str, pid: int) -> None:
         if exc.code is None or (isinstance(exc.code, int) and exc.code == 0):
             _mark(marker, pid)
         raise
-    except BaseException:
+    except BaseException as exc:
+        _record_error(exc)
         sys.excepthook = _from_program(sys.excepthook)  # the interpreter prints it, and exits 1 (or by SIGINT)
         raise
     _mark(marker, pid)
     _kept.append(namespace)
+
+
+def _record_error(exc: BaseException) -> None:
+    """The exception the program dies of, in torch's error file as its @record writes it (unless
+    @record already did), plus the step it was raised in where the library said so (`muster_step`):
+    its agent reports both with the exit, for the leader to tell a fault that repeats."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path or os.path.exists(path) or isinstance(exc, KeyboardInterrupt):
+        return
+    doc = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                       "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
+                                     "timestamp": str(int(time.time()))}}}
+    step = getattr(exc, "muster_step", None)
+    if isinstance(step, int):
+        doc["muster_step"] = step
+    try:
+        with open(path, "w") as f:
+            json.dump(doc, f)
+    except OSError:
+        pass  # the agent's directory is gone: so is the agent
 
 
 def _modules() -> list[str]:

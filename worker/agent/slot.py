@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from muster.terminal import CONTROL
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent.step_probe import StepFile
 from muster.worker.agent.zygote import WarmProcess
@@ -25,6 +26,7 @@ TAIL_BYTES = 64 * 1024
 # (common in containers) print() writes a line and its end in two calls, and on a loaded host 0.5 s
 # between them was seen, the agent's next record then sharing the line.
 PARTIAL_LINE_S = 2.0
+MAX_ERROR_CHARS = 200  # of the exception a rank died of, in its exit report (RankExit.error)
 
 
 def outside_crash_loop(code: int, lived_s: float) -> bool:
@@ -171,17 +173,36 @@ def last_lines(data: bytes, n: int) -> tuple[str, ...]:
     return tuple(line.rstrip() for line in lines[-n:])
 
 
-def error_message(path: str) -> str:
-    """The first line of what torch's @record wrote to TORCHELASTIC_ERROR_FILE ('' when nothing)."""
+def error_of(path: str) -> tuple[str, int]:
+    """The first line of what torch's @record (or the runner) wrote to TORCHELASTIC_ERROR_FILE, and the
+    step the runner says it was raised in: ('', 0) when nothing."""
     try:
         with open(path) as f:
             doc = json.load(f)
     except (OSError, ValueError):
-        return ""
-    message = doc.get("message", "") if isinstance(doc, dict) else ""
+        return "", 0
+    if not isinstance(doc, dict):
+        return "", 0
+    message = doc.get("message", "")
     if isinstance(message, dict):
         message = message.get("message", "")
-    return str(message).strip().splitlines()[0] if str(message).strip() else ""
+    step = doc.get("muster_step", 0)
+    first = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    return first, step if isinstance(step, int) and step > 0 else 0
+
+
+def exit_of(slot: Slot, pid: int, code: int, restarting: bool) -> pb.RankExit:
+    """Its process's exit as the leader hears it: with the exception it died of (one line, without
+    control characters, 200 characters at most: the wire's bounds) and the step it was in, where
+    known (the library's word in the error file, else its last report or the step probe's + 1)."""
+    error, step = error_of(slot.error_file) if slot.error_file else ("", 0)
+    if error and not step:
+        if slot.steps is not None:
+            step = slot.steps.read()[0] + 1
+        elif slot.report is not None:
+            step = slot.report.step + 1
+    return pb.RankExit(local_rank=slot.index, pid=pid, exit_code=code, restarting=restarting,
+                       error=CONTROL.sub("?", error)[:MAX_ERROR_CHARS], step=step if error else 0)
 
 
 def read_tail(slot: Slot) -> tuple[str, ...]:
@@ -201,4 +222,4 @@ def read_tail(slot: Slot) -> tuple[str, ...]:
 async def crash_of(slot: Slot, pid: int, code: int) -> Crash:
     """Its process's non-zero exit, as the failure report shows it (the tail read on a thread)."""
     return Crash(code, pid, slot.rank, slot.generation, time.time(), await asyncio.to_thread(read_tail, slot),
-                 error_message(slot.error_file))
+                 error_of(slot.error_file)[0])

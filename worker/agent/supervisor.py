@@ -26,7 +26,7 @@ from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
 from muster.worker.agent.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
-from muster.worker.agent.slot import Slot, StderrTail, crash_of, outside_crash_loop, read_tail
+from muster.worker.agent.slot import Slot, StderrTail, crash_of, exit_of, outside_crash_loop, read_tail
 from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
 from muster.worker.agent.waiting import QUERY_WAIT_S, query
 from muster.worker.agent.zygote import WarmProcess, WarmStarts, ZygoteLost
@@ -240,8 +240,7 @@ class RankSupervisor:
         slot.crashed_in = a.generation if a else 0
         slot.restarting = in_place
         slot.crashes = 1 if outside_crash_loop(code, time.monotonic() - slot.started_at) else slot.crashes + 1
-        self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=proc.pid, exit_code=code,
-                                                   restarting=in_place))
+        self.node.session.exits.append(exit_of(slot, proc.pid, code, in_place))
         self.node.session.send_now()  # the leader hears of it within milliseconds
         slot.last_crash = await crash_of(slot, proc.pid, code)
         if self.node.draining:

@@ -45,7 +45,7 @@ from muster.worker.library.backends import backend_named
 from muster.worker.library.comm import Comm, GroupSpec, StepCut
 from muster.worker.library.sockets import interface_of
 from muster.worker.library.stuck import exit_unless_raised
-from muster.worker.library.errors import Drained, FencedOut, RunEnded, WorkerError
+from muster.worker.library.errors import Drained, FencedOut, RunEnded, ShardedStateRefused, WorkerError
 from muster.worker.link import Link, Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV, RankLink
@@ -171,6 +171,10 @@ class Worker:
         self._progress = Progress()  # what this rank says it does (the link thread reports it)
         self._unwinding = Unwinding(excused=lambda: self._closing or self._progress.now[2] == "long_phase")
         self._redos = 0  # attempts of the current step discarded in a row
+        # The state became sharded after register() took it as replicated? Looked at by the first step
+        # after each reform (the reform's own sync looks too): a refusal by name, not failed reforms.
+        self._still_replicated: Callable[[str], None] | None = None
+        self._unchecked = False
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._stepped: Callable[[int], None] | None = None  # the state's step boundary work (peer snapshots)
@@ -197,6 +201,7 @@ class Worker:
                                              layout=layout, extras=extras, guard=self._guards.install,
                                              subgroups=lambda: self.comm.subgroups())
         self._stepped = getattr(self.state, "stepped", None)
+        self._still_replicated = getattr(self.state, "still_replicated", None)
         self._snapshots = getattr(self.state, "snapshots", None)
         return self
 
@@ -296,9 +301,17 @@ class Worker:
     # ---- step boundary (the step scope's) ----------------------------------------------
 
     def step_begins(self) -> None:
-        """As a step begins: Drained past the drain's step (raised here: the script saw the last step complete)."""
+        """As a step begins: Drained past the drain's step (raised here: the script saw the last step complete);
+        ShardedStateRefused at the first step after a reform if the state was sharded after register()."""
         if self.link.changed.is_set():
             self._check_drain()
+        if self._unchecked:
+            self._unchecked = False
+            if self._still_replicated is not None:
+                try:
+                    self._still_replicated("at its first step")
+                except ShardedStateRefused as exc:
+                    raise at_step(exc, self.step + 1)
 
     def step_done(self, us: int) -> None:
         """The step in flight completed in `us` µs: count and report it, then take a membership
@@ -319,10 +332,12 @@ class Worker:
         abort_wait_s), it is discarded and this rank has reformed: redo it. False: the script's own error."""
         outside = isinstance(exc, StepCut) or self.backend.is_transport_failure(exc)
         if not outside and not self._membership_changed(self.config.abort_wait_s):
+            at_step(exc, self.step + 1)
             return False  # not ours: the script's own error
         self._redos += 1
         if self._redos > self.config.max_redos:
             log.error("step_failed_repeatedly", step=self.step + 1, attempts=self._redos, error=str(exc)[:200])
+            at_step(exc, self.step + 1)
             return False  # the same step failed in every fresh group: the script's error after all
         log.info("step_discarded", step=self.step + 1, generation=self.generation, error=str(exc)[:200])
         self._reform(discard=True, hold=f"a collective of generation {self.generation} failed: {str(exc)[:200]}")
@@ -361,7 +376,10 @@ class Worker:
         worker/library/sharded.py) sits it out, state kept and reporting a long phase (not a
         stall), until a newer generation places it."""
         said = self._progress.now[2:4]  # said again once formed
-        formed = self._plan.run(self.state, self.generation, self.step, discard=discard, hold=hold)
+        try:
+            formed = self._plan.run(self.state, self.generation, self.step, discard=discard, hold=hold)
+        except WorkerError as exc:  # (a refusal or a repeated failure: the step it stopped is told with it)
+            raise at_step(exc, self.step + 1)
         while True:
             self._adopt(formed, said)
             if formed.sync.role != BENCHED:
@@ -388,6 +406,7 @@ class Worker:
         if latest is not None and latest.generation > spec.generation:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
+        self._unchecked = True
 
     # ---- background thread -----------------------------------------------------------
 
@@ -452,6 +471,16 @@ class Worker:
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation, compute_us=self._scope.compute.compute_us(),
                               snapshot_every=every, snapshot_bytes=held)]
+
+
+def at_step(exc: BaseException, step: int) -> BaseException:
+    """`exc`, marked as raised in `step`: should it end the process, the runner writes the step beside
+    it for the agent's exit report (a fault that repeats is the same error at the same step)."""
+    try:
+        exc.muster_step = step
+    except AttributeError:  # (an exception type with __slots__)
+        pass
+    return exc
 
 
 def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **logged) -> dict:

@@ -44,6 +44,13 @@ class ShardedStateRefused(WorkerError):
     trained on as if it were replicated."""
 
 
+class ReformFailed(WorkerError):
+    """Forming the next group failed with the same error on consecutive tries (not a peer's or the
+    network's failure: the same error from this rank's own state or code each time): holding for
+    another try would loop until the hold timeout. The rank ends with the error named; its agent
+    reports it, and the leader ends the run when it repeats."""
+
+
 class LayoutMismatch(WorkerError):
     """The job's generation does not fit the layout declared at `register` (e.g. 3 ranks for
     Replicas(2, 2)): the mesh cannot be built, and no rank trains on a partial one."""
@@ -61,4 +68,5 @@ class RunEnded(WorkerError):
 
 
 __all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardLost", "ShardedStateRefused", "LayoutMismatch",
+           "ReformFailed",
            "Evicted"]

@@ -7,7 +7,8 @@ step its ranks agree on. It speaks to the process group (worker/library/comm.py)
 (forming, holding) in the rank's Progress. It never calls back into the worker: a wait the link's
 failure or a drain ends returns None, for the worker to raise why, and the worker adopts the group
 formed. A rank whose group broke with no new generation in sight holds, process and state kept,
-for at most the hold timeout; so does one whose reform failed.
+for at most the hold timeout; so does one whose reform failed, unless it failed with the same
+error of its own on consecutive tries (ReformFailed: holding would only loop).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.comm import Comm, GroupSpec, Superseded
-from muster.worker.library.errors import CoordinatorLost, HoldExpired
+from muster.worker.library.errors import CoordinatorLost, HoldExpired, ReformFailed
 from muster.worker.library.sharded import Bench
 from muster.worker.library.state import StateTransfer, SyncResult
 from muster.worker.library.unwinding import Unwinding
@@ -32,6 +33,7 @@ from muster.worker.link import Link, immediate
 log = structlog.get_logger(__name__)
 
 WAIT_REPORT_S = 10.0  # a rank waiting for a place in a newer generation says so this often
+REFORM_REPEATS = 3  # the same error of a rank's own on this many reforms in a row ends it (ReformFailed)
 
 
 class Progress:
@@ -88,6 +90,7 @@ class Reform:
                 log.info("rank_holding", generation=after, step=step, cause=hold, hold_timeout_s=self.hold_timeout_s)
         self.comm.leave(after + 1 if hold or abort else 0)  # peers blocked on this rank fail now, not at the timeout
         deadline = time.monotonic() + self.hold_timeout_s
+        repeats = RepeatedFailure(self.comm.backend.is_transport_failure)
         while True:
             # Waiting for the others is not a stall; holding says that this generation broke.
             self.progress.say("holding" if hold else "forming", "", after)
@@ -115,6 +118,7 @@ class Reform:
                 log.warning("reform_failed", generation=spec.generation, error=str(exc)[:200],
                             hold_left_s=round(max(0.0, deadline - time.monotonic()), 1))  # then HoldExpired
                 after, hold = spec.generation, hold or f"forming generation {spec.generation} failed: {str(exc)[:200]}"
+                repeats.failed(exc, spec.generation)
             finally:
                 self.forming = False
             self.unwinding.began(spec.generation)  # (an abort may be watching for it to leave this one)
@@ -150,6 +154,32 @@ class Reform:
                 report_at = report_waiting(self.link, self.hold_timeout_s, after, cause, began, deadline)
             give_up_waiting(self.link, self.hold_timeout_s, after, hold, deadline)
             self.link.changed.wait(0.1)
+
+
+class RepeatedFailure:
+    """A reform's failures in a row: the same error of this rank's own (not a peer's or the network's,
+    which the next generation may not meet) on REFORM_REPEATS consecutive tries is no fault that
+    holding outlives. Without this, a model sharded after register() failed every reform, each failure
+    a new generation: 852 in 300 s, until the hold expired."""
+
+    def __init__(self, transport: Callable[[BaseException], bool]):
+        self.transport = transport
+        self.error, self.count, self.generations = "", 0, []
+
+    def failed(self, exc: BaseException, generation: int) -> None:
+        """Count `exc`, raised forming `generation`; raise ReformFailed once it repeats."""
+        if self.transport(exc):
+            self.error, self.count, self.generations = "", 0, []
+            return
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:200]
+        if error != self.error:
+            self.error, self.count, self.generations = error, 0, []
+        self.count += 1
+        self.generations.append(generation)
+        if self.count >= REFORM_REPEATS:
+            log.error("reform_failed_repeatedly", error=error, tries=self.count, generations=self.generations)
+            raise ReformFailed(f"forming a new group failed {self.count} times in a row with the same error: "
+                               f"{error}") from exc
 
 
 def at_boundary(drain_after: int | None, latest: pb.Assignment | None, base: pb.Assignment | None,

@@ -48,6 +48,12 @@ TRANSFER_SLACK = 4.0
 PROGRESS_EVERY_S = 2.0
 MAX_IN_FLIGHT = 4  # broadcasts issued ahead of the one awaited (a staged one also takes a staging buffer)
 _POSITION_WEIGHTS = 61  # the fingerprint's position-weighted sum cycles over this many words
+_LAYOUTS = ("Two ways to recover a lost shard: (1) replica groups (HSDP): register(build=..., layout=Replicas(R, S)) "
+            "with R >= 2, the library builds the mesh and a lost shard is taken from another replica (see "
+            "docs/guide/sharded.md); (2) peer snapshots, for sharding without replicas (FSDP2 over the whole job, "
+            "ZeRO-1): register(build=..., layout=Snapshots(N)), each rank's shard is copied to another rank every "
+            "K steps and a lost one is taken from that copy, at most K steps redone "
+            "(docs/guide/sharded.md#peer-snapshots)")
 
 
 class Stateful(Protocol):
@@ -112,15 +118,18 @@ class ReplicatedState:
         """The state to keep identical on every rank; sharded state is refused (ShardedStateRefused)."""
         shard = sharded(model, optimizer)
         if shard:
-            raise ShardedStateRefused(
-                f"{shard}, and no layout was declared: a lost shard would exist nowhere else. Two ways to "
-                "recover one: (1) replica groups (HSDP): register(build=..., layout=Replicas(R, S)) with "
-                "R >= 2, the library builds the mesh and a lost shard is taken from another replica (see "
-                "docs/guide/sharded.md); (2) peer snapshots, for sharding without replicas (FSDP2 over the "
-                "whole job, ZeRO-1): register(build=..., layout=Snapshots(N)), each rank's shard is copied "
-                "to another rank every K steps and a lost one is taken from that copy, at most K steps "
-                "redone (docs/guide/sharded.md#peer-snapshots)")
+            raise ShardedStateRefused(f"{shard}, and no layout was declared: a lost shard would exist nowhere "
+                                      f"else. {_LAYOUTS}")
         return cls(model, optimizer, extras)
+
+    def still_replicated(self, when: str) -> None:
+        """Refuse (ShardedStateRefused) state that became sharded after register() took it as replicated
+        (fully_shard applied to the model afterwards): each rank's "copy" is a shard, so a reform's
+        fingerprints and transfers would fail on every try, or worse, send one rank's shard to the others."""
+        shard = sharded(self.model, self.optimizer)
+        if shard:
+            raise ShardedStateRefused(f"{shard} {when}, but register() took the state as replicated: it was "
+                                      f"sharded after register(). {_LAYOUTS}")
 
     def discard_step(self) -> None:
         """Gradients of an aborted step must not leak into the redo."""
@@ -156,6 +165,7 @@ class ReplicatedState:
 
     def sync(self, step: int, channel: Channel, device: torch.device,
              progress: Callable[[str], None] | None = None) -> SyncResult:
+        self.still_replicated("at a reform")
         started = time.perf_counter()
         described, tensors = self._flat(device)
         mine = _card(step, described, tensors, device)
