@@ -79,6 +79,9 @@ def test_a_relay_flood_and_review_4s_attacks_cost_the_replica_little_and_another
     assert attacks["join_flood"]["answered"] == {"OK": 16, "RESOURCE_EXHAUSTED": 184}, attacks["join_flood"]
     claims = attacks["forged_claims"]
     assert set(claims["ended"]) <= {"NOT_FOUND", "PERMISSION_DENIED"} and claims["real_node_errors"] == 0, claims
+    page = attacks["page_port"]  # review 5's L1: 600 half-sent requests held 616 threads, for good
+    assert page["threads"]["peak"] <= page["threads"]["before"] + 64 + 1 and page["open_after_30s"] == 0, page
+    assert page["held_longest_s"] < 12 and page["healthz_after"]["status"] == 200, page
 
 
 @pytest.mark.timeout(60)
