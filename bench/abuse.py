@@ -20,6 +20,11 @@ job A's token holding idle Sessions while a node of job B joins from the same ho
 flood with job A's token (N4), and forged rebuild claims of job A's member (N1: refused, nothing
 taken).
 
+Then review 5's floods on the etcd every job shares (H2), each with etcd's db growth and writes
+(revisions): `etcd_join_flood`, job C's token Joining 64 at a time for `--etcd-flood` seconds as a job
+that asks for 125,000 nodes, with 128-character node ids; `run_flood`, job D's token cycling runs
+(Join, then Leave immediate: the run fails) as fast as it can for as long, and the runs it keeps.
+
 And review 5's L1 on the page's port (`page_port`): `--idle-http` connections that each send half
 a request line and nothing more, with the replica's threads and RSS at their peak, and when the
 port closed them.
@@ -80,8 +85,8 @@ def flood_messages(job: str, node_id: str, messages: int, frames: int) -> list[b
     return out
 
 
-TOKENS = {"job-a": secrets.token_hex(16), "job-b": secrets.token_hex(16), "*": secrets.token_hex(16),
-          "@relay": secrets.token_hex(16)}
+TOKENS = {"job-a": secrets.token_hex(16), "job-b": secrets.token_hex(16), "job-c": secrets.token_hex(16),
+          "job-d": secrets.token_hex(16), "*": secrets.token_hex(16), "@relay": secrets.token_hex(16)}
 
 
 def bearer(role: str) -> tuple:
@@ -189,7 +194,8 @@ async def scenario(replica: CoordinatorProcess, args) -> dict:
     generations = sorted({n.generation for n in b_nodes})
     attacks = {}
     for name, attack in (("relay_calls", relay_calls), ("idle_sessions", idle_sessions), ("join_flood", join_flood),
-                         ("forged_claims", forged_claims)):
+                         ("forged_claims", forged_claims), ("etcd_join_flood", etcd_join_flood),
+                         ("run_flood", run_flood)):
         cost, before = Cost(replica), {n.generation for n in b_nodes}
         attacks[name] = {**await attack(address, a_node, b_nodes, args), **await cost.end(args.settle)}
         # (idle_sessions' own node of job B joins it: a planned generation of B's, none of the attack's)
@@ -330,6 +336,86 @@ async def forged_claims(address: str, a_node, b_nodes, args) -> dict:
             "real_node_role": pb.Role.Name(a_node.assignment().role)}
 
 
+def etcd_db(endpoint: str) -> tuple[int, int]:
+    """etcd's db size (bytes) and revision (one a write)."""
+    from muster.coordinator.etcd.client import connect
+
+    client = connect([endpoint])
+    try:
+        revision = client.get_prefix_response("/", keys_only=True, limit=1).header.revision
+        return client.status().db_size, revision
+    finally:
+        client.close()
+
+
+def etcd_growth(endpoint: str, before: tuple[int, int]) -> dict:
+    size, revision = etcd_db(endpoint)
+    return {"etcd": {"db_growth_mib": round((size - before[0]) / 2**20, 2), "writes": revision - before[1]}}
+
+
+def refusal_counts(codes: list[str]) -> dict:
+    """Answers by code, and RESOURCE_EXHAUSTED by the quota it named (its flag)."""
+    return dict(Counter(c if not c.startswith("RESOURCE_EXHAUSTED") else
+                        "RESOURCE_EXHAUSTED " + next((w.strip("();,") for w in c.split() if w.startswith("(--")),
+                                                     "members quota") for c in codes))
+
+
+async def etcd_join_flood(address: str, a_node, b_nodes, args) -> dict:
+    """H2 (probe5_quota): job C's token Joins 64 at a time for `--etcd-flood` s, asking for 125,000
+    nodes, each with a fresh 128-character node id."""
+    before = etcd_db(args.etcd)
+    spec = pb.JobSpec(min_nodes=1, max_nodes=125_000)
+    codes: list[str] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        deadline = time.monotonic() + args.etcd_flood
+
+        async def joiner(k: int) -> None:
+            i = 0
+            while time.monotonic() < deadline:
+                i += 1
+                try:
+                    await stub.Join(pb.JoinRequest(job="job-c", node_id=f"{k:03d}-{i:08d}-".ljust(128, "x"), slots=8,
+                                                   host="127.0.0.1", store_port=29500, spec=spec),
+                                    metadata=bearer("job-c"), timeout=10)
+                    codes.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(f"{exc.code().name} {exc.details()}")
+
+        await asyncio.gather(*(joiner(k) for k in range(64)))
+    return {"seconds": args.etcd_flood, "joins": len(codes), "answered": refusal_counts(codes),
+            **etcd_growth(args.etcd, before)}
+
+
+async def run_flood(address: str, a_node, b_nodes, args) -> dict:
+    """H2 (147 runs in 20 s): job D's token starts runs (a Join) and fails them (Leave immediate)
+    for `--etcd-flood` s (a cycle joins the running run until a new job's takeover grace is over);
+    then the runs etcd keeps of it."""
+    before = etcd_db(args.etcd)
+    codes: list[str] = []
+    runs: set[int] = set()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        deadline = time.monotonic() + args.etcd_flood
+        while time.monotonic() < deadline:
+            try:
+                joined = await stub.Join(pb.JoinRequest(job="job-d", node_id="d0", slots=1, host="127.0.0.1",
+                                                        store_port=29500), metadata=bearer("job-d"), timeout=10)
+                runs.add(joined.run)
+                await stub.Leave(pb.LeaveRequest(job="job-d", node_id="d0", member_id=joined.member_id,
+                                                 immediate=True, session_secret=joined.session_secret),
+                                 metadata=bearer("job-d"), timeout=10)
+                codes.append("OK")
+            except grpc.aio.AioRpcError as exc:
+                codes.append(f"{exc.code().name} {exc.details()}")
+                await asyncio.sleep(0.05)  # a draining run's UNAVAILABLE: as a node retries
+        await asyncio.sleep(1.0)  # the last run's end written
+        kept = await stub.Jobs(pb.JobsRequest(job="job-d"), metadata=bearer("*"), timeout=10)
+    return {"seconds": args.etcd_flood, "cycles": codes.count("OK"), "runs_started": len(runs),
+            "answered": refusal_counts(codes),
+            "runs_kept": sum(1 for j in kept.jobs if j.ended_unix_ms), **etcd_growth(args.etcd, before)}
+
+
 def raft_post_as(uid: int, url: str, cwd: str) -> str:
     """POST the start of a raft message to a peer listener as `uid` (a forked child drops to it): what
     another local user gets. A unix URL's socket is relative to etcd's working directory."""
@@ -438,11 +524,13 @@ def main() -> int:
     parser.add_argument("--idle-sessions", type=int, default=300, help="job A's idle Sessions (N2)")
     parser.add_argument("--joins", type=int, default=200, help="job A's Joins (N4)")
     parser.add_argument("--idle-http", type=int, default=600, help="idle connections to the page's port (L1)")
+    parser.add_argument("--etcd-flood", type=float, default=20.0, help="seconds of each etcd flood (H2)")
     args = parser.parse_args()
     logs.configure("warning")
     with tempfile.TemporaryDirectory(prefix="muster-abuse-") as tmp:
         workdir = Path(tmp)
         etcd = EtcdServer(workdir / "etcd").start()
+        args.etcd = etcd.endpoint
         replica = None
         try:
             # Every job relayed: a Relay call for one that is not is refused at its first message.
