@@ -45,7 +45,7 @@ from muster import logs
 from muster.coordinator import status_pages, wire
 from muster.coordinator.core.liveness import RankReport
 from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
-from muster.coordinator.core.policy import MAX_NODES, JobSpec, Timing
+from muster.coordinator.core.policy import MAX_NODES, JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, encode
 from muster.coordinator.etcd.client import connect
 from muster.coordinator.coordination import LeaderKey
@@ -359,7 +359,9 @@ def load_point(workdir: Path, clients: Clients, nodes: int, rate: float, slots: 
             "--progress-floor", str(max(10.0, 3 * timeout_s)),
             # Every simulated node comes from this one host, and without tokens the quota of calls yet to
             # send their first message is per host (256): a real job's nodes each come from their own.
-            "--max-idle-streams", str(nodes + 64)]
+            "--max-idle-streams", str(nodes + 64),
+            # One job of `nodes`: the operator's raised quotas for it (its members, and the state it writes).
+            "--max-nodes-per-job", str(nodes + 16), "--max-etcd-mib-per-minute", "100000"]
     try:
         coordinators.append(CoordinatorProcess([etcd.endpoint], workdir / "coordinator.log", args).start())
         if relays:
@@ -613,7 +615,8 @@ def streaming_leader(state, slots: int) -> JobLeader:
     clock = [100.0]
     leadership = Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"), MemoryJobStore())
     leader = JobLeader(state, leadership=leadership, address="127.0.0.1:7600", timing=TIMING, tick_s=0.05,
-                       clock=lambda: clock[0])
+                       clock=lambda: clock[0],  # a job an operator raised the quotas of (--job-quota)
+                       limits=Limits(max_members=MAX_NODES + 16, etcd_mib_per_min=1e6))
     for m in state.members:
         leader.streams[m.node_id] = NodeStream(JOB, m.node_id, m.member_id, m.kind)
         leader.live.observe(m.node_id, state.generation, rank_reports(slots, 1000), clock[0])

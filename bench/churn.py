@@ -630,7 +630,9 @@ def main() -> int:
     timeout = args.heartbeat_timeout
     extra = ["--heartbeat-interval", str(timeout / 10), "--heartbeat-timeout", str(timeout), "--grace", str(timeout),
              "--session-ttl", str(args.session_ttl), *(["--max-jobs", str(args.max_jobs)] if args.max_jobs else []),
-             *(["--retain-finished", args.retain_finished] if args.retain_finished else []), *args.serve_arg]
+             *(["--retain-finished", args.retain_finished] if args.retain_finished else []),
+             # a deployment's churn, not one tenant's: a reused name starts runs past --max-runs-per-hour
+             "--max-runs-per-hour", "1000000", *args.serve_arg]
     result = {
         "benchmark": "churn",
         "host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},

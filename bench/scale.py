@@ -51,7 +51,7 @@ import zlib
 from pathlib import Path
 
 from muster import logs
-from muster.coordinator.core.policy import Timing
+from muster.coordinator.core.policy import MAX_NODES, Limits, Timing
 from muster.coordinator.core.state import encode
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator import leader as leader_module
@@ -92,7 +92,8 @@ class Simulation:
         self.leader = JobLeader(state, leadership=Leadership(LeaderKey(JOB, 1, "bench", "127.0.0.1:7600"),
                                                              MemoryJobStore()),
                                 address="127.0.0.1:7600", timing=self.timing, tick_s=tick_s,
-                                clock=lambda: self.clock[0])
+                                clock=lambda: self.clock[0],  # a job an operator raised the quotas of (--job-quota)
+                                limits=Limits(max_members=MAX_NODES + 16, etcd_mib_per_min=1e6))
         self.frames, self.streams, self.phases = {}, {}, {}
         self.links: dict[str, RelayLink] = {}  # relayed: each relay's link, by its name
         self.relay_of: dict[str, str] = {}
