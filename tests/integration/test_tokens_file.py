@@ -12,6 +12,7 @@ import sys
 import grpc
 import pytest
 
+from muster.client import relay_of
 from muster.local import SimulatedNode, wait_until
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
@@ -106,3 +107,37 @@ def test_a_node_streaming_with_a_token_rotated_out_is_cut_off_at_the_reload(coor
     assert b_errors == []  # a token that stayed keeps its stream
     assert replica.find("tokens_reloaded")[0]["streams_ended"] == 1
     assert replica.find("session_refused", code="UNAUTHENTICATED")
+
+
+@pytest.mark.timeout(60)
+def test_a_relays_call_is_cut_off_once_the_relay_token_is_rotated_out(coordinators, tmp_path):
+    path = tmp_path / "tokens"
+    write(path, f"job-a {FIRST}\n@relay {SECOND}\n")
+    replicas = coordinators(2, ["--tokens", str(path), "--relay-min-nodes", "2"])
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        names = [f"n{i}" for i in range(64)]  # two streaming to each replica: the leader's standby relays
+        names = [n for a in addresses for n in [n for n in names if relay_of(n, addresses) == a][:2]]
+        nodes = [SimulatedNode(addresses, "job-a", name, slots=1, security=ClientSecurity(FIRST),
+                               spec=pb.JobSpec(min_nodes=4, max_nodes=4)) for name in names]
+        try:
+            for node in nodes:
+                await node.join()
+                node.start()
+            for node in nodes:
+                await node.wait_for(lambda n: n.assignment().role == pb.ROLE_ACTIVE and n.step > 3, 15, "steps")
+            leader = next(r for r in replicas if r.address == nodes[0].leader)
+            assert leader.find("relay_attached", job="job-a")
+            write(path, f"job-a {FIRST}\n@relay {THIRD}\n")
+            os.kill(leader.proc.pid, signal.SIGHUP)  # the leader only: the relay still holds the old token
+            ended = await asyncio.to_thread(wait_until, lambda: leader.find("relay_refused", code="UNAUTHENTICATED"),
+                                            5, "the relay's call ended")
+            return leader, ended
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    leader, refused = asyncio.run(scenario())
+    assert "no longer admits" in refused[0]["error"]
+    assert leader.find("tokens_reloaded")[0]["streams_ended"] >= 1
