@@ -1,5 +1,6 @@
-"""The tokens file's roles: a job's token acts on its job only, `*` on every job, and `@relay` is
-the replicas' own, for the Relay call alone (security review 3, F2: a job's token made a relay)."""
+"""The tokens file's roles: a job's token acts on its job only, `*` on every job, `@relay` is
+the replicas' own, for the Relay call alone (security review 3, F2: a job's token made a relay), and
+`@metrics` a scraper's, for /metrics alone; a reload ends the open streams it no longer admits."""
 
 import pytest
 
@@ -85,3 +86,30 @@ def test_a_reload_takes_the_new_tokens_and_a_file_that_does_not_load_leaves_them
     assert not tokens.reload() and tokens.grants(bearer(new_job)) == ["job-a"]
     tokens_file(path, "job-a short\n")
     assert not tokens.reload() and tokens.grants(bearer(new_job)) == ["job-a"]
+
+
+def test_metrics_take_the_scrapers_entry_or_an_operators_and_a_job_token_may_not():
+    tokens = Tokens([("job-a", JOB), ("*", OPERATOR), ("@metrics", "m" * 16)])
+    tokens.check_scrape(bearer("m" * 16))
+    tokens.check_scrape(bearer(OPERATOR))
+    with pytest.raises(PermissionDenied, match="'@metrics' entry, not a job's token"):
+        tokens.check_scrape(bearer(JOB))
+    with pytest.raises(PermissionDenied):
+        tokens.check(bearer("m" * 16), "job-a")  # a scraper acts on no job
+    with pytest.raises(Unauthenticated):
+        tokens.check_scrape(())
+
+
+def test_a_reload_ends_the_streams_whose_token_left_once_and_spares_the_others(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(f"job-a {JOB}\njob-b {'b' * 16}\n")
+    path.chmod(0o600)
+    tokens = Tokens.load(path)
+    ended: dict[str, list] = {"a": [], "b": [], "released": []}
+    for name, token, job in (("a", JOB, "job-a"), ("b", "b" * 16, "job-b"), ("released", JOB, "job-a")):
+        release = tokens.hold(lambda t=token, j=job: tokens.check(bearer(t), j), ended[name].append)
+    release()  # the last one's stream is over: nothing more is checked of it
+    path.write_text(f"job-a {'c' * 16}\njob-b {'b' * 16}\n")
+    assert tokens.reload() and tokens.reload()
+    assert [type(e) for e in ended["a"]] == [Unauthenticated] and "no longer admits" in str(ended["a"][0])
+    assert ended["b"] == [] and ended["released"] == []
