@@ -121,7 +121,7 @@ def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: in
     r = first.rejoin
     return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
                   r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec),
-                  run_started_ms=started_ms)
+                  run_started_ms=started_ms, world_size=first.world_size, local_world_size=first.local_world_size)
 
 
 def check_claim(first: pb.NodeFrame, keys: MemberKeys | None, now_ms: int) -> None:

@@ -109,6 +109,8 @@ class NodeSession:
         self.secret = b""  # from Join: proves on each stream and on Leave that this node is the member
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
+        # ...its world size and this node's ranks in it (set with it): a rebuilt leader keeps a whole group
+        self.sizes: tuple[int, int] = (0, 0)
         self.joined_run = 0  # the run of the job's name this node joined (JoinResponse.run)
         self.heard_as_member = False  # a directive came since the latest Join
         self.finishing = False  # the leader said a rank finished its script: the job is ending
@@ -236,6 +238,7 @@ class NodeSession:
                     # leader that lost the job's state (etcd lost its data) takes it back.
                     frame.session_secret = self.secret
                     frame.rejoin.CopyFrom(self._join_request())
+                    frame.world_size, frame.local_world_size = self.sizes
                     frame.via_relay = relayed
                     frame.run = self.joined_run
                     self._streams_opened += 1

@@ -136,11 +136,11 @@ def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: f
     at most `cap`) and as reported: a decision wants both (one pass: 125k nodes are ~0.1 s a pass).
     A relay's summary counts as a newer report."""
     rm = state.rank_map
-    if rm is None:
-        return 0, 0
+    # (a rebuild has no map yet: its nodes' ranks run on in the groups they had, at their steps)
+    node_ids = rm.node_ids if rm is not None else [m.node_id for m in state.members] if state.rebuilding else ()
     # Each node's newest word (its frame, or its relay's summary if newer), then the maxima over the
     # distinct ones: a relay's nodes share its summary, so the projection runs per relay, not per node.
-    found = filter(None, map(nodes.get, rm.node_ids))
+    found = filter(None, map(nodes.get, node_ids))
     words = {(v.high, v.at) if (v := n.vouch) is not None and v.high > n.top_step else (n.top_step, n.last_frame_at)
              for n in found}
     if not words:

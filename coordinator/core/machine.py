@@ -3,8 +3,8 @@
 Events of one tally are folded into at most one new generation. Unplanned changes (a rank
 or node lost) publish g+1 marked "abort g"; planned ones (join, graceful leave, a slot
 coming back) publish g+1 with a future `switch_at_step`. A leader that found no state (etcd
-lost it) takes back the nodes that say they were members, then re-forms them all in one abort
-generation above theirs. No I/O, no clock reads.
+lost it) takes back the nodes that say they were members, then re-forms them all in one generation
+above theirs: a planned switch where they all ran one generation, whole; an abort otherwise. No I/O, no clock reads.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class Rejoin:
     # When the run its secret proved it a member of started (`claims`; 0: unproven). A proven claim
     # keeps its seniority, and outranks a run made anew under the same number since.
     run_started_ms: int = 0
+    world_size: int = 0  # of the generation it runs, and its own ranks in it (0: not said)
+    local_world_size: int = 0
     ticket: int = field(default=0, compare=False)  # its request's number (`Request`)
 
     @property
@@ -214,6 +216,7 @@ class _Fold:
     rebuilding: bool
     started_ms: int
     stop: Stop | None = None
+    claims: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # JobState.rebuild_claims
     verdict: str = ""  # a fault that repeats: the run ends failed with it (`Verdict`)
     departed: str = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
     log: list[Event] = field(default_factory=list)
@@ -231,7 +234,8 @@ class _Fold:
         # The map's own index (made once per map), not a set of 125k ids made per decision.
         in_map = state.rank_map.by_node if state.rank_map and state.phase is Phase.RUNNING else {}
         return cls(state, ctx, dict(state.members_by_node), in_map, state.next_seq, state.generation,
-                   state.spec, state.spec_lost, state.finishing, state.failure, state.rebuilding, state.started_ms)
+                   state.spec, state.spec_lost, state.finishing, state.failure, state.rebuilding, state.started_ms,
+                   claims={c[0]: c for c in state.rebuild_claims})
 
     def note(self, kind: str, reason: str, *nodes: str) -> None:
         self.log.append(Event(self.state.generation, self.ctx.term, self.ctx.wall_ms, kind, reason, tuple(nodes)))
@@ -271,6 +275,7 @@ def _on_rejoin(f: _Fold, ev: Rejoin) -> None:
     f.members[ev.node_id] = Member(ev.node_id, ev.member_id, ev.host, ev.store_port, ev.slots, seq, ev.kind,
                                    master_port=ev.master_port, secret_hash=ev.secret_hash, proven=ev.proven)
     f.joined.append(f.members[ev.node_id])
+    f.claims[ev.node_id] = (ev.node_id, ev.generation, ev.world_size, ev.local_world_size)
     f.next_seq = max(f.next_seq + (not ev.proven), ev.member_id + 1)
     f.generation = max(f.generation, ev.generation)
     f.changed = True
@@ -450,7 +455,8 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
             fold(f, ev)
     nxt = replace(state.with_members(tuple(f.members.values())), next_seq=f.next_seq, generation=f.generation,
                   spec=f.spec, spec_lost=f.spec_lost, finishing=f.finishing, failure=f.failure,
-                  rebuilding=f.rebuilding, started_ms=f.started_ms or ctx.wall_ms)
+                  rebuilding=f.rebuilding, started_ms=f.started_ms or ctx.wall_ms,
+                  rebuild_claims=tuple(c for n, c in f.claims.items() if n in f.members) if f.rebuilding else ())
     nxt, new_generation, drains = _regenerate(f, nxt)
     nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
                   if nxt.phase is Phase.WAITING and not nxt.ended else None)
@@ -586,8 +592,8 @@ def _restored_spec(spec: JobSpec, lost: bool, asked: JobSpec | None) -> tuple[Jo
 
 
 def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState, bool]:
-    """Nodes are taken back until the deadline (the new leader's grace), then one abort generation
-    above every generation they ran re-forms them all: a generation every node accepts, after
+    """Nodes are taken back until the deadline (the new leader's grace), then one generation above
+    every generation they ran re-forms them all (a planned switch if their group is whole, `_whole`): a generation every node accepts, after
     which the state sync brings all ranks to the highest completed step. A job that nobody
     claims (a new one) forms as usual, which ends the rebuild as well."""
     deadline = state.rebuild_deadline if state.rebuild_deadline is not None else ctx.now + ctx.timing.grace_s
@@ -610,11 +616,30 @@ def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState,
         rebuilt = replace(_publish(rebuilt, (), 0, abort=True, switch_at=0), phase=Phase.WAITING)
         log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "waiting", assignment.reason, (), 0))
         return rebuilt, True
-    rebuilt = _publish(rebuilt, assignment.placements, assignment.world_size, abort=True, switch_at=0)
+    # Every node ran one generation, whole: its group is healthy, so it trains on to a planned switch
+    # (an abort would cut its collectives mid-step for nothing: it met gloo's half-read wait in CI).
+    kept = _whole(state)
+    switch_at = _switch_at(state, ctx) if kept else 0
+    rebuilt = _publish(rebuilt, assignment.placements, assignment.world_size, abort=not kept, switch_at=switch_at)
     rebuilt = replace(rebuilt, phase=Phase.RUNNING)
-    log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "generation", f"abort; {assignment.reason}",
+    mode = f"switch after step {switch_at} (every node taken back ran generation {state.generation}, whole)" \
+        if kept else "abort"
+    log.append(Event(rebuilt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
                      _named(rebuilt.rank_map.node_ids), assignment.world_size))
     return rebuilt, True
+
+
+def _whole(state: JobState) -> bool:
+    """Every member was taken back running the job's generation (the highest claimed), with one world
+    size, their ranks in it adding up to it: no node of its group is missing, so its group is healthy."""
+    claims = state.rebuild_claims
+    if not claims or len(claims) != len(state.members):
+        return False  # (a node that joined meanwhile claims nothing)
+    slots = {m.node_id: m.slots for m in state.members}
+    world_size = claims[0][2]
+    return (world_size > 0 and all(g == state.generation and w == world_size and local <= slots.get(n, 0)
+                                   for n, g, w, local in claims)
+            and sum(local for *_, local in claims) == world_size)
 
 
 def _proven_first(state: JobState) -> JobState:

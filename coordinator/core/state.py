@@ -189,6 +189,9 @@ class JobState:
     spec_lost: bool = field(default=False, compare=False)
     forming_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
     rebuild_deadline: float | None = field(default=None, compare=False)  # monotonic; not persisted
+    # What the nodes taken back said they ran: (node_id, generation, its world size, the node's ranks
+    # in it). Not persisted: a rebuild a later leader finishes aborts, as before.
+    rebuild_claims: tuple[tuple[str, int, int, int], ...] = field(default=(), compare=False)
     # A job's life: the run of its name (a finished name joined again starts run + 1), when it
     # started and ended (wall ms), and how. `finishing`: a rank of the map completed its script, so
     # nothing re-forms the job any more; `failure` the first failure seen since (the outcome's reason).

@@ -286,3 +286,37 @@ def test_no_claim_makes_anew_a_run_it_ran_or_one_past_the_grace():
     young = decide(JobState("job", JobSpec(1, 3, 1)), [Join("n9", "10.0.0.9", 29509, 1)], ctx()).state
     d = decide(young, [proven(2, member_id=2, generation=3)], ctx(now=5.1))  # past the grace (5 s)
     assert isinstance(rejected(d), NotFound) and not d.evicted
+
+
+def claim(i, member_id, generation, world_size, local_world_size):
+    return replace(rejoin(i, member_id, generation), world_size=world_size, local_world_size=local_world_size)
+
+
+def test_a_rebuild_whose_nodes_all_ran_one_generation_whole_keeps_it_with_a_planned_switch():
+    s = decide(lost(), [claim(1, 1, 7, 4, 2), claim(2, 2, 7, 4, 2)], ctx()).state
+    d = decide(s, [Tick()], ctx(now=5.0, max_step=40, step_time_s=0.1))
+    rm = d.state.rank_map
+    assert d.new_generation and (rm.generation, rm.abort_previous, rm.world_size) == (8, False, 4)
+    assert rm.switch_at_step > 40, "ahead of the steps the group trains on meanwhile"
+    (generation,) = [e for e in d.events if e.kind == "generation"]
+    assert generation.reason.startswith(f"switch after step {rm.switch_at_step} (every node taken back ran "
+                                        "generation 7, whole)")
+
+
+@pytest.mark.parametrize("claims", [
+    [claim(1, 1, 7, 6, 2), claim(2, 2, 7, 6, 2)],  # a node of generation 7 did not come back
+    [claim(1, 1, 7, 4, 2), claim(2, 2, 6, 4, 2)],  # they ran different generations
+    [claim(1, 1, 7, 4, 2), rejoin(2, 2, 7)],  # a node that did not say (an older agent)
+    [claim(1, 1, 7, 4, 3), claim(2, 2, 7, 4, 1)],  # more ranks than its slots
+])
+def test_a_rebuild_of_a_group_not_known_whole_aborts_it(claims):
+    s = decide(lost(), claims, ctx()).state
+    d = decide(s, [Tick()], ctx(now=5.0, max_step=40, step_time_s=0.1))
+    assert d.new_generation and d.state.rank_map.abort_previous and d.state.rank_map.switch_at_step == 0
+
+
+def test_a_node_joining_during_the_rebuild_makes_it_abort():
+    s = decide(lost(), [claim(1, 1, 7, 4, 2), claim(2, 2, 7, 4, 2)], ctx()).state
+    s = decide(s, [Join("n3", "10.0.0.3", 29503, 2)], ctx(now=1.0)).state
+    d = decide(s, [Tick()], ctx(now=5.0, max_step=40, step_time_s=0.1))
+    assert d.state.rank_map.abort_previous

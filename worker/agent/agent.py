@@ -206,6 +206,7 @@ class NodeAgent:
             return
         self.assignment = a
         self.session.generation = a.generation
+        self.session.sizes = (a.world_size, len(a.local_ranks) if a.role == pb.ROLE_ACTIVE else 0)
         for slot in self.slots:
             if slot.failed_pid and slot.connected and self.hub.crash_answered(slot):
                 slot.failed_pid = 0  # its replacement speaks for the slot from now on

@@ -1,0 +1,39 @@
+"""A worker-library rank for the repeated-fault tests: a tiny model trained step by step, which
+either raises the script's own error at step --fail-at on every rank, or shards its model with
+FSDP2's fully_shard after register() took it as replicated (--shard-after-register), a plausible
+mistake. Either fault meets every restarted process again at the same step."""
+
+import argparse
+import time
+
+import torch
+
+from muster.worker import Worker, WorkerConfig
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=1000)
+parser.add_argument("--fail-at", type=int, default=0)
+parser.add_argument("--shard-after-register", action="store_true")
+parser.add_argument("--step-sleep", type=float, default=0.05)
+args = parser.parse_args()
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer)
+worker.start()
+if args.shard_after_register:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=init_device_mesh("cpu", (worker.world_size,)))
+while worker.step < args.steps:
+    with worker.step_scope():
+        if worker.step + 1 == args.fail_at:
+            raise RuntimeError(f"the script's own bug at step {args.fail_at}")
+        net = model if args.shard_after_register else worker.ddp(model)
+        net(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(args.step_sleep)
+worker.close()

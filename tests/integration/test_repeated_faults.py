@@ -1,0 +1,61 @@
+"""A fault that repeats gets a verdict (issue 55 item 4), with real etcd, a coordinator, two agents
+(`muster run`) and gloo ranks of the worker library: a script that raises at the same step on every
+rank, and a model sharded with fully_shard after register(), each end the run failed once a
+restarted process meets the same error at the same step: one line naming the error, the rank and
+the step, in the run's record and `muster events`; both agents exit 1; a bounded number of
+generations (was: restarts to the budget with backoff, or 852 generations in 300 s)."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from muster.local import record_time
+from tests.integration.test_job_end import cli, runs
+
+SCRIPT = Path(__file__).parent / "scripts" / "repeat_fault.py"
+# Formed, the losses of the first failure, the restarted ranks' return (8 measured, each exit its own
+# generation at worst): then the verdict. Without it: restarts to the budget, or 852 in 300 s.
+MAX_GENERATIONS = 12
+
+
+def failed_run(coordinators, agents, job: str, *script_args: str):
+    (leader,) = coordinators(1)
+    command = [sys.executable, "-u", str(SCRIPT), *script_args]
+    nodes = agents([leader.address], job, ["a", "b"], nodes="2:2", command=command)
+    for node in nodes:  # (generous: four ranks importing torch, twice, on a loaded 2-core machine)
+        try:
+            code = node.wait(150)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {node.node_id} still running:\n" + node.log_path.read_text()[-4000:]) from None
+        assert code == 1, node.log_path.read_text()[-4000:]
+    (run,) = runs(leader.address, job)
+    assert run.outcome == "failed", run
+    assert run.generation <= MAX_GENERATIONS, f"a storm of generations: {run}"
+    events = cli("events", "--coordinator", leader.address, "--job", job, "--run", "1")
+    assert run.reason in events.stdout, events.stdout + events.stderr
+    first = min(record_time(r) for n in nodes for r in n.records("rank_started"))
+    ended = max(record_time(r) for n in nodes for r in n.records("job_ended"))
+    print(f"verdict: {run.generation} generations, {ended - first:.1f} s from the first rank's start; {run.reason}")
+    return run, nodes
+
+
+@pytest.mark.timeout(240)
+def test_a_script_that_raises_at_the_same_step_on_every_rank_ends_the_run_with_one_verdict(coordinators, agents):
+    run, nodes = failed_run(coordinators, agents, "repeat-step", "--fail-at", "6")
+    assert run.reason.startswith("a fault that repeats: rank "), run.reason
+    assert "failed again in step 6 with the same error after a restart: RuntimeError: the script's own bug at " \
+           "step 6" in run.reason
+    for node in nodes:  # each slot was restarted once, not to its budget
+        assert all(len([r for r in node.records("rank_started") if r["slot"] == s]) <= 2 for s in (0, 1))
+        assert not node.records("slot_given_up")
+
+
+@pytest.mark.timeout(240)
+def test_a_model_sharded_after_register_is_refused_by_name_and_ends_the_run(coordinators, agents):
+    run, _ = failed_run(coordinators, agents, "shard-after", "--shard-after-register")
+    assert "in step 1 with the same error after a restart: ShardedStateRefused: the model's root module is " \
+           "sharded by FSDP at its first step, but register() took the state as replicated" in run.reason, run.reason
+    assert "numpy" not in run.reason
