@@ -435,7 +435,9 @@ class SimulatedNode:
     def _directive(self, d: pb.Directive) -> None:
         self.directives.append(d)
         if d.HasField("assignment"):
+            a = d.assignment  # (what an agent tells its session: a rebuilt leader keeps a whole group)
             self.session.generation = d.generation
+            self.session.sizes = (a.world_size, len(a.local_ranks) if a.role == pb.ROLE_ACTIVE else 0)
         self._changed.set()
 
     def start(self) -> None:
