@@ -313,9 +313,11 @@ class Worker:
                 except ShardedStateRefused as exc:
                     raise at_step(exc, self.step + 1)
 
-    def step_done(self, us: int) -> None:
+    def step_done(self, us: int, *, at_boundary: bool = True) -> None:
         """The step in flight completed in `us` µs: count and report it, then take a membership
-        change due at this boundary."""
+        change due at this boundary. `at_boundary=False`: not yet, the caller's step still runs
+        collectives after it counts (a trainer's logging or checkpoint): it calls boundary() once
+        they are done, where every rank, a joiner too, is before the next step's first collective."""
         self.step += 1
         self._progress.now = (self.step, us, "running", "", self.generation)
         self._unwinding.stepped(us)
@@ -324,6 +326,11 @@ class Worker:
             self._stepped(self.step)
         if self.config.digest_every and self.step % self.config.digest_every == 0:
             self._digest = (self.step, self.state.fingerprint(self.device))
+        if at_boundary and self.link.changed.is_set():
+            self._boundary()
+
+    def boundary(self) -> None:
+        """Take a membership change due at this step boundary (after step_done(..., at_boundary=False))."""
         if self.link.changed.is_set():
             self._boundary()
 
