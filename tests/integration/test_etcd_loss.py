@@ -1,6 +1,6 @@
 """etcd loses the job (its keys deleted under the nodes' feet, or its data directory): the replica
 that leads next finds no spec and no state, takes the nodes back as they reconnect and re-forms
-them in one abort generation above theirs; the job keeps its nodes, its member ids, and its
+them in one generation above theirs (a planned switch: the group they ran was whole); the job keeps its nodes, its member ids, and its
 failure detection. Its ranks follow the order the nodes were taken back in (a claimed member id
 proves no seniority)."""
 
