@@ -167,6 +167,7 @@ class Assignments:
             shared.store_key = store_key(state)
             shared.shrink_of = rm.shrink_of
             shared.excluded_ranks.extend(rm.excluded_ranks)
+            shared.left_out = rm.left_out
         self.active = pb.Directive(term=state.term, generation=state.generation, assignment=shared)
         self.active.assignment.role = pb.ROLE_ACTIVE
         self.unplaced = pb.Directive(term=state.term, generation=state.generation, assignment=shared)

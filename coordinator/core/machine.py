@@ -512,7 +512,8 @@ def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[st
     switch_at = 0 if abort else _switch_at(state, ctx)
     excluded = excluded_ranks(previous, assignment.placements) if abort else ()
     nxt = replace(_publish(nxt, assignment.placements, assignment.world_size, abort=abort, switch_at=switch_at,
-                           shrink=(previous.generation, excluded) if excluded else (0, ())),
+                           shrink=(previous.generation, excluded) if excluded else (0, ()),
+                           left_out=assignment.left_out),
                   phase=Phase.RUNNING)
     mode = "abort" if abort else f"switch after step {switch_at}"
     f.log.append(Event(nxt.generation, ctx.term, ctx.wall_ms, "generation", f"{mode}; {assignment.reason}",
@@ -620,7 +621,8 @@ def _rebuild(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobState,
     # (an abort would cut its collectives mid-step for nothing: it met gloo's half-read wait in CI).
     kept = _whole(state)
     switch_at = _switch_at(state, ctx) if kept else 0
-    rebuilt = _publish(rebuilt, assignment.placements, assignment.world_size, abort=not kept, switch_at=switch_at)
+    rebuilt = _publish(rebuilt, assignment.placements, assignment.world_size, abort=not kept, switch_at=switch_at,
+                       left_out=assignment.left_out)
     rebuilt = replace(rebuilt, phase=Phase.RUNNING)
     mode = f"switch after step {switch_at} (every node taken back ran generation {state.generation}, whole)" \
         if kept else "abort"
@@ -659,7 +661,8 @@ def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobSta
     deadline = state.forming_deadline if state.forming_deadline is not None else ctx.now + ctx.timing.last_call_s
     if usable < state.spec.max_nodes and ctx.now < deadline:
         return replace(state, forming_deadline=deadline), False
-    formed = _publish(state, assignment.placements, assignment.world_size, abort=False, switch_at=0)
+    formed = _publish(state, assignment.placements, assignment.world_size, abort=False, switch_at=0,
+                      left_out=assignment.left_out)
     formed = replace(formed, phase=Phase.RUNNING, forming_deadline=None)
     log.append(Event(formed.generation, ctx.term, ctx.wall_ms, "formed", assignment.reason,
                      _named(formed.rank_map.node_ids), assignment.world_size))
@@ -677,7 +680,7 @@ def _switch_at(state: JobState, ctx: Context) -> int:
 
 
 def _publish(state: JobState, placements, world_size: int, *, abort: bool, switch_at: int,
-             shrink: tuple[int, tuple[int, ...]] = (0, ())) -> JobState:
+             shrink: tuple[int, tuple[int, ...]] = (0, ()), left_out: int = 0) -> JobState:
     generation = state.generation + 1
     rank_map = RankMap(
         generation=generation,
@@ -689,6 +692,7 @@ def _publish(state: JobState, placements, world_size: int, *, abort: bool, switc
         switch_at_step=switch_at,
         shrink_of=shrink[0],
         excluded_ranks=shrink[1],
+        left_out=left_out,
     )
     return replace(state, generation=generation, rank_map=rank_map)
 

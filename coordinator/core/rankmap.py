@@ -11,7 +11,7 @@ from bisect import bisect_right
 from itertools import accumulate, compress, count, repeat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter, ne, not_
+from operator import attrgetter, lt, ne, not_
 
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import Member, Placement, RankMap, renumbered
@@ -27,6 +27,7 @@ class Assignment:
     placements: tuple[Placement, ...]  # empty when the job cannot run
     world_size: int
     reason: str
+    left_out: int = 0  # usable slots of the job's nodes not placed (size rules, spares): RankMap.left_out
 
     @property
     def runnable(self) -> bool:
@@ -42,9 +43,13 @@ def priority_order(members: Sequence[Member], previous: RankMap | None) -> list[
 
 
 def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobSpec) -> Assignment:
-    candidates = list(filter(_USABLE, priority_order(members, previous)))[: spec.max_nodes]
+    usable = list(filter(_USABLE, priority_order(members, previous)))
+    candidates = usable[: spec.max_nodes]
     total = sum(map(len, map(_USABLE, candidates)))  # in C: a generator over 125k nodes was 47 ms
+    beyond = sum(map(len, map(_USABLE, usable[spec.max_nodes:])))
     target = total - total % spec.world_size_multiple
+    if target < total:
+        candidates = _short_nodes_out(candidates, total - target)
     placements = _kept_prefix(candidates, previous, target)
     offset = placements[-1].rank_offset + len(placements[-1].slots) if placements else 0
     # The rest in order, each from where the one before ended (C's accumulate: one pass in Python
@@ -71,7 +76,23 @@ def assign_ranks(members: Sequence[Member], previous: RankMap | None, spec: JobS
         tuple(placements),
         offset,
         f"world_size={offset} on {len(placements)} node(s)" + (f", {spares} spare/idle" if spares else ""),
+        total + beyond - offset,
     )
+
+
+def _short_nodes_out(candidates: list[Member], excess: int) -> list[Member]:
+    """`candidates` less the nodes already short of slots (a rank lost) whose usable slots fit in the
+    `excess` the size rule cuts, the last first: a node's slots often go together (a replica group of
+    a sharded layout, a tensor-parallel group), so a cut takes out a node a loss has split already
+    rather than split a whole one. Cutting from the tail instead left one rank of each replica group
+    of an HSDP job, and a shard held by neither (issue 55)."""
+    lens = list(map(len, map(_USABLE, candidates)))
+    out = set()
+    for i in reversed(list(compress(count(), map(lt, lens, map(_SLOTS, candidates))))):
+        if lens[i] <= excess:
+            out.add(i)
+            excess -= lens[i]
+    return [m for i, m in enumerate(candidates) if i not in out] if out else candidates
 
 
 def _kept_prefix(candidates: Sequence[Member], previous: RankMap | None, target: int) -> list[Placement]:

@@ -143,6 +143,9 @@ class RankMap:
     master_address: str = ""  # rank 0's node host:master_port, for scripts without the library
     shrink_of: int = 0  # loss-only: the generation whose group survivors may shrink (rankmap.shrink_of)
     excluded_ranks: tuple[int, ...] = ()  # with shrink_of: its ranks this map leaves out
+    # Usable slots of the job's nodes this map does not place (its size rules, spares): a rank there
+    # may hold state the placed ones lack, so a sharded layout's ranks wait rather than call it lost.
+    left_out: int = 0
 
     @cached_property
     def by_node(self) -> dict[str, Placement]:
@@ -306,6 +309,7 @@ def encode(state: JobState) -> bytes:
             "master_address": _json(rm.master_address),
             "shrink_of": _json(rm.shrink_of),
             "excluded_ranks": _json(list(rm.excluded_ranks)),
+            "left_out": _json(rm.left_out),
             "placements": f"[{_ITEMS}]",
         }),
         "history": _json([
@@ -388,6 +392,7 @@ def decode(data: bytes) -> JobState:
             master_address=rm.get("master_address", ""),
             shrink_of=rm.get("shrink_of", 0),
             excluded_ranks=tuple(rm.get("excluded_ranks", ())),
+            left_out=rm.get("left_out", 0),
             placements=_placed(rm["placements"]),
         ),
         history=tuple(Event(**{**e, "nodes": tuple(e["nodes"])}) for e in doc["history"]),

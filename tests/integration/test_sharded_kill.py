@@ -223,3 +223,56 @@ def test_a_benched_survivor_finishes_with_the_others_and_the_run_succeeds(coordi
     ended = wait_until(lambda: [r for r in leader.records() if r.get("event") == "run_ended" and "outcome" in r], 10,
                        "the run's end")
     assert ended[0]["outcome"] == "succeeded", ended
+
+
+@pytest.mark.timeout(240)
+def test_with_the_guides_flags_a_killed_rank_leaves_its_group_out_and_the_job_goes_on_in_place(coordinators, agents):
+    """Issue 55: one replica group per node, as the guide says (`--world-size-multiple 2 --nodes 1:2`).
+    Of 3 usable slots the leader used to take one rank of each group, leaving the other group's
+    healthy rank out: every survivor raised StateMismatch, all restarted and trained from step 0,
+    and the run said succeeded. Now the node short of a rank goes out whole: the other group trains
+    on alone, the restarted rank and its left-out partner rejoin at a step boundary, nobody else
+    restarts or goes back, and every slot's loss at every step is the reference's for the groups
+    that trained it."""
+    (leader,) = coordinators(1, extra=HEARTBEAT)
+    steps = 60
+    nodes = agents([leader.address], "hsdp-guide", ["a", "b"], nodes="1:2", extra=["--world-size-multiple", "2"],
+                   command=[*HSDP_COMMAND, "--steps", str(steps), "--step-sleep", "0.1"])
+    wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 5 for n in nodes for s in (0, 1)), 120,
+               "every rank past step 5")
+    victim_node = nodes[1]
+    (pid,) = victim_node.rank_pids(1)
+    lost = victim_node.steps(1)[-1]
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    for n in nodes:
+        assert n.wait(150) == 0, n.log_path.read_text()[-3000:]
+
+    # (A rank may also be started again before: a first generation formed of the first node alone.)
+    started = [(n.node_id, r["slot"]) for n in nodes for r in n.records("rank_started") if record_time(r) > killed_at]
+    assert started == [(victim_node.node_id, 1)], f"only the killed rank was started again: {started}"
+    for n in nodes:
+        for s in (0, 1):
+            assert not [r for r in n.rank_records(s, start=0) if "StateMismatch" in str(r)]
+            done = [r["step"] for i in range(len(n.rank_logs(s))) for r in n.steps(s, start=i)]
+            assert done == sorted(set(done)) and done[-1] == steps, (n.node_id, s, done)  # never back to step 0
+    kept_group = {r["slot"] // 2 for s in (0, 1) for r in nodes[0].steps(s)}
+    assert [r["step"] for s in (0, 1) for r in nodes[0].steps(s)] == [*range(1, steps + 1)] * 2, "trained on"
+    back = victim_node.steps(1)
+    assert back[0]["step"] > lost["step"] and back[0]["slot"] == lost["slot"], back[:2]
+    for s in (0, 1):
+        rejoined = victim_node.rank_records(s, "group_formed")[-1]
+        assert rejoined["state"] == "receiver" and rejoined["bytes_received"] > 0, rejoined
+
+    records = {(r["step"], r["slot"]): r for n in nodes for s in (0, 1) for i in range(len(n.rank_logs(s)))
+               for r in n.steps(s, start=i)}
+    participation = defaultdict(set)
+    for step, slot in records:
+        participation[step].add(slot // 2)
+    assert any(participation[t] == kept_group for t in participation), "the other group trained alone a while"
+    assert participation[steps] == {0, 1}
+    expected = reference_losses(participation, steps)
+    for key, r in records.items():
+        assert r["loss"] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), (key, r, expected[key])
+    print(f"\nHSDP 2x2 with the guide's flags, a rank killed at step {lost['step']}: the other group trained "
+          f"{sum(participation[t] == kept_group for t in participation)} steps alone")

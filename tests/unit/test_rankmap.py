@@ -43,6 +43,8 @@ def check_invariants(members, spec, a):
         node_ranks = [p.rank_of(s) for s in p.slots]
         assert node_ranks == list(range(p.rank_offset, p.rank_offset + len(p.slots))), "contiguous per node"
     assert [p.node_rank for p in a.placements] == list(range(len(a.placements)))
+    if a.runnable:
+        assert a.left_out == sum(len(m.usable_slots) for m in members) - a.world_size
 
 
 @settings(max_examples=300, deadline=None)
@@ -120,6 +122,22 @@ def test_world_size_multiple_trims_slots_from_the_youngest_node():
     a = assign_ranks([member(1, 4), member(2, 4), member(3, 2)], None, JobSpec(1, 8, 4))
     assert a.world_size == 8
     assert [p.node_id for p in a.placements] == ["n1", "n2"]
+
+
+def test_a_cut_leaves_out_a_node_short_of_slots_rather_than_split_a_whole_one():
+    # Replicas(2, 2) with a replica group per node (--world-size-multiple 2): one rank lost, 3 usable
+    # slots. Cutting the tail took one rank of each group (issue 55); the short node goes out whole.
+    spec = JobSpec(1, 2, 2)
+    first = as_map(assign_ranks([member(1), member(2)], None, spec))
+    for lost_on, kept in (("n1", "n2"), ("n2", "n1")):
+        members = [member(i, down={1} if f"n{i}" == lost_on else ()) for i in (1, 2)]
+        a = assign_ranks(members, first, spec)
+        assert [(p.node_id, p.slots) for p in a.placements] == [(kept, (0, 1))]
+        assert (a.world_size, a.left_out) == (2, 1)
+    # A short node larger than the cut stays; the cut comes from the tail as before.
+    a = assign_ranks([member(1, 4, down={0}), member(2, 4)], None, JobSpec(1, 2, 2))
+    assert [(p.node_id, p.slots) for p in a.placements] == [("n1", (1, 2, 3)), ("n2", (0, 1, 2))]
+    assert a.left_out == 1
 
 
 def test_below_min_nodes_the_job_cannot_run_and_says_why():

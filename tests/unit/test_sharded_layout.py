@@ -72,6 +72,16 @@ def test_a_shard_lost_in_every_replica_ends_the_job():
         place([(0, 5), (3, 9), (-1, 0)], LAYOUT)
 
 
+def test_a_shard_held_only_outside_the_generation_is_waited_for_not_called_lost():
+    # The issue-55 map: one rank of each replica group (slots 0 and 2, both shard 0), the other
+    # group's healthy rank (slot 3, shard 1) left out by the size rule: every rank waits for it.
+    p = place([(0, 17), (2, 17)], LAYOUT, left_out=1)
+    assert p == Placement((0, -1, 1, -1), (), 17, (1,))
+    assert "no rank of this generation holds shard(s) [1] at step 17" in p.why_benched(1, LAYOUT)
+    with pytest.raises(StateMismatch, match=r"shard\(s\) \[1\]"):
+        place([(0, 17), (2, 17)], LAYOUT, left_out=0)  # nobody outside: lost
+
+
 def test_a_generation_larger_than_the_layout_is_refused():
     with pytest.raises(LayoutMismatch, match="5 ranks.*has 4 slots"):
         place(fresh(5), LAYOUT)

@@ -68,6 +68,7 @@ class GroupSpec:
     store_address: str  # host:port of rank 0's store
     store_prefix: str
     store_key: bytes = b""  # seals the values ranks steer by (worker/store.py); from the assignment, never the store
+    left_out: int = 0  # usable slots of the job outside this generation (Assignment.left_out)
 
 
 def arrive(store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], started: float,
@@ -124,7 +125,7 @@ class GroupChannel:
 
     def __init__(self, store: dist.Store, spec: GroupSpec, abandoned: Callable[[], bool], timeout_s: float):
         self.store, self.spec, self.abandoned, self.timeout_s = store, spec, abandoned, timeout_s
-        self.rank, self.world_size = spec.rank, spec.world_size
+        self.rank, self.world_size, self.left_out = spec.rank, spec.world_size, spec.left_out
         self.seal = Seal(spec.store_key, spec.store_prefix)
 
     def exchange(self, key: str, value: str | bytes) -> list[bytes]:

@@ -240,7 +240,7 @@ def report_waiting(link: Link, hold_timeout_s: float, after: int, hold: str, beg
 def group_spec(a: pb.Assignment, slot: int, local_rank: int) -> GroupSpec:
     """Local rank `slot`'s group in `a`, which places it."""
     return GroupSpec(a.generation, a.rank_offset + list(a.local_ranks).index(slot), a.world_size, local_rank,
-                     a.store_address, a.store_prefix, a.store_key)
+                     a.store_address, a.store_prefix, a.store_key, a.left_out)
 
 
 def superseded(latest: pb.Assignment | None, generation: int, at_once: bool) -> bool:

@@ -95,6 +95,7 @@ class Placement:
     rank_of_slot: tuple[int, ...]  # -1: an empty slot
     training: tuple[int, ...]  # the replica groups in the mesh, ascending; the others are benched
     step: int  # the job's step: the highest a survivor holds (0 at a first formation)
+    unheld: tuple[int, ...] = ()  # shards at the step no rank here holds, while ranks outside may
 
     def groups(self, layout: Replicas) -> list[tuple[int, ...]]:
         """The ranks of each training group, by shard index."""
@@ -103,6 +104,9 @@ class Placement:
 
     def why_benched(self, replica: int, layout: Replicas) -> str:
         """Why `replica`'s ranks are out of this generation's mesh."""
+        if self.unheld:
+            return (f"replica group {replica} waits: no rank of this generation holds shard(s) {list(self.unheld[:8])} "
+                    f"at step {self.step}, and ranks the job's size rules left out may: for a generation with them")
         s = layout.shards
         empty = [slot for slot in range(replica * s, (replica + 1) * s) if self.rank_of_slot[slot] < 0]
         if empty:
@@ -114,10 +118,12 @@ class Placement:
                 "held only in incomplete ones")
 
 
-def place(claims: Sequence[tuple[int, int]], layout: Replicas) -> Placement:
+def place(claims: Sequence[tuple[int, int]], layout: Replicas, left_out: int = 0) -> Placement:
     """The generation on the mesh, from each rank's claim (its slot, -1 for a fresh process; and
     its step): a claim is kept, fresh ranks fill the free slots, those of the groups missing fewest
-    first, in rank order. The same on every rank."""
+    first, in rank order. The same on every rank. A shard at the job's step that no rank here holds
+    is lost only if no usable slot of the job is outside the generation (`left_out`); otherwise
+    every rank waits for a generation with its holder (the coordinator places slots, not shards)."""
     if len(claims) > layout.world_size:
         raise LayoutMismatch(f"the generation has {len(claims)} ranks; the layout {layout} has {layout.world_size} "
                              f"slots (set the job's max size to {layout.world_size}: more ranks wait as spares)")
@@ -132,7 +138,7 @@ def place(claims: Sequence[tuple[int, int]], layout: Replicas) -> Placement:
     held = {slot: claims[rank][1] for slot, rank in enumerate(rank_of_slot) if rank >= 0}  # survivor's slot -> step
     step = max(held.values(), default=0)
     lost = sorted(set(range(s)) - {slot % s for slot, at in held.items() if at == step})
-    if held and lost:
+    if held and lost and not left_out:
         raise StateMismatch(f"shard(s) {lost[:8]} of {layout} at step {step} were lost in every replica at once: no "
                             "rank holds them. Restart from your checkpoint")
     empty = [sum(r < 0 for r in rank_of_slot[g * s:(g + 1) * s]) for g in range(layout.replicas)]
@@ -146,7 +152,7 @@ def place(claims: Sequence[tuple[int, int]], layout: Replicas) -> Placement:
     else:  # between them the complete groups must hold every shard at the job's step
         among = {slot % s for slot, at in held.items() if at == step and slot // s in complete}
         training = complete if len(among) == s else ()
-    return Placement(tuple(rank_of_slot), training, step)
+    return Placement(tuple(rank_of_slot), training, step, tuple(lost) if held else ())
 
 
 @dataclass
@@ -191,7 +197,7 @@ class ShardedState:
         started = time.perf_counter()
         holds = self.model is not None or self._kept is not None  # (a rank benched since it started holds nothing)
         claims = [claim(v) for v in channel.exchange("mesh/slot", f"{self.slot if holds else -1}:{step}")]
-        placement = place(claims, self.layout)
+        placement = place(claims, self.layout, channel.left_out)
         # Tensors only: the old model and optimizer hold the old generation's groups, dropped here.
         if self.model is not None:
             self._kept = self._shards()._tree()
@@ -243,6 +249,9 @@ class LocalShards(ReplicatedState):
     def _tree(self) -> dict[str, Any]:
         return local(super()._tree())
 
+    def still_replicated(self, when: str) -> None:
+        """Nothing to refuse: sharded by its layout, and what it moves is each DTensor's local shard."""
+
     def _load(self, reference: Any, targets: list[torch.Tensor]) -> None:
         tree = unflatten(reference, targets)
         if self.optimizer is not None and tree["optimizer"] is not None:
@@ -257,6 +266,7 @@ class ReplicaChannel:
 
     def __init__(self, channel: Channel, shard: int, rank: int, world_size: int):
         self.channel, self.prefix, self.rank, self.world_size = channel, f"shard{shard}/", rank, world_size
+        self.left_out = channel.left_out
 
     def exchange(self, key: str, value: str | bytes) -> list[bytes]:
         self.publish(f"{key}/{self.rank}", value.encode() if isinstance(value, str) else value)

@@ -66,6 +66,7 @@ class Channel(Protocol):
 
     rank: int
     world_size: int
+    left_out: int  # usable slots of the job outside this generation, where state may be held (Assignment.left_out)
 
     def exchange(self, key: str, value: str | bytes) -> list[bytes]:
         """Publish this rank's value under `key`; every rank's, in rank order (bounded, abandonable)."""
