@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             with worker.step_scope() as step:
                 time.sleep(args.step_sleep)
                 loss = train_step(worker)
+                data.epoch = worker.step + 1  # inside the scope: a reform or snapshot at its end takes it
             if not step.completed:
                 continue  # discarded by a membership change: redone on the new mesh
-            data.epoch = worker.step
             log.info("step", step=worker.step, rank=worker.rank, slot=worker.mesh_slot, replicas=worker.mesh.size(0),
                      world_size=worker.world_size, generation=worker.generation,
                      digest=worker.state.fingerprint(worker.device).hex(), loss=round(loss.item(), 6))

@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()
                 worker.optimizer.step()
                 worker.optimizer.zero_grad()
+                data.epoch = worker.step + 1  # inside the scope: a reform or snapshot at its end takes it
             if not step.completed:
                 continue  # discarded by a membership change: redone (or rolled back) on the new mesh
-            data.epoch = worker.step
             last = {"digest": worker.state.fingerprint(worker.device).hex()} if worker.step == args.steps else {}
             log.info("step", step=worker.step, rank=worker.rank, slot=slot, world_size=worker.world_size,
                      generation=worker.generation, loss=round(loss.item(), 6),

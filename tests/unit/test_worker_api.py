@@ -260,3 +260,35 @@ def test_an_aborted_groups_ddp_wrapper_stops_before_ddps_own_collectives():
         assert not entered
     finally:
         dist.destroy_process_group()
+
+
+class Position:
+    def __init__(self):
+        self.epoch = 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_extras_updated_after_the_step_scope_are_named_at_the_first_step(inside):
+    """Issue 55: a reform or peer snapshot at a boundary takes the extras as the scope left them, so
+    an update after it reaches a replacement or a rollback a step stale (a samples counter ended at
+    312 of 320). The rule, update them inside the scope, is checked once, at a process's first step."""
+    from structlog.testing import capture_logs
+
+    data = Position()
+    w = worker().register(model=torch.nn.Linear(2, 2), data=data)
+    with capture_logs() as lines:
+        for _ in range(3):
+            with w.step_scope():
+                if inside:
+                    data.epoch = w.step + 1
+            if not inside:
+                data.epoch = w.step
+    warned = [line for line in lines if line["event"] == "extras_updated_after_step"]
+    assert len(warned) == (0 if inside else 1), warned
+    assert all((line["step"], line["extras"]) == (1, ["data"]) for line in warned)

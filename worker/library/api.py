@@ -175,6 +175,11 @@ class Worker:
         # after each reform (the reform's own sync looks too): a refusal by name, not failed reforms.
         self._still_replicated: Callable[[str], None] | None = None
         self._unchecked = False
+        # The registered extras as this process's first step left them (then None, checked): one
+        # changed before the next step began was updated after the scope, where a reform or a peer
+        # snapshot at that boundary had already taken it (a replacement or a rollback: a step stale).
+        self._extras_after: bytes | None = None
+        self._extras_checked = False
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._stepped: Callable[[int], None] | None = None  # the state's step boundary work (peer snapshots)
@@ -305,6 +310,8 @@ class Worker:
         ShardedStateRefused at the first step after a reform if the state was sharded after register()."""
         if self.link.changed.is_set():
             self._check_drain()
+        if self._extras_after is not None:
+            self._check_extras()
         if self._unchecked:
             self._unchecked = False
             if self._still_replicated is not None:
@@ -328,6 +335,7 @@ class Worker:
             self._digest = (self.step, self.state.fingerprint(self.device))
         if at_boundary and self.link.changed.is_set():
             self._boundary()
+        self._note_extras()
 
     def boundary(self) -> None:
         """Take a membership change due at this step boundary (after step_done(..., at_boundary=False))."""
@@ -356,8 +364,23 @@ class Worker:
         due = at_boundary(self.link.drain_after, self.link.latest, self.link.base, self.generation, self.step, self._slot)
         if due == "reform":
             self._reform()
+            self._note_extras()  # (as the reform left them: a peer's, where it received)
         elif due == "again":
             self.link.changed.set()
+
+    def _note_extras(self) -> None:
+        if not self._extras_checked and self.state.extras:
+            self._extras_after = ReplicatedState(extras=self.state.extras).fingerprint(self.device)
+
+    def _check_extras(self) -> None:
+        """The rule: registered extras are updated inside the step scope (see _extras_after)."""
+        changed = ReplicatedState(extras=self.state.extras).fingerprint(self.device) != self._extras_after
+        self._extras_after, self._extras_checked = None, True
+        if changed:
+            log.warning("extras_updated_after_step", step=self.step, extras=sorted(self.state.extras),
+                        why="a registered extra changed after the step scope ended: a reform or peer snapshot at "
+                            "that boundary takes it before the change, so a replacement or a rollback gets it one "
+                            "step stale. Update it inside `with worker.step_scope()`")
 
     def _check_drain(self) -> None:
         if drain_due(self.link.drain_after, self.step):
