@@ -1,0 +1,75 @@
+"""The Hugging Face integration (worker/integrations/hf.py) with the real libraries: examples/train_trainer.py
+with its one line (`--resilient`), a tiny GPT-2 from a config, 2 `muster run` agents x 2 ranks over a
+real coordinator and etcd, DDP over gloo on CPU. A rank is killed (or stopped): the survivors keep
+their processes and re-form in-process, the replacement takes the state from them, and every rank
+ends with the same state."""
+
+import os
+import signal
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from muster.local import EXAMPLE, wait_until  # noqa: E402
+
+SCRIPT = EXAMPLE.parent / "train_trainer.py"
+PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
+BATCH = 4  # the example's per-device batch
+
+
+def start(coordinators, agents, tmp_path, job, steps, *extra):
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    command = [sys.executable, str(SCRIPT), "--resilient", "--steps", str(steps), "--step-sleep", "0.05",
+               "--samples", "200", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+               *extra]
+    nodes = agents([leader.address], job, ["a", "b"], command=command, nodes="2:2")
+    wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 5 for n in nodes for s in (0, 1)),
+               90, "every rank past step 5")
+    return leader, nodes
+
+
+def check_one_run(nodes, replaced, steps, accumulation=1):
+    """Every rank but `replaced` (node, slot) kept its process; all end at `steps` with one state;
+    the replacement's first step holds the survivors' state of that step; the data position moved
+    by exactly the world's samples each step (none skipped or seen twice)."""
+    for n in nodes:
+        assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
+    runs = {}
+    for n in nodes:
+        for slot in (0, 1):
+            if (n, slot) != replaced:
+                assert len(n.rank_pids(slot)) == 1, f"{n.node_id}/{slot} was restarted"
+                assert "hf_resilience_off" not in n.rank_logs(slot)[-1].read_text()
+            runs[(n.node_id, slot)] = n.steps(slot)
+    replacement = runs[(replaced[0].node_id, replaced[1])]
+    assert replacement[0]["step"] > 1, "the replacement started from the others' step"
+    by_step = {}
+    for records in runs.values():
+        assert records[-1]["step"] == steps
+        for r in records:
+            by_step.setdefault(r["step"], {})[(r["rank"], r["pid"])] = r
+    first = replacement[0]["step"]
+    assert {r["digest"] for r in by_step[first].values()} == {replacement[0]["digest"]}, \
+        "the replacement's first step's state differs from the survivors'"
+    assert len({r["digest"] for r in by_step[steps].values()}) == 1, "ranks end with different states"
+    survivor = next(records for key, records in runs.items() if key != (replaced[0].node_id, replaced[1]))
+    for before, after in zip(survivor, survivor[1:]):
+        assert after["step"] == before["step"] + 1, "a survivor redid or skipped a step"
+        moved = round((after["epoch"] - before["epoch"]) * 200)
+        assert moved == after["world_size"] * BATCH * accumulation, (before, after)
+    return survivor
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
+        coordinators, agents, tmp_path):
+    leader, (a, b) = start(coordinators, agents, tmp_path, "hfkill", 60)
+    os.kill(b.rank_pids(0)[-1], signal.SIGKILL)
+    wait_until(lambda: len(b.rank_pids(0)) == 2, 30, "the agent starts a replacement")
+    survivor = check_one_run([a, b], (b, 0), 60)
+    assert {r["world_size"] for r in survivor} >= {3, 4}, "the survivors trained on as 3, then 4 again"
+    kinds = [r["kind"] for r in leader.find("membership_changed")]
+    assert "rank_exited" in kinds and "rank_recovered" in kinds
