@@ -73,3 +73,20 @@ def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_t
     assert {r["world_size"] for r in survivor} >= {3, 4}, "the survivors trained on as 3, then 4 again"
     kinds = [r["kind"] for r in leader.find("membership_changed")]
     assert "rank_exited" in kinds and "rank_recovered" in kinds
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_is_replaced_and_gradient_accumulation_keeps_its_step(coordinators, agents, tmp_path):
+    """SIGSTOP (a hang): the others re-form without it as soon as the leader judges it stalled; woken,
+    it is fenced out and its agent starts a replacement, which joins mid-epoch (200 samples, 32 a
+    step) and takes the state; each step is 2 micro-batches, all-reduced once."""
+    leader, (a, b) = start(coordinators, agents, tmp_path, "hfhang", 50, "--accumulation", "2")
+    stopped = b.rank_pids(1)[-1]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3")
+    finally:
+        os.kill(stopped, signal.SIGCONT)  # it wakes fenced out and exits; its agent starts a replacement
+    wait_until(lambda: len(b.rank_pids(1)) == 2, 30, "the agent starts a replacement")
+    survivor = check_one_run([a, b], (b, 1), 50, accumulation=2)
+    assert survivor[-1]["epoch"] > 1, "the run crossed an epoch"
