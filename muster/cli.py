@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
     from muster.client import parse_addresses
     from muster.worker.agent.agent import NodeAgent
     from muster.worker.agent.agent_config import AgentConfig
-    from muster.worker.agent.launch import LaunchError, job_name, parse_nodes, plan
+    from muster.worker.agent.launch import LaunchError, job_name, network_env, parse_nodes, plan
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
@@ -218,6 +218,11 @@ def _run(args: argparse.Namespace) -> int:
     if is_loopback(host) and multi_node and not all(is_loopback(split_host_port(c)[0]) for c in coordinators):
         print(f"muster run: this node's address is {host}, which other hosts cannot reach: pass --host "
               "with an address of this host they can", file=sys.stderr)
+    try:  # a job whose size is not known here may span hosts
+        network = network_env(host, os.environ, multi_node or not span)
+    except LaunchError as exc:
+        print(f"muster run: {exc}", file=sys.stderr)
+        return 2
     for note in launch.notes:
         print(f"muster run: {note}", file=sys.stderr)
     if job != args.job:
@@ -254,6 +259,7 @@ def _run(args: argparse.Namespace) -> int:
         warm_start=args.warm_start,
         step_probe=args.step_probe,
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
+        env=network,
         security=_security(args),
     )
     try:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from muster.names import JOB_NAME
+from muster.net import is_loopback
+from muster.worker.library.sockets import interface_of
 
 # torchrun options the coordinator owns now: superseded, with a note.
 OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
@@ -115,6 +119,29 @@ def plan(command: list[str]) -> Launch:
     else:
         launch.argv = [sys.executable, "-u", script, *script_args]
     return launch
+
+
+def network_env(host: str, env: Mapping[str, str], multi_node: bool) -> dict[str, str]:
+    """What a plain script's gloo or NCCL needs to reach the other hosts: the interface holding the
+    node's advertised address. Gloo binds to the address the hostname resolves to (127.0.0.1 on many
+    machines), so across hosts its peers dial loopback; NCCL skips loopback and docker interfaces but
+    may take one the other hosts cannot reach. A variable the user set is kept. An address on no
+    interface of this host (NAT) cannot be named: a job that may span hosts is refused, saying what
+    to set."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = ""
+    name = interface_of(address) if address else None
+    wanted = {"GLOO_SOCKET_IFNAME"} | ({"NCCL_SOCKET_IFNAME"} if not is_loopback(address or host) else set())
+    unset = sorted(wanted - set(env))
+    if name is None:
+        if unset and multi_node:
+            raise LaunchError(f"this node's address {host} is on no interface of this host, so its ranks' gloo/NCCL "
+                              f"cannot be told which to use: set {' and '.join(unset)} in muster run's "
+                              "environment to the interface the other hosts reach, or pass --host with an address of this host")
+        return {}
+    return {k: name for k in unset}
 
 
 _HASH_CHARS = 10
