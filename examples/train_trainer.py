@@ -70,6 +70,15 @@ class StepRecords(TrainerCallback):
         sys.stdout.flush()
 
 
+class LossRecords(TrainerCallback):
+    """The loss the Trainer logs (averaged over the ranks and the steps since the last log), from rank 0."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if args.process_index == 0 and logs and "loss" in logs:
+            sys.stdout.write(json.dumps({"event": "loss", "step": state.global_step, "loss": logs["loss"]}) + "\n")
+            sys.stdout.flush()
+
+
 def last_complete_checkpoint(directory: Path) -> str | None:
     """The newest checkpoint the Trainer finished writing. It writes a checkpoint-N directory in
     place, trainer_state.json last: a rank killed during a save leaves one without it, which
@@ -86,6 +95,7 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--samples", type=int, default=100_000, help="the dataset's size (an epoch)")
     p.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps (0: never)")
     p.add_argument("--resilient", action="store_true",
                    help="Muster's Hugging Face integration: survivors re-form in-process (its one line)")
     args = p.parse_args()
@@ -99,12 +109,12 @@ def main() -> int:
         output_dir=str(args.checkpoint_dir), max_steps=args.steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=args.accumulation,
         learning_rate=1e-3, save_strategy="steps", save_steps=args.checkpoint_every, save_total_limit=2,
-        logging_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
+        logging_strategy="steps" if args.log_every else "no", logging_steps=args.log_every or 500, report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
         disable_tqdm=True)
     resumed_from = int(last.rsplit("-", 1)[1]) if last else 0
     records = StepRecords(args.step_sleep, resumed_from)
     trainer = records.trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(args.samples),
-                                        callbacks=[records])
+                                        callbacks=[records, LossRecords()])
     trainer.train(resume_from_checkpoint=last)
     return 0
 
