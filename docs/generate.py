@@ -802,17 +802,34 @@ def render_abuse(d: dict) -> str:
 
 
 def render_attacks(attacks: dict) -> str:
-    """Security review 4's attacks (tokens on), each with what it cost the replica."""
-    if not attacks:
-        return ""
-    outcome = {name: a.get("ended") or a.get("answered") for name, a in attacks.items()}
-    rows = [[name.replace("_", " "), ", ".join(f"{n} {code}" for code, n in sorted(outcome[name].items())),
+    """Security reviews 4 and 5's attacks (tokens on): those on the replica with what each cost it
+    and the other job; then those on other surfaces (etcd's peer port, the page's port, a rank's
+    store) with what each reached."""
+    on_replica = {name: a for name, a in attacks.items() if "replica" in a}
+    rows = [[name.replace("_", " "), ", ".join(f"{n} {code}" for code, n in sorted((a.get("ended") or
+                                                                                   a.get("answered")).items())),
              f"+{num(a['replica']['rss_peak_growth_mib'])} MiB", s(a["replica"]["cpu_s"]),
              f"{a['replica']['log_bytes']:,}", f"{num(a['other_job']['new_generation'])} / {a['other_job']['errors']}"]
-            for name, a in attacks.items()]
-    return "\n" + table(["attack", "answered", "peak memory", "CPU", "log bytes",
-                         "other job: new generation / errors"], rows)
+            for name, a in on_replica.items()]
+    out = "\n" + table(["attack", "answered", "peak memory", "CPU", "log bytes",
+                        "other job: new generation / errors"], rows) if rows else ""
+    reached = [[name.replace("_", " "), cell(REACHED[name](a))] for name, a in attacks.items()
+               if name not in on_replica and name in REACHED]
+    return out + ("\n" + table(["attack", "what it reached"], reached) if reached else "")
 
+
+REACHED = {
+    "etcd_peer_port": lambda a: (f"peer listeners {', '.join(a['peer_urls'])} ({len(a['tcp_peer_urls'])} on TCP); "
+                                 f"POSTs as nobody: {a['posts_as_nobody']}; etcd alive after: "
+                                 f"{num(a['etcd_alive_after'])}, restarts {a['etcd_restarts']}"),
+    "page_port": lambda a: (f"{a['connections']} idle connections: threads {a['threads']['before']} -> "
+                            f"{a['threads']['peak']} at peak, +{num(a['rss_mib']['peak_growth'])} MiB; "
+                            f"{a['closed_within_5s']} closed within 5 s, held {s(a['held_longest_s'])} at most; "
+                            f"/healthz after {a['healthz_after']['status']} in {ms(a['healthz_after']['ms'])}"),
+    "store_planting": lambda a: (f"{a['trials']} attacked transfers, {a['keys_planted']} keys planted: payloads run "
+                                 f"{a['payload_ran']}, ranks ending with another state {a['wrong_state']}; "
+                                 "outcomes " + ", ".join(f"{n} {o}" for o, n in a["rank_outcomes"].items())),
+}
 
 
 if __name__ == "__main__":
