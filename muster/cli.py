@@ -891,9 +891,9 @@ def _run_parser(sub) -> None:
     g.add_argument("--straggler-action", choices=STRAGGLER_ACTIONS, default="")
     g.add_argument("--straggler-factor", type=float, default=0.0, help="compute over the job's median (above 1)")
     g.add_argument("--straggler-min-steps", type=int, default=0, help="steps a rank must straggle for")
-    r.add_argument("--max-restarts", type=int, help="restarts of a slot, whatever the cause (its crash, a new map "
-                   "for a script without the library), before it is given up and reported (default: torchrun's "
-                   "--max-restarts, else 3)")
+    r.add_argument("--max-restarts", type=int, help="restarts of a slot for its own crashes (a restart for a new "
+                   "map is not counted) before it is given up and reported (default: torchrun's --max-restarts, "
+                   "else 3)")
     r.add_argument("--restart-backoff", type=positive_float, default=1.0,
                    help="a rank crashing again soon after its restart waits this long before the next one (doubled "
                         "with each crash in a row; the first restart, and one after a SIGKILL, is immediate)")

@@ -6,9 +6,8 @@ import re
 import pytest
 
 from muster.names import JOB_NAME
-from muster.v1 import muster_pb2 as pb
 from muster.worker.agent.agent_config import AgentConfig
-from muster.worker.agent.crash_report import failure_report, last_failure
+from muster.worker.agent.crash_report import failure_report
 from muster.worker.agent.launch import LaunchError, job_name, plan
 from muster.worker.agent.slot import Crash, Slot
 
@@ -36,21 +35,9 @@ def test_torchrun_max_restarts_is_the_agents_budget_and_checked():
         plan(["torchrun", "--max-restarts=many", "t.py"])
 
 
-def event(kind, *nodes, generation=1, reason=""):
-    return pb.Event(kind=kind, nodes=nodes, generation=generation, reason=reason, time_unix_ms=1)
-
-
-def test_last_failure_points_at_another_node_first():
-    events = [event("rank_exited", "b", reason="local rank 0: pid 7 exit code 2"), event("generation", "a", "b"),
-              event("rank_exited", "a", reason="local rank 1: pid 8 killed by signal 15")]
-    assert last_failure(events, "a") is events[0]
-    assert last_failure(events[2:], "a") is events[2]
-    assert last_failure([event("formed", "a")], "a") is None
-
-
 def test_the_report_of_a_slot_given_up_names_rank_exit_code_and_its_last_lines():
     config = AgentConfig(("127.0.0.1:1",), "job", "node-a", 2, ("python", "train.py", "--lr", "x y"), max_restarts=2)
-    slot = Slot(1, restarts=2, rank=3)
+    slot = Slot(1, restarts=5, charged=2, rank=3)  # restarted 3 more times for maps: not charged
     crash = Crash(code=-9, pid=42, rank=3, generation=4, at=0.0, tail=("Traceback (most recent call last):",
                                                                      "ValueError: bad --lr"), error="ValueError: bad --lr")
     text = failure_report(config, slot, "its process ended (killed by SIGKILL)", crash, crash.tail)
@@ -59,7 +46,3 @@ def test_the_report_of_a_slot_given_up_names_rank_exit_code_and_its_last_lines()
     assert "rank      : 3 (local rank 1)" in text and "killed by SIGKILL (pid 42, generation 4" in text
     assert "error     : ValueError: bad --lr" in text and "command   : python train.py --lr 'x y'" in text
     assert text.splitlines()[-2] == "    ValueError: bad --lr"
-    elsewhere = event("rank_exited", "node-b", generation=5, reason="local rank 0: pid 7 exit code 2")
-    text = failure_report(config, Slot(0, restarts=2), "generation 6 needs it restarted", None, (), elsewhere)
-    assert "last crash: none here" in text and "its stderr: nothing written" in text
-    assert "job's last failure: rank_exited on 'node-b' (generation 5): local rank 0: pid 7 exit code 2" in text

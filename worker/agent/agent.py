@@ -242,14 +242,12 @@ class NodeAgent:
                     # ranks reaches the socket the node cannot tell a library rank that is still
                     # importing, so that one is restarted too: it costs a start, never correctness.
                     await self.ranks.stop(slot)
-                # A first start, or one the agent stopped itself; crashes restart in the supervisor,
-                # with backoff. Every restart counts against the slot's budget, whatever its cause.
-                if not slot.alive and slot.index in wanted and (slot.starts == 0 or slot.stopping):
+                # A first start, one the agent stopped itself, or one parked without a place; crashes
+                # restart in the supervisor, with backoff. Only a slot's own crashes spend its
+                # budget: a restart for a map that others' changes made is not charged.
+                if not slot.alive and slot.index in wanted and (slot.starts == 0 or slot.stopping or slot.parked):
                     if self.assignment is not a:
                         return  # a newer map came meanwhile: its own reconcile starts the ranks
-                    if slot.starts and not await self.ranks.restart_allowed(slot, f"generation {a.generation} needs it "
-                                                                                   "restarted"):
-                        continue
                     await self.ranks.start(slot, master)
 
     # ---- leaving ---------------------------------------------------------------------

@@ -55,7 +55,11 @@ class Slot:
     index: int
     proc: asyncio.subprocess.Process | WarmProcess | None = None
     starts: int = 0
-    restarts: int = 0
+    restarts: int = 0  # new processes after its first, whatever the cause (TORCHELASTIC_RESTART_COUNT)
+    # Restarts for its own crashes: what --max-restarts bounds. A restart for a map that others'
+    # changes made is not charged (as torchrun's membership restarts are not).
+    charged: int = 0
+    parked: bool = False  # its process ended while the node had no place: started with the map that places it
     finished: bool = False  # its script completed (exit 0, or the runner's mark): its process may still be tearing down
     given_up: bool = False  # crash-looped past the budget
     failed: bool = False  # ended without completing once the job was finishing: not restarted

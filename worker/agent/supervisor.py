@@ -20,15 +20,14 @@ from muster import rank_logs
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import orphan_guard
 from muster.worker.agent.agent_config import AgentConfig
-from muster.worker.agent.crash_report import exit_words, failure_report, last_failure
+from muster.worker.agent.crash_report import exit_words, failure_report
 from muster.worker.agent.group_end import ENDED_SUFFIX, EndedFile
 from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
 from muster.worker.agent.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
-from muster.worker.agent.slot import Slot, StderrTail, crash_of, exit_of, outside_crash_loop, read_tail
+from muster.worker.agent.slot import Slot, StderrTail, crash_of, exit_of, outside_crash_loop
 from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
-from muster.worker.agent.waiting import QUERY_WAIT_S, query
 from muster.worker.agent.zygote import WarmProcess, WarmStarts, ZygoteLost
 
 log = structlog.get_logger(__name__)
@@ -143,9 +142,27 @@ class RankSupervisor:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
+    def placed(self, slot: Slot) -> bool:
+        """The slot has a rank in the current map."""
+        a = self.node.assignment
+        return a is not None and a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks
+
+    async def start_placed(self, slot: Slot) -> None:
+        """Start the slot's next process, under the reconcile lock, where the map gives it a rank: a
+        script without the library started with no place would fail on its missing RANK and burn
+        the slot's budget while the job waits. Parked, it starts with the map that places it."""
+        if not self.node.library and not self.placed(slot):
+            slot.parked = True
+            self.log.info("rank_parked", slot=slot.index, generation=self.node.assignment.generation,
+                          message="no place in this generation: started again when a map places it")
+            return
+        await self.start(slot, await self.node.masters.current())
+
     async def start(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
         c = self.node.config
+        slot.restarts += 1 if slot.starts else 0
         slot.starts += 1
+        slot.parked = False
         slot.secret = secrets.token_hex(16)  # its process's alone: what it presents on the agent's socket
         slot.error_file = os.path.join(self.files, f"error-slot{slot.index}-{slot.starts}.json")
         if self.program is not None:  # the runner marks its completion there
@@ -226,16 +243,15 @@ class RankSupervisor:
         a = self.node.assignment
         if not self.node.library and a is not None and slot.generation < a.generation and not self.node.draining:
             # A process of an older map (its peer died first): the newer map restarts it anyway, so
-            # its exit is no new fault. Restarted now, unless the reconcile already did.
+            # its exit is no new fault, and not charged. Restarted now, unless the reconcile already did.
             async with self.node.reconciling:
-                if not slot.alive and not slot.given_up and await self.restart_allowed(
-                        slot, f"its process of generation {slot.generation} ended ({exit_words(code)})"):
-                    await self.start(slot, await self.node.masters.current())
+                if not slot.alive and not slot.given_up and not slot.parked:
+                    await self.start_placed(slot)
             return
         # Restart semantics (a script without the library) restart a crashed rank in its place: the
         # leader re-forms the job once, with its replacement (never a map without the slot first).
-        in_place = (not self.node.library and not self.node.draining and slot.restarts < self.node.config.max_restarts
-                    and a is not None and a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks)
+        in_place = (not self.node.library and not self.node.draining and slot.charged < self.node.config.max_restarts
+                    and self.placed(slot))
         slot.failed_pid = proc.pid  # reported exited (or restarting) until a replacement speaks for the slot
         slot.crashed_in = a.generation if a else 0
         slot.restarting = in_place
@@ -261,8 +277,11 @@ class RankSupervisor:
         if not self.node.draining and not self.node.done() and not slot.alive and not slot.given_up:
             # a library rank rejoins at a step boundary; a plain one is restarted again with its new map
             async with self.node.reconciling:
-                if not slot.alive:
-                    await self.start(slot, await self.node.masters.current())
+                if not slot.alive and not slot.parked:
+                    # Charged only when it restarts with a place: a crash the job answered by leaving
+                    # this node out (a peer node lost) was the others' change, not the slot's fault.
+                    slot.charged += 1 if self.node.library or self.placed(slot) else 0
+                    await self.start_placed(slot)
 
     async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
         """Its process's exit code. While it runs, its script's completion (the runner's mark) is
@@ -330,37 +349,22 @@ class RankSupervisor:
             await asyncio.sleep(0.01)
 
     async def restart_allowed(self, slot: Slot, cause: str) -> bool:
-        """Count a restart of the slot (any cause: its crash, or a new map for a script without the
-        library), or give the slot up when its budget is spent: a crash loop ends with a verdict."""
-        if slot.restarts < self.node.config.max_restarts:
-            slot.restarts += 1
+        """Whether the slot may restart after its own crash, or give it up when its budget is spent:
+        a crash loop ends with a verdict."""
+        if slot.charged < self.node.config.max_restarts:
             return True
         await self._give_up(slot, cause)
         return False
 
     async def _give_up(self, slot: Slot, cause: str) -> None:
+        """After its own crash (its exit is reported already): the slot is retired, with a report."""
         c = self.node.config
         slot.given_up = True
         slot.stopping = False
         crash = slot.last_crash
-        last_pid = slot.proc.pid if slot.proc is not None else 0
-        if crash is None or crash.pid != last_pid:  # its last process did not crash (the agent stopped it)
-            slot.failed_pid = last_pid
-            if slot.proc is not None and slot.proc.returncode is not None:
-                self.node.session.exits.append(pb.RankExit(local_rank=slot.index, pid=last_pid,
-                                                      exit_code=slot.proc.returncode))
-                self.node.session.send_now()
-        self.log.error("slot_given_up", slot=slot.index, restarts=slot.restarts, max_restarts=c.max_restarts,
-                       last_code=crash.code if crash else None, rank=crash.rank if crash else slot.rank, cause=cause)
-        tail = crash.tail if crash else await asyncio.to_thread(read_tail, slot)
-        elsewhere = None
-        if crash is None:  # restarted for new maps only: the failures are elsewhere in the job
-            try:
-                _, events = await asyncio.wait_for(asyncio.to_thread(query, c, False), QUERY_WAIT_S)
-                elsewhere = last_failure(events, c.node_id)
-            except Exception:
-                pass
-        say(failure_report(c, slot, cause, crash, tail, elsewhere))
+        self.log.error("slot_given_up", slot=slot.index, restarts=slot.charged, max_restarts=c.max_restarts,
+                       last_code=crash.code, rank=crash.rank, cause=cause)
+        say(failure_report(c, slot, cause, crash, crash.tail))
         await self.node.settle()
 
     async def stop(self, slot: Slot, grace_s: float = 5.0) -> None:

@@ -13,7 +13,7 @@ from muster.client import Coordinators
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent.agent_config import AgentConfig
 
-QUERY_WAIT_S = 3.0  # for the job's history or status
+QUERY_WAIT_S = 3.0  # for the job's status and history
 
 
 async def waiting_for(c: AgentConfig, a: pb.Assignment | None) -> str:
@@ -21,7 +21,7 @@ async def waiting_for(c: AgentConfig, a: pb.Assignment | None) -> str:
     if a is not None and a.start_ranks:
         return f"starting ranks {list(a.down_local_ranks)}: they take a place in the running job once they report"
     try:
-        status, events = await asyncio.wait_for(asyncio.to_thread(query, c, True), QUERY_WAIT_S)
+        status, events = await asyncio.wait_for(asyncio.to_thread(query, c), QUERY_WAIT_S)
     except Exception as exc:  # the coordinator is between leaders: say what is known
         error = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else type(exc).__name__
         return f"waiting for a place in job {c.job!r} (no answer to a status query: {error})"
@@ -47,7 +47,7 @@ async def waiting_for(c: AgentConfig, a: pb.Assignment | None) -> str:
             + (f"; {reason}" if reason else "") + ")")
 
 
-def query(c: AgentConfig, with_status: bool) -> tuple[pb.JobStatus | None, Sequence[pb.Event]]:
+def query(c: AgentConfig) -> tuple[pb.JobStatus | None, Sequence[pb.Event]]:
     """The job's Status (None: unknown job) and history, from any replica (blocking: a thread)."""
     with Coordinators(c.coordinators, timeout_s=2.0, security=c.security) as coordinators:
         try:
@@ -56,7 +56,5 @@ def query(c: AgentConfig, with_status: bool) -> tuple[pb.JobStatus | None, Seque
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None, ()
             raise
-        if not with_status:
-            return None, events
         jobs = coordinators.call("Status", pb.StatusRequest(job=c.job)).jobs
         return (jobs[0] if jobs else None), events
