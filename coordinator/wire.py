@@ -31,7 +31,7 @@ RANK_STATES = {
     pb.RANK_STATE_RUNNING: "running",
     pb.RANK_STATE_LONG_PHASE: "long_phase",
     pb.RANK_STATE_EXITED: "exited",
-    pb.RANK_STATE_UNMONITORED: "unmonitored",
+    pb.RANK_STATE_UNMONITORED: "script",  # a script without the library, running: not an alarm
     pb.RANK_STATE_FORMING: "forming",
     pb.RANK_STATE_HOLDING: "holding",
     pb.RANK_STATE_RESTARTING: "restarting",

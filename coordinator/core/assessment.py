@@ -7,12 +7,12 @@ run the library). Also the passes over the map's nodes those figures take. Pure:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from muster.coordinator.core.kinds import GROUP_KINDS
-from muster.coordinator.core.live_records import NO_PROGRESS, UNMONITORED, Divergence, Failure, NodeLive, Recovery
+from muster.coordinator.core.live_records import NO_PROGRESS, SCRIPT, UNMONITORED, Divergence, Failure, NodeLive, Recovery
 from muster.coordinator.core.machine import Diverged, MembershipEvent, NodeLost, Regroup, SlotDown
 from muster.coordinator.core.state import JobState, NodeKind
 
@@ -59,7 +59,7 @@ class Assessment:
 
     @cached_property
     def prestart(self) -> bool:
-        """Some rank of the map reports library progress (scripts without it are unmonitored): a
+        """Some rank of the map reports library progress (scripts without it are never judged stalled): a
         node joining the running job starts its ranks before it takes a place."""
         rm = self.state.rank_map
         for p in rm.placements if rm else ():
@@ -111,9 +111,10 @@ class RecoveryWatch:
     def look(self, nodes: Mapping[str, NodeLive], state: JobState, recovery: Recovery,
              now: float) -> tuple[bool, float | None]:
         """Whether `recovery` is over, and how long it took: until every node of its map reported
-        the generation and a step past the one at the decision (None: another map superseded it,
-        or there is nothing to run; never for a script's ranks, whose steps count from their
-        process's start)."""
+        the generation and a step past the one at the decision, or, for a script's ranks (restarted
+        with each map, their probe's steps counting from their process's start), until each of
+        them steps in a process of the generation (None: another map superseded it, or there is
+        nothing to run)."""
         rm = state.rank_map
         if rm is None or rm.generation != recovery.generation:
             return True, None
@@ -121,13 +122,19 @@ class RecoveryWatch:
         i = start if generation == recovery.generation else 0
         for p in rm.placements[i:]:
             node = nodes.get(p.node_id)
-            if node is None or node.generation < recovery.generation or not any(
-                    r.step > recovery.step and r.state not in UNMONITORED
-                    for s, r in node.ranks.items() if s in p.slots):
+            if node is None or node.generation < recovery.generation or not recovered(node, p.slots, recovery):
                 self._at = (recovery.generation, i)
                 return False, None
             i += 1
         return True, now - recovery.decided_at
+
+
+def recovered(node: NodeLive, slots: Sequence[int], recovery: Recovery) -> bool:
+    ranks = [r for s, r in node.ranks.items() if s in slots]
+    if any(r.step > recovery.step and r.state not in UNMONITORED for r in ranks):
+        return True
+    return bool(ranks) and all(r.state == SCRIPT and r.generation >= recovery.generation and r.step >= 1
+                               for r in ranks)
 
 
 def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: float | None,

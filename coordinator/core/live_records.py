@@ -18,7 +18,7 @@ class RankLive:
     pid: int = 0
     step: int = 0
     step_time_s: float = 0.0
-    state: str = "starting"  # starting | running | long_phase | forming | holding | exited | unmonitored | restarting
+    state: str = "starting"  # starting | running | long_phase | forming | holding | exited | script | restarting
     phase: str = ""
     heard_ms_ago: int = 0
     progress_at: float = 0.0  # when the step last advanced (a published generation counts too: `Liveness.published`)
@@ -72,7 +72,8 @@ class Failure:
     since: float | None = None  # when its first signal came: the last frame, report or progress
 
 
-UNMONITORED = frozenset({"unmonitored", "restarting"})  # scripts without the library: no steps to judge
+SCRIPT = "script"  # a rank of a script without the library, running (RANK_STATE_UNMONITORED)
+UNMONITORED = frozenset({SCRIPT, "restarting"})  # scripts without the library: no steps to judge
 NO_PROGRESS = UNMONITORED | {"exited", "finished"}  # reports that say nothing of a library rank's progress
 REPORTED = frozenset({"exited", "restarting"})  # acted on as reported, not at a deadline
 WAITING = frozenset({"long_phase", "forming", "holding"})  # phases timed from when they began

@@ -84,7 +84,7 @@ def judge_ranks(t: Timing, member: Member, node: NodeLive, rm: RankMap | None, p
             continue
         state = live.state
         if state in NO_PROGRESS or state == "forming" or state == "holding":
-            continue  # exited: found by the exits; unmonitored: its exit is the signal; forming: the group watch
+            continue  # exited: found by the exits; a script's: its exit is the signal; forming: the group watch
         progress_at = live.progress_at if live.progress_at > published_at else published_at
         if live.heard_ms_ago > silent_ms:
             found.append(Failure(FailureKind.RANK_SILENT, member.node_id, slot,

@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from muster.coordinator.core.live_records import NodeLive, RankLive
+from muster.coordinator.core.live_records import SCRIPT, NodeLive, RankLive
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, check_stragglers
 from muster.coordinator.core.state import Placement
 
 
 # A library rank stepping; a script's rank under `muster run`, measured by its step probe (never
 # judged for stalls, but its compute is evidence as a library rank's is).
-MEASURED = frozenset({"running", "unmonitored"})
+MEASURED = frozenset({"running", SCRIPT})
 
 
 @dataclass(frozen=True)

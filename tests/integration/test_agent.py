@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from test_metrics import scrape
+
 from muster.local import EXAMPLE, json_lines, process_alive, progress_gap, record_time, wait_until
 
 EXAMPLES = EXAMPLE.parent
@@ -100,7 +102,7 @@ def test_sigterm_drains_an_agent_at_a_step_boundary_without_aborting_a_step(coor
 
 @pytest.mark.timeout(150)
 def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, tmp_path):
-    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    (leader,) = coordinators(1, extra=[*PRODUCTION_TIMEOUT, "--metrics-listen", "127.0.0.1:0"])
     plain = [sys.executable, str(EXAMPLES / "train_plain.py"), "--steps", "150", "--step-sleep", "0.05",
              "--checkpoint-dir", str(tmp_path / "checkpoint")]
     a, b = agents([leader.address], "plain", ["a", "b"], command=plain)
@@ -109,6 +111,18 @@ def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, 
     # (a node that joined after the job formed without it restarted the first one's ranks once)
     starts = {(n, slot): len(n.rank_pids(slot)) for n in (a, b) for slot in (0, 1)}
     os.kill(b.rank_pids(1)[-1], signal.SIGKILL)
+    # Its recovery is measured (the decision until every rank steps in a process of the new
+    # generation, from the step probe), in Status and the metric, like a library job's.
+    metrics = leader.find("coordinator_serving")[0]["metrics"]
+    job = (("job", "plain"),)
+    wait_until(lambda: scrape(metrics).get(("muster_recovery_seconds_count", job), 0) >= 1, 60,
+               "the recovery measured")
+    status = json.loads(subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address,
+                                        "--job", "plain", "--json"], capture_output=True, text=True, timeout=30).stdout)
+    (shown,) = status["jobs"]
+    recovery = shown["health"]["recent_recoveries"][-1]
+    assert int(recovery["generation"]) > before and 0 < recovery["recovery_s"] == shown["health"]["last_recovery_s"]
+    assert {r["state"] for r in shown["ranks"]} == {"script"}
     for n in (a, b):
         assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
     # One fault, one change: the killed rank is restarted in its place and the job re-forms once,

@@ -101,12 +101,12 @@ def plain_script(tmp_path) -> list[str]:
 @pytest.mark.timeout(150)
 def test_an_unmodified_script_is_measured_by_its_probe_and_its_throttled_rank_named(coordinators, agents, tmp_path):
     """`muster run` of a script with no Muster code: the runner's step probe measures each rank's
-    steps and compute; the leader shows them (the ranks stay unmonitored: no stall verdicts) and
+    steps and compute; the leader shows them (the ranks are in state `script`: no stall verdicts) and
     names the rank slowed from outside, as it does a library rank."""
     (leader,) = coordinators(1, extra=FAST_STRAGGLERS)
     nodes = agents([leader.address], "plainslow", ["a", "b", "c"], slots=1, nodes="3:3",
                    command=plain_script(tmp_path))
-    wait_until(lambda: measured(leader.address, "plainslow", 3, "unmonitored"), 90, "every rank's probe reporting")
+    wait_until(lambda: measured(leader.address, "plainslow", 3, "script"), 90, "every rank's probe reporting")
     ranks = ranks_status(leader.address, "plainslow")
     assert all(r.step > 0 and 0 < r.compute_us for r in ranks), ranks
     victim = nodes[1]
@@ -130,7 +130,7 @@ def test_replace_swaps_an_unmodified_scripts_straggling_node_for_the_spare(coord
     policy = ["--straggler-action", "replace", "--straggler-min-steps", "10"]
     nodes = agents([leader.address], "plainswap", ["a", "b", "c"], slots=1, nodes="2:2", extra=policy,
                    command=plain_script(tmp_path))
-    wait_until(lambda: measured(leader.address, "plainswap", 2, "unmonitored"), 90, "two ranks measured, one spare")
+    wait_until(lambda: measured(leader.address, "plainswap", 2, "script"), 90, "two ranks measured, one spare")
     in_map = {r.node for r in ranks_status(leader.address, "plainswap")}
     (spare,) = [a for a in nodes if a.node_id not in in_map]
     victim = next(a for a in nodes if a.node_id in in_map)
@@ -144,6 +144,6 @@ def test_replace_swaps_an_unmodified_scripts_straggling_node_for_the_spare(coord
     assert left[0]["nodes"] == [victim.node_id] and "straggler replaced" in left[0]["reason"]
     wait_until(lambda: spare.node_id in {r.node for r in ranks_status(leader.address, "plainswap")}, 30,
                "the spare in the map")
-    wait_until(lambda: measured(leader.address, "plainswap", 2, "unmonitored"), 60, "both ranks stepping again")
+    wait_until(lambda: measured(leader.address, "plainswap", 2, "script"), 60, "both ranks stepping again")
     assert not leader.find("straggler_named", node=spare.node_id)
     assert "straggler replaced" in victim.log_path.read_text()

@@ -175,14 +175,14 @@ def test_muster_run_refuses_a_bad_straggler_policy_naming_the_field(capsys):
     assert "straggler_factor must be in (1, 100], got 0.5" in capsys.readouterr().err
 
 
-def test_a_scripts_unmonitored_ranks_are_judged_and_a_restarted_process_counts_its_steps_anew():
-    """Ranks of a script without the library (`unmonitored`, measured by the step probe) are judged
+def test_a_scripts_ranks_are_judged_and_a_restarted_process_counts_its_steps_anew():
+    """Ranks of a script without the library (state `script`, measured by the step probe) are judged
     as library ranks are; a slot's new process counts its steps from 0 again, and its straggling
     is counted from its own steps, not from its predecessor's."""
     placements, live = job()
     for node in live.values():
         for r in node.ranks.values():
-            r.state = "unmonitored"
+            r.state = "script"
     watch = StragglerWatch(POLICY)
     steps(placements, live, watch, {}, 20)
     steps(placements, live, watch, {("n3", 0): 0.2}, 2)  # straggling since its step 21

@@ -13,7 +13,7 @@ Where it goes: a small file of the agent's (`StepFile`, named in $MUSTER_STEP_FI
 both processes. The rank writes (step, step time, median compute) at each step as one record between
 two copies of a sequence number (a read that finds them unequal met a write, and is retried), no
 system call on the training thread; the agent reads it whenever it builds its node's frame. The
-rank stays `unmonitored` for the leader: its steps feed the straggler watch and `muster status`,
+rank is in state `script` for the leader: its steps feed the straggler watch and `muster status`,
 never a stall verdict (a script may pause for anything). A library rank removes the probe when it
 starts (`detach`): it reports its own steps.
 """
