@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import re
@@ -665,7 +666,32 @@ class OneLineParser(argparse.ArgumentParser):
     """Bad input is one line naming the flag, and exit status 2: not the usage, which buries it."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: {message}{self._suggestion(message)} (see {self.prog} --help)\n")
+
+    def _suggestion(self, message: str) -> str:
+        """'; did you mean X?' for a mistyped verb, choice or flag (`stauts`, `--nodse`)."""
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            word, known = found[1], re.findall(r"'([^']*)'", found[2])
+        elif found := re.search(r"unrecognized arguments: (\S+)", message):
+            word, known = found[1].split("=")[0], self._flags()
+        else:
+            return ""
+        close = difflib.get_close_matches(word, known, n=1)
+        return f"; did you mean {close[0]}?" if close else ""
+
+    def parse_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def _flags(self) -> list[str]:
+        """This parser's flags and, as an unknown flag is refused by the top parser, the given verb's."""
+        flags = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                verb = next((action.choices[a] for a in getattr(self, "_given", ()) if a in action.choices), None)
+                flags += verb._flags() if verb is not None else []
+        return flags
 
 
 def _checked(text: str, parse: Callable[[str], float], ok: Callable[[float], bool], what: str):
@@ -705,6 +731,9 @@ def _job_flag(p: argparse.ArgumentParser, required: bool, help: str) -> None:
 
 def _from_environment(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if "coordinator" in args:
+        # where the address came from, for the hint when nothing answers there
+        args.coordinator_from = ("--coordinator" if args.coordinator else "$MUSTER_COORDINATOR"
+                                 if os.environ.get("MUSTER_COORDINATOR") else "the default")
         args.coordinator = args.coordinator or os.environ.get("MUSTER_COORDINATOR") or DEFAULT_ADDRESS
     if "job" in args and args.job is None:
         args.job = os.environ.get("MUSTER_JOB") or None
@@ -714,9 +743,8 @@ def _from_environment(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="muster", description="Elastic rendezvous and heartbeat coordinator for PyTorch.")
-    p.add_argument("--version", action="version", version=f"muster {_version()}")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-json", action="store_true", default=None, help="JSON logs even on a terminal")
+    p.add_argument("-V", "--version", action="version", version=f"muster {_version()}")
+    _log_flags(p, default=True)
     sub = p.add_subparsers(dest="command", required=True)
 
     _serve_parser(sub)
@@ -726,7 +754,17 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("completion", help="print a shell completion script: eval \"$(muster completion bash)\"")
     c.add_argument("shell", choices=("bash", "zsh"))
     c.set_defaults(func=lambda args: _completion(p, args.shell), verb="completion")
+    for verb in sub.choices.values():  # `muster status --log-level debug` as well as before the verb
+        _log_flags(verb, default=False)
     return p
+
+
+def _log_flags(p: argparse.ArgumentParser, default: bool) -> None:
+    """The logging flags; after the verb they override only when given (SUPPRESS: no default)."""
+    p.add_argument("--log-level", default="info" if default else argparse.SUPPRESS,
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-json", action="store_true", default=None if default else argparse.SUPPRESS,
+                   help="JSON logs even on a terminal")
 
 
 def _completion(p: argparse.ArgumentParser, shell: str) -> int:
@@ -1017,7 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except grpc.RpcError as exc:
-        print(f"muster {args.verb}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "coordinator_from" in args:
+            hint = (f" (no coordinator answered at {args.coordinator}, from {args.coordinator_from}: is `muster serve` "
+                    "running there? --coordinator or $MUSTER_COORDINATOR names another)")
+        print(f"muster {args.verb}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a bad address, job name, ...
         print(f"muster {args.verb}: {exc}", file=sys.stderr)

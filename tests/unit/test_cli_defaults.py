@@ -103,3 +103,30 @@ def test_shell_completion_knows_every_verb(tmp_path):
     zsh = subprocess.run([sys.executable, "-m", "muster.cli", "completion", "zsh"], capture_output=True, text=True,
                          timeout=30, check=True).stdout
     assert zsh.startswith("#compdef muster") and "--heartbeat-timeout" in zsh
+
+
+def test_a_mistyped_verb_or_flag_is_refused_with_the_nearest_one(capsys):
+    for argv, meant in ((["stauts"], "status"), (["status", "--nodse", "n"], "--node"),
+                        (["run", "--nodse", "2", "--", "t.py"], "--nodes")):
+        with pytest.raises(SystemExit) as exit:
+            parser().parse_args(argv)
+        assert exit.value.code == 2 and f"did you mean {meant}?" in capsys.readouterr().err
+
+
+def test_the_logging_flags_come_before_or_after_the_verb_and_v_is_the_version(monkeypatch, capsys):
+    assert parsed(["status", "--log-level", "debug", "--log-json"], monkeypatch).log_level == "debug"
+    assert parsed(["--log-level", "warning", "status"], monkeypatch).log_level == "warning"
+    assert parsed(["status"], monkeypatch).log_level == "info"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["-V"])
+    assert capsys.readouterr().out.startswith("muster ")
+
+
+@pytest.mark.timeout(30)
+def test_nobody_answering_names_the_address_and_where_it_came_from(monkeypatch, capsys):
+    from muster.cli import main
+    from muster.net import free_port
+
+    monkeypatch.setenv("MUSTER_COORDINATOR", f"127.0.0.1:{free_port()}")  # nothing listens there
+    assert main(["jobs"]) == 1
+    assert "from $MUSTER_COORDINATOR: is `muster serve` running there?" in capsys.readouterr().err
