@@ -20,6 +20,10 @@ from muster.coordinator.leader_stats import LeaderStats
 from muster.coordinator.streams import NodeStream
 from muster.v1 import muster_pb2 as pb
 
+# A rank's exit error naming these (muster.worker.library.errors) ends the run at once: no tier held
+# its state, and its restart would form from `build` at step 0
+STATE_LOST = ("StateLost: ", "ShardLost: ")
+
 
 def secret_hash(secret: bytes) -> str:
     """What the state keeps of a session secret: the SHA-256 of its random part, never the secret
@@ -203,9 +207,12 @@ class FrameReader:
         events: list[MembershipEvent] = []
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
-            if self.live.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
-                rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
-                where = f"in step {e.step}" if e.step else "before any step it reported"
+            rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
+            where = f"in step {e.step}" if e.step else "before any step it reported"
+            if e.error.startswith(STATE_LOST):  # the worker library's StateLost (ShardLost): no tier holds the state
+                events.append(Verdict(member.node_id, f"{rank}(node {member.node_id!r}, local rank {e.local_rank}) "
+                                                      f"{where}: {e.error}", "training state lost beyond every tier"))
+            elif self.live.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
                 events.append(Verdict(member.node_id, f"{rank}(node {member.node_id!r}, local rank {e.local_rank}) "
                                                       f"failed again {where} with the same error after a restart: "
                                                       f"{e.error}"))

@@ -21,7 +21,7 @@ import torch
 
 from muster import logs
 from muster.examples.train_ddp import DataPosition  # (part of each snapshot: replayed steps see the same batches)
-from muster.worker import RunEnded, Snapshots, Worker, WorkerConfig, WorkerError
+from muster.worker import Checkpoints, RunEnded, Snapshots, Worker, WorkerConfig, WorkerError
 from muster.worker.outcome import exit_code
 
 
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero", action="store_true", help="ZeRO-1 (ZeroRedundancyOptimizer) instead of FSDP2")
     p.add_argument("--stall-at-step", type=int, default=0, metavar="N",
                    help="tests: the first process in mesh slot 0 sleeps STALL_S inside step N, a rank stuck in a step")
+    p.add_argument("--checkpoint-dir", default="", help="the library checkpoints the state there (durable tier)")
+    p.add_argument("--checkpoint-every", type=int, default=8, help="steps between checkpoints")
     args = p.parse_args(argv)
     logs.configure("info", json=True)
     log = structlog.get_logger("train_sharded")
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(WorkerConfig.from_env())
         worker.register(build=builder(args.width, args.layers, args.zero, worker.device),
-                        layout=Snapshots(args.shards, args.every), data=data)
+                        layout=Snapshots(args.shards, args.every), data=data,
+                        checkpoint=Checkpoints(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None)
         worker.start()
         while worker.step < args.steps:
             began = time.perf_counter()

@@ -16,7 +16,8 @@ _EXPORTS = {"Worker": "library.api", "WorkerConfig": "library.api", "WorkerError
             "FencedOut": "library.errors", "CoordinatorLost": "library.errors", "HoldExpired": "library.errors",
             "Drained": "library.errors", "RunEnded": "library.errors", "StateMismatch": "library.errors",
             "ShardedStateRefused": "library.errors", "LayoutMismatch": "library.errors",
-            "ShardLost": "library.errors", "Replicas": "library.sharded", "Snapshots": "library.snapshots"}
+            "ShardLost": "library.errors", "StateLost": "library.errors", "Checkpoints": "library.checkpoints",
+            "Replicas": "library.sharded", "Snapshots": "library.snapshots"}
 __all__ = list(_EXPORTS)
 
 

@@ -151,10 +151,12 @@ class Stop:
 @dataclass(frozen=True)
 class Verdict:
     """A fault that repeats (a slot's process failed with the same error at the same step as the one
-    before it): restarting it again would only loop, so the run ends failed with this reason."""
+    before it): restarting it again would only loop, so the run ends failed with this reason. Or
+    (`kind`) a rank's training state lost beyond every tier: a restart would train from step 0."""
 
     node_id: str
     reason: str
+    kind: str = "a fault that repeats"
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,7 @@ class _Fold:
     started_ms: int
     stop: Stop | None = None
     claims: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # JobState.rebuild_claims
-    verdict: str = ""  # a fault that repeats: the run ends failed with it (`Verdict`)
+    verdict: str = ""  # a fault that repeats, or state lost: the run ends failed with it (`Verdict`)
     departed: str = ""  # how the last member to go went: "left", "left_now" (immediate) or "lost"
     log: list[Event] = field(default_factory=list)
     evicted: list[tuple[str, int]] = field(default_factory=list)
@@ -428,7 +430,7 @@ def _on_stop(f: _Fold, ev: Stop) -> None:
 
 def _on_verdict(f: _Fold, ev: Verdict) -> None:
     if not f.state.ended and f.stop is None and not f.verdict:
-        f.verdict = ev.reason
+        f.verdict = f"{ev.kind}: {ev.reason}"
         f.changed = True
 
 
@@ -529,7 +531,7 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str,
     if stop is not None:
         return Outcome.STOPPED, stop.reason
     if verdict:
-        return Outcome.FAILED, f"a fault that repeats: {verdict}"
+        return Outcome.FAILED, verdict
     rm = state.rank_map
     if state.finishing and not any(state.member(n) for n in (rm.node_ids if rm else ())):
         if state.failure:

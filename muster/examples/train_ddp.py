@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from muster import logs
-from muster.worker import Drained, RunEnded, Worker, WorkerConfig, WorkerError
+from muster.worker import Checkpoints, Drained, RunEnded, Worker, WorkerConfig, WorkerError
 from muster.worker.outcome import exit_code
 
 
@@ -85,16 +85,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="log the state's fingerprint every N steps (0: never; it reads all the state)")
     p.add_argument("--perturb-at-step", type=int, default=0,
                    help="fault injection: nudge this rank's parameters after that step (divergence detection)")
+    p.add_argument("--checkpoint-dir", default="", help="the library checkpoints the state there (durable tier)")
+    p.add_argument("--checkpoint-every", default="auto", help="steps between checkpoints, or auto")
     args = p.parse_args(argv)
     logs.configure("info", json=True)
     log = structlog.get_logger("train_ddp")
+    every = args.checkpoint_every if args.checkpoint_every == "auto" else int(args.checkpoint_every)
+    checkpoint = Checkpoints(args.checkpoint_dir, every=every) if args.checkpoint_dir else None
 
     torch.manual_seed(0)
     model, optimizer = build(args.model)
     width = MODELS[args.model][0]
     data = DataPosition()
     try:
-        worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer, data=data)
+        worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer, data=data,
+                                                          checkpoint=checkpoint)
         model.to(worker.device)  # before start: NCCL exchanges the state as tensors on this rank's GPU
         worker.start()
         stop_at = None if args.grow_to else args.steps
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
+                data.epoch = worker.step + 1  # inside the scope: the state a checkpoint takes at its end has it
             if not step.completed:
                 continue  # discarded by a membership change: redo it in the new group
             if worker.step == args.perturb_at_step:
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             digest = (worker.state.fingerprint(worker.device).hex()
                       if args.digest_every and worker.step % args.digest_every == 0 else None)
             log.info("step", step=worker.step, rank=worker.rank, world_size=worker.world_size,
-                     generation=worker.generation, digest=digest, loss=round(loss.item(), 6))
+                     generation=worker.generation, digest=digest, loss=round(loss.item(), 6), position=data.epoch)
         worker.close()
     except Drained as exc:  # this node leaves the job (graceful drain): a clean end here
         log.info("training_drained", step=worker.step, reason=str(exc))

@@ -124,14 +124,14 @@ def _run(program: Program, marker: str, pid: int) -> None:
             _mark(marker, pid)
         raise
     except BaseException as exc:
-        _record_error(exc)
+        record_error(exc)
         sys.excepthook = _from_program(sys.excepthook)  # the interpreter prints it, and exits 1 (or by SIGINT)
         raise
     _mark(marker, pid)
     _kept.append(namespace)
 
 
-def _record_error(exc: BaseException) -> None:
+def record_error(exc: BaseException) -> None:
     """The exception the program dies of, in torch's error file as its @record writes it (unless
     @record already did), plus the step it was raised in where the library said so (`muster_step`):
     its agent reports both with the exit, for the leader to tell a fault that repeats."""

@@ -40,12 +40,14 @@ from muster.security import ClientSecurity
 from muster.terminal import CONTROL
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent import group_end, step_probe
+from muster.worker.agent.runner import record_error
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.library.backends import backend_named
 from muster.worker.library.comm import Comm, GroupSpec, StepCut
 from muster.worker.library.sockets import interface_of
 from muster.worker.library.stuck import exit_unless_raised
-from muster.worker.library.errors import Drained, FencedOut, RunEnded, ShardedStateRefused, WorkerError
+from muster.worker.library.checkpoints import Checkpoints, Durable
+from muster.worker.library.errors import Drained, FencedOut, RunEnded, ShardedStateRefused, StateLost, WorkerError
 from muster.worker.link import Link, Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV, RankLink
@@ -184,6 +186,8 @@ class Worker:
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._stepped: Callable[[int], None] | None = None  # the state's step boundary work (peer snapshots)
         self._snapshots: Callable[[], tuple[int, int]] | None = None  # peer snapshots' (every, bytes held)
+        self._durable: Durable | None = None  # the checkpoints (register(checkpoint=...))
+        self.recoveries: list[dict] = []  # each recovery: the tier that restored which step, steps lost, time
         self._scope = _StepScope(self)
         self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
@@ -193,7 +197,8 @@ class Worker:
     # ---- setup -----------------------------------------------------------------------
 
     def register(self, *, model: torch.nn.Module | None = None, optimizer=None, build: Build | None = None,
-                 layout: Replicas | Snapshots | None = None, **extras) -> Worker:
+                 layout: Replicas | Snapshots | None = None, checkpoint: Checkpoints | None = None,
+                 **extras) -> Worker:
         """The state kept identical on every rank: the model's parameters and buffers, the
         optimizer, and any extras with state_dict()/load_state_dict() (e.g. a data position).
 
@@ -201,10 +206,15 @@ class Worker:
         optimizer)` the library calls on each generation's mesh: Replicas(R, S) for FSDP2 over an
         HSDP mesh (dimensions "replicate" and "shard"), Snapshots(N) for sharding without replicas
         (FSDP2 over a 1-D mesh of the whole job, or ZeRO-1: a ZeroRedundancyOptimizer on
-        mesh.get_group()); see docs/guide/sharded.md."""
+        mesh.get_group()); see docs/guide/sharded.md.
+
+        `checkpoint=Checkpoints(dir, every=N or "auto")`: the library also writes the state to `dir`
+        (off the training thread but for a host copy) and resumes from it where no rank holds a
+        step: every copy of a shard lost, every rank lost, the job started again."""
         self.state, self.config = registered(self.config, model=model, optimizer=optimizer, build=build,
                                              layout=layout, extras=extras, guard=self._guards.install,
-                                             subgroups=lambda: self.comm.subgroups())
+                                             subgroups=lambda: self.comm.subgroups(), checkpoint=checkpoint)
+        self._durable = getattr(self.state, "durable", None)
         self._stepped = getattr(self.state, "stepped", None)
         self._still_replicated = getattr(self.state, "still_replicated", None)
         self._snapshots = getattr(self.state, "snapshots", None)
@@ -250,6 +260,8 @@ class Worker:
         background thread. (Without the barrier, the first rank to go would close its sockets
         while the others still receive the tail of the last collective.)"""
         self._closing = True
+        if self._durable is not None and not self._durable.flush():
+            log.warning("checkpoint_unfinished", why="still being written at close")
         if self.comm is not None and self.comm.formed and self._error is None and self.link.drain_after is None:
             try:
                 dist.barrier()
@@ -331,6 +343,8 @@ class Worker:
         self._redos = 0
         if self._stepped is not None:
             self._stepped(self.step)
+        if self._durable is not None:
+            self._durable.stepped(self.step, us, self.state.saved_shard(self.rank), self.state.saved_tree)
         if self.config.digest_every and self.step % self.config.digest_every == 0:
             self._digest = (self.step, self.state.fingerprint(self.device))
         if at_boundary and self.link.changed.is_set():
@@ -406,9 +420,15 @@ class Worker:
         worker/library/sharded.py) sits it out, state kept and reporting a long phase (not a
         stall), until a newer generation places it."""
         said = self._progress.now[2:4]  # said again once formed
+        if self._durable is not None and (discard or hold):
+            self._durable.failures += 1  # (the "auto" cadence's failure rate)
         try:
             formed = self._plan.run(self.state, self.generation, self.step, discard=discard, hold=hold)
         except WorkerError as exc:  # (a refusal or a repeated failure: the step it stopped is told with it)
+            if isinstance(exc, StateLost):
+                log.error("state_lost", step=self.step, error=str(exc)[:300])
+                # said to the agent even if the script catches it: its leader ends the run failed with it
+                record_error(at_step(exc, self.step + 1))
             raise at_step(exc, self.step + 1)
         while True:
             self._adopt(formed, said)
@@ -436,6 +456,11 @@ class Worker:
         if latest is not None and latest.generation > spec.generation:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
+        if sync.tier != "live" or lost or sync.role == "receiver" and sync.step > 0:
+            # A recovery: which tier restored which step, the steps this rank lost, the time it took
+            self.recoveries.append({"generation": spec.generation, "tier": sync.tier if sync.tier != "live" else "replica",
+                                    "step": sync.step, "steps_lost": lost, "seconds": round(formed.phases["seconds"], 3)})
+            log.info("recovered", **self.recoveries[-1])
         self._unchecked = True
 
     # ---- background thread -----------------------------------------------------------

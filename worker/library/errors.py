@@ -31,10 +31,16 @@ class StateMismatch(WorkerError):
     It never trains on a state that is not the others'; the job goes on without it."""
 
 
-class ShardLost(StateMismatch):
+class StateLost(StateMismatch):
+    """No tier holds the job's training state at a step its ranks can agree on: no rank, no peer
+    snapshot, no readable complete checkpoint (or none was configured). The run ends failed saying
+    so (its leader ends it at the rank's exit) rather than train on from `build` or step 0."""
+
+
+class ShardLost(StateLost):
     """A sharded job with peer snapshots lost a rank together with the buddy that held its snapshot
-    (or before any snapshot was exchanged): no rank holds that shard. The job ends rather than train
-    on a partial state; restart it from a checkpoint."""
+    (or before any snapshot was exchanged), and no checkpoint is configured: no rank holds that shard.
+    The run ends rather than train on a partial state."""
 
 
 class ShardedStateRefused(WorkerError):
@@ -67,6 +73,6 @@ class RunEnded(WorkerError):
         self.reason = end.reason
 
 
-__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "ShardLost", "ShardedStateRefused", "LayoutMismatch",
+__all__ = ["WorkerError", "FencedOut", "CoordinatorLost", "HoldExpired", "Drained", "RunEnded", "StateMismatch", "StateLost", "ShardLost", "ShardedStateRefused", "LayoutMismatch",
            "ReformFailed",
            "Evicted"]

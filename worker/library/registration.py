@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from muster.worker.library.checkpoints import Checkpoints, Durable
 from muster.worker.library.sharded import Build, Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer
@@ -25,15 +26,20 @@ Guard = Callable[[torch.nn.Module, Any], None]  # installs the step guards on a 
 
 def registered(config: WorkerConfig, *, model: torch.nn.Module | None, optimizer: Any, build: Build | None,
                layout: Replicas | Snapshots | None, extras: dict[str, Any], guard: Guard,
-               subgroups: Callable[[], AbstractContextManager]) -> tuple[StateTransfer, WorkerConfig]:
+               subgroups: Callable[[], AbstractContextManager],
+               checkpoint: Checkpoints | None = None) -> tuple[StateTransfer, WorkerConfig]:
     """The state transfer for these arguments of `register`, and the config the rank joins with.
     Raises TypeError for arguments that do not go together."""
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoints):
+        raise TypeError(f"checkpoint= takes Checkpoints(dir, every=...), not {type(checkpoint).__name__}")
     for name, obj in extras.items():
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
     if layout is None and build is None:
         guard(model, optimizer)
-        return ReplicatedState.of(model, optimizer, dict(extras)), config
+        state = ReplicatedState.of(model, optimizer, dict(extras))
+        state.durable = Durable(checkpoint, 1) if checkpoint is not None else None
+        return state, config
     if layout is None or build is None or model is not None or optimizer is not None:
         raise TypeError("sharded state is registered as build= and layout= together, without model= or "
                         "optimizer= (the library builds them on each generation's mesh)")
@@ -49,6 +55,7 @@ def registered(config: WorkerConfig, *, model: torch.nn.Module | None, optimizer
     else:  # replica groups: a generation of one group or more (the others wait benched)
         sizes = {"min_nodes": layout.shards, "max_nodes": layout.world_size}
         state = ShardedState(build, layout, dict(extras), subgroups=subgroups, on_built=guard)
+    state.durable = Durable(checkpoint, layout.shards) if checkpoint is not None else None
     if not config.agent_socket:  # this rank may create the job (under `muster run` the agent's sizes hold)
         config = replace(config, **{k: getattr(config, k) or v for k, v in sizes.items()})
     return state, config

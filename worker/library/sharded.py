@@ -46,12 +46,14 @@ import torch
 import torch.distributed as dist
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.library.errors import LayoutMismatch, RunEnded, StateMismatch
+from muster.worker.library.errors import LayoutMismatch, RunEnded, StateLost, StateMismatch
 from muster.worker.library.state import Channel, ReplicatedState, Stateful, SyncResult
 from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan, unflatten
 
 if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a second, sharded or not)
     from torch.distributed.device_mesh import DeviceMesh
+
+    from muster.worker.library.checkpoints import Durable
 
 log = structlog.get_logger(__name__)
 
@@ -171,6 +173,7 @@ class ShardedState:
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
     bench: Bench | None = None  # this rank is out of the generation's mesh: why, and what it watches
+    durable: Durable | None = None  # the checkpoints under the replicas (worker/library/checkpoints.py)
     _kept: dict[str, Any] | None = None  # a benched survivor's shards (LocalShards' tree), until its group trains
 
     def __post_init__(self) -> None:
@@ -192,15 +195,37 @@ class ShardedState:
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
 
+    def saved_shard(self, rank: int) -> int | None:
+        """The checkpoint shard this rank writes: its shard index, by the first training replica's rank."""
+        if self.mesh is None or self.bench is not None or self.mesh.get_local_rank(MESH_DIMS[0]) != 0:
+            return None
+        return self.slot % self.layout.shards
+
+    def saved_tree(self) -> dict[str, Any]:
+        return self._shards()._tree()
+
+    def restore_saved(self, tree: dict[str, Any]) -> None:
+        """A checkpoint's shard into the model and optimizer built on this generation's mesh, and the extras."""
+        restore(self.model, self._shards().optimizer, tree)
+        for name, obj in self.extras.items():
+            obj.load_state_dict(tree["extras"][name])
+
     def sync(self, step: int, channel: Channel, device: torch.device,
              progress: Callable[[str], None] | None = None) -> SyncResult:
         started = time.perf_counter()
         holds = self.model is not None or self._kept is not None  # (a rank benched since it started holds nothing)
         claims = [claim(v) for v in channel.exchange("mesh/slot", f"{self.slot if holds else -1}:{step}")]
-        placement = place(claims, self.layout, channel.left_out)
+        try:
+            placement, lost = place(claims, self.layout, channel.left_out), False
+        except StateMismatch as exc:  # a shard lost in every replica: the durable tier, or the run ends
+            if self.durable is None:
+                raise StateLost(str(exc)) from exc
+            placement, lost = place([(-1, 0)] * len(claims), self.layout), True  # laid out as a first formation
         # Tensors only: the old model and optimizer hold the old generation's groups, dropped here.
-        if self.model is not None:
+        if self.model is not None and not lost:
             self._kept = self._shards()._tree()
+        if lost:
+            self._kept = None
         self.model = self.optimizer = self.mesh = None
         self.slot = placement.rank_of_slot.index(channel.rank)
         replica, shard = divmod(self.slot, self.layout.shards)
@@ -223,12 +248,22 @@ class ShardedState:
         if self._kept is not None:
             restore(self.model, self.optimizer, self._kept)
             self._kept = None
+        resumed = None
+        if self.durable is not None and all(slot < 0 for slot, _ in claims) or lost:
+            # a first formation (the job started again, every rank lost) or a lost shard: every rank of the
+            # generation trains here (a first formation's mesh is whole), so all take part
+            resumed = self.durable.resume(channel, shard, self.restore_saved, -1 if lost else 0)
+            if lost and resumed is None:
+                raise StateLost(f"a shard of {self.layout} was lost in every replica at once and no checkpoint "
+                                f"is in {self.durable.spec.dir}")
         restored = time.perf_counter()
         replicate = self.mesh.get_group(MESH_DIMS[0])
-        result = self._shards(replicate).sync(step, ReplicaChannel(channel, shard, dist.get_rank(replicate),
-                                                                   len(placement.training)), device, progress)
-        if result.step != placement.step:  # (cannot happen: place() saw every shard at the step in a training group)
-            raise StateMismatch(f"shard {shard} is at step {result.step} after the reform, the job at {placement.step}")
+        job_step = placement.step if resumed is None else resumed
+        result = self._shards(replicate).sync(job_step if resumed is not None else step, ReplicaChannel(
+            channel, shard, dist.get_rank(replicate), len(placement.training)), device, progress)
+        if result.step != job_step:  # (cannot happen: place() saw every shard at the step in a training group)
+            raise StateMismatch(f"shard {shard} is at step {result.step} after the reform, the job at {job_step}")
+        result.tier = "checkpoint" if resumed is not None else result.tier
         result.phases = {"mesh_s": meshed - started, "build_s": built - meshed, "restore_s": restored - built,
                          **result.phases}
         log.info("mesh_placed", slot=self.slot, replica=replica, shard=shard, training=placement.training,

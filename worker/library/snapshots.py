@@ -187,6 +187,10 @@ class SnapshotState(ShardedState):
         """(every how many steps, the host memory they take here): what `muster status` shows."""
         return self.layout.every, self.ring.memory_bytes()
 
+    def saved_shard(self, rank: int) -> int | None:
+        """The checkpoint shard this rank writes: its slot's."""
+        return self.slot if self.mesh is not None else None
+
     def stepped(self, step: int) -> None:
         """At every completed step's boundary, on the training thread."""
         self.ring.ask()
@@ -208,8 +212,14 @@ class SnapshotState(ShardedState):
                                   [h is not None and h.step == NO_LIVE_STATE for h in held])
         # A holding counts for the slot its rank claimed (a claim not kept holds another slot's shard)
         holdings = [held[r] if cards[r][0] == s else None for s, r in enumerate(rank_of_slot)]
-        recovery = recover(holdings, [cards[r][1] for r in rank_of_slot])
-        kept = self._shards()._tree() if self.model is not None and recovery.step is None else None
+        nodes = [cards[r][1] for r in rank_of_slot]
+        try:
+            recovery, lost = recover(holdings, nodes), False
+        except ShardLost:  # no copy of a shard left in memory: the durable tier, or the run ends
+            if self.durable is None:
+                raise
+            recovery, lost = Recovery(None, self.stride or buddy_stride(nodes)), True
+        kept = self._shards()._tree() if self.model is not None and recovery.step is None and not lost else None
         self.model = self.optimizer = self.mesh = None
         claimed, self.slot, self.stride = self.slot, rank_of_slot.index(channel.rank), recovery.stride
         if claimed != self.slot:
@@ -223,12 +233,19 @@ class SnapshotState(ShardedState):
         self._check_zero()
         built = time.perf_counter()
         received = sent = 0
+        resumed = None
         if recovery.step is not None:
             received, sent = self._recover(recovery, ring_group)
         elif kept is not None:
             restore(self.model, inner(self.optimizer), kept)
+        elif self.durable is not None:  # a first formation (the job started again, every rank lost) or a lost shard
+            resumed = self.durable.resume(channel, self.slot, self.restore_saved, -1 if lost else 0)
+            if lost and resumed is None:
+                raise ShardLost(f"a slot and its buddy were lost together and no checkpoint is in {self.durable.spec.dir}")
+            if resumed is not None:
+                self.ring.keep_until(-1)  # snapshots of the state given up
         restored = time.perf_counter()
-        now = step if recovery.step is None else recovery.step
+        now = resumed if resumed is not None else step if recovery.step is None else recovery.step
         n = self.layout.shards
         self.ring.connect(ring_group, recovery.buddy(self.slot, n), (self.slot - recovery.stride) % n)
         if now in self.ring.own:
@@ -239,7 +256,8 @@ class SnapshotState(ShardedState):
         receivers = tuple(rank_of_slot[s] for s in recovery.receivers)
         sources = tuple(rank_of_slot[recovery.buddy(s, n)] for s in recovery.receivers)
         result = SyncResult(now, SyncPlan(Card(now, "snapshot", ""), sources, receivers, ()), role,
-                            sent=sent, received=received)
+                            sent=sent, received=received,
+                            tier="checkpoint" if resumed is not None else "snapshot" if recovery.step is not None else "live")
         result.phases = {"agree_s": meshed - started, "build_s": built - meshed, "restore_s": restored - built}
         log.info("snapshot_recovery" if recovery.step is not None else "mesh_placed", slot=self.slot, step=now,
                  rolled_back=max(0, step - now) if recovery.step is not None and self.slot not in recovery.fresh else 0,

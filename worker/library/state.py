@@ -29,16 +29,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 import torch
 import torch.distributed as dist
 import xxhash
 
-from muster.worker.library.errors import ShardedStateRefused, StateMismatch
+from muster.worker.library.errors import ShardedStateRefused, StateLost, StateMismatch
 from muster.worker.library.transfer import (BUCKET_BYTES, DTYPES, Card, Piece, SyncPlan, TensorRef, decode, describe, encode,
-                                           flatten, paths, pieces, plan, unflatten)
+                                           flatten, paths, pieces, plan, undecided, unflatten)
+
+if TYPE_CHECKING:
+    from muster.worker.library.checkpoints import Durable
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +90,9 @@ class SyncResult:
     transfer_s: float = 0.0  # the broadcasts alone (verify_s in phases: the fingerprint check after)
     attempts: int = 0
     phases: dict[str, float] = field(default_factory=dict)
+    # The tier the step came from: "live" (the ranks' own state, moved where a rank lacked it),
+    # "snapshot" (peer snapshots), "checkpoint" (the durable tier)
+    tier: str = "live"
 
 
 class StateTransfer(Protocol):
@@ -113,6 +119,7 @@ class ReplicatedState:
     group: dist.ProcessGroup | None = None
     # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
     on_received: Callable[[int, torch.Tensor], None] | None = None
+    durable: Durable | None = None  # the checkpoints under the ranks' own state (worker/library/checkpoints.py)
 
     @classmethod
     def of(cls, model: torch.nn.Module | None, optimizer: Stateful | None, extras: dict[str, Stateful]) -> ReplicatedState:
@@ -157,6 +164,19 @@ class ReplicatedState:
         described, tensors = self._flat(device)
         return _card(step, described, tensors, device)
 
+    def saved_shard(self, rank: int) -> int | None:
+        """The checkpoint shard this rank writes: the whole state, by rank 0."""
+        return 0 if rank == 0 else None
+
+    def saved_tree(self) -> dict[str, Any]:
+        return self._tree()
+
+    def restore_saved(self, tree: dict[str, Any]) -> None:
+        """A checkpoint's tree into the model, optimizer and extras."""
+        if self.model is not None:
+            self.model.load_state_dict(tree["model"])
+        self._load_tree(tree)
+
     def fingerprint(self, device: torch.device) -> bytes:
         """16 bytes over all the state (model, optimizer, extras), to compare replicas."""
         described, tensors = self._flat(device)
@@ -171,8 +191,26 @@ class ReplicatedState:
         described, tensors = self._flat(device)
         mine = _card(step, described, tensors, device)
         fingerprinted = time.perf_counter()
-        p = plan([Card.decode(v) for v in channel.exchange("state/card", mine.encode())])
-        result = SyncResult(p.reference.step, p, p.role(channel.rank))
+        # With checkpoints, each card carries the newest complete one its rank sees
+        seen = self.durable.complete()[:1] if self.durable is not None else ()
+        said = [v.decode().split(" ") for v in channel.exchange(
+            "state/card", mine.encode() + (f" {seen[0] if seen else -1}" if self.durable is not None else ""))]
+        cards = [Card.decode(" ".join(v[:3])) for v in said]
+        newest = max((int(v[3]) for v in said if len(v) > 3), default=-1)
+        p, tier, split = plan(cards), "live", undecided(cards)
+        if self.durable is not None and (split or newest > p.reference.step):
+            # The durable tier: newer than any rank's state, or the replicas at the job's step disagree
+            # with no majority (neither is taken: every rank goes back to the checkpoint)
+            resumed = self.durable.resume(channel, 0, self.restore_saved, -1 if split else p.reference.step, newest)
+            if resumed is not None:
+                described, tensors = self._flat(device)
+                mine = _card(resumed, described, tensors, device)
+                p = plan([Card.decode(v) for v in channel.exchange("state/card/resumed", mine.encode())])
+                split, tier = "", "checkpoint"
+        if split:
+            raise StateLost(f"the replicas at step {p.reference.step} disagree ({split}) and no checkpoint "
+                            "holds a step to go back to: neither is trained on")
+        result = SyncResult(p.reference.step, p, p.role(channel.rank), tier=tier)
         result.phases = {"fingerprint_s": fingerprinted - started, "agree_s": time.perf_counter() - fingerprinted}
         if not p.moves:
             return result
@@ -243,7 +281,9 @@ class ReplicatedState:
     def _load(self, reference: Any, targets: list[torch.Tensor]) -> None:
         """The received optimizer state and extras into their objects (the model's tensors were
         received in place)."""
-        tree = unflatten(reference, targets)
+        self._load_tree(unflatten(reference, targets))
+
+    def _load_tree(self, tree: dict[str, Any]) -> None:
         if self.optimizer is not None and tree["optimizer"] is not None:
             self.optimizer.load_state_dict(tree["optimizer"])
         for name, obj in self.extras.items():

@@ -86,6 +86,17 @@ def plan(cards: Sequence[Card]) -> SyncPlan:
     return SyncPlan(reference, sources, receivers, incompatible)
 
 
+def undecided(cards: Sequence[Card]) -> str:
+    """Whether the ranks at the highest step (past a first formation) hold different states with no
+    majority among them (two replicas, one corrupted): then none is the reference. "" if decided,
+    else the split (fingerprint prefixes and their counts)."""
+    best = max(c.step for c in cards)
+    at_best = Counter(c.fingerprint for c in cards if c.step == best)
+    if best == 0 or len(at_best) < 2 or 2 * max(at_best.values()) > sum(at_best.values()):
+        return ""
+    return ", ".join(f"{n} x {fp[:8]}" for fp, n in at_best.most_common())
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A tensor's place in a skeleton: its index in the flattened state, and what it is."""
