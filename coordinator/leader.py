@@ -21,8 +21,8 @@ from muster.coordinator import status_pages, wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
-from muster.coordinator.core.machine import (Context, Decision, Join, Leave, MembershipEvent, NodeLost, SlotsUp, Stop,
-                                             Tick, decide)
+from muster.coordinator.core.machine import (Context, Decision, Finishing, Join, Leave, MembershipEvent, NodeLost,
+                                             SlotsUp, Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
@@ -225,7 +225,9 @@ class JobLeader:
         reached, reported = seen.steps  # O(nodes): only when there is something to decide
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, reached, seen.median_step_time,
                       prestart=seen.prestart, max_members=self.limits.members_of(self.state.spec),
-                      step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0)
+                      step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0,
+                      unformed=seen.unformed if self.state.finishing or any(isinstance(e, (Finishing, Leave))
+                                                                             for e in events) else frozenset())
         if len(self.state.members) >= LARGE_JOB_NODES:
             # Pure, on an immutable state, and only this task adopts: frames go on meanwhile.
             decision = await asyncio.to_thread(decide_large, self.state, events, ctx)

@@ -68,6 +68,19 @@ class Assessment:
                 return True
         return False
 
+    @cached_property
+    def unformed(self) -> frozenset[str]:
+        """Nodes of the map whose every rank is a library rank still forming its first group (step 0):
+        placed by a switch after the step the job's ranks finished at, they will never train."""
+        rm = self.state.rank_map
+        found = []
+        for p in rm.placements if rm else ():
+            node = self.nodes.get(p.node_id)
+            ranks = node.ranks.values() if node else ()
+            if ranks and all(r.state == "forming" and r.step == 0 for r in ranks):
+                found.append(p.node_id)
+        return frozenset(found)
+
 
 def _failure_event(f: Failure, kind: NodeKind) -> MembershipEvent:
     if f.kind in GROUP_KINDS:

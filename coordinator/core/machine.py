@@ -185,6 +185,8 @@ class Context:
     prestart: bool = False
     max_members: int = MAX_NODES  # the job's members quota, spares included (`Limits.members_of`)
     step_lag_s: float = 0.0  # how far behind the ranks `max_step` may be (relays forward progress now and then)
+    # Nodes of the map whose ranks never formed a group (`Assessment.unformed`), asked only as the job finishes
+    unformed: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -533,11 +535,18 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str,
     if verdict:
         return Outcome.FAILED, verdict
     rm = state.rank_map
-    if state.finishing and not any(state.member(n) for n in (rm.node_ids if rm else ())):
+    # A finishing job re-forms nothing: a node placed by a switch its ranks never reached (it joined
+    # as the job finished) has nothing to finish, and is told the outcome with the others.
+    if state.finishing and not any(state.member(n) and n not in ctx.unformed for n in (rm.node_ids if rm else ())):
         if state.failure:
             return Outcome.FAILED, state.failure
+        if rm is None:
+            return Outcome.SUCCEEDED, "every node finished"
+        late = [n for n in rm.node_ids if state.member(n)]
         return Outcome.SUCCEEDED, (f"every rank of generation {rm.generation} completed its script "
-                                   f"(world size {rm.world_size})" if rm else "every node finished")
+                                   f"(world size {rm.world_size})" if not late else
+                                   f"every rank that trained completed its script; node(s) {', '.join(map(repr, late))} "
+                                   f"placed at generation {rm.generation} never trained: the job finished first")
     if before.members and not state.members and not state.rebuilding:
         if departed == "left":
             return Outcome.STOPPED, "every node left (drained)"

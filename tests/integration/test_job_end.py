@@ -152,3 +152,31 @@ def test_a_rank_frozen_after_destroying_its_group_is_ended_after_the_exit_timeou
     (node,) = [n for n in nodes if n.records("rank_frozen_after_its_work")]
     (frozen,) = node.records("rank_frozen_after_its_work")
     assert frozen["rank"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_a_node_joining_as_the_job_finishes_does_not_hold_the_run(coordinators, agents, tmp_path):
+    """Issue 55: a node placed by a planned switch after the job's last step waited out the library's
+    300 s hold, then failed the run. Its ranks never trained: the run ends succeeded without them."""
+    (leader,) = coordinators(1)
+    release, steps = tmp_path / "release", 20
+    command = [sys.executable, "-u", str(SCRIPT.with_name("repeat_fault.py")), "--steps", str(steps),
+               "--wait-before-last", str(release)]
+    run = {"slots": 1, "nodes": "2:3", "command": command}
+    first = agents([leader.address], "late", ["a", "b"], **run)
+    wait_until(lambda: all(n.rank_records(0, "waiting_before_last_step") for n in first), 120,
+               "every rank before its last step", interval_s=0.2)
+    (late,) = agents([leader.address], "late", ["c"], **run)
+    placed = lambda: [r for r in late.rank_records(0, "assignment_received") if r["role"] == "ROLE_ACTIVE"]  # noqa: E731
+    wait_until(placed, 120, "the late node placed", interval_s=0.2)
+    assert placed()[0]["switch_at_step"] > steps, placed()  # the switch is past the job's last step
+    release.touch()
+    for node in [*first, late]:  # (the hold would be 300 s)
+        try:
+            code = node.wait(90)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {node.node_id} still running:\n" + node.log_path.read_text()[-3000:]) from None
+        assert code == 0, node.log_path.read_text()[-3000:]
+    (run,) = runs(leader.address, "late")
+    assert run.outcome == "succeeded", run
+    assert "node(s) 'c' placed at generation" in run.reason and "never trained" in run.reason, run.reason

@@ -1,13 +1,17 @@
-"""A worker-library rank for the repeated-fault tests: a tiny model trained step by step, which
-either raises the script's own error at step --fail-at on every rank, or shards its model with
-FSDP2's fully_shard after register() took it as replicated (--shard-after-register), a plausible
-mistake. Either fault meets every restarted process again at the same step."""
+"""A worker-library rank for the fault tests: a tiny model trained step by step, which either raises
+the script's own error at step --fail-at on every rank, or shards its model with FSDP2's
+fully_shard after register() took it as replicated (--shard-after-register), a plausible mistake.
+Either fault meets every restarted process again at the same step. --wait-before-last FILE: every
+rank waits (a declared long phase) before the last step until FILE exists, for a node to join."""
 
 import argparse
+import os
 import time
 
+import structlog
 import torch
 
+from muster import logs
 from muster.worker import Worker, WorkerConfig
 
 parser = argparse.ArgumentParser()
@@ -15,7 +19,9 @@ parser.add_argument("--steps", type=int, default=1000)
 parser.add_argument("--fail-at", type=int, default=0)
 parser.add_argument("--shard-after-register", action="store_true")
 parser.add_argument("--step-sleep", type=float, default=0.05)
+parser.add_argument("--wait-before-last", default="")
 args = parser.parse_args()
+logs.configure("info", json=True)
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
@@ -28,6 +34,11 @@ if args.shard_after_register:
 
     fully_shard(model, mesh=init_device_mesh("cpu", (worker.world_size,)))
 while worker.step < args.steps:
+    if args.wait_before_last and worker.step == args.steps - 1:
+        structlog.get_logger("repeat_fault").info("waiting_before_last_step", step=worker.step)
+        with worker.long_phase("waiting for the test"):
+            while not os.path.exists(args.wait_before_last):
+                time.sleep(0.05)
     with worker.step_scope():
         if worker.step + 1 == args.fail_at:
             raise RuntimeError(f"the script's own bug at step {args.fail_at}")
