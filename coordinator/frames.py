@@ -23,6 +23,8 @@ from muster.v1 import muster_pb2 as pb
 # A rank's exit error naming these (muster.worker.library.errors) ends the run at once: no tier held
 # its state, and its restart would form from `build` at step 0
 STATE_LOST = ("StateLost: ", "ShardLost: ")
+# ...and so does this refusal, deterministic by construction: the same script meets it at every restart
+REFUSED = "ShardedStateRefused: "
 
 
 def secret_hash(secret: bytes) -> str:
@@ -186,6 +188,7 @@ class FrameReader:
             reports = wire.check_frame_ranks(frame, member)  # not the ranks it had: read it all
         if frame.exits:
             self.stats.signalled(now)
+        self.stats.reported(member.node_id, frame, now)
         events: list[MembershipEvent] = []
         if not self._finishing_asked and not state.frozen:
             done = next((r for r in reports if r.state == "finished"), None)
@@ -208,14 +211,20 @@ class FrameReader:
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
+            who = f"{rank}(node {member.node_id!r}, local rank {e.local_rank})"
             where = f"in step {e.step}" if e.step else "before any step it reported"
             if e.error.startswith(STATE_LOST):  # the worker library's StateLost (ShardLost): no tier holds the state
-                events.append(Verdict(member.node_id, f"{rank}(node {member.node_id!r}, local rank {e.local_rank}) "
-                                                      f"{where}: {e.error}", "training state lost beyond every tier"))
+                events.append(Verdict(member.node_id, f"{who} {where}: {e.error}", "training state lost beyond every tier"))
+            elif e.error.startswith(REFUSED):
+                events.append(Verdict(member.node_id, f"{who} {where}, refused as every restart would be: {e.error}"))
             elif self.live.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
-                events.append(Verdict(member.node_id, f"{rank}(node {member.node_id!r}, local rank {e.local_rank}) "
-                                                      f"failed again {where} with the same error after a restart: "
-                                                      f"{e.error}"))
+                events.append(Verdict(member.node_id, f"{who} failed again {where} with the same error after a "
+                                                      f"restart: {e.error}"))
+            elif at_start := self.live.all_at_start(member.node_id, e.local_rank, e.error, e.step, state):
+                generation, ranks = at_start
+                events.append(Verdict(member.node_id, f"every rank of generation {generation} ({ranks}) failed "
+                                                      f"{where if e.step else 'before any step'} with the same "
+                                                      f"error: {e.error}"))
             if e.error:
                 how += f": {e.error}"
             if member.kind is NodeKind.PROCESS:

@@ -1,6 +1,7 @@
 """What a job's leader measures of it, for Status (`JobHealth`) and the metrics: frames per second,
 evictions, detection (a failure's first signal to the generation that handled it) and recovery (that
-generation to the step the job had reached before it). Counted as the leader works; never decides."""
+generation to the step the job had reached before it, with the timeline of its phases), and the job
+over time (a ring of samples). Counted as the leader works; never decides."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from muster.v1 import muster_pb2 as pb
 
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 RECENT_RECOVERIES = 10  # kept for Status (the live page's list); the metric keeps the distribution
+HISTORY_SAMPLES = 240  # the job over time (JobHealth.history): full, every other goes and the spacing doubles,
+FIRST_SAMPLE_S = 1.0   # so the whole life fits at any age
 
 
 class LeaderStats:
@@ -37,6 +40,11 @@ class LeaderStats:
         self.last_detection_s = self.last_recovery_s = 0.0
         self._measuring: pb.RecoveryRecord | None = None  # the recovery under way, as Status will show it
         self.recoveries: deque[pb.RecoveryRecord] = deque(maxlen=RECENT_RECOVERIES)
+        self._undelivered: set[str] = set()  # nodes of the measured generation's map that have not reported it
+        self._received: dict[tuple[str, int], int] = {}  # state bytes each rank received in it (frames repeat them)
+        self.restarts = 0  # rank processes that exited
+        self.history: list[pb.HealthSample] = []
+        self._sample_every, self._sampled_at = FIRST_SAMPLE_S, None
 
     def framed(self) -> None:
         self._frame_count += 1
@@ -45,9 +53,36 @@ class LeaderStats:
         """A failure's first sign (an exit reported, or the silence a failure was judged on)."""
         self._signals.append(at)
 
+    def reported(self, node_id: str, frame: pb.NodeFrame, now: float) -> None:
+        """A frame read in full (one that only advances steps carries nothing new here): its exits,
+        and for the recovery under way, its node running the new map and its ranks' reform phases."""
+        self.restarts += len(frame.exits)
+        m = self._measuring
+        if m is None:
+            return
+        under_way = self.recovering is not None and m.generation == self.recovering.generation
+        if under_way and frame.generation >= m.generation and node_id in self._undelivered:
+            self._undelivered.discard(node_id)
+            if not self._undelivered:
+                m.delivered_s = round(now - self.recovering.decided_at, 4)
+        folded = False
+        for r in frame.ranks:
+            p = r.reform
+            if p.generation == m.generation:  # the slowest rank's phases make the timeline
+                m.abort_s, m.form_s = max(m.abort_s, round(p.abort_s, 4)), max(m.form_s, round(p.form_s, 4))
+                m.sync_s, m.transfer_s = max(m.sync_s, round(p.sync_s, 4)), max(m.transfer_s, round(p.transfer_s, 4))
+                self._received[(node_id, r.local_rank)] = p.bytes_received
+                folded = True
+        if folded and m.slowest:
+            # Over already: a rank's phases can come after the others' first steps ended the recovery
+            # (a replacement's agent reports it with its next frame)
+            timeline(m, m.recovery_s, sum(self._received.values()))
+
     def measure(self, now: float, seen: Assessment) -> None:
-        """Frames/s (smoothed, and the metric's count), the first signals of the failures found, and
-        the end of the recovery under way (`Assessment.recovered`, asked of liveness for `recovering`)."""
+        """Frames/s (smoothed, and the metric's count), the first signals of the failures found, the
+        end of the recovery under way (`Assessment.recovered`, asked of liveness for `recovering`),
+        and a sample of the job when one is due."""
+        self._sample(now, seen)
         if self._frame_count > self._frames_reported:
             self._frames.inc(self._frame_count - self._frames_reported)
             self._frames_reported = self._frame_count
@@ -64,10 +99,22 @@ class LeaderStats:
             self.last_recovery_s = took
             self.metrics.recovery.labels(self.job).observe(took)
             if self._measuring is not None and self._measuring.generation == self.recovering.generation:
-                self._measuring.recovery_s = round(took, 4)
-                self.recoveries.append(self._measuring)
+                self.recoveries.append(timeline(self._measuring, took, sum(self._received.values())))
         if over:
             self.recovering = None
+
+    def _sample(self, now: float, seen: Assessment) -> None:
+        if self._sampled_at is not None and now - self._sampled_at < self._sample_every:
+            return
+        self._sampled_at = now
+        rm = seen.state.rank_map
+        world = rm.world_size if rm else 0
+        step_time = seen.median_step_time if world else None  # (sorts 256 floats, once a sample)
+        self.history.append(pb.HealthSample(unix_ms=int(time.time() * 1000), world_size=world, restarts=self.restarts,
+                                            steps_per_second=round(1 / step_time, 2) if step_time else 0.0))
+        if len(self.history) > HISTORY_SAMPLES:
+            del self.history[1::2]  # (the newest kept)
+            self._sample_every *= 2
 
     def adopted(self, d: Decision, now: float, step_before: int) -> None:
         """A decision the leader adopted: its evictions, and a new generation's detection time; the
@@ -86,13 +133,27 @@ class LeaderStats:
                 self.recovering = Recovery(d.state.generation, now, step_before)
                 self._measuring = pb.RecoveryRecord(generation=d.state.generation, detection_s=round(detection, 4),
                                                     decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
+                self._undelivered = {p.node_id for p in d.state.rank_map.placements}
+                self._received = {}
         if d.persist:
             self._signals.clear()
 
     def health(self, live_ranks: int) -> pb.JobHealth:
         return pb.JobHealth(frames_per_second=round(self.frames_per_s, 1), live_ranks=live_ranks,
                             evictions=self.evictions, last_detection_s=round(self.last_detection_s, 4),
-                            last_recovery_s=round(self.last_recovery_s, 4), recent_recoveries=self.recoveries)
+                            last_recovery_s=round(self.last_recovery_s, 4), recent_recoveries=self.recoveries,
+                            history=self.history)
+
+
+def timeline(m: pb.RecoveryRecord, took: float, received: int) -> pb.RecoveryRecord:
+    """`m` over after `took`: the first step is what the phases before it leave (the ranks' phases are
+    durations on their own clocks, one after another from the map's arrival), and the slowest named."""
+    m.recovery_s, m.bytes_moved = round(took, 4), received
+    m.first_step_s = round(max(0.0, took - m.delivered_s - m.abort_s - m.form_s - m.sync_s), 4)
+    phases = {"detected": m.detection_s, "delivered": m.delivered_s, "aborted": m.abort_s, "formed": m.form_s,
+              "moved": m.sync_s, "first_step": m.first_step_s}
+    m.slowest = max(phases, key=phases.get)
+    return m
 
 
 def live_ranks(placements: Sequence[Placement], live: Liveness, now: float, timeout_s: float) -> int:

@@ -9,6 +9,7 @@ import asyncio
 import json
 from collections.abc import Mapping, Set
 
+from muster import version
 from muster.coordinator import status_pages, wire
 from muster.coordinator.coordination import Coordination
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits
@@ -86,7 +87,7 @@ class Runs:
     async def status(self, address: str, job: str, brief: bool, page: status_pages.Page, run: int) -> pb.StatusResponse:
         """The jobs' status as this replica, at `address`, reports it."""
         names = [wire.check_job(job)] if job else sorted(self.jobs)
-        resp = pb.StatusResponse(replica=address)
+        resp = pb.StatusResponse(replica=address, version=version())
         if job and (run or job not in self.jobs):  # a finished run, or the running one
             state = await self._of_run(job, run)
             if state is not None:
@@ -107,7 +108,9 @@ class Runs:
         state = await self._of_run(job, run) if run or job not in self.jobs else None
         if state is None:
             state = leader.state if leader is not None else (await self._persisted(job))[0]
-        return pb.EventsResponse(job=job, run=state.run, events=[wire.event_pb(e) for e in state.history])
+        measured = leader.stats.recoveries if leader is not None and state is leader.state else ()
+        return pb.EventsResponse(job=job, run=state.run, events=[wire.event_pb(e) for e in state.history],
+                                 recoveries=measured)
 
     async def _of_run(self, job: str, run: int) -> JobState | None:
         """A finished run's final state: `run`, or at 0 the latest retained one of a name with no

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from muster import logs, rank_logs
+from muster import logs, rank_logs, version
 from muster.terminal import escaped
 from muster.json_output import as_json, status_document
 from muster.net import address_towards, is_loopback, split_host_port
@@ -228,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"muster run: {note}", file=sys.stderr)
     if job != args.job:
         print(f"muster run: job id {args.job!r} is job {job!r} at the coordinator (its names are 1-63 of "
-              "[a-z0-9._-]; `muster status --job` takes either)", file=sys.stderr)
+              "[a-z0-9._-]; `muster status JOB` takes either)", file=sys.stderr)
     max_restarts = args.max_restarts if args.max_restarts is not None else launch.max_restarts
     node_id = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     if args.log_dir:  # the agent's own lines beside its ranks', for `muster logs`, from its Join on
@@ -294,7 +294,7 @@ def _secret_file(path: str, flag: str) -> str:
 
 
 def _job(args: argparse.Namespace) -> str:
-    """--job as given, or as the coordinator names it (`muster run` maps ids such as `MyRun`)."""
+    """The job as given, or as the coordinator names it (`muster run` maps ids such as `MyRun`)."""
     from muster.worker.agent.launch import job_name
 
     return job_name(args.job) if args.job else ""
@@ -348,12 +348,12 @@ def _status(args: argparse.Namespace) -> int:
 
     job = _job(args)
     if (args.node or args.page_token) and not job:
-        raise ValueError("--node and --page-token need --job")
+        raise ValueError("--node and --page-token need the job: muster status JOB ...")
     if args.page_size < 0:
         raise ValueError("--page-size must be at least 0")
     states = [s.strip() for s in args.states.split(",") if s.strip()] if args.states else []
     if args.run and not job:
-        raise ValueError("--run needs --job")
+        raise ValueError("--run needs the job: muster status JOB --run N")
     request = pb.StatusRequest(job=job, page_size=args.page_size, page_token=args.page_token or "",
                                node=args.node or "", states=states, run=args.run)
     if not args.watch:
@@ -369,9 +369,9 @@ def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
     if args.json:
         return [json.dumps(doc, indent=None if args.watch else 2)]
     jobs = doc["jobs"]
+    out = [f"replica {doc['replica']}  muster {doc['version'] or '-'}"]  # (a replica before versions says none)
     if not jobs:
-        return ["no jobs"]
-    out = []
+        return out + ["no jobs"]
     for j in jobs:
         live = f"  phase {j['phase']}" if j["outcome"] == "running" else ""
         out.append(f"job {j['name']}  run {j['run']}  {j['outcome']}  leader {j['leader'] or '-'}  term {j['term']}  "
@@ -460,6 +460,8 @@ def _events(args: argparse.Namespace) -> int:
         else:
             for e in response.events:
                 print(_event_line(e))
+            for r in response.recoveries:
+                print(_recovery_line(r))
         return 0
     with _coordinators(args) as coordinators:
         return _follow_events(args, request, coordinators)
@@ -506,8 +508,18 @@ def _event_line(e) -> str:
                    f"{','.join(e.nodes):<24} {e.reason}")
 
 
+def _recovery_line(r) -> str:
+    """A recovery's timeline (RecoveryRecord), its phases in order and the slowest named."""
+    rate = f" {r.bytes_moved / r.transfer_s / (1 << 20):.1f} MiB/s" if r.transfer_s and r.bytes_moved else ""
+    return (f"recovery g{r.generation} {'planned' if r.planned else 'after a failure'}: {r.recovery_s:.3f}s "
+            f"(detected {r.detection_s:.3f}s, decided {_when(r.decided_unix_ms)}, maps delivered {r.delivered_s:.3f}s, "
+            f"old group aborted {r.abort_s:.3f}s, new group formed {r.form_s:.3f}s, state moved {r.sync_s:.3f}s "
+            f"{r.bytes_moved / (1 << 20):.1f} MiB{rate}, first step {r.first_step_s:.3f}s); slowest: {r.slowest}")
+
+
 def _when(unix_ms: int | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_ms / 1000)) if unix_ms else "-"
+    """A moment in the local time, with its offset (hosts and readers may be in other zones)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(unix_ms / 1000)) if unix_ms else "-"
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -517,12 +529,12 @@ def _jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(response), indent=2))
         return 0
-    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STEP':>9} {'STEP/S':>7} {'STARTED':<19} "
-          f"{'ENDED':<19} REASON")
+    print(f"{'JOB':<24} {'RUN':>4} {'OUTCOME':<10} {'WORLD':>6} {'GEN':>5} {'STEP':>9} {'STEP/S':>7} {'STARTED':<25} "
+          f"{'ENDED':<25} REASON")
     for j in response.jobs:
         rate = f"{j.steps_per_second:.1f}" if j.steps_per_second else "-"
         print(f"{j.name:<24} {j.run:>4} {j.outcome:<10} {j.world_size:>6} {j.generation:>5} {j.step or '-':>9} "
-              f"{rate:>7} {_when(j.started_unix_ms):<19} {_when(j.ended_unix_ms):<19} {escaped(j.reason)}")
+              f"{rate:>7} {_when(j.started_unix_ms):<25} {_when(j.ended_unix_ms):<25} {escaped(j.reason)}")
     return 0
 
 
@@ -653,15 +665,6 @@ def _print_logs(args, node: str, slot: int | None, lines: list[str]) -> None:
 DEFAULT_ADDRESS = "127.0.0.1:7600"  # where `muster serve` listens, and where the other verbs look, by default
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch-muster")
-    except PackageNotFoundError:  # (run from a checkout that was never installed)
-        return "unknown (not installed)"
-
-
 class OneLineParser(argparse.ArgumentParser):
     """Bad input is one line naming the flag, and exit status 2: not the usage, which buries it."""
 
@@ -723,9 +726,14 @@ def _coordinator_flag(p: argparse.ArgumentParser) -> None:
                                          f"else {DEFAULT_ADDRESS})")
 
 
-def _job_flag(p: argparse.ArgumentParser, required: bool, help: str) -> None:
-    """--job, else $MUSTER_JOB (checked after parsing: a flag the environment supplies is not missing)."""
-    p.add_argument("--job", help=help)
+def _job_flag(p: argparse.ArgumentParser, required: bool, help: str, positional: bool = True) -> None:
+    """The job: JOB, positional, with --job kept as an alias (every client verb names it the same way),
+    else $MUSTER_JOB (checked after parsing: a job the environment supplies is not missing)."""
+    if positional:
+        p.add_argument("job", nargs="?", metavar="JOB", help=help)
+        p.add_argument("--job", dest="job_option", metavar="JOB", help="the same as JOB")
+    else:
+        p.add_argument("--job", help=help)
     p.set_defaults(job_required=required)
 
 
@@ -735,15 +743,20 @@ def _from_environment(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         args.coordinator_from = ("--coordinator" if args.coordinator else "$MUSTER_COORDINATOR"
                                  if os.environ.get("MUSTER_COORDINATOR") else "the default")
         args.coordinator = args.coordinator or os.environ.get("MUSTER_COORDINATOR") or DEFAULT_ADDRESS
+    if getattr(args, "job_option", None):
+        if args.job and args.job != args.job_option:
+            p.exit(2, f"muster {args.verb}: the job is named twice, {args.job!r} and --job {args.job_option!r}\n")
+        args.job = args.job_option
     if "job" in args and args.job is None:
         args.job = os.environ.get("MUSTER_JOB") or None
         if args.job is None and getattr(args, "job_required", False):
-            p.exit(2, f"muster {args.verb}: --job is required (or set MUSTER_JOB)\n")
+            named = "--job JOB" if "job_option" not in args else "JOB"
+            p.exit(2, f"muster {args.verb}: the job is required: muster {args.verb} {named} (or set MUSTER_JOB)\n")
 
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="muster", description="Elastic rendezvous and heartbeat coordinator for PyTorch.")
-    p.add_argument("-V", "--version", action="version", version=f"muster {_version()}")
+    p.add_argument("-V", "--version", action="version", version=f"muster {version()}")
     _log_flags(p, default=True)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -916,7 +929,7 @@ def _run_parser(sub) -> None:
                                    "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])",
                        epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _coordinator_flag(r)
-    _job_flag(r, True, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no coordinator job "
+    _job_flag(r, True, positional=False, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no coordinator job "
                             "name, e.g. MyRun, becomes myrun-HASH; default $MUSTER_JOB)")
     r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
     r.add_argument("--slots", type=positive_int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
@@ -991,10 +1004,8 @@ def _client_parsers(sub) -> None:
                             "(muster run --log-dir)")):
         q = sub.add_parser(name, help=helptext)
         _coordinator_flag(q)
-        if name in ("stop", "delete", "logs"):
-            q.add_argument("job", help="the job's name")
-        else:
-            _job_flag(q, name in ("events", "drain"), help="the job's name (default $MUSTER_JOB)")
+        _job_flag(q, name not in ("status", "jobs"), help="the job's name (default $MUSTER_JOB)" + (
+            "; without it every job" if name in ("status", "jobs") else ""))
         if name in ("status", "events", "delete", "logs"):
             q.add_argument("--run", type=int, default=0, help="a finished run of the job (default: the running one, "
                            "else the latest)" if name != "delete" else "only this run (default: every retained run)")
@@ -1028,7 +1039,7 @@ def _client_parsers(sub) -> None:
             q.add_argument("--page-size", type=int, default=0, help="ranks per page (default 1000, at most 5000)")
             q.add_argument("--page-token", help="the page after the one that printed it")
             q.add_argument("--all", action="store_true", help="every page: all ranks of the job")
-            q.add_argument("--node", help="only this node's ranks (with --job)")
+            q.add_argument("--node", help="only this node's ranks (with JOB)")
             q.add_argument("--states", help="only ranks in these states, comma-separated (e.g. exited,unknown)")
         _client_security_flags(q)
         q.set_defaults(func=func, verb=name)

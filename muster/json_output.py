@@ -44,5 +44,5 @@ def status_document(response, job: str = "") -> dict:
     `job` (null without it), and every job shown."""
     jobs = [as_json(j) for j in response.jobs]
     named = next((j for j in jobs if j["name"] == job), None) if job else None
-    return {"replica": response.replica, "leader": named["leader"] if named else None,
+    return {"replica": response.replica, "version": response.version, "leader": named["leader"] if named else None,
             "term": named["term"] if named else None, "jobs": jobs}

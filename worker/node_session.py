@@ -51,7 +51,7 @@ def shape(frame: pb.NodeFrame) -> tuple:
     """What a frame reports but its ranks' steps, step and compute times and heard_ms_ago
     (`NodeFrame.steps_only`)."""
     return (frame.term, frame.generation, [(r.local_rank, r.pid, r.state, r.phase, r.generation, r.digest_step,
-                                            r.digest, r.restarts, r.snapshot_every, r.snapshot_bytes)
+                                            r.digest, r.restarts, r.snapshot_every, r.snapshot_bytes, r.reform.generation)
                                            for r in frame.ranks])
 
 

@@ -21,8 +21,83 @@ function el(tag, attrs, ...children) {
   return e;
 }
 
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs, ...children) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attrs || {})) e.setAttribute(name, String(value));
+  for (const c of children) e.append(c instanceof Node ? c : String(c));
+  return e;
+}
+
+function seconds(s) {
+  return s.toFixed(3) + " s";
+}
+
+function bytes(n) {
+  return n >= 1048576 ? (n / 1048576).toFixed(1) + " MiB" : n >= 1024 ? (n / 1024).toFixed(1) + " KiB" : n + " B";
+}
+
+// One series of the job's history (JobHealth.history, oldest first) as a line over time.
+function chart(title, samples, value, id) {
+  const w = 360, h = 110, left = 44, bottom = 18, top = 8;
+  const t0 = samples[0].unix_ms, span = Math.max(1, samples[samples.length - 1].unix_ms - t0);
+  const most = Math.max(1e-9, ...samples.map(value));
+  const x = (s) => left + ((s.unix_ms - t0) / span) * (w - left - 4);
+  const y = (s) => top + (1 - value(s) / most) * (h - top - bottom);
+  const points = samples.map((s) => x(s).toFixed(1) + "," + y(s).toFixed(1)).join(" ");
+  const last = value(samples[samples.length - 1]);
+  return el("figure", { class: "chart", id: id },
+    el("figcaption", {}, title, " ", el("b", {}, Number.isInteger(last) ? last : last.toFixed(1))),
+    svg("svg", { width: w, height: h, viewBox: "0 0 " + w + " " + h, role: "img" },
+      svg("line", { x1: left, y1: h - bottom, x2: w, y2: h - bottom, class: "axis" }),
+      svg("line", { x1: left, y1: top, x2: left, y2: h - bottom, class: "axis" }),
+      svg("text", { x: left - 4, y: top + 8, "text-anchor": "end" }, Number.isInteger(most) ? most : most.toFixed(1)),
+      svg("text", { x: left - 4, y: h - bottom, "text-anchor": "end" }, "0"),
+      svg("text", { x: left, y: h - 4 }, new Date(t0).toLocaleTimeString()),
+      svg("text", { x: w - 4, y: h - 4, "text-anchor": "end" }, new Date(t0 + span).toLocaleTimeString()),
+      svg("polyline", { points: points, class: "series" })));
+}
+
+// A recovery's phases (RecoveryRecord) one after another, to scale, the slowest marked.
+const PHASES = [
+  ["detected", "detected", (r) => r.detection_s],
+  ["delivered", "maps delivered", (r) => r.delivered_s],
+  ["aborted", "old group aborted", (r) => r.abort_s],
+  ["formed", "new group formed", (r) => r.form_s],
+  ["moved", "state moved", (r) => r.sync_s],
+  ["first_step", "first step", (r) => r.first_step_s],
+];
+
+function timeline(r) {
+  const w = 720, h = 22;
+  const total = PHASES.reduce((sum, [, , d]) => sum + d(r), 0) || 1;
+  const bar = svg("svg", { width: w, height: h, viewBox: "0 0 " + w + " " + h, role: "img" });
+  let at = 0;
+  for (const [key, name, d] of PHASES) {
+    const width = (d(r) / total) * w;
+    if (width > 0) {
+      bar.append(svg("rect", { x: at.toFixed(1), y: 0, width: width.toFixed(1), height: h,
+        class: "phase-" + key + (r.slowest === key ? " slowest" : "") }, svg("title", {}, name + " " + seconds(d(r)))));
+    }
+    if (key === "detected") bar.append(svg("line", { x1: at + width, y1: 0, x2: at + width, y2: h, class: "decided" }));
+    at += width;
+  }
+  const legend = PHASES.map(([key, name, d]) => {
+    const moved = key === "moved" && r.bytes_moved
+      ? " (" + bytes(r.bytes_moved) + (r.transfer_s ? ", " + bytes(r.bytes_moved / r.transfer_s) + "/s" : "") + ")" : "";
+    return el("li", { class: "phase-" + key + (r.slowest === key ? " slowest" : "") }, name, " ", seconds(d(r)), moved);
+  });
+  legend.splice(1, 0, el("li", { class: "decided" }, "decided ", when(r.decided_unix_ms)));
+  return el("div", { class: "recovery", id: "recovery-" + r.generation },
+    el("p", {}, "Generation ", r.generation, r.planned ? " (planned)" : "", ": every rank stepping ",
+      seconds(r.recovery_s), " after the decision; slowest: ",
+      el("b", { class: "slowest-name" }, PHASES.find(([key]) => key === r.slowest)[1])),
+    bar, el("ul", { class: "legend" }, ...legend));
+}
+
 function when(ms) {
-  return ms === null ? "-" : new Date(ms).toLocaleString();
+  return ms === null ? "-" : new Date(ms).toLocaleString(undefined, { timeZoneName: "short" });
 }
 
 function table(headers, rows) {
@@ -84,13 +159,19 @@ function jobView(doc) {
       el("span", {}, "evictions ", h.evictions),
       el("span", {}, "last failure detected in ", h.last_detection_s.toFixed(3), " s"),
       el("span", {}, "last recovery took ", h.last_recovery_s.toFixed(3), " s")));
+    if (h.history.length > 1) {
+      out.push(el("h2", {}, "Over time"), el("div", { class: "charts" },
+        chart("world size", h.history, (s) => s.world_size, "chart-world-size"),
+        chart("steps/s", h.history, (s) => s.steps_per_second, "chart-steps"),
+        chart("restarts", h.history, (s) => s.restarts, "chart-restarts")));
+    }
     if (h.recent_recoveries.length) {
       out.push(el("h2", {}, "Recent recoveries (newest first)"), table(
-        ["generation", "decided", "failure detected in", "recovered in"],
+        ["generation", "decided", "failure detected in", "recovered in", "slowest phase"],
         h.recent_recoveries.slice().reverse().map((r) => ({
           cells: [r.generation, when(r.decided_unix_ms),
-            r.planned ? "planned" : r.detection_s.toFixed(3) + " s", r.recovery_s.toFixed(3) + " s"],
-        }))));
+            r.planned ? "planned" : r.detection_s.toFixed(3) + " s", r.recovery_s.toFixed(3) + " s", r.slowest],
+        }))), ...h.recent_recoveries.slice().reverse().map(timeline));
     }
   }
   out.push(el("h2", {}, "Ranks"), table(

@@ -44,6 +44,18 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
     generation = b.steps(0)[-1]["generation"]
     os.kill(pids[(b, 0)][-1], signal.SIGKILL)
     wait_until(lambda: len(b.rank_pids(0)) == len(pids[(b, 0)]) + 1, 20, "the agent starts a replacement")
+
+    def timelines():  # the recoveries as `events --json` gives them, each with the ranks' phases
+        out = subprocess.run([sys.executable, "-m", "muster.cli", "events", "agents", "--coordinator", leader.address,
+                              "--json"], capture_output=True, text=True, timeout=30)
+        return [r for r in json.loads(out.stdout)["recoveries"] if r["generation"] > generation]
+
+    # the kill's (survivors abort and re-form as 3), then the replacement's (it receives the state)
+    wait_until(lambda: len(timelines()) >= 2, 60, "both recoveries measured")
+    killed, rejoined = timelines()[:2]
+    assert not killed["planned"] and killed["detection_s"] > 0 and killed["delivered_s"] > 0
+    assert killed["abort_s"] > 0 and killed["form_s"] > 0 and killed["slowest"]
+    assert rejoined["planned"] and rejoined["bytes_moved"] > 0 and rejoined["transfer_s"] > 0
     for n in (a, b):
         assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
     for (n, slot), before in pids.items():

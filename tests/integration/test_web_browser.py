@@ -1,8 +1,9 @@
 """The live page in a real headless browser (Debian's chromium and its chromedriver, driven by
 Selenium; .ci/run installs them) against a live deployment: the token asked for, a throttled rank
-shown as a straggler, a killed rank's new generation (0.9 s here; 5 s allowed), a stop's outcome,
-and markup a rank reports shown as text. A screenshot of each state is kept beside the test's
-files (pytest's tmp_path) and named in the output."""
+shown as a straggler, a killed rank's new generation (0.9 s here; 5 s allowed), the job drawn over
+time and the recovery drawn as a timeline of its phases, a stop's outcome, and markup a rank
+reports shown as text. A screenshot of each state is kept beside the test's files (pytest's
+tmp_path) and named in the output."""
 
 import asyncio
 import os
@@ -26,7 +27,9 @@ MARKUP = '<img id="injected" src="x">'  # a rank's phase: free text, up to 128 c
 
 
 class Reporting(SimulatedNode):
-    """Reports each running rank's compute, `slow` ones three times the others', and a phase."""
+    """Reports each running rank's compute, `slow` ones three times the others', a phase, and the
+    phases of its reform into the generation it runs, as the worker library does (a slow state
+    transfer: 4 MiB in 0.4 s)."""
 
     def __init__(self, *args, slow=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -38,6 +41,8 @@ class Reporting(SimulatedNode):
             if r.state == pb.RANK_STATE_RUNNING:
                 r.compute_us = 60_000 if r.local_rank in self.slow else 20_000
                 r.phase = MARKUP
+                r.reform.CopyFrom(pb.ReformPhases(generation=self.generation, abort_s=0.01, form_s=0.05, sync_s=0.45,
+                                                  transfer_s=0.4, bytes_received=4 << 20))
         return reports
 
 
@@ -111,7 +116,19 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             print(f"new generation on the page {time.monotonic() - killed:.2f}s after the kill")
             recovered = await asyncio.to_thread(shown, page, "main", lambda t: "Recent recoveries" in t, 5,
                                                 "the recovery listed")
-            assert re.search(rf"\n{before + 1} .* \d\.\d{{3}} s \d\.\d{{3}} s\n", recovered), recovered  # failed, not planned
+            assert re.search(rf"\n{before + 1} .* \d\.\d{{3}} s \d\.\d{{3}} s moved\n", recovered), recovered  # failed, not planned
+            # its timeline, the ranks' slowest phase (the state's transfer) named, with bytes and rate
+            drawn = page.find_element(By.ID, f"recovery-{before + 1}")
+            assert drawn.find_element(By.CSS_SELECTOR, ".slowest-name").text == "state moved"
+            assert "state moved 0.450 s (12.0 MiB, 30.0 MiB/s)" in drawn.text, drawn.text  # the 3 ranks left x 4 MiB
+            for phase in ("detected", "maps delivered", "old group aborted", "new group formed", "first step"):
+                assert phase in drawn.text
+            for phase in ("aborted", "formed", "moved"):  # (each a bar to scale; one of no time has none)
+                assert drawn.find_elements(By.CSS_SELECTOR, f"svg rect.phase-{phase}"), phase
+            # the job over time: world size, steps/s and restarts (the kill's, once sampled), each a line
+            await asyncio.to_thread(shown, page, "#chart-restarts b", lambda t: t == "1", 5, "the restart drawn")
+            for chart in ("chart-world-size", "chart-steps", "chart-restarts"):
+                assert page.find_element(By.CSS_SELECTOR, f"#{chart} svg polyline").get_attribute("points").count(",") > 1
             keep("killed")
             with Coordinators([replica.address], security=ClientSecurity(OPERATOR)) as c:
                 await asyncio.to_thread(c.call, "Stop", pb.StopRequest(job=JOB, reason="stopped from the test"))

@@ -167,6 +167,7 @@ class Worker:
         # Under an agent this rank is one of its node's slots; alone, it is a one-slot node.
         self._slot = config.local_rank if config.agent_socket else 0
         self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
+        self._reformed = pb.ReformPhases()  # the last reform's, in every report: the leader's recovery timeline
         self._error: WorkerError | None = None
         self._error_seen = threading.Event()  # the training thread has raised it
         self._plan: Reform | None = None  # how this rank reforms (once started)
@@ -456,6 +457,7 @@ class Worker:
         if latest is not None and latest.generation > spec.generation:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
+        self._reformed = reform_phases(spec.generation, formed.phases, sync.received)
         if sync.tier != "live" or lost or sync.role == "receiver" and sync.step > 0:
             # A recovery: which tier restored which step, the steps this rank lost, the time it took
             self.recoveries.append({"generation": spec.generation, "tier": sync.tier if sync.tier != "live" else "replica",
@@ -525,7 +527,7 @@ class Worker:
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation, compute_us=self._scope.compute.compute_us(),
-                              snapshot_every=every, snapshot_bytes=held)]
+                              snapshot_every=every, snapshot_bytes=held, reform=self._reformed)]
 
 
 def at_step(exc: BaseException, step: int) -> BaseException:
@@ -547,6 +549,13 @@ def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **
              step=sync.step, store=spec.store_address, **logged, **moved,
              **{k: round(v, 4) for k, v in phases.items()})
     return {"generation": spec.generation, "step": sync.step, **moved, **phases}
+
+
+def reform_phases(generation: int, phases: dict[str, float], received: int) -> pb.ReformPhases:
+    """A reform's phases as the rank reports them (its leader draws the recovery's timeline from them)."""
+    return pb.ReformPhases(generation=generation, abort_s=phases["abort_s"] + phases["destroy_s"],
+                           form_s=phases["form_s"], sync_s=phases["sync_s"], transfer_s=phases["transfer_s"],
+                           bytes_received=received)
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],

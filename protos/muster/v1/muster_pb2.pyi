@@ -132,7 +132,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., switch_at_step: _Optional[int] = ...) -> None: ...
 
 class RankReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation", "compute_us", "restarts", "snapshot_every", "snapshot_bytes")
+    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation", "compute_us", "restarts", "snapshot_every", "snapshot_bytes", "reform")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class RankReport(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFORM_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     step: int
@@ -161,7 +162,24 @@ class RankReport(_message.Message):
     restarts: int
     snapshot_every: int
     snapshot_bytes: int
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+    reform: ReformPhases
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reform: _Optional[_Union[ReformPhases, _Mapping]] = ...) -> None: ...
+
+class ReformPhases(_message.Message):
+    __slots__ = ("generation", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_received")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_S_FIELD_NUMBER: _ClassVar[int]
+    FORM_S_FIELD_NUMBER: _ClassVar[int]
+    SYNC_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    abort_s: float
+    form_s: float
+    sync_s: float
+    transfer_s: float
+    bytes_received: int
+    def __init__(self, generation: _Optional[int] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
     __slots__ = ("local_rank", "pid", "exit_code", "restarting", "error", "step")
@@ -403,42 +421,74 @@ class JobSummary(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., spares: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class JobHealth(_message.Message):
-    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s", "recent_recoveries")
+    __slots__ = ("frames_per_second", "live_ranks", "evictions", "last_detection_s", "last_recovery_s", "recent_recoveries", "history")
     FRAMES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_DETECTION_S_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     RECENT_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     frames_per_second: float
     live_ranks: int
     evictions: int
     last_detection_s: float
     last_recovery_s: float
     recent_recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
-    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ..., recent_recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ...) -> None: ...
+    history: _containers.RepeatedCompositeFieldContainer[HealthSample]
+    def __init__(self, frames_per_second: _Optional[float] = ..., live_ranks: _Optional[int] = ..., evictions: _Optional[int] = ..., last_detection_s: _Optional[float] = ..., last_recovery_s: _Optional[float] = ..., recent_recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HealthSample, _Mapping]]] = ...) -> None: ...
+
+class HealthSample(_message.Message):
+    __slots__ = ("unix_ms", "world_size", "steps_per_second", "restarts")
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    unix_ms: int
+    world_size: int
+    steps_per_second: float
+    restarts: int
+    def __init__(self, unix_ms: _Optional[int] = ..., world_size: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class RecoveryRecord(_message.Message):
-    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned")
+    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned", "delivered_s", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_moved", "first_step_s", "slowest")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETECTION_S_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     PLANNED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_S_FIELD_NUMBER: _ClassVar[int]
+    ABORT_S_FIELD_NUMBER: _ClassVar[int]
+    FORM_S_FIELD_NUMBER: _ClassVar[int]
+    SYNC_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     decided_unix_ms: int
     detection_s: float
     recovery_s: float
     planned: bool
-    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
+    delivered_s: float
+    abort_s: float
+    form_s: float
+    sync_s: float
+    transfer_s: float
+    bytes_moved: int
+    first_step_s: float
+    slowest: str
+    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ..., delivered_s: _Optional[float] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., first_step_s: _Optional[float] = ..., slowest: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("replica", "jobs")
+    __slots__ = ("replica", "jobs", "version")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     replica: str
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
-    def __init__(self, replica: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+    version: str
+    def __init__(self, replica: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("job", "run")
@@ -467,14 +517,16 @@ class Event(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., term: _Optional[int] = ..., time_unix_ms: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class EventsResponse(_message.Message):
-    __slots__ = ("job", "events", "run")
+    __slots__ = ("job", "events", "run", "recoveries")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     job: str
     events: _containers.RepeatedCompositeFieldContainer[Event]
     run: int
-    def __init__(self, job: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., run: _Optional[int] = ...) -> None: ...
+    recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
+    def __init__(self, job: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., run: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ...) -> None: ...
 
 class JobsRequest(_message.Message):
     __slots__ = ("job",)

@@ -1,0 +1,34 @@
+"""What a leader keeps of a job for the page: the job over time in a bounded ring, and each
+recovery's timeline with its slowest phase."""
+
+import pytest
+
+from muster.coordinator.core.liveness import Liveness
+from muster.coordinator.leader_stats import HISTORY_SAMPLES, LeaderStats, timeline
+from muster.coordinator.metrics import Metrics
+from muster.v1 import muster_pb2 as pb
+
+from test_liveness import TIMING, job, report
+
+
+@pytest.mark.timeout(60)
+def test_the_history_keeps_the_whole_life_in_a_bounded_ring():
+    state, live = job(), Liveness(TIMING, now=0)
+    stats = LeaderStats("job", Metrics(), now=0)
+    for second in range(20_000):  # five and a half hours, a tally a second
+        live.observe("n0", 1, report(second + 1), second)
+        stats.measure(second, live.assess(state, second))
+    assert HISTORY_SAMPLES // 2 <= len(stats.history) <= HISTORY_SAMPLES  # never more, whatever the age
+    assert stats._sample_every == 128  # the spacing doubled as the ring filled (1 s at first)
+    # (the first sample came before any step was timed; then 50 ms steps)
+    assert {(s.world_size, s.steps_per_second) for s in stats.history[1:]} == {(2, 20.0)}
+
+
+def test_a_timeline_names_its_slowest_phase_and_the_first_step_is_what_the_rest_leave():
+    def record():
+        return pb.RecoveryRecord(detection_s=0.1, delivered_s=0.05, abort_s=0.02, form_s=0.3, sync_s=0.1)
+
+    slow_start = timeline(record(), 1.0, 4 << 20)
+    assert (slow_start.first_step_s, slow_start.slowest, slow_start.bytes_moved) == (0.53, "first_step", 4 << 20)
+    quick = timeline(record(), 0.4, 0)  # the ranks' phases are their own clocks': never a negative rest
+    assert (quick.recovery_s, quick.first_step_s, quick.slowest) == (0.4, 0.0, "formed")
