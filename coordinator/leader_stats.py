@@ -31,6 +31,7 @@ class LeaderStats:
     def __init__(self, job: str, metrics: Metrics, now: float):
         self.job = job
         self.metrics = metrics
+        metrics.started(job, EVICTIONS)
         self._frames = metrics.frames.labels(job)
         self._frame_count, self._rate_at, self.frames_per_s = 0, now, 0.0  # counted per frame, reported per tally
         self._frames_reported = 0

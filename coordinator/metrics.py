@@ -35,6 +35,7 @@ WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 # As Go servers' read-header and idle timeouts: a connection that sends no whole request (or
 # handshake) within it is closed, so an idle one holds its thread no longer.
 IDLE_TIMEOUT_S = 10.0
+OUTCOMES = ("succeeded", "failed", "stopped")  # a run's (muster_runs_ended_total)
 MAX_CONNECTIONS = 64  # open at once; a new one beyond is closed unanswered (browsers, scrapes, probes need few)
 
 
@@ -50,6 +51,7 @@ class JobGauges:
     world_size: int = 0
     spares: int = 0
     stragglers: int = 0  # ranks named stragglers now
+    steps_per_second: float = 0.0  # the job's median step time, inverted (0: none measured)
 
 
 class Metrics:
@@ -69,8 +71,18 @@ class Metrics:
                                   buckets=RECOVERY_BUCKETS, registry=r)
         # By outcome only: a per-job label would grow with every job the deployment ever ran.
         self.runs_ended = Counter("muster_runs_ended", "Runs of jobs that ended, by outcome", ["outcome"], registry=r)
+        for outcome in OUTCOMES:  # each at zero from the start
+            self.runs_ended.labels(outcome)
         self.etcd_write = Histogram("muster_etcd_write_seconds", "Fenced job state writes to etcd",
                                     buckets=WRITE_BUCKETS, registry=r)
+
+    def started(self, job: str, reasons: Iterable[str]) -> None:
+        """The job's labelled series at zero from its leader's start, every eviction `reasons` too: a
+        panel or a rate() over them reads 0 rather than "No data" until a first event."""
+        for metric in (self.frames, self.generations, self.detection, self.recovery):
+            metric.labels(job)
+        for reason in reasons:
+            self.evictions.labels(job, reason)
 
     def forget(self, job: str) -> None:
         """Drop the job's labelled series (its run ended): what a replica exports stays bounded."""
@@ -101,12 +113,15 @@ class _GaugeCollector:
             "spares": GaugeMetricFamily("muster_spare_nodes", "Member nodes the map does not use", labels=["job"]),
             "stragglers": GaugeMetricFamily("muster_stragglers", "Ranks whose compute is persistently above the "
                                             "job's median (--straggler-factor)", labels=["job"]),
+            "steps_per_second": GaugeMetricFamily("muster_steps_per_second", "The job's training steps per second "
+                                                  "(its median step time, inverted; 0 without steps measured)",
+                                                  labels=["job"]),
         }
         for g in self.gauges():
             families["leader"].add_metric([g.job], 1 if g.led else 0)
             if not g.led:
                 continue
-            for name in ("term", "generation", "live_ranks", "world_size", "spares", "stragglers"):
+            for name in ("term", "generation", "live_ranks", "world_size", "spares", "stragglers", "steps_per_second"):
                 families[name].add_metric([g.job], getattr(g, name))
         ready = GaugeMetricFamily("muster_ready", "1 while this replica holds a live etcd session")
         ready.add_metric([], 1 if self.ready() else 0)

@@ -42,10 +42,12 @@ class Runs:
                 found.append(JobGauges(job, led=False))
                 continue
             s = leader.state
+            world = s.rank_map.world_size if s.rank_map else 0
+            step_time = leader.live.median_step_time() if world else None  # (a sort of 256 floats)
             found.append(JobGauges(job, led=True, term=leader.term, generation=s.generation,
-                                   live_ranks=leader.live_ranks(),
-                                   world_size=s.rank_map.world_size if s.rank_map else 0, spares=len(s.spares),
-                                   stragglers=len(leader.stragglers.named)))
+                                   live_ranks=leader.live_ranks(), world_size=world, spares=len(s.spares),
+                                   stragglers=len(leader.stragglers.named),
+                                   steps_per_second=round(1 / step_time, 3) if step_time else 0.0))
         return found
 
     async def admit(self, job: str, requested: JobSpec) -> None:

@@ -52,6 +52,12 @@ def test_metrics_and_probes_follow_a_job_through_a_silent_node(coordinators):
             for n in nodes:
                 await n.wait_for(lambda x: x.assignment().role == pb.ROLE_ACTIVE, 10, "first map")
             g = nodes[0].assignment().generation
+            # every labelled series from the job's start, at zero until its first event (no "No data")
+            before = await asyncio.to_thread(scrape, metrics[nodes[0].leader])
+            silent = (("job", "observed"), ("reason", "node_silent"))
+            assert (before[("muster_recovery_seconds_count", job)], before[("muster_detection_seconds_count", job)],
+                    before[("muster_evictions_total", silent)]) == (0, 0, 0)
+            assert before[("muster_runs_ended_total", (("outcome", "failed"),))] == 0
             nodes[2].silent = True
             await nodes[0].wait_for(lambda x: x.assignment().generation > g, 10, "next generation")
             leader = nodes[0].leader
@@ -78,6 +84,7 @@ def test_metrics_and_probes_follow_a_job_through_a_silent_node(coordinators):
     assert at_leader[("muster_world_size", job)] == 4 and at_leader[("muster_live_ranks", job)] == 4
     assert at_leader[("muster_generation", job)] >= 2 and at_leader[("muster_term", job)] > 0
     assert at_leader[("muster_frames_total", job)] > 10
+    assert at_leader[("muster_steps_per_second", job)] == 20  # its nodes report 50 ms steps
     assert at_leader[("muster_evictions_total", (("job", "observed"), ("reason", "node_silent")))] == 1
     assert at_leader[("muster_detection_seconds_count", job)] >= 1
     assert at_leader[("muster_recovery_seconds_count", job)] >= 1

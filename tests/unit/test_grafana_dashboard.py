@@ -23,7 +23,8 @@ def exported() -> dict[str, tuple[str, set[str]]]:
     m.recovery.labels("j").observe(0.5)
     m.runs_ended.labels("succeeded").inc()
     m.etcd_write.observe(0.002)
-    m.watch(lambda: [JobGauges("j", led=True, term=2, generation=3, live_ranks=4, world_size=4)], lambda: True)
+    m.watch(lambda: [JobGauges("j", led=True, term=2, generation=3, live_ranks=4, world_size=4, steps_per_second=9.5)],
+            lambda: True)
     names: dict[str, tuple[str, set[str]]] = {}
     for family in text_string_to_metric_families(m.exposition().decode()):
         if family.name.endswith("_created"):  # prometheus_client's creation times, not Muster's metrics

@@ -50,6 +50,28 @@ def test_an_unmodified_scripts_steps_and_compute_are_measured_from_its_first_opt
     assert 15_000 <= step_time_us < 200_000 and 10_000 <= compute_us < step_time_us, (step_time_us, compute_us)
 
 
+RESUMED = """
+import torch
+model = torch.nn.Linear(8, 1)
+adam = torch.optim.Adam(model.parameters())
+model(torch.randn(4, 8)).sum().backward()
+adam.step()
+saved = adam.state_dict()
+saved["state"][0]["step"] = torch.tensor(41.0)  # a checkpoint of step 41, as a restarted rank loads it
+adam.load_state_dict(saved)
+for _ in range(3):
+    model(torch.randn(4, 8)).sum().backward()
+    adam.step()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_script_reports_its_own_step_where_its_optimizer_keeps_one(tmp_path):
+    done, steps = run_rank(tmp_path, RESUMED)
+    assert done.returncode == 0, done.stderr
+    assert steps.read()[0] == 44  # Adam's step from the checkpoint, not the process's 4 (SGD keeps none: above)
+
+
 @pytest.mark.timeout(60)
 def test_a_library_rank_removes_the_probe_and_a_script_without_torch_is_untouched(tmp_path):
     done, steps = run_rank(tmp_path, TRAIN.format(before="from muster.worker.agent import step_probe; step_probe.detach()"))

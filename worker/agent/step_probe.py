@@ -3,7 +3,10 @@
 Under `muster run` the runner installs a probe in each Python rank (`attach`): a global optimizer
 step post-hook (every `optimizer.step()` of the script's first optimizer is a step) and, once that
 optimizer has stepped, a post-accumulate-grad hook on the first parameter of each of its parameter
-groups (the gradients backward computes last: `ComputeClock`). A step's compute is the time from the
+groups (the gradients backward computes last: `ComputeClock`). The step reported is the script's
+own where its optimizer keeps one (Adam's and most others' per-parameter `step`, restored with the
+optimizer's state from a checkpoint: a restarted rank reports the step it resumed from, not 1),
+else the optimizer's steps in this process. A step's compute is the time from the
 previous step's end until its gradients were all computed: data loading, forward and backward, the
 rest being the wait for the others in the gradients' all-reduce and the update. Torch is never
 imported for it: installed when the script imports torch (or at once, in a rank forked from a zygote
@@ -68,12 +71,13 @@ _hook = None  # the installed probe's optimizer hook (a RemovableHandle), once i
 
 
 class StepProbe:
-    __slots__ = ("_map", "_clock", "_optimizer", "_seq", "_compute_us", "step", "started")
+    __slots__ = ("_map", "_clock", "_optimizer", "_param", "_seq", "_compute_us", "step", "started")
 
     def __init__(self, board: mmap.mmap, clock):
         self._map = board
         self._clock = clock
         self._optimizer = None  # weakref to the optimizer whose steps count (the script's first)
+        self._param = None  # its first parameter, whose optimizer state may hold the script's own step
         self._seq = 0
         self._compute_us = 0
         self.step = 0
@@ -89,15 +93,31 @@ class StepProbe:
             self._optimizer = weakref.ref(optimizer)
             for group in optimizer.param_groups:
                 self._clock.watch_parameter(next(iter(group["params"]), None))
+            self._param = next((p for g in optimizer.param_groups for p in g["params"]), None)
         now = time.perf_counter()
         started, clock = self.started, self._clock
         clock.step_done(started)
         self.step = step = self.step + 1
         if step % MEDIAN_EVERY == 1:
             self._compute_us = min(clock.compute_us(), _U32)
+        own = own_step(optimizer, self._param)
         self._seq = seq = self._seq + 1
-        _RECORD.pack_into(self._map, 0, seq, step, min(int((now - started) * 1e6), _U32), self._compute_us, seq)
+        _RECORD.pack_into(self._map, 0, seq, step if own is None else own, min(int((now - started) * 1e6), _U32),
+                          self._compute_us, seq)
         self.started = now
+
+
+def own_step(optimizer, param) -> int | None:
+    """The script's own step as its optimizer keeps it for `param` (a count from the job's start,
+    checkpointed with the optimizer's state); None where it keeps none, or where reading it would
+    wait for a device (a `capturable` or fused optimizer keeps it there)."""
+    state = optimizer.state.get(param) if param is not None else None
+    step = state.get("step") if state else None
+    if isinstance(step, (int, float)):
+        return int(step)
+    if step is not None and getattr(step, "device", None) is not None and step.device.type == "cpu":
+        return int(step.item())
+    return None
 
 
 def attach(path: str) -> None:
