@@ -1,6 +1,7 @@
 """The exit bookkeeping: slots whose rank a node reports exited or restarting in place, the
-pids of failed processes, so that a new process in such a slot counts as its recovery, and each
-slot's last failure, so that one repeated by the next process is known (`repeated`).
+pids of failed processes, so that a new process in such a slot counts as its recovery, each
+slot's last failure, so that one repeated by the next process is known (`repeated`), and the
+failures at the job's start, so that one every rank met is known without a restart (`all_at_start`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ class ExitBook:
         self.failed_pids: dict[tuple[str, int], int] = {}  # (node, slot) -> the pid that failed there (-1: none yet)
         self.reported: set[tuple[str, int]] = set()  # slots reporting exited or restarting
         self.last_errors: dict[tuple[str, int], tuple[str, int, int]] = {}  # (node, slot) -> (error, step, pid)
+        self.at_start: dict[tuple[str, int], str] = {}  # (node, slot) -> the error it died of at the job's start
+        self.cohort: tuple[int, frozenset[tuple[str, int]]] = (0, frozenset())  # the map they started in
 
     def note(self, key: tuple[str, int], state: str) -> None:
         """A slot's new state: reported exits and restarts are indexed."""
@@ -28,8 +31,9 @@ class ExitBook:
             self.reported.discard((node_id, slot))
         for key in [k for k in self.failed_pids if k[0] == node_id]:
             del self.failed_pids[key]
-        for key in [k for k in self.last_errors if k[0] == node_id]:
-            del self.last_errors[key]
+        for book in (self.last_errors, self.at_start):
+            for key in [k for k in book if k[0] == node_id]:
+                del book[key]
 
     def repeated(self, node_id: str, local_rank: int, pid: int, error: str, step: int) -> bool:
         """A process of the slot died of `error` in `step`: did the slot's previous process die the same
@@ -44,6 +48,28 @@ class ExitBook:
             return False
         self.last_errors[key] = (error, step, pid)
         return before is not None and before[:2] == (error, step) and before[2] != pid
+
+    def all_at_start(self, node_id: str, local_rank: int, error: str, step: int, rm: RankMap | None,
+                     started: bool) -> tuple[int, int] | None:
+        """A process of the slot died of `error` (or of a signal: "") in `step`: before the job's first
+        step (`step` <= 1, the library's tag for its first; no rank past it, `started` False), did
+        every rank of the map they started in (the map at the first such failure) die of the same
+        error? Then a restart meets it again: (that map's generation, its ranks); else None."""
+        key = (node_id, local_rank)
+        if started or step > 1:  # past the job's start: a failure now is no start's
+            self.at_start.clear()
+            return None
+        if not error:  # a signal (a kill from outside) is no fault of the script's
+            self.at_start.pop(key, None)
+            return None
+        if not self.at_start:
+            self.cohort = (rm.generation, frozenset((p.node_id, s) for p in rm.placements for s in p.slots)) \
+                if rm else (0, frozenset())
+        self.at_start[key] = error
+        generation, slots = self.cohort
+        if slots and all(self.at_start.get(k) == error for k in slots):
+            return generation, len(slots)
+        return None
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""

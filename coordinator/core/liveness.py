@@ -259,6 +259,14 @@ class Liveness:
         """The slot's process died as its previous one did (`ExitBook.repeated`)."""
         return self._exits.repeated(node_id, local_rank, pid, error, step)
 
+    def all_at_start(self, node_id: str, local_rank: int, error: str, step: int,
+                     state: JobState) -> tuple[int, int] | None:
+        """Every rank of the map the job started in died of this error before its first step
+        (`ExitBook.all_at_start`): that map's (generation, ranks), else None. O(nodes) while the
+        job is at its start, to see whether a rank stepped past it."""
+        started = bool(self._exits.at_start) and self.max_step(state) > 1
+        return self._exits.all_at_start(node_id, local_rank, error, step, state.rank_map, started)
+
     def awaiting(self, node_id: str, slots) -> None:
         """Slots with no process yet (a node starting its ranks): any process there is their recovery."""
         for slot in slots:

@@ -1,9 +1,11 @@
 """A fault that repeats gets a verdict (issue 55 item 4), with real etcd, a coordinator, two agents
 (`muster run`) and gloo ranks of the worker library: a script that raises at the same step on every
-rank, and a model sharded with fully_shard after register(), each end the run failed once a
-restarted process meets the same error at the same step: one line naming the error, the rank and
-the step, in the run's record and `muster events`; both agents exit 1; a bounded number of
-generations (was: restarts to the budget with backoff, or 852 generations in 300 s)."""
+rank ends the run failed once a restarted process meets the same error at the same step; a
+ShardedStateRefused (a model sharded with fully_shard after register(), or registered sharded
+without a layout), and an error every rank of the generation raises at the job's start, end it at
+once, with no restart: one line naming the error, the rank and the step, in the run's record and
+`muster events`; both agents exit 1; a bounded number of generations (was: restarts to the budget
+with backoff, or 852 generations in 300 s)."""
 
 import subprocess
 import sys
@@ -21,10 +23,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "repeat_fault.py"
 MAX_GENERATIONS = 12
 
 
-def failed_run(coordinators, agents, job: str, *script_args: str):
+def failed_run(coordinators, agents, job: str, *script_args: str, nodes: str = "2:2", extra: list[str] | None = None):
     (leader,) = coordinators(1)
     command = [sys.executable, "-u", str(SCRIPT), *script_args]
-    nodes = agents([leader.address], job, ["a", "b"], nodes="2:2", command=command)
+    nodes = agents([leader.address], job, ["a", "b"], nodes=nodes, command=command, extra=extra)
     for node in nodes:  # (generous: four ranks importing torch, twice, on a loaded 2-core machine)
         try:
             code = node.wait(150)
@@ -45,7 +47,8 @@ def failed_run(coordinators, agents, job: str, *script_args: str):
 @pytest.mark.timeout(240)
 def test_a_script_that_raises_at_the_same_step_on_every_rank_ends_the_run_with_one_verdict(coordinators, agents):
     run, nodes = failed_run(coordinators, agents, "repeat-step", "--fail-at", "6")
-    assert run.reason.startswith("a fault that repeats: rank "), run.reason
+    # (its rank is named where the current map still places the slot: a peer's exit may have shrunk it)
+    assert run.reason.startswith("a fault that repeats: ") and ", local rank " in run.reason, run.reason
     assert "failed again in step 6 with the same error after a restart: RuntimeError: the script's own bug at " \
            "step 6" in run.reason
     for node in nodes:  # each slot was restarted once, not to its budget
@@ -56,6 +59,27 @@ def test_a_script_that_raises_at_the_same_step_on_every_rank_ends_the_run_with_o
 @pytest.mark.timeout(240)
 def test_a_model_sharded_after_register_is_refused_by_name_and_ends_the_run(coordinators, agents):
     run, _ = failed_run(coordinators, agents, "shard-after", "--shard-after-register")
-    assert "in step 1 with the same error after a restart: ShardedStateRefused: the model's root module is " \
+    assert "in step 1, refused as every restart would be: ShardedStateRefused: the model's root module is " \
            "sharded by FSDP at its first step, but register() took the state as replicated" in run.reason, run.reason
     assert "numpy" not in run.reason
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["sharded without a layout", "an error at the first step"])
+def test_a_fault_every_rank_meets_at_start_ends_the_run_at_once_with_the_guides_flags(coordinators, agents, fault):
+    """The sharded guide's flags (one replica group per node): a ShardedStateRefused at register()
+    (no step to tag it with) ends the run at its first exit; the same error from every rank of the
+    generation at its first step, at the last of them. Nothing is restarted for it."""
+    args = ["--shard-before-register"] if fault.startswith("sharded") else ["--fail-at", "1"]
+    run, nodes = failed_run(coordinators, agents, f"start-{len(args)}", *args, nodes="1:2",
+                            extra=["--world-size-multiple", "2"])
+    if fault.startswith("sharded"):
+        # (its step is its step probe's next, 1, or none)
+        assert "refused as every restart would be: ShardedStateRefused: the model's root module is sharded by " \
+               "FSDP, and no layout was declared" in run.reason, run.reason
+        # the first exit ends it: no new generation, so no slot is started again
+        assert all(len(n.rank_pids(s)) == 1 for n in nodes for s in (0, 1))
+    else:
+        assert run.reason.startswith("a fault that repeats: every rank of generation "), run.reason
+        assert "failed in step 1 with the same error: RuntimeError: the script's own bug at step 1" in run.reason
+    assert not any(n.records("slot_given_up") for n in nodes)

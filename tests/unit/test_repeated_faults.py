@@ -33,6 +33,19 @@ def running():
     return decide(state.state, [Tick()], ctx(now=2.0)).state
 
 
+def test_an_error_every_rank_of_the_map_dies_of_at_the_jobs_start_is_known_without_a_restart():
+    rm = running().rank_map  # 2 nodes x 2 slots
+    book = ExitBook()
+    assert book.all_at_start("n1", 0, "OSError: no data", 1, rm, False) is None
+    assert book.all_at_start("n1", 1, "OSError: no data", 0, rm, False) is None  # (at register(): no step)
+    assert book.all_at_start("n2", 0, "", 1, rm, False) is None, "a kill by a signal is no fault of the script"
+    assert book.all_at_start("n2", 1, "OSError: no data", 1, rm, False) is None
+    assert book.all_at_start("n2", 0, "OSError: no data", 1, rm, False) == (rm.generation, 4)
+    assert book.all_at_start("n2", 0, "OSError: other", 1, rm, False) is None, "another error: no verdict"
+    book.all_at_start("n1", 0, "OSError: no data", 7, rm, False)  # past the start: the count starts again
+    assert book.all_at_start("n2", 0, "OSError: no data", 1, rm, True) is None and not book.at_start
+
+
 def test_a_slot_whose_next_process_dies_the_same_way_is_a_repeat():
     book = ExitBook()
     assert not book.repeated("n1", 0, 100, "RuntimeError: boom", 6)

@@ -1,8 +1,9 @@
 """A worker-library rank for the fault tests: a tiny model trained step by step, which either raises
 the script's own error at step --fail-at on every rank, or shards its model with FSDP2's
-fully_shard after register() took it as replicated (--shard-after-register), a plausible mistake.
-Either fault meets every restarted process again at the same step. --wait-before-last FILE: every
-rank waits (a declared long phase) before the last step until FILE exists, for a node to join."""
+fully_shard after register() took it as replicated (--shard-after-register), a plausible mistake,
+or registers an FSDP2 model without a layout (--shard-before-register: ShardedStateRefused at
+register). Each fault meets every restarted process again at the same step. --wait-before-last
+FILE: every rank waits (a declared long phase) before the last step until FILE exists."""
 
 import argparse
 import os
@@ -18,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1000)
 parser.add_argument("--fail-at", type=int, default=0)
 parser.add_argument("--shard-after-register", action="store_true")
+parser.add_argument("--shard-before-register", action="store_true")
 parser.add_argument("--step-sleep", type=float, default=0.05)
 parser.add_argument("--wait-before-last", default="")
 args = parser.parse_args()
@@ -25,6 +27,13 @@ logs.configure("info", json=True)
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
+if args.shard_before_register:  # on a group of its own: the library has formed none yet
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer)
 worker.start()
