@@ -31,10 +31,12 @@ def start(coordinators, agents, tmp_path, job, steps, *extra):
     return leader, nodes
 
 
-def check_one_run(nodes, replaced, steps, accumulation=1):
+def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, samples=200, keys=("digest",),
+                  off="hf_resilience_off"):
     """Every rank but `replaced` (node, slot) kept its process; all end at `steps` with one state;
-    the replacement's first step holds the survivors' state of that step; the data position moved
-    by exactly the world's samples each step (none skipped or seen twice)."""
+    the replacement's first step holds the survivors' state (and `keys`) of that step; the data
+    position moved by exactly the world's samples each step (none skipped or seen twice).
+    (Also the Lightning integration's: tests/integration/test_lightning_trainer.py.)"""
     for n in nodes:
         assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
     runs = {}
@@ -42,7 +44,7 @@ def check_one_run(nodes, replaced, steps, accumulation=1):
         for slot in (0, 1):
             if (n, slot) != replaced:
                 assert len(n.rank_pids(slot)) == 1, f"{n.node_id}/{slot} was restarted"
-                assert "hf_resilience_off" not in n.rank_logs(slot)[-1].read_text()
+                assert off not in n.rank_logs(slot)[-1].read_text()
             runs[(n.node_id, slot)] = n.steps(slot)
     replacement = runs[(replaced[0].node_id, replaced[1])]
     assert replacement[0]["step"] > 1, "the replacement started from the others' step"
@@ -51,15 +53,17 @@ def check_one_run(nodes, replaced, steps, accumulation=1):
         assert records[-1]["step"] == steps
         for r in records:
             by_step.setdefault(r["step"], {})[(r["rank"], r["pid"])] = r
-    first = replacement[0]["step"]
-    assert {r["digest"] for r in by_step[first].values()} == {replacement[0]["digest"]}, \
-        "the replacement's first step's state differs from the survivors'"
+    first = by_step[replacement[0]["step"]].values()
+    for key in keys:
+        assert {r[key] for r in first} == {replacement[0][key]}, f"the replacement's first step's {key} differs"
     assert len({r["digest"] for r in by_step[steps].values()}) == 1, "ranks end with different states"
     survivor = next(records for key, records in runs.items() if key != (replaced[0].node_id, replaced[1]))
     for before, after in zip(survivor, survivor[1:]):
         assert after["step"] == before["step"] + 1, "a survivor redid or skipped a step"
-        moved = round((after["epoch"] - before["epoch"]) * 200)
-        assert moved == after["world_size"] * BATCH * accumulation, (before, after)
+        moved = round((after["epoch"] - before["epoch"]) * samples)
+        assert moved == after["world_size"] * batch * accumulation, (before, after)
+        if "batch_idx" in after and after["step"] < steps:  # (the loop's end resets it)
+            assert after["batch_idx"] == before["batch_idx"] + 1
     return survivor
 
 

@@ -8,6 +8,7 @@ pytest.importorskip("transformers")
 from transformers import Trainer  # noqa: E402
 
 from muster.worker.integrations import hf  # noqa: E402
+from muster.worker.integrations.common import Positions  # noqa: E402
 
 
 def test_outside_muster_the_line_changes_nothing(monkeypatch):
@@ -18,7 +19,7 @@ def test_outside_muster_the_line_changes_nothing(monkeypatch):
 
 
 def test_positions_read_each_sample_of_an_epoch_once_across_world_changes():
-    data = hf.Positions(list(range(50)), list, batch_size=3, seed=7)
+    data = Positions(list(range(50)), list, batch_size=3, seed=7)
     consumed, seen = 0, []
     for world in (4, 4, 3, 3, 3, 4, 2, 4, 4):  # a step each: rank r's batch k is (k * world + r) * batch on
         seen += [i for r in range(world) for i in data.batch(consumed + r * 3, 3)]

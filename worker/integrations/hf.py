@@ -49,7 +49,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import random
 import time
 from typing import Any
 
@@ -58,10 +57,9 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from muster.worker.agent import group_end, step_probe
+from muster.worker.integrations.common import (SHARDED, Positions, Replicated, alone, refuse, rng, run_ends,
+                                               set_rng, under_muster)
 from muster.worker.library.api import Worker, WorkerConfig
-from muster.worker.library.errors import Drained, RunEnded
-from muster.worker.outcome import exit_code
 
 log = structlog.get_logger(__name__)
 
@@ -76,19 +74,16 @@ def resilient() -> bool:
     """Make every `transformers.Trainer` (and subclass) of this process re-form in-process under
     Muster. Call it before creating TrainingArguments. False (and nothing changed): not under Muster."""
     global _config
-    if not os.environ.get("MUSTER_JOB"):
-        log.info("hf_resilience_off", reason="MUSTER_JOB is not set: not under `muster run`")
-        return False
     if _config is not None:
         return True
-    _config = WorkerConfig.from_env()
-    group_end.detach()  # the runner's hooks for scripts without the library: this one forms and ends its groups
-    step_probe.detach()
+    _config = under_muster("hf")
+    if _config is None:
+        return False
     # accelerate starts torch.distributed itself when it sees these, and reads its world from a group
     # when given a backend: until the library forms the job's at the first step, one of this process alone
     for name in ("WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(name, None)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    alone()
     for name in ("train", "get_train_dataloader", "_wrap_model", "get_batch_samples", "training_step",
                  "_maybe_log_save_evaluate"):
         _ORIGINAL[name] = getattr(Trainer, name)
@@ -113,16 +108,8 @@ def _train(self, *args, **kwargs):
     self.args.ignore_data_skip = True  # a resumed run's data position is its checkpoint's epoch (_Run.start)
     if not any(isinstance(c, _StepEnd) for c in self.callback_handler.callbacks):
         self.callback_handler.callbacks.insert(0, _StepEnd(run))  # first: the others see the position's epoch
-    try:
+    with run_ends(lambda: run.worker, lambda: self.state.global_step):
         out = _ORIGINAL["train"](self, *args, **kwargs)
-    except Drained as exc:  # this node leaves the job at a step boundary: a clean end for the rank
-        log.info("training_drained", step=self.state.global_step, reason=str(exc))
-        run.worker.close(leave=False)
-        raise SystemExit(0) from None
-    except RunEnded as exc:
-        log.info("training_ended", step=self.state.global_step, outcome=exc.outcome, reason=exc.reason)
-        run.worker.close(leave=False)
-        raise SystemExit(exit_code(exc.outcome)) from None
     if run.worker is not None:
         atexit.register(run.worker.close)  # the group outlives train(): evaluate(), save_model() after it
     return out
@@ -140,7 +127,7 @@ def _get_train_dataloader(self):
 
 def _wrap_model(self, model, training: bool = True, dataloader=None):
     if training and "_muster" in self.__dict__:
-        return _Replicated(self.model)
+        return Replicated(self.model)  # its steps call the library's wrapper themselves (_forward_backward)
     return _ORIGINAL["_wrap_model"](self, model, training, dataloader)
 
 
@@ -179,12 +166,8 @@ def _refuse_unsupported(trainer) -> None:
     if str(getattr(a, "include_num_input_tokens_seen", "no")).lower() not in ("no", "false"):
         why.append("include_num_input_tokens_seen: its gather runs outside the step's recovery")
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
-        why.append("FSDP and DeepSpeed shard the state: a lost shard exists nowhere else, and the library's "
-                   "sharded layouts (Replicas, Snapshots: docs/guide/sharded.md) are not mapped onto accelerate's "
-                   "plugins yet; train DDP, or use the worker library with register(build=..., layout=...)")
-    if why:
-        raise ValueError("muster.worker.integrations.hf cannot keep this Trainer training in-process: "
-                         + "; ".join(why))
+        why.append(SHARDED.format(what="accelerate's FSDP and DeepSpeed plugins"))
+    refuse("hf", why)
 
 
 # ---- one training run ---------------------------------------------------------------------
@@ -237,7 +220,7 @@ class _Run:
             self._adopt()
         self.began = time.perf_counter()
         self.n, self.device, self.micro = n, device, 0
-        self.rng, self.in_step = _rng(), True
+        self.rng, self.in_step = rng(), True
         while True:
             try:
                 self._draw()
@@ -281,9 +264,9 @@ class _Run:
 
     def _draw(self) -> None:
         """The step's micro-batches for this rank in the current group, and their token count (gathered)."""
-        w, b = self.worker, self.data.batch_size
-        self.batches = [self.data.batch(self.consumed + (k * w.world_size + w.rank) * b, b) for k in range(self.n)]
-        self.span = w.world_size * b * self.n
+        w = self.worker
+        self.batches = [self.data.micro_batch(self.consumed, w, k) for k in range(self.n)]
+        self.span = w.world_size * self.data.batch_size * self.n
         _, self.num_items = _ORIGINAL["get_batch_samples"](self.trainer, iter(self.batches), self.n, self.device)
         self.redo = False
 
@@ -300,7 +283,7 @@ class _Run:
             raise exc
         self._adopt()
         if self.in_step:
-            _set_rng(self.rng)  # the redo draws what the attempt drew (or, state received, what the others did)
+            set_rng(self.rng)  # the redo draws what the attempt drew (or, state received, what the others did)
         self.redo = True
 
     def _adopt(self) -> None:
@@ -333,7 +316,7 @@ class _TrainerProgress:
         run, t = self.run, self.run.trainer
         scaler = getattr(t.accelerator, "scaler", None)
         return {"state": {k: getattr(t.state, k) for k in _STATE_FIELDS}, "last_logged": t._globalstep_last_logged,
-                "consumed": run.consumed, "rng": run.rng if run.in_step else _rng(),
+                "consumed": run.consumed, "rng": run.rng if run.in_step else rng(),
                 "scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None,
                 "scaler": scaler.state_dict() if scaler is not None else None}
 
@@ -344,7 +327,7 @@ class _TrainerProgress:
         t._globalstep_last_logged = d["last_logged"]
         run.consumed = d["consumed"]
         run.rng = d["rng"]
-        _set_rng(run.rng)
+        set_rng(run.rng)
         if d["scheduler"] is not None:
             t.lr_scheduler.load_state_dict(dict(d["scheduler"]))
         if d["scaler"] is not None:
@@ -361,46 +344,6 @@ class _StepEnd(TrainerCallback):
         self.run.step_completed(state)
 
 
-class _Replicated(torch.nn.Module):
-    """What the Trainer holds where accelerate would put its DDP wrapper: the model's parameters (for
-    clipping, zeroing) without a wrapper of its own; steps go through the library's (`worker.ddp`)."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
-# ---- the data position --------------------------------------------------------------------
-
-
-class Positions:
-    """A map-style dataset read by position: position p is sample perm_e[p mod n] of epoch e = p // n,
-    perm_e a seeded permutation; a batch is `size` consecutive positions, whatever the world."""
-
-    def __init__(self, dataset, collate, batch_size: int, seed: int):
-        self.dataset, self.collate, self.batch_size, self.seed = dataset, collate, batch_size, seed
-        self.samples = len(dataset)
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def indices(self, start: int, count: int) -> list[int]:
-        out = []
-        for p in range(start, start + count):
-            epoch, i = divmod(p, self.samples)
-            perm = self._perms.get(epoch)
-            if perm is None:
-                perm = torch.randperm(self.samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-                self._perms = {e: v for e, v in self._perms.items() if e >= epoch - 1}
-                self._perms[epoch] = perm
-            out.append(int(perm[i]))
-        return out
-
-    def batch(self, start: int, count: int):
-        return self.collate([self.dataset[i] for i in self.indices(start, count)])
-
-
 class _Loader:
     """The Trainer's train dataloader under Muster: its length bounds the Trainer's loop (a world of
     one's batches, a whole number of accumulation steps: at least the steps any world takes); the
@@ -415,29 +358,3 @@ class _Loader:
 
     def __iter__(self):
         return iter(())
-
-
-# ---- RNG ------------------------------------------------------------------------------------
-
-
-def _rng() -> dict:
-    import numpy
-
-    kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng(state: dict) -> None:
-    import numpy
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])

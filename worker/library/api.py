@@ -350,7 +350,8 @@ class Worker:
             self._digest = (self.step, self.state.fingerprint(self.device))
         if at_boundary and self.link.changed.is_set():
             self._boundary()
-        self._note_extras()
+        if at_boundary:  # (else the caller's step still moves its extras, a scheduler, until boundary())
+            self._note_extras()
 
     def boundary(self) -> None:
         """Take a membership change due at this step boundary (after step_done(..., at_boundary=False))."""

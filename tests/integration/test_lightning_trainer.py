@@ -1,0 +1,68 @@
+"""The Lightning integration (worker/integrations/lightning.py) with the real library:
+examples/train_lightning.py with its one line (`--resilient`: strategy=MusterDDPStrategy()), 2 `muster
+run` agents x 2 ranks over a real coordinator and etcd, DDP over gloo on CPU. A rank is killed (or
+stopped): the survivors keep their processes and re-form in-process, the replacement takes the state
+(model, optimizer, scheduler, the loop's progress, RNG, data position) from them, and every rank ends
+with the same state."""
+
+import os
+import signal
+import sys
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from muster.local import EXAMPLE, wait_until  # noqa: E402
+from tests.integration.test_hf_trainer import check_one_run as hf_check  # noqa: E402
+
+SCRIPT = EXAMPLE.parent / "train_lightning.py"
+PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
+BATCH, SAMPLES = 4, 200  # the per-device batch; the dataset (an epoch: 12 or 16 steps)
+
+
+def start(coordinators, agents, tmp_path, job, steps):
+    """A run long enough (0.1 s a step) for the replacement's imports to finish before the others do."""
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    command = [sys.executable, str(SCRIPT), "--resilient", "--steps", str(steps), "--step-sleep", "0.1",
+               "--samples", str(SAMPLES), "--batch", str(BATCH), "--checkpoint-every", "10",
+               "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    nodes = agents([leader.address], job, ["a", "b"], command=command, nodes="2:2")
+    wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 5 for n in nodes for s in (0, 1)),
+               90, "every rank past step 5")
+    return leader, nodes
+
+
+def check_one_run(nodes, replaced, steps):
+    """As the HF test's: the joiner's first step also holds the loop's progress (batch index), the
+    data position (epoch) and the scheduler (lr) of the survivors'."""
+    return hf_check(nodes, replaced, steps, batch=BATCH, samples=SAMPLES, keys=("digest", "batch_idx", "epoch", "lr"),
+                    off="lightning_resilience_off")
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
+        coordinators, agents, tmp_path):
+    leader, (a, b) = start(coordinators, agents, tmp_path, "plkill", 150)
+    os.kill(b.rank_pids(0)[-1], signal.SIGKILL)
+    wait_until(lambda: len(b.rank_pids(0)) == 2, 30, "the agent starts a replacement")
+    survivor = check_one_run([a, b], (b, 0), 150)
+    assert {r["world_size"] for r in survivor} >= {3, 4}, "the survivors trained on as 3, then 4 again"
+    assert survivor[-1]["epoch"] > 1, "the run crossed an epoch"
+    kinds = [r["kind"] for r in leader.find("membership_changed")]
+    assert "rank_exited" in kinds and "rank_recovered" in kinds
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_is_fenced_out_and_its_replacement_joins_mid_epoch(coordinators, agents, tmp_path):
+    """SIGSTOP (a hang): the others re-form without it as soon as the leader judges it stalled; woken,
+    it is fenced out and its agent starts a replacement, which joins mid-epoch and takes the state."""
+    leader, (a, b) = start(coordinators, agents, tmp_path, "plhang", 150)
+    stopped = b.rank_pids(1)[-1]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3")
+    finally:
+        os.kill(stopped, signal.SIGCONT)  # it wakes fenced out and exits; its agent starts a replacement
+    wait_until(lambda: len(b.rank_pids(1)) == 2, 30, "the agent starts a replacement")
+    check_one_run([a, b], (b, 1), 150)
