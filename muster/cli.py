@@ -78,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
                              "only over TLS")
         peer_tls = _tls_files(args, "peer_tls_ca", "peer_tls_cert", "peer_tls_key")
         _check_listen(args, bool(tls.cert))
+        _ports_free(args)
         if args.tokens:
             Tokens.load(args.tokens)  # its mode and lines, before anything starts
     except (InvalidPolicy, OSError, ValueError) as exc:
@@ -148,6 +149,23 @@ def _check_listen(args: argparse.Namespace, tls: bool) -> None:
                          "--insecure to serve so anyway")
 
 
+def _ports_free(args: argparse.Namespace) -> None:
+    """The replica's ports, tried before etcd starts: one in use is refused in a line (gRPC said so
+    only after etcd had started, in its own words)."""
+    for flag in ("listen", "metrics_listen"):
+        address = getattr(args, flag)
+        host, port = split_host_port(address) if address else ("", 0)
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a port in TIME_WAIT is free)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"--{flag.replace('_', '-')} {address}: {exc.strerror} (another muster serve, or "
+                              "another program, holds it)") from None
+
+
 def duration(text: str) -> float:
     """Seconds from `90`, `90s`, `15m`, `12h` or `7d`."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -209,6 +227,11 @@ def _run(args: argparse.Namespace) -> int:
             raise LaunchError("--max-restarts must be at least 0")
         JobSpec(straggler_factor=args.straggler_factor, straggler_min_steps=args.straggler_min_steps).validate()
         coordinators = parse_addresses(args.coordinator)
+        if launch.job is not None and args.job is not None and launch.job != args.job:
+            raise LaunchError(f"torchrun --rdzv-id {launch.job} contradicts --job {args.job}: name the job once")
+        args.job = args.job if args.job is not None else launch.job  # torchrun's id, when it alone names it
+        if args.job is None:
+            raise LaunchError("the job is required: --job JOB (or torchrun's --rdzv-id, or set MUSTER_JOB)")
         job = job_name(args.job)
     except ValueError as exc:  # LaunchError, a bad coordinator address or straggler policy
         print(f"muster run: {exc}", file=sys.stderr)
@@ -658,7 +681,8 @@ def _run_over(args, job: str, run: int, coordinators) -> bool:
 def _print_logs(args, node: str, slot: int | None, lines: list[str]) -> None:
     prefix = "" if args.rank is not None else f"{node}/{'agent' if slot is None else slot}| "
     for line in lines:
-        print(prefix + escaped(line))
+        for part in [line] if slot is not None else logs.as_text(line).splitlines():  # an agent's: JSON records
+            print(prefix + escaped(part))
     sys.stdout.flush()
 
 
@@ -929,8 +953,9 @@ def _run_parser(sub) -> None:
                                    "-- torchrun [torchrun args] script.py [args]   (or -- python script.py [args])",
                        epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _coordinator_flag(r)
-    _job_flag(r, True, positional=False, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no coordinator job "
-                            "name, e.g. MyRun, becomes myrun-HASH; default $MUSTER_JOB)")
+    _job_flag(r, False, positional=False, help="the job's id, as torchrun's --rdzv-id takes it (an id that is no "
+              "coordinator job name, e.g. MyRun, becomes myrun-HASH; default $MUSTER_JOB, else torchrun's --rdzv-id "
+              "after --)")
     r.add_argument("--nodes", help="MIN:MAX nodes of the job (torchrun's --nnodes)")
     r.add_argument("--slots", type=positive_int, help="ranks on this node (torchrun's --nproc-per-node; default 1)")
     r.add_argument("--node-id", help="unique within the job (default HOSTNAME-PID)")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import structlog
@@ -75,3 +77,22 @@ class _JsonCopy:
         else:
             self.file.write(line)
         return event_dict
+
+
+def as_text(line: str) -> str:
+    """One record of an agent's log copy (a JSON line) as a person reads it: the time in the local
+    zone with its offset, the level, the event, then the rest as key=value. Any other line as it is."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict) or "event" not in record:
+        return line
+    at, level, event = record.pop("timestamp", ""), record.pop("level", ""), record.pop("event")
+    try:
+        at = datetime.fromisoformat(at).astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
+    except (TypeError, ValueError):
+        pass  # (as written)
+    rest = " ".join(f"{k}={v}" for k, v in record.items() if k != "exception")
+    text = " ".join(part for part in (at, f"{level:<7}" if level else "", str(event), rest) if part)
+    return text + ("\n" + record["exception"] if "exception" in record else "")

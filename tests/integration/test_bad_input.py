@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,9 @@ CASES = [
     (["run", "--job", "j", "--slots", "-1", "--", "python", "-c", "1"], 2, r"^muster run: argument --slots: must be a positive integer, got '-1'"),
     (["run", "--job", "j", "--slots", "0", "--", "python", "-c", "1"], 2, r"^muster run: argument --slots: must be a positive integer, got '0'"),
     (["run", "--job", "j", "--slots", "many", "--", "python", "-c", "1"], 2, r"argument --slots: must be a positive integer, got 'many'"),
-    (["run", "--", "python", "-c", "1"], 2, r"^muster run: --job is required \(or set MUSTER_JOB\)$"),
+    (["run", "--", "python", "-c", "1"], 2, r"^muster run: the job is required: --job JOB \(or torchrun's --rdzv-id, or set MUSTER_JOB\)$"),
+    (["run", "--coordinator", DEAD, "--job", "j", "--", "torchrun", "--rdzv-id", "k", "train.py"], 2,
+     r"^muster run: torchrun --rdzv-id k contradicts --job j: name the job once$"),
     (["run", "--job", "", "--coordinator", DEAD, "--", "python", "t.py"], 2, r"^muster run: the job id is empty"),
     (["run", "--coordinator", "nonsense", "--job", "j", "--", "torchrun", "train.py"], 2,
      r"^muster run: coordinator address 'nonsense' is not HOST:PORT"),
@@ -38,7 +41,8 @@ CASES = [
     (["status", "--coordinator", "nonsense"], 2, r"^muster status: coordinator address 'nonsense' is not HOST:PORT$"),
     (["status", "--job", "j", "--timeout", "0"], 2, r"argument --timeout: must be a positive number, got '0'"),
     (["status", "--job", "j", "--coordinator", DEAD], 1, r"^muster status: UNAVAILABLE: .*127\.0\.0\.1:1"),
-    (["stop"], 2, r"^muster stop: the following arguments are required: job"),
+    (["stop"], 2, r"^muster stop: the job is required: muster stop JOB \(or set MUSTER_JOB\)$"),
+    (["status", "a", "--job", "b"], 2, r"^muster status: the job is named twice, 'a' and --job 'b'$"),
     (["status", "--watch", "--interval", "0"], 2, r"^muster status: argument --interval: must be within 0\.1 and 3600 seconds, got '0'"),
     (["events", "--job", "j", "--follow", "--interval", "4000"], 2, r"argument --interval: must be within 0\.1 and 3600"),
     (["logs", "j", "--coordinator", DEAD], 2, r"^muster logs: --log-dir is required \(or set MUSTER_LOG_DIR\)"),
@@ -75,7 +79,19 @@ def test_torchrun_against_a_dead_endpoint_says_so_in_one_line_within_its_join_ti
             "--rdzv-endpoint", DEAD, "--rdzv-id", "deadend", "--rdzv-conf", "join_timeout=3",
             "-m", "muster.examples.train_ddp"]
     got, line, took = one_line(argv, 80, tmp_path)
-    assert got == 2, (got, line)
+    assert got == 1, (got, line)  # as `muster run`'s: nobody answered (2 is a wrong command line)
     assert re.search(r"^torchrun --rdzv-backend=muster: job 'deadend' could not join at 127\.0\.0\.1:1 "
                      r"\(--rdzv-endpoint\) within 3s \(--rdzv-conf join_timeout\): UNAVAILABLE", line), line
     assert took < 60, f"{took:.0f} s: the join's 3 s bound (and torch's import) should be all it takes"
+
+
+@pytest.mark.timeout(60)
+def test_serve_on_a_port_in_use_is_refused_in_one_line_before_etcd_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        for flag in ("--listen", "--metrics-listen"):
+            got, line, _ = one_line([*MUSTER, "serve", flag, address], 45, tmp_path)
+            assert got == 2 and re.search(rf"^muster serve: {flag} {address}: Address already in use", line), line
+            assert not (tmp_path / ".muster").exists(), "etcd started"

@@ -50,3 +50,15 @@ def test_an_agents_log_copy_is_held_until_its_file_is_named_then_written_0600(tm
     assert out.returncode == 0, out.stderr
     assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["before_join", "after_join"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_an_agents_record_reads_as_text_with_its_zone_and_other_lines_as_they_are():
+    from datetime import datetime
+
+    from muster.logs import as_text
+
+    line = json.dumps({"event": "rank_started", "level": "info", "timestamp": "2026-11-29T12:00:00.5Z", "slot": 1})
+    local = datetime.fromisoformat("2026-11-29T12:00:00.5Z").astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
+    assert as_text(line) == f"{local} info    rank_started slot=1"
+    assert as_text("a rank's own output {not json") == "a rank's own output {not json"
+    assert as_text("[1, 2]") == "[1, 2]"

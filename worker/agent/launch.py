@@ -17,12 +17,12 @@ from muster.net import is_loopback
 from muster.worker.library.sockets import interface_of
 
 # torchrun options the coordinator owns now: superseded, with a note.
-OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
+OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-conf",
          "--master-addr", "--master-port", "--max-restarts", "--standalone", "--rdzv-timeout",
          "--monitor-interval", "--start-method", "--role", "--log-dir", "--redirects", "--tee", "--local-addr",
          "--run-path", "--local-ranks-filter", "--logs-specs", "--event-log-handler", "--numa-binding",
          "--signals-to-handle", "--virtual-local-rank", "--node_rank", "--master_addr", "--master_port",
-         "--max_restarts", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--rdzv_conf", "--monitor_interval",
+         "--max_restarts", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_conf", "--monitor_interval",
          "--start_method", "--log_dir", "--local_addr", "--run_path"}
 FLAGS = {"--standalone", "--run-path", "--run_path", "--no-python", "--no_python", "-m", "--module",
          "--virtual-local-rank"}
@@ -38,6 +38,7 @@ class Launch:
     slots: int | None = None  # from --nproc-per-node
     nodes: tuple[int, int] | None = None  # from --nnodes
     max_restarts: int | None = None  # from --max-restarts: the agent's budget per slot unless muster run sets one
+    job: str | None = None  # from --rdzv-id: the job's id unless muster run's --job names it
     notes: list[str] = field(default_factory=list)  # options the coordinator now owns
 
 
@@ -101,6 +102,8 @@ def plan(command: list[str]) -> Launch:
                 raise LaunchError(f"torchrun --max-restarts {value!r} is not a number") from None
             if launch.max_restarts < 0:
                 raise LaunchError("torchrun --max-restarts must be at least 0")
+        elif name in ("--rdzv-id", "--rdzv_id"):
+            launch.job = value
         elif name in ("-m", "--module"):
             module = True
         elif name in ("--no-python", "--no_python"):

@@ -221,8 +221,9 @@ class MusterRendezvousHandler(RendezvousHandler):
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun's edge: the credentials come from the environment (MUSTER_TOKEN, MUSTER_TLS_*). A
-    first Join that fails ends torchrun with one line and exit status 2, as `muster run` does,
-    instead of torch's traceback of the gRPC error."""
+    first Join that fails ends torchrun with one line instead of torch's traceback of the gRPC
+    error, and the status `muster run` gives (docs/reference/exit-codes.md): 1 where no coordinator
+    answered or one refused, 2 where the endpoint or a setting is wrong."""
     try:
         return MusterRendezvousHandler(params, ClientSecurity.from_env())
     except (grpc.RpcError, TimeoutError) as exc:
@@ -230,6 +231,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         print(f"torchrun --rdzv-backend=muster: job {params.run_id!r} could not join at {params.endpoint} "
               f"(--rdzv-endpoint) within {float(params.get('join_timeout', 600)):g}s (--rdzv-conf join_timeout): "
               f"{said}", file=sys.stderr)
+        raise SystemExit(EXIT_FAILED) from None
+    except ValueError as exc:  # a bad endpoint or setting
+        print(f"torchrun --rdzv-backend=muster: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
