@@ -6,11 +6,21 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo docs docs-gen bench bench-check gpu-check protos clean
 
-# torch is pinned first: a plain `torch` requirement would pull the CUDA build.
+TORCH := 2.13.0
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+# torch is pinned first: a plain `torch` requirement would pull PyPI's CUDA build (gigabytes more).
+# With an NVIDIA GPU (nvidia-smi answers) that build; without, the CPU one: from the indexes pip
+# already knows where one holds it (a mirror, --find-links), else from PyTorch's CPU index.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	@if nvidia-smi >/dev/null 2>&1; then \
+		echo "torch $(TORCH): the CUDA build (an NVIDIA GPU answers)"; $(BIN)/pip install -q torch==$(TORCH); \
+	else \
+		echo "torch $(TORCH): the CPU build (no NVIDIA GPU)"; \
+		$(BIN)/pip install -q torch==$(TORCH)+cpu 2>/dev/null \
+			|| $(BIN)/pip install -q torch==$(TORCH) --index-url $(CPU_INDEX); \
+	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "muster", "coordinator", "worker", "protos")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "muster", "coordinator", "worker", "protos")
 
 
 def run(args, timeout, **kwargs):
@@ -60,6 +60,9 @@ def test_the_wheel_installs_and_its_demo_runs_from_an_empty_directory(tmp_path):
                 " print(m['Name'], m.get_all('Provides-Extra'), [p.value for p in e(group='torchrun.handlers')])"],
                60, cwd=empty, env=env).stdout
     assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.agent.rendezvous" in meta, meta
+    about = run([str(python), "-c", "from importlib.metadata import metadata; m = metadata('torch-muster'); "
+                 "print(m['License-Expression'], *m.get_all('Project-URL'), sep='|')"], 60, cwd=empty, env=env).stdout
+    assert about.split("|")[0] == "Apache-2.0" and "Repository, https://github.com/torch-muster/muster" in about, about
     page = run([str(python), "-c", "from importlib.resources import files; print(sorted(f.name for f in "
                 "files('muster.web').iterdir() if f.suffix in ('.html', '.js', '.css')))"], 60, cwd=empty, env=env)
     assert page.stdout.split() == ["['app.js',", "'index.html',", "'style.css']"]  # muster serve --http's page
