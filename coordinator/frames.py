@@ -5,14 +5,16 @@ what needs a decision (an exit, a slot back, a script done) becomes an event for
 from __future__ import annotations
 
 import hashlib
+import signal
 from collections.abc import Callable
 
 from muster.coordinator import wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, most_generation
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
-from muster.coordinator.core.machine import (Finishing, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp,
-                                             Verdict)
+from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S
+from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown,
+                                             SlotsUp, Verdict)
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -25,6 +27,11 @@ from muster.v1 import muster_pb2 as pb
 STATE_LOST = ("StateLost: ", "ShardLost: ")
 # ...and so does this refusal, deterministic by construction: the same script meets it at every restart
 REFUSED = "ShardedStateRefused: "
+# A rank's death by these is its own process's fault (a bad GPU or memory shows so too); SIGKILL,
+# SIGTERM and SIGINT come from outside it (the OOM killer, an operator) and say nothing of its node.
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+# ...and these errors are the worker library's answers to the job's decisions or a lost coordinator
+DECIDED = ("FencedOut: ", "HoldExpired: ", "CoordinatorLost: ", "Drained: ", "RunEnded: ", "Evicted: ")
 
 
 def secret_hash(secret: bytes) -> str:
@@ -199,15 +206,15 @@ class FrameReader:
         recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=vouched, vouch=vouch)
         stream.local_ranks = tuple(r.local_rank for r in reports)
         if frame.exits:
-            events += self._exits(member, frame, state)
+            events += self._exits(member, frame, state, now)
         if recovered:
             events.append(SlotsUp(member.node_id, tuple(recovered)))
         return events
 
-    def _exits(self, member: Member, frame: pb.NodeFrame, state: JobState) -> list[MembershipEvent]:
+    def _exits(self, member: Member, frame: pb.NodeFrame, state: JobState, now: float) -> list[MembershipEvent]:
         rm = state.rank_map
         placement = rm.placement(member.node_id) if rm else None
-        events: list[MembershipEvent] = []
+        events: list[MembershipEvent] = self._held_out(member, frame, state, now)
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
@@ -240,3 +247,20 @@ class FrameReader:
                 self.live.mark_failed(member.node_id, e.local_rank, e.pid)
                 events.append(SlotDown(member.node_id, e.local_rank, FailureKind.RANK_EXITED, f"pid {e.pid} {how}"))
         return events
+
+    def _held_out(self, member: Member, frame: pb.NodeFrame, state: JobState, now: float) -> list[MembershipEvent]:
+        """A Leave (at once) of a node whose ranks failed of their own fault (an error, a
+        crash signal) HOLD_OUT_FAILURES times within the window while no other node's did, unless the
+        job would fall below min_nodes: its restarts would only fail the job's reforms again. (A
+        script's peers that die of its fault fail too: no node is held out then.)"""
+        own = [e for e in frame.exits
+               if e.error and not e.error.startswith(DECIDED) or not e.error and -e.exit_code in CRASH_SIGNALS]
+        if not own or state.frozen:
+            return []
+        for e in own:
+            count = self.live.node_fault(member.node_id, now, (m.node_id for m in state.members))
+        if count < HOLD_OUT_FAILURES or len(state.members) - 1 < state.spec.min_nodes:
+            return []
+        last = e.error or f"killed by signal {-e.exit_code}"
+        return [Leave(member.node_id, True, f"held out: its ranks failed {count} times within {HOLD_OUT_WINDOW_S:g} s "
+                                            f"while no other node's did (the last: {last})")]

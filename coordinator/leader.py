@@ -394,6 +394,10 @@ class JobLeader:
         if stream.departed or stream.pending or stream.closed:
             return
         for event in self._frames.read(stream, frame, self.state):
+            if isinstance(event, Leave):  # a node held out: it drains now, its frames no news any more
+                self.streams.depart(stream.node_id)
+                stream.send(pb.Directive(term=self.term, generation=self.state.generation,
+                                         drain=pb.Drain(reason=event.reason)))
             self._inbox.put(event)
 
     async def status(self, brief: bool = False, page: status_pages.Page = status_pages.Page()) -> pb.JobStatus:

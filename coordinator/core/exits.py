@@ -1,14 +1,23 @@
 """The exit bookkeeping: slots whose rank a node reports exited or restarting in place, the
 pids of failed processes, so that a new process in such a slot counts as its recovery, each
 slot's last failure, so that one repeated by the next process is known (`repeated`), and the
-failures at the job's start, so that one every rank met is known without a restart (`all_at_start`).
+failures at the job's start, so that one every rank met is known without a restart (`all_at_start`),
+and when each node's ranks failed of their own fault, so that a node whose ranks alone keep failing
+is known (`node_fault`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.live_records import REPORTED, Failure, NodeLive, RankReport, placed
 from muster.coordinator.core.state import RankMap
+
+
+# A node is held out once its ranks failed of their own fault this many times within the window while
+# no other node's did: its hardware (a bad GPU, its memory), not the job's code, is the likely cause.
+HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S = 3, 600.0
 
 
 class ExitBook:
@@ -18,6 +27,7 @@ class ExitBook:
         self.last_errors: dict[tuple[str, int], tuple[str, int, int]] = {}  # (node, slot) -> (error, step, pid)
         self.at_start: dict[tuple[str, int], str] = {}  # (node, slot) -> the error it died of at the job's start
         self.cohort: tuple[int, frozenset[tuple[str, int]]] = (0, frozenset())  # the map they started in
+        self.own_faults: dict[str, list[float]] = {}  # node -> when its ranks failed of their own fault
 
     def note(self, key: tuple[str, int], state: str) -> None:
         """A slot's new state: reported exits and restarts are indexed."""
@@ -34,6 +44,7 @@ class ExitBook:
         for book in (self.last_errors, self.at_start):
             for key in [k for k in book if k[0] == node_id]:
                 del book[key]
+        self.own_faults.pop(node_id, None)
 
     def repeated(self, node_id: str, local_rank: int, pid: int, error: str, step: int) -> bool:
         """A process of the slot died of `error` in `step`: did the slot's previous process die the same
@@ -70,6 +81,15 @@ class ExitBook:
         if slots and all(self.at_start.get(k) == error for k in slots):
             return generation, len(slots)
         return None
+
+    def node_fault(self, node_id: str, now: float, others: Iterable[str]) -> int:
+        """A rank of the node failed of its own fault at `now`: how often its ranks did within the
+        window, or 0 while a node of `others` had such a failure within it too (the job's fault)."""
+        recent = [t for t in self.own_faults.get(node_id, ()) if now - t < HOLD_OUT_WINDOW_S] + [now]
+        self.own_faults[node_id] = recent
+        if any(now - t < HOLD_OUT_WINDOW_S for n in others if n != node_id for t in self.own_faults.get(n, ())):
+            return 0
+        return len(recent)
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""

@@ -83,3 +83,29 @@ def test_a_fault_every_rank_meets_at_start_ends_the_run_at_once_with_the_guides_
         assert run.reason.startswith("a fault that repeats: every rank of generation "), run.reason
         assert "failed in step 1 with the same error: RuntimeError: the script's own bug at step 1" in run.reason
     assert not any(n.records("slot_given_up") for n in nodes)
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_ranks_alone_keep_failing_is_held_out_and_the_others_train_on(coordinators, agents):
+    """Node c's rank fails at another step each time (a bad device: no repeat), a and b's never: at
+    c's third failure within the window it is held out (drained, said in the events) instead of
+    restarted to its budget, and the job trains on without it."""
+    (leader,) = coordinators(1)
+    command = [sys.executable, "-u", str(SCRIPT), "--fail-on-node", "c"]
+    a, b, c = agents([leader.address], "bad-node", ["a", "b", "c"], slots=1, nodes="2:3", command=command)
+    try:
+        code = c.wait(240)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("node c still running:\n" + c.log_path.read_text()[-4000:]) from None
+    assert code == 3, c.log_path.read_text()[-4000:]  # drained
+    assert not c.records("slot_given_up")
+    events = cli("events", "--coordinator", leader.address, "--job", "bad-node", "--run", "1").stdout
+    assert "held out: its ranks failed 3 times within 600 s while no other node's did (the last: RuntimeError: " \
+           "CUDA error: an illegal memory access" in events, events
+    assert a.proc.poll() is None and b.proc.poll() is None
+    stopped = cli("stop", "--coordinator", leader.address, "bad-node", "--reason", "enough")
+    assert stopped.returncode == 0, stopped.stderr
+    for node in (a, b):
+        assert node.wait(60) == 3, node.log_path.read_text()[-3000:]
+    (run,) = runs(leader.address, "bad-node")
+    assert run.outcome == "stopped", run

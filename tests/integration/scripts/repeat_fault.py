@@ -2,8 +2,10 @@
 the script's own error at step --fail-at on every rank, or shards its model with FSDP2's
 fully_shard after register() took it as replicated (--shard-after-register), a plausible mistake,
 or registers an FSDP2 model without a layout (--shard-before-register: ShardedStateRefused at
-register). Each fault meets every restarted process again at the same step. --wait-before-last
-FILE: every rank waits (a declared long phase) before the last step until FILE exists."""
+register). Each fault meets every restarted process again at the same step. --fail-on-node N: the
+ranks of node N alone raise 2 steps after they first step, each process at another step (a bad
+device). --wait-before-last FILE: every rank waits (a declared long phase) before the last step
+until FILE exists."""
 
 import argparse
 import os
@@ -20,6 +22,7 @@ parser.add_argument("--steps", type=int, default=1000)
 parser.add_argument("--fail-at", type=int, default=0)
 parser.add_argument("--shard-after-register", action="store_true")
 parser.add_argument("--shard-before-register", action="store_true")
+parser.add_argument("--fail-on-node", default="")
 parser.add_argument("--step-sleep", type=float, default=0.05)
 parser.add_argument("--wait-before-last", default="")
 args = parser.parse_args()
@@ -37,6 +40,7 @@ if args.shard_before_register:  # on a group of its own: the library has formed 
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 worker = Worker(WorkerConfig.from_env()).register(model=model, optimizer=optimizer)
 worker.start()
+bad_device_at = worker.step + 2 if args.fail_on_node == os.environ.get("MUSTER_NODE_ID") else -1
 if args.shard_after_register:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -51,6 +55,8 @@ while worker.step < args.steps:
     with worker.step_scope():
         if worker.step + 1 == args.fail_at:
             raise RuntimeError(f"the script's own bug at step {args.fail_at}")
+        if worker.step == bad_device_at:
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (simulated, step {bad_device_at})")
         net = model if args.shard_after_register else worker.ddp(model)
         net(torch.randn(4, 8)).sum().backward()
         optimizer.step()
