@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import grpc
 import pytest
 from muster.local import CoordinatorProcess, SimulatedNode, process_alive, wait_until
 
+from muster import version
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent.launch import job_name
@@ -48,6 +50,7 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
             assert r0["step"] > 0
         table = await asyncio.to_thread(muster, "status", "--coordinator", replicas[1].address)
         assert table.returncode == 0 and "job cli" in table.stdout and "spares: n2" in table.stdout
+        assert table.stdout.startswith(f"replica {replicas[1].address}  muster {version()}\n")
         assert any(line.split()[:6] == ["0", "0", "n0", "0", "127.0.0.1", "10000"] for line in table.stdout.splitlines())
         events = await asyncio.to_thread(muster, "events", "--coordinator", replicas[1].address, "--job", "cli", "--json")
         kinds = [e["kind"] for e in json.loads(events.stdout)["events"]]
@@ -55,6 +58,10 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
         assert [k for k in kinds if k != "rank_recovered"] == ["node_joined", "node_joined", "formed", "node_joined"]
         text = await asyncio.to_thread(muster, "events", "--coordinator", replicas[0].address, "--job", "cli")
         assert "formed" in text.stdout and "world_size=4 on 2 node(s)" in text.stdout
+        # the job named the other way, asked of its leader: the first map's recovery, its timeline in a line
+        text = await asyncio.to_thread(muster, "events", "cli", "--coordinator", agents[0].leader)
+        assert re.search(r"^recovery g1 planned: \d\.\d{3}s \(detected .* first step \d\.\d{3}s\); slowest: [a-z_]+$",
+                         text.stdout, re.M), text.stdout
         for a in agents:
             await a.stop()
 
