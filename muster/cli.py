@@ -460,7 +460,7 @@ def _watch(args: argparse.Namespace, view) -> int:
                 lines = [f"no answer: {exc.code().name}: {exc.details()}"] if not args.json else []
             if in_place:
                 size = shutil.get_terminal_size()
-                header = f"every {args.interval:g}s: muster {args.verb}  {time.strftime('%H:%M:%S')}"
+                header = f"every {args.interval:g}s: muster {args.verb}  {time.strftime('%H:%M:%S %z')}"
                 shown = [header, "", *lines][:max(1, size.lines - 1)]
                 # home, each line over the last frame's (erasing its rest), then the screen's rest: no flicker
                 sys.stdout.write("\x1b[H" + "".join(f"{line[:size.columns]}\x1b[K\n" for line in shown) + "\x1b[J")

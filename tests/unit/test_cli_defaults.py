@@ -32,7 +32,8 @@ def test_the_job_comes_from_the_environment_where_a_verb_needs_one(monkeypatch, 
     assert parsed(["status"], monkeypatch).job is None  # every job
     with pytest.raises(SystemExit) as missing:
         parsed(["events"], monkeypatch)
-    assert missing.value.code == 2 and "--job is required (or set MUSTER_JOB)" in capsys.readouterr().err
+    assert missing.value.code == 2 and "the job is required: muster events JOB (or set MUSTER_JOB)" in capsys.readouterr().err
+    assert parsed(["events", "--job", "j"], monkeypatch).job == "j"  # the alias
 
 
 def test_version():
