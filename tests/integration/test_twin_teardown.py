@@ -18,11 +18,12 @@ from muster.worker.library.backends import NcclTwin
 from muster.worker.library.comm import Comm, GroupSpec
 
 WAIT_S = 30.0  # a bound on every wait below, never a measurement
+KEY = b"k" * 32  # the generation's store key, as an assignment carries it
 PEER = """
 import sys
 from muster.worker.library.comm import Comm, GroupSpec
 comm = Comm("nccl-twin", host_store=False, timeout_s=30)
-comm.form(GroupSpec(1, 1, 2, 0, sys.argv[1], "g1"), abandoned=lambda: False)
+comm.form(GroupSpec(1, 1, 2, 0, sys.argv[1], "g1", b"k" * 32), abandoned=lambda: False)
 print("formed", flush=True)
 sys.stdin.readline()  # never joins a collective: rank 0's waits on it until the abort
 """
@@ -68,7 +69,7 @@ def test_the_next_generation_forms_and_steps_while_the_old_groups_abort_is_held(
 
     training = threading.Thread(target=collective)
     try:
-        comm.form(GroupSpec(1, 0, 2, 0, address, "g1"), abandoned=lambda: False)
+        comm.form(GroupSpec(1, 0, 2, 0, address, "g1", KEY), abandoned=lambda: False)
         assert peer.stdout.readline().strip() == "formed"
         training.start()
         racing = [threading.Thread(target=comm.abort, args=(2,)) for _ in range(3)]  # the abort thread, a hold...
