@@ -67,6 +67,18 @@ def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, sample
     return survivor
 
 
+def hang_until_replaced(a, b, slot: int) -> None:
+    """SIGSTOP b's rank in `slot` until a's trains on without it; woken, it finds itself fenced out
+    and exits, and its agent starts a replacement."""
+    stopped = b.rank_pids(slot)[-1]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3")
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    wait_until(lambda: len(b.rank_pids(slot)) == 2, 30, "the agent starts a replacement")
+
+
 @pytest.mark.timeout(240)
 def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
         coordinators, agents, tmp_path):
@@ -85,12 +97,6 @@ def test_a_hung_rank_is_replaced_and_gradient_accumulation_keeps_its_step(coordi
     it is fenced out and its agent starts a replacement, which joins mid-epoch (200 samples, 32 a
     step) and takes the state; each step is 2 micro-batches, all-reduced once."""
     leader, (a, b) = start(coordinators, agents, tmp_path, "hfhang", 50, "--accumulation", "2")
-    stopped = b.rank_pids(1)[-1]
-    os.kill(stopped, signal.SIGSTOP)
-    try:
-        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3")
-    finally:
-        os.kill(stopped, signal.SIGCONT)  # it wakes fenced out and exits; its agent starts a replacement
-    wait_until(lambda: len(b.rank_pids(1)) == 2, 30, "the agent starts a replacement")
+    hang_until_replaced(a, b, 1)
     survivor = check_one_run([a, b], (b, 1), 50, accumulation=2)
     assert survivor[-1]["epoch"] > 1, "the run crossed an epoch"

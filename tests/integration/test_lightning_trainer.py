@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from muster.local import EXAMPLE, wait_until  # noqa: E402
-from tests.integration.test_hf_trainer import check_one_run as hf_check  # noqa: E402
+from tests.integration.test_hf_trainer import check_one_run as hf_check, hang_until_replaced  # noqa: E402
 
 SCRIPT = EXAMPLE.parent / "train_lightning.py"
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
@@ -58,11 +58,5 @@ def test_a_hung_rank_is_fenced_out_and_its_replacement_joins_mid_epoch(coordinat
     """SIGSTOP (a hang): the others re-form without it as soon as the leader judges it stalled; woken,
     it is fenced out and its agent starts a replacement, which joins mid-epoch and takes the state."""
     leader, (a, b) = start(coordinators, agents, tmp_path, "plhang", 150)
-    stopped = b.rank_pids(1)[-1]
-    os.kill(stopped, signal.SIGSTOP)
-    try:
-        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3")
-    finally:
-        os.kill(stopped, signal.SIGCONT)  # it wakes fenced out and exits; its agent starts a replacement
-    wait_until(lambda: len(b.rank_pids(1)) == 2, 30, "the agent starts a replacement")
+    hang_until_replaced(a, b, 1)
     check_one_run([a, b], (b, 1), 150)

@@ -207,9 +207,12 @@ class ReplicatedState:
                 mine = _card(resumed, described, tensors, device)
                 p = plan([Card.decode(v) for v in channel.exchange("state/card/resumed", mine.encode())])
                 split, tier = "", "checkpoint"
-        if split:
+        if split and self.durable is not None:
             raise StateLost(f"the replicas at step {p.reference.step} disagree ({split}) and no checkpoint "
                             "holds a step to go back to: neither is trained on")
+        if split:  # no durable tier to settle it: named loudly, and the lowest rank's state is taken, as before
+            log.error("replicas_disagree", step=p.reference.step, split=split, taken=p.sources[0],
+                      remedy="register(checkpoint=Checkpoints(...)) lets the ranks go back to a verified step")
         result = SyncResult(p.reference.step, p, p.role(channel.rank), tier=tier)
         result.phases = {"fingerprint_s": fingerprinted - started, "agree_s": time.perf_counter() - fingerprinted}
         if not p.moves:
