@@ -60,13 +60,14 @@ class MasterPorts:
     async def _find(self, a: pb.Assignment) -> tuple[str, str] | None:
         host, master_port = split_host_port(a.master_address)
         key = f"{a.store_prefix}/muster-agent/master-port"
+        seal = Seal(a.store_key, a.store_prefix)
         if a.node_rank == 0 and a.rank_offset == 0:  # rank 0 is here: so is the store
             # Library ranks need no store, but a node placed since, whose ranks have not started
             # (so it cannot know they are library ranks), waits for the key: it is published anyway.
             served = None if self._library() else await asyncio.to_thread(serve_store, self.host)
             port = str(served.port if served is not None else master_port)
             try:
-                await asyncio.to_thread(publish, self.store, key, port, Seal(a.store_key, a.store_prefix))
+                await asyncio.to_thread(publish, self.store, key, port, seal)
             except StoreKeyTaken as exc:  # nodes that read it first would use someone else's port
                 self._planted(a.generation, exc)
                 return None
@@ -82,19 +83,16 @@ class MasterPorts:
         warned = False
         while self._assignment().generation == a.generation and not self._ended():
             try:
-                found = await asyncio.to_thread(self._get, a.store_address, key)
-                return host, Seal(a.store_key, a.store_prefix).open(key, found).decode()
-            except StoreTampered as exc:  # never used: the ranks wait for a newer map (the leader's form timeout)
+                return host, seal.open(key, await asyncio.to_thread(self._get, a.store_address, key)).decode()
+            except Exception as exc:  # a tampered value is never used either: the ranks wait for a newer map
                 if not warned:
                     warned = True
-                    log.error("master_port_tampered", generation=a.generation, store=a.store_address, error=str(exc))
-                await asyncio.sleep(0.2)
-            except Exception as exc:
-                if not warned:
-                    warned = True
-                    log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
-                                error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                                message="waiting for the node of rank 0 to publish it, or for a newer map")
+                    if isinstance(exc, StoreTampered):
+                        log.error("master_port_tampered", generation=a.generation, store=a.store_address, error=str(exc))
+                    else:
+                        log.warning("master_port_unpublished", generation=a.generation, store=a.store_address,
+                                    error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                                    message="waiting for the node of rank 0 to publish it, or for a newer map")
                 await asyncio.sleep(0.2)
         return None
 
