@@ -79,8 +79,8 @@ gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 protos: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \
-		--pyi_out=protos protos/muster/v1/muster.proto
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=src --grpc_python_out=src \
+		--pyi_out=src protos/muster/v1/muster.proto
 
 clean:
 	rm -rf $(VENV) .muster site

@@ -1,5 +1,5 @@
 """The durable tier's cost (issue 55 item 6): a 17M model (examples/train_ddp.py's, Adam) trained on
-this machine's CPU, with and without the library's checkpoints (worker/library/checkpoints.py, a
+this machine's CPU, with and without the library's checkpoints (src/muster/worker/library/checkpoints.py, a
 real directory): the host copy on the training thread per checkpoint, the whole step's time with
 the write running beside it, the write itself, and the time to read a checkpoint back into the
 model (the durable tier's part of a resume). Steps lost per tier come from the chaos tests

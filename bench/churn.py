@@ -65,7 +65,7 @@ from muster.v1 import muster_pb2_grpc as pb_grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from proc_cpu import cpu_seconds  # noqa: E402
 
-ELECTION_PREFIX = f"{DEFAULT_PREFIX}/election/"  # coordinator/etcd/election.py: {prefix}/election/{job}/{lease}
+ELECTION_PREFIX = f"{DEFAULT_PREFIX}/election/"  # src/muster/coordinator/etcd/election.py: {prefix}/election/{job}/{lease}
 SERVE_DEFAULT_MAX_JOBS = 1_000  # `muster serve --max-jobs`'s default
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 200)]

@@ -1,5 +1,5 @@
 """A library rank's replacement under `muster run` (issue 25 item 5): N agents x S slots of
-muster/examples/train_ddp.py (the worker library) against a real etcd and coordinator, with the
+src/muster/examples/train_ddp.py (the worker library) against a real etcd and coordinator, with the
 agent's defaults (warm starts on). One rank is SIGKILLed at a time; its agent starts a replacement
 in the slot, which joins the running job at a planned switch. Prints one JSON object:
 

@@ -1,4 +1,4 @@
-"""The Hugging Face integration (worker/integrations/hf.py) with the real libraries: examples/train_trainer.py
+"""The Hugging Face integration (src/muster/worker/integrations/hf.py) with the real libraries: examples/train_trainer.py
 with its one line (`--resilient`), a tiny GPT-2 from a config, 2 `muster run` agents x 2 ranks over a
 real coordinator and etcd, DDP over gloo on CPU. A rank is killed (or stopped): the survivors keep
 their processes and re-form in-process, the replacement takes the state from them, and every rank

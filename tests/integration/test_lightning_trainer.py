@@ -1,4 +1,4 @@
-"""The Lightning integration (worker/integrations/lightning.py) with the real library:
+"""The Lightning integration (src/muster/worker/integrations/lightning.py) with the real library:
 examples/train_lightning.py with its one line (`--resilient`: strategy=MusterDDPStrategy()), 2 `muster
 run` agents x 2 ranks over a real coordinator and etcd, DDP over gloo on CPU. A rank is killed (or
 stopped): the survivors keep their processes and re-form in-process, the replacement takes the state

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "muster", "coordinator", "worker", "protos")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "src")
 
 
 def run(args, timeout, **kwargs):
@@ -27,14 +27,14 @@ def run(args, timeout, **kwargs):
 @pytest.mark.timeout(150)
 def test_the_wheel_installs_and_its_demo_runs_from_an_empty_directory(tmp_path):
     # Build from a copy: the checkout may be in use (no build/ or egg-info written into it).
-    src = tmp_path / "src"
-    src.mkdir()
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
     for name in SOURCES:
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
-        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+        copy(ROOT / name, checkout / name, **({"ignore": shutil.ignore_patterns("__pycache__", "*.egg-info")}
                                          if (ROOT / name).is_dir() else {}))
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-         "-w", str(tmp_path / "dist"), str(src)], 120)
+         "-w", str(tmp_path / "dist"), str(checkout)], 120)
     (wheel,) = (tmp_path / "dist").glob("torch_muster-*.whl")
 
     venv = tmp_path / "venv"

@@ -1,4 +1,4 @@
-"""The durable tier's files (worker/library/checkpoints.py): what the writer thread leaves, that a
+"""The durable tier's files (src/muster/worker/library/checkpoints.py): what the writer thread leaves, that a
 checkpoint is used only complete and with the bytes its marker recorded, the ranks' agreement on
 one step, retention, and the "auto" cadence."""
 

@@ -1,5 +1,5 @@
 """deploy/grafana/muster-dashboard.json asks only for what the coordinator exports: every query's
-metrics and labels are in a replica's /metrics (coordinator/metrics.py), and every metric is shown."""
+metrics and labels are in a replica's /metrics (src/muster/coordinator/metrics.py), and every metric is shown."""
 
 import json
 import re

@@ -16,5 +16,5 @@ def test_generated_stubs_are_fresh(tmp_path):
     )
     for name in GENERATED:
         fresh = (tmp_path / "muster/v1" / name).read_text()
-        checked_in = (ROOT / "protos/muster/v1" / name).read_text()
-        assert fresh == checked_in, f"protos/muster/v1/{name} is stale: run `make protos`"
+        checked_in = (ROOT / "src/muster/v1" / name).read_text()
+        assert fresh == checked_in, f"src/muster/v1/{name} is stale: run `make protos`"

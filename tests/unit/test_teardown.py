@@ -1,4 +1,4 @@
-"""The background teardown of aborted groups (worker/library/teardown.py), with stand-in groups whose
+"""The background teardown of aborted groups (src/muster/worker/library/teardown.py), with stand-in groups whose
 abort and shutdown the test holds and releases: the order of its steps, one abort per group, its
 bound, and no thread left per teardown. No timings: every wait is an event, bounded."""
 

@@ -1,4 +1,4 @@
-"""muster/examples/train_ddp.py (the worker library) whose process lingers SECONDS in interpreter
+"""src/muster/examples/train_ddp.py (the worker library) whose process lingers SECONDS in interpreter
 teardown, as a script that writes a last checkpoint on its way out would: slow_exit.py SECONDS ARGS..."""
 
 import atexit

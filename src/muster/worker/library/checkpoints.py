@@ -5,7 +5,7 @@ lost, the job started again).
     worker.register(model=model, optimizer=opt, data=position, checkpoint=Checkpoints("/shared/ckpt", every=100))
 
 What is written is each shard of the state (the whole state for a replicated job: shard 0), packed as
-a peer snapshot is (worker/library/snapshot_ring.py's `pack`: the skeleton in the closed format of
+a peer snapshot is (src/muster/worker/library/snapshot_ring.py's `pack`: the skeleton in the closed format of
 transfer.py, then the tensors; no pickle, since a checkpoint directory is read back by every rank)
 and written by one holder of the shard: rank 0 of a replicated job, replica group 0's rank of each
 shard index for Replicas(R, S), every slot for Snapshots(N). The shard count is fixed by the layout,

@@ -5,9 +5,9 @@ Every process hosts a TCPStore from the start, so whichever process is rank 0 of
 already serves that generation's store (under a fresh prefix). Forming starts with an arrival
 barrier polled without blocking, so a newer generation can abandon a half-formed one, or one whose
 store does not answer (its host died as the map was published).
-Abort: through the backend (worker/library/backends.py): NCCL's `abort()` runs in the background
-(worker/library/teardown.py) once the groups are out of torch's registry; gloo has none, so the sockets the
-generation's group opened are shut down (worker/library/sockets.py), which makes a collective blocked on a
+Abort: through the backend (src/muster/worker/library/backends.py): NCCL's `abort()` runs in the background
+(src/muster/worker/library/teardown.py) once the groups are out of torch's registry; gloo has none, so the sockets the
+generation's group opened are shut down (src/muster/worker/library/sockets.py), which makes a collective blocked on a
 hung or dead peer fail at once.
 """
 
@@ -67,7 +67,7 @@ class GroupSpec:
     local_rank: int
     store_address: str  # host:port of rank 0's store
     store_prefix: str
-    store_key: bytes = b""  # seals the values ranks steer by (worker/store.py); from the assignment, never the store
+    store_key: bytes = b""  # seals the values ranks steer by (src/muster/worker/store.py); from the assignment, never the store
     left_out: int = 0  # usable slots of the job outside this generation (Assignment.left_out)
 
 
@@ -119,7 +119,7 @@ def await_keys(store: dist.Store, spec: GroupSpec, keys: list[str], abandoned: C
 
 class GroupChannel:
     """The formed group's store, for what its ranks tell each other besides collectives (the state
-    transfer's cards, skeleton and verdicts: worker/library/state.py's Channel). Every value is
+    transfer's cards, skeleton and verdicts: src/muster/worker/library/state.py's Channel). Every value is
     sealed with the generation's key and checked when read: one written by anyone else fails the
     generation (StoreTampered), whatever it says."""
 

@@ -205,7 +205,7 @@ def store_prefix(state: JobState) -> str:
 
 
 def store_key(state: JobState) -> bytes:
-    """The key that seals the generation's store values (worker/store.py): anyone can list the store's
+    """The key that seals the generation's store values (src/muster/worker/store.py): anyone can list the store's
     keys, prefix included, so what ranks act on must prove it came from a rank that heard the leader.
     Keyed by the job's salt under another label than the prefix: knowing one says nothing of the other."""
     return hmac.digest(bytes.fromhex(state.store_salt), b"store-key\0" + state.generation.to_bytes(8, "big"), "sha256")

@@ -23,7 +23,7 @@ class AgentConfig:
     stragglers: tuple[str, float, int] = ("", 0.0, 0)  # the job's (action, factor, min steps) if it creates it
     max_restarts: int = 3  # per slot, whatever the cause (a crash, a new map); beyond it the slot is given up
     restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
-    log_dir: Path | None = None  # the ranks' output and the agent's log under LOG_DIR/<job>/<run>/ (muster/rank_logs.py)
+    log_dir: Path | None = None  # the ranks' output and the agent's log under LOG_DIR/<job>/<run>/ (src/muster/rank_logs.py)
     drain_timeout_s: float = 120.0
     exit_timeout_s: float = 30.0  # a rank whose script completed but whose process lives on this long is ended
     hold_timeout_s: float = 300.0  # no coordinator heard for this long: give up (the ranks with the agent)

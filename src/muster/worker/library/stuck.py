@@ -17,7 +17,7 @@ STUCK_EXIT_CODE = 3  # a rank that exits stuck: its agent starts a fresh process
 STUCK_EXIT_S = 10.0  # a fenced rank whose training thread does not raise within this long exits
 
 # Called before a stuck exit: what only this process holds, written for the slot's next process. One
-# per process, as the exit is the process's (the registered state's, worker/library/snapshots.py).
+# per process, as the exit is the process's (the registered state's, src/muster/worker/library/snapshots.py).
 _leave: Callable[[], None] | None = None
 
 

@@ -46,7 +46,7 @@ class ServeConfig:
     data_dir: Path = Path(".muster")
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
-    http: bool = False  # the live page on the metrics port too (coordinator/web.py)
+    http: bool = False  # the live page on the metrics port too (src/muster/coordinator/web.py)
     http_hosts: tuple[str, ...] = ()  # Host names the metrics port answers to besides its own (`web.http_edge`)
     metrics_open: bool = False  # /metrics without a token though tokens are on
     tokens_file: str = ""  # per-job tokens required when set

@@ -129,7 +129,7 @@ class Nccl:
     forming, so a reform pays for it before the first step rather than inside it. An abort takes
     every group out of torch's registry at once (`Comm.destroy` then has nothing left to destroy,
     and the next generation's group may form) and leaves NCCL's own abort (`ncclCommAbort`, half a
-    second) to a background teardown (worker/library/teardown.py): its first microseconds set the abort
+    second) to a background teardown (src/muster/worker/library/teardown.py): its first microseconds set the abort
     flag that releases the training thread, the rest is nobody's wait."""
 
     name = torch_backend = "nccl"

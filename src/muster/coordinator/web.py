@@ -1,7 +1,7 @@
 """The live page of `muster serve --http`, on the metrics port: the jobs, and a job's ranks,
 health and history, refreshed by the browser every second.
 
-The HTML, JS and CSS are static files of the package (muster/web/, no build step) and carry no
+The HTML, JS and CSS are static files of the package (src/muster/web/, no build step) and carry no
 data: the script fetches `/api/jobs` and `/api/jobs/NAME` (the JSON of `muster jobs --json` and
 of `muster status --json` with `muster events --json`) and shows every value as text, never as
 markup; a Content-Security-Policy allows no inline script. With tokens on, the API asks the same

@@ -1,6 +1,6 @@
 """The node agent's membership of its job: joining within --join-timeout, saying what it waits for,
 and joining again when the leader removed the node while it could not hear it. The Join tells the
-run, and with it where --log-dir's files go (DIR/<job>/<run>/: muster/rank_logs.py)."""
+run, and with it where --log-dir's files go (DIR/<job>/<run>/: src/muster/rank_logs.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ their exchange with the buddy over a gloo group of their own.
 
 A snapshot is the rank's local state (its parameters' local shards, optimizer state, extras) packed
 into one flat byte buffer: the skeleton (structure, shapes, dtypes, and plain values such as an
-optimizer's learning rate, in the closed format of worker/library/transfer.py's `encode`: no pickle,
+optimizer's learning rate, in the closed format of src/muster/worker/library/transfer.py's `encode`: no pickle,
 since a buddy's bytes are read back) then every tensor at a 64-byte aligned offset.
 
 Taking one (at the step boundary, on the training thread) is a copy into a buffer allocated once and
@@ -15,7 +15,7 @@ ever waits for bytes already on their way, and a reform finds it done, or failed
 Each rank keeps two snapshots of its own and two of its predecessor's (4 x its shard of host memory):
 while the newest is in flight the one before stays complete.
 
-A process that exits stuck (worker/library/stuck.py) writes its complete snapshots to a file of its
+A process that exits stuck (src/muster/worker/library/stuck.py) writes its complete snapshots to a file of its
 agent's (`leave`), and the slot's next process reads them back (`take_over`): its buddy may be lost in
 the same fault, and then these are the only copies of two shards.
 """

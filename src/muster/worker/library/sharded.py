@@ -173,7 +173,7 @@ class ShardedState:
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
     bench: Bench | None = None  # this rank is out of the generation's mesh: why, and what it watches
-    durable: Durable | None = None  # the checkpoints under the replicas (worker/library/checkpoints.py)
+    durable: Durable | None = None  # the checkpoints under the replicas (src/muster/worker/library/checkpoints.py)
     _kept: dict[str, Any] | None = None  # a benched survivor's shards (LocalShards' tree), until its group trains
 
     def __post_init__(self) -> None:

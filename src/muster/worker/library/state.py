@@ -6,10 +6,10 @@ holds the whole state (data parallel). After every reform:
 
 1. each rank publishes its Card on the generation's store (a fingerprint computed where the state
    lives: on the GPU for CUDA tensors, xxh3 over host memory for CPU ones); every rank computes the
-   same plan (worker/library/transfer.py). Where every rank holds the reference, nothing else happens: a
+   same plan (src/muster/worker/library/transfer.py). Where every rank holds the reference, nothing else happens: a
    survivor's sync costs one store round trip and one fingerprint, whatever the model's size.
 2. otherwise the first source publishes the skeleton (the state's structure, tensors replaced by
-   shape and dtype, in a closed format: worker/library/transfer.py's `encode`, no pickle), checked
+   shape and dtype, in a closed format: src/muster/worker/library/transfer.py's `encode`, no pickle), checked
    by each rank against the reference's layout before use, and the reference's tensors move in pieces of at most
    a bucket, striped over the sources (point to point on gloo, broadcasts on NCCL), received in
    place (two staging buckets at most); optimizer state a receiver lacks (Adam's, before its first
@@ -119,7 +119,7 @@ class ReplicatedState:
     group: dist.ProcessGroup | None = None
     # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
     on_received: Callable[[int, torch.Tensor], None] | None = None
-    durable: Durable | None = None  # the checkpoints under the ranks' own state (worker/library/checkpoints.py)
+    durable: Durable | None = None  # the checkpoints under the ranks' own state (src/muster/worker/library/checkpoints.py)
 
     @classmethod
     def of(cls, model: torch.nn.Module | None, optimizer: Stateful | None, extras: dict[str, Stateful]) -> ReplicatedState:

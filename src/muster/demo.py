@@ -1,5 +1,5 @@
 """`muster demo`: the whole system on this machine. An embedded etcd, two coordinator replicas and
-N node agents, each training muster/examples/train_ddp.py (shipped in the package) on K slots
+N node agents, each training src/muster/examples/train_ddp.py (shipped in the package) on K slots
 (gloo on CPU). A live table shows ranks, steps, generation and leader; on a schedule a rank is
 SIGKILLed (the next fault waits for its replacement to rejoin), then a whole node (its agent), then
 the coordinator leader. At the end it prints the recovery times, writes a PNG timeline (steps per

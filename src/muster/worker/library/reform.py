@@ -1,9 +1,9 @@
 """A reform as a plan the training thread runs when its group must change: leave the old group
 (aborting it first where it broke, so that peers blocked on this rank fail at once), wait for an
 assignment that gives this rank a place, form that generation's group, and sync the state to the
-step its ranks agree on. It speaks to the process group (worker/library/comm.py) in two verbs,
+step its ranks agree on. It speaks to the process group (src/muster/worker/library/comm.py) in two verbs,
 `leave` and `form` (which hands back the channel the state syncs over), reads the link's mailbox
-(worker/link.py) and tells it the generation formed, and says what the rank does meanwhile
+(src/muster/worker/link.py) and tells it the generation formed, and says what the rank does meanwhile
 (forming, holding) in the rank's Progress. It never calls back into the worker: a wait the link's
 failure or a drain ends returns None, for the worker to raise why, and the worker adopts the group
 formed. A rank whose group broke with no new generation in sight holds, process and state kept,

@@ -278,7 +278,7 @@ def final_digests(ranks: list[TrainingProcess], steps: int) -> dict[int, str]:
 
 
 class AgentProcess(_Child):
-    """`muster run` for one node, running the packaged muster/examples/train_ddp.py (or `command`) on
+    """`muster run` for one node, running the packaged src/muster/examples/train_ddp.py (or `command`) on
     its slots; each rank's output goes to log_dir/<job>/<run>/<node>-slot<K>-<start>.log. `wrap` prefixes the
     command line (e.g. `ip netns exec NS`, which execs: the PID stays the agent's)."""
 

@@ -1,6 +1,6 @@
 """`muster logs`, the files' side: what an agent writes with `muster run --log-dir DIR`, in the
 directory of its job's run, DIR/<job>/<run>/ (made at its Join, when the run is known): its ranks'
-output (<node>-slot<K>-<start>.log, one file per start of a slot: worker/agent/supervisor.py) and its
+output (<node>-slot<K>-<start>.log, one file per start of a slot: src/muster/worker/agent/supervisor.py) and its
 own log (<node>-agent.log, JSON lines); their last lines, and following them as they grow and as a
 restarted slot starts a new file. Directories are made 0700 and files 0600, the agent's user's alone:
 a rank prints what it likes (its loss, a secret), and node ids are unique only within a job."""

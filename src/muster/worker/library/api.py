@@ -419,7 +419,7 @@ class Worker:
     def _reform(self, *, discard: bool = False, hold: str = "") -> None:
         """Leave the current group and join the next one this rank trains in (the plan: Reform).
         A rank benched in the generation formed (its replica group is out of the mesh:
-        worker/library/sharded.py) sits it out, state kept and reporting a long phase (not a
+        src/muster/worker/library/sharded.py) sits it out, state kept and reporting a long phase (not a
         stall), until a newer generation places it."""
         said = self._progress.now[2:4]  # said again once formed
         if self._durable is not None and (discard or hold):
