@@ -53,6 +53,7 @@ from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
+from muster.coordinator.straggler_duty import StragglerDuty
 from muster.coordinator.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
 from muster.local import CoordinatorProcess, SimulatedNode, wait_until
@@ -582,6 +583,7 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
         "assignments_ms": median_ms(lambda: [a.directive(n) for a in [wire.Assignments(lost, "bench")] for n in node_ids], reps),
         "frame_us": round(frame_us, 2),
         "straggler_look_ms": median_ms(lambda: straggler_look(leader), reps),
+        **straggler_slices(leader),
         **status_costs(leader, reps),
     }
 
@@ -669,6 +671,23 @@ def straggler_look(leader: JobLeader) -> None:
                                    leader.live.median_step_time() or 0.0)
 
 
+def straggler_slices(leader: JobLeader) -> dict:
+    """One look as the leader takes it (StragglerDuty.look, once a tally, in slices of LOOK_SLICE_S):
+    the longest one tally's part of it held the loop (CPU: preemption by other load on the host
+    does not count), and how many tallies the look spans."""
+    duty = StragglerDuty(leader.stragglers.watch.policy, 0.0, leader.log)
+    now = leader._clock()
+    held, tallies = [], 0
+    while True:
+        seen = leader.live.assess(leader.state, now)
+        t0 = time.thread_time()
+        duty.look(now, leader.state, seen, leader.streams)
+        held.append(time.thread_time() - t0)
+        tallies += 1
+        if not duty.looking:
+            return {"straggler_slice_max_ms": round(max(held) * 1e3, 3), "straggler_look_tallies": tallies}
+
+
 def status_costs(leader: JobLeader, reps: int) -> dict:
     """A default Status, one node's page, the job summary: their time, size and the longest the
     loop waits on one."""
@@ -722,8 +741,11 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
                                 "stream would); the etcd write is left out",
             "assignments_ms": "wire.Assignments: every node's directive of one new map (the fan-out inside leader_change_ms)",
             "frame_us": "JobLeader.on_frame of one frame of `slots` rank reports (the protobuf already parsed)",
-            "straggler_look_ms": "the straggler watch's look over every rank of the map, on the leader's loop "
-                                 "once every 1 s + ranks / 20,000 s (straggler_duty.py)",
+            "straggler_look_ms": "the straggler watch's look over every rank of the map in one piece (its CPU; the "
+                                 "leader takes it once every 1 s + ranks / 20,000 s, in slices: straggler_duty.py)",
+            "straggler_slice_max_ms": "the longest one tally's part of a look held the leader's loop (CPU; the "
+                                      "duty stops slicing once 2 ms of wall time have gone)",
+            "straggler_look_tallies": "the tallies (one a --tick, 0.05 s, or sooner) one look spans",
             "status_ms": "JobLeader.status of a default Status: header, summary, health and the first page of "
                          f"{status_pages.DEFAULT_PAGE_SIZE} ranks (one Status RPC, before serialization)",
             "status_stall_ms": "the longest the leader's loop waits while a default Status is built (the "

@@ -7,7 +7,7 @@ import pytest
 
 from muster.coordinator.core.live_records import NodeLive, RankLive
 from muster.coordinator.core.state import Placement
-from muster.coordinator.core.stragglers import StragglerPolicy, StragglerWatch
+from muster.coordinator.core.stragglers import Look, StragglerPolicy, StragglerWatch, lower_median
 
 POLICY = StragglerPolicy(factor=1.5, min_steps=10)
 
@@ -194,3 +194,42 @@ def test_a_scripts_ranks_are_judged_and_a_restarted_process_counts_its_steps_ane
     live["n3"].ranks[1].state = "restarting"  # between processes: not measured, and not named
     named, _ = steps(placements, live, watch, {("n3", 1): 0.5}, 20)
     assert named == [] and live["n3"].ranks[1].straggler_factor == 0
+
+
+def test_the_lower_median_of_sorted_runs_is_the_sorted_unions():
+    rng = random.Random(7)
+    for _ in range(300):
+        runs = [sorted(rng.choice([0.1, 0.2, 0.3]) if rng.random() < 0.3 else rng.uniform(1e-4, 2.0)
+                       for _ in range(rng.randint(0, 9))) for _ in range(rng.randint(1, 6))]
+        union = sorted(x for r in runs for x in r)
+        if union:
+            assert lower_median(runs) == union[(len(union) - 1) // 2]
+
+
+def test_a_look_taken_a_node_at_a_time_finds_what_one_in_one_piece_does():
+    """The leader takes a large map's look in slices between its frames: the same names, the same
+    clears and factors, whatever the slice."""
+    def run(slice_nodes):
+        placements, live = job(nodes=9, slots=3)
+        watch = StragglerWatch(POLICY)
+        seen = []
+        for n in range(40):
+            for node_id, node in live.items():
+                for slot, r in node.ranks.items():
+                    r.step += 1
+                    r.compute_s = 0.3 if (node_id, slot) in {("n4", 0), ("n4", 1), ("n4", 2)} and n < 25 \
+                        else 0.25 if (node_id, slot) == ("n7", 2) else 0.1 + 0.001 * slot
+            look, slices = Look(watch, placements, live), 0
+            while (result := look.step(slice_nodes, 0.3)) is None:
+                slices += 1
+            seen.append((result, {k: r.straggler_factor for k, node in live.items() for k, r in
+                                  ((f"{k}/{s}", r) for s, r in node.ranks.items())}))
+        return seen, slices
+
+    whole, _ = run(100)
+    for slice_nodes in (1, 2, 4):
+        sliced, slices = run(slice_nodes)
+        assert sliced == whole and slices >= 9 // slice_nodes
+    named = [s.node_id for (found, _), _ in whole for s in found]
+    cleared = [n for (_, gone), _ in whole for n in gone]
+    assert named == ["n4", "n7"] and cleared == ["n4"]
