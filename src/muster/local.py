@@ -186,7 +186,7 @@ class CoordinatorProcess(_Child):
         return status.live and status.leader == self.address
 
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "train_ddp.py"
 
 
 _RANK_IDS = itertools.count()
