@@ -7,15 +7,16 @@ ends with the same state."""
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from muster.local import EXAMPLE, wait_until  # noqa: E402
+from muster.local import wait_until  # noqa: E402
 
-SCRIPT = EXAMPLE.parent / "train_trainer.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_trainer.py"
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
 BATCH = 4  # the example's per-device batch
 

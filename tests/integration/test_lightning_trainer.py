@@ -8,15 +8,16 @@ with the same state."""
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning")
 
-from muster.local import EXAMPLE, wait_until  # noqa: E402
+from muster.local import wait_until  # noqa: E402
 from tests.integration.test_hf_trainer import check_one_run as hf_check, hang_until_replaced  # noqa: E402
 
-SCRIPT = EXAMPLE.parent / "train_lightning.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
 BATCH, SAMPLES = 4, 200  # the per-device batch; the dataset (an epoch: 12 or 16 steps)
 

@@ -32,9 +32,14 @@ def under_muster(integration: str) -> WorkerConfig | None:
     return WorkerConfig.from_env()
 
 
-def alone() -> None:
+def alone(*, hide_world: bool = False) -> None:
     """A default group of this process alone, until the library forms the job's at the first step: the
-    trainer's set-up collectives (barriers, a length's all-reduce) then pair with nobody else's steps."""
+    trainer's set-up collectives (barriers, a length's all-reduce) then pair with nobody else's steps.
+    `hide_world`: accelerate starts torch.distributed itself (env://) when it sees WORLD_SIZE/LOCAL_RANK,
+    and reads its world from this group instead once they are gone (tell_accelerate sets them per group)."""
+    if hide_world:
+        for name in ("WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(name, None)
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
@@ -101,6 +106,21 @@ class Positions:
     def micro_batch(self, consumed: int, worker: Worker, k: int = 0):
         """Rank `worker.rank`'s micro-batch k of the step that begins at position `consumed`."""
         return self.batch(consumed + (k * worker.world_size + worker.rank) * self.batch_size, self.batch_size)
+
+
+def tell_accelerate(w: Worker) -> None:
+    """Tell accelerate's shared state (and the environment, for the script) this rank's place in the
+    group the library formed: its gather, reduce and scheduler steps then count this world."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    place = {"num_processes": w.world_size, "process_index": w.rank, "local_process_index": w.config.local_rank,
+             "backend": w.backend.torch_backend,
+             "distributed_type": DistributedType.MULTI_GPU if w.device.type == "cuda" else DistributedType.MULTI_CPU}
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        if shared:
+            shared.update(place)
+    os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size), LOCAL_RANK=str(w.config.local_rank))
 
 
 def refuse(integration: str, why: list[str]) -> None:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import time
 from typing import Any
 
@@ -58,7 +57,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from muster.worker.integrations.common import (SHARDED, Positions, Replicated, alone, refuse, rng, run_ends,
-                                               set_rng, under_muster)
+                                               set_rng, tell_accelerate, under_muster)
 from muster.worker.library.api import Worker, WorkerConfig
 
 log = structlog.get_logger(__name__)
@@ -79,11 +78,7 @@ def resilient() -> bool:
     _config = under_muster("hf")
     if _config is None:
         return False
-    # accelerate starts torch.distributed itself when it sees these, and reads its world from a group
-    # when given a backend: until the library forms the job's at the first step, one of this process alone
-    for name in ("WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(name, None)
-    alone()
+    alone(hide_world=True)
     for name in ("train", "get_train_dataloader", "_wrap_model", "get_batch_samples", "training_step",
                  "_maybe_log_save_evaluate"):
         _ORIGINAL[name] = getattr(Trainer, name)
@@ -292,16 +287,7 @@ class _Run:
         if w.generation == self.generation:
             return
         self.generation = w.generation
-        from accelerate.state import AcceleratorState, PartialState
-        from accelerate.utils import DistributedType
-
-        place = {"num_processes": w.world_size, "process_index": w.rank, "local_process_index": w.config.local_rank,
-                 "backend": w.backend.torch_backend,
-                 "distributed_type": DistributedType.MULTI_GPU if w.device.type == "cuda" else DistributedType.MULTI_CPU}
-        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-            if shared:
-                shared.update(place)
-        os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size), LOCAL_RANK=str(w.config.local_rank))
+        tell_accelerate(w)
         state = self.trainer.state
         state.is_world_process_zero, state.is_local_process_zero = w.rank == 0, w.config.local_rank == 0
 
