@@ -43,3 +43,25 @@ def test_a_figure_past_its_tolerance_on_a_noisy_machine_is_inconclusive():
 
 def test_figures_missing_on_either_side_are_not_judged():
     assert verdicts(run(leader_change_ms=100.0), run(tick_ms=0.01)) == (0, {})
+
+
+def test_a_latency_past_its_absolute_bound_is_worse_however_noisy_the_host_or_slow_the_baseline():
+    slow_baseline = run(frame_latency_p99_ms=9.0)  # allowed by it alone: 9 * 2 + 5 = 23 ms
+    assert verdicts(run(frame_latency_p99_ms=12.0), slow_baseline) == (1, {"frame_latency_p99_ms": "worse"})
+    assert verdicts(run(wall_over_cpu=3.0, spread=0.5, frame_latency_p99_ms=12.0), slow_baseline) == (
+        1, {"frame_latency_p99_ms": "worse"})
+    assert verdicts(run(frame_latency_p50_ms=5.5), run(frame_latency_p50_ms=4.0)) == (
+        1, {"frame_latency_p50_ms": "worse"})
+    # within the bound, the baseline's tolerance: a noisy host's figure past it is inconclusive
+    fast_baseline = run(frame_latency_p99_ms=1.0)  # allowed: 1 * 2 + 5 = 7 ms
+    assert verdicts(run(frame_latency_p99_ms=8.0), fast_baseline) == (1, {"frame_latency_p99_ms": "worse"})
+    assert verdicts(run(wall_over_cpu=2.0, frame_latency_p99_ms=8.0), fast_baseline) == (
+        2, {"frame_latency_p99_ms": "inconclusive"})
+    assert verdicts(run(wall_over_cpu=2.0, frame_latency_p99_ms=6.9), fast_baseline)[0] == 0
+
+
+def test_cpu_figures_have_no_absolute_bound():
+    """A CPU figure is judged against the baseline only (scaled): the bound is a latency's promise."""
+    assert all(f.bound is None for f in check.FIGURES if f.cpu)
+    assert {f.name: f.bound for f in check.FIGURES if not f.cpu} == {"frame_latency_p50_ms": 5.0,
+                                                                    "frame_latency_p99_ms": 10.0}
