@@ -222,3 +222,67 @@ def test_the_port_serves_https_answers_its_own_names_asks_a_scrape_token_and_dro
     assert get(base, "/healthz", tls=trust)[0] == 200
     assert threads(replica.proc.pid) <= before + 1
     assert replica.find("http_connections_capped", limit=MAX_CONNECTIONS)
+
+
+class Reforming(SimulatedNode):
+    """Reports its ranks' phase and, from a few steps into each generation (as a rank's reform phases
+    reach its agent once it formed and moved the state), their reform's phases: 1 MiB moved in 0.3 s."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.began: dict[int, int] = {}  # generation -> the step of its first report
+
+    def _reports(self):
+        reports = super()._reports()
+        began = self.began.setdefault(self.generation, self.step)
+        for r in reports:
+            r.phase = "phased"
+            if r.state == pb.RANK_STATE_RUNNING and self.step - began >= 3:
+                r.reform.CopyFrom(pb.ReformPhases(generation=self.generation, abort_s=0.01, form_s=0.05, sync_s=0.35,
+                                                  transfer_s=0.3, bytes_received=1 << 20))
+        return reports
+
+
+@pytest.mark.timeout(90)
+def test_a_relayed_jobs_recovery_reaches_the_page_with_its_ranks_phases(coordinators):
+    """A job whose node streams go through a relay replica shows its ranks' phases and each
+    recovery's timeline on the page as a direct job does: its relay forwards a frame that brings a
+    rank's reform phases (they come a few steps after the new generation), and the recovery ends
+    on its relay's word for the steps it no longer forwards."""
+    from test_relay import RELAY, leader_of, names_spread, stepping_job
+
+    replicas = coordinators(2, extra=[*RELAY, "--metrics-listen", "127.0.0.1:0", "--http"])
+    addresses = [r.address for r in replicas]
+
+    async def scenario():
+        nodes = await stepping_job(addresses, "relayed", names_spread(addresses, 2), slots=2, node=Reforming)
+        leader = leader_of(replicas, "relayed")
+        standby = next(r for r in replicas if r is not leader)
+        assert all(n.session.relay == standby.address for n in nodes)  # every node relayed
+        base = leader.find("coordinator_serving")[0]["page"].rstrip("/")
+
+        def job() -> dict:
+            return valid(api(base, "/api/jobs/relayed", ""), "page_job")["status"]["jobs"][0]
+
+        def recovered(generation: int):
+            found = job()["health"]["recent_recoveries"]
+            return found if found and found[-1]["generation"] > generation else None
+
+        generation = max(n.generation for n in nodes)
+        await until(lambda: recovered(generation - 1), 10, "the first map's recovery")
+        nodes[0].exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
+        last = (await until(lambda: recovered(generation), 10, "the kill's recovery measured"))[-1]
+        assert not last["planned"] and last["recovery_s"] > 0
+
+        def timed():  # the phases come with the ranks' frames a few steps into the generation
+            r = recovered(generation)[-1]
+            return r if r["slowest"] == "moved" else None
+
+        drawn = await until(timed, 10, "the ranks' phases in the recovery")
+        assert (drawn["abort_s"], drawn["form_s"], drawn["sync_s"], drawn["transfer_s"]) == (0.01, 0.05, 0.35, 0.3)
+        assert drawn["bytes_moved"] == 7 << 20  # the 7 ranks left x 1 MiB
+        assert {r["phase"] for r in job()["ranks"]} == {"phased"}
+        for n in nodes:
+            await n.stop()
+
+    asyncio.run(scenario())

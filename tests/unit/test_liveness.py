@@ -293,6 +293,20 @@ def test_recovery_ends_once_every_node_of_its_map_reports_a_step_past_the_decisi
     assert live.assess(state, 13.0, recovering=recovery).recovered == (True, 3.0)
 
 
+def test_a_relayed_nodes_recovery_ends_on_its_relays_word_for_the_steps_it_no_longer_forwards():
+    """A summarising relay forwards a node's first advance after a change and no later one: a node
+    whose first step in the generation is not past the decision's is past it by its relay's summary."""
+    state = job()
+    live, vouch = Liveness(TIMING, now=0), Vouch()
+    recovery = Recovery(generation=1, decided_at=10.0, step=5)
+    live.observe("n0", 1, report(6), 11)
+    live.observe("n1", 1, report(5), 11, vouched=True, vouch=vouch)  # its first advance; the rest summarised
+    vouch.at, vouch.low, vouch.high = 11.5, 5, 9
+    assert live.assess(state, 11.5, recovering=recovery).recovered == (False, None)
+    vouch.at, vouch.low = 12.5, 8  # every node of its relay past step 8
+    assert live.assess(state, 12.5, recovering=recovery).recovered == (True, 2.5)
+
+
 def test_a_scripts_recovery_ends_once_each_of_its_ranks_steps_in_a_process_of_the_generation():
     """A script's ranks restart with each map and their probe counts steps from their process's
     start: the job's step before the decision is no measure for them."""

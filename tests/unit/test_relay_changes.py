@@ -29,6 +29,19 @@ def test_the_first_frame_a_change_and_the_first_advance_after_it_go_at_once():
     assert steps(c.frame(node, frame(8, generation=2), 0.4)) == [8]
 
 
+def test_a_frame_bringing_a_ranks_reform_phases_goes_even_summarising():
+    """The leader's recovery timeline is made of them; they may come steps after the new generation."""
+    c, node = Changes(2.0, 1.0), RelayedNode(1, "n")
+    c.summarising = True
+    c.frame(node, frame(5, generation=2), 0.0)
+    c.frame(node, frame(6, generation=2), 0.1)
+    assert c.frame(node, frame(7, generation=2), 0.2) == []  # progress only: the summary's
+    phased = frame(8, generation=2)
+    for r in phased.ranks:
+        r.reform.CopyFrom(pb.ReformPhases(generation=2, form_s=0.05))
+    assert steps(c.frame(node, phased, 0.3)) == [8]
+
+
 def test_progress_is_held_latest_wins_until_its_time():
     c, node = Changes(2.0, 1.0), RelayedNode(1, "n")
     c.frame(node, frame(1), 0.0)

@@ -5,7 +5,7 @@ batch window instead of one per node frame.
 Up, each batch holds each node's latest frame only (its exits merged in, never dropped; a batch
 with an exit goes at once), the streams that ended and the nodes found silent. Only changes go
 up: a frame that changes what the leader judges by (rank states, pids, generations, phases,
-digests, exits) goes in the next batch (the first advance after a change too: recovery is timed
+reform phases, digests, exits) goes in the next batch (the first advance after a change too: recovery is timed
 by it); a frame with nothing new is not sent at all. The relay vouches for its nodes' liveness
 instead: it judges their silence with the heartbeat timeout and says so; and, to a leader that
 asks for it, for their progress: one `RelaySummary` every `progress_s` stands for every node's

@@ -108,10 +108,12 @@ class FrameBatch:
 def signature(frame: pb.NodeFrame, heard_quantum_ms: float) -> tuple:
     """What the leader judges a node by, less its steps: a frame whose signature is the last
     forwarded one's only advances steps. How long the agent has not heard a rank counts by
-    quarters of the heartbeat timeout, so a rank going quiet is forwarded as it crosses it."""
+    quarters of the heartbeat timeout, so a rank going quiet is forwarded as it crosses it. A
+    rank's reform phases count (the leader's recovery timeline): they may come in a frame after
+    the one with its new generation, and a summarising relay sends no frame that only advances steps."""
     return (frame.term, frame.generation, tuple(
         (r.local_rank, r.pid, r.state, r.generation, r.phase, r.digest_step, r.restarts, r.snapshot_every,
-         r.snapshot_bytes, int(r.heard_ms_ago // heard_quantum_ms)) for r in frame.ranks))
+         r.snapshot_bytes, r.reform.generation, int(r.heard_ms_ago // heard_quantum_ms)) for r in frame.ranks))
 
 
 def top_step(frame: pb.NodeFrame) -> int:

@@ -144,7 +144,11 @@ class RecoveryWatch:
 
 def recovered(node: NodeLive, slots: Sequence[int], recovery: Recovery) -> bool:
     ranks = [r for s, r in node.ranks.items() if s in slots]
-    if any(r.step > recovery.step and r.state not in UNMONITORED for r in ranks):
+    # A relayed node's steps past its first advance in the generation come as its relay's word
+    # (a summarising relay forwards no frame that only advances steps)
+    vouch = node.vouch
+    if any((vouch.step_of(node, r) if vouch is not None else r.step) > recovery.step and r.state not in UNMONITORED
+           for r in ranks):
         return True
     return bool(ranks) and all(r.state == SCRIPT and r.generation >= recovery.generation and r.step >= 1
                                for r in ranks)
