@@ -24,6 +24,13 @@ square Linear layers with Adam, 12 bytes of state a parameter). Prints one JSON 
              state           bytes each survivor sent and received at the kill's reform (0 where the
                              survivors agree), and the replacement's: bytes received, its transfer's
                              seconds and rate (state_rate_mib_s)
+             timeline        the same reform from outside the ranks, on this machine's one clock, seconds
+                             from the signal (p50/max over faults): exited_s (the victim reaped: for a
+                             kill, the kernel has freed its memory, which it does before its sockets
+                             close), decided_s (the leader's decision, its log), formed_s (the last
+                             survivor's group_formed record) and stepped_s (the last survivor's first
+                             step in the new group); and between them: hear_s (reaped -> decided), reform_s (decided -> formed: the map's delivery, abort, destroy,
+                             fingerprint, barrier: the phases above), first_step_s (formed -> stepped)
              healthy_evictions  eviction decisions naming a node other than the victim's
              late_arrivals   the ranks the arrival barrier waited for over 1 s (barrier_waiting),
                              with their group_formed phases and, where the training thread was
@@ -50,6 +57,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +68,7 @@ from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_t
 from muster.examples.train_ddp import MODELS, parameter_count
 from muster.rank_logs import tail
 from muster.worker import Worker, WorkerConfig
+from muster.worker.agent.supervisor import RANK_DEFAULTS
 from muster.worker.library.stuck import STUCK_EXIT_CODE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -133,7 +142,9 @@ class Fleet:
         self.workdir, self.ranks, self.step_sleep_s, self.backend = workdir, ranks, step_sleep_s, backend
         # A large model's fingerprint is not logged at every step (it reads all the state).
         self.args = ("--model", model, "--digest-every", "1" if model == "tiny" else "0")
-        self.env = env  # the ranks' own additions (--env: NCCL settings under measure)
+        # The ranks' environment as `muster run` gives it (RANK_DEFAULTS), then --env's additions
+        # (NCCL settings under measure, or THP_MEM_ALLOC_ENABLE=0 to measure without huge pages).
+        self.env = {**RANK_DEFAULTS, **env}
         self.settled_steps = settled_steps
         self.etcd = EtcdServer(workdir / "etcd").start()
         self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",
@@ -193,6 +204,7 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
                   "hang": (signal.SIGSTOP, {"node_silent", "rank_stalled"})}[how]
     recoveries, detections, lost, rejoins, late = [], [], [], [], []
     phases: dict[str, list[float]] = {}
+    timeline: dict[str, list[float]] = {}
     state: dict[str, list[float]] = {}
     survivors_lost = survivors_stuck = healthy_evictions = 0
     for _ in range(faults):
@@ -201,8 +213,12 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         survivors = [p for p in live if p is not victim]
         generation = fleet.generation()
         completed_before = max(p.last_step for p in live)
+        reaped: list[float] = []
+        waiter = threading.Thread(target=lambda: (victim.proc.wait(), reaped.append(time.time())), daemon=True)
         at = time.time()
         victim.signal(sig)
+        if how == "kill":
+            waiter.start()
 
         def first_new_steps():
             firsts = []
@@ -230,6 +246,11 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
         survivors_stuck += ended.count(STUCK_EXIT_CODE)
         survivors_lost += len(ended) - ended.count(STUCK_EXIT_CODE)
         recoveries.append(max(record_time(r) for r in firsts) - at)
+        decided = fleet.decisions(at, kinds)
+        if how == "kill" and decided and firsts:
+            waiter.join(10)
+            for name, value in outside_timeline(at, reaped[0] if reaped else None, min(decided), stepped).items():
+                timeline.setdefault(name, []).append(value)
         lost.append(max(0, completed_before - min(r["step"] for r in firsts) + 1))
         detections += [min(fleet.decisions(at, kinds)) - at] if fleet.decisions(at, kinds) else []
         victim.stop()  # a hung one is fenced out when it wakes; end it now
@@ -247,8 +268,24 @@ def fault_cycles(fleet: Fleet, faults: int, how: str) -> dict:
             "steps_lost": {"max": max(lost), "total": sum(lost)}, "survivors_lost": survivors_lost,
             "survivors_stuck": survivors_stuck,
             "healthy_evictions": healthy_evictions, "rejoin_s": summary(rejoins),
-            "phases": p50_max(phases), "state": p50_max(state),
+            "phases": p50_max(phases), "timeline": p50_max(timeline), "state": p50_max(state),
             "late_arrivals": late}
+
+
+def outside_timeline(at: float, reaped: float | None, decided: float,
+                     stepped: list[tuple[TrainingProcess, dict]]) -> dict[str, float]:
+    """A kill's reform on one clock from the signal `at`: the victim reaped, the leader's decision,
+    the last survivor's group formed and its first step; and the spans between them."""
+    generation = stepped[0][1]["generation"]
+    formed = max((record_time(r) for p, _ in stepped for r in p.records("group_formed")
+                  if r["generation"] == generation), default=None)
+    last_step = max(record_time(r) for _, r in stepped)
+    out = {"decided_s": decided - at, "stepped_s": last_step - at}
+    if reaped is not None:
+        out.update(exited_s=reaped - at, hear_s=decided - reaped)
+    if formed is not None:
+        out.update(formed_s=formed - at, reform_s=formed - decided, first_step_s=last_step - formed)
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def stalled(fleet: Fleet, survivors: list[TrainingProcess], generation: int) -> str:
@@ -373,7 +410,7 @@ def main() -> int:
                    help=f"steps of the full group before each fault (default {SETTLED_STEPS}: steady training; "
                         "1: the fault lands in a new group's first steps, DDP's bucket rebuild)")
     p.add_argument("--model", default="tiny,17M",
-                   help="model sizes, comma-separated: tiny, 17M, 134M, 537M (default tiny,17M)")
+                   help=f"model sizes, comma-separated: {', '.join(PARAMETERS)} (default tiny,17M)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--hangs", type=int, default=2)
     p.add_argument("--failovers", type=int, default=2)
@@ -382,7 +419,7 @@ def main() -> int:
     args = p.parse_args()
     unknown = set(args.model.split(",")) - set(PARAMETERS)
     if unknown:
-        p.error(f"--model: unknown {', '.join(sorted(unknown))} (tiny, 17M, 134M, 537M)")
+        p.error(f"--model: unknown {', '.join(sorted(unknown))} ({', '.join(PARAMETERS)})")
     bad = [e for e in args.env if "=" not in e]
     if bad:
         p.error(f"--env: NAME=VALUE, not {', '.join(bad)}")

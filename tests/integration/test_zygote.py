@@ -281,3 +281,35 @@ def test_a_warm_rank_shows_its_script_command_line_in_ps_not_the_zygotes(tmp_pat
 
 def _cmdline(pid: int) -> str:
     return open(f"/proc/{pid}/cmdline", "rb").read().rstrip(b"\0").replace(b"\0", b" ").decode()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif("[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+                    reason="transparent huge pages are off on this host")
+def test_a_warm_rank_with_the_agents_defaults_holds_its_large_tensors_on_huge_pages(tmp_path):
+    """The agent's RANK_DEFAULTS (THP_MEM_ALLOC_ENABLE=1) reach torch in a rank forked from a zygote
+    that imported torch: a 256 MiB tensor lies on transparent huge pages (which the kernel frees
+    ~4x faster at a kill, so the rank's death is heard sooner); with the default turned off
+    (as `--env THP_MEM_ALLOC_ENABLE=0` does) it lies on none."""
+    from muster.worker.agent.supervisor import RANK_DEFAULTS
+
+    path = script(tmp_path, """
+        import torch
+        t = torch.ones(64 << 20)  # 256 MiB
+        rollup = open("/proc/self/smaps_rollup").read().split("\\n")
+        print(next(int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:")))
+    """)
+
+    async def main(defaults, name):
+        zygote = await Zygote.start({**os.environ, **defaults}, GUARD, preload=("torch",))
+        try:
+            rank = await _spawn(zygote, Program(str(path), False, (), False), tmp_path, env=defaults, name=name)
+            assert await rank.wait() == 0, (tmp_path / f"{name}.err").read_text()
+        finally:
+            zygote.close()
+
+    assert RANK_DEFAULTS["THP_MEM_ALLOC_ENABLE"] == "1"
+    run(main(RANK_DEFAULTS, "on"))
+    run(main({**RANK_DEFAULTS, "THP_MEM_ALLOC_ENABLE": "0"}, "off"))
+    on, off = (int((tmp_path / f"{n}.txt").read_text()) for n in ("on", "off"))
+    assert on >= 200 << 10 and off < on // 4, (on, off)  # kB: most of the 256 MiB, against (nearly) none

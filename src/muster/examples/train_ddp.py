@@ -1,5 +1,5 @@
 """A DDP model trained with the Muster worker library: gloo on CPU (NCCL with CUDA). Tiny by
-default; `--model 17M|134M|537M` trains square Linear layers with Adam, for real state sizes.
+default; `--model 17M|50M|100M|134M|537M` trains square Linear layers with Adam, for real state sizes.
 
 Each rank logs one JSON line per completed step (rank, step, generation, world size, pid, the
 state's fingerprint) to stdout, which the chaos tests, the demo and the benchmarks read.
@@ -45,9 +45,11 @@ def simulated_compute(seconds: float) -> None:
         time.sleep(seconds / slices)
 
 
-# Square Linear layers (width, layers): 17M = 4 x 2048^2, 134M = 8 x 4096^2, 537M = 8 x 8192^2 parameters;
-# with Adam, 12 bytes of state per parameter (weights and two moments).
-MODELS = {"tiny": (32, 0), "17M": (2048, 4), "134M": (4096, 8), "537M": (8192, 8)}
+# Square Linear layers (width, layers): 17M = 4 x 2048^2, 50M = 3 x 4096^2, 100M = 6 x 4096^2,
+# 134M = 8 x 4096^2, 537M = 8 x 8192^2 parameters; with Adam, 12 bytes of state per parameter
+# (weights and two moments).
+MODELS = {"tiny": (32, 0), "17M": (2048, 4), "50M": (4096, 3), "100M": (4096, 6), "134M": (4096, 8),
+          "537M": (8192, 8)}
 
 
 def parameter_count(name: str) -> int:
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="train until the group has W ranks (a node joined), then --steps steps more; "
                         "every rank stops at the same step, the joiner too")
     p.add_argument("--model", choices=list(MODELS), default="tiny",
-                   help="the model's size (default tiny): 17M, 134M and 537M are square Linear layers with Adam")
+                   help="the model's size (default tiny): the others are square Linear layers with Adam")
     p.add_argument("--digest-every", type=int, default=1, metavar="N",
                    help="log the state's fingerprint every N steps (0: never; it reads all the state)")
     p.add_argument("--perturb-at-step", type=int, default=0,

@@ -47,6 +47,11 @@ RANK_ENV = frozenset({
     # or etcd (and trackers that record a process's environment would keep them).
     "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
 })
+# Set for every process the agent starts unless the environment or --env sets it. THP_MEM_ALLOC_ENABLE:
+# torch's CPU allocator places tensors of 2 MiB and more on transparent huge pages, so a killed
+# rank's memory is freed in ~2 MiB pieces, not 4 KiB ones: the kernel frees it before it closes the
+# rank's sockets, and its death was heard that much later (2.4 GB: 0.6 s; on huge pages 0.16 s).
+RANK_DEFAULTS = {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
 
 
 class Node(Protocol):
@@ -139,7 +144,8 @@ class RankSupervisor:
         sets per rank, plus --env."""
         env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
         env.update(self.node.config.env)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        for name, value in RANK_DEFAULTS.items():
+            env.setdefault(name, value)
         return env
 
     def placed(self, slot: Slot) -> bool:
