@@ -29,9 +29,16 @@ latencies p50 +50% + 1 ms and p99 +100% + 5 ms over the baseline's median of 3 r
 past the bound; noise past NOISY (the calibration's CPU varying by 25%, or getting 2/3 of a core)
 turns a figure over its tolerance, not over its bound, inconclusive.
 
-    python bench/check.py                 # check (3 repetitions, 1.5-2 minutes)
+The reform's own cost at a real size (`reform_excess_s`, once, after the repetitions): bench/
+recovery.py's kill cycle at 4 ranks (gloo, CPU), REFORM_KILLS kills each, with the tiny model and
+with REFORM_MODEL (50M parameters with Adam, 600 MB of state a rank): kill -> every survivor
+stepping, p50, of the big one less 1.5x the tiny one's. Both run on the same host minutes apart,
+so its speed cancels out; the bound is the target (0.15 s): a death heard and a group re-formed at
+the same speed whatever the model's size. ~3 minutes and ~5 GB of memory (--skip-reform: not).
+
+    python bench/check.py                 # check (3 repetitions, 4.5-5 minutes with the reform)
     python bench/check.py --update        # write the baseline (after a deliberate change)
-    python bench/check.py --skip-network  # the in-process figures only (~30 s)
+    python bench/check.py --skip-network --skip-reform  # the in-process figures only (~30 s)
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import capacity  # noqa: E402
 from muster import logs  # noqa: E402
 
 BASELINE = Path(__file__).parent / "results" / "bench_check.json"
+REFORM_MODEL, REFORM_RANKS, REFORM_KILLS = "50M", 4, 3
 RANKS, SLOTS = 100_000, 8
 NODES, RATE = 1_000, 10.0
 # Past these the machine is too noisy to call a figure over its tolerance a regression.
@@ -82,6 +90,9 @@ FIGURES = (
     Figure("frame_latency_p99_ms", ("network", "frame_latency_ms", "p99"), 1.00, 5.0, False, bound=10.0),
     Figure("leader_loop_us_per_node_frame", ("network", "leader_loop_us_per_node_frame"), 0.25, 3.0, True),
     Figure("leader_frame_cpu_us_per_node_frame", ("network", "leader_frame_cpu_us_per_node_frame"), 0.25, 5.0, True),
+    Figure("straggler_slice_max_ms", ("membership", "straggler_slice_max_ms"), 0.50, 1.0, True),
+    # the big model's kill -> stepping over 1.5x the tiny one's: near 0, so an absolute tolerance
+    Figure("reform_excess_s", ("reform", "excess_s"), 0.0, 0.1, False, bound=0.15),
 )
 
 
@@ -111,6 +122,21 @@ def repetition(workdir: Path, ranks: int, network: bool) -> dict:
     return result
 
 
+def reform(workdir: Path) -> dict:
+    """Kill -> every survivor stepping, p50, with the tiny model and with REFORM_MODEL (recovery.py's
+    kill cycle); the excess of the big one over 1.5x the tiny one, and the big one's timeline."""
+    import recovery  # (beside this file; it imports torch, which the other figures do without)
+
+    runs = {}
+    for model in ("tiny", REFORM_MODEL):
+        (workdir / model).mkdir(parents=True)
+        runs[model] = recovery.run(workdir / model, REFORM_RANKS, REFORM_KILLS, 0, 0, 0.05 if model == "tiny" else 0.0,
+                                   "gloo", {}, model)["kill"]
+    tiny, big = (runs[m]["kill_to_step_s"]["p50"] for m in ("tiny", REFORM_MODEL))
+    return {"model": REFORM_MODEL, "tiny_s": tiny, "sized_s": big, "excess_s": round(big - 1.5 * tiny, 4),
+            "timeline": runs[REFORM_MODEL].get("timeline")}
+
+
 def value(rep: dict, path: tuple[str, ...]) -> float | None:
     for key in path:
         if not isinstance(rep, dict) or key not in rep:
@@ -119,13 +145,15 @@ def value(rep: dict, path: tuple[str, ...]) -> float | None:
     return rep
 
 
-def measure(reps: int, ranks: int, network: bool) -> dict:
+def measure(reps: int, ranks: int, network: bool, sized_reform: bool) -> dict:
     calibration, results = [], []
     with tempfile.TemporaryDirectory(prefix="muster-bench-check-") as d:
         for i in range(reps):
             calibration.extend(calibrate() for _ in range(3))
             results.append(repetition(Path(d) / str(i), ranks, network))
         calibration.extend(calibrate() for _ in range(3))
+        if sized_reform:  # once: its p50 is over REFORM_KILLS kills already
+            results[0]["reform"] = reform(Path(d) / "reform")
     cpu = [c for c, _ in calibration]
     figures = {}
     for f in FIGURES:
@@ -135,6 +163,7 @@ def measure(reps: int, ranks: int, network: bool) -> dict:
                                "tolerance": f.tolerance, "slack": f.slack,
                                "clock": "cpu" if f.cpu else "wall"}
     return {
+        **({"reform": results[0]["reform"]} if sized_reform else {}),
         "calibration_cpu_ms": round(statistics.median(cpu) * 1e3, 2),
         "noise": {"cpu_spread": round((max(cpu) - min(cpu)) / statistics.median(cpu), 3),
                   "wall_over_cpu": round(statistics.median(w / c for c, w in calibration), 3)},
@@ -177,14 +206,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3, help="repetitions of every figure (the median is judged)")
     p.add_argument("--update", action="store_true", help=f"write the baseline ({BASELINE.name}) instead of checking")
-    p.add_argument("--skip-network", action="store_true", help="the in-process figures only")
+    p.add_argument("--skip-network", action="store_true", help="no figure over the network")
+    p.add_argument("--skip-reform", action="store_true", help=f"no {REFORM_MODEL} reform (its ranks: ~5 GB, ~3 min)")
     p.add_argument("--baseline", type=Path, default=BASELINE)
     p.add_argument("--ranks", type=int, default=RANKS, help="the in-process figures' job size (a smoke test: fewer)")
     args = p.parse_args()
     logs.configure("warning")
     load = [round(x, 2) for x in os.getloadavg()]
     now = {"benchmark": "bench_check", "commit": commit(), "host": {"cpus": os.cpu_count(), "loadavg_at_start": load},
-           "repetitions": args.reps, "ranks": args.ranks, **measure(args.reps, args.ranks, not args.skip_network)}
+           "repetitions": args.reps, "ranks": args.ranks, **measure(args.reps, args.ranks, not args.skip_network,
+                                                               not args.skip_reform)}
     now["host"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.update:
         args.baseline.write_text(json.dumps(now, indent=2) + "\n")

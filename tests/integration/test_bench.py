@@ -104,10 +104,11 @@ def test_grpc_floor_bench_counts_what_it_received():
 @pytest.mark.timeout(120)
 def test_bench_check_writes_a_baseline_and_judges_every_figure_against_it(tmp_path):
     baseline = tmp_path / "baseline.json"
-    written = bench("check.py", "--skip-network", "--reps", "1", "--ranks", "800", "--update", "--baseline",
-                    str(baseline), timeout_s=100)
+    written = bench("check.py", "--skip-network", "--skip-reform", "--reps", "1", "--ranks", "800", "--update",
+                    "--baseline", str(baseline), timeout_s=100)
     assert json.loads(baseline.read_text()) == written and written["noise"]["cpu_spread"] >= 0
-    assert {"leader_change_ms", "decide_node_lost_ms", "frame_us", "straggler_look_ms"} <= set(written["figures"])
+    assert {"leader_change_ms", "decide_node_lost_ms", "frame_us", "straggler_look_ms",
+            "straggler_slice_max_ms"} <= set(written["figures"])
     sys.path.insert(0, str(BENCH))
     import check  # the verdicts themselves: tests/unit/test_bench_check.py
 
