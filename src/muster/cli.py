@@ -408,6 +408,9 @@ def _status_view(args: argparse.Namespace, job: str, response) -> list[str]:
             out.append(f"  live ranks {h['live_ranks']}  frames/s {h['frames_per_second']:.1f}  evictions "
                        f"{h['evictions']}  last detection {h['last_detection_s']:.3f}s  last recovery "
                        f"{h['last_recovery_s']:.3f}s")
+            if restored := [r for r in h["recent_recoveries"] if r["tier"]]:
+                r = restored[-1]
+                out.append(f"  last restore g{r['generation']}: {_restored(r['tier'], r['step'], r['steps_lost'])}")
         if snapshotting := [r for r in j["ranks"] if r["snapshot_every"]]:
             out.append(_snapshots_line(snapshotting))
         out.append(f"  {'RANK':>5} {'LOCAL':>5} {'NODE':<24} {'NODE_RANK':>9} {'HOST':<15} {'PID':>8} {'STEP':>10} "
@@ -537,7 +540,15 @@ def _recovery_line(r) -> str:
     return (f"recovery g{r.generation} {'planned' if r.planned else 'after a failure'}: {r.recovery_s:.3f}s "
             f"(detected {r.detection_s:.3f}s, decided {_when(r.decided_unix_ms)}, maps delivered {r.delivered_s:.3f}s, "
             f"old group aborted {r.abort_s:.3f}s, new group formed {r.form_s:.3f}s, state moved {r.sync_s:.3f}s "
-            f"{r.bytes_moved / (1 << 20):.1f} MiB{rate}, first step {r.first_step_s:.3f}s); slowest: {r.slowest}")
+            f"{r.bytes_moved / (1 << 20):.1f} MiB{rate}, first step {r.first_step_s:.3f}s); slowest: {r.slowest}"
+            + (f"; {_restored(r.tier, r.step, r.steps_lost)}" if r.tier else ""))
+
+
+def _restored(tier: str, step: int, lost: int) -> str:
+    """Where a recovery's state came from (RecoveryRecord.tier), the step and the steps lost."""
+    source = {"replica": "the ranks' own state (in memory)", "snapshot": "peer snapshots",
+              "checkpoint": "the durable checkpoint", "none": "nothing: lost beyond every tier, begun again"}
+    return f"state from {source.get(tier, tier)} at step {step}, {lost} step{'s' * (lost != 1)} lost"
 
 
 def _when(unix_ms: int | None) -> str:

@@ -56,6 +56,9 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
     assert not killed["planned"] and killed["detection_s"] > 0 and killed["delivered_s"] > 0
     assert killed["abort_s"] > 0 and killed["form_s"] > 0 and killed["slowest"]
     assert rejoined["planned"] and rejoined["bytes_moved"] > 0 and rejoined["transfer_s"] > 0
+    # where each one's state came from: the survivors' own, in memory, nothing lost
+    assert (killed["tier"], killed["steps_lost"]) == ("replica", 0) and killed["step"] >= 10, killed
+    assert rejoined["tier"] == "replica" and rejoined["step"] >= killed["step"], rejoined
     for n in (a, b):
         assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
     for (n, slot), before in pids.items():

@@ -4,7 +4,10 @@ the library checkpoints the registered state itself and resumes from it where no
 uninterrupted run, the data position with it; replicas that disagree with no majority go back to the
 checkpoint instead of training on either."""
 
+import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +22,17 @@ def recovered(p) -> list[dict]:
     return p.records("recovered")
 
 
+def restores(leader, job: str) -> list[dict]:
+    """The job's recoveries as `muster events --json` gives them, those that restored a state."""
+    out = subprocess.run([sys.executable, "-m", "muster.cli", "events", job, "--coordinator", leader.address, "--json"],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return [r for r in json.loads(out.stdout)["recoveries"] if r["tier"]]
+
+
 @pytest.mark.timeout(150)
 def test_every_rank_of_a_replicated_job_killed_resumes_from_the_checkpoint(coordinators, training, tmp_path):
     (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
-    steps, ckpt = 20, ("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(EVERY))
+    steps, ckpt = 60, ("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(EVERY))
     reference = training([leader.address], "ref", 2, steps=steps, min_nodes=2)
     first = training([leader.address], "all-lost", 2, steps=steps, min_nodes=2, args=ckpt)
     wait_until(lambda: all(p.last_step >= 2 * EVERY + 1 for p in first), 90, "both ranks past the second checkpoint")
@@ -32,6 +42,11 @@ def test_every_rank_of_a_replicated_job_killed_resumes_from_the_checkpoint(coord
     for p in first:
         p.wait(30)
     again = training([leader.address], "all-lost", 2, steps=steps, min_nodes=2, args=ckpt)
+    # the outcome tells it (asked while the run lasts: a finished run's recoveries are not kept): the
+    # recovery restored the checkpoint's step, the steps past it counted as lost
+    wait_until(lambda: [r for r in restores(leader, "all-lost") if r["tier"] == "checkpoint"], 90,
+               "the restore from the checkpoint in events")
+    (shown,) = [r for r in restores(leader, "all-lost") if r["tier"] == "checkpoint"]
     for p in [*reference, *again]:
         assert p.wait(120) == 0, p.log_path.read_text()[-3000:]
     (back,) = {r["step"] for p in again for r in recovered(p)}
@@ -42,6 +57,7 @@ def test_every_rank_of_a_replicated_job_killed_resumes_from_the_checkpoint(coord
     print(f"\nevery rank killed at step {killed_at}: resumed from the checkpoint of step {back}, "
           f"{killed_at - back} steps lost")
     assert {p.steps()[-1]["digest"] for p in again} == {p.steps()[-1]["digest"] for p in reference}
+    assert shown["step"] == back and killed_at - back - 1 <= shown["steps_lost"] <= killed_at - back, shown
 
 
 @pytest.mark.timeout(150)
@@ -52,7 +68,7 @@ def test_replicas_that_disagree_with_no_majority_go_back_to_the_checkpoint(coord
     commits (the next checkpoint, at 24, is far: the kill comes at 14)."""
     (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
     ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "12")
-    job = {"steps": 60, "min_nodes": 2, "max_nodes": 3, "step_sleep_s": 0.2}
+    job = {"steps": 30, "min_nodes": 2, "max_nodes": 3, "step_sleep_s": 0.2}  # (past 24, the next checkpoint)
     clean = training([leader.address], "split", 2, **job, args=ckpt)
     (odd,) = training([leader.address], "split", 1, **job, args=(*ckpt, "--perturb-at-step", "12"))
     wait_until(lambda: all(p.last_step >= 14 for p in [*clean, odd]), 90, "3 ranks past the corruption")

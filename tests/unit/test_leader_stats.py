@@ -32,3 +32,50 @@ def test_a_timeline_names_its_slowest_phase_and_the_first_step_is_what_the_rest_
     assert (slow_start.first_step_s, slow_start.slowest, slow_start.bytes_moved) == (0.53, "first_step", 4 << 20)
     quick = timeline(record(), 0.4, 0)  # the ranks' phases are their own clocks': never a negative rest
     assert (quick.recovery_s, quick.first_step_s, quick.slowest) == (0.4, 0.0, "formed")
+
+
+def frame(generation, *reforms):
+    """A node's frame whose ranks report these reforms."""
+    return pb.NodeFrame(generation=generation, ranks=[pb.RankReport(local_rank=i, reform=r) for i, r in enumerate(reforms)])
+
+
+def test_a_recovery_says_the_deepest_tier_its_ranks_restored_from_and_the_steps_the_job_lost():
+    from muster.coordinator.core.machine import Context, NodeLost, decide
+    from muster.coordinator.core.kinds import FailureKind
+
+    from test_liveness import TIMING
+
+    stats = LeaderStats("job", Metrics(), now=0)
+    state = job(3)
+    stats.adopted(decide(state, [], Context(now=1, wall_ms=1000, term=1, timing=TIMING)), 1, 40)  # no new map: counted
+    d = decide(state, [NodeLost("n2", FailureKind.PROCESS_EXITED, "killed")], Context(now=2, wall_ms=2000, term=1,
+                                                                                       timing=TIMING))
+    assert d.new_generation
+    stats.adopted(d, 2, 41)  # the job had reached step 41
+    g = d.state.generation
+    m = stats._measuring
+    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="replica", step=36, steps_lost=5)), 3)
+    assert (m.tier, m.step, m.steps_lost) == ("replica", 36, 5)
+    # a rank that came back from the checkpoint is the deeper tier; an unknown word and an older generation's are not
+    stats.reported("n1", frame(g, pb.ReformPhases(generation=g, tier="checkpoint", step=36),
+                               pb.ReformPhases(generation=g, tier="tape", step=99),
+                               pb.ReformPhases(generation=g - 1, tier="none", step=0)), 3)
+    assert (m.tier, m.step, m.steps_lost) == ("checkpoint", 36, 5)
+
+
+def test_every_rank_lost_counts_the_steps_from_the_jobs_highest_step_not_the_new_ranks_own():
+    from muster.coordinator.core.machine import Context, NodeLost, decide
+    from muster.coordinator.core.kinds import FailureKind
+
+    from test_liveness import TIMING
+
+    stats = LeaderStats("job", Metrics(), now=0)
+    state = job(2)
+    stats.adopted(decide(state, [], Context(now=1, wall_ms=1000, term=1, timing=TIMING)), 1, 29)
+    d = decide(state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")], Context(now=2, wall_ms=2000, term=1,
+                                                                                       timing=TIMING))
+    stats.adopted(d, 2, 0)  # the map's ranks now report nothing: the new processes' steps
+    g = d.state.generation
+    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="checkpoint", step=24, steps_lost=0)), 3)
+    m = stats._measuring
+    assert (m.tier, m.step, m.steps_lost) == ("checkpoint", 24, 5)

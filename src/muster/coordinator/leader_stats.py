@@ -21,6 +21,7 @@ from muster.v1 import muster_pb2 as pb
 
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 RECENT_RECOVERIES = 10  # kept for Status (the live page's list); the metric keeps the distribution
+TIERS = ("", "replica", "snapshot", "checkpoint", "none")  # RecoveryRecord.tier, shallowest first
 HISTORY_SAMPLES = 240  # the job over time (JobHealth.history): full, every other goes and the spacing doubles,
 FIRST_SAMPLE_S = 1.0   # so the whole life fits at any age
 
@@ -43,6 +44,9 @@ class LeaderStats:
         self.recoveries: deque[pb.RecoveryRecord] = deque(maxlen=RECENT_RECOVERIES)
         self._undelivered: set[str] = set()  # nodes of the measured generation's map that have not reported it
         self._received: dict[tuple[str, int], int] = {}  # state bytes each rank received in it (frames repeat them)
+        self.high_step = 0  # the highest step the job's ranks reported to this leader (steps lost count from it)
+        self._high_at_decision = 0  # high_step when the measured generation was decided
+        self._ranks_lost = 0  # the most steps a rank of the measured generation said it lost
         self.restarts = 0  # rank processes that exited
         self.history: list[pb.HealthSample] = []
         self._sample_every, self._sampled_at = FIRST_SAMPLE_S, None
@@ -73,11 +77,26 @@ class LeaderStats:
                 m.abort_s, m.form_s = max(m.abort_s, round(p.abort_s, 4)), max(m.form_s, round(p.form_s, 4))
                 m.sync_s, m.transfer_s = max(m.sync_s, round(p.sync_s, 4)), max(m.transfer_s, round(p.transfer_s, 4))
                 self._received[(node_id, r.local_rank)] = p.bytes_received
+                self._restored(m, p)
                 folded = True
         if folded and m.slowest:
             # Over already: a rank's phases can come after the others' first steps ended the recovery
             # (a replacement's agent reports it with its next frame)
             timeline(m, m.recovery_s, sum(self._received.values()))
+
+    def _restored(self, m: pb.RecoveryRecord, p: pb.ReformPhases) -> None:
+        """A rank's word on where generation `m`'s state came from: the deepest tier any rank's came
+        from, the step training goes on from (the same on every rank that trains), and the steps lost:
+        the most any rank lost, or the job's highest step before the decision past that step (every
+        rank lost: the new ones lost none of their own)."""
+        tier = p.tier if p.tier in TIERS else ""  # (a newer rank's word this leader does not know: not shown)
+        if not tier:
+            return
+        if TIERS.index(tier) > TIERS.index(m.tier):
+            m.tier = tier
+        m.step = max(m.step, p.step)
+        self._ranks_lost = max(self._ranks_lost, p.steps_lost)
+        m.steps_lost = max(self._ranks_lost, self._high_at_decision - m.step if self._high_at_decision > m.step else 0)
 
     def measure(self, now: float, seen: Assessment) -> None:
         """Frames/s (smoothed, and the metric's count), the first signals of the failures found, the
@@ -120,6 +139,7 @@ class LeaderStats:
     def adopted(self, d: Decision, now: float, step_before: int) -> None:
         """A decision the leader adopted: its evictions, and a new generation's detection time; the
         recovery it starts is measured from here."""
+        self.high_step = max(self.high_step, step_before)
         for e in d.events:
             if e.kind in EVICTIONS:
                 self.evictions += 1
@@ -135,7 +155,7 @@ class LeaderStats:
                 self._measuring = pb.RecoveryRecord(generation=d.state.generation, detection_s=round(detection, 4),
                                                     decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
                 self._undelivered = {p.node_id for p in d.state.rank_map.placements}
-                self._received = {}
+                self._received, self._high_at_decision, self._ranks_lost = {}, self.high_step, 0
         if d.persist:
             self._signals.clear()
 

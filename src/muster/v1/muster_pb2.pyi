@@ -44,20 +44,22 @@ ROLE_WAITING: Role
 ROLE_EVICTED: Role
 
 class JobSpec(_message.Message):
-    __slots__ = ("min_nodes", "max_nodes", "world_size_multiple", "straggler_action", "straggler_factor", "straggler_min_steps")
+    __slots__ = ("min_nodes", "max_nodes", "world_size_multiple", "straggler_action", "straggler_factor", "straggler_min_steps", "on_state_lost")
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_ACTION_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FACTOR_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ON_STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     min_nodes: int
     max_nodes: int
     world_size_multiple: int
     straggler_action: str
     straggler_factor: float
     straggler_min_steps: int
-    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ..., straggler_action: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_min_steps: _Optional[int] = ...) -> None: ...
+    on_state_lost: str
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ..., straggler_action: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_min_steps: _Optional[int] = ..., on_state_lost: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process", "master_port")
@@ -166,20 +168,26 @@ class RankReport(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reform: _Optional[_Union[ReformPhases, _Mapping]] = ...) -> None: ...
 
 class ReformPhases(_message.Message):
-    __slots__ = ("generation", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_received")
+    __slots__ = ("generation", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_received", "tier", "step", "steps_lost")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ABORT_S_FIELD_NUMBER: _ClassVar[int]
     FORM_S_FIELD_NUMBER: _ClassVar[int]
     SYNC_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     abort_s: float
     form_s: float
     sync_s: float
     transfer_s: float
     bytes_received: int
-    def __init__(self, generation: _Optional[int] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    tier: str
+    step: int
+    steps_lost: int
+    def __init__(self, generation: _Optional[int] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., tier: _Optional[str] = ..., step: _Optional[int] = ..., steps_lost: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
     __slots__ = ("local_rank", "pid", "exit_code", "restarting", "error", "step")
@@ -451,7 +459,7 @@ class HealthSample(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ..., world_size: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class RecoveryRecord(_message.Message):
-    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned", "delivered_s", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_moved", "first_step_s", "slowest")
+    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned", "delivered_s", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_moved", "first_step_s", "slowest", "tier", "step", "steps_lost")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETECTION_S_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +473,9 @@ class RecoveryRecord(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
     SLOWEST_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     decided_unix_ms: int
     detection_s: float
@@ -478,7 +489,10 @@ class RecoveryRecord(_message.Message):
     bytes_moved: int
     first_step_s: float
     slowest: str
-    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ..., delivered_s: _Optional[float] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., first_step_s: _Optional[float] = ..., slowest: _Optional[str] = ...) -> None: ...
+    tier: str
+    step: int
+    steps_lost: int
+    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ..., delivered_s: _Optional[float] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., first_step_s: _Optional[float] = ..., slowest: _Optional[str] = ..., tier: _Optional[str] = ..., step: _Optional[int] = ..., steps_lost: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("replica", "jobs", "version")

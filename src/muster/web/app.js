@@ -69,6 +69,12 @@ const PHASES = [
   ["first_step", "first step", (r) => r.first_step_s],
 ];
 
+// Where a recovery's state came from (RecoveryRecord.tier).
+const TIERS = {
+  replica: "the ranks' own (in memory)", snapshot: "peer snapshots", checkpoint: "durable checkpoint",
+  none: "nothing: lost, begun again",
+};
+
 function timeline(r) {
   const w = 720, h = 22;
   const total = PHASES.reduce((sum, [, , d]) => sum + d(r), 0) || 1;
@@ -167,10 +173,13 @@ function jobView(doc) {
     }
     if (h.recent_recoveries.length) {
       out.push(el("h2", {}, "Recent recoveries (newest first)"), table(
-        ["generation", "decided", "failure detected in", "recovered in", "slowest phase"],
+        ["generation", "decided", "failure detected in", "recovered in", "slowest phase", "state from", "step",
+          "steps lost"],
         h.recent_recoveries.slice().reverse().map((r) => ({
           cells: [r.generation, when(r.decided_unix_ms),
-            r.planned ? "planned" : r.detection_s.toFixed(3) + " s", r.recovery_s.toFixed(3) + " s", r.slowest],
+            r.planned ? "planned" : r.detection_s.toFixed(3) + " s", r.recovery_s.toFixed(3) + " s", r.slowest,
+            r.tier === null ? "-" : TIERS[r.tier] || r.tier, r.tier === null ? "-" : r.step,
+            r.tier === null ? "-" : r.steps_lost],
         }))), ...h.recent_recoveries.slice().reverse().map(timeline));
     }
   }

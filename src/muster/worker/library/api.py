@@ -458,11 +458,12 @@ class Worker:
         if latest is not None and latest.generation > spec.generation:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
-        self._reformed = reform_phases(spec.generation, formed.phases, sync.received)
+        tier = restored_from(sync, lost)
+        self._reformed = reform_phases(spec.generation, formed.phases, sync.received, tier, sync.step, lost)
         if sync.tier != "live" or lost or sync.role == "receiver" and sync.step > 0:
             # A recovery: which tier restored which step, the steps this rank lost, the time it took
-            self.recoveries.append({"generation": spec.generation, "tier": sync.tier if sync.tier != "live" else "replica",
-                                    "step": sync.step, "steps_lost": lost, "seconds": round(formed.phases["seconds"], 3)})
+            self.recoveries.append({"generation": spec.generation, "tier": tier, "step": sync.step, "steps_lost": lost,
+                                    "seconds": round(formed.phases["seconds"], 3)})
             log.info("recovered", **self.recoveries[-1])
         self._unchecked = True
 
@@ -552,11 +553,22 @@ def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **
     return {"generation": spec.generation, "step": sync.step, **moved, **phases}
 
 
-def reform_phases(generation: int, phases: dict[str, float], received: int) -> pb.ReformPhases:
-    """A reform's phases as the rank reports them (its leader draws the recovery's timeline from them)."""
+def reform_phases(generation: int, phases: dict[str, float], received: int, tier: str = "", step: int = 0,
+                  lost: int = 0) -> pb.ReformPhases:
+    """A reform's phases as the rank reports them (its leader draws the recovery's timeline from them),
+    with the tier its state came from, the step restored and the steps this rank lost."""
     return pb.ReformPhases(generation=generation, abort_s=phases["abort_s"] + phases["destroy_s"],
                            form_s=phases["form_s"], sync_s=phases["sync_s"], transfer_s=phases["transfer_s"],
-                           bytes_received=received)
+                           bytes_received=received, tier=tier, step=step, steps_lost=lost)
+
+
+def restored_from(sync: SyncResult, lost: int) -> str:
+    """The tier a reform's state came from (ReformPhases.tier): the sync's, where it went below the
+    ranks' own state; "replica" where the ranks' own state went on (kept, or moved from a rank holding
+    it); "" at a first formation (step 0, nothing lost: nothing was restored)."""
+    if sync.tier != "live":
+        return sync.tier
+    return "replica" if sync.step or lost else ""
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],
