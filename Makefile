@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo docs docs-gen bench bench-check gpu-check protos clean
+.PHONY: venv test durations demo docs docs-gen bench bench-check gpu-check protos clean
 
 TORCH := 2.13.0
 CPU_INDEX := https://download.pytorch.org/whl/cpu
@@ -26,8 +26,15 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Every test's seconds are kept in build/tests.xml (JUnit); `make durations` sums them up into
+# tests/durations.json and the design page's table of the ten slowest (commit both).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --junitxml=build/tests.xml
+
+durations: $(STAMP)
+	$(BIN)/python tests/durations.py build/tests.xml > build/durations.json
+	mv build/durations.json tests/durations.json
+	$(BIN)/python docs/generate.py
 
 demo: $(STAMP)
 	$(BIN)/muster --log-level warning demo --duration 45

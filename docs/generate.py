@@ -8,7 +8,7 @@ read the same on the repository's web view as in the built site (`make docs-gen`
   exit status table (`src/muster/worker/outcome.py`), the metrics (`src/muster/coordinator/metrics.py`), the --json
   schema (`reference/json-schema.json`, which the tests validate every verb's output against), and
   the benchmark tables built from `bench/results/*.json`, so a benchmark run updates the
-  performance page, not prose.
+  performance page, not prose, and the suite's slowest tests (`tests/durations.json`).
 
 An unknown marker, a missing results file or a results file the performance page does not show
 is an error. Usage: `python docs/generate.py [--check]`.
@@ -78,6 +78,8 @@ def expand(markdown: str, where: Path) -> str:
             body = module_map()
         elif name == "faults":
             body = fault_table(arg, where)
+        elif name == "slowest-tests":
+            body = slowest_tests()
         else:
             raise GenerationError(f"{where}: unknown marker muster:{name}")
         return f"<!-- muster:{name}{' ' + arg if arg else ''} -->\n{body.rstrip()}\n{END}"
@@ -192,6 +194,31 @@ def fault_table(tables: str | None, where: Path) -> str:
     if unknown:
         raise GenerationError(f"{where}: muster:faults names no fault table {sorted(unknown)}")
     return faults.markdown(*names)
+
+
+DURATIONS = ROOT / "tests" / "durations.json"
+
+
+def slowest_tests(top: int = 10) -> str:
+    """The suite's `top` slowest tests and what each tier took, from tests/durations.json (written
+    by `make durations` from the JUnit XML of the last `make test`)."""
+    if not DURATIONS.is_file():
+        raise GenerationError("tests/durations.json is missing (a marker names it): run `make test` then `make durations`")
+    d = json.loads(DURATIONS.read_text())
+    m = d.get("machine", {})
+    load = m.get("loadavg_at_start", "").split()
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in d["tests"].items())
+    tiers = ", ".join(f"{tier} {num(secs)} s" for tier, secs in d["tiers_s"].items())
+    args = " ".join(a for a in m.get("args", "").split() if not a.startswith("--junitxml"))
+    minutes, seconds = divmod(round(d["wall_s"]), 60)
+    rows = [[i, f"`{t['test'].split('::')[0]}`", cell(t["test"].split("::", 1)[1]),
+             num(t["s"]) + ("" if t["outcome"] == "passed" else f" ({t['outcome']})")]
+            for i, t in enumerate(d["slowest"][:top], 1)]
+    return (table(["#", "file", "test", "seconds"], rows) +
+            f"\n*From `tests/durations.json`: `pytest {args}` ({d['timestamp'][:16].replace('T', ' ')} UTC), "
+            f"{counts} in {minutes} min {seconds} s on {m.get('workers', '?')} workers, {m.get('cpus', '?')} CPUs"
+            + (f", load average {load[0]} at its start" if load else "") +
+            f"; the tests' own seconds, setup and teardown included: {tiers}.*\n")
 
 
 # --- the CLI reference -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import json
 import os
 
 import pytest
@@ -15,6 +16,38 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", max_examples=3000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_sessionstart(session):
+    """With --junitxml (`make test`'s build/tests.xml), the run's machine goes into the XML beside
+    each test's seconds: tests/durations.py reads them. The controller writes the file (xdist's
+    workers have no XML of their own)."""
+    from _pytest.junitxml import xml_key  # the stash key record_testsuite_property uses (not xdist-safe)
+
+    xml = session.config.stash.get(xml_key, None)
+    if xml is None:
+        return
+    xml.add_global_property("cpus", os.cpu_count())
+    xml.add_global_property("loadavg_at_start", " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    xml.add_global_property("workers", getattr(session.config.option, "numprocesses", None) or 1)
+    xml.add_global_property("args", " ".join(session.config.invocation_params.args))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of the slowest tests of the last summed-up run (tests/durations.json) first, the
+    slowest first, each file's tests together and in their order (a module's fixtures stay shared),
+    the other files after them as collected: xdist's worksteal gives each worker half of the
+    collection and moves tests from the ends of the queues, so a long test no longer starts last,
+    with the other worker idle, and makes the suite's tail."""
+    durations = Path(__file__).with_name("durations.json")
+    if not durations.is_file():
+        return
+    slowest: dict[str, float] = {}
+    for test in json.loads(durations.read_text())["slowest"]:
+        path = test["test"].split("::")[0]
+        slowest[path] = max(slowest.get(path, 0.0), test["s"])
+    root = config.rootpath
+    items.sort(key=lambda item: -slowest.get(item.path.relative_to(root).as_posix(), 0.0))  # (a stable sort)
 
 if TYPE_CHECKING:
     from muster.coordinator.etcd.server import EtcdServer

@@ -1,0 +1,77 @@
+"""What the suite spends its time on: the JUnit XML `make test` writes (build/tests.xml) summed up
+as JSON on stdout: the run (tests by outcome, its wall time, the machine's CPUs and load average at
+its start), the seconds each tier's tests took together, and the slowest tests with their seconds
+(setup and teardown included). `make durations` writes it to tests/durations.json, from which
+docs/generate.py builds the design page's table of the ten slowest.
+
+Usage: python tests/durations.py [build/tests.xml] [--top N] > tests/durations.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def case_id(case: ET.Element) -> str:
+    """`tests/tier/test_x.py::test_name[param]`, from the case's dotted classname and its name."""
+    *module, last = case.get("classname", "").split(".")
+    path = "/".join(module) if last[:1].isupper() else "/".join([*module, last])  # a test class: its own part
+    return f"{path}.py::" + (f"{last}::" if last[:1].isupper() else "") + case.get("name", "")
+
+
+def outcome(case: ET.Element) -> str:
+    for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+        if case.find(child) is not None:
+            return name
+    return "passed"
+
+
+def summary(xml: Path, top: int) -> dict:
+    suite = ET.parse(xml).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    if suite is None:
+        raise ValueError(f"{xml}: no <testsuite> (not a pytest --junitxml file?)")
+    properties = {p.get("name"): p.get("value") for p in suite.iterfind("properties/property")}
+    cases = [(case_id(c), float(c.get("time", 0)), outcome(c)) for c in suite.iter("testcase")]
+    outcomes, tiers = defaultdict(int), defaultdict(float)
+    for name, seconds, result in cases:
+        outcomes[result] += 1
+        tiers[name.split("/")[1] if name.startswith("tests/") else "other"] += seconds
+    slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
+    return {
+        "wall_s": round(float(suite.get("time", 0)), 1),
+        "timestamp": suite.get("timestamp"),
+        "machine": {k: properties[k] for k in ("cpus", "loadavg_at_start", "workers", "args") if k in properties},
+        "tests": dict(sorted(outcomes.items())),
+        "test_seconds": round(sum(c[1] for c in cases), 1),  # over every worker: wall_s x workers at best
+        "tiers_s": {tier: round(s, 1) for tier, s in sorted(tiers.items(), key=lambda t: -t[1])},
+        "slowest": [{"test": name, "s": round(seconds, 1), "outcome": result} for name, seconds, result in slowest],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("xml", nargs="?", default=str(ROOT / "build" / "tests.xml"), help="pytest's --junitxml file")
+    p.add_argument("--top", type=int, default=20, help="how many of the slowest tests to keep (default 20)")
+    args = p.parse_args(argv)
+    xml = Path(args.xml)
+    if not xml.is_file():
+        print(f"durations: {xml} does not exist: run `make test` first (it writes build/tests.xml)", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(summary(xml, args.top), indent=2))
+    except (ET.ParseError, ValueError) as exc:
+        print(f"durations: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
