@@ -658,7 +658,21 @@ def render_recovery(d: dict) -> str:
     api = d.get("step_api")
     if api:
         rows.append(["per-step cost of `step_scope` on the training thread", f"{num(api['median_us'])} µs median"])
-    return table(["what", "measured"], rows) + "".join(reform_phases(r) for r in d["runs"])
+    return table(["what", "measured"], rows) + "".join(reform_phases(r) + outside_timeline(r) for r in d["runs"])
+
+
+def outside_timeline(run: dict) -> str:
+    """A kill's reform from outside the ranks (`kill.timeline`): seconds from the kill on one clock,
+    p50 / max over the kills."""
+    timeline = run.get("kill", {}).get("timeline")
+    if not timeline:
+        return ""
+    model = run.get("model", "tiny")
+    rows = [[f"`{name}`", f"{s(v['p50'])} / {s(v['max'])}"] for name, v in timeline.items()]
+    return (f"\nThe kill's reform from outside the ranks at {run['ranks']} ranks"
+            + (f" ({model})" if model != "tiny" else "") + " (its moments in seconds after the kill, then the spans "
+            "between them), p50 / max:\n\n"
+            + table(["moment / span", "after a kill"], rows))
 
 
 def state_rows(run: dict) -> list[list]:
