@@ -648,6 +648,8 @@ async def leader_path(leader: JobLeader, nodes: int, victims: list[str], reps: i
     generation = leader.state.generation
     for _ in range(nodes // 256 + 2):  # the first judgement of every node after the takeover grace
         await leader.tally_once()
+    while leader.stragglers.looking:  # the first straggler look, in its slices (straggler_slices: its own figure)
+        await leader.tally_once()
     tick = []
     for _ in range(reps):
         t = time.process_time()
