@@ -21,8 +21,7 @@ from muster.coordinator import wire
 from muster.coordinator.relay import PULSE_SLICE, Relay
 from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode, placement_of, renumbered
 from muster.coordinator.relay_link import PENDING_MESSAGES, RelayLink
-from muster.coordinator.quotas import FrameBudget
-from muster.coordinator.server import CoordinatorServicer
+from muster.coordinator.ports import RelayCall
 from muster.coordinator.streams import NodeStream, Pulses
 from muster.coordinator.memory import MemoryJobStore
 from muster.security import ClientSecurity
@@ -294,7 +293,8 @@ def test_a_flood_of_fresh_stream_numbers_is_budgeted_and_cut_off_after_a_message
     nothing gets one message's worth ahead of its streams."""
     async def scenario():
         leader, _ = await led_job()
-        link = RelayLink(leader, "flood")
+        call = RelayCall(leader, pb.RelayUp(job="job", relay="flood"), TIMING_RATE, timeout_s=2.0)
+        link = call.link
         attaches = []
         attach = leader.attach
         leader.attach = lambda *a, **k: attaches.append(1) or attach(*a, **k)
@@ -303,8 +303,7 @@ def test_a_flood_of_fresh_stream_numbers_is_budgeted_and_cut_off_after_a_message
             for i in range(3):
                 yield fresh_numbers(1 + i * MAX_ITEMS, MAX_ITEMS)
 
-        budget = FrameBudget(TIMING_RATE, floor=MAX_ITEMS)
-        refusal = await CoordinatorServicer._read_relay(link, flood(), budget)
+        refusal = await call._read(flood())
         assert isinstance(refusal, ResourceExhausted) and "frames/s" in str(refusal)
         assert len(attaches) == MAX_ITEMS and len(link.out) == MAX_ITEMS  # the first message alone
         assert not link.streams and leader.state.generation == 1
@@ -319,12 +318,12 @@ TIMING_RATE = 50.0  # --max-frames-per-second's default
 def test_a_relay_message_of_more_than_max_items_is_refused_before_any_is_looked_at():
     async def scenario():
         leader, _ = await led_job()
-        link = RelayLink(leader, "flood")
-        budget = FrameBudget(TIMING_RATE, floor=10 * MAX_ITEMS)
+        call = RelayCall(leader, pb.RelayUp(job="job", relay="flood"), TIMING_RATE, timeout_s=2.0)
+        link = call.link
         for up in (fresh_numbers(1, MAX_ITEMS + 1), pb.RelayUp(job="job", ended=range(1, MAX_ITEMS + 2)),
                    pb.RelayUp(job="job", silent=[pb.SilentStream(stream=n) for n in range(1, MAX_ITEMS + 2)])):
             with pytest.raises(ResourceExhausted, match=f"at most {MAX_ITEMS} frames"):
-                CoordinatorServicer._receive(link, up, budget)
+                call._receive(up)
         assert not link.out and link.last_stream == 0
         await leader.stop("test over", resigned=True)
 

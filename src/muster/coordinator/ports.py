@@ -3,6 +3,7 @@ on this replica (`LeaderPort`: frames to the `JobLeader`, directives from the no
 or the relay of a job led elsewhere (`RelayPort`: frames into the `Relay`'s batch, directives fanned
 back out by it). `Replica.open_session` picks one by the stream's first frame; the gRPC edge hands
 it the whole stream (`serve`) and writes the directives it yields, the same way for both.
+A replica's Relay call at the job's leader is a port too (`RelayCall`, from `Replica.open_relay`).
 `feed_each` is the one reader of a client's stream, a Relay call's too.
 """
 
@@ -14,14 +15,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import structlog
 
+from muster.coordinator import errors
 from muster.coordinator.errors import MusterError
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.quotas import FrameBudget
 from muster.coordinator.relay import Relay
-from muster.coordinator.relay_fold import RelayedNode
+from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode
+from muster.coordinator.relay_link import RelayLink, check_size
 from muster.coordinator.streams import CLOSE, NodeStream
 from muster.v1 import muster_pb2 as pb
+
+log = structlog.get_logger(__name__)
 
 
 async def feed_each(items: AsyncIterator, budget: FrameBudget | None,
@@ -134,3 +140,100 @@ class RelayPort(SessionPort):
     def hang_up(self) -> None:
         if self.node is not None:
             self.relay.hang_up(self.node)
+
+
+class RelayCall:
+    """A replica's Relay call at the job's leader: its messages into the call's `RelayLink`, each
+    budgeted; the leader's replies out. The call ends when the relay stops writing, leaves replies
+    unread, goes silent (frozen or cut off: its nodes are excused and move once they notice),
+    carries no node stream, or the leadership is lost."""
+
+    def __init__(self, leader: JobLeader, first: pb.RelayUp, max_frames_per_s: float, timeout_s: float):
+        self.leader = leader
+        self.link = RelayLink(leader, first.relay)
+        self.timeout_s = timeout_s
+        self.budget = FrameBudget(max_frames_per_s, floor=MAX_ITEMS)
+        self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._tasks: list[asyncio.Task] = []
+        self._receive(first)
+
+    def _receive(self, up: pb.RelayUp) -> None:
+        """Every frame, ended and silent stream is budgeted before any is looked at, a first frame
+        too: the budget grows with the streams attached (as each node's own Session would be), and a
+        relay attaching its nodes spends at most a message's worth ahead of them."""
+        self.budget.spend(check_size(up), max(1, len(self.link.streams)))
+        self.link.receive(up)
+        if self.link.overflowed:
+            raise self._unread()
+
+    def _unread(self) -> errors.ResourceExhausted:
+        return errors.ResourceExhausted(f"this Relay call left {len(self.link.out)} replies unread; it is closed")
+
+    async def _read(self, messages: AsyncIterator[pb.RelayUp | MusterError]) -> MusterError | None:
+        """Feed the link; the call ends when the relay stops writing (or with the refusal returned).
+        A refused call's streams go at once: one that reads no reply holds its last write forever
+        (grpc cannot end a call with a write pending), but nothing more of it is read or kept."""
+        try:
+            refusal = await feed_each(messages, None, self._receive)
+            if refusal is not None:
+                self.link.close()
+            return refusal
+        finally:
+            self.link.ready.set()
+
+    async def serve(self, messages: AsyncIterator[pb.RelayUp | MusterError]) -> AsyncIterator[pb.RelayDown]:
+        """The call after its first message: first its acceptance (the relay stops retrying
+        elsewhere), then the leader's replies as they come, until the call ends (raising the
+        refusal it ends with)."""
+        link, timeout_s = self.link, self.timeout_s
+        yield pb.RelayDown(summaries=True)
+        reader = asyncio.create_task(self._read(messages))
+        lost = asyncio.create_task(self.leader.leadership.lost.wait())
+        self._tasks = [reader, lost]
+        loop = asyncio.get_running_loop()
+        while not reader.done() or link.pending:
+            if self._ended.done():
+                raise self._ended.result()
+            if reader.done() and reader.result() is not None:
+                raise reader.result()  # refused: the replies it was owed go no further
+            if link.overflowed:
+                raise self._unread()
+            if link.pending:
+                yield link.take()
+                continue
+            # Woken by a reply to carry, the leadership's loss, the reader's end, the call's end
+            # (its token revoked), or the moment the relay would count as silent (or as carrying nothing).
+            due = link.heard_at + timeout_s / 2 if link.streams else link.carried_at + timeout_s
+            ready = asyncio.ensure_future(link.ready.wait())
+            await asyncio.wait((ready, lost, reader, self._ended), timeout=max(0.0, due - loop.time()) + 0.01,
+                               return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+            if self.leader.lost_reason is not None and not link.pending:
+                raise errors.NotLeader(link.job, "")
+            self._judge_silence(loop.time())
+        if isinstance(reader.result(), MusterError):
+            raise reader.result()
+
+    def _judge_silence(self, now: float) -> None:
+        """A relay with node streams speaks every half heartbeat timeout (its pulse); one without
+        any has no business calling past a heartbeat timeout."""
+        link, timeout_s = self.link, self.timeout_s
+        silent_s = now - link.heard_at
+        if link.streams and silent_s > timeout_s / 2:
+            log.warning("relay_silent", job=link.job, relay=link.relay, silent_s=round(silent_s, 2),
+                        streams=len(link.streams))
+            raise errors.Unavailable(f"this relay sent nothing for {silent_s:.1f}s")
+        if not link.streams and now - link.carried_at > timeout_s:
+            raise errors.FailedPrecondition(f"this Relay call carried no node stream for {timeout_s:g}s: "
+                                            "a relay calls while it relays nodes")
+
+    def end(self, exc: Exception) -> None:
+        """End the call with `exc` (its token was revoked)."""
+        if not self._ended.done():
+            self._ended.set_result(exc)
+
+    def close(self) -> None:
+        """The call is over, however far `serve` got: nothing more is read, its streams are gone."""
+        for task in self._tasks:
+            task.cancel()
+        self.link.close()

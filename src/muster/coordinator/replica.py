@@ -26,12 +26,12 @@ from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.election_waits import ElectionWaits
-from muster.coordinator.errors import NotLeader, StoreUnavailable
+from muster.coordinator.errors import FailedPrecondition, NotLeader, StoreUnavailable
 from muster.coordinator.frames import check_claim
 from muster.coordinator.leader import JobLeader
 from muster.coordinator.leadership import Leadership
 from muster.coordinator.metrics import Metrics
-from muster.coordinator.ports import LeaderPort, RelayPort, SessionPort
+from muster.coordinator.ports import LeaderPort, RelayCall, RelayPort, SessionPort
 from muster.coordinator.quotas import JobBudgets
 from muster.coordinator.relay import PeerAccess, Relay
 from muster.coordinator.runs import Runs
@@ -291,6 +291,15 @@ class Replica:
         if first.run and first.run != leader.state.run:  # a node of a run that ended: how it ended
             raise await self.runs.unknown(first.job, first.run)
         return LeaderPort(leader)
+
+    async def open_relay(self, first: pb.RelayUp) -> RelayCall:
+        """The port of a replica's Relay call, by its first message: only at the job's leader, and
+        only for a job whose nodes were told to go through relays."""
+        leader = await self.leader_for(first.job)
+        if not self.relayed(leader):
+            raise FailedPrecondition(f"job {first.job!r} is not relayed (fewer than --relay-min-nodes "
+                                     f"{self.config.relay_min_nodes} nodes): its nodes stream to the leader")
+        return RelayCall(leader, first, self.config.limits.max_frames_per_s, self.config.timing.heartbeat_timeout_s)
 
     def _relay(self, job: str, leader: str) -> Relay:
         """This replica's relay of `job` (led at `leader`, "" unknown): a new one once the last

@@ -7,7 +7,6 @@ of the error tree, so a caller sees a precise code (never UNKNOWN) and a bounded
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
 
@@ -20,10 +19,7 @@ from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
 from muster.coordinator import errors, status_pages, wire
 from muster.coordinator.auth import Tokens, check_replica_certificate
 from muster.coordinator.codes import MAX_MESSAGE_CHARS, STATUS_OF
-from muster.coordinator.ports import feed_each
 from muster.coordinator.quotas import FrameBudget, IdleStreams, RelayCalls, refusals, tenant_of
-from muster.coordinator.relay_fold import MAX_ITEMS
-from muster.coordinator.relay_link import RelayLink, check_size
 from muster.coordinator.replica import Replica
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -182,105 +178,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Relay(self, request_iterator: AsyncIterator[pb.RelayUp | errors.MusterError],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RelayDown]:
-        """The leader's end of a relay's stream (see `muster.coordinator.relay_link`). A replica's call
-        (`relay_role`), checked before anything is read; every item of it is budgeted."""
-        link = reader = lost = host = named = release = None
+        """A relay's call, whole, to the leader's port its first message opens (`Replica.open_relay`).
+        A replica's call (`relay_role`), checked before anything is read; every item of it is budgeted."""
+        port = release = host = named = None
         try:
             tenant = self.relay_role(context)
-            revoked = asyncio.get_running_loop().create_future()
-            release = self.hold(lambda: self.relay_role(context), revoked.set_result)
             host = self.relay_calls.enter(context.peer(), len(self.replica.leaders))
             first = await self.idle.first(request_iterator, tenant, self._first_within_s,
                                           "a relay starts with a message naming its job")
             self.admit(context, first, relay=True)
-            leader = await self.replica.leader_for(first.job)
-            if not self.replica.relayed(leader):
-                # A node asks a replica to relay it: only where the leader told its nodes to.
-                raise errors.FailedPrecondition(f"job {first.job!r} is not relayed (fewer than --relay-min-nodes "
-                                                f"{self.replica.config.relay_min_nodes} nodes): its nodes stream to "
-                                                f"the leader")
+            port = await self.replica.open_relay(first)
             named = self.relay_calls.name(host, first.job)
-            link = RelayLink(leader, first.relay)
-            budget = FrameBudget(self.replica.config.limits.max_frames_per_s, floor=MAX_ITEMS)
-            self._receive(link, first, budget)
-            log.info("relay_attached", job=first.job, relay=link.relay)
-            yield pb.RelayDown(summaries=True)  # accepted: the relay stops retrying elsewhere
-            reader = asyncio.create_task(self._read_relay(link, request_iterator, budget))
-            lost = asyncio.create_task(leader.leadership.lost.wait())
-            timeout_s = self.replica.config.timing.heartbeat_timeout_s
-            while not reader.done() or link.pending:
-                if revoked.done():
-                    raise revoked.result()
-                if reader.done() and reader.result() is not None:
-                    raise reader.result()  # refused: the replies it was owed go no further
-                if link.overflowed:
-                    raise _unread(link)
-                if link.pending:
-                    yield link.take()
-                    continue
-                # Woken by a reply to carry, the leadership's loss, the reader's end, the token's
-                # revocation, or the moment the relay would count as silent (or as carrying nothing).
-                now = asyncio.get_running_loop().time()
-                due = link.heard_at + timeout_s / 2 if link.streams else link.carried_at + timeout_s
-                ready = asyncio.ensure_future(link.ready.wait())
-                await asyncio.wait((ready, lost, reader, revoked), timeout=max(0.0, due - now) + 0.01,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                ready.cancel()
-                if leader.lost_reason is not None and not link.pending:
-                    raise errors.NotLeader(first.job, "")
-                now = asyncio.get_running_loop().time()
-                silent_s = now - link.heard_at
-                if link.streams and silent_s > timeout_s / 2:
-                    # Frozen or cut off: its nodes are excused (`detach`) and move once they notice.
-                    log.warning("relay_silent", job=first.job, relay=link.relay, silent_s=round(silent_s, 2),
-                                streams=len(link.streams))
-                    raise errors.Unavailable(f"this relay sent nothing for {silent_s:.1f}s")
-                if not link.streams and now - link.carried_at > timeout_s:
-                    raise errors.FailedPrecondition(f"this Relay call carried no node stream for {timeout_s:g}s: "
-                                                    "a relay calls while it relays nodes")
-            if isinstance(reader.result(), errors.MusterError):
-                raise reader.result()
+            release = self.hold(lambda: self.relay_role(context), port.end)
+            log.info("relay_attached", job=first.job, relay=port.link.relay)
+            async for down in port.serve(request_iterator):
+                yield down
         except errors.MusterError as exc:
             refusals.refused("relay_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])
             await _abort(context, exc)
         finally:
             if release:
                 release()
-            for task in (reader, lost):
-                if task:
-                    task.cancel()
-            if link:
-                link.close()
+            if port:
+                port.close()
             if host:
                 self.relay_calls.leave(host, named)
-
-    @staticmethod
-    def _receive(link: RelayLink, up: pb.RelayUp, budget: FrameBudget) -> None:
-        """Every frame, ended and silent stream is budgeted before any is looked at, a first frame
-        too: the budget grows with the streams attached (as each node's own Session would be), and a
-        relay attaching its nodes spends at most a message's worth ahead of them."""
-        budget.spend(check_size(up), max(1, len(link.streams)))
-        link.receive(up)
-        if link.overflowed:
-            raise _unread(link)
-
-    @classmethod
-    async def _read_relay(cls, link: RelayLink, request_iterator: AsyncIterator[pb.RelayUp | errors.MusterError],
-                          budget: FrameBudget) -> errors.MusterError | None:
-        """Feed the link; the call ends when the relay stops writing (or with the refusal returned).
-        A refused call's streams go at once: one that reads no reply holds its last write forever
-        (grpc cannot end a call with a write pending), but nothing more of it is read or kept."""
-        try:
-            refusal = await feed_each(request_iterator, None, lambda up: cls._receive(link, up, budget))
-            if refusal is not None:
-                link.close()
-            return refusal
-        finally:
-            link.ready.set()
-
-
-def _unread(link: RelayLink) -> errors.ResourceExhausted:
-    return errors.ResourceExhausted(f"this Relay call left {len(link.out)} replies unread; it is closed")
 
 
 def _decoder(message_type):
