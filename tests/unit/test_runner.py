@@ -20,7 +20,7 @@ print(json.dumps({"argv": sys.argv[1:], "path0": sys.path[0], "name": __name__, 
 """
 
 
-def test_only_the_agents_own_interpreter_runs_python_programs():
+def test_only_the_agents_own_interpreter_runs_python_programs(tmp_path):
     py = sys.executable
     assert python_program([py, "-u", "train.py", "--lr", "1"]) == Program("train.py", False, ("--lr", "1"), True)
     assert python_program([py, "-m", "pkg.train", "-x"]) == Program("pkg.train", True, ("-x",), False)
@@ -29,6 +29,15 @@ def test_only_the_agents_own_interpreter_runs_python_programs():
     assert python_program(["/usr/bin/env", "python", "train.py"]) is None
     assert python_program(["/bin/sh", "train.sh"]) is None
     assert python_program([py]) is None
+    # another name of the same interpreter in its directory (a venv's `python` beside the `python3`
+    # of a pip-installed `muster`'s first line) is the same; the binary it links to elsewhere is not
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").symlink_to(os.path.realpath(py))
+    (bin_dir / "python").symlink_to("python3")
+    assert python_program([str(bin_dir / "python"), "train.py"], str(bin_dir / "python3")) == Program(
+        "train.py", False, (), False)
+    assert python_program([os.path.realpath(py), "train.py"], str(bin_dir / "python3")) is None
     assert runner_argv(Program("t.py", False, ("-x",), True), py) == [py, "-u", "-m", "muster.worker.agent.runner",
                                                                         "t.py", "-x"]
     assert runner_argv(Program("pkg.t", True, (), False), py) == [py, "-m", "muster.worker.agent.runner", "-m", "pkg.t"]

@@ -59,7 +59,7 @@ def python_program(argv: tuple[str, ...] | list[str], executable: str = sys.exec
     if len(argv) < 2:
         return None
     found = shutil.which(argv[0])
-    if found is None or os.path.abspath(found) != os.path.abspath(executable):
+    if found is None or not same_interpreter(found, executable):
         return None  # another interpreter (or venv): its own imports, its own site-packages
     unbuffered, i = False, 1
     while i < len(argv) and argv[i] == "-u":
@@ -69,6 +69,14 @@ def python_program(argv: tuple[str, ...] | list[str], executable: str = sys.exec
     if i < len(argv) and not argv[i].startswith("-"):
         return Program(argv[i], False, tuple(argv[i + 1:]), unbuffered)
     return None
+
+
+def same_interpreter(path: str, executable: str) -> bool:
+    """`path` is `executable` by another name in its directory: a venv's `python` beside the
+    `python3` a pip-installed `muster` runs under (the same binary, and the same venv, which the
+    directory decides). The same binary elsewhere is another environment."""
+    return (os.path.dirname(os.path.abspath(path)) == os.path.dirname(os.path.abspath(executable))
+            and os.path.realpath(path) == os.path.realpath(executable))
 
 
 def command_line(program: Program, executable: str = sys.executable) -> list[str]:
