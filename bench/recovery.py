@@ -68,7 +68,6 @@ from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_t
 from muster.examples.train_ddp import MODELS, parameter_count
 from muster.rank_logs import tail
 from muster.worker import Worker, WorkerConfig
-from muster.worker.agent.supervisor import RANK_DEFAULTS
 from muster.worker.library.stuck import STUCK_EXIT_CODE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -142,9 +141,7 @@ class Fleet:
         self.workdir, self.ranks, self.step_sleep_s, self.backend = workdir, ranks, step_sleep_s, backend
         # A large model's fingerprint is not logged at every step (it reads all the state).
         self.args = ("--model", model, "--digest-every", "1" if model == "tiny" else "0")
-        # The ranks' environment as `muster run` gives it (RANK_DEFAULTS), then --env's additions
-        # (NCCL settings under measure, or THP_MEM_ALLOC_ENABLE=0 to measure without huge pages).
-        self.env = {**RANK_DEFAULTS, **env}
+        self.env = env  # the ranks' own additions (--env: NCCL settings or THP_MEM_ALLOC_ENABLE=1 under measure)
         self.settled_steps = settled_steps
         self.etcd = EtcdServer(workdir / "etcd").start()
         self.replicas = [CoordinatorProcess([self.etcd.endpoint], workdir / f"coordinator-{i}.log",

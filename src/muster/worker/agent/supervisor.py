@@ -47,11 +47,11 @@ RANK_ENV = frozenset({
     # or etcd (and trackers that record a process's environment would keep them).
     "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
 })
-# Set for every process the agent starts unless the environment or --env sets it. THP_MEM_ALLOC_ENABLE:
-# torch's CPU allocator places tensors of 2 MiB and more on transparent huge pages, so a killed
-# rank's memory is freed in ~2 MiB pieces, not 4 KiB ones: the kernel frees it before it closes the
-# rank's sockets, and its death was heard that much later (2.4 GB: 0.6 s; on huge pages 0.16 s).
-RANK_DEFAULTS = {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
+# Set for every process the agent starts unless the environment or --env sets it. (Not
+# THP_MEM_ALLOC_ENABLE=1, torch's huge pages for large CPU tensors: a killed rank's memory is freed
+# ~4x sooner, so its death is heard sooner, but its allocations faulted 3-7x slower on the
+# development VM: docs/reference/environment.md.)
+RANK_DEFAULTS = {"OMP_NUM_THREADS": "1"}
 
 
 class Node(Protocol):
