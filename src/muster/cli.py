@@ -226,6 +226,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.max_restarts is not None and args.max_restarts < 0:
             raise LaunchError("--max-restarts must be at least 0")
         JobSpec(straggler_factor=args.straggler_factor, straggler_min_steps=args.straggler_min_steps).validate()
+        durable = _durable_env(args)
         coordinators = parse_addresses(args.coordinator)
         if launch.job is not None and args.job is not None and launch.job != args.job:
             raise LaunchError(f"torchrun --rdzv-id {launch.job} contradicts --job {args.job}: name the job once")
@@ -272,6 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         nodes=nodes or launch.nodes,
         world_size_multiple=args.world_size_multiple,
         stragglers=(args.straggler_action, args.straggler_factor, args.straggler_min_steps),
+        on_state_lost=args.on_state_lost,
         max_restarts=3 if max_restarts is None else max_restarts,
         restart_backoff_s=args.restart_backoff,
         log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -283,13 +285,25 @@ def _run(args: argparse.Namespace) -> int:
         warm_start=args.warm_start,
         step_probe=args.step_probe,
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
-        env=network,
+        env={**network, **durable},
         security=_security(args),
     )
     try:
         return asyncio.run(NodeAgent(config).run())
     except KeyboardInterrupt:  # before the agent's own handler was in place
         return 128 + signal.SIGINT
+
+
+def _durable_env(args: argparse.Namespace) -> dict[str, str]:
+    """The durable tier `muster run` hands its ranks (--checkpoint-dir, --checkpoint-every)."""
+    from muster.worker.agent.launch import checkpoint_every
+
+    every = checkpoint_every(args.checkpoint_every)  # (LaunchError: the command line's, exit 2)
+    if not args.checkpoint_dir:
+        if args.checkpoint_every != "auto":
+            raise ValueError("--checkpoint-every needs --checkpoint-dir")
+        return {}
+    return {"MUSTER_CHECKPOINT_DIR": args.checkpoint_dir, "MUSTER_CHECKPOINT_EVERY": str(every)}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -981,6 +995,17 @@ def _run_parser(sub) -> None:
     r.add_argument("--max-restarts", type=int, help="restarts of a slot for its own crashes (a restart for a new "
                    "map is not counted) before it is given up and reported (default: torchrun's --max-restarts, "
                    "else 3)")
+    d = r.add_argument_group("the durable tier, for ranks using the worker library that register no checkpoint= "
+                             "themselves (MUSTER_CHECKPOINT_DIR/EVERY; see docs/guide/sharded.md)")
+    d.add_argument("--checkpoint-dir", metavar="DIR", help="the library checkpoints the registered state to DIR (local, "
+                   "a shared filesystem, or an fsspec URL) and resumes from it where no rank holds a step")
+    d.add_argument("--checkpoint-every", default="auto", metavar="N|auto",
+                   help="steps between checkpoints, or auto: from the copy's cost and the failures seen "
+                        "(default %(default)s)")
+    d.add_argument("--on-state-lost", choices=("fail", "restart"), default="",
+                   help="the job's answer, if this node creates it, where the training state is lost beyond every "
+                        "tier: fail (default) ends the run failed with the reason; restart begins again at step 0, "
+                        "and the run's events and outcome say so")
     r.add_argument("--restart-backoff", type=positive_float, default=1.0,
                    help="a rank crashing again soon after its restart waits this long before the next one (doubled "
                         "with each crash in a row; the first restart, and one after a SIGKILL, is immediate)")

@@ -277,6 +277,23 @@ def final_digests(ranks: list[TrainingProcess], steps: int) -> dict[int, str]:
     return {r["slot"]: r["digest"] for r in last}
 
 
+def recovery_from(address: str, job: str, tier: str, timeout_s: float = 90) -> dict:
+    """The job's one recovery whose state came from `tier` (RecoveryRecord.tier), as `events --json`
+    shows it; asked while the run lasts (a finished run's recoveries are not kept, and a run that
+    resumed may be short), every 50 ms."""
+    from muster.json_output import as_json
+
+    found: list[dict] = []
+    with Coordinators([address], timeout_s=5) as c:
+        def shown() -> list[dict]:
+            found[:] = [r for r in as_json(c.call("Events", pb.EventsRequest(job=job)))["recoveries"]
+                        if r["tier"] == tier]
+            return found
+        wait_until(shown, timeout_s, f"a recovery from the {tier} tier in {job}'s events", interval_s=0.05)
+    (one,) = found
+    return one
+
+
 class AgentProcess(_Child):
     """`muster run` for one node, running the packaged src/muster/examples/train_ddp.py (or `command`) on
     its slots; each rank's output goes to log_dir/<job>/<run>/<node>-slot<K>-<start>.log. `wrap` prefixes the

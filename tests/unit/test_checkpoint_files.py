@@ -98,7 +98,7 @@ def test_each_writer_keeps_the_newest_complete_ones(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000008", "step-000000000010"]
 
 
-def test_auto_is_a_power_of_two_near_youngs_interval():
+def test_auto_is_a_power_of_two_near_youngs_interval_and_keeps_the_copy_under_1_percent():
     d = Durable.__new__(Durable)
     d.spec, d.copy_s, d.step_s, d.write_s, d.failures = Checkpoints("x"), 0.0, 0.0, 0.0, 0
     assert d.every() == AUTO_FIRST, "before its cost is known"
@@ -106,7 +106,10 @@ def test_auto_is_a_power_of_two_near_youngs_interval():
     d.copy_s, d.step_s = 0.05, 0.1
     steps = math.sqrt(2 * 0.05 * 3600) / 0.1  # ~190
     assert d.every() == 128 and 128 <= steps < 256
-    d.failures = 15  # 16 x the failure rate: a quarter of the interval
-    assert d.every() == 32
+    d.failures = 15  # 16 x the failure rate: a quarter of Young's interval (32), but the copy would cost 1.6 %
+    assert d.every() == 64 and d.copy_s / (64 * d.step_s) <= 0.01
+    d.copy_s = 0.01  # a cheaper copy: Young's interval again (16), its cost 0.6 %
+    assert d.every() == 16
+    d.copy_s = 0.05
     d.write_s = 30.0  # never shorter than a write takes
     assert d.every() == 256

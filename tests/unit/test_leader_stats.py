@@ -79,3 +79,29 @@ def test_every_rank_lost_counts_the_steps_from_the_jobs_highest_step_not_the_new
     stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="checkpoint", step=24, steps_lost=0)), 3)
     m = stats._measuring
     assert (m.tier, m.step, m.steps_lost) == ("checkpoint", 24, 5)
+
+
+def test_a_state_begun_again_at_step_0_is_the_tier_none_with_every_step_lost():
+    from muster.coordinator.core.kinds import FailureKind
+    from muster.coordinator.core.machine import (STATE_LOST, STATE_LOST_EVENT, Context, Join, NodeLost, SlotDown, Tick,
+                                                 Verdict, decide)
+    from muster.coordinator.core.policy import JobSpec
+    from muster.coordinator.core.state import JobState
+
+    from test_liveness import TIMING
+
+    c = lambda now: Context(now=now, wall_ms=int(now * 1000), term=1, timing=TIMING)  # noqa: E731
+    state = decide(JobState("job", JobSpec(1, 3, 1, on_state_lost="restart")),
+                   [Join(f"n{i}", "h", 1, 1) for i in range(3)], c(0)).state
+    state = decide(state, [Tick()], c(2)).state
+    stats = LeaderStats("job", Metrics(), now=0)
+    d = decide(state, [SlotDown("n2", 0, "rank_exited", "ShardLost"), Verdict("n2", "ShardLost", STATE_LOST)], c(3))
+    assert [e.kind for e in d.events if e.kind == STATE_LOST_EVENT]
+    stats.adopted(d, 3, 57)
+    if not d.new_generation:  # (the map the restarted ranks form comes with the next decision)
+        d = decide(d.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "gone")], c(4))
+        stats.adopted(d, 4, 0)
+    g = d.state.generation
+    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0)), 5)  # begun at step 0: nothing restored
+    m = stats._measuring
+    assert (m.generation, m.tier, m.step, m.steps_lost) == (g, "none", 0, 57)

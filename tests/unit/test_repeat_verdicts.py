@@ -128,3 +128,28 @@ def test_the_runner_writes_what_the_program_died_of_and_the_step_the_library_sai
     error_file.write_text(json.dumps({"message": {"message": "OSError: \x1b[31mdisk\nfull" + "x" * 300}}))
     e = exit_of(slot, 43, 1, True)
     assert e.error == "OSError: ?[31mdisk" and e.step == 0 and e.restarting, "one line, no control characters"
+
+
+def test_state_lost_ends_the_run_failed_unless_the_job_allows_a_restart_which_its_events_and_outcome_say():
+    from muster.coordinator.core.machine import STATE_LOST, STATE_LOST_EVENT, Leave
+
+    lost = Verdict("n2", "rank 3 (node 'n2', local rank 1) in step 9: ShardLost: shard 1 lost in every replica", STATE_LOST)
+    down = SlotDown("n2", 1, "rank_exited", "pid 9 exit code 3: ShardLost: shard 1 lost in every replica")
+    d = decide(running(), [down, lost], ctx(now=3.0))
+    assert d.ended and d.state.outcome is Outcome.FAILED and d.state.outcome_reason.startswith(STATE_LOST)
+
+    state = decide(JobState("job", JobSpec(1, 2, 1, on_state_lost="restart")),
+                   [Join(f"n{i}", "10.0.0.1", 29500 + i, 2) for i in (1, 2)], ctx()).state
+    state = decide(state, [Tick()], ctx(now=2.0)).state
+    d = decide(state, [down, lost, Verdict("n1", "rank 0 ... ShardLost: shard 1", STATE_LOST)], ctx(now=3.0))
+    assert not d.ended and d.state.outcome is not Outcome.FAILED
+    (said,) = [e for e in d.events if e.kind == STATE_LOST_EVENT]  # once for the generation, however many ranks
+    assert "begin again at step 0" in said.reason and "shard 1 lost" in said.reason
+    assert decode(encode(d.state)) == d.state
+    again = decide(d.state, [Verdict("n1", "rank 1 too", STATE_LOST)], ctx(now=3.5))
+    assert not [e for e in again.events if e.kind == STATE_LOST_EVENT], "said already for this generation"
+    end = decide(again.state, [Leave(n, False, "done", finished=True) for n in ("n1", "n2")], ctx(now=9.0))
+    assert end.state.outcome is Outcome.SUCCEEDED and "begun again from step 0" in end.state.outcome_reason, \
+        end.state.outcome_reason
+    with pytest.raises(ValueError, match="on_state_lost"):
+        JobSpec(on_state_lost="retry").validate()

@@ -13,6 +13,7 @@ from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, most_generation
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S
+from muster.coordinator.core.machine import STATE_LOST as STATE_LOST_KIND
 from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown,
                                              SlotsUp, Verdict)
 from muster.coordinator.core.policy import JobSpec
@@ -43,7 +44,7 @@ def secret_hash(secret: bytes) -> str:
 def check_joinable(state: JobState, requested: JobSpec) -> None:
     """A node joins the job as it exists: the sizes it asks for are the job's (unless its spec was lost)."""
     for name in ("min_nodes", "max_nodes", "world_size_multiple", "straggler_action", "straggler_factor",
-                 "straggler_min_steps"):
+                 "straggler_min_steps", "on_state_lost"):
         want = getattr(requested, name)
         if want and want != getattr(state.spec, name) and not state.spec_lost:
             raise FailedPrecondition(
@@ -221,7 +222,7 @@ class FrameReader:
             who = f"{rank}(node {member.node_id!r}, local rank {e.local_rank})"
             where = f"in step {e.step}" if e.step else "before any step it reported"
             if e.error.startswith(STATE_LOST):  # the worker library's StateLost (ShardLost): no tier holds the state
-                events.append(Verdict(member.node_id, f"{who} {where}: {e.error}", "training state lost beyond every tier"))
+                events.append(Verdict(member.node_id, f"{who} {where}: {e.error}", STATE_LOST_KIND))
             elif e.error.startswith(REFUSED):
                 events.append(Verdict(member.node_id, f"{who} {where}, refused as every restart would be: {e.error}"))
             elif self.live.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):

@@ -14,7 +14,7 @@ from muster.coordinator import status_pages
 from muster.coordinator.core.assessment import Assessment
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.core.liveness import Liveness, Recovery
-from muster.coordinator.core.machine import Decision
+from muster.coordinator.core.machine import STATE_LOST_EVENT, Decision
 from muster.coordinator.core.state import JobState, Placement
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
@@ -47,6 +47,7 @@ class LeaderStats:
         self.high_step = 0  # the highest step the job's ranks reported to this leader (steps lost count from it)
         self._high_at_decision = 0  # high_step when the measured generation was decided
         self._ranks_lost = 0  # the most steps a rank of the measured generation said it lost
+        self._begun_again = False  # the state was lost and the job allows a restart: the next generation's is "none"
         self.restarts = 0  # rank processes that exited
         self.history: list[pb.HealthSample] = []
         self._sample_every, self._sampled_at = FIRST_SAMPLE_S, None
@@ -140,6 +141,7 @@ class LeaderStats:
         """A decision the leader adopted: its evictions, and a new generation's detection time; the
         recovery it starts is measured from here."""
         self.high_step = max(self.high_step, step_before)
+        self._begun_again |= any(e.kind == STATE_LOST_EVENT for e in d.events)
         for e in d.events:
             if e.kind in EVICTIONS:
                 self.evictions += 1
@@ -156,6 +158,9 @@ class LeaderStats:
                                                     decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
                 self._undelivered = {p.node_id for p in d.state.rank_map.placements}
                 self._received, self._high_at_decision, self._ranks_lost = {}, self.high_step, 0
+                if self._begun_again:  # (the ranks, begun at step 0, report nothing restored)
+                    self._begun_again = False
+                    self._measuring.tier, self._measuring.steps_lost = "none", self.high_step
         if d.persist:
             self._signals.clear()
 

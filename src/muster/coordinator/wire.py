@@ -109,7 +109,8 @@ def check_reason(reason: str) -> str:
 
 def spec_of(msg: pb.JobSpec) -> JobSpec:
     return JobSpec(msg.min_nodes, msg.max_nodes, msg.world_size_multiple, msg.straggler_action,
-                   round(msg.straggler_factor, 4), msg.straggler_min_steps)  # a float32 on the wire
+                   round(msg.straggler_factor, 4), msg.straggler_min_steps,  # a float32 on the wire
+                   msg.on_state_lost)
 
 
 def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:

@@ -39,12 +39,13 @@ EXITS_BEFORE_LEAVE_S = 0.1
 
 
 def job_spec(min_nodes: int, max_nodes: int, world_size_multiple: int,
-             stragglers: tuple[str, float, int]) -> pb.JobSpec:
+             stragglers: tuple[str, float, int], on_state_lost: str = "") -> pb.JobSpec:
     """The spec a node asks for when it creates the job (0 and "": the coordinator's defaults);
     `stragglers` is the job's (action, factor, min steps)."""
     action, factor, min_steps = stragglers
     return pb.JobSpec(min_nodes=min_nodes, max_nodes=max_nodes, world_size_multiple=world_size_multiple,
-                      straggler_action=action, straggler_factor=factor, straggler_min_steps=min_steps)
+                      straggler_action=action, straggler_factor=factor, straggler_min_steps=min_steps,
+                      on_state_lost=on_state_lost)
 
 
 def shape(frame: pb.NodeFrame) -> tuple:

@@ -159,6 +159,10 @@ class Verdict:
     kind: str = "a fault that repeats"
 
 
+STATE_LOST = "training state lost beyond every tier"  # Verdict.kind of a rank's StateLost
+STATE_LOST_EVENT = "state_lost"  # the event a job whose spec says on_state_lost=restart notes instead
+
+
 @dataclass(frozen=True)
 class Tick:
     """Nothing happened but time passed (forming and waiting deadlines)."""
@@ -431,6 +435,14 @@ def _on_stop(f: _Fold, ev: Stop) -> None:
 
 
 def _on_verdict(f: _Fold, ev: Verdict) -> None:
+    if ev.kind == STATE_LOST and f.spec.on_state_lost == "restart":
+        # The operator allowed it: the ranks (restarted by their agents) begin again at step 0; said once a
+        # generation, in the events and (_outcome) in the run's outcome
+        said = (e for e in (*f.state.history, *f.log) if e.kind == STATE_LOST_EVENT and e.generation == f.state.generation)
+        if not f.state.ended and next(said, None) is None:
+            f.note(STATE_LOST_EVENT, f"{ev.reason}; on_state_lost=restart: the ranks begin again at step 0", ev.node_id)
+            f.changed = True
+        return
     if not f.state.ended and f.stop is None and not f.verdict:
         f.verdict = f"{ev.kind}: {ev.reason}"
         f.changed = True
@@ -543,10 +555,13 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str,
         if rm is None:
             return Outcome.SUCCEEDED, "every node finished"
         late = [n for n in rm.node_ids if state.member(n)]
+        lost = [e.generation for e in state.history if e.kind == STATE_LOST_EVENT]
+        again = (f"; its training state was lost beyond every tier and begun again from step 0 (on_state_lost="
+                 f"restart) at generation(s) {', '.join(map(str, lost))}") if lost else ""
         return Outcome.SUCCEEDED, (f"every rank of generation {rm.generation} completed its script "
                                    f"(world size {rm.world_size})" if not late else
                                    f"every rank that trained completed its script; node(s) {', '.join(map(repr, late))} "
-                                   f"placed at generation {rm.generation} never trained: the job finished first")
+                                   f"placed at generation {rm.generation} never trained: the job finished first") + again
     if before.members and not state.members and not state.rebuilding:
         if departed == "left":
             return Outcome.STOPPED, "every node left (drained)"

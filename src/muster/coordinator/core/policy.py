@@ -43,6 +43,9 @@ def check_stragglers(action: str, factor: float, min_steps: int, *, unset_ok: bo
                             f"got {min_steps}")
 
 
+ON_STATE_LOST = ("", "fail", "restart")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a job asks for. Fixed when the job is created."""
@@ -54,6 +57,9 @@ class JobSpec:
     straggler_action: str = ""
     straggler_factor: float = 0.0
     straggler_min_steps: int = 0
+    # Training state lost beyond every tier (a rank's StateLost): "" or "fail", the run ends failed with
+    # the reason; "restart", the ranks begin again at step 0 and the run's events and outcome say so.
+    on_state_lost: str = ""
 
     def validate(self) -> JobSpec:
         if not 1 <= self.min_nodes <= MAX_NODES:
@@ -65,6 +71,9 @@ class JobSpec:
         if not 1 <= self.world_size_multiple <= 65_536:
             raise InvalidPolicy(f"world_size_multiple must be in 1..65536, got {self.world_size_multiple}")
         check_stragglers(self.straggler_action, self.straggler_factor, self.straggler_min_steps, unset_ok=True)
+        if self.on_state_lost not in ON_STATE_LOST:
+            raise InvalidPolicy(f"on_state_lost must be one of {', '.join(filter(None, ON_STATE_LOST))} (or empty), "
+                                f"got {self.on_state_lost[:40]!r}")
         return self
 
     def merged_over(self, default: JobSpec) -> JobSpec:
@@ -74,7 +83,7 @@ class JobSpec:
             max_nodes=self.max_nodes or max(default.max_nodes, self.min_nodes),
             world_size_multiple=self.world_size_multiple or default.world_size_multiple,
             straggler_action=self.straggler_action, straggler_factor=self.straggler_factor,
-            straggler_min_steps=self.straggler_min_steps,
+            straggler_min_steps=self.straggler_min_steps, on_state_lost=self.on_state_lost,
         )
 
 

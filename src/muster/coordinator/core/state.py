@@ -244,9 +244,9 @@ class JobState:
 
 
 def _spec_doc(spec: JobSpec) -> dict:
-    """The spec's fields, its straggler policy only where the job sets one: a replica of the version
-    before job straggler policies reads every other job's spec during a rolling upgrade."""
-    return {k: v for k, v in vars(spec).items() if not k.startswith("straggler_") or v}
+    """The spec's fields, its straggler policy and on_state_lost only where the job sets them: a replica
+    of the version before them reads every other job's spec during a rolling upgrade."""
+    return {k: v for k, v in vars(spec).items() if not (k.startswith("straggler_") or k == "on_state_lost") or v}
 
 
 def encode_spec(spec: JobSpec, run: int) -> bytes:

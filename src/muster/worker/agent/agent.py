@@ -91,7 +91,7 @@ class NodeAgent:
         pb_grpc.add_NodeAgentServicer_to_server(self.hub, server)
         server.add_insecure_port(f"unix:{socket_path}")
         await server.start()
-        spec = job_spec(*(c.nodes or (0, 0)), c.world_size_multiple, c.stragglers)
+        spec = job_spec(*(c.nodes or (0, 0)), c.world_size_multiple, c.stragglers, c.on_state_lost)
         self.session = NodeSession(
             c.coordinators,
             NodeIdentity(c.job, c.node_id, c.slots, c.host, store.port, spec, agent_pid=os.getpid(),

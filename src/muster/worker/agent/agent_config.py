@@ -21,6 +21,7 @@ class AgentConfig:
     nodes: tuple[int, int] | None = None  # (min, max) nodes when this agent creates the job
     world_size_multiple: int = 0
     stragglers: tuple[str, float, int] = ("", 0.0, 0)  # the job's (action, factor, min steps) if it creates it
+    on_state_lost: str = ""  # the job's (JobSpec.on_state_lost) if it creates it: "" (fail) or restart
     max_restarts: int = 3  # per slot, whatever the cause (a crash, a new map); beyond it the slot is given up
     restart_backoff_s: float = 1.0  # before restarting a crashed rank; doubled on each crash of the slot
     log_dir: Path | None = None  # the ranks' output and the agent's log under LOG_DIR/<job>/<run>/ (src/muster/rank_logs.py)

@@ -47,6 +47,17 @@ def is_torchrun(command: list[str]) -> bool:
                               or command[1:3] == ["-m", "torch.distributed.run"])
 
 
+def checkpoint_every(text: str) -> int | str:
+    """Checkpoints' `every` as `muster run --checkpoint-every` and MUSTER_CHECKPOINT_EVERY give it:
+    "auto", or a number of steps >= 1 (LaunchError otherwise). Here, not beside Checkpoints: the
+    agent never imports torch."""
+    if text.strip() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise LaunchError(f"checkpoint every {text[:40]!r}: a number of steps >= 1, or auto")
+    return int(text)
+
+
 def parse_nodes(value: str) -> tuple[int, int]:
     lo, _, hi = value.partition(":")
     try:

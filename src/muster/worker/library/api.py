@@ -91,6 +91,10 @@ class WorkerConfig:
     # gloo's network interface (GLOO_SOCKET_IFNAME); empty: the interface holding `host`, where it is
     # local (gloo's own choice, the hostname's address, may be one the peers cannot reach)
     gloo_interface: str = ""
+    # The durable tier where the script registers none (`muster run --checkpoint-dir/--checkpoint-every`):
+    # register() then checkpoints to this directory (src/muster/worker/library/checkpoints.py)
+    checkpoint_dir: str = ""
+    checkpoint_every: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerConfig:
@@ -120,6 +124,8 @@ class WorkerConfig:
             hold_timeout_s=float(env.get("MUSTER_HOLD_TIMEOUT", "300")),
             security=ClientSecurity.from_env(env),
             gloo_interface=env.get("GLOO_SOCKET_IFNAME", ""),
+            checkpoint_dir=env.get("MUSTER_CHECKPOINT_DIR", ""),
+            checkpoint_every=env.get("MUSTER_CHECKPOINT_EVERY", "") or "auto",
         )
 
 
@@ -211,7 +217,8 @@ class Worker:
 
         `checkpoint=Checkpoints(dir, every=N or "auto")`: the library also writes the state to `dir`
         (off the training thread but for a host copy) and resumes from it where no rank holds a
-        step: every copy of a shard lost, every rank lost, the job started again."""
+        step: every copy of a shard lost, every rank lost, the job started again. Without one, the
+        config's checkpoint_dir (MUSTER_CHECKPOINT_DIR: `muster run --checkpoint-dir`) sets it."""
         self.state, self.config = registered(self.config, model=model, optimizer=optimizer, build=build,
                                              layout=layout, extras=extras, guard=self._guards.install,
                                              subgroups=lambda: self.comm.subgroups(), checkpoint=checkpoint)

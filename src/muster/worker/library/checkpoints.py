@@ -48,13 +48,15 @@ log = structlog.get_logger(__name__)
 AUTO_FIRST = 64  # steps to the first checkpoint with every="auto", before its cost is known
 AUTO_MAX = 1 << 16
 PRIOR_MTBF_S = 3600.0  # the failure rate "auto" assumes before it has seen any (one an hour)
+COST_TARGET = 0.01  # "auto" keeps the host copy under this share of the training thread's time
 
 
 @dataclass(frozen=True)
 class Checkpoints:
     """Where and how often the library checkpoints the registered state. `every`: steps between
     checkpoints, or "auto": a power of two near Young's optimum sqrt(2 x cost x MTBF), from the host
-    copy's measured cost and the failures this rank has seen (powers of two, so that ranks whose
+    copy's measured cost and the failures this rank has seen, and no shorter than keeps the copy
+    under COST_TARGET (1 %) of the training thread's time (powers of two, so that ranks whose
     measures differ still meet at the larger one's steps). `keep`: complete checkpoints kept."""
 
     dir: str
@@ -98,9 +100,11 @@ class Durable:
         if not self.copy_s or not self.step_s:
             return AUTO_FIRST
         mtbf = (time.monotonic() - self.started + PRIOR_MTBF_S) / (self.failures + 1)
-        # Young: the interval that minimises cost/interval + interval/(2 MTBF); not shorter than a write
+        # Young: the interval that minimises cost/interval + interval/(2 MTBF); not shorter than a write,
+        # nor than keeps the host copy under COST_TARGET of the steps (rounded up to a power of two)
         steps = max(math.sqrt(2 * self.copy_s * mtbf), self.write_s) / self.step_s
-        return min(AUTO_MAX, 1 << max(0, int(math.log2(max(steps, 1)))))
+        cheap = self.copy_s / (COST_TARGET * self.step_s)
+        return min(AUTO_MAX, max(1 << max(0, int(math.log2(max(steps, 1)))), 1 << math.ceil(math.log2(max(cheap, 1)))))
 
     def stepped(self, step: int, step_us: int, shard: int | None, tree: Callable[[], Any]) -> None:
         """At a completed step's boundary, on the training thread: `shard` (None: this rank writes

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from muster.worker.agent.launch import LaunchError, checkpoint_every
 from muster.worker.library.checkpoints import Checkpoints, Durable
+from muster.worker.library.errors import WorkerError
 from muster.worker.library.sharded import Build, Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer
@@ -32,6 +34,11 @@ def registered(config: WorkerConfig, *, model: torch.nn.Module | None, optimizer
     Raises TypeError for arguments that do not go together."""
     if checkpoint is not None and not isinstance(checkpoint, Checkpoints):
         raise TypeError(f"checkpoint= takes Checkpoints(dir, every=...), not {type(checkpoint).__name__}")
+    if checkpoint is None and config.checkpoint_dir:  # the agent's (muster run --checkpoint-dir)
+        try:
+            checkpoint = Checkpoints(config.checkpoint_dir, every=checkpoint_every(config.checkpoint_every))
+        except LaunchError as exc:
+            raise WorkerError(f"MUSTER_CHECKPOINT_EVERY: {exc}") from None
     for name, obj in extras.items():
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"extra {name!r} needs state_dict() and load_state_dict()")
