@@ -32,6 +32,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --junitxml=build/tests.xml
 
 durations: $(STAMP)
+	mkdir -p build
 	$(BIN)/python tests/durations.py build/tests.xml > build/durations.json
 	mv build/durations.json tests/durations.json
 	$(BIN)/python docs/generate.py

@@ -215,10 +215,12 @@ def slowest_tests(top: int = 10) -> str:
              num(t["s"]) + ("" if t["outcome"] == "passed" else f" ({t['outcome']})")]
             for i, t in enumerate(d["slowest"][:top], 1)]
     return (table(["#", "file", "test", "seconds"], rows) +
-            f"\n*From `tests/durations.json`: `pytest {args}` ({d['timestamp'][:16].replace('T', ' ')} UTC), "
-            f"{counts} in {minutes} min {seconds} s on {m.get('workers', '?')} workers, {m.get('cpus', '?')} CPUs"
+            f"\n*From `tests/durations.json`: " + (f"`pytest {args}` " if args else "") +
+            f"({d['timestamp'][:16].replace('T', ' ')} UTC), {counts} in {minutes} min {seconds} s"
+            + (f" on {m['workers']} workers, {m['cpus']} CPUs" if "workers" in m and "cpus" in m else "")
             + (f", load average {load[0]} at its start" if load else "") +
-            f"; the tests' own seconds, setup and teardown included: {tiers}.*\n")
+            f"; the tests' own seconds, setup and teardown included: {tiers}."
+            + (f" {d['note']}" if d.get("note") else "") + "*\n")
 
 
 # --- the CLI reference -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ its start), the seconds each tier's tests took together, and the slowest tests w
 (setup and teardown included). `make durations` writes it to tests/durations.json, from which
 docs/generate.py builds the design page's table of the ten slowest.
 
-Usage: python tests/durations.py [build/tests.xml] [--top N] > tests/durations.json
+Usage: python tests/durations.py [build/tests.xml] [--top N] [--note TEXT] > tests/durations.json
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ def outcome(case: ET.Element) -> str:
     return "passed"
 
 
-def summary(xml: Path, top: int) -> dict:
-    suite = ET.parse(xml).getroot()
-    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+def summary(xml: Path, top: int, note: str = "") -> dict:
+    root = ET.parse(xml).getroot()
+    suite = root.find("testsuite") if root.tag == "testsuites" else root if root.tag == "testsuite" else None
     if suite is None:
         raise ValueError(f"{xml}: no <testsuite> (not a pytest --junitxml file?)")
     properties = {p.get("name"): p.get("value") for p in suite.iterfind("properties/property")}
-    cases = [(case_id(c), float(c.get("time", 0)), outcome(c)) for c in suite.iter("testcase")]
+    cases = [(case_id(c), float(c.get("time", 0)), outcome(c)) for c in suite.iter("testcase")
+             if c.get("name")]  # (a run interrupted by ^C ends with nameless cases)
     outcomes, tiers = defaultdict(int), defaultdict(float)
     for name, seconds, result in cases:
         outcomes[result] += 1
@@ -53,6 +54,7 @@ def summary(xml: Path, top: int) -> dict:
         "test_seconds": round(sum(c[1] for c in cases), 1),  # over every worker: wall_s x workers at best
         "tiers_s": {tier: round(s, 1) for tier, s in sorted(tiers.items(), key=lambda t: -t[1])},
         "slowest": [{"test": name, "s": round(seconds, 1), "outcome": result} for name, seconds, result in slowest],
+        **({"note": note} if note else {}),
     }
 
 
@@ -60,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("xml", nargs="?", default=str(ROOT / "build" / "tests.xml"), help="pytest's --junitxml file")
     p.add_argument("--top", type=int, default=20, help="how many of the slowest tests to keep (default 20)")
+    p.add_argument("--note", default="", help="what the XML cannot say about its run (shown under the table)")
     args = p.parse_args(argv)
     xml = Path(args.xml)
     if not xml.is_file():
         print(f"durations: {xml} does not exist: run `make test` first (it writes build/tests.xml)", file=sys.stderr)
         return 2
     try:
-        print(json.dumps(summary(xml, args.top), indent=2))
+        print(json.dumps(summary(xml, args.top, args.note), indent=2))
     except (ET.ParseError, ValueError) as exc:
         print(f"durations: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,68 @@
+"""The suite's durations are kept and read back: a pytest run with --junitxml (as `make test`
+writes build/tests.xml) carries the machine beside each test's seconds, tests/durations.py sums it
+up, and the collection starts with the files of the slowest tests tests/durations.json names."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = "tests/unit/test_net.py"  # a few fast tests of its own
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_a_junit_run_is_summed_up_with_its_machine_and_each_tests_seconds(tmp_path):
+    xml = tmp_path / "tests.xml"
+    done = pytest_run("-q", FAST, f"--junitxml={xml}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    collected = pytest_run("--collect-only", "-q", FAST).stdout.split()
+    ids = {line for line in collected if "::" in line}
+
+    summary = load("durations", ROOT / "tests" / "durations.py").summary(xml, top=3)
+    assert summary["tests"] == {"passed": len(ids)} and summary["tiers_s"].keys() == {"unit"}
+    assert summary["machine"]["cpus"] == str(os.cpu_count()) and summary["machine"]["workers"] == "1"
+    assert len(summary["machine"]["loadavg_at_start"].split()) == 3 and FAST in summary["machine"]["args"]
+    slowest = summary["slowest"]
+    assert len(slowest) == min(3, len(ids)) and {t["test"] for t in slowest} <= ids  # pytest's own node ids
+    assert [t["s"] for t in slowest] == sorted((t["s"] for t in slowest), reverse=True)
+    assert summary["test_seconds"] >= sum(t["s"] for t in slowest) - 0.1 and summary["wall_s"] > 0
+
+
+def test_a_file_that_is_no_junit_xml_is_refused_in_a_line(tmp_path):
+    bad = tmp_path / "tests.xml"
+    bad.write_text("<html/>")
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "durations.py"), str(bad)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("durations: ") and "no <testsuite>" in done.stderr
+    missing = subprocess.run([sys.executable, str(ROOT / "tests" / "durations.py"), str(tmp_path / "none.xml")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "run `make test` first" in missing.stderr
+
+
+@pytest.mark.timeout(150)
+def test_the_slowest_tests_files_are_collected_first():
+    slowest = json.loads((ROOT / "tests" / "durations.json").read_text())["slowest"]
+    first = slowest[0]["test"].split("::")[0]
+    assert FAST not in {t["test"].split("::")[0] for t in slowest}
+    collected = pytest_run("--collect-only", "-q", FAST, first).stdout.split()
+    ids = [line for line in collected if "::" in line]
+    assert ids and ids[0].startswith(first + "::") and ids[-1].startswith(FAST + "::"), ids
