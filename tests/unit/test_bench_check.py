@@ -63,5 +63,15 @@ def test_a_latency_past_its_absolute_bound_is_worse_however_noisy_the_host_or_sl
 def test_cpu_figures_have_no_absolute_bound():
     """A CPU figure is judged against the baseline only (scaled): the bound is a latency's promise."""
     assert all(f.bound is None for f in check.FIGURES if f.cpu)
-    assert {f.name: f.bound for f in check.FIGURES if not f.cpu} == {"frame_latency_p50_ms": 5.0,
-                                                                    "frame_latency_p99_ms": 10.0}
+    assert {f.name: f.bound for f in check.FIGURES if not f.cpu} == {
+        "frame_latency_p50_ms": 5.0, "frame_latency_p99_ms": 10.0, "reform_excess_s": 0.15}
+
+
+def test_the_sized_reforms_excess_over_the_tiny_one_is_held_to_the_target():
+    """reform_excess_s (50M kill -> stepping less 1.5x tiny's): 0.1 s over the baseline's, never past 0.15 s."""
+    baseline = run(reform_excess_s=-0.05)
+    assert verdicts(run(reform_excess_s=0.04), baseline)[0] == 0
+    assert verdicts(run(reform_excess_s=0.06), baseline) == (1, {"reform_excess_s": "worse"})
+    assert verdicts(run(wall_over_cpu=2.0, reform_excess_s=0.06), baseline)[0] == 2
+    assert verdicts(run(wall_over_cpu=2.0, reform_excess_s=0.2), run(reform_excess_s=0.12)) == (
+        1, {"reform_excess_s": "worse"})
