@@ -21,7 +21,7 @@ class FakeTransport:
 
     def __init__(self, on_directive):
         self.on_directive = on_directive
-        self.generation = 0
+        self.generation = self.joined_run = 0
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.left: dict = {}
 

@@ -145,8 +145,7 @@ def test_a_stuck_exit_leaves_the_snapshots_behind_then_exits_even_if_that_fails(
             open({str(tmp_path / "left")!r}, "w").write("left")
             if sys.argv[1] == "fails":
                 raise OSError("disk full")
-        stuck.leave_behind(leave)
-        stuck.exit_stuck("a test", 3.0)
+        stuck.exit_stuck("a test", 3.0, leave)
     """)
     for how in ("works", "fails"):
         done = subprocess.run([sys.executable, "-c", child, how], capture_output=True, text=True, timeout=60)

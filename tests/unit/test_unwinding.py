@@ -61,12 +61,11 @@ def test_a_training_thread_elsewhere_is_named_with_where_it_is():
 
 def stuck_rank(monkeypatch, steps: int, step_us: int, excused: bool = False):
     """An Unwinding whose training thread sits in a call until released, after `steps` steps of
-    `step_us`; exit_stuck recorded rather than ending this process."""
+    `step_us`; its stuck exit recorded rather than ending this process."""
     monkeypatch.setattr(unwinding, "UNWIND_LATE_S", 0.05)
     monkeypatch.setattr(unwinding, "UNWIND_EXIT_MIN_S", 0.3)
     exits: list[tuple[str, float]] = []
-    monkeypatch.setattr(unwinding, "exit_stuck", lambda cause, waited_s: exits.append((cause, waited_s)))
-    u = Unwinding(excused=lambda: excused)
+    u = Unwinding(excused=lambda: excused, on_stuck=lambda cause, waited_s: exits.append((cause, waited_s)))
     for _ in range(steps):
         u.stepped(step_us)
     release, entered = threading.Event(), threading.Event()

@@ -32,6 +32,7 @@ class Transport(Protocol):
     JobEnded, or what lost it; returning means it was stopped."""
 
     generation: int  # the generation this process runs (its frames carry it)
+    joined_run: int  # the run of the job it joined (0: not known here, a rank's agent knows it)
 
     async def join(self, *, retry_for_s: float = 30.0) -> object: ...  # become the job's member
 

@@ -38,6 +38,7 @@ class RankLink:
         self.interval_s = interval_s
         self.connect_for_s = connect_for_s
         self.generation = 0  # not sent: the agent reports the node's generation
+        self.joined_run = 0  # the agent's (it joined the job for its ranks)
         self._lost_at: float | None = time.monotonic()  # since when the agent's stream is down (None: up)
         self._call = None
         self._stopping = False

@@ -45,7 +45,7 @@ from muster.worker.compute_clock import ComputeClock
 from muster.worker.library.backends import backend_named
 from muster.worker.library.comm import Comm, GroupSpec, StepCut
 from muster.worker.library.sockets import interface_of
-from muster.worker.library.stuck import exit_unless_raised
+from muster.worker.library.stuck import exit_stuck, exit_unless_raised
 from muster.worker.library.checkpoints import Checkpoints, Durable
 from muster.worker.library.errors import Drained, FencedOut, RunEnded, ShardedStateRefused, StateLost, WorkerError
 from muster.worker.link import Link, Transport
@@ -53,7 +53,7 @@ from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV, RankLink
 from muster.worker.library.registration import registered
 from muster.worker.library.reform import Formed, Progress, Reform, at_boundary, drain_due
-from muster.worker.library.sharded import BENCHED, Build, Replicas
+from muster.worker.library.sharded import Build, Replicas
 from muster.worker.library.snapshots import Snapshots
 from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
 from muster.worker.library.step_guards import StepGuards
@@ -178,11 +178,11 @@ class Worker:
         self._error_seen = threading.Event()  # the training thread has raised it
         self._plan: Reform | None = None  # how this rank reforms (once started)
         self._progress = Progress()  # what this rank says it does (the link thread reports it)
-        self._unwinding = Unwinding(excused=lambda: self._closing or self._progress.now[2] == "long_phase")
+        self._unwinding = Unwinding(excused=lambda: self._closing or self._progress.now[2] == "long_phase",
+                                    on_stuck=self._exit_stuck)
         self._redos = 0  # attempts of the current step discarded in a row
         # The state became sharded after register() took it as replicated? Looked at by the first step
         # after each reform (the reform's own sync looks too): a refusal by name, not failed reforms.
-        self._still_replicated: Callable[[str], None] | None = None
         self._unchecked = False
         # The registered extras as this process's first step left them (then None, checked): one
         # changed before the next step began was updated after the scope, where a reform or a peer
@@ -191,12 +191,10 @@ class Worker:
         self._extras_checked = False
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
-        self._stepped: Callable[[int], None] | None = None  # the state's step boundary work (peer snapshots)
-        self._snapshots: Callable[[], tuple[int, int]] | None = None  # peer snapshots' (every, bytes held)
         self._durable: Durable | None = None  # the checkpoints (register(checkpoint=...))
         self.recoveries: list[dict] = []  # each recovery: the tier that restored which step, steps lost, time
         self._scope = _StepScope(self)
-        self.backend = backend_named(config.backend)  # (an unknown MUSTER_BACKEND fails here, before joining)
+        self.backend = backend_named(config.backend, self._exit_stuck)  # (an unknown MUSTER_BACKEND fails here)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
         self._guards = StepGuards(lambda: self.generation, lambda: self.step, lambda: self.comm,
                                   lambda: self._closing, self.device)
@@ -222,10 +220,7 @@ class Worker:
         self.state, self.config = registered(self.config, model=model, optimizer=optimizer, build=build,
                                              layout=layout, extras=extras, guard=self._guards.install,
                                              subgroups=lambda: self.comm.subgroups(), checkpoint=checkpoint)
-        self._durable = getattr(self.state, "durable", None)
-        self._stepped = getattr(self.state, "stepped", None)
-        self._still_replicated = getattr(self.state, "still_replicated", None)
-        self._snapshots = getattr(self.state, "snapshots", None)
+        self._durable = self.state.durable
         return self
 
     @property
@@ -242,12 +237,12 @@ class Worker:
     def mesh(self):
         """This generation's DeviceMesh ("replicate", "shard") where a layout was registered, else
         None. It holds the replica groups training now: index data by `mesh_slot`, not its coordinate."""
-        return getattr(self.state, "mesh", None)
+        return self.state.mesh
 
     @property
     def mesh_slot(self) -> int:
         """This rank's place in the layout, kept for life: replica r, shard s at r * S + s (-1: none)."""
-        return getattr(self.state, "slot", -1)
+        return self.state.slot
 
     def start(self) -> Worker:
         """Join the job, wait for this rank's place in a generation, form the group, get the state."""
@@ -255,7 +250,7 @@ class Worker:
         step_probe.detach()  # the runner's, for scripts without the library: this rank reports its own steps
         group_end.detach()  # the runner's too: the library destroys its groups at every reform
         self.comm = Comm(self.backend, host=c.host, timeout_s=c.form_timeout_s, host_store=not c.agent_socket,
-                         gloo_interface=c.gloo_interface or interface_of(c.host))
+                         gloo_interface=c.gloo_interface or interface_of(c.host), on_stuck=self._exit_stuck)
         self._plan = Reform(self.comm, self.link, self._unwinding, self._progress, slot=self._slot,
                             local_rank=c.local_rank, device=self.device, hold_timeout_s=c.hold_timeout_s,
                             failed=lambda: self._error is not None, let_go=self._ddp.clear)
@@ -334,11 +329,10 @@ class Worker:
             self._check_extras()
         if self._unchecked:
             self._unchecked = False
-            if self._still_replicated is not None:
-                try:
-                    self._still_replicated("at its first step")
-                except ShardedStateRefused as exc:
-                    raise at_step(exc, self.step + 1)
+            try:
+                self.state.still_replicated("at its first step")
+            except ShardedStateRefused as exc:
+                raise at_step(exc, self.step + 1)
 
     def step_done(self, us: int, *, at_boundary: bool = True) -> None:
         """The step in flight completed in `us` µs: count and report it, then take a membership
@@ -349,8 +343,7 @@ class Worker:
         self._progress.now = (self.step, us, "running", "", self.generation)
         self._unwinding.stepped(us)
         self._redos = 0
-        if self._stepped is not None:
-            self._stepped(self.step)
+        self.state.stepped(self.step)
         if self._durable is not None:
             self._durable.stepped(self.step, us, self.state.saved_shard(self.rank), self.state.saved_tree)
         if self.config.digest_every and self.step % self.config.digest_every == 0:
@@ -441,11 +434,12 @@ class Worker:
             raise at_step(exc, self.step + 1)
         while True:
             self._adopt(formed, said)
-            if formed.sync.role != BENCHED:
+            bench = formed.sync.bench
+            if bench is None:
                 return
-            self._progress.say("long_phase", f"benched: {self.state.bench.why}"[:200], self.generation)
+            self._progress.say("long_phase", f"benched: {bench.why}"[:200], self.generation)
             try:
-                placed = self._plan.wait_for_place(self.generation, "", math.inf, self.step, self.state.bench)
+                placed = self._plan.wait_for_place(self.generation, "", math.inf, self.step, bench)
             except RunEnded as ended:  # the others finished while this rank sat out: so does it
                 self._raise_error(ended)
             # (aborted first: the bench's barrier would hold the group's destroy)
@@ -487,8 +481,14 @@ class Worker:
             log.error("worker_link_failed", error=str(error))
         self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
         self.link.changed.set()
-        threading.Thread(target=exit_unless_raised, args=(str(error), self._error_seen, lambda: self._closing),
+        threading.Thread(target=exit_unless_raised, args=(str(error), self._error_seen, lambda: self._closing,
+                                                          self._exit_stuck),
                          name="muster-fence", daemon=True).start()
+
+    def _exit_stuck(self, cause: str, waited_s: float) -> None:
+        """Any thread: the process is stuck where nothing reaches it (src/muster/worker/library/stuck.py):
+        what only its state holds goes to the slot's next process, then it exits."""
+        exit_stuck(cause, waited_s, self.state.hand_over)
 
     def _raise_error(self, error: WorkerError | None = None) -> None:
         """On the training thread: raise the link's error (or `error`, which becomes it), if there is one."""
@@ -532,7 +532,7 @@ class Worker:
     def _reports(self) -> list[pb.RankReport]:
         step, step_time_us, state, phase, generation = self._progress.now
         digest_step, digest = self._digest
-        every, held = self._snapshots() if self._snapshots else (0, 0)
+        every, held = self.state.snapshots()
         return [pb.RankReport(local_rank=self._slot, pid=os.getpid(), step=step, step_time_us=step_time_us,
                               state=_STATES[state], phase=phase, digest_step=digest_step, digest=digest,
                               generation=generation, compute_us=self._scope.compute.compute_us(),

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from muster.worker.library.sockets import shutdown_peer_sockets
-from muster.worker.library.stuck import exit_stuck
+from muster.worker.library.stuck import OnStuck, exit_stuck
 from muster.worker.library.teardown import Teardown
 
 log = structlog.get_logger(__name__)
@@ -104,6 +104,9 @@ class Gloo:
     name = torch_backend = "gloo"
     bounded_connect = True  # see GLOO_CONNECT_MIN_S
 
+    def __init__(self, on_stuck: OnStuck = exit_stuck) -> None:
+        """(Nothing of gloo's runs in the background to be stuck: its abort shuts sockets at once.)"""
+
     def prepare(self, env: dict[str, str]) -> None:
         pass
 
@@ -135,8 +138,9 @@ class Nccl:
     name = torch_backend = "nccl"
     bounded_connect = False  # NCCL's bootstrap has its own timeouts; its init pays for CUDA too
 
-    def __init__(self) -> None:
-        self.teardown = Teardown(self._abort_groups, exit_stuck)
+    def __init__(self, on_stuck: OnStuck = exit_stuck) -> None:
+        """`on_stuck(cause, waited_s)`: the process's end where the background teardown is stuck."""
+        self.teardown = Teardown(self._abort_groups, on_stuck)
 
     def prepare(self, env: dict[str, str]) -> None:
         """NCCL_ENV where unset. A watchdog set to tear the process down (torchrun's default, which
@@ -230,8 +234,9 @@ class NcclTwin(Nccl):
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (Gloo, Nccl, NcclTwin)}
 
 
-def backend_named(name: str) -> Backend:
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}: one of {', '.join(BACKENDS)}") from None
+def backend_named(name: str, on_stuck: OnStuck = exit_stuck) -> Backend:
+    """The backend called `name`; `on_stuck(cause, waited_s)`: the process's end where its
+    background work is stuck (the Worker's: its state's hand-over, then the exit)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: one of {', '.join(BACKENDS)}")
+    return BACKENDS[name](on_stuck)

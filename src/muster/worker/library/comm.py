@@ -28,7 +28,7 @@ import torch.distributed as dist
 from muster.net import split_host_port
 from muster.worker.library.backends import Backend, backend_named
 from muster.worker.library.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
-from muster.worker.library.stuck import exit_stuck
+from muster.worker.library.stuck import OnStuck, exit_stuck
 from muster.worker.store import Seal, StoreKeyTaken, serve
 
 log = structlog.get_logger(__name__)
@@ -144,10 +144,12 @@ class GroupChannel:
 
 class Comm:
     def __init__(self, backend: str | Backend, *, host: str = "127.0.0.1", timeout_s: float = 300.0, host_store: bool = True,
-                 gloo_interface: str | None = None):
+                 gloo_interface: str | None = None, on_stuck: OnStuck = exit_stuck):
         """`gloo_interface`: the network interface gloo's connections use (None: gloo's own choice,
-        the address of the hostname)."""
-        self.backend = backend_named(backend) if isinstance(backend, str) else backend
+        the address of the hostname). `on_stuck(cause, waited_s)`: the process's end where a connect
+        is stuck (the Worker's: its state's hand-over, then the exit)."""
+        self.on_stuck = on_stuck
+        self.backend = backend_named(backend, on_stuck) if isinstance(backend, str) else backend
         self.backend.prepare(os.environ)
         self.host = host
         if self.backend.torch_backend == "gloo" and gloo_interface:
@@ -337,7 +339,7 @@ class Comm:
             with self._lock:
                 stuck = self._connecting == attempt
             if stuck:
-                exit_stuck(f"connecting the abandoned generation {generation}'s group", bound)
+                self.on_stuck(f"connecting the abandoned generation {generation}'s group", bound)
 
         timer = threading.Timer(bound, check)
         timer.daemon = True

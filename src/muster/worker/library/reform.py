@@ -17,18 +17,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 import torch
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.comm import Comm, GroupSpec, Superseded
-from muster.worker.library.errors import CoordinatorLost, HoldExpired, ReformFailed
-from muster.worker.library.sharded import Bench
+from muster.worker.library.errors import CoordinatorLost, HoldExpired, ReformFailed, RunEnded
 from muster.worker.library.state import StateTransfer, SyncResult
 from muster.worker.library.unwinding import Unwinding
 from muster.worker.link import Link, immediate
+
+if TYPE_CHECKING:
+    from muster.worker.library.sharded import Bench
 
 log = structlog.get_logger(__name__)
 
@@ -148,12 +150,24 @@ class Reform:
             if target is not None:
                 return target
             if bench is not None and bench.others_finished():
-                raise bench.finish(self.link)
+                raise self.finish_benched(bench)
             if time.monotonic() >= report_at + WAIT_REPORT_S:
-                cause = hold or getattr(bench, "why", "")
+                cause = hold or (bench.why if bench is not None else "")
                 report_at = report_waiting(self.link, self.hold_timeout_s, after, cause, began, deadline)
             give_up_waiting(self.link, self.hold_timeout_s, after, hold, deadline)
             self.link.changed.wait(0.1)
+
+
+    def finish_benched(self, bench: Bench) -> RunEnded:
+        """The ranks that train finished while this one sat out (`bench`): it finishes too (its stale
+        shards are the others' earlier ones), leaving the job as finished so that the run succeeds."""
+        reason = f"the others finished while this rank was benched: {bench.why}"
+        log.info("benched_rank_finished", why=bench.why)
+        try:
+            self.link.leave(10, finished=True, reason=reason)
+        except Exception as exc:  # (not left: the coordinator finds the node gone instead, and the run fails)
+            log.warning("leave_failed", error=str(exc))
+        return RunEnded(pb.JobEnd(outcome="succeeded", reason=reason, run=self.link.session.joined_run))
 
 
 class RepeatedFailure:

@@ -18,7 +18,6 @@ from muster.worker.library.errors import WorkerError
 from muster.worker.library.sharded import Build, Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer
-from muster.worker.library.stuck import leave_behind
 
 if TYPE_CHECKING:
     from muster.worker.library.api import WorkerConfig
@@ -58,7 +57,6 @@ def registered(config: WorkerConfig, *, model: torch.nn.Module | None, optimizer
         sizes = {"min_nodes": n, "max_nodes": n, "world_size_multiple": n}
         state = SnapshotState(build, layout, dict(extras), node=config.node_id, subgroups=subgroups, on_built=guard,
                               handover=config.handover_file)
-        leave_behind(state.hand_over if config.handover_file else None)
     else:  # replica groups: a generation of one group or more (the others wait benched)
         sizes = {"min_nodes": layout.shards, "max_nodes": layout.world_size}
         state = ShardedState(build, layout, dict(extras), subgroups=subgroups, on_built=guard)

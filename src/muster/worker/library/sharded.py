@@ -45,9 +45,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.v1 import muster_pb2 as pb
-from muster.worker.library.errors import LayoutMismatch, RunEnded, StateLost, StateMismatch
-from muster.worker.library.state import Channel, ReplicatedState, Stateful, SyncResult
+from muster.worker.library.errors import LayoutMismatch, StateLost, StateMismatch
+from muster.worker.library.state import Channel, ReplicatedState, Stateful, StateTransfer, SyncResult
 from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan, unflatten
 
 if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a second, sharded or not)
@@ -158,7 +157,7 @@ def place(claims: Sequence[tuple[int, int]], layout: Replicas, left_out: int = 0
 
 
 @dataclass
-class ShardedState:
+class ShardedState(StateTransfer):
     """The StateTransfer of a sharded job with replica groups (see the module's docstring)."""
 
     build: Build
@@ -172,7 +171,6 @@ class ShardedState:
     optimizer: Any = None
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
-    bench: Bench | None = None  # this rank is out of the generation's mesh: why, and what it watches
     durable: Durable | None = None  # the checkpoints under the replicas (src/muster/worker/library/checkpoints.py)
     _kept: dict[str, Any] | None = None  # a benched survivor's shards (LocalShards' tree), until its group trains
 
@@ -191,13 +189,10 @@ class ShardedState:
         """Of this rank's shards: equal across replicas, different across shard indices."""
         return self._shards().fingerprint(device)
 
-    def discard_step(self) -> None:
-        if self.model is not None:
-            self.model.zero_grad(set_to_none=True)
-
     def saved_shard(self, rank: int) -> int | None:
-        """The checkpoint shard this rank writes: its shard index, by the first training replica's rank."""
-        if self.mesh is None or self.bench is not None or self.mesh.get_local_rank(MESH_DIMS[0]) != 0:
+        """The checkpoint shard this rank writes: its shard index, by the first training replica's rank
+        (a benched rank has no mesh)."""
+        if self.mesh is None or self.mesh.get_local_rank(MESH_DIMS[0]) != 0:
             return None
         return self.slot % self.layout.shards
 
@@ -234,13 +229,12 @@ class ShardedState:
             with self.subgroups():
                 mesh = self.layout.mesh(placement.groups(self.layout), device.type)
         meshed = time.perf_counter()
-        self.bench = None if replica in placement.training else Bench(placement.why_benched(replica, self.layout),
-                                                                      others_train=bool(placement.training))
-        if self.bench is not None:
+        if replica not in placement.training:
+            bench = Bench(placement.why_benched(replica, self.layout), others_train=bool(placement.training))
             log.info("replica_benched", slot=self.slot, step=step, job_step=placement.step, training=placement.training,
-                     why=self.bench.why)
+                     why=bench.why)
             return SyncResult(step, SyncPlan(Card(step, "", ""), (), (), ()), BENCHED,
-                              phases={"mesh_s": meshed - started})
+                              phases={"mesh_s": meshed - started}, bench=bench)
         self.mesh = mesh
         self.model, self.optimizer = self.build(self.mesh)
         self.on_built(self.model, self.optimizer)
@@ -355,10 +349,11 @@ def restore(model: torch.nn.Module, optimizer: Any, kept: dict[str, Any]) -> Non
 
 class Bench:
     """What a benched rank watches in the generation it sits out, besides the next map: the final
-    barrier of the ranks that train (Worker.close), which ends its wait with theirs. Posted at once,
-    with no timeout of its own: the wait is bounded by the link and the coordinator's long-phase
-    timeout. Leaving the bench, the rank must abort the group before destroying it: the pending
-    barrier holds gloo's destroy until it completes."""
+    barrier of the ranks that train (Worker.close), which ends its wait with theirs (the reform,
+    which owns the link, then finishes the rank: Reform.finish_benched). Posted at once, with no
+    timeout of its own: the wait is bounded by the link and the coordinator's long-phase timeout.
+    Leaving the bench, the rank must abort the group before destroying it: the pending barrier
+    holds gloo's destroy until it completes."""
 
     def __init__(self, why: str, *, others_train: bool):
         self.why = why
@@ -370,14 +365,3 @@ class Bench:
 
     def others_finished(self) -> bool:
         return self._closing is not None and self._closing.is_completed() and self._closing.is_success()
-
-    def finish(self, link: Any) -> RunEnded:
-        """The ranks that train finished while this one sat out: it finishes too (its stale shards
-        are the others' earlier ones), leaving the job as finished so that the run succeeds."""
-        reason = f"the others finished while this rank was benched: {self.why}"
-        log.info("benched_rank_finished", why=self.why)
-        try:
-            link.leave(10, finished=True, reason=reason)
-        except Exception as exc:  # (not left: the coordinator finds the node gone instead, and the run fails)
-            log.warning("leave_failed", error=str(exc))
-        return RunEnded(pb.JobEnd(outcome="succeeded", reason=reason, run=getattr(link.session, "joined_run", 0)))

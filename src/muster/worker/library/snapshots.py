@@ -267,8 +267,8 @@ class SnapshotState(ShardedState):
 
     def hand_over(self) -> None:
         """At a stuck exit, on another thread than the stuck training one: the snapshots, for the
-        slot's next process."""
-        if self.slot < 0:
+        slot's next process (under `muster run`, which names the file)."""
+        if self.slot < 0 or not self.handover:
             return
         began = time.perf_counter()
         nbytes = self.ring.leave(self.handover, self.slot, self.stride)

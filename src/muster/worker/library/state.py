@@ -41,7 +41,10 @@ from muster.worker.library.transfer import (BUCKET_BYTES, DTYPES, Card, Piece, S
                                            flatten, paths, pieces, plan, undecided, unflatten)
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from muster.worker.library.checkpoints import Durable
+    from muster.worker.library.sharded import Bench
 
 log = structlog.get_logger(__name__)
 
@@ -93,23 +96,71 @@ class SyncResult:
     # The tier the step came from: "live" (the ranks' own state, moved where a rank lacked it),
     # "snapshot" (peer snapshots), "checkpoint" (the durable tier)
     tier: str = "live"
+    # Set where this rank's replica group is out of the generation's mesh (sharded.py): why, and what
+    # it watches; the reform keeps it out until a generation places it, or finishes it with the others
+    bench: Bench | None = None
 
 
 class StateTransfer(Protocol):
-    """The seam between the reform and the state: what a rank holds, and how it gets what it lacks."""
+    """The seam between the worker and the state: what a rank holds, how it gets what it lacks after
+    a reform, and everything the worker reads of it. Every member is called on the training thread
+    but `snapshots` (the link thread's reports) and `hand_over` (the thread that ends a stuck
+    process). An implementation subclasses this for the defaults of what its layout has nothing to
+    do in (the hooks are no-ops; no mesh, no slot)."""
 
-    def card(self, step: int, device: torch.device) -> Card: ...
+    model: torch.nn.Module | None  # the registered one, or the one built on this generation's mesh
+    optimizer: Any
+    extras: dict[str, Stateful]  # registered beside them (a data position), moved with them
+    durable: Durable | None  # the checkpoints under the ranks' own state (src/muster/worker/library/checkpoints.py)
+    mesh: DeviceMesh | None = None  # this generation's, where the layout has one
+    slot: int = -1  # this rank's place in the layout, kept for life (-1: none, or not placed yet)
+
+    def card(self, step: int, device: torch.device) -> Card:
+        """What this rank holds at `step`: its fingerprint and the model's layout."""
 
     def sync(self, step: int, channel: Channel, device: torch.device,
-             progress: Callable[[str], None] | None = None) -> SyncResult: ...
+             progress: Callable[[str], None] | None = None) -> SyncResult:
+        """In a newly formed group, at this rank's `step`: agree on the job's step and move what
+        ranks lack. Returns what moved (SyncResult.bench set: this rank sits the generation out).
+        Raises StateMismatch (this rank cannot hold the job's state), StateLost (no tier holds it),
+        LayoutMismatch (the generation does not fit the layout); RuntimeError where the group broke
+        (the reform holds for the next one). `progress(phase)` says what a long transfer is at."""
 
-    def fingerprint(self, device: torch.device) -> bytes: ...
+    def fingerprint(self, device: torch.device) -> bytes:
+        """16 bytes over what this rank holds: equal on the ranks the layout keeps identical."""
 
-    def discard_step(self) -> None: ...
+    def discard_step(self) -> None:
+        """Gradients of an aborted step must not leak into the redo."""
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+
+    def still_replicated(self, when: str) -> None:
+        """Raise ShardedStateRefused if state taken as replicated became sharded (`when`: where it was seen)."""
+
+    def stepped(self, step: int) -> None:
+        """At every completed step's boundary (peer snapshots are taken there)."""
+
+    def snapshots(self) -> tuple[int, int]:
+        """Peer snapshots' (every how many steps, host memory they take here), for `muster status`; (0, 0): none."""
+        return 0, 0
+
+    def hand_over(self) -> None:
+        """At a stuck exit: leave what only this process holds for the slot's next process."""
+
+    def saved_shard(self, rank: int) -> int | None:
+        """The checkpoint shard this rank writes (None: none)."""
+
+    def saved_tree(self) -> dict[str, Any]:
+        """What a checkpoint of this rank's shard holds."""
+
+    def restore_saved(self, tree: dict[str, Any]) -> None:
+        """A checkpoint's tree into what this rank holds."""
 
 
 @dataclass
-class ReplicatedState:
+class ReplicatedState(StateTransfer):
+    """The StateTransfer of a data-parallel job: every rank holds the whole state (see the module's docstring)."""
+
     model: torch.nn.Module | None = None
     optimizer: Stateful | None = None
     extras: dict[str, Stateful] = field(default_factory=dict)
@@ -138,11 +189,6 @@ class ReplicatedState:
         if shard:
             raise ShardedStateRefused(f"{shard} {when}, but register() took the state as replicated: it was "
                                       f"sharded after register(). {_LAYOUTS}")
-
-    def discard_step(self) -> None:
-        """Gradients of an aborted step must not leak into the redo."""
-        if self.model is not None:
-            self.model.zero_grad(set_to_none=True)
 
     # ---- what this rank holds ---------------------------------------------------------
 

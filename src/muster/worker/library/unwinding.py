@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import structlog
 
-from muster.worker.library.stuck import exit_stuck
+from muster.worker.library.stuck import OnStuck, exit_stuck
 
 log = structlog.get_logger(__name__)
 
@@ -36,10 +36,12 @@ STACK_FRAMES = 8  # the innermost frames quoted
 
 
 class Unwinding:
-    def __init__(self, excused: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, excused: Callable[[], bool] = lambda: False, on_stuck: OnStuck = exit_stuck) -> None:
         """`excused()`: a training thread not leaving an aborted group is not stuck (the worker is
-        closing, or the script declared a long phase)."""
+        closing, or the script declared a long phase). `on_stuck(cause, waited_s)`: the process's end
+        when it is (the Worker's: its state's hand-over, then the exit)."""
         self._excused = excused
+        self._on_stuck = on_stuck
         self._changed = threading.Condition()
         self._left = -1  # the newest generation the training thread has begun to leave
         self.training_thread: int | None = None
@@ -84,7 +86,7 @@ class Unwinding:
                 return True
         if not self._excused():
             at = " < ".join(reversed(where(self.training_thread)[-3:])) or "an unknown place"
-            exit_stuck(f"the training thread has not left generation {generation}'s group {bound:.1f}s after "
+            self._on_stuck(f"the training thread has not left generation {generation}'s group {bound:.1f}s after "
                        f"generation {aborted_by} aborted it (at {at})", bound)
         return False
 
