@@ -55,8 +55,10 @@ from muster.net import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # plain: a DDP script with torch.save snapshots; trainer: a Hugging Face Trainer script (a small
-# GPT-2, save_steps), which needs `pip install transformers accelerate`
-SCRIPTS = {"plain": EXAMPLES / "train_plain.py", "trainer": EXAMPLES / "train_trainer.py"}
+# GPT-2, save_steps), which needs `pip install transformers accelerate`; lightning (ModelCheckpoint)
+# and accelerate (a hand-written loop, save_state): bench/trainers.py's
+SCRIPTS = {"plain": EXAMPLES / "train_plain.py", "trainer": EXAMPLES / "train_trainer.py",
+           "lightning": EXAMPLES / "train_lightning.py", "accelerate": EXAMPLES / "train_accelerate.py"}
 TRAIN = SCRIPTS["plain"]
 WARMUP_S = 40.0  # the ranks' imports recorded at 20 s, then a successor zygote imports them
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share the agent's stdout; --tee adds "[default0]:"

@@ -59,11 +59,15 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--samples", type=int, default=100_000, help="the dataset's size (an epoch)")
     p.add_argument("--log-every", type=int, default=0, help="print rank 0's loss every N steps (0: never)")
+    p.add_argument("--until-world", type=int, default=0,
+                   help="after --steps, go on (up to 10x) to the first step run by this many ranks (a test's: "
+                        "a replacement's imports take what they take)")
     p.add_argument("--resilient", action="store_true",
                    help="Muster's Accelerate integration: survivors re-form in-process (its one line)")
     args = p.parse_args()
+    last_step = args.steps * (10 if args.until_world else 1)
     if args.resilient:
-        muster_accelerate.resilient(max_steps=args.steps)  # the one line: before Accelerator()
+        muster_accelerate.resilient(max_steps=last_step)  # the one line: before Accelerator()
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2,
@@ -80,7 +84,7 @@ def main() -> int:
         step = resumed_from = int(last.name.split("-")[1])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     epochs = 0
-    while step < args.steps:
+    while step < last_step:
         batches = loader if last is None or epochs else accelerator.skip_first_batches(loader, step % len(loader))
         epochs += 1
         for batch in batches:
@@ -115,7 +119,9 @@ def main() -> int:
                 accelerator.wait_for_everyone()
                 if accelerator.is_main_process:
                     (target / "done").touch()
-            if step >= args.steps:
+            if args.until_world and step >= args.steps and accelerator.num_processes == args.until_world:
+                last_step = step  # every rank of the group sees the same step and world
+            if step >= last_step:
                 break
         if muster_accelerate.worker(accelerator) is not None:
             break  # under Muster one pass over the train loader spans the run

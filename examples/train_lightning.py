@@ -50,8 +50,9 @@ class Regression(L.LightningModule):
 
 
 class StepRecords(Callback):
-    def __init__(self, step_sleep_s: float, resumed_from: int, log_every: int):
+    def __init__(self, step_sleep_s: float, resumed_from: int, log_every: int, steps: int, until_world: int):
         self.step_sleep_s, self.resumed_from, self.log_every = step_sleep_s, resumed_from, log_every
+        self.steps, self.until_world = steps, until_world
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.step_sleep_s:
@@ -75,6 +76,8 @@ class StepRecords(Callback):
         # one write per record: ranks may share a stdout (torchrun)
         sys.stdout.write("".join(json.dumps(r) + "\n" for r in out))
         sys.stdout.flush()
+        if self.until_world and trainer.global_step >= self.steps and trainer.world_size == self.until_world:
+            trainer.should_stop = True  # every rank of the group sees the same step and world
 
 
 def main() -> int:
@@ -86,6 +89,9 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=100_000, help="the dataset's size (an epoch)")
     p.add_argument("--batch", type=int, default=4, help="the per-device batch")
     p.add_argument("--log-every", type=int, default=0, help="print rank 0's loss every N steps (0: never)")
+    p.add_argument("--until-world", type=int, default=0,
+                   help="after --steps, go on (up to 10x) to the first step run by this many ranks (a test's: "
+                        "a replacement's imports take what they take)")
     p.add_argument("--resilient", action="store_true",
                    help="Muster's Lightning strategy: survivors re-form in-process (its one line)")
     args = p.parse_args()
@@ -96,12 +102,12 @@ def main() -> int:
     last = args.checkpoint_dir / "last.ckpt"
     resume = str(last) if last.exists() and not args.resilient else None
     resumed_from = torch.load(last, weights_only=False)["global_step"] if resume else 0
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's and muster run's: one rank a process
+    devices = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's and muster run's: one rank a process (0: a replacement not yet placed)
     trainer = L.Trainer(
         strategy=MusterDDPStrategy() if args.resilient else DDPStrategy(process_group_backend="gloo"),
         accelerator="cpu", devices=devices, num_nodes=max(1, int(os.environ.get("WORLD_SIZE", "1")) // devices),
-        max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[StepRecords(args.step_sleep, resumed_from, args.log_every),
+        max_steps=args.steps * (10 if args.until_world else 1), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[StepRecords(args.step_sleep, resumed_from, args.log_every, args.steps, args.until_world),
                    ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every,
                                    save_last=True, save_top_k=1)])
     trainer.fit(Regression(args.steps), DataLoader(data, batch_size=args.batch, shuffle=True), ckpt_path=resume)

@@ -48,8 +48,9 @@ class RandomTokens(Dataset):
 
 
 class StepRecords(TrainerCallback):
-    def __init__(self, step_sleep_s: float, resumed_from: int):
+    def __init__(self, step_sleep_s: float, resumed_from: int, steps: int, until_world: int):
         self.step_sleep_s, self.resumed_from = step_sleep_s, resumed_from
+        self.steps, self.until_world = steps, until_world
         self.trainer = None  # set once made
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -68,6 +69,8 @@ class StepRecords(TrainerCallback):
         # one write per record: ranks may share a stdout (torchrun)
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
+        if self.until_world and state.global_step >= self.steps and args.world_size == self.until_world:
+            control.should_training_stop = True  # every rank of the group sees the same step and world
 
 
 class LossRecords(TrainerCallback):
@@ -96,6 +99,9 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=100_000, help="the dataset's size (an epoch)")
     p.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps (0: never)")
+    p.add_argument("--until-world", type=int, default=0,
+                   help="after --steps, go on (up to 10x) to the first step run by this many ranks (a test's: "
+                        "a replacement's imports take what they take)")
     p.add_argument("--resilient", action="store_true",
                    help="Muster's Hugging Face integration: survivors re-form in-process (its one line)")
     args = p.parse_args()
@@ -106,13 +112,14 @@ def main() -> int:
                                        bos_token_id=0, eos_token_id=0))
     last = None if args.resilient else last_complete_checkpoint(args.checkpoint_dir)
     training = TrainingArguments(
-        output_dir=str(args.checkpoint_dir), max_steps=args.steps, per_device_train_batch_size=4,
+        output_dir=str(args.checkpoint_dir), max_steps=args.steps * (10 if args.until_world else 1),
+        per_device_train_batch_size=4,
         gradient_accumulation_steps=args.accumulation,
         learning_rate=1e-3, save_strategy="steps", save_steps=args.checkpoint_every, save_total_limit=2,
         logging_strategy="steps" if args.log_every else "no", logging_steps=args.log_every or 500, report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
         disable_tqdm=True)
     resumed_from = int(last.rsplit("-", 1)[1]) if last else 0
-    records = StepRecords(args.step_sleep, resumed_from)
+    records = StepRecords(args.step_sleep, resumed_from, args.steps, args.until_world)
     trainer = records.trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(args.samples),
                                         callbacks=[records, LossRecords()])
     trainer.train(resume_from_checkpoint=last)
