@@ -42,7 +42,7 @@ class Reporting(SimulatedNode):
                 r.compute_us = 60_000 if r.local_rank in self.slow else 20_000
                 r.phase = MARKUP
                 r.reform.CopyFrom(pb.ReformPhases(generation=self.generation, abort_s=0.01, form_s=0.05, sync_s=0.45,
-                                                  transfer_s=0.4, bytes_received=4 << 20))
+                                                  transfer_s=0.4, bytes_received=4 << 20, tier="replica", step=7))
         return reports
 
 
@@ -116,7 +116,10 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             print(f"new generation on the page {time.monotonic() - killed:.2f}s after the kill")
             recovered = await asyncio.to_thread(shown, page, "main", lambda t: "Recent recoveries" in t, 5,
                                                 "the recovery listed")
-            assert re.search(rf"\n{before + 1} .* \d\.\d{{3}} s \d\.\d{{3}} s moved\n", recovered), recovered  # failed, not planned
+            # failed, not planned; the state from the ranks' own, at the step they said (the steps lost: the
+            # simulated nodes' steps past it)
+            assert re.search(rf"\n{before + 1} .* \d\.\d{{3}} s \d\.\d{{3}} s moved the ranks' own \(in memory\) 7 \d+\n",
+                             recovered), recovered
             # its timeline, the ranks' slowest phase (the state's transfer) named, with bytes and rate
             drawn = page.find_element(By.ID, f"recovery-{before + 1}")
             assert drawn.find_element(By.CSS_SELECTOR, ".slowest-name").text == "state moved"
