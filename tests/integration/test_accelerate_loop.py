@@ -20,14 +20,14 @@ from tests.integration.test_hf_trainer import check_one_run  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_accelerate.py"
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
-STEPS, SAMPLES = 60, 200  # an epoch: 12 or 16 steps
+STEPS, SAMPLES = 20, 200  # at least 20 steps, then on to the first 4 ranks run (--until-world); an epoch: 12 or 16
 
 
 @pytest.mark.timeout(240)
 def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
         coordinators, agents, tmp_path):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    command = [sys.executable, str(SCRIPT), "--resilient", "--steps", str(STEPS), "--step-sleep", "0.1",
+    command = [sys.executable, str(SCRIPT), "--resilient", "--steps", str(STEPS), "--until-world", "4", "--step-sleep", "0.05",
                "--samples", str(SAMPLES), "--checkpoint-dir", str(tmp_path / "checkpoints")]
     a, b = agents([leader.address], "acckill", ["a", "b"], command=command, nodes="2:2")
     wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 5 for n in (a, b) for s in (0, 1)),

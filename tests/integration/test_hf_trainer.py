@@ -22,8 +22,11 @@ BATCH = 4  # the example's per-device batch
 
 
 def start(coordinators, agents, tmp_path, job, steps, *extra):
+    """The run goes `steps` steps, then on to the first step all 4 ranks run (--until-world): as long
+    as the replacement's imports take, and no longer."""
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    command = [sys.executable, str(SCRIPT), "--resilient", "--steps", str(steps), "--step-sleep", "0.05",
+    command = [sys.executable, str(SCRIPT), "--resilient", "--steps", str(steps), "--until-world", "4",
+               "--step-sleep", "0.05",
                "--samples", "200", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "checkpoints"),
                *extra]
     nodes = agents([leader.address], job, ["a", "b"], command=command, nodes="2:2")
@@ -34,7 +37,8 @@ def start(coordinators, agents, tmp_path, job, steps, *extra):
 
 def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, samples=200, keys=("digest",),
                   off="hf_resilience_off"):
-    """Every rank but `replaced` (node, slot) kept its process; all end at `steps` with one state;
+    """Every rank but `replaced` (node, slot) kept its process; all end at one step past `steps`
+    (--until-world), with one state;
     the replacement's first step holds the survivors' state (and `keys`) of that step; the data
     position moved by exactly the world's samples each step (none skipped or seen twice).
     (Also the Lightning integration's: tests/integration/test_lightning_trainer.py.)"""
@@ -49,21 +53,24 @@ def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, sample
             runs[(n.node_id, slot)] = n.steps(slot)
     replacement = runs[(replaced[0].node_id, replaced[1])]
     assert replacement[0]["step"] > 1, "the replacement started from the others' step"
+    ends = {records[-1]["step"] for records in runs.values()}
+    assert len(ends) == 1 and min(ends) >= steps, f"ranks ended at steps {ends}"
+    end = ends.pop()
     by_step = {}
     for records in runs.values():
-        assert records[-1]["step"] == steps
+        assert records[-1]["world_size"] == 4
         for r in records:
             by_step.setdefault(r["step"], {})[(r["rank"], r["pid"])] = r
     first = by_step[replacement[0]["step"]].values()
     for key in keys:
         assert {r[key] for r in first} == {replacement[0][key]}, f"the replacement's first step's {key} differs"
-    assert len({r["digest"] for r in by_step[steps].values()}) == 1, "ranks end with different states"
+    assert len({r["digest"] for r in by_step[end].values()}) == 1, "ranks end with different states"
     survivor = next(records for key, records in runs.items() if key != (replaced[0].node_id, replaced[1]))
     for before, after in zip(survivor, survivor[1:]):
         assert after["step"] == before["step"] + 1, "a survivor redid or skipped a step"
         moved = round((after["epoch"] - before["epoch"]) * samples)
         assert moved == after["world_size"] * batch * accumulation, (before, after)
-        if "batch_idx" in after and after["step"] < steps:  # (the loop's end resets it)
+        if "batch_idx" in after and after["step"] < end:  # (the loop's end resets it)
             assert after["batch_idx"] == before["batch_idx"] + 1
     return survivor
 
@@ -83,10 +90,10 @@ def hang_until_replaced(a, b, slot: int) -> None:
 @pytest.mark.timeout(240)
 def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
         coordinators, agents, tmp_path):
-    leader, (a, b) = start(coordinators, agents, tmp_path, "hfkill", 60)
+    leader, (a, b) = start(coordinators, agents, tmp_path, "hfkill", 20)
     os.kill(b.rank_pids(0)[-1], signal.SIGKILL)
     wait_until(lambda: len(b.rank_pids(0)) == 2, 30, "the agent starts a replacement")
-    survivor = check_one_run([a, b], (b, 0), 60)
+    survivor = check_one_run([a, b], (b, 0), 20)
     assert {r["world_size"] for r in survivor} >= {3, 4}, "the survivors trained on as 3, then 4 again"
     kinds = [r["kind"] for r in leader.find("membership_changed")]
     assert "rank_exited" in kinds and "rank_recovered" in kinds
@@ -97,7 +104,7 @@ def test_a_hung_rank_is_replaced_and_gradient_accumulation_keeps_its_step(coordi
     """SIGSTOP (a hang): the others re-form without it as soon as the leader judges it stalled; woken,
     it is fenced out and its agent starts a replacement, which joins mid-epoch (200 samples, 32 a
     step) and takes the state; each step is 2 micro-batches, all-reduced once."""
-    leader, (a, b) = start(coordinators, agents, tmp_path, "hfhang", 50, "--accumulation", "2")
+    leader, (a, b) = start(coordinators, agents, tmp_path, "hfhang", 20, "--accumulation", "2")
     hang_until_replaced(a, b, 1)
-    survivor = check_one_run([a, b], (b, 1), 50, accumulation=2)
+    survivor = check_one_run([a, b], (b, 1), 20, accumulation=2)
     assert survivor[-1]["epoch"] > 1, "the run crossed an epoch"
