@@ -42,7 +42,8 @@ from pathlib import Path
 import grpc
 
 from muster import logs
-from muster.coordinator import status_pages, wire
+from muster.coordinator.job import status_pages
+from muster.coordinator import wire
 from muster.coordinator.core.liveness import RankReport
 from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, Tick, decide
 from muster.coordinator.core.policy import MAX_NODES, JobSpec, Limits, Timing
@@ -51,10 +52,10 @@ from muster.coordinator.etcd.client import connect
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.etcd.server import EtcdServer
 from muster.coordinator.etcd.store import JobStore
-from muster.coordinator.leader import JobLeader
-from muster.coordinator.leadership import Leadership
-from muster.coordinator.straggler_duty import StragglerDuty
-from muster.coordinator.streams import NodeStream
+from muster.coordinator.job.leader import JobLeader
+from muster.coordinator.job.leadership import Leadership
+from muster.coordinator.job.straggler_duty import StragglerDuty
+from muster.coordinator.job.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
 from muster.local import CoordinatorProcess, SimulatedNode, wait_until
 from muster.v1 import muster_pb2 as pb

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from recovery import summary  # noqa: E402
 
-from muster.worker.agent.zygote import PRELOAD, Program, Zygote  # noqa: E402
+from muster.worker.rank.zygote import PRELOAD, Program, Zygote  # noqa: E402
 
 FIRST_LINE = "import time\nprint(time.time(), flush=True)\n"
 
@@ -60,7 +60,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--starts", type=int, default=20)
     args = p.parse_args()
-    guard = [sys.executable, "-m", "muster.worker.agent.orphan_guard", str(os.getpid())]
+    guard = [sys.executable, "-m", "muster.worker.rank.orphan_guard", str(os.getpid())]
     with tempfile.TemporaryDirectory(prefix="muster-bench-rank-start-") as d:
         script = Path(d) / "first_line.py"
         script.write_text(FIRST_LINE)

@@ -54,11 +54,11 @@ from muster import logs
 from muster.coordinator.core.policy import MAX_NODES, Limits, Timing
 from muster.coordinator.core.state import encode
 from muster.coordinator.coordination import LeaderKey
-from muster.coordinator import leader as leader_module
-from muster.coordinator.leader import JobLeader
-from muster.coordinator.leadership import Leadership
-from muster.coordinator.relay_link import RelayLink
-from muster.coordinator.streams import NodeStream
+from muster.coordinator.job import leader as leader_module
+from muster.coordinator.job.leader import JobLeader
+from muster.coordinator.job.leadership import Leadership
+from muster.coordinator.job.relay_link import RelayLink
+from muster.coordinator.job.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 

@@ -57,7 +57,7 @@ def per_step_cost_us(rounds: int = 7, iterations: int = 5000) -> dict:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from muster.worker.agent import step_probe
+    from muster.worker.rank import step_probe
 
     from muster.worker import Worker, WorkerConfig
     from muster.worker.compute_clock import ComputeClock

@@ -157,28 +157,78 @@ def plain_environment():
 PACKAGE = ROOT / "src" / "muster"
 
 
-def module_map() -> str:
-    """Every module of the packages, with the first sentence of its docstring: the map cannot miss
-    a module or say what its docstring no longer says."""
+# The processes a module runs in: each entry point's module-level imports, followed transitively
+# (imports inside functions are loaded only when called: `muster serve` is the CLI's process too, but
+# its replica is entered by `service`, named here as a process of its own).
+PROCESSES = {"replica": ["muster.coordinator.edges.service"], "agent": ["muster.worker.agent.agent"],
+             "rank": ["muster.worker.rank.runner", "muster.worker.rank.zygote", "muster.worker.rank.orphan_guard"],
+             "torchrun": ["muster.worker.torchrun.rendezvous"],
+             "training": ["muster.worker.library.api", "muster.worker.integrations.hf",
+                          "muster.worker.integrations.lightning", "muster.worker.integrations.accelerate"],
+             "CLI": ["muster.cli"]}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT / "src").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree, module: str, known: set[str], top_only: bool) -> set[str]:
+    """The package's modules that `tree` imports (`from muster.x import y` names module x.y where it is one)."""
     import ast
 
+    nodes = tree.body if top_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} & known
+            found |= {f"{node.module}.{a.name}" for a in node.names} & known
+    return found - {module}
+
+
+def module_map() -> str:
+    """Every module of the packages, with the first sentence of its docstring, the processes it runs
+    in and the test files that import it: the map cannot miss a module or say what its docstring no
+    longer says."""
+    import ast
+
+    paths = sorted(p for p in PACKAGE.rglob("*.py") if "v1" not in p.relative_to(PACKAGE).parts)
+    trees = {_module_name(p): ast.parse(p.read_text()) for p in paths}
+    known = set(trees)
+    imports = {m: _imports(t, m, known, top_only=True) for m, t in trees.items()}
+    runs_in: dict[str, list[str]] = {m: [] for m in known}
+    for process, entries in PROCESSES.items():
+        todo, seen = [e for e in entries if e in known], set()
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += [i for i in imports[m] if i not in seen]
+                todo += [p for p in known if m.startswith(p + ".")]  # a module's packages run their __init__
+        for m in seen:
+            runs_in[m].append(process)
+    tested: dict[str, list[str]] = {m: [] for m in known}
+    for test in sorted((ROOT / "tests").rglob("test_*.py")):
+        for m in _imports(ast.parse(test.read_text()), "", known, top_only=False):
+            tested[m].append(test.stem.removeprefix("test_"))
     rows = []
-    # Every package folder with Python of its own (the generated stubs in v1/ excepted), as the path a
-    # reader opens: src/muster/worker/library/api.py is muster.worker.library.api.
-    folders = sorted(d for d in [PACKAGE, *PACKAGE.rglob("*")] if (d / "__init__.py").exists() and d.name != "v1")
-    for directory in folders:
-        folder = directory.relative_to(ROOT).as_posix()
-        for path in sorted(directory.glob("*.py")):
-            if path.name.startswith("__"):
-                continue
-            doc = ast.get_docstring(ast.parse(path.read_text()))
-            if not doc:
-                raise GenerationError(f"{folder}/{path.name} has no module docstring (the design page's map needs one)")
-            first = " ".join(doc.split("\n\n")[0].split())
-            sentence = re.match(r"(.+?\.)(\s|$)", first)
-            said = sentence[1] if sentence else first
-            rows.append([f"`{folder}/{path.name}`", said if len(said) <= 240 else said[:239].rsplit(" ", 1)[0] + " …"])
-    return table(["module", "what it is (its docstring's first sentence)"], rows)
+    for path in paths:
+        if path.name.startswith("__"):
+            continue
+        name, where = _module_name(path), path.relative_to(ROOT).as_posix()
+        doc = ast.get_docstring(trees[name])
+        if not doc:
+            raise GenerationError(f"{where} has no module docstring (the design page's map needs one)")
+        first = " ".join(doc.split("\n\n")[0].split())
+        sentence = re.match(r"(.+?\.)(\s|$)", first)
+        said = sentence[1] if sentence else first
+        tests = tested[name]
+        rows.append([f"`{where}`", said if len(said) <= 240 else said[:239].rsplit(" ", 1)[0] + " …",
+                     ", ".join(runs_in[name]) or "—",
+                     (", ".join(tests[:3]) + (f" +{len(tests) - 3}" if len(tests) > 3 else "")) or "—"])
+    return table(["module", "what it is (its docstring's first sentence)", "runs in", "tested in (test_…)"], rows)
 
 
 def fault_table(tables: str | None, where: Path) -> str:
@@ -235,7 +285,7 @@ def cli_page() -> str:
         helps = {a.dest: a.help for a in sub._choices_actions}
         out = [
             "# CLI reference\n",
-            "Generated by `make docs-gen` from the argparse parsers in `src/muster/cli.py` "
+            "Generated by `make docs-gen` from the argparse parsers in `src/muster/cli/` "
             "(`muster.cli.parser()`), so it says what `muster COMMAND --help` says. "
             "Flags of the client commands that read an environment variable are shown with it, "
             "never with the builder's value.\n",

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from muster.client import Coordinators
-from muster.worker.agent.launch import job_name
+from muster.names import job_name
 from muster.v1 import muster_pb2 as pb
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 

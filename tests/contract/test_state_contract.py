@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from muster.worker.library.comm import GroupChannel, GroupSpec
-from muster.worker.library.errors import StateLost
+from muster.worker.errors import StateLost
 from muster.worker.library.sharded import Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer

@@ -17,9 +17,9 @@ from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
 from muster.coordinator.errors import NotLeader
 from muster.coordinator.coordination import LeaderKey
-from muster.coordinator.leader import LARGE_JOB_NODES, JobLeader
-from muster.coordinator.leadership import Leadership
-from muster.coordinator.streams import NodeStream
+from muster.coordinator.job.leader import LARGE_JOB_NODES, JobLeader
+from muster.coordinator.job.leadership import Leadership
+from muster.coordinator.job.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
 from muster.v1 import muster_pb2 as pb
 

@@ -15,14 +15,14 @@ from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind
 from muster.coordinator.errors import InvalidArgument, ResourceExhausted
 from muster.coordinator.coordination import LeaderKey
-from muster.coordinator.leader import JobLeader
-from muster.coordinator.leadership import Leadership
+from muster.coordinator.job.leader import JobLeader
+from muster.coordinator.job.leadership import Leadership
 from muster.coordinator import wire
-from muster.coordinator.relay import PULSE_SLICE, Relay
-from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode, placement_of, renumbered
-from muster.coordinator.relay_link import PENDING_MESSAGES, RelayLink
-from muster.coordinator.ports import RelayCall
-from muster.coordinator.streams import NodeStream, Pulses
+from muster.coordinator.replica.relay import PULSE_SLICE, Relay
+from muster.coordinator.core.relay_fold import MAX_ITEMS, RelayedNode, placement_of, renumbered
+from muster.coordinator.job.relay_link import PENDING_MESSAGES, RelayLink
+from muster.coordinator.replica.ports import RelayCall
+from muster.coordinator.job.streams import NodeStream, Pulses
 from muster.coordinator.memory import MemoryJobStore
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb

@@ -14,8 +14,8 @@ from muster.local import SimulatedNode
 from muster.testing import until
 
 from muster.coordinator.core.policy import Timing
-from muster.coordinator.replica import Replica, ReplicaConfig
-from muster.coordinator.server import create_server
+from muster.coordinator.replica.replica import Replica, ReplicaConfig
+from muster.coordinator.edges.server import create_server
 from muster.coordinator.memory import MemoryCoordination, MemoryJobStore, MemorySession
 from muster.v1 import muster_pb2 as pb
 

@@ -29,7 +29,7 @@ from muster.worker.library.comm import Comm, GroupSpec
 from muster.worker.store import StoreKeyTaken
 from muster.worker.outcome import EXIT_FAILED
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
-from muster.worker.agent.rendezvous import MusterRendezvousHandler
+from muster.worker.torchrun.rendezvous import MusterRendezvousHandler
 
 PREDICTABLE = "muster/j/g2"  # generation 2's store prefix, as it was before prefixes had an unguessable part
 NOT_BEFORE_S = 0.5  # a reader that returns sooner took a planted key: the real one is not published yet

@@ -13,9 +13,9 @@ import pytest
 
 from test_metrics import scrape
 
-from muster.local import EXAMPLE, json_lines, process_alive, progress_gap, record_time, wait_until
+from muster.local import json_lines, process_alive, progress_gap, record_time, wait_until
 
-EXAMPLES = EXAMPLE.parent
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"  # the repository's (the package holds train_ddp.py only)
 SCRIPTS = Path(__file__).parent / "scripts"
 
 PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]

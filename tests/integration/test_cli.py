@@ -14,7 +14,7 @@ from muster.local import CoordinatorProcess, SimulatedNode, process_alive, wait_
 from muster import version
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent.launch import job_name
+from muster.names import job_name
 
 
 def muster(*args, timeout=30):

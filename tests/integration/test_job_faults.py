@@ -12,9 +12,9 @@ from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.client import connect
 from muster.coordinator.etcd.election import EtcdCoordination, current_leader
 from muster.coordinator.etcd.store import JobStore
-from muster.coordinator.leader import JobLeader
-from muster.coordinator.replica import Replica, ReplicaConfig
-from muster.coordinator.server import create_server
+from muster.coordinator.job.leader import JobLeader
+from muster.coordinator.replica.replica import Replica, ReplicaConfig
+from muster.coordinator.edges.server import create_server
 from muster.v1 import muster_pb2 as pb
 
 TIMING = Timing(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, grace_s=2.0, last_call_s=0.3)

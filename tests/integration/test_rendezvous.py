@@ -8,13 +8,14 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from muster.local import EXAMPLE, wait_until
-from muster.worker.agent.launch import job_name
+from muster.local import wait_until
+from muster.names import job_name
 
-PLAIN = EXAMPLE.parent / "train_plain.py"
+PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_plain.py"
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share torchrun's stdout: lines may interleave
 
 

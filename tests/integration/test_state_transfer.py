@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from muster.worker.library.comm import GroupChannel, GroupSpec
-from muster.worker.library.errors import StateMismatch
+from muster.worker.errors import StateMismatch
 from muster.worker.library.state import ReplicatedState
 
 pytestmark = pytest.mark.timeout(120)

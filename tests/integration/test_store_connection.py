@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from muster.worker.library.comm import Comm, GroupSpec, Superseded
-from muster.worker.library.sockets import is_tcp, new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
+from muster.worker.sockets import is_tcp, new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
 from muster.local import wait_until
 
 

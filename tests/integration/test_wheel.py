@@ -59,7 +59,7 @@ def test_the_wheel_installs_and_its_demo_runs_from_an_empty_directory(tmp_path):
     meta = run([str(python), "-c", "from importlib.metadata import metadata, entry_points as e; m = metadata('torch-muster');"
                 " print(m['Name'], m.get_all('Provides-Extra'), [p.value for p in e(group='torchrun.handlers')])"],
                60, cwd=empty, env=env).stdout
-    assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.agent.rendezvous" in meta, meta
+    assert meta.split(" ", 1)[0] == "torch-muster" and "'embedded'" in meta and "muster.worker.torchrun.rendezvous" in meta, meta
     about = run([str(python), "-c", "from importlib.metadata import metadata; m = metadata('torch-muster'); "
                  "print(m['License-Expression'], *m.get_all('Project-URL'), sep='|')"], 60, cwd=empty, env=env).stdout
     assert about.split("|")[0] == "Apache-2.0" and "Repository, https://github.com/torch-muster/muster" in about, about

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from muster.local import process_alive, wait_until
-from muster.worker.agent import orphan_guard
-from muster.worker.agent.runner import COMPLETED_FILE_ENV, Program
-from muster.worker.agent.zygote import WarmStarts, Zygote, ZygoteLost
+from muster.worker.rank import orphan_guard
+from muster.worker.rank.runner import COMPLETED_FILE_ENV, Program
+from muster.worker.rank.zygote import WarmStarts, Zygote, ZygoteLost
 
 GUARD = orphan_guard.prefix()
 

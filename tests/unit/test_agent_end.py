@@ -146,8 +146,8 @@ def test_a_rank_started_as_a_newer_map_arrives_keeps_the_generation_of_its_envir
     """Its env (RANK, MASTER_PORT) is the map's current when its start began; a map arriving while
     the process starts must find it stale, or it waits for good on the older MASTER_PORT (seen
     under warm_stress: a rank logged in generation 16 with generation 15's port)."""
-    from muster.worker.agent.runner import Program
-    from muster.worker.agent.zygote import WarmProcess
+    from muster.worker.rank.runner import Program
+    from muster.worker.rank.zygote import WarmProcess
 
     async def scenario():
         a = agent(FakeSession(), slots=1)

@@ -3,7 +3,7 @@ member: until it is, its keys hold every campaign (a 30 s etcd outage test waite
 
 import asyncio
 
-from muster.coordinator.campaigns import revoked
+from muster.coordinator.replica.campaigns import revoked
 
 
 class OldSession:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from muster.worker.library.checkpoints import AUTO_FIRST, Checkpoints, CorruptCheckpoint, Durable
-from muster.worker.library.errors import StateLost
+from muster.worker.errors import StateLost
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import pytest
 
 from muster.coordinator.claims import GENERATION_MARGIN, GENERATIONS_PER_S, MemberKeys, member_key
 from muster.coordinator.errors import InvalidArgument, NotFound
-from muster.coordinator.frames import rejoin_of, secret_hash
+from muster.coordinator.job.frames import rejoin_of, secret_hash
 from muster.v1 import muster_pb2 as pb
 
 KEYS = MemberKeys((member_key("r" * 24),))

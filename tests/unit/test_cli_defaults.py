@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from muster.cli import DEFAULT_ADDRESS, _from_environment, parser
+from muster.cli import parser
+from muster.cli.flags import DEFAULT_ADDRESS, from_environment as _from_environment
 
 
 def parsed(argv, monkeypatch, **env):
@@ -54,7 +55,7 @@ def test_serve_refuses_a_bad_or_open_address_in_one_line_before_starting_anythin
 
 
 def test_an_open_address_is_served_with_tls_tokens_or_insecure():
-    from muster.cli import _check_listen
+    from muster.cli.serve import check_listen as _check_listen
 
     p = parser()
     for extra in (["--insecure"], ["--tokens", "t"], ["--listen", "[::1]:7600"], ["--listen", "localhost:7600"]):
@@ -64,7 +65,7 @@ def test_an_open_address_is_served_with_tls_tokens_or_insecure():
 
 def test_the_page_beyond_loopback_needs_tokens_and_tls_or_insecure():
     """It takes tokens, operators' too: never in the clear (review 5, M3)."""
-    from muster.cli import _check_listen
+    from muster.cli.serve import check_listen as _check_listen
 
     p = parser()
     page = ["serve", "--metrics-listen", "0.0.0.0:9090", "--http"]
@@ -77,7 +78,7 @@ def test_the_page_beyond_loopback_needs_tokens_and_tls_or_insecure():
 
 
 def test_json_has_one_shape_numbers_as_numbers_every_field_present_and_absent_as_null():
-    from muster.cli import as_json
+    from muster.json_output import as_json
     from muster.v1 import muster_pb2 as pb
 
     assert as_json(pb.JobsResponse()) == {"jobs": []}  # (was {})

@@ -3,7 +3,8 @@ printed with its locals shows every dataclass in it)."""
 
 import pytest
 
-from muster.cli import _security, parser
+from muster.cli import parser
+from muster.cli.flags import security as _security
 from muster.coordinator.etcd.client import EtcdAccess
 from muster.security import ClientSecurity, TlsFiles
 

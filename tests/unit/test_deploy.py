@@ -9,7 +9,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from muster.cli import _check_listen, parser  # noqa: E402
+from muster.cli import parser  # noqa: E402
+from muster.cli.serve import check_listen as _check_listen  # noqa: E402
 from muster.worker.agent.launch import plan  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"

@@ -9,8 +9,8 @@ import sys
 import textwrap
 import time
 
-from muster.worker.agent.group_end import ENDED_SUFFIX, EndedFile
-from muster.worker.agent.runner import COMPLETED_FILE_ENV
+from muster.worker.rank.group_end import ENDED_SUFFIX, EndedFile
+from muster.worker.rank.runner import COMPLETED_FILE_ENV
 
 PROGRAM = """
 import contextvars, json, os, sys, threading, time
@@ -43,7 +43,7 @@ def test_destroy_waits_for_backwards_state_then_marks_the_group_ended_until_the_
     (tmp_path / "prog.py").write_text(textwrap.dedent(PROGRAM))
     marker = tmp_path / "completed"
     ended = f"{marker}{ENDED_SUFFIX}"
-    done = subprocess.run([sys.executable, "-m", "muster.worker.agent.runner", "prog.py", ended,
+    done = subprocess.run([sys.executable, "-m", "muster.worker.rank.runner", "prog.py", ended,
                            f"file://{tmp_path / 'store'}"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env={**os.environ, COMPLETED_FILE_ENV: str(marker)})
     assert done.returncode == 0, done.stderr

@@ -8,7 +8,8 @@ import pytest
 from muster.names import JOB_NAME
 from muster.worker.agent.agent_config import AgentConfig
 from muster.worker.agent.crash_report import failure_report
-from muster.worker.agent.launch import LaunchError, job_name, plan
+from muster.names import job_name
+from muster.worker.agent.launch import LaunchError, plan
 from muster.worker.agent.slot import Crash, Slot
 
 
@@ -23,7 +24,7 @@ def test_valid_job_names_are_kept_and_any_other_id_is_mapped_deterministically_w
     assert names == [job_name(i) for i in ids]  # every node maps alike
     assert re.fullmatch(r"myrun-[0-9a-f]{10}", job_name("MyRun"))
     assert job_name("$SLURM_JOB_ID").startswith("slurm_job_id-")
-    with pytest.raises(LaunchError):
+    with pytest.raises(ValueError):
         job_name("")
 
 

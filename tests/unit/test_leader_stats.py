@@ -4,7 +4,7 @@ recovery's timeline with its slowest phase."""
 import pytest
 
 from muster.coordinator.core.liveness import Liveness
-from muster.coordinator.leader_stats import HISTORY_SAMPLES, LeaderStats, timeline
+from muster.coordinator.job.leader_stats import HISTORY_SAMPLES, LeaderStats, timeline
 from muster.coordinator.metrics import Metrics
 from muster.v1 import muster_pb2 as pb
 

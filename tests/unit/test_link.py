@@ -10,7 +10,7 @@ import pytest
 
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
-from muster.worker.library.errors import CoordinatorLost, FencedOut, RunEnded
+from muster.worker.errors import CoordinatorLost, FencedOut, RunEnded
 from muster.worker.link import Link, Transport
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession
 from muster.worker.rank_link import SLOT_SECRET_METADATA, RankLink

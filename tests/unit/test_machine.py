@@ -9,7 +9,7 @@ from muster.coordinator.core.machine import Context, Diverged, Join, Leave, Node
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
 from muster.coordinator.errors import AlreadyExists, NotFound
-from muster.coordinator.inbox import Inbox, settle
+from muster.coordinator.job.inbox import Inbox, settle
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5)
 

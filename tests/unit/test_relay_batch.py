@@ -2,7 +2,7 @@
 frame's proof survives being superseded, and exits or hang-ups ask for a flush at once."""
 
 from muster.client import relay_of
-from muster.coordinator.relay_fold import MAX_ITEMS, FrameBatch
+from muster.coordinator.core.relay_fold import MAX_ITEMS, FrameBatch
 from muster.v1 import muster_pb2 as pb
 
 

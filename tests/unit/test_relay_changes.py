@@ -1,7 +1,7 @@
 """What a relay forwards of its nodes' frames: changes at once, progress now and then, silence
 as a fact (`relay_fold.Changes`, pure)."""
 
-from muster.coordinator.relay_fold import Changes, RelayedNode
+from muster.coordinator.core.relay_fold import Changes, RelayedNode
 from muster.v1 import muster_pb2 as pb
 
 RUNNING, FORMING = pb.RANK_STATE_RUNNING, pb.RANK_STATE_FORMING

@@ -7,7 +7,7 @@ from muster.coordinator.core.machine import Context, Join, NodeLost, SlotDown, T
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.rankmap import removed_node_ranks
 from muster.coordinator.core.state import JobState
-from muster.coordinator.relay_fold import placement_of, renumbered
+from muster.coordinator.core.relay_fold import placement_of, renumbered
 from muster.v1 import muster_pb2 as pb
 
 TIMING = Timing(heartbeat_timeout_s=2.0)

@@ -8,7 +8,7 @@ import pytest
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED
-from muster.worker.agent.rendezvous import MusterRendezvousHandler
+from muster.worker.torchrun.rendezvous import MusterRendezvousHandler
 
 
 def handler(*, finishing=False, ended=None, rounds=1, generation=3, latest=3):

@@ -18,7 +18,7 @@ from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode, encode
 from muster.worker import ShardedStateRefused, Worker, WorkerConfig
 from muster.worker.agent.slot import Slot, error_of, exit_of
-from muster.worker.library.errors import ReformFailed
+from muster.worker.errors import ReformFailed
 from muster.worker.library.reform import REFORM_REPEATS, RepeatedFailure
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5)
@@ -117,7 +117,7 @@ def test_a_model_sharded_after_register_is_refused_by_name(group):
 def test_the_runner_writes_what_the_program_died_of_and_the_step_the_library_said(tmp_path):
     (tmp_path / "prog.py").write_text("e = RuntimeError('boom at the sixth')\ne.muster_step = 6\nraise e\n")
     error_file = tmp_path / "error.json"
-    done = subprocess.run([sys.executable, "-m", "muster.worker.agent.runner", "prog.py"], cwd=tmp_path, timeout=30,
+    done = subprocess.run([sys.executable, "-m", "muster.worker.rank.runner", "prog.py"], cwd=tmp_path, timeout=30,
                           capture_output=True, text=True, env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
     assert done.returncode == 1 and "RuntimeError: boom at the sixth" in done.stderr
     assert error_of(str(error_file)) == ("RuntimeError: boom at the sixth", 6)

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from muster.local import wait_until
-from muster.worker.agent.runner import COMPLETED_FILE_ENV, Program, python_program, runner_argv
+from muster.worker.rank.runner import COMPLETED_FILE_ENV, Program, python_program, runner_argv
 
 SEEN = """
 import json, os, sys
@@ -38,9 +38,9 @@ def test_only_the_agents_own_interpreter_runs_python_programs(tmp_path):
     assert python_program([str(bin_dir / "python"), "train.py"], str(bin_dir / "python3")) == Program(
         "train.py", False, (), False)
     assert python_program([os.path.realpath(py), "train.py"], str(bin_dir / "python3")) is None
-    assert runner_argv(Program("t.py", False, ("-x",), True), py) == [py, "-u", "-m", "muster.worker.agent.runner",
+    assert runner_argv(Program("t.py", False, ("-x",), True), py) == [py, "-u", "-m", "muster.worker.rank.runner",
                                                                         "t.py", "-x"]
-    assert runner_argv(Program("pkg.t", True, (), False), py) == [py, "-m", "muster.worker.agent.runner", "-m", "pkg.t"]
+    assert runner_argv(Program("pkg.t", True, (), False), py) == [py, "-m", "muster.worker.rank.runner", "-m", "pkg.t"]
 
 
 def run(tmp_path, body: str, *args: str, runner: bool = True, module: bool = False):
@@ -49,7 +49,7 @@ def run(tmp_path, body: str, *args: str, runner: bool = True, module: bool = Fal
     marker = tmp_path / "completed"
     marker.unlink(missing_ok=True)
     target = ["-m", "prog"] if module else ["prog.py"]
-    argv = [sys.executable, *(["-m", "muster.worker.agent.runner"] if runner else []), *target, *args]
+    argv = [sys.executable, *(["-m", "muster.worker.rank.runner"] if runner else []), *target, *args]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=30,
                           env={**os.environ, COMPLETED_FILE_ENV: str(marker)})
     return done.returncode, done.stdout, done.stderr, marker.exists()
@@ -105,7 +105,7 @@ def test_recording_the_imports_changes_nothing_of_the_programs_teardown(tmp_path
     script = tmp_path / "aborts_in_teardown.py"
     script.write_text("import os\nclass A:\n    def __del__(self):\n        os.abort()\nx = A()\n")
     env = {**os.environ, "MUSTER_IMPORTS_FILE": str(tmp_path / "imports")}
-    done = subprocess.run([sys.executable, "-m", "muster.worker.agent.runner", str(script)], env=env, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "muster.worker.rank.runner", str(script)], env=env, timeout=60)
     assert done.returncode == -signal.SIGABRT
 
 
@@ -121,7 +121,7 @@ def test_a_rank_records_the_installed_modules_it_imported_submodules_included(tm
     script.write_text("import time, some_pkg, local_mod\nimport lazy_pkg.trainer\ntime.sleep(30)\n")
     imports = tmp_path / "imports"
     env = {**os.environ, "PYTHONPATH": str(site), "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.1"}
-    proc = subprocess.Popen([sys.executable, "-m", "muster.worker.agent.runner", str(script)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "muster.worker.rank.runner", str(script)], env=env)
     try:
         wait_until(imports.exists, 30, "the imports recorded")
         # installed, not the script's own module; in the order imported

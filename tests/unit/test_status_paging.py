@@ -4,7 +4,9 @@ the summary over the whole job, and precise refusals of bad paging input."""
 
 import pytest
 
-from muster.coordinator import status_pages, wire
+from muster.coordinator.job import status_pages
+
+from muster.coordinator import wire
 from muster.coordinator.core.liveness import Liveness, RankReport
 from muster.coordinator.core.machine import Context, Join, decide
 from muster.coordinator.core.policy import JobSpec, Timing
@@ -208,7 +210,7 @@ def test_a_finished_run_shows_its_outcome_and_no_live_phase():
 
 
 def test_peer_snapshots_reported_in_a_frame_are_shown_by_status_per_rank_and_summed_in_its_table():
-    from muster.cli import _status_view
+    from muster.cli.views import status_view as _status_view
     from muster.json_output import status_document
 
     state = running(2)

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from muster.worker.agent import step_probe
-from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
+from muster.worker.rank import step_probe
+from muster.worker.rank.step_probe import STEP_FILE_ENV, StepFile
 
 TRAIN = """
 import os, sys, time, torch
@@ -36,7 +36,7 @@ def run_rank(tmp_path, script: str) -> tuple[subprocess.CompletedProcess, StepFi
     steps = StepFile(str(tmp_path / "steps"))
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
-    done = subprocess.run([sys.executable, "-m", "muster.worker.agent.runner", str(path)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "muster.worker.rank.runner", str(path)], capture_output=True, text=True,
                           env={**os.environ, STEP_FILE_ENV: steps.path}, timeout=60)
     return done, steps
 
@@ -74,7 +74,7 @@ def test_a_restarted_script_reports_its_own_step_where_its_optimizer_keeps_one(t
 
 @pytest.mark.timeout(60)
 def test_a_library_rank_removes_the_probe_and_a_script_without_torch_is_untouched(tmp_path):
-    done, steps = run_rank(tmp_path, TRAIN.format(before="from muster.worker.agent import step_probe; step_probe.detach()"))
+    done, steps = run_rank(tmp_path, TRAIN.format(before="from muster.worker.rank import step_probe; step_probe.detach()"))
     assert done.returncode == 0 and steps.read() == (0, 0, 0), done.stderr
     done, steps = run_rank(tmp_path, "import json, sys; print(json.dumps(sys.argv[1:])); sys.exit(3)")
     assert (done.returncode, done.stdout, done.stderr) == (3, "[]\n", "")

@@ -132,7 +132,8 @@ def test_a_bad_policy_is_refused(kwargs):
     (["--straggler-window", "soon"], "'soon' is no duration"),
 ])
 def test_muster_serve_refuses_a_bad_straggler_policy_with_a_clear_message(flags, message, capsys):
-    from muster.cli import _serve, parser
+    from muster.cli import parser
+    from muster.cli.serve import command as _serve
 
     assert _serve(parser().parse_args(["serve", *flags])) == 2
     assert message in capsys.readouterr().err
@@ -158,7 +159,7 @@ def test_a_node_asking_another_straggler_policy_than_the_job_s_is_refused():
     from muster.coordinator.core.policy import JobSpec
     from muster.coordinator.core.state import JobState
     from muster.coordinator.errors import FailedPrecondition
-    from muster.coordinator.frames import check_joinable
+    from muster.coordinator.job.frames import check_joinable
 
     state = JobState("j", JobSpec(1, 4, 1, straggler_action="replace"))
     check_joinable(state, JobSpec(0, 0, 0))  # asking nothing: the job's
@@ -168,7 +169,8 @@ def test_a_node_asking_another_straggler_policy_than_the_job_s_is_refused():
 
 
 def test_muster_run_refuses_a_bad_straggler_policy_naming_the_field(capsys):
-    from muster.cli import _run, parser  # not main(): it would point structlog at the captured stderr
+    from muster.cli import parser
+    from muster.cli.run import command as _run  # not main(): it would point structlog at the captured stderr
 
     assert _run(parser().parse_args(["run", "--coordinator", "127.0.0.1:1", "--job", "j", "--straggler-factor",
                                      "0.5", "--", "python", "x.py"])) == 2

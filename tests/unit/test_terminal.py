@@ -31,16 +31,16 @@ def test_events_jobs_and_status_lines_escape_it_and_json_keeps_it():
     import argparse
     import json
 
-    from muster import cli
+    from muster.cli import views
     from muster.json_output import as_json
     from muster.v1 import muster_pb2 as pb
 
     event = pb.Event(kind="node_left", nodes=["n0"], reason=TRICK, generation=2)
-    line = cli._event_line(event)
+    line = views._event_line(event)
     assert line.endswith("drained \\x1b]0;owned\\x07\\x1b[2J\\u202e") and "\x1b" not in line
     assert json.loads(json.dumps(as_json(event)))["reason"] == TRICK
     response = pb.StatusResponse(jobs=[pb.JobStatus(name="j", run=1, outcome="stopped", outcome_reason=TRICK)])
-    shown = cli._status_view(argparse.Namespace(json=False, watch=False), "j", response)
+    shown = views.status_view(argparse.Namespace(json=False, watch=False), "j", response)
     assert any("drained \\x1b]0;owned" in s for s in shown) and not any("\x1b" in s or "\u202e" in s for s in shown)
-    (doc,) = cli._status_view(argparse.Namespace(json=True, watch=True), "j", response)
+    (doc,) = views.status_view(argparse.Namespace(json=True, watch=True), "j", response)
     assert json.loads(doc)["jobs"][0]["outcome_reason"] == TRICK

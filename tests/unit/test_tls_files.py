@@ -4,7 +4,9 @@ startup: a certificate without its key, or a file that is not there, is refused 
 
 import pytest
 
-from muster.cli import _security, _serve, parser
+from muster.cli import parser
+from muster.cli.flags import security as _security
+from muster.cli.serve import command as _serve
 from muster.security import ClientSecurity, TlsFiles
 
 

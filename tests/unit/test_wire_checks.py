@@ -6,7 +6,11 @@ UNKNOWN."""
 import grpc
 import pytest
 
-from muster.coordinator import frames, server, wire
+from muster.coordinator.job import frames
+
+from muster.coordinator.edges import server
+
+from muster.coordinator import wire
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_STEP
 from muster.coordinator.core.state import Member
 from muster.coordinator.errors import InvalidArgument

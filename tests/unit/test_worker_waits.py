@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.reform import Progress, Reform, give_up_waiting, report_waiting
-from muster.worker.library.errors import CoordinatorLost, HoldExpired
+from muster.worker.errors import CoordinatorLost, HoldExpired
 
 
 def link(silent_s: float, generation: int | None = 7):

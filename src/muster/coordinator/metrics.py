@@ -130,7 +130,7 @@ class _GaugeCollector:
 
 
 # A path and the request's Authorization header -> (status, body, content type, headers), or None
-# for a path it does not serve (the live page: src/muster/coordinator/web.py).
+# for a path it does not serve (the live page: src/muster/coordinator/edges/web.py).
 Pages = Callable[[str, str], "tuple[int, bytes, str, dict[str, str]] | None"]
 
 

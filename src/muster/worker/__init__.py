@@ -1,22 +1,26 @@
-"""The worker side of Muster: two programs and what they share.
+"""The worker side of Muster, a folder for each process a line runs in:
 
-- `agent/`: the node agent, `muster run` (and torchrun's rendezvous backend), with the parts of it
-  that run inside a rank it started (the exec wrapper, the warm-start server, the step probe);
-- `library/`: the in-process library a training script imports (`Worker`): it keeps training
-  through membership changes, reforming the process group in place;
-- here, both sides' wire: `node_session` (a node's stream to the coordinator), `rank_link` (a rank's
-  link to its agent), `outcome` (how a run ends), `compute_clock`.
+- `agent/`: the node agent, `muster run`: it joins, supervises the node's slots and relays their
+  reports;
+- `rank/`: inside a rank `muster run` started: the warm-start zygote that forks it, the orphan
+  guard between fork and exec, the runner, the step probe and the group end;
+- `torchrun/`: inside torchrun: the `muster` rendezvous backend;
+- `library/`: inside a training process that uses `Worker`: it keeps training through membership
+  changes, reforming the process group in place; `integrations/`: the trainers over it;
+- here, what they share: `node_session` (a node's stream to the coordinator), `link` and
+  `rank_link` (a process's link to the coordinator or its agent), `errors`, `store` (a
+  generation's sealed TCPStore values), `sockets`, `outcome` (how a run ends), `compute_clock`.
 
 The names below load on first use (PEP 562): the agent's exec wrapper and warm-start server live
 in this package and must start without importing torch."""
 
 from importlib import import_module
 
-_EXPORTS = {"Worker": "library.api", "WorkerConfig": "library.api", "WorkerError": "library.errors",
-            "FencedOut": "library.errors", "CoordinatorLost": "library.errors", "HoldExpired": "library.errors",
-            "Drained": "library.errors", "RunEnded": "library.errors", "StateMismatch": "library.errors",
-            "ShardedStateRefused": "library.errors", "LayoutMismatch": "library.errors",
-            "ShardLost": "library.errors", "StateLost": "library.errors", "Checkpoints": "library.checkpoints",
+_EXPORTS = {"Worker": "library.api", "WorkerConfig": "library.config", "WorkerError": "errors",
+            "FencedOut": "errors", "CoordinatorLost": "errors", "HoldExpired": "errors",
+            "Drained": "errors", "RunEnded": "errors", "StateMismatch": "errors",
+            "ShardedStateRefused": "errors", "LayoutMismatch": "errors",
+            "ShardLost": "errors", "StateLost": "errors", "Checkpoints": "library.checkpoints",
             "Replicas": "library.sharded", "Snapshots": "library.snapshots"}
 __all__ = list(_EXPORTS)
 

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import structlog
 
 from muster.v1 import muster_pb2 as pb
-from muster.worker.library.errors import CoordinatorLost, FencedOut, RunEnded, WorkerError
+from muster.worker.errors import CoordinatorLost, FencedOut, RunEnded, WorkerError
 from muster.worker.node_session import Evicted, JobEnded, evicted
 
 log = structlog.get_logger(__name__)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from muster.security import ClientSecurity
-from muster.worker.agent.zygote import PRELOAD
+from muster.worker.rank.zygote import PRELOAD
 
 
 @dataclass(frozen=True)

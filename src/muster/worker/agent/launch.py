@@ -4,17 +4,14 @@ itself instead of torchrun's local agent, which stops all local workers when one
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from muster.names import JOB_NAME
 from muster.net import is_loopback
-from muster.worker.library.sockets import interface_of
+from muster.worker.sockets import interface_of
 
 # torchrun options the coordinator owns now: superseded, with a note.
 OWNED = {"--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-conf",
@@ -156,21 +153,3 @@ def network_env(host: str, env: Mapping[str, str], multi_node: bool) -> dict[str
                               "environment to the interface the other hosts reach, or pass --host with an address of this host")
         return {}
     return {k: name for k in unset}
-
-
-_HASH_CHARS = 10
-
-
-def job_name(job_id: str) -> str:
-    """The coordinator's name for a job id as torchrun's --rdzv-id accepts it (any string, e.g.
-    `MyRun` or a scheduler's id). A valid name is itself; any other id becomes its lowercase form,
-    with other characters as '-', plus a hash of the id as given: deterministic (every node of the
-    job maps it alike) and distinct (`Run` and `RUN` are two jobs, as for torchrun)."""
-    if JOB_NAME.fullmatch(job_id):  # the coordinator's rule (its names are etcd keys)
-        return job_id
-    if not job_id:
-        raise LaunchError("the job id is empty")
-    digest = hashlib.sha256(job_id.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
-    base = re.sub(r"[^a-z0-9._-]+", "-", job_id.lower()).strip("-._")
-    base = base[:62 - _HASH_CHARS]  # 63 in all.rstrip("-._")
-    return f"{base}-{digest}" if base else digest

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from muster.terminal import CONTROL
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent.step_probe import StepFile
-from muster.worker.agent.zygote import WarmProcess
+from muster.worker.rank.step_probe import StepFile
+from muster.worker.rank.zygote import WarmProcess
 
 CRASH_LOOP_S = 30.0  # a process that crashes sooner after its start continues a crash loop (backoff)
 TAIL_LINES = 20  # of a given-up slot's stderr, in its report

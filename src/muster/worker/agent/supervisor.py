@@ -18,17 +18,17 @@ import structlog
 
 from muster import rank_logs
 from muster.v1 import muster_pb2 as pb
-from muster.worker.agent import orphan_guard
+from muster.worker.rank import orphan_guard
 from muster.worker.agent.agent_config import AgentConfig
 from muster.worker.agent.crash_report import exit_words, failure_report
-from muster.worker.agent.group_end import ENDED_SUFFIX, EndedFile
+from muster.worker.rank.group_end import ENDED_SUFFIX, EndedFile
 from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
-from muster.worker.agent.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
+from muster.worker.rank.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
 from muster.worker.agent.slot import Slot, StderrTail, crash_of, exit_of, outside_crash_loop
-from muster.worker.agent.step_probe import STEP_FILE_ENV, StepFile
-from muster.worker.agent.zygote import WarmProcess, WarmStarts, ZygoteLost
+from muster.worker.rank.step_probe import STEP_FILE_ENV, StepFile
+from muster.worker.rank.zygote import WarmProcess, WarmStarts, ZygoteLost
 
 log = structlog.get_logger(__name__)
 

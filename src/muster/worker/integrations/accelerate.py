@@ -62,8 +62,9 @@ from accelerate.utils import send_to_device
 
 from muster.worker.integrations.common import (SHARDED, Positions, Replicated, alone, refuse, rng, run_ends,
                                                set_rng, tell_accelerate, under_muster)
-from muster.worker.library.api import Worker, WorkerConfig
-from muster.worker.library.errors import WorkerError
+from muster.worker.library.api import Worker
+from muster.worker.library.config import WorkerConfig
+from muster.worker.errors import WorkerError
 
 log = structlog.get_logger(__name__)
 

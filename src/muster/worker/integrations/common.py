@@ -13,9 +13,10 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.agent import group_end, step_probe
-from muster.worker.library.api import Worker, WorkerConfig
-from muster.worker.library.errors import Drained, RunEnded
+from muster.worker.rank import group_end, step_probe
+from muster.worker.library.api import Worker
+from muster.worker.library.config import WorkerConfig
+from muster.worker.errors import Drained, RunEnded
 from muster.worker.outcome import exit_code
 
 log = structlog.get_logger(__name__)

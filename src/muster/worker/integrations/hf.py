@@ -58,7 +58,8 @@ from transformers import Trainer, TrainerCallback
 
 from muster.worker.integrations.common import (SHARDED, Positions, Replicated, alone, refuse, rng, run_ends,
                                                set_rng, tell_accelerate, under_muster)
-from muster.worker.library.api import Worker, WorkerConfig
+from muster.worker.library.api import Worker
+from muster.worker.library.config import WorkerConfig
 
 log = structlog.get_logger(__name__)
 

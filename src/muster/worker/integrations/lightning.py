@@ -58,8 +58,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from muster.worker.integrations.common import (SHARDED, Positions, Replicated, alone, refuse, rng, run_ends,
                                                set_rng, under_muster)
-from muster.worker.library.api import Worker, WorkerConfig
-from muster.worker.library.errors import Drained, RunEnded, WorkerError
+from muster.worker.library.api import Worker
+from muster.worker.library.config import WorkerConfig
+from muster.worker.errors import Drained, RunEnded, WorkerError
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.library.sockets import shutdown_peer_sockets
+from muster.worker.sockets import shutdown_peer_sockets
 from muster.worker.library.stuck import OnStuck, exit_stuck
 from muster.worker.library.teardown import Teardown
 

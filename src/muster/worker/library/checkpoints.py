@@ -40,7 +40,7 @@ import structlog
 import torch
 import xxhash
 
-from muster.worker.library.errors import StateLost
+from muster.worker.errors import StateLost
 from muster.worker.library.snapshot_ring import Snapshot, pack
 
 log = structlog.get_logger(__name__)

@@ -7,7 +7,7 @@ barrier polled without blocking, so a newer generation can abandon a half-formed
 store does not answer (its host died as the map was published).
 Abort: through the backend (src/muster/worker/library/backends.py): NCCL's `abort()` runs in the background
 (src/muster/worker/library/teardown.py) once the groups are out of torch's registry; gloo has none, so the sockets the
-generation's group opened are shut down (src/muster/worker/library/sockets.py), which makes a collective blocked on a
+generation's group opened are shut down (src/muster/worker/sockets.py), which makes a collective blocked on a
 hung or dead peer fail at once.
 """
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from muster.net import split_host_port
 from muster.worker.library.backends import Backend, backend_named
-from muster.worker.library.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
+from muster.worker.sockets import new_sockets, shutdown_peer_sockets, socket_inodes, store_connections
 from muster.worker.library.stuck import OnStuck, exit_stuck
 from muster.worker.store import Seal, StoreKeyTaken, serve
 

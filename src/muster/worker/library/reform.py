@@ -24,7 +24,7 @@ import torch
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.library.comm import Comm, GroupSpec, Superseded
-from muster.worker.library.errors import CoordinatorLost, HoldExpired, ReformFailed, RunEnded
+from muster.worker.errors import CoordinatorLost, HoldExpired, ReformFailed, RunEnded
 from muster.worker.library.state import StateTransfer, SyncResult
 from muster.worker.library.unwinding import Unwinding
 from muster.worker.link import Link, immediate

@@ -8,19 +8,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from muster.worker.agent.launch import LaunchError, checkpoint_every
+from muster.worker.library.config import WorkerConfig
 from muster.worker.library.checkpoints import Checkpoints, Durable
-from muster.worker.library.errors import WorkerError
+from muster.worker.errors import WorkerError
 from muster.worker.library.sharded import Build, Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer
 
-if TYPE_CHECKING:
-    from muster.worker.library.api import WorkerConfig
 
 Guard = Callable[[torch.nn.Module, Any], None]  # installs the step guards on a model and its optimizer
 

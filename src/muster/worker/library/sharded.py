@@ -45,7 +45,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.library.errors import LayoutMismatch, StateLost, StateMismatch
+from muster.worker.errors import LayoutMismatch, StateLost, StateMismatch
 from muster.worker.library.state import Channel, ReplicatedState, Stateful, StateTransfer, SyncResult
 from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan, unflatten
 

@@ -36,7 +36,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from muster.worker.library.errors import LayoutMismatch, ShardLost
+from muster.worker.errors import LayoutMismatch, ShardLost
 from muster.worker.library.sharded import LocalShards, ShardedState, restore
 from muster.worker.library.snapshot_ring import TIMEOUT, Ring
 from muster.worker.library.state import Channel, SyncResult

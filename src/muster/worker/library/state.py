@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from muster.worker.library.errors import ShardedStateRefused, StateLost, StateMismatch
+from muster.worker.errors import ShardedStateRefused, StateLost, StateMismatch
 from muster.worker.library.transfer import (BUCKET_BYTES, DTYPES, Card, Piece, SyncPlan, TensorRef, decode, describe, encode,
                                            flatten, paths, pieces, plan, undecided, unflatten)
 

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-from muster.worker.agent.after_import import when_imported
+from muster.worker.rank.after_import import when_imported
 
 ENDED_SUFFIX = ".group-ended"
 DRAIN_S = 5.0  # a worker frees what it ran within milliseconds; longer is a collective still running

@@ -19,10 +19,10 @@ from muster.coordinator.etcd.election import EtcdCoordination
 from muster.coordinator.etcd.server import EtcdServer, EtcdStartError
 from muster.coordinator.etcd.store import JobStore
 from muster.coordinator.metrics import HealthServer
-from muster.coordinator.relay import PeerAccess
-from muster.coordinator.replica import Replica, ReplicaConfig
-from muster.coordinator.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
-from muster.coordinator.web import Pages, http_edge
+from muster.coordinator.replica.relay import PeerAccess
+from muster.coordinator.replica.replica import Replica, ReplicaConfig
+from muster.coordinator.edges.server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from muster.coordinator.edges.web import Pages, http_edge
 from muster.net import join_host_port, split_host_port
 from muster.security import TlsFiles
 
@@ -46,7 +46,7 @@ class ServeConfig:
     data_dir: Path = Path(".muster")
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_listen: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; empty: none
-    http: bool = False  # the live page on the metrics port too (src/muster/coordinator/web.py)
+    http: bool = False  # the live page on the metrics port too (src/muster/coordinator/edges/web.py)
     http_hosts: tuple[str, ...] = ()  # Host names the metrics port answers to besides its own (`web.http_edge`)
     metrics_open: bool = False  # /metrics without a token though tokens are on
     tokens_file: str = ""  # per-job tokens required when set

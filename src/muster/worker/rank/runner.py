@@ -1,4 +1,4 @@
-"""`python -m muster.worker.agent.runner SCRIPT ARGS…` (or `… -m MODULE ARGS…`): run a rank's Python
+"""`python -m muster.worker.rank.runner SCRIPT ARGS…` (or `… -m MODULE ARGS…`): run a rank's Python
 program as `python SCRIPT` (`python -m MODULE`) would, and tell its agent the moment the program
 completed, before interpreter teardown begins.
 
@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from muster.worker.agent import group_end, step_probe
+from muster.worker.rank import group_end, step_probe
 
 COMPLETED_FILE_ENV = "MUSTER_COMPLETED_FILE"
 # Where the rank writes the installed modules it imported, for the warm-start zygote to learn.

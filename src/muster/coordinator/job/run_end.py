@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from muster.coordinator.core.state import JobState, Outcome
 from muster.coordinator.errors import PersistUnavailable
-from muster.coordinator.leadership import Leadership
+from muster.coordinator.job.leadership import Leadership
 from muster.coordinator.metrics import Metrics
-from muster.coordinator.streams import CLOSE, Streams
+from muster.coordinator.job.streams import CLOSE, Streams
 from muster.v1 import muster_pb2 as pb
 
 

@@ -19,12 +19,12 @@ import structlog
 
 from muster.coordinator import errors
 from muster.coordinator.errors import MusterError
-from muster.coordinator.leader import JobLeader
+from muster.coordinator.job.leader import JobLeader
 from muster.coordinator.quotas import FrameBudget
-from muster.coordinator.relay import Relay
-from muster.coordinator.relay_fold import MAX_ITEMS, RelayedNode
-from muster.coordinator.relay_link import RelayLink, check_size
-from muster.coordinator.streams import CLOSE, NodeStream
+from muster.coordinator.replica.relay import Relay
+from muster.coordinator.core.relay_fold import MAX_ITEMS, RelayedNode
+from muster.coordinator.job.relay_link import RelayLink, check_size
+from muster.coordinator.job.streams import CLOSE, NodeStream
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)

@@ -39,7 +39,7 @@ from muster.net import address_towards, free_port, split_host_port
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.store import Seal, publish, serve
-from muster.worker.agent.launch import job_name
+from muster.names import job_name
 from muster.worker.link import Link
 from muster.worker.node_session import NodeIdentity, NodeSession
 from muster.worker.outcome import EXIT_FAILED, EXIT_SUCCEEDED, exit_code

@@ -18,23 +18,25 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from muster.coordinator import status_pages, wire
-from muster.coordinator.campaigns import Campaigns
+from muster.coordinator.job import status_pages
+
+from muster.coordinator import wire
+from muster.coordinator.replica.campaigns import Campaigns
 from muster.coordinator.claims import MemberKeys
 from muster.coordinator.coordination import Coordination, LeaderKey
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
 from muster.coordinator.core.stragglers import StragglerPolicy
-from muster.coordinator.election_waits import ElectionWaits
+from muster.coordinator.replica.election_waits import ElectionWaits
 from muster.coordinator.errors import FailedPrecondition, NotLeader, StoreUnavailable
-from muster.coordinator.frames import check_claim
-from muster.coordinator.leader import JobLeader
-from muster.coordinator.leadership import Leadership
+from muster.coordinator.job.frames import check_claim
+from muster.coordinator.job.leader import JobLeader
+from muster.coordinator.job.leadership import Leadership
 from muster.coordinator.metrics import Metrics
-from muster.coordinator.ports import LeaderPort, RelayCall, RelayPort, SessionPort
+from muster.coordinator.replica.ports import LeaderPort, RelayCall, RelayPort, SessionPort
 from muster.coordinator.quotas import JobBudgets
-from muster.coordinator.relay import PeerAccess, Relay
-from muster.coordinator.runs import Runs
+from muster.coordinator.replica.relay import PeerAccess, Relay
+from muster.coordinator.replica.runs import Runs
 from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
 

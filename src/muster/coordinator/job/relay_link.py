@@ -19,8 +19,8 @@ from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.policy import MAX_STEP
 from muster.coordinator.errors import InvalidArgument, MusterError, ResourceExhausted
 from muster.coordinator.quotas import refusals
-from muster.coordinator.relay_fold import MAX_ITEMS
-from muster.coordinator.streams import NodeStream, RelayedBy, Streams
+from muster.coordinator.core.relay_fold import MAX_ITEMS
+from muster.coordinator.job.streams import NodeStream, RelayedBy, Streams
 from muster.v1 import muster_pb2 as pb
 
 # Replies a Relay call may leave unread: a new map's directive to each of its streams, twice over,

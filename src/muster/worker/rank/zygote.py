@@ -37,7 +37,7 @@ from importlib import import_module
 import setproctitle
 import structlog
 
-from muster.worker.agent.runner import Program, command_line, run
+from muster.worker.rank.runner import Program, command_line, run
 
 log = structlog.get_logger(__name__)
 
@@ -269,7 +269,7 @@ class Zygote:
         agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             process = await asyncio.create_subprocess_exec(
-                *guard, sys.executable, "-m", "muster.worker.agent.zygote", str(zygote_end.fileno()), ",".join(preload),
+                *guard, sys.executable, "-m", "muster.worker.rank.zygote", str(zygote_end.fileno()), ",".join(preload),
                 " " * TITLE_ROOM, env={**env, "SPT_NOENV": "1"}, pass_fds=(zygote_end.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL)
         finally:

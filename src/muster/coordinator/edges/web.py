@@ -28,7 +28,7 @@ import structlog
 from muster.coordinator import errors
 from muster.coordinator.auth import Tokens
 from muster.coordinator.metrics import Edge
-from muster.coordinator.status_pages import Page
+from muster.coordinator.job.status_pages import Page
 from muster.json_output import as_json, status_document
 from muster.net import split_host_port
 from muster.security import TOKEN_METADATA, ClientSecurity, TlsFiles

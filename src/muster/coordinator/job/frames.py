@@ -19,11 +19,11 @@ from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, 
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from muster.coordinator.leader_stats import LeaderStats
-from muster.coordinator.streams import NodeStream
+from muster.coordinator.job.leader_stats import LeaderStats
+from muster.coordinator.job.streams import NodeStream
 from muster.v1 import muster_pb2 as pb
 
-# A rank's exit error naming these (muster.worker.library.errors) ends the run at once: no tier held
+# A rank's exit error naming these (muster.worker.errors) ends the run at once: no tier held
 # its state, and its restart would form from `build` at step 0
 STATE_LOST = ("StateLost: ", "ShardLost: ")
 # ...and so does this refusal, deterministic by construction: the same script meets it at every restart

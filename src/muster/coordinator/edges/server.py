@@ -16,11 +16,12 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from muster.client import LEADER_METADATA, RUN_ENDED_METADATA
-from muster.coordinator import errors, status_pages, wire
+from muster.coordinator import errors, wire
+from muster.coordinator.job import status_pages
 from muster.coordinator.auth import Tokens, check_replica_certificate
 from muster.coordinator.codes import MAX_MESSAGE_CHARS, STATUS_OF
 from muster.coordinator.quotas import FrameBudget, IdleStreams, RelayCalls, refusals, tenant_of
-from muster.coordinator.replica import Replica
+from muster.coordinator.replica.replica import Replica
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 

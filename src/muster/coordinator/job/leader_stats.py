@@ -10,7 +10,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
-from muster.coordinator import status_pages
+from muster.coordinator.job import status_pages
 from muster.coordinator.core.assessment import Assessment
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.core.liveness import Liveness, Recovery

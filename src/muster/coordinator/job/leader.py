@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from muster.coordinator import status_pages, wire
+from muster.coordinator.job import status_pages
+
+from muster.coordinator import wire
 from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
@@ -27,18 +29,18 @@ from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
-from muster.coordinator.frames import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
+from muster.coordinator.job.frames import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
                                        rejoin_of, secret_hash, taken_back)
-from muster.coordinator.inbox import Inbox, Queued, settle
-from muster.coordinator.leader_stats import LeaderStats, live_ranks, summarised
-from muster.coordinator.leadership import Leadership
+from muster.coordinator.job.inbox import Inbox, Queued, settle
+from muster.coordinator.job.leader_stats import LeaderStats, live_ranks, summarised
+from muster.coordinator.job.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.errors import ResourceExhausted
 from muster.coordinator.quotas import JobBudget, JobBudgets, refusals
-from muster.coordinator.relay_link import RelayWord
-from muster.coordinator.run_end import RunEnd
-from muster.coordinator.straggler_duty import StragglerDuty
-from muster.coordinator.streams import NodeStream, RelayedBy, Streams
+from muster.coordinator.job.relay_link import RelayWord
+from muster.coordinator.job.run_end import RunEnd
+from muster.coordinator.job.straggler_duty import StragglerDuty
+from muster.coordinator.job.streams import NodeStream, RelayedBy, Streams
 from muster.v1 import muster_pb2 as pb
 
 log = structlog.get_logger(__name__)

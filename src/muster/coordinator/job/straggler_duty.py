@@ -15,7 +15,7 @@ from muster.coordinator.core.assessment import Assessment
 from muster.coordinator.core.machine import Leave, MembershipEvent, Straggling
 from muster.coordinator.core.state import JobState, Phase, RankMap
 from muster.coordinator.core.stragglers import Look, Straggler, StragglerPolicy, StragglerWatch
-from muster.coordinator.streams import Streams
+from muster.coordinator.job.streams import Streams
 
 # Looked for this often, and less often in large jobs: a look is O(ranks) (~0.5 µs a rank).
 STRAGGLER_EVERY_S, STRAGGLER_RANKS_PER_S = 1.0, 20_000

@@ -1,4 +1,4 @@
-"""`python -m muster.worker.agent.orphan_guard PARENT_PID CMD...`: make this process die with its parent
+"""`python -m muster.worker.rank.orphan_guard PARENT_PID CMD...`: make this process die with its parent
 (PR_SET_PDEATHSIG survives execve), then become CMD. The agent starts ranks through it because
 running Python between fork and exec in a process with gRPC threads crashes the child."""
 
@@ -12,7 +12,7 @@ PR_SET_PDEATHSIG = 1
 
 def prefix() -> list[str]:
     """The command line that runs what follows it so that it dies with this process, even on SIGKILL."""
-    return [sys.executable, "-m", "muster.worker.agent.orphan_guard", str(os.getpid())]
+    return [sys.executable, "-m", "muster.worker.rank.orphan_guard", str(os.getpid())]
 
 
 def main() -> None:

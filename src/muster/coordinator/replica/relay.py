@@ -32,8 +32,8 @@ from muster.client import leader_hint
 from muster.coordinator.auth import Tokens
 from muster.coordinator.codes import CLOSE_CODE, error_of
 from muster.coordinator.errors import NotLeader
-from muster.coordinator.relay_fold import Changes, FrameBatch, RelayedNode, placement_of, renumbered
-from muster.coordinator.streams import CLOSE
+from muster.coordinator.core.relay_fold import Changes, FrameBatch, RelayedNode, placement_of, renumbered
+from muster.coordinator.job.streams import CLOSE
 from muster.net import Backoff
 from muster.security import ClientSecurity, TlsFiles
 from muster.v1 import muster_pb2 as pb

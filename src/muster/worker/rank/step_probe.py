@@ -30,7 +30,7 @@ import sys
 import time
 import weakref
 
-from muster.worker.agent.after_import import when_imported
+from muster.worker.rank.after_import import when_imported
 
 STEP_FILE_ENV = "MUSTER_STEP_FILE"
 # seq, step, step_time_us, compute_us, seq: written whole; a read that finds the two seqs unequal

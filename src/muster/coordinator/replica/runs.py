@@ -10,13 +10,14 @@ import json
 from collections.abc import Mapping, Set
 
 from muster import version
-from muster.coordinator import status_pages, wire
+from muster.coordinator.job import status_pages
+from muster.coordinator import wire
 from muster.coordinator.coordination import Coordination
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits
 from muster.coordinator.core.state import JobState, decode, decode_spec, encode_spec
 from muster.coordinator.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RunEnded,
                                        StoreUnavailable, Unavailable)
-from muster.coordinator.leader import JobLeader
+from muster.coordinator.job.leader import JobLeader
 from muster.coordinator.metrics import JobGauges
 from muster.coordinator.quotas import JobBudgets
 from muster.coordinator.store import JobStorage

@@ -1,0 +1,7 @@
+"""`python -m muster.cli`: the `muster` command."""
+
+import sys
+
+from muster.cli import main
+
+sys.exit(main())

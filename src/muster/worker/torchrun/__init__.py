@@ -1,0 +1,1 @@
+"""What runs inside torchrun: the `muster` rendezvous backend (`--rdzv-backend=muster`)."""
