@@ -74,7 +74,10 @@ def test_a_relay_flood_and_review_4s_attacks_cost_the_replica_little_and_another
         if "other_job" not in attack:
             continue  # measured on its own terms below
         # (the etcd floods log each Join taken and each member lost: as many as their quotas let in)
-        assert name in ("etcd_join_flood", "run_flood") or attack["replica"]["log_bytes"] < 50_000, (name, attack)
+        # (a Join taken is logged, ~0.5 KB: a flood slowed by a busy host gets more of them in as its quota refills)
+        taken = attack.get("answered", {}).get("OK", 0)
+        assert name in ("etcd_join_flood", "run_flood") or attack["replica"]["log_bytes"] < 50_000 + 1_000 * taken, \
+            (name, attack)
         assert attack["other_job"]["errors"] == 0, (name, attack)
         assert name == "idle_sessions" or not attack["other_job"]["new_generation"], (name, attack)
     calls = attacks["relay_calls"]["ended"]  # INTERNAL: grpc aio's client racing the server's end

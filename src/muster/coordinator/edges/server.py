@@ -189,10 +189,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                           "a relay starts with a message naming its job")
             self.admit(context, first, relay=True)
             port = await self.replica.open_relay(first)
-            named = self.relay_calls.name(host, first.job)
+            named = self.relay_calls.name(host, first.job)  # before any of its streams is attached
             release = self.hold(lambda: self.relay_role(context), port.end)
             log.info("relay_attached", job=first.job, relay=port.link.relay)
-            async for down in port.serve(request_iterator):
+            async for down in port.serve(first, request_iterator):
                 yield down
         except errors.MusterError as exc:
             refusals.refused("relay_refused", STATUS_OF[type(exc)].name, str(exc)[:MAX_MESSAGE_CHARS])

@@ -155,7 +155,6 @@ class RelayCall:
         self.budget = FrameBudget(max_frames_per_s, floor=MAX_ITEMS)
         self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
-        self._receive(first)
 
     def _receive(self, up: pb.RelayUp) -> None:
         """Every frame, ended and silent stream is budgeted before any is looked at, a first frame
@@ -181,11 +180,13 @@ class RelayCall:
         finally:
             self.link.ready.set()
 
-    async def serve(self, messages: AsyncIterator[pb.RelayUp | MusterError]) -> AsyncIterator[pb.RelayDown]:
-        """The call after its first message: first its acceptance (the relay stops retrying
-        elsewhere), then the leader's replies as they come, until the call ends (raising the
-        refusal it ends with)."""
+    async def serve(self, first: pb.RelayUp,
+                    messages: AsyncIterator[pb.RelayUp | MusterError]) -> AsyncIterator[pb.RelayDown]:
+        """The call from its first message: that message taken, its acceptance (the relay stops
+        retrying elsewhere), then the leader's replies as they come, until the call ends (raising
+        the refusal it ends with)."""
         link, timeout_s = self.link, self.timeout_s
+        self._receive(first)
         yield pb.RelayDown(summaries=True)
         reader = asyncio.create_task(self._read(messages))
         lost = asyncio.create_task(self.leader.leadership.lost.wait())
