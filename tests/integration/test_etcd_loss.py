@@ -88,7 +88,10 @@ def test_after_etcd_lost_the_job_the_new_leader_rebuilds_it_from_the_nodes(coord
 
 
 @pytest.mark.timeout(120)
-def test_etcd_coming_back_empty_is_rebuilt_from_the_nodes_though_its_terms_start_again(coordinators, etcd):
+def test_etcd_coming_back_empty_is_rebuilt_from_the_nodes_though_its_terms_start_again(coordinators, etcd,
+                                                                                       etcd_client):
+    for i in range(40):  # revisions (the terms) well past where an empty etcd's election ends
+        etcd_client.put(f"/unrelated/{i}", b"x")
     replicas = coordinators(2)
     addresses = [r.address for r in replicas]
 
