@@ -47,7 +47,7 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         tiers[name.split("/")[1] if name.startswith("tests/") else "other"] += seconds
     slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
     return {
-        "wall_s": round(float(suite.get("time", 0)), 1),
+        "wall_s": round(float(suite.get("time", 0)), 3),
         "timestamp": suite.get("timestamp"),
         "machine": {k: properties[k] for k in ("cpus", "loadavg_at_start", "workers", "args") if k in properties},
         "tests": dict(sorted(outcomes.items())),

@@ -657,3 +657,20 @@ def test_a_relays_summary_stands_for_its_nodes_progress_until_it_names_one_laggi
     live.lagging("n0", 1, since=5.0)
     live.observe("n0", 1, report(111), 5.6, vouched=True, vouch=Vouch())  # through another relay now
     assert live.nodes["n0"].vouch is not vouch and not live.nodes["n0"].lagging  # the old relay's word is void
+
+
+def test_nodes_of_the_map_that_never_trained_are_the_unformed_ones_as_the_job_finishes():
+    """A node placed as the job finished: its ranks starting, forming their first group, or not
+    reported yet (still importing) never trained; a node heard training, running a script, or not
+    heard at all (a leader that just took over) is waited for."""
+    state = job(4)
+    live = Liveness(TIMING, now=0)
+    live.observe("n0", 1, report(20, state="finished"), 0.1)
+    live.observe("n1", 1, report(0, state="forming"), 0.1)
+    live.observe("n2", 1, [], 0.1)  # heard, its ranks not connected yet
+    assert live.assess(state, 0.2).unformed == {"n1", "n2"}  # n3: never heard
+    live.observe("n1", 1, report(0, state="starting"), 0.3)
+    live.observe("n2", 1, report(0, state="script"), 0.3)
+    assert live.assess(state, 0.4).unformed == {"n1"}
+    live.observe("n1", 1, report(1), 0.5)
+    assert live.assess(state, 0.6).unformed == set()

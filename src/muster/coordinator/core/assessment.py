@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from muster.coordinator.core.kinds import GROUP_KINDS
-from muster.coordinator.core.live_records import NO_PROGRESS, SCRIPT, UNMONITORED, Divergence, Failure, NodeLive, Recovery
+from muster.coordinator.core.live_records import NO_PROGRESS, NOT_TRAINED, SCRIPT, UNMONITORED, Divergence, Failure, NodeLive, Recovery
 from muster.coordinator.core.machine import Diverged, MembershipEvent, NodeLost, Regroup, SlotDown
 from muster.coordinator.core.state import JobState, NodeKind
 
@@ -70,14 +70,14 @@ class Assessment:
 
     @cached_property
     def unformed(self) -> frozenset[str]:
-        """Nodes of the map whose every rank is a library rank still forming its first group (step 0):
-        placed by a switch after the step the job's ranks finished at, they will never train."""
+        """Nodes of the map none of whose ranks trained: each a library rank starting or forming its
+        first group (step 0), or none reported yet (still importing). Placed by a switch after the
+        step the job's ranks finished at, they never will."""
         rm = self.state.rank_map
         found = []
         for p in rm.placements if rm else ():
-            node = self.nodes.get(p.node_id)
-            ranks = node.ranks.values() if node else ()
-            if ranks and all(r.state == "forming" and r.step == 0 for r in ranks):
+            node = self.nodes.get(p.node_id)  # (unheard: a leader that just took over knows nothing yet)
+            if node is not None and all(r.state in NOT_TRAINED and r.step == 0 for r in node.ranks.values()):
                 found.append(p.node_id)
         return frozenset(found)
 

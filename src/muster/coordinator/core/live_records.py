@@ -77,6 +77,7 @@ UNMONITORED = frozenset({SCRIPT, "restarting"})  # scripts without the library: 
 NO_PROGRESS = UNMONITORED | {"exited", "finished"}  # reports that say nothing of a library rank's progress
 REPORTED = frozenset({"exited", "restarting"})  # acted on as reported, not at a deadline
 WAITING = frozenset({"long_phase", "forming", "holding"})  # phases timed from when they began
+NOT_TRAINED = frozenset({"starting", "forming", "holding"})  # a library rank's states before its first step (at step 0)
 
 
 class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x cheaper than a dataclass

@@ -220,8 +220,10 @@ class JobLeader:
             self.log.warning("replicas_diverged", step=seen.diverged.step, ranks=list(seen.diverged.ranks))
         events = [event for event, _ in batch] + seen.events()  # requests first, though refusals go by ticket
         events += self.stragglers.look(now, self.state, seen, self.streams)
-        if self.state.phase is not Phase.RUNNING or self.state.ended or self.state.rebuilding:
-            events.append(Tick())  # forming, waiting, draining and rebuilding deadlines
+        if self.state.phase is not Phase.RUNNING or self.state.ended or self.state.rebuilding or self.state.finishing:
+            # forming, waiting, draining and rebuilding deadlines; a finishing job's end (a node that
+            # joined as it finished says only later, with its ranks' first report, that it never trained)
+            events.append(Tick())
         if not events:
             return
         reached, reported = seen.steps  # O(nodes): only when there is something to decide

@@ -157,12 +157,15 @@ class RankSupervisor:
         """Start the slot's next process, under the reconcile lock, where the map gives it a rank: a
         script without the library started with no place would fail on its missing RANK and burn
         the slot's budget while the job waits. Parked, it starts with the map that places it."""
+        # The master first: a map that comes while its port is looked up (the job fell below its
+        # minimum) decides the place, and `start` reads the map with no wait in between.
+        master = await self.node.masters.current()
         if not self.node.library and not self.placed(slot):
             slot.parked = True
             self.log.info("rank_parked", slot=slot.index, generation=self.node.assignment.generation,
                           message="no place in this generation: started again when a map places it")
             return
-        await self.start(slot, await self.node.masters.current())
+        await self.start(slot, master)
 
     async def start(self, slot: Slot, master: tuple[str, str] | None = None) -> None:
         c = self.node.config
