@@ -59,6 +59,9 @@ class StepRecords(Callback):
             time.sleep(self.step_sleep_s)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (trainer.fit_loop.epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # a micro-batch before its step's last: the optimizer has not stepped (the loop's
+            # batch_idx: a joiner's `batch_idx` argument counts from its own start)
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         record = {"event": "step", "step": trainer.global_step, "rank": trainer.global_rank,
                   "world_size": trainer.world_size, "generation": restart, "resumed_from": self.resumed_from,
@@ -88,6 +91,7 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--samples", type=int, default=100_000, help="the dataset's size (an epoch)")
     p.add_argument("--batch", type=int, default=4, help="the per-device batch")
+    p.add_argument("--accumulation", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--log-every", type=int, default=0, help="print rank 0's loss every N steps (0: never)")
     p.add_argument("--until-world", type=int, default=0,
                    help="after --steps, go on (up to 10x) to the first step run by this many ranks (a test's: "
@@ -106,7 +110,8 @@ def main() -> int:
     trainer = L.Trainer(
         strategy=MusterDDPStrategy() if args.resilient else DDPStrategy(process_group_backend="gloo"),
         accelerator="cpu", devices=devices, num_nodes=max(1, int(os.environ.get("WORLD_SIZE", "1")) // devices),
-        max_steps=args.steps * (10 if args.until_world else 1), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=args.steps * (10 if args.until_world else 1), accumulate_grad_batches=args.accumulation,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[StepRecords(args.step_sleep, resumed_from, args.log_every, args.steps, args.until_world),
                    ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every,
                                    save_last=True, save_top_k=1)])

@@ -245,7 +245,12 @@ def spare_victim_survivors(ranks: list[TrainingProcess], slot: int, coordinator:
     grows it again, two reforms where the caller means one."""
     with Coordinators([coordinator], timeout_s=5) as c:  # one client for the whole wait
         def spares() -> list[str]:
-            status = c.call("Status", pb.StatusRequest(job=job))
+            try:
+                status = c.call("Status", pb.StatusRequest(job=job))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # (not yet: no rank has joined)
+                    raise
+                return []
             return list(status.jobs[0].spares) if status.jobs else []
         wait_until(spares, 60, f"a spare member of job {job!r}", interval_s=0.1)
     (spare,) = [p for p in ranks if not p.steps()]

@@ -71,7 +71,7 @@ def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, sample
         moved = round((after["epoch"] - before["epoch"]) * samples)
         assert moved == after["world_size"] * batch * accumulation, (before, after)
         if "batch_idx" in after and after["step"] < end:  # (the loop's end resets it)
-            assert after["batch_idx"] == before["batch_idx"] + 1
+            assert after["batch_idx"] == before["batch_idx"] + accumulation
     return survivor
 
 

@@ -19,7 +19,7 @@ from muster.local import (TrainingProcess, final_digests, json_lines, kill_and_f
                           spare_victim_survivors, wait_until)
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sharded.py")
-STEPS, EVERY = 24, 4  # (steps enough that the kill lands mid-run on a loaded host)
+STEPS, EVERY = 20, 4  # (steps enough that the kill lands mid-run on a loaded host)
 
 
 @pytest.fixture
@@ -38,12 +38,7 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
     zero = kind == "zero1"
     reference = sharded(leader.address, f"{kind}-ref", 4, zero)
     ranks = sharded(leader.address, f"{kind}-kill", 5, zero)  # 4 in the mesh, the 5th a spare
-    wait_until(lambda: sum(p.last_step > EVERY for p in ranks) == 4, 60, f"4 ranks past step {EVERY}")
-    # `muster status` shows the snapshots' period and the host memory they take (K and its cost)
-    shown = subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address,
-                            "--job", f"{kind}-kill", "--json"], capture_output=True, text=True, timeout=30)
-    in_map = json.loads(shown.stdout)["jobs"][0]["ranks"]
-    assert len(in_map) == 4 and all(r["snapshot_every"] == EVERY and r["snapshot_bytes"] > 0 for r in in_map), in_map
+    wait_until(lambda: sum(p.last_step > 0 for p in ranks) == 4, 60, "4 ranks stepping")
     spare, victim, survivors = spare_victim_survivors(ranks, 1, leader.address, f"{kind}-kill")
     wait_until(lambda: victim.last_step >= EVERY + 2, 60, f"the victim past step {EVERY + 2}")
     assert victim.last_step < STEPS - 2, f"the job nearly ended before the kill (step {victim.last_step})"
@@ -69,7 +64,12 @@ def test_a_killed_rank_is_refilled_from_its_buddy_and_the_survivors_roll_back_in
 def test_a_rank_lost_with_its_buddy_ends_the_job_saying_so(coordinators, sharded):
     (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
     ranks = sharded(leader.address, "both-lost", 6, False, steps=200)  # 4 in the mesh, 2 spares
-    wait_until(lambda: sum(p.last_step >= 2 for p in ranks) == 4, 60, "4 ranks stepping")
+    wait_until(lambda: sum(p.last_step > EVERY for p in ranks) == 4, 60, f"4 ranks past step {EVERY}")
+    # `muster status` shows the snapshots' period and the host memory they take (K and its cost)
+    shown = subprocess.run([sys.executable, "-m", "muster.cli", "status", "--coordinator", leader.address,
+                            "--job", "both-lost", "--json"], capture_output=True, text=True, timeout=30)
+    in_map = json.loads(shown.stdout)["jobs"][0]["ranks"]
+    assert len(in_map) == 4 and all(r["snapshot_every"] == EVERY and r["snapshot_bytes"] > 0 for r in in_map), in_map
     by_slot = {p.steps()[-1]["slot"]: p for p in ranks if p.steps()}
     for slot in (1, 2):  # slot 2 holds slot 1's snapshot (standalone ranks: one node each, stride 1)
         by_slot[slot].signal(signal.SIGKILL)

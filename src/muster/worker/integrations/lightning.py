@@ -12,11 +12,14 @@ Outside Muster (no MUSTER_JOB: plain python, torchrun) it is Lightning's DDPStra
   others train. Each formation sets the strategy's rank and world size (a ClusterEnvironment that
   reads the worker) and `rank_zero_only.rank`.
 - **A step.** The model Lightning holds is not wrapped in DDP; its training forward goes through
-  the library's wrapper on the current group (`worker.ddp`). The step's closure (training_step,
-  zero_grad, backward) is the unit: a collective failing anywhere in it, or the library's guards
-  cutting it short on an abort, discards it (the RNG back to the step's start), the group re-forms
-  and the closure runs again with the step's batch drawn for the new group; the optimizer steps
-  once, for the attempt that completed. A collective Lightning runs outside a step (a barrier, a
+  the library's wrapper on the current group (`worker.ddp`). The optimizer step is the unit: its
+  closures (training_step, zero_grad, backward), one per micro-batch with `accumulate_grad_batches`
+  (the strategy handles the accumulation: all but the last under the wrapper's `no_sync`), and a
+  collective failing anywhere in them, or the library's guards cutting one short on an abort,
+  discards the step (its gradients, the RNG back to the step's start); the group re-forms and the
+  step's micro-batches so far run again, drawn for the new group, before the one in flight; the
+  optimizer steps once, for the attempt that completed. (A LightningModule.optimizer_step override
+  is called for every micro-batch, as under DeepSpeed; the optimizer steps on the last.) A collective Lightning runs outside a step (a barrier, a
   broadcast, a `sync_dist` reduction of validation or epoch metrics) that fails re-forms and gives
   the rank's own value.
 - **The state.** Model, optimizer, and as one extra: the LR schedulers, the fit loop's progress
@@ -33,7 +36,7 @@ Outside Muster (no MUSTER_JOB: plain python, torchrun) it is Lightning's DDPStra
   change at the next training step's start, after the step's callbacks (checkpoints), scheduler,
   validation and logging.
 
-What it refuses (ValueError, at fit): no max_steps, gradient accumulation, manual optimization,
+What it refuses (ValueError, at fit): no max_steps, manual optimization,
 more than one optimizer, limit_train_batches, an iterable dataset or a loader without a batch_size,
 DDP communication hooks, and sharded state (an FSDP or model-parallel module, a
 ZeroRedundancyOptimizer): see docs/guide/lightning.md. Tested with lightning 2.6 on CPU/gloo.
@@ -42,6 +45,7 @@ ZeroRedundancyOptimizer): see docs/guide/lightning.md. Tested with lightning 2.6
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import time
 from typing import Any
@@ -50,7 +54,7 @@ import structlog
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -111,6 +115,7 @@ class MusterDDPStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._muster is None:
             return super()._setup_model(model)
+        self._muster.module = model
         return Replicated(model, lambda module: self._muster.worker.ddp(module, **self._ddp_kwargs))
 
     def _register_ddp_hooks(self) -> None:
@@ -121,6 +126,10 @@ class MusterDDPStrategy(DDPStrategy):
         if self._muster is None or not self.lightning_module.trainer.training:
             return dataloader
         return self._muster.loader(dataloader)
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return self._muster is not None or super().handles_gradient_accumulation  # (every micro-batch: optimizer_step)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if isinstance(batch, _Due):
@@ -135,10 +144,13 @@ class MusterDDPStrategy(DDPStrategy):
         return super().training_step(self._muster.draw(), *args[1:], **kwargs)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        if self._muster is None:
+        run = self._muster
+        if run is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        out = super().optimizer_step(optimizer, self._muster.redone(closure), model, **kwargs)
-        self._muster.step_completed()
+        if self.lightning_module.trainer.fit_loop._should_accumulate():
+            return run.redone(closure, last=False)()  # a micro-batch before the step's last: no optimizer step
+        out = super().optimizer_step(optimizer, run.redone(closure, last=True), model, **kwargs)
+        run.step_completed()
         return out
 
     # ---- collectives outside a step: re-formed on a failure, the rank's own value --------
@@ -211,9 +223,11 @@ class _Run:
     def __init__(self, strategy: MusterDDPStrategy, config: WorkerConfig):
         self.strategy, self.config = strategy, config
         self.worker: Worker | None = None  # made and started at the first training step
+        self.module: torch.nn.Module | None = None  # what the library's DDP wrapper wraps (_setup_model)
         self.data: Positions | None = None
         self.consumed = 0  # samples the job consumed: the data position
         self.span = 0  # samples the step in flight consumes
+        self.micro = 0  # the step's micro-batch in flight (accumulate_grad_batches)
         self.rng: dict = {}  # the RNG as the step in flight began
         self.in_step = False
         self.began = 0.0
@@ -232,8 +246,6 @@ class _Run:
         why = []
         if trainer.max_steps is None or trainer.max_steps < 0:
             why.append("set max_steps (the steps an epoch takes change with the world)")
-        if trainer.accumulate_grad_batches != 1:
-            why.append("accumulate_grad_batches > 1: a redone step would redo its earlier micro-batches")
         if not trainer.lightning_module.automatic_optimization:
             why.append("manual optimization: the step the library redoes is Lightning's closure")
         if trainer.limit_train_batches not in (None, 1.0):
@@ -261,19 +273,17 @@ class _Run:
         refuse("lightning", why)
         seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))  # seed_everything's
         self.data = Positions(dataset, dataloader.collate_fn, batch_size, seed)
-        steps = _Steps(self.trainer.max_steps, self.trainer.fit_loop.epoch_loop.batch_progress)
+        t = self.trainer
+        steps = _Steps(t.max_steps * t.accumulate_grad_batches, t.fit_loop.epoch_loop.batch_progress)
         return torch.utils.data.DataLoader(steps, batch_size=None, collate_fn=lambda d: d)
 
     # ---- the step ---------------------------------------------------------------------
 
     def draw(self):
-        """The step's batch for this rank in the current group, moved as Lightning moves batches. The
-        first attempt of a step joins the job (the first) or takes a membership change due."""
-        if not self.in_step:
-            self.begin_step()
+        """The micro-batch in flight for this rank in the current group, moved as Lightning moves batches."""
         w, t, s = self.worker, self.trainer, self.strategy
-        batch = self.data.micro_batch(self.consumed, w)
-        self.span = w.world_size * self.data.batch_size
+        batch = self.data.micro_batch(self.consumed, w, self.micro)
+        self.span = w.world_size * self.data.batch_size * t.accumulate_grad_batches
         batch = t.lightning_module._on_before_batch_transfer(t.precision_plugin.convert_input(batch))
         batch = super(MusterDDPStrategy, s).batch_to_device(batch)
         t._results.batch, t._results.batch_size = batch, None  # (the loop saw the placeholder)
@@ -286,7 +296,7 @@ class _Run:
             self.worker.step_begins()  # (Drained past the drain's step)
             self.worker.boundary()  # a membership change due: the last step's callbacks and logging are done
         self.began = time.perf_counter()
-        self.rng, self.in_step = rng(), True
+        self.rng, self.in_step, self.micro = rng(), True, 0
 
     def start(self) -> None:
         """Join the job at the first step: a replacement receives the state here."""
@@ -298,16 +308,35 @@ class _Run:
         self.worker.start()
         s.set_world_ranks()
 
-    def redone(self, closure):
-        """The step's closure, run again in the new group after a failed collective until it completes."""
+    def redone(self, closure, last: bool):
+        """The micro-batch's closure (gradients synchronised on the step's `last`); after a failed
+        collective, in the new group, the step's micro-batches before it again, then it, until it completes.
+        (A redo's closures are this one's: each draws the micro-batch in flight, and only the step's
+        first zeroes the gradients, which the failure discarded anyway.)"""
         def attempt():
+            if not self.in_step:  # the step's first micro-batch joins the job (the first step) or takes a change due
+                self.begin_step()
+            k, redo = self.micro, False
             while True:
                 try:
-                    return closure()
+                    for j in range(k if redo else 0):
+                        self.micro = j
+                        with self.unsynced():
+                            closure()
+                    self.micro = k
+                    with contextlib.nullcontext() if last else self.unsynced():
+                        out = closure()
+                    self.micro = k + 1
+                    return out
                 except Exception as exc:
                     self.failed(exc)
                     set_rng(self.rng)  # the redo draws what the attempt drew (or, state received, what the others did)
+                    redo = True
         return attempt
+
+    def unsynced(self):
+        """The library's DDP wrapper of this generation, its gradients accumulated without all-reducing."""
+        return self.worker.ddp(self.module, **self.strategy._ddp_kwargs).no_sync()
 
     def failed(self, exc: Exception) -> None:
         """A collective failed: re-formed (the library discarded the step's gradients), or raise."""
@@ -372,6 +401,11 @@ class _Place(ClusterEnvironment):
         return int(os.environ.get("GROUP_RANK", "0"))
 
 
+# ModelCheckpoint's record of its last save, not in its state_dict (a resumed process starts anew): a
+# joiner without it saves again at train end, in collectives the others, who saved, never run.
+_LAST_SAVE = ("_last_global_step_saved", "_last_checkpoint_saved")
+
+
 class _Progress:
     """The training state besides model and optimizer, as one extra of the library's state: what a
     joiner needs to stand where the others stand, at their next training step."""
@@ -393,6 +427,8 @@ class _Progress:
                 "consumed": run.consumed, "rng": run.rng if run.in_step else rng(),
                 "schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs],
                 "callbacks": {c.state_key: c.state_dict() for c in t.callbacks if not isinstance(c, _Position)},
+                "saves": {c.state_key: {a: getattr(c, a) for a in _LAST_SAVE} for c in t.callbacks
+                          if isinstance(c, ModelCheckpoint)},
                 "scaler": scaler.state_dict() if scaler is not None else None}
 
     def load_state_dict(self, d: dict) -> None:
@@ -407,6 +443,8 @@ class _Progress:
         for c in t.callbacks:
             if c.state_key in d["callbacks"]:
                 c.load_state_dict(dict(d["callbacks"][c.state_key]))
+            for a, v in d["saves"].get(c.state_key, {}).items():
+                setattr(c, a, v)
         if d["scaler"] is not None:
             t.precision_plugin.scaler.load_state_dict(d["scaler"])
 
