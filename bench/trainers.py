@@ -130,7 +130,7 @@ def resilient_run(workdir: Path, coordinator: str, trainer: str, name: str, step
                 raise RuntimeError(f"agent {a.index} exited {a.proc.returncode}: see {a.log_path}")
         text = "".join(a.log_path.read_text(errors="replace") for a in job.agents)
         losses = [json.loads(m) for m in LOSS_RECORD.findall(text)]
-        out.update(last_step=max(r["step"] for r in job.records_since([0] * NODES)),
+        out.update(last_step=max(r["step"] for r in job.records_since([0] * NODES, running=False)),
                    final_loss=round(losses[-1]["loss"], 4), final_step=losses[-1]["step"],
                    bytes_received=sum(int(m) for m in RECEIVED.findall(text)),
                    run_s=round(time.time() - started, 1))
