@@ -19,9 +19,9 @@ Outside Muster (no MUSTER_JOB: plain python, torchrun) it is Lightning's DDPStra
   discards the step (its gradients, the RNG back to the step's start); the group re-forms and the
   step's micro-batches so far run again, drawn for the new group, before the one in flight; the
   optimizer steps once, for the attempt that completed. (A LightningModule.optimizer_step override
-  is called for every micro-batch, as under DeepSpeed; the optimizer steps on the last.) A collective Lightning runs outside a step (a barrier, a
-  broadcast, a `sync_dist` reduction of validation or epoch metrics) that fails re-forms and gives
-  the rank's own value.
+  is called for every micro-batch, as under DeepSpeed; the optimizer steps on the last.) A
+  collective Lightning runs outside a step (a barrier, a broadcast, a `sync_dist` reduction of
+  validation or epoch metrics) that fails re-forms and gives the rank's own value.
 - **The state.** Model, optimizer, and as one extra: the LR schedulers, the fit loop's progress
   (global step, epoch and batch counters, optimizer and scheduler steps), the RNG as the step began,
   the callbacks' states (ModelCheckpoint's best) and the data position. A joiner receives it in its
