@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from muster.coordinator.core.kinds import GROUP_KINDS
-from muster.coordinator.core.live_records import NO_PROGRESS, NOT_TRAINED, SCRIPT, UNMONITORED, Divergence, Failure, NodeLive, Recovery
+from muster.coordinator.core.live_records import (NO_PROGRESS, NOT_TRAINED, SCRIPT, UNMONITORED, Divergence, Failure,
+                                                   NodeLive, Recovery)
 from muster.coordinator.core.machine import Diverged, MembershipEvent, NodeLost, Regroup, SlotDown
 from muster.coordinator.core.state import JobState, NodeKind
 
