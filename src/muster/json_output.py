@@ -12,7 +12,7 @@ _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescript
 _NONE_WHEN_ZERO = {
     "JobStatus": {"leader", "ended_unix_ms", "outcome_reason", "next_page_token"},
     "JobRecord": {"leader", "ended_unix_ms", "reason", "step", "steps_per_second"},
-    "RecoveryRecord": {"tier"},
+    "RecoveryRecord": {"tier", "superseded_by"},
     "RankStatus": {"pid", "host", "compute_us", "step_time_us", "straggler_factor", "phase", "snapshot_every",
                    "snapshot_bytes"},
 }

@@ -51,10 +51,16 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
         return [r for r in json.loads(out.stdout)["recoveries"] if r["generation"] > generation]
 
     # the kill's (survivors abort and re-form as 3), then the replacement's (it receives the state)
-    wait_until(lambda: len(timelines()) >= 2, 60, "both recoveries measured")
+    wait_until(lambda: len(timelines()) >= 2, 60, "both recoveries measured",
+               diagnose=lambda: f"recoveries: {timelines()}\nb/0's last steps: {b.steps(0, start=-1)[-3:]}\n"
+                                f"a/0's last step: {a.steps(0)[-1:]}\n{b.log_path.read_text()[-3000:]}")
     killed, rejoined = timelines()[:2]
-    assert not killed["planned"] and killed["detection_s"] > 0 and killed["delivered_s"] > 0
-    assert killed["abort_s"] > 0 and killed["form_s"] > 0 and killed["slowest"]
+    # (a replacement back before the survivors' re-form was over cut the kill's recovery short: kept, superseded)
+    assert killed["superseded_by"] in (None, rejoined["generation"]), killed
+    assert not killed["planned"] and killed["detection_s"] > 0 and (killed["delivered_s"] > 0 or killed["superseded_by"])
+    wait_until(lambda: (k := timelines()[0])["abort_s"] > 0 and k["form_s"] > 0, 10, "the survivors' phases")
+    killed = timelines()[0]
+    assert killed["slowest"]
     assert rejoined["planned"] and rejoined["bytes_moved"] > 0 and rejoined["transfer_s"] > 0
     # where each one's state came from: the survivors' own, in memory, nothing lost
     assert (killed["tier"], killed["steps_lost"]) == ("replica", 0) and killed["step"] >= 10, killed

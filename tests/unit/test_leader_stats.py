@@ -53,7 +53,7 @@ def test_a_recovery_says_the_deepest_tier_its_ranks_restored_from_and_the_steps_
     assert d.new_generation
     stats.adopted(d, 2, 41)  # the job had reached step 41
     g = d.state.generation
-    m = stats._measuring
+    m = stats._measuring.record
     stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="replica", step=36, steps_lost=5)), 3)
     assert (m.tier, m.step, m.steps_lost) == ("replica", 36, 5)
     # a rank that came back from the checkpoint is the deeper tier; an unknown word and an older generation's are not
@@ -77,7 +77,7 @@ def test_every_rank_lost_counts_the_steps_from_the_jobs_highest_step_not_the_new
     stats.adopted(d, 2, 0)  # the map's ranks now report nothing: the new processes' steps
     g = d.state.generation
     stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="checkpoint", step=24, steps_lost=0)), 3)
-    m = stats._measuring
+    m = stats._measuring.record
     assert (m.tier, m.step, m.steps_lost) == ("checkpoint", 24, 5)
 
 
@@ -103,5 +103,34 @@ def test_a_state_begun_again_at_step_0_is_the_tier_none_with_every_step_lost():
         stats.adopted(d, 4, 0)
     g = d.state.generation
     stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0)), 5)  # begun at step 0: nothing restored
-    m = stats._measuring
+    m = stats._measuring.record
     assert (m.generation, m.tier, m.step, m.steps_lost) == (g, "none", 0, 57)
+
+
+def test_a_recovery_the_next_map_cuts_short_is_kept_superseded_and_its_late_phases_still_count():
+    """A killed rank's replacement can be back before the survivors' re-form is over: the new map
+    supersedes that recovery, which `events` still shows, to the next decision, without a first step."""
+    from muster.coordinator.core.kinds import FailureKind
+    from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
+
+    from test_liveness import TIMING
+
+    c = lambda now: Context(now=now, wall_ms=int(now * 1000), term=1, timing=TIMING)  # noqa: E731
+    stats = LeaderStats("job", Metrics(), now=0)
+    stats.signalled(1.9)
+    lost = decide(job(3), [NodeLost("n2", FailureKind.PROCESS_EXITED, "killed")], c(2))
+    stats.adopted(lost, 2, 40)
+    g = lost.state.generation
+    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, abort_s=0.01, form_s=0.2, tier="replica", step=40)), 2.3)
+    back = decide(lost.state, [Join("n2", "h", 1, 1)], c(2.5))
+    if not back.new_generation:
+        back = decide(back.state, [Tick()], c(2.5))
+    assert back.new_generation
+    stats.adopted(back, 2.5, 40)
+    (cut,) = stats.recoveries
+    assert (cut.generation, cut.superseded_by, cut.recovery_s, cut.first_step_s) == (g, back.state.generation, 0.5, 0.0)
+    assert (cut.detection_s, cut.form_s, cut.slowest, cut.tier) == (0.1, 0.2, "formed", "replica")
+    # the other survivor's phases of the cut-short generation come with its next frame: they still count
+    stats.reported("n1", frame(g, pb.ReformPhases(generation=g, abort_s=0.02, form_s=0.35)), 2.6)
+    assert (cut.abort_s, cut.form_s, cut.slowest) == (0.02, 0.35, "formed")
+    assert stats._measuring.record.generation == back.state.generation and not stats._measuring.record.superseded_by

@@ -179,10 +179,12 @@ def _event_line(e) -> str:
 def _recovery_line(r) -> str:
     """A recovery's timeline (RecoveryRecord), its phases in order and the slowest named."""
     rate = f" {r.bytes_moved / r.transfer_s / (1 << 20):.1f} MiB/s" if r.transfer_s and r.bytes_moved else ""
-    return (f"recovery g{r.generation} {'planned' if r.planned else 'after a failure'}: {r.recovery_s:.3f}s "
+    took = f"superseded by g{r.superseded_by} after {r.recovery_s:.3f}s" if r.superseded_by else f"{r.recovery_s:.3f}s"
+    first = "" if r.superseded_by else f", first step {r.first_step_s:.3f}s"
+    return (f"recovery g{r.generation} {'planned' if r.planned else 'after a failure'}: {took} "
             f"(detected {r.detection_s:.3f}s, decided {when(r.decided_unix_ms)}, maps delivered {r.delivered_s:.3f}s, "
             f"old group aborted {r.abort_s:.3f}s, new group formed {r.form_s:.3f}s, state moved {r.sync_s:.3f}s "
-            f"{r.bytes_moved / (1 << 20):.1f} MiB{rate}, first step {r.first_step_s:.3f}s); slowest: {r.slowest}"
+            f"{r.bytes_moved / (1 << 20):.1f} MiB{rate}{first}); slowest: {r.slowest}"
             + (f"; {_restored(r.tier, r.step, r.steps_lost)}" if r.tier else ""))
 
 

@@ -459,7 +459,7 @@ class HealthSample(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ..., world_size: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class RecoveryRecord(_message.Message):
-    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned", "delivered_s", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_moved", "first_step_s", "slowest", "tier", "step", "steps_lost")
+    __slots__ = ("generation", "decided_unix_ms", "detection_s", "recovery_s", "planned", "delivered_s", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_moved", "first_step_s", "slowest", "tier", "step", "steps_lost", "superseded_by")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETECTION_S_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +476,7 @@ class RecoveryRecord(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_BY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     decided_unix_ms: int
     detection_s: float
@@ -492,7 +493,8 @@ class RecoveryRecord(_message.Message):
     tier: str
     step: int
     steps_lost: int
-    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ..., delivered_s: _Optional[float] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., first_step_s: _Optional[float] = ..., slowest: _Optional[str] = ..., tier: _Optional[str] = ..., step: _Optional[int] = ..., steps_lost: _Optional[int] = ...) -> None: ...
+    superseded_by: int
+    def __init__(self, generation: _Optional[int] = ..., decided_unix_ms: _Optional[int] = ..., detection_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., planned: _Optional[bool] = ..., delivered_s: _Optional[float] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., first_step_s: _Optional[float] = ..., slowest: _Optional[str] = ..., tier: _Optional[str] = ..., step: _Optional[int] = ..., steps_lost: _Optional[int] = ..., superseded_by: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("replica", "jobs", "version")

@@ -96,7 +96,8 @@ function timeline(r) {
   });
   legend.splice(1, 0, el("li", { class: "decided" }, "decided ", when(r.decided_unix_ms)));
   return el("div", { class: "recovery", id: "recovery-" + r.generation },
-    el("p", {}, "Generation ", r.generation, r.planned ? " (planned)" : "", ": every rank stepping ",
+    el("p", {}, "Generation ", r.generation, r.planned ? " (planned)" : "",
+      r.superseded_by ? ": superseded by generation " + r.superseded_by + " " : ": every rank stepping ",
       seconds(r.recovery_s), " after the decision; slowest: ",
       el("b", { class: "slowest-name" }, PHASES.find(([key]) => key === r.slowest)[1])),
     bar, el("ul", { class: "legend" }, ...legend));
@@ -177,7 +178,9 @@ function jobView(doc) {
           "steps lost"],
         h.recent_recoveries.slice().reverse().map((r) => ({
           cells: [r.generation, when(r.decided_unix_ms),
-            r.planned ? "planned" : r.detection_s.toFixed(3) + " s", r.recovery_s.toFixed(3) + " s", r.slowest,
+            r.planned ? "planned" : r.detection_s.toFixed(3) + " s",
+            r.superseded_by ? "superseded by g" + r.superseded_by + " after " + r.recovery_s.toFixed(3) + " s"
+              : r.recovery_s.toFixed(3) + " s", r.slowest,
             r.tier === null ? "-" : TIERS[r.tier] || r.tier, r.tier === null ? "-" : r.step,
             r.tier === null ? "-" : r.steps_lost],
         }))), ...h.recent_recoveries.slice().reverse().map(timeline));

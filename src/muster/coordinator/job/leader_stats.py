@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from muster.coordinator.job import status_pages
 from muster.coordinator.core.assessment import Assessment
@@ -40,13 +41,10 @@ class LeaderStats:
         self.recovering: Recovery | None = None  # the latest generation's, until its recovery is over
         self.evictions = 0
         self.last_detection_s = self.last_recovery_s = 0.0
-        self._measuring: pb.RecoveryRecord | None = None  # the recovery under way, as Status will show it
+        self._measuring: _Measured | None = None  # the recovery under way
+        self._superseded: _Measured | None = None  # the one it superseded, whose ranks' phases may still come
         self.recoveries: deque[pb.RecoveryRecord] = deque(maxlen=RECENT_RECOVERIES)
-        self._undelivered: set[str] = set()  # nodes of the measured generation's map that have not reported it
-        self._received: dict[tuple[str, int], int] = {}  # state bytes each rank received in it (frames repeat them)
         self.high_step = 0  # the highest step the job's ranks reported to this leader (steps lost count from it)
-        self._high_at_decision = 0  # high_step when the measured generation was decided
-        self._ranks_lost = 0  # the most steps a rank of the measured generation said it lost
         self._begun_again = False  # the state was lost and the job allows a restart: the next generation's is "none"
         self.restarts = 0  # rank processes that exited
         self.history: list[pb.HealthSample] = []
@@ -66,38 +64,17 @@ class LeaderStats:
         m = self._measuring
         if m is None:
             return
-        under_way = self.recovering is not None and m.generation == self.recovering.generation
-        if under_way and frame.generation >= m.generation and node_id in self._undelivered:
-            self._undelivered.discard(node_id)
-            if not self._undelivered:
-                m.delivered_s = round(now - self.recovering.decided_at, 4)
-        folded = False
-        for r in frame.ranks:
-            p = r.reform
-            if p.generation == m.generation:  # the slowest rank's phases make the timeline
-                m.abort_s, m.form_s = max(m.abort_s, round(p.abort_s, 4)), max(m.form_s, round(p.form_s, 4))
-                m.sync_s, m.transfer_s = max(m.sync_s, round(p.sync_s, 4)), max(m.transfer_s, round(p.transfer_s, 4))
-                self._received[(node_id, r.local_rank)] = p.bytes_received
-                self._restored(m, p)
-                folded = True
-        if folded and m.slowest:
-            # Over already: a rank's phases can come after the others' first steps ended the recovery
-            # (a replacement's agent reports it with its next frame)
-            timeline(m, m.recovery_s, sum(self._received.values()))
-
-    def _restored(self, m: pb.RecoveryRecord, p: pb.ReformPhases) -> None:
-        """A rank's word on where generation `m`'s state came from: the deepest tier any rank's came
-        from, the step training goes on from (the same on every rank that trains), and the steps lost:
-        the most any rank lost, or the job's highest step before the decision past that step (every
-        rank lost: the new ones lost none of their own)."""
-        tier = p.tier if p.tier in TIERS else ""  # (a newer rank's word this leader does not know: not shown)
-        if not tier:
-            return
-        if TIERS.index(tier) > TIERS.index(m.tier):
-            m.tier = tier
-        m.step = max(m.step, p.step)
-        self._ranks_lost = max(self._ranks_lost, p.steps_lost)
-        m.steps_lost = max(self._ranks_lost, self._high_at_decision - m.step if self._high_at_decision > m.step else 0)
+        under_way = self.recovering is not None and m.record.generation == self.recovering.generation
+        if under_way and frame.generation >= m.record.generation and node_id in m.undelivered:
+            m.undelivered.discard(node_id)
+            if not m.undelivered:
+                m.record.delivered_s = round(now - self.recovering.decided_at, 4)
+        for measured in filter(None, (m, self._superseded)):
+            folded = [measured.fold(node_id, r) for r in frame.ranks]
+            if any(folded) and measured.record.slowest:
+                # Over already: a rank's phases can come after the others' first steps ended the recovery
+                # (a replacement's agent reports it with its next frame), or after the next map superseded it
+                timeline(measured.record, measured.record.recovery_s, measured.bytes_moved)
 
     def measure(self, now: float, seen: Assessment) -> None:
         """Frames/s (smoothed, and the metric's count), the first signals of the failures found, the
@@ -119,8 +96,8 @@ class LeaderStats:
         if took is not None:
             self.last_recovery_s = took
             self.metrics.recovery.labels(self.job).observe(took)
-            if self._measuring is not None and self._measuring.generation == self.recovering.generation:
-                self.recoveries.append(timeline(self._measuring, took, sum(self._received.values())))
+            if self._measuring is not None and self._measuring.record.generation == self.recovering.generation:
+                self.recoveries.append(timeline(self._measuring.record, took, self._measuring.bytes_moved))
         if over:
             self.recovering = None
 
@@ -147,6 +124,7 @@ class LeaderStats:
                 self.evictions += 1
                 self.metrics.evictions.labels(self.job, e.kind).inc()
         if d.new_generation:
+            self._supersede(d.state.generation, now)
             self.metrics.generations.labels(self.job).inc()
             detection = now - min(self._signals) if self._signals else 0.0
             if self._signals:
@@ -154,15 +132,25 @@ class LeaderStats:
                 self.metrics.detection.labels(self.job).observe(detection)
             if d.state.rank_map is not None and d.state.rank_map.world_size:
                 self.recovering = Recovery(d.state.generation, now, step_before)
-                self._measuring = pb.RecoveryRecord(generation=d.state.generation, detection_s=round(detection, 4),
-                                                    decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
-                self._undelivered = {p.node_id for p in d.state.rank_map.placements}
-                self._received, self._high_at_decision, self._ranks_lost = {}, self.high_step, 0
+                record = pb.RecoveryRecord(generation=d.state.generation, detection_s=round(detection, 4),
+                                           decided_unix_ms=int(time.time() * 1000), planned=not self._signals)
+                self._measuring = _Measured(record, {p.node_id for p in d.state.rank_map.placements}, self.high_step)
                 if self._begun_again:  # (the ranks, begun at step 0, report nothing restored)
                     self._begun_again = False
-                    self._measuring.tier, self._measuring.steps_lost = "none", self.high_step
+                    record.tier, record.steps_lost = "none", self.high_step
         if d.persist:
             self._signals.clear()
+
+    def _supersede(self, generation: int, now: float) -> None:
+        """A new generation decided while the last one's recovery was under way: that one is kept as
+        it stands, superseded (an operator sees each failure's recovery, even one a quick rejoin cut
+        short), and its ranks' phases are still folded in as they come."""
+        m, self._measuring, self._superseded = self._measuring, None, None
+        if m is None or self.recovering is None or m.record.generation != self.recovering.generation:
+            return
+        m.record.superseded_by = generation
+        self.recoveries.append(timeline(m.record, now - self.recovering.decided_at, m.bytes_moved))
+        self._superseded, self.recovering = m, None
 
     def health(self, live_ranks: int) -> pb.JobHealth:
         return pb.JobHealth(frames_per_second=round(self.frames_per_s, 1), live_ranks=live_ranks,
@@ -171,11 +159,54 @@ class LeaderStats:
                             history=self.history)
 
 
+@dataclass
+class _Measured:
+    """A generation's recovery as measured so far: its record, and what folding its ranks' words in needs."""
+
+    record: pb.RecoveryRecord
+    undelivered: set[str]  # nodes of its map that have not reported running it
+    high_at_decision: int  # the job's highest step when it was decided (steps lost count from it)
+    received: dict[tuple[str, int], int] = field(default_factory=dict)  # state bytes per rank (frames repeat them)
+    ranks_lost: int = 0  # the most steps one of its ranks said it lost
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(self.received.values())
+
+    def fold(self, node_id: str, r: pb.RankReport) -> bool:
+        """A rank's reform phases, if they are of this generation: the slowest rank's make the timeline."""
+        m, p = self.record, r.reform
+        if p.generation != m.generation:
+            return False
+        m.abort_s, m.form_s = max(m.abort_s, round(p.abort_s, 4)), max(m.form_s, round(p.form_s, 4))
+        m.sync_s, m.transfer_s = max(m.sync_s, round(p.sync_s, 4)), max(m.transfer_s, round(p.transfer_s, 4))
+        self.received[(node_id, r.local_rank)] = p.bytes_received
+        self._restored(p)
+        return True
+
+    def _restored(self, p: pb.ReformPhases) -> None:
+        """A rank's word on where the state came from: the deepest tier any rank's came from, the step
+        training goes on from (the same on every rank that trains), and the steps lost: the most any
+        rank lost, or the job's highest step before the decision past that step (every rank lost: the
+        new ones lost none of their own)."""
+        m = self.record
+        tier = p.tier if p.tier in TIERS else ""  # (a newer rank's word this leader does not know: not shown)
+        if not tier:
+            return
+        if TIERS.index(tier) > TIERS.index(m.tier):
+            m.tier = tier
+        m.step = max(m.step, p.step)
+        self.ranks_lost = max(self.ranks_lost, p.steps_lost)
+        m.steps_lost = max(self.ranks_lost, self.high_at_decision - m.step if self.high_at_decision > m.step else 0)
+
+
 def timeline(m: pb.RecoveryRecord, took: float, received: int) -> pb.RecoveryRecord:
     """`m` over after `took`: the first step is what the phases before it leave (the ranks' phases are
-    durations on their own clocks, one after another from the map's arrival), and the slowest named."""
+    durations on their own clocks, one after another from the map's arrival), and the slowest named.
+    A superseded one ended at the next decision, before any first step: none is counted."""
     m.recovery_s, m.bytes_moved = round(took, 4), received
-    m.first_step_s = round(max(0.0, took - m.delivered_s - m.abort_s - m.form_s - m.sync_s), 4)
+    rest = took - m.delivered_s - m.abort_s - m.form_s - m.sync_s
+    m.first_step_s = 0.0 if m.superseded_by else round(max(0.0, rest), 4)
     phases = {"detected": m.detection_s, "delivered": m.delivered_s, "aborted": m.abort_s, "formed": m.form_s,
               "moved": m.sync_s, "first_step": m.first_step_s}
     m.slowest = max(phases, key=phases.get)
