@@ -71,3 +71,43 @@ def test_on_state_lost_restart_begins_again_at_step_0_and_the_run_says_so(coordi
     said = [e for e in events if e.kind == "state_lost"]  # one a generation that found it lost (slots return one by one)
     assert said and all("ShardLost" in e.reason and "begin again at step 0" in e.reason for e in said), said
     assert status.outcome == "succeeded" and "begun again from step 0" in status.outcome_reason, status.outcome_reason
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["fail", "restart"])
+def test_every_rank_of_a_replicated_job_lost_without_a_checkpoint_is_said_lost(coordinators, agents, policy):
+    """examples/train_ddp.py (replicated, no checkpoint) on 2 nodes x 2 slots; every rank SIGKILLed at
+    once, so no rank holds the state. The agents restart them and they form at step 0 from `build`:
+    only the leader knows the job had trained. By default the run ends failed saying so; with
+    `--on-state-lost restart` it trains again from step 0 and the events, recovery and outcome say so."""
+    (leader,) = coordinators(1, extra=["--heartbeat-timeout", "2.0"])
+    job = f"replicated-lost-{policy}"
+    nodes = agents([leader.address], job, ["a", "b"], steps=STEPS * 4,
+                   extra=["--on-state-lost", "restart"] if policy == "restart" else [])
+    wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 10 for n in nodes for s in (0, 1)), 90,
+               "every rank past step 10")
+    wait_until(lambda: all(n.rank_pids(s) for n in nodes for s in (0, 1)), 30, "the agents' word on their ranks' PIDs")
+    for n in nodes:
+        for s in (0, 1):
+            os.kill(n.rank_pids(s)[-1], signal.SIGKILL)
+    reached = max(done[-1]["step"] for n in nodes for s in (0, 1) if (done := n.steps(s, start=0)))
+    if policy == "fail":
+        for n in nodes:
+            assert n.wait(120) != 0, n.log_path.read_text()[-3000:]
+        status, _ = ended(leader, job)
+        assert status.outcome == "failed" and status.outcome_reason.startswith("training state lost beyond every tier"), \
+            status.outcome_reason
+        assert "began again at step 0 with nothing restored" in status.outcome_reason, status.outcome_reason
+        return
+    begun = recovery_from(leader.address, job, "none", 120)
+    # (the steps the leader had heard of when it decided: up to the last reported)
+    assert begun["step"] == 0 and 10 <= begun["steps_lost"] + 2 and begun["steps_lost"] <= reached, (begun, reached)
+    for n in nodes:
+        assert n.wait(150) == 0, n.log_path.read_text()[-3000:]
+        assert all(n.steps(s)[-1]["step"] == STEPS * 4 for s in (0, 1))
+    # (the first ranks back began again at step 0; a node whose ranks came back later joined them)
+    assert min(n.steps(s)[0]["step"] for n in nodes for s in (0, 1)) == 1
+    status, events = ended(leader, job)
+    said = [e for e in events if e.kind == "state_lost"]
+    assert said and all("began again at step 0" in e.reason for e in said), said
+    assert status.outcome == "succeeded" and "begun again from step 0" in status.outcome_reason, status.outcome_reason

@@ -134,3 +134,32 @@ def test_a_recovery_the_next_map_cuts_short_is_kept_superseded_and_its_late_phas
     stats.reported("n1", frame(g, pb.ReformPhases(generation=g, abort_s=0.02, form_s=0.35)), 2.6)
     assert (cut.abort_s, cut.form_s, cut.slowest) == (0.02, 0.35, "formed")
     assert stats._measuring.record.generation == back.state.generation and not stats._measuring.record.superseded_by
+
+
+def test_ranks_begun_again_at_step_0_with_nothing_restored_after_the_job_trained_are_said_lost_once():
+    """A replicated job whose every rank was lost (no checkpoint): the restarted ranks form at step 0,
+    restoring nothing. Only the leader knows the job had trained: `reported` says so once (the frame
+    reader makes it the state-lost verdict), the recovery shows tier none with every step lost, and
+    the job's steps count from 0 again. A first formation at step 0 is no loss."""
+    from muster.coordinator.core.kinds import FailureKind
+    from muster.coordinator.core.machine import Context, NodeLost, decide
+
+    from test_liveness import TIMING
+
+    stats = LeaderStats("job", Metrics(), now=0)
+    state = job(3)
+    first = decide(state, [NodeLost("n2", FailureKind.PROCESS_EXITED, "killed")], Context(now=1, wall_ms=1000, term=1,
+                                                                                           timing=TIMING))
+    stats.adopted(first, 1, 0)  # (decided before any step: as a first formation)
+    g = first.state.generation
+    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0)), 1.5) == 0
+    assert stats._measuring.record.tier == ""
+    again = decide(first.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")],
+                   Context(now=2, wall_ms=2000, term=1, timing=TIMING))
+    stats.adopted(again, 2, 41)  # the job had reached step 41
+    g = again.state.generation
+    began = frame(g, pb.ReformPhases(generation=g, tier="", step=0))
+    assert stats.reported("n0", began, 3) == 41
+    assert stats.reported("n1", began, 3) == 0  # said once
+    m = stats._measuring.record
+    assert (m.tier, m.step, m.steps_lost) == ("none", 0, 41) and stats.high_step == 0

@@ -196,8 +196,13 @@ class FrameReader:
             reports = wire.check_frame_ranks(frame, member)  # not the ranks it had: read it all
         if frame.exits:
             self.stats.signalled(now)
-        self.stats.reported(member.node_id, frame, now)
         events: list[MembershipEvent] = []
+        if reached := self.stats.reported(member.node_id, frame, now):
+            events.append(Verdict(member.node_id, f"the job's ranks began again at step 0 with nothing "
+                                                  f"restored, after it had reached step {reached}: "
+                                                  "every rank that held the training state was lost, and no "
+                                                  "checkpoint held it (muster run --checkpoint-dir)",
+                                  STATE_LOST_KIND))
         if not self._finishing_asked and not state.frozen:
             done = next((r for r in reports if r.state == "finished"), None)
             if done is not None:

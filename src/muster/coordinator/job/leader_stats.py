@@ -57,13 +57,17 @@ class LeaderStats:
         """A failure's first sign (an exit reported, or the silence a failure was judged on)."""
         self._signals.append(at)
 
-    def reported(self, node_id: str, frame: pb.NodeFrame, now: float) -> None:
+    def reported(self, node_id: str, frame: pb.NodeFrame, now: float) -> int:
         """A frame read in full (one that only advances steps carries nothing new here): its exits,
-        and for the recovery under way, its node running the new map and its ranks' reform phases."""
+        and for the recovery under way, its node running the new map and its ranks' reform phases.
+        Returns the step the job had reached where this frame is the first word that the measured
+        generation's ranks began again at step 0 with nothing restored (no tier held the state: every
+        rank lost, and no checkpoint), else 0."""
         self.restarts += len(frame.exits)
         m = self._measuring
         if m is None:
-            return
+            return 0
+        lost = m.record.tier
         under_way = self.recovering is not None and m.record.generation == self.recovering.generation
         if under_way and frame.generation >= m.record.generation and node_id in m.undelivered:
             m.undelivered.discard(node_id)
@@ -75,6 +79,10 @@ class LeaderStats:
                 # Over already: a rank's phases can come after the others' first steps ended the recovery
                 # (a replacement's agent reports it with its next frame), or after the next map superseded it
                 timeline(measured.record, measured.record.recovery_s, measured.bytes_moved)
+        if m.record.tier == "none" and lost != "none":
+            self.high_step = 0  # (the job trains on from step 0: a later reform there is no loss)
+            return m.high_at_decision
+        return 0
 
     def measure(self, now: float, seen: Assessment) -> None:
         """Frames/s (smoothed, and the metric's count), the first signals of the failures found, the
@@ -118,7 +126,10 @@ class LeaderStats:
         """A decision the leader adopted: its evictions, and a new generation's detection time; the
         recovery it starts is measured from here."""
         self.high_step = max(self.high_step, step_before)
-        self._begun_again |= any(e.kind == STATE_LOST_EVENT for e in d.events)
+        # (a generation whose ranks this leader saw begin again from nothing is marked so already)
+        m = self._measuring
+        self._begun_again |= any(e.kind == STATE_LOST_EVENT and not (m and m.record.generation == e.generation
+                                                                      and m.record.tier == "none") for e in d.events)
         for e in d.events:
             if e.kind in EVICTIONS:
                 self.evictions += 1
@@ -138,6 +149,7 @@ class LeaderStats:
                 if self._begun_again:  # (the ranks, begun at step 0, report nothing restored)
                     self._begun_again = False
                     record.tier, record.steps_lost = "none", self.high_step
+                    self.high_step = 0
         if d.persist:
             self._signals.clear()
 
@@ -190,6 +202,10 @@ class _Measured:
         rank lost, or the job's highest step before the decision past that step (every rank lost: the
         new ones lost none of their own)."""
         m = self.record
+        if not p.tier and p.step == 0 and self.high_at_decision:
+            # Begun again at step 0 with nothing restored, after the job had trained: no tier held it
+            m.tier, m.steps_lost = "none", self.high_at_decision
+            return
         tier = p.tier if p.tier in TIERS else ""  # (a newer rank's word this leader does not know: not shown)
         if not tier:
             return
