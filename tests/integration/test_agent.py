@@ -82,6 +82,28 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
     assert "rank_exited" in kinds and "rank_recovered" in kinds
 
 
+@pytest.mark.timeout(150)
+def test_a_killed_big_ranks_death_is_reported_as_it_begins_not_once_its_memory_is_freed(coordinators, agents):
+    """A rank holding 2 GiB is SIGKILLed: the kernel frees its memory before its sockets close and it
+    can be reaped (~0.1 s here; a GPU rank's driver teardown comes first too). Its agent reads the
+    kill under way from /proc and reports the exit then, once; the slot restarts after the reap."""
+    (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
+    command = [sys.executable, str(SCRIPTS / "ballast.py"), "b", "2048", "--steps", "80", "--step-sleep", "0.05"]
+    a, b = agents([leader.address], "dying", ["a", "b"], command=command)
+    stepping([a, b])
+    victim = b.rank_pids(0)[-1]
+    os.kill(victim, signal.SIGKILL)
+    for n in (a, b):
+        assert n.wait(120) == 0, n.log_path.read_text()[-3000:]
+    (dying,) = [r for r in b.records("rank_dying") if r["pid"] == victim]
+    (reaped,) = [r for r in b.records("rank_exited") if r["pid"] == victim]
+    assert dying["signal"] == signal.SIGKILL and record_time(dying) <= record_time(reaped), (dying, reaped)
+    exits = [r for r in leader.find("membership_changed") if r["kind"] == "rank_exited" and r["nodes"] == ["b"]]
+    assert len(exits) == 1, exits  # reported once, as it began to die
+    assert len(b.rank_pids(0)) == 2 and all(len(n.rank_pids(s)) == 1 for n, s in ((a, 0), (a, 1), (b, 1)))
+    print(f"\n2 GiB rank killed: reported {record_time(reaped) - record_time(dying):.3f} s before it was reaped")
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_agent_takes_its_ranks_along_and_the_other_node_continues(coordinators, agents):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)

@@ -45,8 +45,8 @@ from muster.worker.agent.master_port import MasterPorts
 from muster.worker.agent.membership import join, rejoin
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, evicted, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
-from muster.worker.agent.slot import Slot
-from muster.worker.agent.rank_hub import RankHub, process_state
+from muster.worker.agent.slot import Slot, process_state
+from muster.worker.agent.rank_hub import RankHub
 from muster.worker.agent.supervisor import RankSupervisor, say
 from muster.worker.agent.watchdogs import watch_coordinator, watch_place
 from muster.worker.store import serve
@@ -113,7 +113,8 @@ class NodeAgent:
                 joining.cancel()  # a signal while joining
             elif joining.result():
                 streaming = asyncio.create_task(self._stream())
-                watchdogs = [asyncio.create_task(watch_coordinator(self)), asyncio.create_task(watch_place(self))]
+                watchdogs = [asyncio.create_task(watch_coordinator(self)), asyncio.create_task(watch_place(self)),
+                             asyncio.create_task(self.ranks.watch_dying())]
             return await self._done
         finally:
             for task in watchdogs or ():

@@ -13,7 +13,7 @@ import grpc
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
-from muster.worker.agent.slot import Slot
+from muster.worker.agent.slot import Slot, process_state
 from muster.worker.agent.supervisor import Node
 
 
@@ -160,15 +160,6 @@ def _group_gone(d: pb.Directive) -> pb.Directive:
     gone.CopyFrom(d)
     gone.assignment.abort_previous = True
     return gone
-
-
-def process_state(pid: int) -> str | None:
-    """The process's state letter from /proc (R, S, D, T, Z, ...), or None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def _runnable(pid: int) -> bool:

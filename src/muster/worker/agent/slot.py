@@ -27,6 +27,7 @@ TAIL_BYTES = 64 * 1024
 # between them was seen, the agent's next record then sharing the line.
 PARTIAL_LINE_S = 2.0
 MAX_ERROR_CHARS = 200  # of the exception a rank died of, in its exit report (RankExit.error)
+PF_EXITING = 0x4  # a task's flag from the start of its exit (include/linux/sched.h)
 
 
 def outside_crash_loop(code: int, lived_s: float) -> bool:
@@ -66,6 +67,7 @@ class Slot:
     generation: int = 0  # the generation its process was started for
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
+    dying_pid: int = 0  # its process heard killed as its exit began, and reported so: not reported again once reaped
     crashed_in: int = 0  # the generation its last process crashed in: a replacement is no member of it
     crashes: int = 0  # in a row, each within CRASH_LOOP_S of its start: the backoff grows with them
     started_at: float = 0.0  # monotonic, its process's start
@@ -193,6 +195,35 @@ def error_of(path: str) -> tuple[str, int]:
     step = doc.get("muster_step", 0)
     first = str(message).strip().splitlines()[0] if str(message).strip() else ""
     return first, step if isinstance(step, int) and step > 0 else 0
+
+
+def dying_signal(pid: int) -> int:
+    """The signal killing `pid`, read as its exit begins: its /proc stat's flags say PF_EXITING and
+    its exit code a signal, both set before the kernel frees its memory, which it does before it
+    closes its sockets and lets it be reaped (a 1.6 GB process here: 0.1 ms against 88 ms; a GPU
+    rank's driver teardown comes before its reap too). 0 while it runs, where it exits by itself,
+    or where /proc does not say (the exit code is shown only to a process that may trace it)."""
+    fields = stat_fields(pid)
+    if fields is None or len(fields) < 50:
+        return 0
+    flags, code = int(fields[6]), int(fields[49])  # fields 9 and 52
+    return code & 0x7F if flags & PF_EXITING else 0
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, T, Z, ...), or None when there is none."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the third (the state) on; None where there is no such process.
+    (The name in the second may hold anything, parentheses and spaces included.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def exit_of(slot: Slot, pid: int, code: int, restarting: bool) -> pb.RankExit:

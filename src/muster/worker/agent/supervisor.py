@@ -26,13 +26,14 @@ from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
 from muster.worker.rank.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
-from muster.worker.agent.slot import Slot, StderrTail, crash_of, exit_of, outside_crash_loop
+from muster.worker.agent.slot import Slot, StderrTail, crash_of, dying_signal, exit_of, outside_crash_loop
 from muster.worker.rank.step_probe import STEP_FILE_ENV, StepFile
 from muster.worker.rank.zygote import WarmProcess, WarmStarts, ZygoteLost
 
 log = structlog.get_logger(__name__)
 
 COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
+DYING_POLL_S = 0.02  # how often a library rank is looked at for a kill under way (a read of its /proc stat)
 EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
 RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
 # What torchrun sets for its workers: taken from the current map, never from the agent's own
@@ -245,7 +246,7 @@ class RankSupervisor:
             await self.node.settle()
             return
         if self.node.finishing() and not self.node.draining:
-            self._lost_as_finishing(slot, proc.pid, code, report=True)
+            self._lost_as_finishing(slot, proc.pid, code, report=slot.dying_pid != proc.pid)
             slot.last_crash = await crash_of(slot, proc.pid, code)
             await self.node.settle()
             return
@@ -261,12 +262,8 @@ class RankSupervisor:
         # leader re-forms the job once, with its replacement (never a map without the slot first).
         in_place = (not self.node.library and not self.node.draining and slot.charged < self.node.config.max_restarts
                     and self.placed(slot))
-        slot.failed_pid = proc.pid  # reported exited (or restarting) until a replacement speaks for the slot
-        slot.crashed_in = a.generation if a else 0
-        slot.restarting = in_place
-        slot.crashes = 1 if outside_crash_loop(code, time.monotonic() - slot.started_at) else slot.crashes + 1
-        self.node.session.exits.append(exit_of(slot, proc.pid, code, in_place))
-        self.node.session.send_now()  # the leader hears of it within milliseconds
+        if slot.dying_pid != proc.pid:  # (else reported as it began to die)
+            self._report_exit(slot, proc.pid, code, in_place)
         slot.last_crash = await crash_of(slot, proc.pid, code)
         if self.node.draining:
             return
@@ -291,6 +288,36 @@ class RankSupervisor:
                     # this node out (a peer node lost) was the others' change, not the slot's fault.
                     slot.charged += 1 if self.node.library or self.placed(slot) else 0
                     await self.start_placed(slot)
+
+    def _report_exit(self, slot: Slot, pid: int, code: int, in_place: bool) -> None:
+        slot.failed_pid = pid  # reported exited (or restarting) until a replacement speaks for the slot
+        a = self.node.assignment
+        slot.crashed_in = a.generation if a else 0
+        slot.restarting = in_place
+        slot.crashes = 1 if outside_crash_loop(code, time.monotonic() - slot.started_at) else slot.crashes + 1
+        self.node.session.exits.append(exit_of(slot, pid, code, in_place))
+        self.node.session.send_now()  # the leader hears of it within milliseconds
+
+    async def watch_dying(self) -> None:
+        """The library ranks, looked at every DYING_POLL_S for a kill under way (one loop for the node:
+        a wake-up costs more than the reads)."""
+        while not self.node.done():
+            await asyncio.sleep(DYING_POLL_S)
+            if self.node.library and not self.node.draining and not self.node.finishing():
+                for slot in self.node.slots:
+                    if slot.alive and slot.dying_pid != slot.proc.pid and not slot.stopping and not slot.finished:
+                        self._heard_dying(slot, slot.proc)
+
+    def _heard_dying(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> None:
+        """A library rank being killed (a signal, its exit begun) is reported at once: its memory, GBs
+        for a big model, is freed before its sockets close and its exit can be reaped, which held
+        everyone's recovery that long. It speaks no more; its slot restarts once it is reaped."""
+        sig = dying_signal(proc.pid)
+        if not sig or slot.completed_file and os.path.exists(slot.completed_file):
+            return
+        slot.dying_pid, slot.connected = proc.pid, False
+        self.log.info("rank_dying", slot=slot.index, pid=proc.pid, signal=sig)
+        self._report_exit(slot, proc.pid, -sig, in_place=False)
 
     async def _exit_of(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> int:
         """Its process's exit code. While it runs, its script's completion (the runner's mark) is
