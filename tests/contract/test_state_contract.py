@@ -103,6 +103,7 @@ def story(layout: str, store: dist.Store, process: int) -> dict:
             dist.destroy_process_group()
         name = f"{layout}/g{generation}"
         prefix = dist.PrefixStore(f"{name}/", store)
+        state.card_ahead(step, CPU)  # as the reform does, before it waits for its group
         dist.init_process_group("gloo", store=dist.PrefixStore("pg/", prefix), rank=process, world_size=WORLD,
                                 timeout=timedelta(seconds=30))
         r = state.sync(step, GroupChannel(prefix, GroupSpec(generation, process, WORLD, 0, "", name), lambda: False, 30.0),

@@ -91,6 +91,7 @@ class Reform:
             if latest is None or latest.generation <= after:
                 log.info("rank_holding", generation=after, step=step, cause=hold, hold_timeout_s=self.hold_timeout_s)
         self.comm.leave(after + 1 if hold or abort else 0)  # peers blocked on this rank fail now, not at the timeout
+        state.card_ahead(step, self.device)  # (its fingerprint while it waits for its group)
         deadline = time.monotonic() + self.hold_timeout_s
         repeats = RepeatedFailure(self.comm.backend.is_transport_failure)
         while True:

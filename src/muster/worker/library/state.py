@@ -25,9 +25,11 @@ rank's link keeps reporting while gigabytes move, and a long transfer logs its p
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -129,6 +131,10 @@ class StateTransfer(Protocol):
     def fingerprint(self, device: torch.device) -> bytes:
         """16 bytes over what this rank holds: equal on the ranks the layout keeps identical."""
 
+    def card_ahead(self, step: int, device: torch.device) -> None:
+        """At a reform's start, before this rank waits for its group: begin what `sync` will first need
+        of this rank at `step` (its fingerprint), so that the wait hides it. `sync` takes it once."""
+
     def discard_step(self) -> None:
         """Gradients of an aborted step must not leak into the redo."""
         if self.model is not None:
@@ -171,6 +177,7 @@ class ReplicatedState(StateTransfer):
     # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
     on_received: Callable[[int, torch.Tensor], None] | None = None
     durable: Durable | None = None  # the checkpoints under the ranks' own state (src/muster/worker/library/checkpoints.py)
+    _ahead: tuple[int, Future[Card]] | None = field(default=None, repr=False)  # card_ahead's: the step, the card
 
     @classmethod
     def of(cls, model: torch.nn.Module | None, optimizer: Stateful | None, extras: dict[str, Stateful]) -> ReplicatedState:
@@ -210,6 +217,22 @@ class ReplicatedState(StateTransfer):
         described, tensors = self._flat(device)
         return _card(step, described, tensors, device)
 
+    def card_ahead(self, step: int, device: torch.device) -> None:
+        """The host tensors' hash (600 MB: ~0.1 s) on a thread while the group forms: xxhash lets go of
+        the GIL, and nothing changes the state until `sync` (a device's sums are quick: not begun)."""
+        if device.type != "cpu":
+            return
+        described, tensors = self._flat(device)  # (the state_dicts read on the training thread)
+        card: Future[Card] = Future()
+        self._ahead = (step, card)
+
+        def take() -> None:
+            try:
+                card.set_result(_card(step, described, tensors, device))
+            except BaseException as exc:  # (said where sync takes it)
+                card.set_exception(exc)
+        threading.Thread(target=take, name="muster-card-ahead", daemon=True).start()
+
     def saved_shard(self, rank: int) -> int | None:
         """The checkpoint shard this rank writes: the whole state, by rank 0."""
         return 0 if rank == 0 else None
@@ -235,7 +258,10 @@ class ReplicatedState(StateTransfer):
         self.still_replicated("at a reform")
         started = time.perf_counter()
         described, tensors = self._flat(device)
-        mine = _card(step, described, tensors, device)
+        # Begun at the reform's start, if it was at this step (taken once: a transfer cut short by a
+        # fault may have changed the state before the next try)
+        ahead, self._ahead = self._ahead, None
+        mine = ahead[1].result() if ahead is not None and ahead[0] == step else _card(step, described, tensors, device)
         fingerprinted = time.perf_counter()
         # With checkpoints, each card carries the newest complete one its rank sees
         seen = self.durable.complete()[:1] if self.durable is not None else ()
