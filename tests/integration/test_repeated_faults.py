@@ -45,12 +45,22 @@ def failed_run(coordinators, agents, job: str, *script_args: str, nodes: str = "
 
 
 @pytest.mark.timeout(240)
-def test_a_script_that_raises_at_the_same_step_on_every_rank_ends_the_run_with_one_verdict(coordinators, agents):
-    run, nodes = failed_run(coordinators, agents, "repeat-step", "--fail-at", "6")
+@pytest.mark.parametrize("on_state_lost", ["fail", "restart"])
+def test_a_script_that_raises_at_the_same_step_on_every_rank_ends_the_run_with_one_verdict(coordinators, agents,
+                                                                                           on_state_lost):
+    """By default the restarted ranks' step 0 ends the run (every rank's state was lost), naming the
+    error that lost it; where the job allows beginning again, the error's return does."""
+    run, nodes = failed_run(coordinators, agents, "repeat-step", "--fail-at", "6",
+                            extra=["--on-state-lost", "restart"] if on_state_lost == "restart" else None)
     # (its rank is named where the current map still places the slot: a peer's exit may have shrunk it)
-    assert run.reason.startswith("a fault that repeats: ") and ", local rank " in run.reason, run.reason
-    assert "failed again in step 6 with the same error after a restart: RuntimeError: the script's own bug at " \
-           "step 6" in run.reason
+    if on_state_lost == "fail":
+        assert run.reason.startswith("training state lost beyond every tier: ") and ", local rank " in run.reason, \
+            run.reason
+        assert "in step 6, exit code 1: RuntimeError: the script's own bug at step 6" in run.reason, run.reason
+    else:
+        assert run.reason.startswith("a fault that repeats: ") and ", local rank " in run.reason, run.reason
+        assert "failed again in step 6 with the same error after a restart: RuntimeError: the script's own bug at " \
+               "step 6" in run.reason
     for node in nodes:  # each slot was restarted once, not to its budget
         assert all(len([r for r in node.records("rank_started") if r["slot"] == s]) <= 2 for s in (0, 1))
         assert not node.records("slot_given_up")
