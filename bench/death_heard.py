@@ -11,10 +11,14 @@ median, max over kills), on the machine's one clock:
   dying_s      the agent read the kill under way (its rank_dying record)
   reaped_s     the victim reaped (its rank_exited record): what the agent waited for before
   decided_s    the leader's decision (its membership_changed record)
+  began_s      the last survivor's reform began (its group_formed time less the reform's seconds):
+               a survivor in a step's compute leaves it at the step's next module
   formed_s     the last survivor's group formed without the victim (group_formed)
   stepped_s    the last survivor's first step completed in that group (a kill lands inside a step:
                up to one steady step, steady_step_s, of this is the step the survivors redo)
   heard_before_reap_s   reaped_s - dying_s: what the read saves
+  phases       the survivors' reform by phase (max over survivors, median over kills): abort_s,
+               destroy_s, store_s, barrier_s, init_s, fingerprint_s, agree_s, sync_s, seconds
 
     python bench/death_heard.py [--model tiny,50M] [--kills 3] > bench/results/death_heard.json
 """
@@ -40,6 +44,7 @@ from muster.local import AgentProcess, CoordinatorProcess, record_time, wait_unt
 JOB, NODES, SLOTS = "death-heard", ("a", "b"), (0, 1)
 STEP_SLEEP_S = 0.05
 SETTLED = 3  # steps every rank takes in a group of all of them before the next kill
+PHASES = ("abort_s", "destroy_s", "store_s", "barrier_s", "init_s", "fingerprint_s", "agree_s", "sync_s", "seconds")
 
 
 def spread(values: list[float]) -> dict:
@@ -86,7 +91,9 @@ def one_kill(leader: CoordinatorProcess, agents: list[AgentProcess]) -> dict[str
     dying = [r for r in node.records("rank_dying") if r["pid"] == victim]
     decided = [r for r in leader.find("membership_changed") if record_time(r) >= at]
     out = {"reaped_s": record_time(reaped[0]) - at, "decided_s": min(map(record_time, decided)) - at,
+           "began_s": max(record_time(r) - r["seconds"] for r in formed) - at,
            "formed_s": max(map(record_time, formed)) - at,
+           **{f"phase.{name}": max(r.get(name, 0.0) for r in formed) for name in PHASES},
            "stepped_s": max(record_time(first) for _, _, first in stepped) - at}
     if dying:
         out["dying_s"] = record_time(dying[0]) - at
@@ -110,10 +117,11 @@ def run(workdir: Path, model: str, kills: int) -> dict:
             a.stop()
         leader.stop()
         etcd.stop()
-    names = ("dying_s", "reaped_s", "decided_s", "formed_s", "stepped_s", "heard_before_reap_s")
+    names = ("dying_s", "reaped_s", "decided_s", "began_s", "formed_s", "stepped_s", "heard_before_reap_s")
     return {"model": model, "kills": kills, "read_dying": sum("dying_s" in c for c in cycles),
             "steady_step_s": round(statistics.median(steady), 4) if steady else None,
-            **{n: spread([c[n] for c in cycles if n in c]) for n in names if any(n in c for c in cycles)}}
+            **{n: spread([c[n] for c in cycles if n in c]) for n in names if any(n in c for c in cycles)},
+            "phases": {n: round(statistics.median(c[f"phase.{n}"] for c in cycles), 4) for n in PHASES}}
 
 
 def main() -> int:
