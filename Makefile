@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/side_by_side.py --ranks 4,8,16 --kills 5 --unmodified-ranks 4,8 --nodes 2 > bench/results/side_by_side.json
 	$(BIN)/python bench/recovery.py --ranks 8 --model tiny --kills 5 --hangs 3 --failovers 3 > bench/results/recovery.json
 	$(BIN)/python bench/recovery.py --ranks 4 --model tiny,17M,50M,100M --kills 5 --hangs 1 --failovers 0 > bench/results/recovery_sizes.json
+	$(BIN)/python bench/death_heard.py --model tiny,17M,50M,100M --kills 5 > bench/results/death_heard.json
 	$(BIN)/python bench/capacity.py > bench/results/capacity.json
 	$(BIN)/python bench/capacity.py --nodes 1000 --rate 10,15,20 --skip-membership > bench/results/capacity_direct_rates.json
 	$(BIN)/python bench/capacity.py --relays 2 --rate 3,10 --nodes 1000 --skip-membership > bench/results/capacity_relays.json

@@ -609,6 +609,7 @@ def bench_section(arg: str | None) -> str:
         "churn": render_churn,
         "abuse": render_abuse,
         "bench_check": render_bench_check,
+        "death_heard": render_death_heard,
     }.get(kind, render_generic)
     return render(d) + "\n" + source(name, d)
 
@@ -800,6 +801,18 @@ def render_capacity(d: dict) -> str:
              "its size",
              "loop held by it at most", "summary over every rank", "one node's page, its size"], rows))
     return "\n".join(out)
+
+
+def render_death_heard(d: dict) -> str:
+    """One row a model: seconds from the SIGKILL (medians over kills) to each mark of the reform."""
+    def med(run: dict, name: str) -> str:
+        return s(run[name]["median"]) if name in run else "–"
+
+    rows = [[r["model"], s(r["steady_step_s"]), f"{r['read_dying']} of {r['kills']}", med(r, "dying_s"),
+             med(r, "decided_s"), med(r, "reaped_s"), med(r, "began_s"), med(r, "formed_s"),
+             s(r["phases"]["seconds"]), s(r["phases"]["fingerprint_s"])] for r in d["runs"]]
+    return table(["model", "steady step", "kill read as it began", "read", "decided", "reaped", "last reform began",
+                  "last survivor formed", "reform (slowest)", "its fingerprint wait"], rows)
 
 
 def render_bench_check(d: dict) -> str:
