@@ -30,11 +30,13 @@ past the bound; noise past NOISY (the calibration's CPU varying by 25%, or getti
 turns a figure over its tolerance, not over its bound, inconclusive.
 
 The reform's own cost at a real size (`reform_excess_s`, once, after the repetitions): bench/
-recovery.py's kill cycle at 4 ranks (gloo, CPU), REFORM_KILLS kills each, with the tiny model and
-with REFORM_MODEL (50M parameters with Adam, 600 MB of state a rank): kill -> every survivor
-stepping, p50, of the big one less 1.5x the tiny one's. Both run on the same host minutes apart,
-so its speed cancels out; the bound is the target (0.15 s): a death heard and a group re-formed at
-the same speed whatever the model's size. ~3 minutes and ~5 GB of memory (--skip-reform: not).
+death_heard.py's kills under `muster run` (2 agents x 2 slots, gloo, CPU), REFORM_KILLS kills
+each, with the tiny model and with REFORM_MODEL (50M parameters with Adam, 600 MB of state a
+rank): kill -> the last survivor's group formed without the victim (each then begins its step),
+the median, of the big one less 1.5x the tiny one's. (Not "a step completed": at 50M that is the
+step itself, ~2 s on 2 cores.) Both run on the same host minutes apart, so its speed cancels out;
+the bound is the target (0.15 s): a death heard and a group re-formed at the same speed whatever
+the model's size. ~2 minutes and ~5 GB of memory (--skip-reform: not).
 
     python bench/check.py                 # check (3 repetitions, 4.5-5 minutes with the reform)
     python bench/check.py --update        # write the baseline (after a deliberate change)
@@ -59,7 +61,7 @@ import capacity  # noqa: E402
 from muster import logs  # noqa: E402
 
 BASELINE = Path(__file__).parent / "results" / "bench_check.json"
-REFORM_MODEL, REFORM_RANKS, REFORM_KILLS = "50M", 4, 3
+REFORM_MODEL, REFORM_KILLS = "50M", 3
 RANKS, SLOTS = 100_000, 8
 NODES, RATE = 1_000, 10.0
 # Past these the machine is too noisy to call a figure over its tolerance a regression.
@@ -123,18 +125,19 @@ def repetition(workdir: Path, ranks: int, network: bool) -> dict:
 
 
 def reform(workdir: Path) -> dict:
-    """Kill -> every survivor stepping, p50, with the tiny model and with REFORM_MODEL (recovery.py's
-    kill cycle); the excess of the big one over 1.5x the tiny one, and the big one's timeline."""
-    import recovery  # (beside this file; it imports torch, which the other figures do without)
+    """Kill -> the last survivor's group formed, median, with the tiny model and with REFORM_MODEL
+    (death_heard.py's kills under `muster run`); the excess of the big one over 1.5x the tiny one,
+    and the big one's marks from the kill."""
+    import death_heard  # (beside this file)
 
     runs = {}
     for model in ("tiny", REFORM_MODEL):
         (workdir / model).mkdir(parents=True)
-        runs[model] = recovery.run(workdir / model, REFORM_RANKS, REFORM_KILLS, 0, 0, 0.05 if model == "tiny" else 0.0,
-                                   "gloo", {}, model)["kill"]
-    tiny, big = (runs[m]["kill_to_step_s"]["p50"] for m in ("tiny", REFORM_MODEL))
+        runs[model] = death_heard.run(workdir / model, model, REFORM_KILLS)
+    tiny, big = (runs[m]["formed_s"]["median"] for m in ("tiny", REFORM_MODEL))
+    marks = ("dying_s", "decided_s", "reaped_s", "began_s", "formed_s")
     return {"model": REFORM_MODEL, "tiny_s": tiny, "sized_s": big, "excess_s": round(big - 1.5 * tiny, 4),
-            "timeline": runs[REFORM_MODEL].get("timeline")}
+            "timeline": {m: runs[REFORM_MODEL][m]["median"] for m in marks if m in runs[REFORM_MODEL]}}
 
 
 def value(rep: dict, path: tuple[str, ...]) -> float | None:
