@@ -21,8 +21,10 @@ HEARTBEAT_TIMEOUT = ["--heartbeat-timeout", "15"]
 @pytest.mark.parametrize("backend", ["gloo", "nccl-twin"])
 def test_a_replacement_abandons_a_generation_whose_store_host_died(coordinators, agents, backend):
     (leader,) = coordinators(1, extra=HEARTBEAT_TIMEOUT)
+    # Every rank that held the state is lost here: the job allows beginning again, so that the
+    # replacement trains on alone (by default the run would end failed, saying so: test_state_lost_restart)
     a, b = agents([leader.address], "deadstore", ["node0", "node1"], slots=1, steps=10**6,
-                  env={"MUSTER_BACKEND": backend})
+                  env={"MUSTER_BACKEND": backend}, extra=["--on-state-lost", "restart"])
     wait_until(lambda: all(n.steps(0) and n.steps(0)[-1]["world_size"] == 2 and n.steps(0)[-1]["step"] >= 10
                            for n in (a, b)), 90, "both ranks past step 10")
     started = len(a.rank_pids(0))

@@ -238,8 +238,9 @@ class Reforming(SimulatedNode):
         for r in reports:
             r.phase = "phased"
             if r.state == pb.RANK_STATE_RUNNING and self.step - began >= 3:
+                # (as a survivor says it: its own state went on, from the step the generation formed at)
                 r.reform.CopyFrom(pb.ReformPhases(generation=self.generation, abort_s=0.01, form_s=0.05, sync_s=0.35,
-                                                  transfer_s=0.3, bytes_received=1 << 20))
+                                                  transfer_s=0.3, bytes_received=1 << 20, tier="replica", step=began))
         return reports
 
 

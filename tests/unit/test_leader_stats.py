@@ -152,13 +152,14 @@ def test_ranks_begun_again_at_step_0_with_nothing_restored_after_the_job_trained
                                                                                            timing=TIMING))
     stats.adopted(first, 1, 0)  # (decided before any step: as a first formation)
     g = first.state.generation
-    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0)), 1.5) == 0
+    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g, from_scratch=True)), 1.5) == 0
     assert stats._measuring.record.tier == ""
     again = decide(first.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")],
                    Context(now=2, wall_ms=2000, term=1, timing=TIMING))
     stats.adopted(again, 2, 41)  # the job had reached step 41
     g = again.state.generation
-    began = frame(g, pb.ReformPhases(generation=g, tier="", step=0))
+    began = frame(g, pb.ReformPhases(generation=g, from_scratch=True))
+    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g)), 3) == 0  # (an older rank's word says neither)
     assert stats.reported("n0", began, 3) == 41
     assert stats.reported("n1", began, 3) == 0  # said once
     m = stats._measuring.record

@@ -202,7 +202,7 @@ class _Measured:
         rank lost, or the job's highest step before the decision past that step (every rank lost: the
         new ones lost none of their own)."""
         m = self.record
-        if not p.tier and p.step == 0 and self.high_at_decision:
+        if p.from_scratch and self.high_at_decision:
             # Begun again at step 0 with nothing restored, after the job had trained: no tier held it
             m.tier, m.steps_lost = "none", self.high_at_decision
             return

@@ -501,7 +501,7 @@ def reform_phases(generation: int, phases: dict[str, float], received: int, tier
     with the tier its state came from, the step restored and the steps this rank lost."""
     return pb.ReformPhases(generation=generation, abort_s=phases["abort_s"] + phases["destroy_s"],
                            form_s=phases["form_s"], sync_s=phases["sync_s"], transfer_s=phases["transfer_s"],
-                           bytes_received=received, tier=tier, step=step, steps_lost=lost)
+                           bytes_received=received, tier=tier, step=step, steps_lost=lost, from_scratch=not tier)
 
 
 def restored_from(sync: SyncResult, lost: int) -> str:
