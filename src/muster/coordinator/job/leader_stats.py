@@ -67,7 +67,7 @@ class LeaderStats:
         m = self._measuring
         if m is None:
             return 0
-        lost = m.record.tier
+        tier_before = m.record.tier  # (a fold below may find the generation begun again from nothing)
         under_way = self.recovering is not None and m.record.generation == self.recovering.generation
         if under_way and frame.generation >= m.record.generation and node_id in m.undelivered:
             m.undelivered.discard(node_id)
@@ -79,7 +79,7 @@ class LeaderStats:
                 # Over already: a rank's phases can come after the others' first steps ended the recovery
                 # (a replacement's agent reports it with its next frame), or after the next map superseded it
                 timeline(measured.record, measured.record.recovery_s, measured.bytes_moved)
-        if m.record.tier == "none" and lost != "none":
+        if m.record.tier == "none" and tier_before != "none":
             self.high_step = 0  # (the job trains on from step 0: a later reform there is no loss)
             return m.high_at_decision
         return 0
