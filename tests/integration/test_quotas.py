@@ -187,21 +187,28 @@ def test_a_tokens_join_and_run_floods_are_refused_past_its_quotas_while_another_
         return answers
 
     async def run_flood(stub) -> tuple[set[int], tuple[str, str]]:
-        """Runs of job C (a Join, then Leave immediate: the run fails once its takeover grace is
-        over) until one is refused."""
+        """Runs of job C (a Join, then Leave immediate: the run fails, its last node gone) until a
+        Join is refused."""
         runs = set()
         while True:
             try:
                 joined = await stub.Join(pb.JoinRequest(job="job-c", node_id="c0", slots=1, host="127.0.0.1",
                                                         store_port=29500), metadata=bearer(C), timeout=10)
                 runs.add(joined.run)
-                await stub.Leave(pb.LeaveRequest(job="job-c", node_id="c0", member_id=joined.member_id,
-                                                 immediate=True, session_secret=joined.session_secret),
-                                 metadata=bearer(C), timeout=10)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:  # a run ending or electing: as a node, retry
                     return runs, (exc.code().name, exc.details())
                 await asyncio.sleep(0.05)
+                continue
+            try:
+                await stub.Leave(pb.LeaveRequest(job="job-c", node_id="c0", member_id=joined.member_id,
+                                                 immediate=True, session_secret=joined.session_secret),
+                                 metadata=bearer(C), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                # c0 opens no stream: past --heartbeat-timeout (1 s) of a loaded machine it is lost
+                # and its run has ended without the Leave (NOT_FOUND), which is as good
+                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    return runs, (exc.code().name, exc.details())
 
     async def scenario():
         b_nodes = [SimulatedNode([replica.address], "job-b", f"b{i}", slots=1, security=ClientSecurity(B),

@@ -292,3 +292,15 @@ def test_extras_updated_after_the_step_scope_are_named_at_the_first_step(inside)
     warned = [line for line in lines if line["event"] == "extras_updated_after_step"]
     assert len(warned) == (0 if inside else 1), warned
     assert all((line["step"], line["extras"]) == (1, ["data"]) for line in warned)
+
+
+def test_a_reform_restoring_nothing_says_begun_from_scratch_unless_its_replica_group_is_benched():
+    """The leader's state-lost verdict rests on this word: a rank that trains on from step 0 with
+    nothing restored says so; a rank of a replica group benched out of the mesh (a replacement at step
+    0 beside a survivor, waiting for a generation to place them) restored nothing for another reason."""
+    from muster.worker.library.api import reform_phases
+
+    phases = dict(abort_s=0.0, destroy_s=0.0, form_s=0.01, sync_s=0.0, transfer_s=0.0)
+    assert reform_phases(4, phases, 0).from_scratch
+    assert not reform_phases(4, phases, 0, benched=True).from_scratch
+    assert not reform_phases(4, phases, 1 << 20, "checkpoint", 8, 1).from_scratch

@@ -395,7 +395,8 @@ class Worker:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
         tier = restored_from(sync, lost)
-        self._reformed = reform_phases(spec.generation, formed.phases, sync.received, tier, sync.step, lost)
+        self._reformed = reform_phases(spec.generation, formed.phases, sync.received, tier, sync.step, lost,
+                                       benched=sync.bench is not None)
         if sync.tier != "live" or lost or sync.role == "receiver" and sync.step > 0:
             # A recovery: which tier restored which step, the steps this rank lost, the time it took
             self.recoveries.append({"generation": spec.generation, "tier": tier, "step": sync.step, "steps_lost": lost,
@@ -496,12 +497,15 @@ def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **
 
 
 def reform_phases(generation: int, phases: dict[str, float], received: int, tier: str = "", step: int = 0,
-                  lost: int = 0) -> pb.ReformPhases:
+                  lost: int = 0, benched: bool = False) -> pb.ReformPhases:
     """A reform's phases as the rank reports them (its leader draws the recovery's timeline from them),
-    with the tier its state came from, the step restored and the steps this rank lost."""
+    with the tier its state came from, the step restored and the steps this rank lost. Begun from
+    scratch: nothing restored and it trains; a benched replica group (out of the mesh, waiting to be
+    placed) restored nothing because it trains nothing yet, whatever step its own state is at."""
     return pb.ReformPhases(generation=generation, abort_s=phases["abort_s"] + phases["destroy_s"],
                            form_s=phases["form_s"], sync_s=phases["sync_s"], transfer_s=phases["transfer_s"],
-                           bytes_received=received, tier=tier, step=step, steps_lost=lost, from_scratch=not tier)
+                           bytes_received=received, tier=tier, step=step, steps_lost=lost,
+                           from_scratch=not tier and not benched)
 
 
 def restored_from(sync: SyncResult, lost: int) -> str:
