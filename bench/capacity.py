@@ -256,16 +256,49 @@ async def _wait_stepping(stub, coordinator: CoordinatorProcess, nodes: int, slot
         await asyncio.sleep(0.5)
 
 
-async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str = "") -> list[tuple[float, int]]:
+PROBE_REJOINS = 3  # streams the probe opens again where the leader ended one
+
+
+class ProbeEnded(Exception):
+    """The leader ended the probe's stream (why: its status)."""
+
+
+async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event,
+                 relay: str = "") -> tuple[list[tuple[float, int]], list[str]]:
     """Frame -> leader-visible latency (an upper bound): write a frame with a change on a real
     Session (through `relay` when given): a new step and a rank state flipped between running and a
     long phase (a relay forwards changes at once, progress alone once per --relay-progress), then
-    poll `Status` until both show; (response that shows it - write, polls needed). Samples while `sampling` is set (the CPU windows go without
-    its polls); otherwise keeps its stream alive, until `stop`."""
+    poll `Status` until both show; (response that shows it - write, polls needed). Samples while
+    `sampling` is set (the CPU windows go without its polls); otherwise keeps its stream alive, until
+    `stop`. A stream the leader ends (the probe evicted on a loaded machine: its run ends with it) is
+    joined again, up to PROBE_REJOINS times, the samples kept; why each ended comes back with them."""
+    relay_channel = grpc.aio.insecure_channel(relay) if relay else None
+    samples: list[tuple[float, int]] = []
+    ended: list[str] = []
+    try:
+        while True:
+            try:
+                await _probe_session(stub, relay_channel, sampling, stop, samples)
+                return samples, ended
+            except ProbeEnded as exc:
+                ended.append(str(exc))
+                if len(ended) > PROBE_REJOINS:
+                    raise
+            except grpc.aio.AioRpcError as exc:  # a Join refused while the last run ends: as a node, again
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.1)
+    finally:
+        if relay_channel is not None:
+            await relay_channel.close()
+
+
+async def _probe_session(stub, relay_channel, sampling: asyncio.Event, stop: asyncio.Event,
+                         samples: list[tuple[float, int]]) -> None:
+    """One membership of the probe node: `_probe`'s samples until `stop`, or ProbeEnded."""
     joined = await stub.Join(pb.JoinRequest(job=PROBE_JOB, node_id="probe", slots=1, host="127.0.0.1",
                                             store_port=29400), timeout=10)
-    relay_channel = grpc.aio.insecure_channel(relay) if relay else None
-    call = (pb_grpc.CoordinatorStub(relay_channel) if relay else stub).Session()
+    call = (pb_grpc.CoordinatorStub(relay_channel) if relay_channel else stub).Session()
     generation = 0
     step = 0
     state = pb.RANK_STATE_RUNNING
@@ -275,7 +308,13 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
                                phase="probe" if state == pb.RANK_STATE_LONG_PHASE else "")] if step else []
         return pb.NodeFrame(job=PROBE_JOB, node_id="probe", member_id=joined.member_id, term=joined.term,
                             generation=generation, ranks=ranks, session_secret=joined.session_secret,
-                            via_relay=bool(relay))
+                            via_relay=bool(relay_channel))
+
+    async def write() -> None:
+        try:
+            await call.write(frame())
+        except asyncio.InvalidStateError:
+            raise ProbeEnded(f"{(await call.code()).name}: {await call.details()}") from None
 
     async def read() -> None:
         nonlocal generation
@@ -284,16 +323,15 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
                 generation = d.assignment.generation
 
     reader = asyncio.create_task(read())
-    samples: list[tuple[float, int]] = []
     try:
-        await call.write(frame())
+        await write()
         while not generation:  # the probe job forms after its last call
             await asyncio.sleep(0.05)
-            await call.write(frame())
+            await write()
         while not stop.is_set():
             if not sampling.is_set():
                 step += 1  # alive and stepping: a silent or stalled probe node would be evicted
-                await call.write(frame())
+                await write()
                 try:
                     await asyncio.wait_for(sampling.wait(), 0.5)
                 except TimeoutError:
@@ -303,7 +341,7 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
             state = pb.RANK_STATE_LONG_PHASE if state == pb.RANK_STATE_RUNNING else pb.RANK_STATE_RUNNING
             shown = "long_phase" if state == pb.RANK_STATE_LONG_PHASE else "running"
             written = time.monotonic()
-            await call.write(frame())
+            await write()
             polls = 0
             while True:
                 polls += 1
@@ -312,6 +350,8 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
                 if ranks and ranks[0].step >= step and ranks[0].state == shown:
                     samples.append((time.monotonic() - written, polls))
                     break
+                if call.done():
+                    raise ProbeEnded(f"{(await call.code()).name}: {await call.details()}")
                 # Paced: through a relay a frame waits for its batch window, and polling back to
                 # back meanwhile would load the leader more than the nodes do.
                 await asyncio.sleep(POLL_S)
@@ -320,9 +360,6 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event, relay: str 
     finally:
         call.cancel()
         reader.cancel()
-        if relay_channel is not None:
-            await relay_channel.close()
-    return samples
 
 
 def _wall(record: dict) -> float:
@@ -424,7 +461,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
                                                   clients.cpu_seconds())
         relay_cpu1 = [cpu_seconds(r.pid) for r in relays]
         stop.set()
-        samples = await probing
+        samples, probe_ended = await probing
         generation = (await stub.Status(pb.StatusRequest(job=JOB, brief=True), timeout=10)).jobs[0].generation
     delivered = {n: seen1.get(n, 0) - seen0.get(n, 0) for n in seen0}
     changes = coordinator.find("membership_changed", job=JOB)[changes_before:]
@@ -433,7 +470,9 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
     # Then a membership change at this size: a node goes silent; the leader decides (its log), and
     # every other node holds its part of the next generation (the clients' clocks; one machine).
     silenced, held = await asyncio.to_thread(clients.change, generation, 4 * timeout_s)
-    decided = [_wall(r) for r in coordinator.find("membership_changed", job=JOB) if r.get("kind") == "node_silent"]
+    settled = changes_before + len(changes)
+    answer = [r for r in coordinator.find("membership_changed", job=JOB)[settled:] if r.get("kind") in EVICTION_KINDS]
+    decided = [_wall(r) for r in answer]
     delivered_per_s = sum(delivered.values()) / (t1 - t0)
     leader_cores = (leader_cpu1 - leader_cpu0) / (t1 - t0)
     loop_cores = (leader_loop1 - leader_loop0) / (t1 - t0)
@@ -448,7 +487,8 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         "delivered_frames_per_s": round(delivered_per_s, 1),
         "nodes_not_advancing": sum(1 for d in delivered.values() if d <= 0),
         "frame_latency_ms": {**_ms([latency for latency, _ in samples]), "samples": len(samples),
-                             "not_visible_at_first_poll": sum(1 for _, polls in samples if polls > 1)},
+                             "not_visible_at_first_poll": sum(1 for _, polls in samples if polls > 1),
+                             "probe_streams_ended": probe_ended},
         "leader_cpu_cores": round(leader_cores, 3),
         "leader_cpu_us_per_node_frame": round(leader_cores * 1e6 / delivered_per_s, 1) if delivered_per_s else None,
         "leader_idle_cpu_cores": round(idle_cores, 3),
@@ -463,6 +503,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         "change": {
             "decided_after_silence_s": round(decided[0] - silenced, 3) if decided else None,
             "every_node_held_it_after_s": round(held - decided[0], 3) if decided and held else None,
+            "kind": answer[0]["kind"] if answer else None,  # (node_silent: its stream open, it sent nothing)
         },
         "healthy": not evictions and not errors and world == nodes * slots and not changes,
         "world_size": world,  # at the window's end (healthy: every node's slots)
