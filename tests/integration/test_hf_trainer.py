@@ -50,6 +50,8 @@ def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, sample
             if (n, slot) != replaced:
                 assert len(n.rank_pids(slot)) == 1, f"{n.node_id}/{slot} was restarted"
                 assert off not in n.rank_logs(slot)[-1].read_text()
+            # (the trainer's counters move after its optimizer step, inside the step it ends at boundary())
+            assert not any("extras_updated_after_step" in log.read_text() for log in n.rank_logs(slot))
             runs[(n.node_id, slot)] = n.steps(slot)
     replacement = runs[(replaced[0].node_id, replaced[1])]
     assert replacement[0]["step"] > 1, "the replacement started from the others' step"

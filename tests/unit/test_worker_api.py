@@ -304,3 +304,17 @@ def test_a_reform_restoring_nothing_says_begun_from_scratch_unless_its_replica_g
     assert reform_phases(4, phases, 0).from_scratch
     assert not reform_phases(4, phases, 0, benched=True).from_scratch
     assert not reform_phases(4, phases, 1 << 20, "checkpoint", 8, 1).from_scratch
+
+
+def test_a_collective_between_steps_is_never_started_on_an_aborted_group():
+    """The integrations ask before a trainer's own collective outside a step (Lightning's SIGTERM
+    broadcast before every batch): on a group just aborted it would wait for a peer that is gone."""
+    from muster.worker.library.comm import StepCut
+
+    w = worker()
+    w.generation = 2
+    w.check_group()  # its group stands
+    w._guards.aborted(3)  # (what the abort thread does first)
+    with pytest.raises(StepCut, match="generation 2 was aborted"):
+        w.check_group()
+

@@ -141,6 +141,7 @@ def _collective(name: str, own):
         if run.discarded:
             return own(*args)
         try:
+            run.worker.check_group()  # (never started on an aborted group: a lost peer would hold it)
             return _ORIGINAL[name](self, *args, **kwargs)
         except Exception as exc:
             run.failed(exc)

@@ -252,6 +252,7 @@ class _Run:
             return  # the epoch's end right after its last step's: nothing new (a joiner's loop has no such call)
         self.ended = step
         try:
+            self.worker.check_group()  # (its collectives never started on an aborted group)
             call()
         except Exception as exc:
             self._failed(exc)

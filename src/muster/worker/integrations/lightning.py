@@ -57,6 +57,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
@@ -111,6 +112,10 @@ class MusterDDPStrategy(DDPStrategy):
         super().setup(trainer)
         if self._muster is not None and trainer.state.fn == TrainerFn.FITTING:
             self._muster.refuse_unsupported(trainer)
+            # The epoch loop's word from rank 0 on a SIGTERM goes straight to torch.distributed before
+            # every batch, outside a step: started on a group just aborted it waited for a lost peer
+            # until the survivor was ended as stuck. As the strategy's other collectives, it is guarded.
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._sigterm_said
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._muster is None:
@@ -168,11 +173,38 @@ class MusterDDPStrategy(DDPStrategy):
         return self._collective(lambda: super(MusterDDPStrategy, self).all_gather(tensor, group, sync_grads),
                                 tensor.unsqueeze(0) if isinstance(tensor, torch.Tensor) else tensor)
 
+    def _sigterm_said(self) -> None:
+        """Lightning's `_broadcast_sigterm_tensor`, before every batch: rank 0's word (a SIGTERM it
+        received) on the current group, never started on an aborted one; the rank's own where it failed."""
+        own = torch.tensor([1 if getattr(self.lightning_module.trainer, "received_sigterm", False) else 0],
+                           device=self.root_device)
+
+        def said():
+            word = own.clone()
+            dist.broadcast(word, src=0)
+            return word
+        run = self._muster
+        if run is not None and run.worker is not None and run.in_step:
+            # Between a step's micro-batches: a failure is the step's, met again by its next closure
+            # (cut short, redone whole); here the rank's word stands, as in Lightning's own
+            try:
+                run.worker.check_group()
+                word = said()
+            except Exception:
+                word = own
+        else:
+            word = self._collective(said, own)
+        if word.item() == 1:
+            with contextlib.suppress(Exception):
+                self.barrier()  # (as Lightning's: every rank before any exits)
+            raise SIGTERMException()
+
     def _collective(self, call, own):
         run = self._muster
         if run is None or run.worker is None or run.in_step:
             return call()  # (in a step: a failure is the step's, redone whole)
         try:
+            run.worker.check_group()  # (never started on an aborted group: StepCut, re-formed below)
             return call()
         except Exception as exc:
             run.failed(exc)

@@ -289,9 +289,18 @@ class Worker:
             self._note_extras()
 
     def boundary(self) -> None:
-        """Take a membership change due at this step boundary (after step_done(..., at_boundary=False))."""
+        """Take a membership change due at this step boundary (after step_done(..., at_boundary=False)).
+        The caller's step ends here, its extras whole (a trainer's counters move after the optimizer
+        step): what a reform here takes is current, so the extras rule of step scopes is not looked at."""
         if self.link.changed.is_set():
             self._boundary()
+        self._extras_after, self._extras_checked = None, True
+
+    def check_group(self) -> None:
+        """StepCut where the group this rank trains in was aborted: a collective outside the model's
+        forward and backward (a trainer's own broadcast between steps) must not start on it, where a
+        peer that is gone could hold it until the process is ended as stuck."""
+        self._guards.cut_short()
 
     def step_failed(self, exc: Exception) -> bool:
         """The step in flight raised `exc`. True: lost to a failure outside this rank (or an abort within
