@@ -164,3 +164,30 @@ def test_ranks_begun_again_at_step_0_with_nothing_restored_after_the_job_trained
     assert stats.reported("n1", began, 3) == 0  # said once
     m = stats._measuring.record
     assert (m.tier, m.step, m.steps_lost) == ("none", 0, 41) and stats.high_step == 0
+
+
+def test_a_lone_restarted_ranks_word_after_the_next_map_superseded_its_generation_is_still_said_lost():
+    """Every rank killed: the first restarted rank forms alone at step 0 and the others, restarted a
+    moment later, join it at the next map; under load its report of the first generation's reform
+    came after that map (a CI run: the job retrained and ended "succeeded"). The superseded
+    generation's word is the verdict's as much as the current one's."""
+    from muster.coordinator.core.kinds import FailureKind
+    from muster.coordinator.core.machine import Context, NodeLost, decide
+
+    from test_liveness import TIMING
+
+    stats = LeaderStats("job", Metrics(), now=0)
+    lone = decide(job(3), [NodeLost("n2", FailureKind.PROCESS_EXITED, "killed"),
+                           NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")],
+                  Context(now=1, wall_ms=1000, term=1, timing=TIMING))
+    stats.adopted(lone, 1, 41)  # the job had reached step 41
+    g = lone.state.generation
+    nxt = decide(lone.state, [NodeLost("n0", FailureKind.PROCESS_EXITED, "killed")],
+                 Context(now=1.2, wall_ms=1200, term=1, timing=TIMING))
+    stats.adopted(nxt, 1.2, 0)
+    (cut,) = stats.recoveries
+    assert cut.superseded_by == nxt.state.generation
+    began = frame(g, pb.ReformPhases(generation=g, from_scratch=True))
+    assert stats.reported("n0", began, 1.5) == 41
+    assert stats.reported("n0", began, 1.6) == 0  # said once
+    assert (cut.tier, cut.steps_lost) == ("none", 41) and stats.high_step == 0

@@ -46,6 +46,7 @@ class LeaderStats:
         self.recoveries: deque[pb.RecoveryRecord] = deque(maxlen=RECENT_RECOVERIES)
         self.high_step = 0  # the highest step the job's ranks reported to this leader (steps lost count from it)
         self._begun_again = False  # the state was lost and the job allows a restart: the next generation's is "none"
+        self._said_lost = False  # `reported` found it (its generation is marked "none" already) and the verdict is due
         self.restarts = 0  # rank processes that exited
         self.history: list[pb.HealthSample] = []
         self._sample_every, self._sampled_at = FIRST_SAMPLE_S, None
@@ -65,24 +66,30 @@ class LeaderStats:
         rank lost, and no checkpoint), else 0."""
         self.restarts += len(frame.exits)
         m = self._measuring
-        if m is None:
+        measured = [x for x in (m, self._superseded) if x is not None]
+        if not measured:
             return 0
-        tier_before = m.record.tier  # (a fold below may find the generation begun again from nothing)
-        under_way = self.recovering is not None and m.record.generation == self.recovering.generation
+        under_way = m is not None and self.recovering is not None and m.record.generation == self.recovering.generation
         if under_way and frame.generation >= m.record.generation and node_id in m.undelivered:
             m.undelivered.discard(node_id)
             if not m.undelivered:
                 m.record.delivered_s = round(now - self.recovering.decided_at, 4)
-        for measured in filter(None, (m, self._superseded)):
-            folded = [measured.fold(node_id, r) for r in frame.ranks]
-            if any(folded) and measured.record.slowest:
+        lost = 0
+        for x in measured:
+            tier_before = x.record.tier  # (the fold may find the generation begun again from nothing)
+            folded = [x.fold(node_id, r) for r in frame.ranks]
+            if any(folded) and x.record.slowest:
                 # Over already: a rank's phases can come after the others' first steps ended the recovery
                 # (a replacement's agent reports it with its next frame), or after the next map superseded it
-                timeline(measured.record, measured.record.recovery_s, measured.bytes_moved)
-        if m.record.tier == "none" and tier_before != "none":
+                timeline(x.record, x.record.recovery_s, x.bytes_moved)
+            if x.record.tier == "none" and tier_before != "none":
+                # (also a superseded one: a lone restarted rank's word can come after the next map, which
+                # placed ranks restarted meanwhile beside it, every one of them trained from step 0)
+                lost = max(lost, x.high_at_decision)
+        if lost:
             self.high_step = 0  # (the job trains on from step 0: a later reform there is no loss)
-            return m.high_at_decision
-        return 0
+            self._said_lost = True
+        return lost
 
     def measure(self, now: float, seen: Assessment) -> None:
         """Frames/s (smoothed, and the metric's count), the first signals of the failures found, the
@@ -127,9 +134,9 @@ class LeaderStats:
         recovery it starts is measured from here."""
         self.high_step = max(self.high_step, step_before)
         # (a generation whose ranks this leader saw begin again from nothing is marked so already)
-        m = self._measuring
-        self._begun_again |= any(e.kind == STATE_LOST_EVENT and not (m and m.record.generation == e.generation
-                                                                      and m.record.tier == "none") for e in d.events)
+        lost = any(e.kind == STATE_LOST_EVENT for e in d.events)
+        self._begun_again |= lost and not self._said_lost
+        self._said_lost = self._said_lost and not lost
         for e in d.events:
             if e.kind in EVICTIONS:
                 self.evictions += 1
