@@ -310,11 +310,14 @@ async def _probe_session(stub, relay_channel, sampling: asyncio.Event, stop: asy
                             generation=generation, ranks=ranks, session_secret=joined.session_secret,
                             via_relay=bool(relay_channel))
 
+    async def ended() -> ProbeEnded:
+        return ProbeEnded(f"{(await call.code()).name}: {await call.details()}")
+
     async def write() -> None:
         try:
             await call.write(frame())
         except asyncio.InvalidStateError:
-            raise ProbeEnded(f"{(await call.code()).name}: {await call.details()}") from None
+            raise await ended() from None
 
     async def read() -> None:
         nonlocal generation
@@ -351,7 +354,7 @@ async def _probe_session(stub, relay_channel, sampling: asyncio.Event, stop: asy
                     samples.append((time.monotonic() - written, polls))
                     break
                 if call.done():
-                    raise ProbeEnded(f"{(await call.code()).name}: {await call.details()}")
+                    raise await ended()
                 # Paced: through a relay a frame waits for its batch window, and polling back to
                 # back meanwhile would load the leader more than the nodes do.
                 await asyncio.sleep(POLL_S)
