@@ -102,7 +102,7 @@ def test_a_state_begun_again_at_step_0_is_the_tier_none_with_every_step_lost():
         d = decide(d.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "gone")], c(4))
         stats.adopted(d, 4, 0)
     g = d.state.generation
-    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0)), 5)  # begun at step 0: nothing restored
+    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0, begun_at=g)), 5)  # nothing restored
     m = stats._measuring.record
     assert (m.generation, m.tier, m.step, m.steps_lost) == (g, "none", 0, 57)
 
@@ -152,13 +152,13 @@ def test_ranks_begun_again_at_step_0_with_nothing_restored_after_the_job_trained
                                                                                            timing=TIMING))
     stats.adopted(first, 1, 0)  # (decided before any step: as a first formation)
     g = first.state.generation
-    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g, from_scratch=True)), 1.5) == 0
+    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g, begun_at=g)), 1.5) == 0
     assert stats._measuring.record.tier == ""
     again = decide(first.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")],
                    Context(now=2, wall_ms=2000, term=1, timing=TIMING))
     stats.adopted(again, 2, 41)  # the job had reached step 41
     g = again.state.generation
-    began = frame(g, pb.ReformPhases(generation=g, from_scratch=True))
+    began = frame(g, pb.ReformPhases(generation=g, begun_at=g))
     assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g)), 3) == 0  # (an older rank's word says neither)
     assert stats.reported("n0", began, 3) == 41
     assert stats.reported("n1", began, 3) == 0  # said once
@@ -187,7 +187,43 @@ def test_a_lone_restarted_ranks_word_after_the_next_map_superseded_its_generatio
     stats.adopted(nxt, 1.2, 0)
     (cut,) = stats.recoveries
     assert cut.superseded_by == nxt.state.generation
-    began = frame(g, pb.ReformPhases(generation=g, from_scratch=True))
+    began = frame(g, pb.ReformPhases(generation=g, begun_at=g))
     assert stats.reported("n0", began, 1.5) == 41
     assert stats.reported("n0", began, 1.6) == 0  # said once
     assert (cut.tier, cut.steps_lost) == ("none", 41) and stats.high_step == 0
+
+
+def test_a_state_begun_from_nothing_is_judged_from_any_later_reform_however_many_maps_came_between():
+    """CI: every rank killed; the first restarted rank formed alone at step 0 and trained, two more maps
+    placed the others beside it within 0.2 s, and its agent's frames carried only its newest reform (a
+    source at step 5): the word of the first was never heard, and the job retrained and 'succeeded'. The
+    rank says the generation its state began from nothing in with every reform while the state is its
+    own, and the leader judges it against the job's step when that generation was decided, once."""
+    from muster.coordinator.core.kinds import FailureKind
+    from muster.coordinator.core.machine import Context, NodeLost, decide
+
+    from test_liveness import TIMING
+
+    c = lambda now: Context(now=now, wall_ms=int(now * 1000), term=1, timing=TIMING)  # noqa: E731
+    stats = LeaderStats("job", Metrics(), now=0)
+    first = decide(job(3), [NodeLost("n2", FailureKind.PROCESS_EXITED, "killed")], c(1))
+    stats.adopted(first, 1, 0)  # decided before any step: a first formation
+    assert stats.reported("n0", frame(first.state.generation, pb.ReformPhases(
+        generation=first.state.generation, begun_at=first.state.generation)), 1.1) == 0
+    lone = decide(first.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")], c(2))
+    stats.adopted(lone, 2, 41)  # the job had reached step 41
+    g = lone.state.generation
+    state, now = lone.state, 2.0
+    for later in range(2):  # two more maps before the lone rank's agent frames
+        now += 0.1
+        d = decide(state, [NodeLost(f"n{later}", FailureKind.PROCESS_EXITED, "killed")], c(now))
+        stats.adopted(d, now, 5)
+        state = d.state
+    newest = frame(state.generation, pb.ReformPhases(generation=state.generation, tier="replica", step=5, begun_at=g))
+    assert stats.reported("n0", newest, now + 0.1) == 41
+    assert stats.reported("n0", newest, now + 0.2) == 0  # said once
+    (cut,) = [r for r in stats.recoveries if r.generation == g]
+    assert (cut.tier, cut.step, cut.steps_lost) == ("none", 0, 41) and stats.high_step == 0
+    # a state begun from nothing in a generation decided before that word is the same loss's
+    assert stats.reported("n1", frame(state.generation, pb.ReformPhases(
+        generation=state.generation, begun_at=state.generation)), now + 0.3) == 0

@@ -294,16 +294,26 @@ def test_extras_updated_after_the_step_scope_are_named_at_the_first_step(inside)
     assert all((line["step"], line["extras"]) == (1, ["data"]) for line in warned)
 
 
-def test_a_reform_restoring_nothing_says_begun_from_scratch_unless_its_replica_group_is_benched():
-    """The leader's state-lost verdict rests on this word: a rank that trains on from step 0 with
-    nothing restored says so; a rank of a replica group benched out of the mesh (a replacement at step
-    0 beside a survivor, waiting for a generation to place them) restored nothing for another reason."""
-    from muster.worker.library.api import reform_phases
+def test_a_rank_says_the_generation_its_state_began_from_nothing_in_while_that_state_is_its_own():
+    """The leader's state-lost verdict rests on this word, said in every reform (a word of one reform
+    was lost where the rank re-formed before its agent's next frame): a rank that trains on from step
+    0 with nothing restored begins its state there; its own state going on keeps the word; a state
+    taken from another rank or a tier is not its own (0). A rank of a replica group benched out of the
+    mesh (a replacement at step 0 beside a survivor, waiting to be placed) restored nothing for another
+    reason."""
+    from muster.worker.library.api import begun_at
+    from muster.worker.library.sharded import Bench
+    from muster.worker.library.state import SyncResult
+    from muster.worker.library.transfer import Card, SyncPlan
 
-    phases = dict(abort_s=0.0, destroy_s=0.0, form_s=0.01, sync_s=0.0, transfer_s=0.0)
-    assert reform_phases(4, phases, 0).from_scratch
-    assert not reform_phases(4, phases, 0, benched=True).from_scratch
-    assert not reform_phases(4, phases, 1 << 20, "checkpoint", 8, 1).from_scratch
+    def sync(role, bench=None):
+        return SyncResult(0, SyncPlan(Card(0, "f", "l"), (0,), (), ()), role, bench=bench)
+
+    assert begun_at(4, "", sync("source"), 0) == 4  # a first formation, or every rank lost: the leader tells
+    assert begun_at(5, "replica", sync("source"), 4) == 4  # (a lone restarted rank trained on, then a switch)
+    assert begun_at(5, "replica", sync("receiver"), 4) == 0
+    assert begun_at(6, "checkpoint", sync("source"), 4) == 0
+    assert begun_at(5, "", sync("benched", Bench("replica group out of the mesh", others_train=False)), 0) == 0
 
 
 def test_a_collective_between_steps_is_never_started_on_an_aborted_group():

@@ -168,7 +168,7 @@ class RankReport(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reform: _Optional[_Union[ReformPhases, _Mapping]] = ...) -> None: ...
 
 class ReformPhases(_message.Message):
-    __slots__ = ("generation", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_received", "tier", "step", "steps_lost", "from_scratch")
+    __slots__ = ("generation", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_received", "tier", "step", "steps_lost", "begun_at")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ABORT_S_FIELD_NUMBER: _ClassVar[int]
     FORM_S_FIELD_NUMBER: _ClassVar[int]
@@ -178,7 +178,7 @@ class ReformPhases(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
-    FROM_SCRATCH_FIELD_NUMBER: _ClassVar[int]
+    BEGUN_AT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     abort_s: float
     form_s: float
@@ -188,8 +188,8 @@ class ReformPhases(_message.Message):
     tier: str
     step: int
     steps_lost: int
-    from_scratch: bool
-    def __init__(self, generation: _Optional[int] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., tier: _Optional[str] = ..., step: _Optional[int] = ..., steps_lost: _Optional[int] = ..., from_scratch: _Optional[bool] = ...) -> None: ...
+    begun_at: int
+    def __init__(self, generation: _Optional[int] = ..., abort_s: _Optional[float] = ..., form_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., tier: _Optional[str] = ..., step: _Optional[int] = ..., steps_lost: _Optional[int] = ..., begun_at: _Optional[int] = ...) -> None: ...
 
 class RankExit(_message.Message):
     __slots__ = ("local_rank", "pid", "exit_code", "restarting", "error", "step")

@@ -23,6 +23,8 @@ from muster.v1 import muster_pb2 as pb
 SUMMARY_SLICE = 500  # nodes counted for a Status summary between yields to the loop (~1 ms)
 RECENT_RECOVERIES = 10  # kept for Status (the live page's list); the metric keeps the distribution
 TIERS = ("", "replica", "snapshot", "checkpoint", "none")  # RecoveryRecord.tier, shallowest first
+DECIDED_KEPT = 64  # generations whose job step at decision is kept: a rank's word that its state began from
+                   # nothing in one of them is judged against it (a lone restarted rank's comes generations late)
 HISTORY_SAMPLES = 240  # the job over time (JobHealth.history): full, every other goes and the spacing doubles,
 FIRST_SAMPLE_S = 1.0   # so the whole life fits at any age
 
@@ -45,6 +47,8 @@ class LeaderStats:
         self._superseded: _Measured | None = None  # the one it superseded, whose ranks' phases may still come
         self.recoveries: deque[pb.RecoveryRecord] = deque(maxlen=RECENT_RECOVERIES)
         self.high_step = 0  # the highest step the job's ranks reported to this leader (steps lost count from it)
+        self._high_at: dict[int, int] = {}  # generation -> the job's highest step when it was decided (DECIDED_KEPT)
+        self._judged = 0  # the newest generation a rank said its state began from nothing in, judged (said once)
         self._begun_again = False  # the state was lost and the job allows a restart: the next generation's is "none"
         self._said_lost = False  # `reported` found it (its generation is marked "none" already) and the verdict is due
         self.restarts = 0  # rank processes that exited
@@ -59,37 +63,48 @@ class LeaderStats:
         self._signals.append(at)
 
     def reported(self, node_id: str, frame: pb.NodeFrame, now: float) -> int:
-        """A frame read in full (one that only advances steps carries nothing new here): its exits,
-        and for the recovery under way, its node running the new map and its ranks' reform phases.
-        Returns the step the job had reached where this frame is the first word that the measured
-        generation's ranks began again at step 0 with nothing restored (no tier held the state: every
-        rank lost, and no checkpoint), else 0."""
+        """A frame read in full (one that only advances steps carries nothing new here): its exits, for
+        the recovery under way its node running the new map and its ranks' reform phases, and its
+        ranks' word of the generation their state began from nothing in. Returns the step the job had
+        reached where that word is the first that the ranks began again at step 0 with nothing
+        restored after the job had trained (no tier held the state: every rank lost, and no
+        checkpoint), else 0."""
         self.restarts += len(frame.exits)
+        lost = 0
+        for r in frame.ranks:
+            if (begun := r.reform.begun_at) > self._judged:
+                self._judged = begun
+                if high := self._high_at.get(begun, 0):  # (unknown: decided by another leader, or long ago)
+                    lost = max(lost, high)
+                    self._said_lost = self._lost_in(begun, high)
+        if lost:
+            self.high_step = 0  # (the job trains on from step 0: a later reform there is no loss)
+            self._judged = max(self._judged, *self._high_at)  # (every state begun from nothing by now is this loss's)
         m = self._measuring
-        measured = [x for x in (m, self._superseded) if x is not None]
-        if not measured:
-            return 0
+        if m is None and self._superseded is None:
+            return lost
         under_way = m is not None and self.recovering is not None and m.record.generation == self.recovering.generation
         if under_way and frame.generation >= m.record.generation and node_id in m.undelivered:
             m.undelivered.discard(node_id)
             if not m.undelivered:
                 m.record.delivered_s = round(now - self.recovering.decided_at, 4)
-        lost = 0
-        for x in measured:
-            tier_before = x.record.tier  # (the fold may find the generation begun again from nothing)
-            folded = [x.fold(node_id, r) for r in frame.ranks]
-            if any(folded) and x.record.slowest:
+        for x in (m, self._superseded):
+            if x is not None and any([x.fold(node_id, r) for r in frame.ranks]) and x.record.slowest:
                 # Over already: a rank's phases can come after the others' first steps ended the recovery
                 # (a replacement's agent reports it with its next frame), or after the next map superseded it
                 timeline(x.record, x.record.recovery_s, x.bytes_moved)
-            if x.record.tier == "none" and tier_before != "none":
-                # (also a superseded one: a lone restarted rank's word can come after the next map, which
-                # placed ranks restarted meanwhile beside it, every one of them trained from step 0)
-                lost = max(lost, x.high_at_decision)
-        if lost:
-            self.high_step = 0  # (the job trains on from step 0: a later reform there is no loss)
-            self._said_lost = True
         return lost
+
+    def _lost_in(self, generation: int, high: int) -> bool:
+        """Marks the recovery of `generation` (whose ranks began from nothing after the job reached
+        `high`) as tier none, every step lost; where it is no longer kept, the one under way. Whether
+        one was marked (else the state-lost event marks the next generation's)."""
+        kept = [x.record for x in (self._measuring, self._superseded) if x is not None]
+        record = next((r for r in (*kept, *self.recoveries) if r.generation == generation), kept[0] if kept else None)
+        if record is None:
+            return False
+        record.tier, record.step, record.steps_lost = "none", 0, high
+        return True
 
     def measure(self, now: float, seen: Assessment) -> None:
         """Frames/s (smoothed, and the metric's count), the first signals of the failures found, the
@@ -143,6 +158,9 @@ class LeaderStats:
                 self.metrics.evictions.labels(self.job, e.kind).inc()
         if d.new_generation:
             self._supersede(d.state.generation, now)
+            self._high_at[d.state.generation] = self.high_step
+            if len(self._high_at) > DECIDED_KEPT:
+                del self._high_at[next(iter(self._high_at))]
             self.metrics.generations.labels(self.job).inc()
             detection = now - min(self._signals) if self._signals else 0.0
             if self._signals:
@@ -209,9 +227,7 @@ class _Measured:
         rank lost, or the job's highest step before the decision past that step (every rank lost: the
         new ones lost none of their own)."""
         m = self.record
-        if p.from_scratch and self.high_at_decision:
-            # Begun again at step 0 with nothing restored, after the job had trained: no tier held it
-            m.tier, m.steps_lost = "none", self.high_at_decision
+        if m.tier == "none":  # (begun from nothing: LeaderStats._lost_in; the job trains on from step 0)
             return
         tier = p.tier if p.tier in TIERS else ""  # (a newer rank's word this leader does not know: not shown)
         if not tier:

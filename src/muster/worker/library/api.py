@@ -405,7 +405,7 @@ class Worker:
         self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
         tier = restored_from(sync, lost)
         self._reformed = reform_phases(spec.generation, formed.phases, sync.received, tier, sync.step, lost,
-                                       benched=sync.bench is not None)
+                                       begun_at(spec.generation, tier, sync, self._reformed.begun_at))
         if sync.tier != "live" or lost or sync.role == "receiver" and sync.step > 0:
             # A recovery: which tier restored which step, the steps this rank lost, the time it took
             self.recoveries.append({"generation": spec.generation, "tier": tier, "step": sync.step, "steps_lost": lost,
@@ -506,15 +506,25 @@ def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **
 
 
 def reform_phases(generation: int, phases: dict[str, float], received: int, tier: str = "", step: int = 0,
-                  lost: int = 0, benched: bool = False) -> pb.ReformPhases:
+                  lost: int = 0, begun: int = 0) -> pb.ReformPhases:
     """A reform's phases as the rank reports them (its leader draws the recovery's timeline from them),
-    with the tier its state came from, the step restored and the steps this rank lost. Begun from
-    scratch: nothing restored and it trains; a benched replica group (out of the mesh, waiting to be
-    placed) restored nothing because it trains nothing yet, whatever step its own state is at."""
+    with the tier its state came from, the step restored, the steps this rank lost, and the
+    generation its state began from nothing in (`begun_at`)."""
     return pb.ReformPhases(generation=generation, abort_s=phases["abort_s"] + phases["destroy_s"],
                            form_s=phases["form_s"], sync_s=phases["sync_s"], transfer_s=phases["transfer_s"],
-                           bytes_received=received, tier=tier, step=step, steps_lost=lost,
-                           from_scratch=not tier and not benched)
+                           bytes_received=received, tier=tier, step=step, steps_lost=lost, begun_at=begun)
+
+
+def begun_at(generation: int, tier: str, sync: SyncResult, before: int) -> int:
+    """The generation in which the state this rank trains on began from nothing, said in every reform
+    while the state is its own: a word of one reform could be lost (the rank re-formed again before
+    its agent's next frame), and only the leader knows whether the job had trained by then. Begun
+    here: nothing restored and it trains (a benched replica group restored nothing because it trains
+    nothing yet, whatever step its own state is at); taken from another rank or a tier: not its own
+    word (0); else (its own state went on) what it said before."""
+    if not tier and sync.bench is None:
+        return generation
+    return 0 if sync.role == "receiver" or tier not in ("", "replica") else before
 
 
 def restored_from(sync: SyncResult, lost: int) -> str:
