@@ -188,12 +188,13 @@ def test_a_tokens_join_and_run_floods_are_refused_past_its_quotas_while_another_
 
     async def run_flood(stub) -> tuple[set[int], tuple[str, str]]:
         """Runs of job C (a Join, then Leave immediate: the run fails, its last node gone) until a
-        Join is refused."""
+        Join is refused. A new run writes etcd, which A's flood keeps busy: a CI run on a loaded
+        2-core machine saw one of C's calls take past 10 s, so they have 30 (the flood's bound is 60)."""
         runs = set()
         while True:
             try:
                 joined = await stub.Join(pb.JoinRequest(job="job-c", node_id="c0", slots=1, host="127.0.0.1",
-                                                        store_port=29500), metadata=bearer(C), timeout=10)
+                                                        store_port=29500), metadata=bearer(C), timeout=30)
                 runs.add(joined.run)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:  # a run ending or electing: as a node, retry
@@ -203,7 +204,7 @@ def test_a_tokens_join_and_run_floods_are_refused_past_its_quotas_while_another_
             try:
                 await stub.Leave(pb.LeaveRequest(job="job-c", node_id="c0", member_id=joined.member_id,
                                                  immediate=True, session_secret=joined.session_secret),
-                                 metadata=bearer(C), timeout=10)
+                                 metadata=bearer(C), timeout=30)
             except grpc.aio.AioRpcError as exc:
                 # c0 opens no stream: past --heartbeat-timeout (1 s) of a loaded machine it is lost
                 # and its run has ended without the Leave (NOT_FOUND), which is as good
