@@ -25,15 +25,19 @@ def by_step(ranks, generation=0) -> dict[int, set[str]]:
     return dict(found)
 
 
+def first_parting(found: dict[int, set[str]]) -> int | None:
+    """The first step at which the ranks held different states (None: they never did)."""
+    return min((s for s, d in found.items() if len(d) > 1), default=None)
+
+
 def parted_at_a_first_step(ranks) -> str:
     """Where the ranks' states first parted, if that was the first step some rank's process took
     and every rank agreed before it: torch's CPU optimizer step, not the transfer (docs/limits.md,
     "a process's first optimizer step"), else "". Seen 5 times in ~60 runs under load: params,
     gradients and Adam's moments identical on every rank going in, one rank's first parameter
     1-2 ulps off coming out, in the half its calling thread updates."""
-    found = by_step(ranks)
-    parted = min((s for s, d in found.items() if len(d) > 1), default=None)
-    firsts = {p.steps()[0]["step"] for p in ranks if p.steps()}
+    parted = first_parting(by_step(ranks))
+    firsts = {steps[0]["step"] for p in ranks if (steps := p.steps())}
     return (f"the ranks parted at step {parted}, the first optimizer step of a rank's process, after agreeing at "
             "every step before it" if parted in firsts else "")
 
@@ -103,6 +107,6 @@ def test_a_joiner_receives_the_whole_state_and_every_rank_ends_identical(coordin
     identical_from(first + [joiner], joined)
     # The first ranks agreed at every step before the join too (this names the first step at which
     # they parted, for a cause other than the known one)
-    parted = min((s for s, d in by_step(first).items() if len(d) > 1), default=None)
+    parted = first_parting(by_step(first))
     assert parted is None and not [r for p in first for r in p.records("replicas_disagree")], \
         f"the first ranks parted at step {parted}: {by_step(first)[parted]}"
