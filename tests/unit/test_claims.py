@@ -1,13 +1,13 @@
 """Session secrets that prove a member after etcd lost its job (`claims`), and the claims a leader
-takes back with them (`sessions.rejoin_of`)."""
+takes back with them (`claims.rejoin_of`)."""
 
 import secrets
 
 import pytest
 
-from muster.coordinator.claims import GENERATION_MARGIN, GENERATIONS_PER_S, MemberKeys, member_key
+from muster.coordinator.claims import (GENERATION_MARGIN, GENERATIONS_PER_S, MemberKeys, member_key, rejoin_of,
+                                      secret_hash)
 from muster.coordinator.errors import InvalidArgument, NotFound
-from muster.coordinator.job.frames import rejoin_of, secret_hash
 from muster.v1 import muster_pb2 as pb
 
 KEYS = MemberKeys((member_key("r" * 24),))

@@ -1,4 +1,4 @@
-"""The edge checks (wire.check_*, and a first frame's frames.check_rejoin): what they accept, what
+"""The edge checks (wire.check_*, and a first frame's claims.check_rejoin): what they accept, what
 they refuse, and that every refusal names the field and quotes client input bounded. The request
 decoders of the gRPC edge refuse bytes that are no valid message instead of letting grpc.aio answer
 UNKNOWN."""
@@ -6,11 +6,8 @@ UNKNOWN."""
 import grpc
 import pytest
 
-from muster.coordinator.job import frames
-
+from muster.coordinator import claims, wire
 from muster.coordinator.edges import server
-
-from muster.coordinator import wire
 from muster.coordinator.core.policy import MAX_GENERATION, MAX_STEP
 from muster.coordinator.core.state import Member
 from muster.coordinator.errors import InvalidArgument
@@ -80,17 +77,17 @@ def test_leave_bounds_reason_and_secret():
 
 def test_rejoin_is_checked_by_joins_rules_and_names_its_frame():
     frame = dict(job="job", node_id="n0", member_id=1)
-    frames.check_rejoin(pb.NodeFrame(**frame))
-    frames.check_rejoin(pb.NodeFrame(**frame, session_secret=b"s" * 64, rejoin=join_request()))
-    assert "session_secret" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, session_secret=b"s" * 65))
+    claims.check_rejoin(pb.NodeFrame(**frame))
+    claims.check_rejoin(pb.NodeFrame(**frame, session_secret=b"s" * 64, rejoin=join_request()))
+    assert "session_secret" in refusal(claims.check_rejoin, pb.NodeFrame(**frame, session_secret=b"s" * 65))
     frame["session_secret"] = b"s"
-    assert refusal(frames.check_rejoin,
+    assert refusal(claims.check_rejoin,
                    pb.NodeFrame(**frame, rejoin=join_request(host="a b"))).startswith("rejoin: host")
-    assert "slots" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(slots=0)))
-    assert "job and node_id" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(node_id="n1")))
+    assert "slots" in refusal(claims.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(slots=0)))
+    assert "job and node_id" in refusal(claims.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request(node_id="n1")))
     # a claim of membership without the secret: a lost state would keep the hash of nothing as its member's
     del frame["session_secret"]
-    assert "session_secret" in refusal(frames.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request()))
+    assert "session_secret" in refusal(claims.check_rejoin, pb.NodeFrame(**frame, rejoin=join_request()))
 
 
 def ranks(**report):

@@ -4,17 +4,16 @@ what needs a decision (an exit, a slot back, a script done) becomes an event for
 
 from __future__ import annotations
 
-import hashlib
 import signal
 from collections.abc import Callable
 
 from muster.coordinator import wire
-from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, most_generation
+from muster.coordinator.claims import check_rejoin, secret_hash
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S
 from muster.coordinator.core.machine import STATE_LOST as STATE_LOST_KIND
-from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeLost, Regroup, Rejoin, SlotDown,
+from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeLost, Regroup, SlotDown,
                                              SlotsUp, Verdict)
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
@@ -33,12 +32,6 @@ REFUSED = "ShardedStateRefused: "
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 # ...and these errors are the worker library's answers to the job's decisions or a lost coordinator
 DECIDED = ("FencedOut: ", "HoldExpired: ", "CoordinatorLost: ", "Drained: ", "RunEnded: ", "Evicted: ")
-
-
-def secret_hash(secret: bytes) -> str:
-    """What the state keeps of a session secret: the SHA-256 of its random part, never the secret
-    (the rest, its proof for a rebuild, is made once the member id is known: `claims`)."""
-    return hashlib.sha256(secret[:RANDOM_BYTES]).hexdigest()
 
 
 def check_joinable(state: JobState, requested: JobSpec) -> None:
@@ -73,20 +66,6 @@ def authenticate(member: Member, secret: bytes) -> None:
                                f"{member.member_id} ({presented}); only the node that joined as it may use it")
 
 
-def check_rejoin(first: pb.NodeFrame) -> None:
-    """What a stream's first frame carries besides its address: the session secret, and the node's
-    own JoinRequest (by Join's rules, naming the frame's job and node) to rebuild a lost job from."""
-    wire.check_secret(first.session_secret)
-    if not first.HasField("rejoin"):
-        return
-    if not first.session_secret:  # else a lost state would keep the hash of nothing as the member's
-        raise InvalidArgument("a first frame with rejoin must present the node's session_secret")
-    try:
-        wire.check_join(first.rejoin)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"rejoin: {exc}") from exc
-    if (first.rejoin.job, first.rejoin.node_id) != (first.job, first.node_id):
-        raise InvalidArgument("rejoin must name the job and node_id of its frame")
 
 
 def check_first(first: pb.NodeFrame, state: JobState) -> None:
@@ -98,51 +77,10 @@ def check_first(first: pb.NodeFrame, state: JobState) -> None:
                                  f"{state.run} now")
 
 
-def taken_back(first: pb.NodeFrame, state: JobState, member_keys: Callable[[], MemberKeys | None]) -> bool:
-    """Whether a first frame is a claim the core decides on (a `Rejoin`), not a member's stream: it
-    says who its node was, is not the member the node is now, and either the job's lost state is
-    being rebuilt from its nodes or the claim proves itself by its secret (it then displaces whoever
-    took the node id unproven; the core decides whether the running state is a run made anew since
-    etcd lost the one it ran, else it is told NOT_FOUND)."""
-    if not first.HasField("rejoin"):
-        return False
-    member = state.member(first.node_id)
-    if member is not None and member.member_id == first.member_id and member.admits(secret_hash(first.session_secret)):
-        return False
-    if state.rebuilding:
-        return True
-    keys = member_keys()  # only now: most frames never get here
-    return keys is not None and keys.verify(first.session_secret, state.job, state.run, first.node_id,
-                                            first.member_id) is not None
 
 
-def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: int) -> Rejoin:
-    """The member a node that is no member says it was (a lost state rebuilt): for the core to take
-    back. Where the replicas share a proof key the claim must prove it (else the node joins anew,
-    told NOT_FOUND, as any node that is no member: a forged claim never reaches the core) and its
-    generation is bounded by when its run started; without a key it is taken unproven."""
-    started_ms = 0
-    if keys is not None:
-        started_ms = keys.verify(first.session_secret, first.job, run, first.node_id, first.member_id)
-        if started_ms is None:
-            raise NotFound(f"node {first.node_id!r} cannot prove it was member {first.member_id} of job "
-                           f"{first.job!r}: its session secret is none a replica signed for that member; join again")
-        most = most_generation(started_ms, now_ms)
-        if first.generation > most:
-            raise InvalidArgument(f"member {first.member_id} of job {first.job!r} claims generation "
-                                  f"{first.generation}; its run started {max(0, now_ms - started_ms) / 1000:.0f}s "
-                                  f"ago: it could have reached {most} at most")
-    r = first.rejoin
-    return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
-                  r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec),
-                  run_started_ms=started_ms, world_size=first.world_size, local_world_size=first.local_world_size)
 
 
-def check_claim(first: pb.NodeFrame, keys: MemberKeys | None, now_ms: int) -> None:
-    """A rejoining node's claim, checked as its leader will (`rejoin_of`) before a replica that
-    does not know the job (etcd lost it) creates the job from it: a forged claim creates none."""
-    check_rejoin(first)
-    rejoin_of(first, first.run, keys, now_ms)
 
 
 def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> Member:

@@ -20,7 +20,7 @@ import structlog
 from muster.coordinator.job import status_pages
 
 from muster.coordinator import wire
-from muster.coordinator.claims import RANDOM_BYTES, MemberKeys
+from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, rejoin_of, secret_hash, taken_back
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.machine import (Context, Decision, Finishing, Join, Leave, MembershipEvent, NodeLost,
@@ -29,8 +29,7 @@ from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
-from muster.coordinator.job.frames import (FrameReader, admit, authenticate, check_first, check_joinable, member_of,
-                                       rejoin_of, secret_hash, taken_back)
+from muster.coordinator.job.frames import FrameReader, admit, authenticate, check_first, check_joinable, member_of
 from muster.coordinator.job.inbox import Inbox, Queued, settle
 from muster.coordinator.job.leader_stats import LeaderStats, live_ranks, summarised
 from muster.coordinator.job.leadership import Leadership
@@ -358,7 +357,7 @@ class JobLeader:
                             term_ahead=first.term if self.state.rebuilding else 0, link=link, stream_id=stream_id,
                             seq=first.stream_seq)
         self.on_frame(stream, first)
-        self.streams.bind(stream, self.state, self.term)
+        self.streams.attach(stream, self.state, self.term)
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
 
@@ -379,14 +378,14 @@ class JobLeader:
         if self.lost_reason is not None:
             stream.send(NotLeader(self.job, ""))
         elif not stream.closed:
-            self.streams.bind(stream, self.state, self.term)
+            self.streams.attach(stream, self.state, self.term)
             self.log.info("node_taken_back", node=stream.node_id, member=stream.member_id, generation=generation)
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:
         """The node's stream ended. One whose relay's stream ended (`relay_lost`) is no sign that
         the node is gone, even for a process node: its silence past the heartbeat timeout from now
         (time to reconnect elsewhere) decides."""
-        if not self.streams.unbind(stream):
+        if not self.streams.detach(stream):
             return  # replaced or evicted already
         if stream.link is not None:  # no relay judges its silence now: here, from now on
             self.live.unvouched(stream.node_id, self._clock())

@@ -178,7 +178,7 @@ class Streams(dict[str, NodeStream]):
                     after_step=after_step, reason=state.outcome_reason if stopped else reason_for(state, node_id),
                     stop=stopped)))
 
-    def bind(self, stream: NodeStream, state: JobState, term: int) -> None:
+    def attach(self, stream: NodeStream, state: JobState, term: int) -> None:
         """`stream` is its node's from now on, and gets the node's current assignment."""
         previous = self.get(stream.node_id)
         if previous is not None:
@@ -194,7 +194,7 @@ class Streams(dict[str, NodeStream]):
         else:
             stream.send(wire.assignment_for(state, stream.node_id, "current assignment"))
 
-    def unbind(self, stream: NodeStream) -> bool:
+    def detach(self, stream: NodeStream) -> bool:
         """The stream ended; whether it was its node's current one (not replaced or evicted already)."""
         stream.closed = True
         if self.get(stream.node_id) is not stream:

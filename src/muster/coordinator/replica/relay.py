@@ -303,3 +303,36 @@ class Relay:
                 if self.nodes.get(node.stream_id) is node:  # not hung up meanwhile
                     node.queue.put_nowait(pulse)
             await asyncio.sleep(self.pulse_spread_s / slices)
+
+
+class Relays:
+    """This replica's relays, one a job it relays and does not lead: a new one once the last
+    stopped taking nodes."""
+
+    def __init__(self, address: str, security: Callable[[], ClientSecurity],
+                 find_leader: Callable[[str], Awaitable[str]], *, window_s: float, connect_s: float,
+                 heartbeat_timeout_s: float, progress_s: float):
+        self.address = address
+        self._security = security  # (looked up for each new relay: a reload may have changed it)
+        self._find_leader = find_leader
+        self._timing = dict(window_s=window_s, connect_s=connect_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                            progress_s=progress_s)
+        self._relays: dict[str, Relay] = {}
+
+    def of(self, job: str, leader: str) -> Relay:
+        """The relay of `job` (led at `leader`, "" unknown) that takes the next node."""
+        relay = self._relays.get(job)
+        if relay is None or not relay.accepting:
+            relay = self._relays[job] = Relay(job, self.address, leader, security=self._security(),
+                                              find_leader=self._find_leader, **self._timing)
+            relay.start()
+        return relay
+
+    def forget(self, job: str) -> None:
+        relay = self._relays.pop(job, None)
+        if relay is not None:
+            relay.close()
+
+    def close(self) -> None:
+        for relay in self._relays.values():
+            relay.close()

@@ -22,20 +22,19 @@ from muster.coordinator.job import status_pages
 
 from muster.coordinator import wire
 from muster.coordinator.replica.campaigns import Campaigns
-from muster.coordinator.claims import MemberKeys
+from muster.coordinator.claims import MemberKeys, check_claim
 from muster.coordinator.coordination import Coordination, LeaderKey
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
 from muster.coordinator.core.state import JobState, decode, decode_spec
 from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.replica.election_waits import ElectionWaits
 from muster.coordinator.errors import FailedPrecondition, NotLeader, StoreUnavailable
-from muster.coordinator.job.frames import check_claim
 from muster.coordinator.job.leader import JobLeader
 from muster.coordinator.job.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.replica.ports import LeaderPort, RelayCall, RelayPort, SessionPort
 from muster.coordinator.quotas import JobBudgets
-from muster.coordinator.replica.relay import PeerAccess, Relay
+from muster.coordinator.replica.relay import PeerAccess, Relays
 from muster.coordinator.replica.runs import Runs
 from muster.coordinator.store import JobStorage
 from muster.v1 import muster_pb2 as pb
@@ -71,12 +70,16 @@ class Replica:
         replica, relaying, calls the leader."""
         self.config = config
         self.peers = peers
-        self.relays: dict[str, Relay] = {}
         self.address = config.address
         self.store = store
         self.coordination = coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
+        self.relays = Relays(config.address, peers.security, self._elected, window_s=config.relay_batch_s,
+                             # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
+                             connect_s=config.session_ttl_s + config.timing.heartbeat_timeout_s,
+                             heartbeat_timeout_s=config.timing.heartbeat_timeout_s,
+                             progress_s=config.timing.relay_progress_s)
         self.elections = ElectionWaits(coordination, self.leaders, self._leader_address, config.leader_wait_s)
         self.campaigns = Campaigns(coordination, session_ttl_s=config.session_ttl_s,
                                    renew_deadline_s=config.renew_deadline_s, balance_delay_s=config.balance_delay_s,
@@ -121,8 +124,7 @@ class Replica:
         self.campaigns.closing = True
         if self._cancel_watch:
             self._cancel_watch()
-        for relay in self.relays.values():
-            relay.close()
+        self.relays.close()
         for job in list(self.leaders):
             await self.leaders.pop(job).stop("replica shutting down", resigned=True)
         await self.campaigns.close()
@@ -227,9 +229,7 @@ class Replica:
             del self.leaders[job]
             asyncio.ensure_future(leader.stop("the job's run ended"))
         self.campaigns.forget(job)
-        relay = self.relays.pop(job, None)
-        if relay is not None:
-            relay.close()
+        self.relays.forget(job)
         self.metrics.forget(job)
         self.log.info("job_forgotten", job=job, jobs=len(self.jobs))
 
@@ -244,10 +244,14 @@ class Replica:
 
     # ---- routing ---------------------------------------------------------------------
 
-    async def leader_for(self, job: str) -> JobLeader:
-        wire.check_job(job)
+    async def leader_for(self, job: str, run: int = 0) -> JobLeader:
+        """The leader of the job's run `run` (0: whichever runs) on this replica; else why not
+        (NotLeader naming where, or how that run ended). `job` is a name the edge checked
+        (`CoordinatorServicer.admit`)."""
         leader = self.leaders.get(job)
         if leader is not None:
+            if run and run != leader.state.run:
+                raise await self.runs.unknown(job, run)
             return leader
         if job not in self.jobs:
             raise await self.runs.unknown(job)
@@ -273,13 +277,12 @@ class Replica:
         the job, and this replica started since) says on its first frame who it was: the job is
         created from that as its Join did (a forged claim creates none) and its election awaited, so
         that the node is taken back rather than told it is no member (which ends its agent)."""
-        wire.check_job(first.job)
         try:
             if first.job not in self.jobs and first.HasField("rejoin"):
                 check_claim(first, self.member_keys(), int(time.time() * 1000))
                 await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
                 await self.elections.wait(first.job)
-            leader = await self.leader_for(first.job)
+            leader = await self.leader_for(first.job, first.run)  # (a node of a run that ended: how it ended)
         except NotLeader as exc:
             # Relayed where this replica relays and the node picked it as its relay, and (with
             # tokens) its secret proves it: what a relay carries shares one budget at the leader
@@ -289,9 +292,7 @@ class Replica:
                     or keys is not None and keys.verify(first.session_secret, first.job, first.run, first.node_id,
                                                         first.member_id) is None):
                 raise
-            return RelayPort(self._relay(first.job, exc.leader))
-        if first.run and first.run != leader.state.run:  # a node of a run that ended: how it ended
-            raise await self.runs.unknown(first.job, first.run)
+            return RelayPort(self.relays.of(first.job, exc.leader))
         return LeaderPort(leader)
 
     async def open_relay(self, first: pb.RelayUp) -> RelayCall:
@@ -302,21 +303,6 @@ class Replica:
             raise FailedPrecondition(f"job {first.job!r} is not relayed (fewer than --relay-min-nodes "
                                      f"{self.config.relay_min_nodes} nodes): its nodes stream to the leader")
         return RelayCall(leader, first, self.config.limits.max_frames_per_s, self.config.timing.heartbeat_timeout_s)
-
-    def _relay(self, job: str, leader: str) -> Relay:
-        """This replica's relay of `job` (led at `leader`, "" unknown): a new one once the last
-        stopped taking nodes."""
-        relay = self.relays.get(job)
-        if relay is None or not relay.accepting:
-            relay = self.relays[job] = Relay(
-                job, self.address, leader, security=self.peers.security(),
-                find_leader=self._elected, window_s=self.config.relay_batch_s,
-                # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
-                connect_s=self.config.session_ttl_s + self.config.timing.heartbeat_timeout_s,
-                heartbeat_timeout_s=self.config.timing.heartbeat_timeout_s,
-                progress_s=self.config.timing.relay_progress_s)
-            relay.start()
-        return relay
 
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         wire.check_join(req)
