@@ -40,7 +40,7 @@ def test_an_error_without_a_membership_change_is_the_scripts_own_and_propagates(
 
 def test_a_failure_of_the_background_link_surfaces_at_the_step_boundary():
     w = worker()
-    w._error = WorkerError("lost the coordinator")
+    w._thread.error = WorkerError("lost the coordinator")
     w.link.changed.set()
     with pytest.raises(WorkerError, match="lost the coordinator"):
         with w.step_scope():
@@ -62,11 +62,11 @@ def test_a_planned_switch_heard_past_its_step_leaves_the_group_at_once():
     collective would wait for them; it aborts the group instead (and reforms at the failure)."""
     w = worker()
     aborted = []
-    w._abort = lambda below, into=None: aborted.append(below)
+    w._thread.abort = lambda below, into=None: aborted.append(below)
     w.generation, w.step = 1, 6
 
     def hear(generation, switch_at):
-        w._on_directive(pb.Directive(assignment=pb.Assignment(generation=generation, role=pb.ROLE_ACTIVE,
+        w._thread.on_directive(pb.Directive(assignment=pb.Assignment(generation=generation, role=pb.ROLE_ACTIVE,
                                                               switch_at_step=switch_at)))
     hear(2, 9)  # ahead: the step boundary switches
     w.step = 9
@@ -160,11 +160,11 @@ def test_an_abort_watches_a_group_formed_but_not_yet_adopted():
     w.comm, w.generation = Formed(), 11
     watched = []
     w._unwinding.watch = lambda generation, aborted_by: watched.append((generation, aborted_by))
-    w._abort(13)
+    w._thread.abort(13)
     wait_until(lambda: watched, 5, "the abort thread's watch")
     assert Formed.left == [13] and watched == [(12, 13)]
     w.comm.spec = None  # torn down: the training thread is between groups, past the one it stepped in
-    w._abort(14)
+    w._thread.abort(14)
     wait_until(lambda: len(watched) == 2, 5, "the second abort's watch")
     assert watched == [(12, 13), (11, 14)]
 
@@ -301,7 +301,7 @@ def test_a_rank_says_the_generation_its_state_began_from_nothing_in_while_that_s
     taken from another rank or a tier is not its own (0). A rank of a replica group benched out of the
     mesh (a replacement at step 0 beside a survivor, waiting to be placed) restored nothing for another
     reason."""
-    from muster.worker.library.api import begun_at
+    from muster.worker.library.reform_record import begun_at
     from muster.worker.library.sharded import Bench
     from muster.worker.library.state import SyncResult
     from muster.worker.library.transfer import Card, SyncPlan

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,19 +41,22 @@ from muster.worker.rank.runner import record_error
 from muster.worker.compute_clock import ComputeClock
 from muster.worker.library.backends import backend_named
 from muster.worker.library.config import WorkerConfig
-from muster.worker.library.comm import Comm, GroupSpec, StepCut
+from muster.worker.library.extras_rule import ExtrasRule
+from muster.worker.library.link_thread import LinkThread
+from muster.worker.library.comm import Comm, StepCut
 from muster.worker.sockets import interface_of
-from muster.worker.library.stuck import exit_stuck, exit_unless_raised
+from muster.worker.library.stuck import exit_stuck
 from muster.worker.library.checkpoints import Checkpoints, Durable
-from muster.worker.errors import Drained, FencedOut, RunEnded, ShardedStateRefused, StateLost, WorkerError
-from muster.worker.link import Link, Transport
+from muster.worker.errors import Drained, RunEnded, ShardedStateRefused, StateLost, WorkerError
+from muster.worker.link import Transport
 from muster.worker.node_session import NodeIdentity, NodeSession, job_spec
 from muster.worker.rank_link import RankLink
 from muster.worker.library.registration import registered
 from muster.worker.library.reform import Formed, Progress, Reform, at_boundary, drain_due
+from muster.worker.library.reform_record import recorded
 from muster.worker.library.sharded import Build, Replicas
 from muster.worker.library.snapshots import Snapshots
-from muster.worker.library.state import ReplicatedState, StateTransfer, SyncResult
+from muster.worker.library.state import ReplicatedState, StateTransfer
 from muster.worker.library.step_guards import StepGuards
 from muster.worker.library.unwinding import Unwinding
 
@@ -102,15 +104,10 @@ class Worker:
         self.rank, self.world_size = -1, 0
         self.generation = 0  # of the group this rank is in
         self.comm: Comm | None = None
-        # The background thread, and the mailbox it alone writes (the assignments, a drain).
-        self.link = Link("muster-link", on_directive=self._on_directive, on_failure=self._fail)
         self._closing = False
         # Under an agent this rank is one of its node's slots; alone, it is a one-slot node.
         self._slot = config.local_rank if config.agent_socket else 0
-        self.reforms: list[dict] = []  # what each reform took, for logs and benchmarks
         self._reformed = pb.ReformPhases()  # the last reform's, in every report: the leader's recovery timeline
-        self._error: WorkerError | None = None
-        self._error_seen = threading.Event()  # the training thread has raised it
         self._plan: Reform | None = None  # how this rank reforms (once started)
         self._progress = Progress()  # what this rank says it does (the link thread reports it)
         self._unwinding = Unwinding(excused=lambda: self._closing or self._progress.now[2] == "long_phase",
@@ -119,20 +116,19 @@ class Worker:
         # The state became sharded after register() took it as replicated? Looked at by the first step
         # after each reform (the reform's own sync looks too): a refusal by name, not failed reforms.
         self._unchecked = False
-        # The registered extras as this process's first step left them (then None, checked): one
-        # changed before the next step began was updated after the scope, where a reform or a peer
-        # snapshot at that boundary had already taken it (a replacement or a rollback: a step stale).
-        self._extras_after: bytes | None = None
-        self._extras_checked = False
         self._digest: tuple[int, bytes] = (0, b"")
         self._ddp: dict[int, tuple[int, torch.nn.Module]] = {}
         self._durable: Durable | None = None  # the checkpoints (register(checkpoint=...))
-        self.recoveries: list[dict] = []  # each recovery: the tier that restored which step, steps lost, time
         self._scope = _StepScope(self)
         self.backend = backend_named(config.backend, self._exit_stuck)  # (an unknown MUSTER_BACKEND fails here)
         self.device = self.backend.device(config.local_rank)  # where the state's tensors are exchanged
+        self._extras = ExtrasRule(self.device)
         self._guards = StepGuards(lambda: self.generation, lambda: self.step, lambda: self.comm,
                                   lambda: self._closing, self.device)
+        # The background thread, and the mailbox it alone writes (the assignments, a drain).
+        self._thread = LinkThread(self._slot, self._guards, self._unwinding, self._exit_stuck,
+                                  forming=lambda: self._plan is not None and self._plan.forming)
+        self.link = self._thread.link
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -188,7 +184,7 @@ class Worker:
                          gloo_interface=c.gloo_interface or interface_of(c.host), on_stuck=self._exit_stuck)
         self._plan = Reform(self.comm, self.link, self._unwinding, self._progress, slot=self._slot,
                             local_rank=c.local_rank, device=self.device, hold_timeout_s=c.hold_timeout_s,
-                            failed=lambda: self._error is not None, let_go=self._ddp.clear)
+                            failed=lambda: self._thread.error is not None, let_go=self._ddp.clear)
         self.link.open(lambda on_directive: connect(c, self._slot, self.comm.store_port, self._reports, on_directive))
         self._reform()
         return self
@@ -200,12 +196,12 @@ class Worker:
         self._closing = True
         if self._durable is not None and not self._durable.flush():
             log.warning("checkpoint_unfinished", why="still being written at close")
-        if self.comm is not None and self.comm.formed and self._error is None and self.link.drain_after is None:
+        if self.comm is not None and self.comm.formed and self._thread.error is None and self.link.drain_after is None:
             try:
                 dist.barrier()
             except (RuntimeError, dist.DistError) as exc:
                 log.warning("final_barrier_failed", error=str(exc)[:200])
-        if leave and self._error is None and self.link.session is not None:
+        if leave and self._thread.error is None and self.link.session is not None:
             try:
                 self.link.leave(10, finished=True, reason="training finished")
             except Exception as exc:  # leaving is a courtesy: the stream closing says the same
@@ -260,8 +256,7 @@ class Worker:
         ShardedStateRefused at the first step after a reform if the state was sharded after register()."""
         if self.link.changed.is_set():
             self._check_drain()
-        if self._extras_after is not None:
-            self._check_extras()
+        self._extras.check(self.state.extras, self.step)
         if self._unchecked:
             self._unchecked = False
             try:
@@ -286,7 +281,7 @@ class Worker:
         if at_boundary and self.link.changed.is_set():
             self._boundary()
         if at_boundary:  # (else the caller's step still moves its extras, a scheduler, until boundary())
-            self._note_extras()
+            self._extras.noted(self.state.extras)
 
     def boundary(self) -> None:
         """Take a membership change due at this step boundary (after step_done(..., at_boundary=False)).
@@ -294,7 +289,7 @@ class Worker:
         step): what a reform here takes is current, so the extras rule of step scopes is not looked at."""
         if self.link.changed.is_set():
             self._boundary()
-        self._extras_after, self._extras_checked = None, True
+        self._extras.excused()
 
     def check_group(self) -> None:
         """StepCut where the group this rank trains in was aborted: a collective outside the model's
@@ -306,7 +301,7 @@ class Worker:
         """The step in flight raised `exc`. True: lost to a failure outside this rank (or an abort within
         abort_wait_s), it is discarded and this rank has reformed: redo it. False: the script's own error."""
         outside = isinstance(exc, StepCut) or self.backend.is_transport_failure(exc)
-        if not outside and not self._membership_changed(self.config.abort_wait_s):
+        if not outside and not self._thread.abort_coming(self.config.abort_wait_s):
             at_step(exc, self.step + 1)
             return False  # not ours: the script's own error
         self._redos += 1
@@ -320,45 +315,17 @@ class Worker:
 
     def _boundary(self) -> None:
         self.link.changed.clear()
-        self._raise_error()
+        self._thread.raise_error()
         due = at_boundary(self.link.drain_after, self.link.latest, self.link.base, self.generation, self.step, self._slot)
         if due == "reform":
             self._reform()
-            self._note_extras()  # (as the reform left them: a peer's, where it received)
+            self._extras.noted(self.state.extras)  # (as the reform left them: a peer's, where it received)
         elif due == "again":
             self.link.changed.set()
-
-    def _note_extras(self) -> None:
-        if not self._extras_checked and self.state.extras:
-            self._extras_after = ReplicatedState(extras=self.state.extras).fingerprint(self.device)
-
-    def _check_extras(self) -> None:
-        """The rule: registered extras are updated inside the step scope (see _extras_after)."""
-        changed = ReplicatedState(extras=self.state.extras).fingerprint(self.device) != self._extras_after
-        self._extras_after, self._extras_checked = None, True
-        if changed:
-            log.warning("extras_updated_after_step", step=self.step, extras=sorted(self.state.extras),
-                        why="a registered extra changed after the step scope ended: a reform or peer snapshot at "
-                            "that boundary takes it before the change, so a replacement or a rollback gets it one "
-                            "step stale. Update it inside `with worker.step_scope()`")
 
     def _check_drain(self) -> None:
         if drain_due(self.link.drain_after, self.step):
             raise Drained(f"the node leaves the job after step {self.link.drain_after}")
-
-    def _membership_changed(self, wait_s: float) -> bool:
-        """After a collective failed: is (or does, within wait_s) an abort of this generation come?"""
-        deadline = time.monotonic() + wait_s
-        while True:
-            self._raise_error()
-            latest = self.link.latest
-            if latest is not None and latest.generation > self.generation and latest.abort_previous:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self.link.changed.wait(min(remaining, 0.05))
-            self.link.changed.clear()
 
     def _reform(self, *, discard: bool = False, hold: str = "") -> None:
         """Leave the current group and join the next one this rank trains in (the plan: Reform).
@@ -385,7 +352,7 @@ class Worker:
             try:
                 placed = self._plan.wait_for_place(self.generation, "", math.inf, self.step, bench)
             except RunEnded as ended:  # the others finished while this rank sat out: so does it
-                self._raise_error(ended)
+                self._thread.raise_error(ended)
             # (aborted first: the bench's barrier would hold the group's destroy)
             formed = None if placed is None else self._plan.run(self.state, self.generation, self.step, abort=True)
 
@@ -393,7 +360,7 @@ class Worker:
         """Train in the group a reform formed, from the step the state was synced to, saying `said`
         (what the rank said before it). None: the plan stopped for the link's error or a drain, raised here."""
         if formed is None:
-            self._raise_error()
+            self._thread.raise_error()
             self._check_drain()  # (one of the two raises: the plan saw it)
         spec, sync = formed.spec, formed.sync
         lost = self.step - sync.step if sync.step < self.step else 0
@@ -402,77 +369,15 @@ class Worker:
         latest = self.link.latest
         if latest is not None and latest.generation > spec.generation:
             self.link.changed.set()  # a planned switch heard while forming (the waits cleared its signal)
-        self.reforms.append(group_formed(spec, sync, formed.phases, steps_behind=lost, backend=self.backend.name))
-        tier = restored_from(sync, lost)
-        self._reformed = reform_phases(spec.generation, formed.phases, sync.received, tier, sync.step, lost,
-                                       begun_at(spec.generation, tier, sync, self._reformed.begun_at))
-        if sync.tier != "live" or lost or sync.role == "receiver" and sync.step > 0:
-            # A recovery: which tier restored which step, the steps this rank lost, the time it took
-            self.recoveries.append({"generation": spec.generation, "tier": tier, "step": sync.step, "steps_lost": lost,
-                                    "seconds": round(formed.phases["seconds"], 3)})
-            log.info("recovered", **self.recoveries[-1])
+        self._reformed = recorded(formed, lost, self._reformed, self.backend.name)
         self._unchecked = True
 
-    # ---- background thread -----------------------------------------------------------
-
-    def _fail(self, error: WorkerError, cause: BaseException | None = None) -> None:
-        if self._closing:
-            return  # leaving anyway: nothing to abort
-        error.__cause__ = cause
-        self._error = error
-        if isinstance(error, RunEnded):  # no fault: the training loop ends at its next boundary
-            log.info("run_ended", outcome=error.outcome, reason=error.reason)
-        else:
-            log.error("worker_link_failed", error=str(error))
-        self._abort(1 << 62)  # leave any collective: the training thread raises at the boundary
-        self.link.changed.set()
-        threading.Thread(target=exit_unless_raised, args=(str(error), self._error_seen, lambda: self._closing,
-                                                          self._exit_stuck),
-                         name="muster-fence", daemon=True).start()
+    # ---- for the link thread and the watches ------------------------------------------
 
     def _exit_stuck(self, cause: str, waited_s: float) -> None:
         """Any thread: the process is stuck where nothing reaches it (src/muster/worker/library/stuck.py):
         what only its state holds goes to the slot's next process, then it exits."""
         exit_stuck(cause, waited_s, self.state.hand_over)
-
-    def _raise_error(self, error: WorkerError | None = None) -> None:
-        """On the training thread: raise the link's error (or `error`, which becomes it), if there is one."""
-        if error is not None:
-            self._error = error
-        if self._error is not None:
-            self._error_seen.set()
-            raise self._error
-
-    def _abort(self, below_generation: int) -> None:
-        """Off the link's loop, which must keep streaming while the training thread is watched."""
-        self._guards.aborted(below_generation)  # the step in flight stops at its next module or gradient
-        # The group the training thread must leave: the one it steps in, or one formed that it syncs the
-        # state in (a chaos run wedged there, on a gloo pair the abort missed, with nothing watching).
-        broken = getattr(self.comm.spec, "generation", self.generation)
-
-        def leave() -> None:
-            self.comm.abort(below_generation)
-            if 0 < broken < below_generation and not self._closing:  # the training thread must leave it now
-                self._unwinding.watch(broken, below_generation)
-        threading.Thread(target=leave, name="muster-abort", daemon=True).start()
-
-    def _on_directive(self, d: pb.Directive) -> None:
-        """On the link thread, after the mailbox has it."""
-        if d.HasField("assignment"):
-            a = d.assignment
-            if (self.generation or self._plan is not None and self._plan.forming) and self._slot in a.down_local_ranks:
-                # This process held a place, or was forming one, and was declared failed (it hung, or
-                # never formed): its state is stale. A fresh process (the agent restarts this one)
-                # takes the slot back.
-                self._fail(FencedOut(f"fenced out: local rank {self._slot} was declared failed ({a.reason})"))
-                return
-            # A planned switch heard past its step (a late map): the others left the group there; so does this rank.
-            if a.abort_previous or 0 < self.generation < a.generation and 0 < a.switch_at_step <= self.step:
-                self._abort(a.generation)
-            log.info("assignment_received", generation=a.generation, role=pb.Role.Name(a.role),
-                     abort=a.abort_previous, switch_at_step=a.switch_at_step, reason=a.reason)
-        elif d.HasField("drain"):
-            log.info("drain_received", after_step=d.drain.after_step, reason=d.drain.reason)
 
     def _reports(self) -> list[pb.RankReport]:
         step, step_time_us, state, phase, generation = self._progress.now
@@ -492,48 +397,6 @@ def at_step(exc: BaseException, step: int) -> BaseException:
     except AttributeError:  # (an exception type with __slots__)
         pass
     return exc
-
-
-def group_formed(spec: GroupSpec, sync: SyncResult, phases: dict[str, float], **logged) -> dict:
-    """A reform's record (Worker.reforms, for benchmarks), logged as group_formed: what it took, phase
-    by phase, and what the state's sync moved."""
-    moved = {"state": sync.role if sync.plan.moves else "agreed", "sources": list(sync.plan.sources)[:8],
-             "bytes_sent": sync.sent, "bytes_received": sync.received}
-    log.info("group_formed", generation=spec.generation, rank=spec.rank, world_size=spec.world_size,
-             step=sync.step, store=spec.store_address, **logged, **moved,
-             **{k: round(v, 4) for k, v in phases.items()})
-    return {"generation": spec.generation, "step": sync.step, **moved, **phases}
-
-
-def reform_phases(generation: int, phases: dict[str, float], received: int, tier: str = "", step: int = 0,
-                  lost: int = 0, begun: int = 0) -> pb.ReformPhases:
-    """A reform's phases as the rank reports them (its leader draws the recovery's timeline from them),
-    with the tier its state came from, the step restored, the steps this rank lost, and the
-    generation its state began from nothing in (`begun_at`)."""
-    return pb.ReformPhases(generation=generation, abort_s=phases["abort_s"] + phases["destroy_s"],
-                           form_s=phases["form_s"], sync_s=phases["sync_s"], transfer_s=phases["transfer_s"],
-                           bytes_received=received, tier=tier, step=step, steps_lost=lost, begun_at=begun)
-
-
-def begun_at(generation: int, tier: str, sync: SyncResult, before: int) -> int:
-    """The generation in which the state this rank trains on began from nothing, said in every reform
-    while the state is its own: a word of one reform could be lost (the rank re-formed again before
-    its agent's next frame), and only the leader knows whether the job had trained by then. Begun
-    here: nothing restored and it trains (a benched replica group restored nothing because it trains
-    nothing yet, whatever step its own state is at); taken from another rank or a tier: not its own
-    word (0); else (its own state went on) what it said before."""
-    if not tier and sync.bench is None:
-        return generation
-    return 0 if sync.role == "receiver" or tier not in ("", "replica") else before
-
-
-def restored_from(sync: SyncResult, lost: int) -> str:
-    """The tier a reform's state came from (ReformPhases.tier): the sync's, where it went below the
-    ranks' own state; "replica" where the ranks' own state went on (kept, or moved from a rank holding
-    it); "" at a first formation (step 0, nothing lost: nothing was restored)."""
-    if sync.tier != "live":
-        return sync.tier
-    return "replica" if sync.step or lost else ""
 
 
 def connect(c: WorkerConfig, slot: int, store_port: int, reports: Callable[[], list[pb.RankReport]],
