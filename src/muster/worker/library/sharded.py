@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 
 from muster.worker.errors import LayoutMismatch, StateLost, StateMismatch
-from muster.worker.library.state import Channel, ReplicatedState, Stateful, StateTransfer, SyncResult
-from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan, unflatten
+from muster.worker.library.state import Channel, ReplicatedState, Stateful, StateTransfer, SyncResult, WholeState
+from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan
 
 if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a second, sharded or not)
     from torch.distributed.device_mesh import DeviceMesh
@@ -172,6 +172,8 @@ class ShardedState(StateTransfer):
     mesh: DeviceMesh | None = None
     slot: int = -1  # r * S + s, kept for life; -1 until placed
     durable: Durable | None = None  # the checkpoints under the replicas (src/muster/worker/library/checkpoints.py)
+    # The optimizer whose state is this rank's shard's (Snapshots: a ZeroRedundancyOptimizer's local one)
+    unwrap: Callable[[Any], Any] = lambda optimizer: optimizer
     _kept: dict[str, Any] | None = None  # a benched survivor's shards (LocalShards' tree), until its group trains
 
     def __post_init__(self) -> None:
@@ -179,8 +181,10 @@ class ShardedState(StateTransfer):
         # register, before this rank joins, not by a spare while the job waits for its slot.
         import torch._dynamo  # noqa: F401
 
-    def _shards(self, group: dist.ProcessGroup | None = None) -> LocalShards:
-        return LocalShards(self.model, self.optimizer, self.extras, bucket_bytes=self.bucket_bytes, group=group)
+    def _shards(self, group: dist.ProcessGroup | None = None) -> ReplicatedState:
+        """This rank's local shards as a ReplicatedState across `group` (the replicate group)."""
+        return ReplicatedState(self.model, self.unwrap(self.optimizer), self.extras, bucket_bytes=self.bucket_bytes,
+                               group=group, view=LocalShards)
 
     def card(self, step: int, device: torch.device) -> Card:
         return self._shards().card(step, device)
@@ -197,7 +201,7 @@ class ShardedState(StateTransfer):
         return self.slot % self.layout.shards
 
     def saved_tree(self) -> dict[str, Any]:
-        return self._shards()._tree()
+        return self._shards().tree()
 
     def restore_saved(self, tree: dict[str, Any]) -> None:
         """A checkpoint's shard into the model and optimizer built on this generation's mesh, and the extras."""
@@ -218,7 +222,7 @@ class ShardedState(StateTransfer):
             placement, lost = place([(-1, 0)] * len(claims), self.layout), True  # laid out as a first formation
         # Tensors only: the old model and optimizer hold the old generation's groups, dropped here.
         if self.model is not None and not lost:
-            self._kept = self._shards()._tree()
+            self._kept = self._shards().tree()
         if lost:
             self._kept = None
         self.model = self.optimizer = self.mesh = None
@@ -271,21 +275,21 @@ def claim(value: bytes) -> tuple[int, int]:
     return int(slot), int(step)
 
 
-class LocalShards(ReplicatedState):
-    """A rank's state as plain tensors (each DTensor's local shard, a view of its storage), kept
-    identical across the replicate group: what ReplicatedState moves, received in place."""
+class LocalShards:
+    """A rank's state as plain tensors (each DTensor's local shard, a view of its storage): what a
+    ReplicatedState over it keeps identical across the replicate group, received in place."""
 
-    def _tree(self) -> dict[str, Any]:
-        return local(super()._tree())
+    replicated = False  # sharded by its layout: nothing for still_replicated to refuse
 
-    def still_replicated(self, when: str) -> None:
-        """Nothing to refuse: sharded by its layout, and what it moves is each DTensor's local shard."""
+    @staticmethod
+    def tree(s: ReplicatedState) -> dict[str, Any]:
+        return local(WholeState.tree(s))
 
-    def _load(self, reference: Any, targets: list[torch.Tensor]) -> None:
-        tree = unflatten(reference, targets)
-        if self.optimizer is not None and tree["optimizer"] is not None:
-            self.optimizer.load_state_dict(on_params(self.optimizer, tree["optimizer"]))
-        for name, obj in self.extras.items():
+    @staticmethod
+    def load(s: ReplicatedState, tree: dict[str, Any]) -> None:
+        if s.optimizer is not None and tree["optimizer"] is not None:
+            s.optimizer.load_state_dict(on_params(s.optimizer, tree["optimizer"]))
+        for name, obj in s.extras.items():
             obj.load_state_dict(tree["extras"][name])
 
 

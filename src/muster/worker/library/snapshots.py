@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from muster.worker.errors import LayoutMismatch, ShardLost
-from muster.worker.library.sharded import LocalShards, ShardedState, restore
+from muster.worker.library.sharded import ShardedState, restore
 from muster.worker.library.snapshot_ring import TIMEOUT, Ring
 from muster.worker.library.state import Channel, SyncResult
 from muster.worker.library.transfer import Card, SyncPlan
@@ -179,9 +179,7 @@ class SnapshotState(ShardedState):
     stride: int = 0  # slot -> buddy distance, fixed at the first formation; 0 until then
     ring: Ring = field(default_factory=Ring)
     handover: str = ""  # the agent's file where a stuck exit leaves the snapshots for the slot's next process
-
-    def _shards(self, group: dist.ProcessGroup | None = None) -> LocalShards:
-        return LocalShards(self.model, inner(self.optimizer), self.extras)
+    unwrap: Callable[[Any], Any] = inner  # (a ZeroRedundancyOptimizer's local one holds this rank's state)
 
     def snapshots(self) -> tuple[int, int]:
         """(every how many steps, the host memory they take here): what `muster status` shows."""
@@ -195,7 +193,7 @@ class SnapshotState(ShardedState):
         """At every completed step's boundary, on the training thread."""
         self.ring.ask()
         if step % self.layout.every == 0:
-            self.ring.take(step, self._shards()._tree())
+            self.ring.take(step, self._shards().tree())
 
     def sync(self, step: int, channel: Channel, device: torch.device,
              progress: Callable[[str], None] | None = None) -> SyncResult:
@@ -219,7 +217,7 @@ class SnapshotState(ShardedState):
             if self.durable is None:
                 raise
             recovery, lost = Recovery(None, self.stride or buddy_stride(nodes)), True
-        kept = self._shards()._tree() if self.model is not None and recovery.step is None and not lost else None
+        kept = self._shards().tree() if self.model is not None and recovery.step is None and not lost else None
         self.model = self.optimizer = self.mesh = None
         claimed, self.slot, self.stride = self.slot, rank_of_slot.index(channel.rank), recovery.stride
         if claimed != self.slot:
@@ -251,7 +249,7 @@ class SnapshotState(ShardedState):
         if now in self.ring.own:
             self.ring.send(now)  # the buddy holds this state too, whatever it held before
         else:
-            self.ring.take(now, self._shards()._tree())
+            self.ring.take(now, self._shards().tree())
         role = "receiver" if self.slot in recovery.receivers else "source" if sent else "kept"
         receivers = tuple(rank_of_slot[s] for s in recovery.receivers)
         sources = tuple(rank_of_slot[recovery.buddy(s, n)] for s in recovery.receivers)

@@ -163,6 +163,27 @@ class StateTransfer(Protocol):
         """A checkpoint's tree into what this rank holds."""
 
 
+class WholeState:
+    """What a ReplicatedState keeps identical, as a replicated job holds it: the model's and the
+    optimizer's state dicts and the extras (sharded.LocalShards: each DTensor's local shard)."""
+
+    replicated = True  # (still_replicated refuses state sharded after register())
+
+    @staticmethod
+    def tree(s: ReplicatedState) -> dict[str, Any]:
+        return {"model": s.model.state_dict() if s.model is not None else {},
+                "optimizer": s.optimizer.state_dict() if s.optimizer is not None else None,
+                "extras": {name: obj.state_dict() for name, obj in s.extras.items()}}
+
+    @staticmethod
+    def load(s: ReplicatedState, tree: dict[str, Any]) -> None:
+        """A tree's optimizer state and extras into their objects (the model's tensors are received in place)."""
+        if s.optimizer is not None and tree["optimizer"] is not None:
+            s.optimizer.load_state_dict(tree["optimizer"])
+        for name, obj in s.extras.items():
+            obj.load_state_dict(tree["extras"][name])
+
+
 @dataclass
 class ReplicatedState(StateTransfer):
     """The StateTransfer of a data-parallel job: every rank holds the whole state (see the module's docstring)."""
@@ -177,6 +198,7 @@ class ReplicatedState(StateTransfer):
     # Fault injection for tests: called with (piece index, the staging bytes) after a receiver took a bucket.
     on_received: Callable[[int, torch.Tensor], None] | None = None
     durable: Durable | None = None  # the checkpoints under the ranks' own state (src/muster/worker/library/checkpoints.py)
+    view: WholeState | Any = WholeState  # what of the objects' state it keeps identical (sharded.LocalShards)
     _ahead: tuple[int, Future[Card]] | None = field(default=None, repr=False)  # card_ahead's: the step, the card
 
     @classmethod
@@ -192,22 +214,20 @@ class ReplicatedState(StateTransfer):
         """Refuse (ShardedStateRefused) state that became sharded after register() took it as replicated
         (fully_shard applied to the model afterwards): each rank's "copy" is a shard, so a reform's
         fingerprints and transfers would fail on every try, or worse, send one rank's shard to the others."""
-        shard = sharded(self.model, self.optimizer)
+        shard = self.view.replicated and sharded(self.model, self.optimizer)
         if shard:
             raise ShardedStateRefused(f"{shard} {when}, but register() took the state as replicated: it was "
                                       f"sharded after register(). {_LAYOUTS}")
 
     # ---- what this rank holds ---------------------------------------------------------
 
-    def _tree(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict() if self.model is not None else {},
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "extras": {name: obj.state_dict() for name, obj in self.extras.items()}}
+    def tree(self) -> dict[str, Any]:
+        return self.view.tree(self)
 
     def _flat(self, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
         """The described skeleton (TensorRefs in place of tensors) and the tensors, in its order."""
         leaves: list[tuple[str, torch.Tensor]] = []
-        skeleton = flatten(self._tree(), leaves)
+        skeleton = flatten(self.tree(), leaves)
         tensors = [t for _, t in leaves]
         refs = [TensorRef(i, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size(),
                           t.device == device) for i, t in enumerate(tensors)]
@@ -238,13 +258,13 @@ class ReplicatedState(StateTransfer):
         return 0 if rank == 0 else None
 
     def saved_tree(self) -> dict[str, Any]:
-        return self._tree()
+        return self.tree()
 
     def restore_saved(self, tree: dict[str, Any]) -> None:
         """A checkpoint's tree into the model, optimizer and extras."""
         if self.model is not None:
             self.model.load_state_dict(tree["model"])
-        self._load_tree(tree)
+        self.view.load(self, tree)
 
     def fingerprint(self, device: torch.device) -> bytes:
         """16 bytes over all the state (model, optimizer, extras), to compare replicas."""
@@ -315,7 +335,7 @@ class ReplicatedState(StateTransfer):
             if taking:
                 for original, received_into in fixups:
                     original.copy_(received_into)
-                self._load(reference, targets)
+                self.view.load(self, unflatten(reference, targets))
                 got = self.card(p.reference.step, device)
                 verdict = "ok" if got.fingerprint == p.reference.fingerprint else "bad"
             verdicts = channel.exchange(f"state/verdict/{result.attempts}", verdict)
@@ -352,17 +372,6 @@ class ReplicatedState(StateTransfer):
                 t = fixups[-1][1]
             targets.append(t.detach())
         return targets, fixups
-
-    def _load(self, reference: Any, targets: list[torch.Tensor]) -> None:
-        """The received optimizer state and extras into their objects (the model's tensors were
-        received in place)."""
-        self._load_tree(unflatten(reference, targets))
-
-    def _load_tree(self, tree: dict[str, Any]) -> None:
-        if self.optimizer is not None and tree["optimizer"] is not None:
-            self.optimizer.load_state_dict(tree["optimizer"])
-        for name, obj in self.extras.items():
-            obj.load_state_dict(tree["extras"][name])
 
 
 def sharded(model: torch.nn.Module | None, optimizer: Any) -> str:
