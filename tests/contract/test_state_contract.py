@@ -23,6 +23,7 @@ from muster.worker.errors import StateLost
 from muster.worker.library.sharded import Replicas, ShardedState
 from muster.worker.library.snapshots import Snapshots, SnapshotState
 from muster.worker.library.state import ReplicatedState, StateTransfer
+from muster.testing import run_processes
 
 pytestmark = pytest.mark.timeout(240)
 CPU = torch.device("cpu")
@@ -152,27 +153,15 @@ def rank_main(process: int, port: int, out: mp.Queue) -> None:
 def seen() -> dict[str, dict[int, dict]]:
     """What every rank saw, by layout then process (the processes started once for the module)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(p, store.port, out)) for p in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results: dict[str, dict[int, dict]] = {layout: {} for layout in LAYOUTS}
-        errors = []
-        for _ in range(WORLD * len(LAYOUTS)):
-            process, layout, kind, value = out.get(timeout=200)
-            if kind == "error":
-                errors.append(f"{layout}, process {process}: {value}")
-            results[layout][process] = value
-        assert not errors, "\n".join(errors)
-        return results
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results: dict[str, dict[int, dict]] = {layout: {} for layout in LAYOUTS}
+    errors = []
+    for process, layout, kind, value in run_processes(rank_main, [(p, store.port) for p in range(WORLD)],
+                                                      WORLD * len(LAYOUTS), 200):
+        if kind == "error":
+            errors.append(f"{layout}, process {process}: {value}")
+        results[layout][process] = value
+    assert not errors, "\n".join(errors)
+    return results
 
 
 def alike(ranks: dict[int, dict], key) -> None:

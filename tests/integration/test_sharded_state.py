@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from muster.worker.library.comm import GroupChannel, GroupSpec
 from muster.worker.library.sharded import Replicas, ShardedState
+from muster.testing import run_processes
 
 pytestmark = pytest.mark.timeout(150)
 CPU = torch.device("cpu")
@@ -87,23 +88,8 @@ def rank_main(process: int, port: int, reformed: dict[int, int], fresh: bool, ou
 def test_replacements_take_the_lost_slots_and_every_shard_ends_as_if_uninterrupted(lost):
     fresh, reformed = LOSSES[lost]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(p, store.port, reformed, p in fresh, out))
-             for p in range(LAYOUT.world_size)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            process, kind, value = out.get(timeout=120)
-            results[process] = (kind, value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = {process: (kind, value) for process, kind, value in run_processes(
+        rank_main, [(p, store.port, reformed, p in fresh) for p in range(LAYOUT.world_size)], LAYOUT.world_size, 120)}
     assert all(kind == "ok" for kind, _ in results.values()), results
     r = {p: v for p, (_, v) in results.items()}
     assert all(v["slot"] == v["first_slot"] == p for p, v in r.items()), "every process kept (or retook) its slot"

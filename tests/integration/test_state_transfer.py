@@ -16,6 +16,7 @@ import torch.distributed as dist
 from muster.worker.library.comm import GroupChannel, GroupSpec
 from muster.worker.errors import StateMismatch
 from muster.worker.library.state import ReplicatedState
+from muster.testing import run_processes
 
 pytestmark = pytest.mark.timeout(120)
 CPU = torch.device("cpu")
@@ -96,23 +97,8 @@ def rank_main(rank: int, world: int, port: int, case: str, out: mp.Queue) -> Non
 
 def run(case: str, world: int = 3) -> dict[int, tuple[str, object]]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, store.port, case, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in range(world):
-            rank, kind, value = out.get(timeout=90)
-            results[rank] = (kind, value)
-        return results
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = run_processes(rank_main, [(r, world, store.port, case) for r in range(world)], world, 90)
+    return {rank: (kind, value) for rank, kind, value in results}
 
 
 def test_agreeing_survivors_move_nothing_and_a_joiner_receives_everything():
