@@ -7,6 +7,7 @@ the same paths on real etcd.)"""
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -63,8 +64,6 @@ async def replicas_leading(twins: Twins, jobs: tuple[str, ...], n: int = 1):
             await replica.close()
         for server in servers:
             await server.stop(grace=1.0)
-
-
 
 
 def leader_and_standby(replicas: list[Replica], job: str) -> tuple[Replica, Replica]:
@@ -205,3 +204,35 @@ def test_an_unavailable_store_for_one_job_holds_its_decisions_and_no_other_jobs(
             assert good.lost_reason is None and not any(n.errors for n in nodes)
 
     asyncio.run(scenario())
+
+
+def test_the_nodes_of_a_new_job_joining_at_once_create_it_once_within_its_runs_quota():
+    """A job's nodes start together: their first Joins find no job and each would create it. One
+    creates it (one run of the name's quota, whose burst is 10); the others wait for it and join it,
+    none refused for runs it never made."""
+    async def main():
+        twins = Twins()
+        create = twins.store.create_spec
+
+        def slow_create(*args):  # an etcd write takes a while: the other Joins come meanwhile
+            time.sleep(0.05)
+            return create(*args)
+        twins.store.create_spec = slow_create
+        replica = Replica(twins.store, twins.coordination, ReplicaConfig(timing=TIMING, session_ttl_s=2, tick_s=0.02))
+        server, port = await create_server(replica)
+        replica.address = f"127.0.0.1:{port}"
+        await server.start()
+        await replica.start()
+        nodes = [SimulatedNode([replica.address], "crowd", f"n{i}", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=40))
+                 for i in range(40)]
+        try:
+            await asyncio.gather(*(n.join() for n in nodes))
+            assert replica.runs.budgets.of("crowd").runs.tokens >= 8, "one run spent of the burst of 10"
+        finally:
+            for node in nodes:
+                await node.stop()
+            await replica.close()
+            await server.stop(grace=1.0)
+
+    asyncio.run(main())
+

@@ -75,6 +75,7 @@ class Replica:
         self.coordination = coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
+        self._creating: dict[str, asyncio.Future] = {}  # jobs being created, done once their spec is (or is not)
         self.relays = Relays(config.address, peers.security, self._elected, window_s=config.relay_batch_s,
                              # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
                              connect_s=config.session_ttl_s + config.timing.heartbeat_timeout_s,
@@ -323,8 +324,20 @@ class Replica:
             self.config.relay_min_nodes
 
     async def _create_job(self, job: str, requested: JobSpec) -> None:
-        await self.runs.admit(job, requested)
-        self._discovered(job)
+        """Create a new job once, however many of its nodes ask at once (they start together, and
+        each Join finds no job while the first one's etcd write is under way): one admits it, a run
+        of the name's quota; the others wait for it, and try on their own only if it failed."""
+        while (pending := self._creating.get(job)) is not None:
+            await asyncio.shield(pending)  # (a waiter cancelled, its Join gone, leaves it to the others)
+            if job in self.jobs:
+                return
+        self._creating[job] = done = asyncio.get_running_loop().create_future()
+        try:
+            await self.runs.admit(job, requested)
+            self._discovered(job)
+        finally:
+            del self._creating[job]
+            done.set_result(None)
 
     async def status(self, job: str, brief: bool = False, page: status_pages.Page = status_pages.Page(),
                      run: int = 0) -> pb.StatusResponse:
