@@ -302,7 +302,7 @@ def test_a_rank_says_the_generation_its_state_began_from_nothing_in_while_that_s
     mesh (a replacement at step 0 beside a survivor, waiting to be placed) restored nothing for another
     reason."""
     from muster.worker.library.reform_record import begun_at
-    from muster.worker.library.sharded import Bench
+    from muster.worker.library.state import Bench
     from muster.worker.library.state import SyncResult
     from muster.worker.library.transfer import Card, SyncPlan
 

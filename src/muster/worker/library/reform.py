@@ -30,7 +30,7 @@ from muster.worker.library.unwinding import Unwinding
 from muster.worker.link import Link, immediate
 
 if TYPE_CHECKING:
-    from muster.worker.library.sharded import Bench
+    from muster.worker.library.state import Bench
 
 log = structlog.get_logger(__name__)
 

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -46,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from muster.worker.errors import LayoutMismatch, StateLost, StateMismatch
-from muster.worker.library.state import Channel, ReplicatedState, Stateful, StateTransfer, SyncResult, WholeState
+from muster.worker.library.state import (Bench, Channel, ReplicatedState, Stateful, StateTransfer, SyncResult,
+                                         WholeState)
 from muster.worker.library.transfer import BUCKET_BYTES, Card, SyncPlan
 
 if TYPE_CHECKING:  # (imported where used: they cost every rank's start half a second, sharded or not)
@@ -349,23 +349,3 @@ def restore(model: torch.nn.Module, optimizer: Any, kept: dict[str, Any]) -> Non
             t.copy_(kept["model"][name])
     if optimizer is not None and kept["optimizer"] is not None:
         optimizer.load_state_dict(on_params(optimizer, kept["optimizer"]))
-
-
-class Bench:
-    """What a benched rank watches in the generation it sits out, besides the next map: the final
-    barrier of the ranks that train (Worker.close), which ends its wait with theirs (the reform,
-    which owns the link, then finishes the rank: Reform.finish_benched). Posted at once, with no
-    timeout of its own: the wait is bounded by the link and the coordinator's long-phase timeout.
-    Leaving the bench, the rank must abort the group before destroying it: the pending barrier
-    holds gloo's destroy until it completes."""
-
-    def __init__(self, why: str, *, others_train: bool):
-        self.why = why
-        self._closing = None
-        if others_train:  # (with nobody training, every rank of the generation would reach it at once)
-            opts = dist.BarrierOptions()
-            opts.timeout = timedelta(days=365)
-            self._closing = dist.group.WORLD.barrier(opts)
-
-    def others_finished(self) -> bool:
-        return self._closing is not None and self._closing.is_completed() and self._closing.is_success()

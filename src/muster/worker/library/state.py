@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from muster.worker.library.checkpoints import Durable
-    from muster.worker.library.sharded import Bench
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,26 @@ class Channel(Protocol):
 
     def fetch(self, key: str) -> bytes:
         """The value under `key` once published (bounded, abandonable)."""
+
+
+class Bench:
+    """What a benched rank watches in the generation it sits out, besides the next map: the final
+    barrier of the ranks that train (Worker.close), which ends its wait with theirs (the reform,
+    which owns the link, then finishes the rank: Reform.finish_benched). Posted at once, with no
+    timeout of its own: the wait is bounded by the link and the coordinator's long-phase timeout.
+    Leaving the bench, the rank must abort the group before destroying it: the pending barrier
+    holds gloo's destroy until it completes."""
+
+    def __init__(self, why: str, *, others_train: bool):
+        self.why = why
+        self._closing = None
+        if others_train:  # (with nobody training, every rank of the generation would reach it at once)
+            opts = dist.BarrierOptions()
+            opts.timeout = timedelta(days=365)
+            self._closing = dist.group.WORLD.barrier(opts)
+
+    def others_finished(self) -> bool:
+        return self._closing is not None and self._closing.is_completed() and self._closing.is_success()
 
 
 @dataclass
