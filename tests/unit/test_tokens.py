@@ -113,3 +113,21 @@ def test_a_reload_ends_the_streams_whose_token_left_once_and_spares_the_others(t
     assert tokens.reload() and tokens.reload()
     assert [type(e) for e in ended["a"]] == [Unauthenticated] and "no longer admits" in str(ended["a"][0])
     assert ended["b"] == [] and ended["released"] == []
+
+
+def test_a_stream_admitted_before_a_reload_that_came_while_its_port_opened_is_checked_as_it_is_held(tmp_path):
+    """The edge checks a stream's token, then awaits its port (a job created, an election, a first
+    message); a reload meanwhile ran before the stream was held. Held, it is checked against the file
+    as it is now: a token rotated out meanwhile is refused there, not left streaming."""
+    path = tmp_path / "tokens"
+    path.write_text(f"job-a {JOB}\n")
+    path.chmod(0o600)
+    tokens = Tokens.load(path)
+    tokens.check(bearer(JOB), "job-a")  # admitted
+    path.write_text(f"job-a {'c' * 16}\n")
+    assert tokens.reload()  # while its port opened
+    ended = []
+    with pytest.raises(Unauthenticated):
+        tokens.hold(lambda: tokens.check(bearer(JOB), "job-a"), ended.append)
+    path.write_text(f"job-a {'d' * 16}\n")
+    assert tokens.reload() and ended == []  # never held: nothing to end

@@ -73,8 +73,11 @@ class Tokens:
     def hold(self, check: Callable[[], None], end: Callable[[Exception], None]) -> Callable[[], None]:
         """An open stream's right to go on: after each reload `check` runs again (the stream's own
         check, with its call's token), and where it raises, `end` gets the refusal, once: a token
-        rotated out revokes its streams too, not only its new calls. Returns the release (the
-        stream is over). Reloads and holds are the event loop's, so no lock."""
+        rotated out revokes its streams too, not only its new calls. `check` runs now too, raising
+        the refusal: the edge checked the stream, then awaited its port (a job created, an election,
+        a first message), and a reload meanwhile found nothing of it to end. Returns the release
+        (the stream is over). Reloads and holds are the event loop's, so no lock."""
+        check()
         key = object()
         self._holds[key] = (check, end)
         return lambda: self._holds.pop(key, None)
