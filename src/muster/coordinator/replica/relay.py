@@ -309,11 +309,12 @@ class Relays:
     """This replica's relays, one a job it relays and does not lead: a new one once the last
     stopped taking nodes."""
 
-    def __init__(self, address: str, security: Callable[[], ClientSecurity],
+    def __init__(self, address: Callable[[], str], security: Callable[[], ClientSecurity],
                  find_leader: Callable[[str], Awaitable[str]], *, window_s: float, connect_s: float,
                  heartbeat_timeout_s: float, progress_s: float):
-        self.address = address
-        self._security = security  # (looked up for each new relay: a reload may have changed it)
+        # Both looked up for each new relay: the replica's address is known once its server listens,
+        # and a reload may have changed the security
+        self._address, self._security = address, security
         self._find_leader = find_leader
         self._timing = dict(window_s=window_s, connect_s=connect_s, heartbeat_timeout_s=heartbeat_timeout_s,
                             progress_s=progress_s)
@@ -323,7 +324,7 @@ class Relays:
         """The relay of `job` (led at `leader`, "" unknown) that takes the next node."""
         relay = self._relays.get(job)
         if relay is None or not relay.accepting:
-            relay = self._relays[job] = Relay(job, self.address, leader, security=self._security(),
+            relay = self._relays[job] = Relay(job, self._address(), leader, security=self._security(),
                                               find_leader=self._find_leader, **self._timing)
             relay.start()
         return relay

@@ -76,7 +76,7 @@ class Replica:
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
         self._creating: dict[str, asyncio.Future] = {}  # jobs being created, done once their spec is (or is not)
-        self.relays = Relays(config.address, peers.security, self._elected, window_s=config.relay_batch_s,
+        self.relays = Relays(lambda: self.address, peers.security, self._elected, window_s=config.relay_batch_s,
                              # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
                              connect_s=config.session_ttl_s + config.timing.heartbeat_timeout_s,
                              heartbeat_timeout_s=config.timing.heartbeat_timeout_s,
