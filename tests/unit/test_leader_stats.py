@@ -227,3 +227,27 @@ def test_a_state_begun_from_nothing_is_judged_from_any_later_reform_however_many
     # a state begun from nothing in a generation decided before that word is the same loss's
     assert stats.reported("n1", frame(state.generation, pb.ReformPhases(
         generation=state.generation, begun_at=state.generation)), now + 0.3) == 0
+
+
+def test_the_step_a_job_reached_between_two_decisions_is_what_a_state_lost_then_cost():
+    """Every rank of a job killed at step 10, with no decision since its first formation at step 0:
+    at the next decision their agents already report the restarted ranks at step 0 (a CI run: no
+    verdict, the job retrained and ended "succeeded"). The step the job reached is kept from its
+    frames, so the restarted ranks' word is judged against 10."""
+    from muster.coordinator.core.kinds import FailureKind
+    from muster.coordinator.core.machine import Context, NodeLost, decide
+
+    from test_liveness import TIMING
+
+    stats = LeaderStats("job", Metrics(), now=0)
+    formed = decide(job(3), [NodeLost("n2", FailureKind.PROCESS_EXITED, "killed")],
+                    Context(now=1, wall_ms=1000, term=1, timing=TIMING))
+    stats.adopted(formed, 1, 0)
+    for step in range(1, 11):
+        stats.stepped(step)  # the frames of its training
+    lost = decide(formed.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "killed")],
+                  Context(now=2, wall_ms=2000, term=1, timing=TIMING))
+    stats.adopted(lost, 2, 0)  # every rank restarted: step 0 as reported now
+    g = lost.state.generation
+    assert stats.reported("n0", frame(g, pb.ReformPhases(generation=g, begun_at=g)), 3) == 10
+    assert stats.high_step == 0

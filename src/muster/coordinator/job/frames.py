@@ -131,6 +131,7 @@ class FrameReader:
         if fast:
             if self.live.advance(member.node_id, frame.generation, stream.local_ranks, steps, now, vouched=vouched,
                                  vouch=vouch):
+                self.stats.stepped(self.live.nodes[member.node_id].top_step)
                 return []
             reports = wire.check_frame_ranks(frame, member)  # not the ranks it had: read it all
         if frame.exits:
@@ -150,6 +151,7 @@ class FrameReader:
                 events.append(Finishing(member.node_id, f"local rank {done.local_rank} (pid {done.pid}) of node "
                                                         f"{member.node_id!r} completed its script: the job is ending"))
         recovered = self.live.observe(member.node_id, frame.generation, reports, now, vouched=vouched, vouch=vouch)
+        self.stats.stepped(self.live.nodes[member.node_id].top_step)
         stream.local_ranks = tuple(r.local_rank for r in reports)
         if frame.exits:
             events += self._exits(member, frame, state, now)

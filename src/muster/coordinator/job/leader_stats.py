@@ -58,6 +58,14 @@ class LeaderStats:
     def framed(self) -> None:
         self._frame_count += 1
 
+    def stepped(self, step: int) -> None:
+        """A node's frame said its ranks reached `step`. Kept from every frame, not only at decisions:
+        a job that loses every rank between two decisions is reported at the next one by its
+        restarted ranks at step 0, and the step it had reached (what a state lost then cost) would be
+        unknown."""
+        if step > self.high_step:
+            self.high_step = step
+
     def signalled(self, at: float) -> None:
         """A failure's first sign (an exit reported, or the silence a failure was judged on)."""
         self._signals.append(at)
