@@ -311,24 +311,3 @@ def test_a_warm_rank_given_thp_mem_alloc_enable_holds_its_large_tensors_on_huge_
     run(main({"OMP_NUM_THREADS": "1"}, "off"))
     on, off = (int((tmp_path / f"{n}.txt").read_text()) for n in ("on", "off"))
     assert on >= 200 << 10 and off < on // 4, (on, off)  # kB: most of the 256 MiB, against (nearly) none
-
-
-def test_the_test_harness_warm_ranks_are_what_a_test_uses_of_a_popen(tmp_path, warm_ranks):
-    """`muster.local.WarmRanks` (the `training` fixture's): a rank forked with its own argv and
-    environment, its output in its log, its exit status and a kill as Popen gives them, a wait
-    bounded by TimeoutExpired; a command it cannot fork is left to start cold (None)."""
-    import subprocess
-
-    script = tmp_path / "rank.py"
-    script.write_text("import os, sys, time\nprint('rank', os.environ['WHO'], sys.argv[1:], flush=True)\n"
-                      "time.sleep(float(sys.argv[2]))\nsys.exit(int(sys.argv[1]))\n")
-    log = tmp_path / "rank.log"
-    done = warm_ranks.spawn([sys.executable, str(script), "3", "0"], {**os.environ, "WHO": "a"}, log)
-    assert done.wait(30) == 3 and done.poll() == done.returncode == 3
-    assert "rank a ['3', '0']" in log.read_text()
-    slow = warm_ranks.spawn([sys.executable, str(script), "0", "60"], {**os.environ, "WHO": "b"}, log)
-    with pytest.raises(subprocess.TimeoutExpired):
-        slow.wait(0.2)
-    slow.kill()
-    assert slow.wait(10) == -signal.SIGKILL and not process_alive(slow.pid)
-    assert warm_ranks.spawn(["/bin/true"], dict(os.environ), log) is None
