@@ -97,28 +97,15 @@ def coordinators(etcd, tmp_path):
         c.stop()
 
 
-@pytest.fixture(scope="session")
-def warm_ranks():
-    """One zygote for every rank a test process's `training` starts: the suite is CPU-bound, and a
-    rank started cold spends 2 s of it importing torch and the library again."""
-    from muster.local import WarmRanks
-
-    warm = WarmRanks().start()
-    yield warm
-    warm.close()
-
-
 @pytest.fixture
-def training(tmp_path, warm_ranks):
-    """Start ranks of examples/train_ddp.py, forked warm; all are killed (by PID) afterwards if still
-    running."""
+def training(tmp_path):
+    """Start ranks of examples/train_ddp.py; all are killed (by PID) afterwards if still running."""
     from muster.local import TrainingProcess
 
     started = []
 
     def start(coordinators, job: str, n: int = 1, **kwargs):
-        new = [TrainingProcess(coordinators, job, tmp_path / f"rank-{len(started) + i}.log", warm=warm_ranks,
-                               **kwargs).start()
+        new = [TrainingProcess(coordinators, job, tmp_path / f"rank-{len(started) + i}.log", **kwargs).start()
                for i in range(n)]
         started.extend(new)
         return new

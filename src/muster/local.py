@@ -206,106 +206,23 @@ def rank_env(backend: str) -> dict[str, str]:
     return env
 
 
-class WarmRanks:
-    """Ranks forked from one zygote, as an agent's warm starts are (`muster.worker.rank.zygote`):
-    the interpreter, torch and the library imported once for all of them rather than again in each
-    (2 s of CPU a rank on a 2-core host, where a test suite is CPU-bound). The zygote's event loop
-    runs on a thread of its own, which must outlive every rank: they die with the zygote, and it
-    with that thread (PR_SET_PDEATHSIG)."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="warm-ranks", daemon=True)
-        self._thread.start()
-        self._warm = None
-
-    def _call(self, coro, timeout_s: float):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
-
-    def start(self) -> WarmRanks:
-        from muster.worker.rank import orphan_guard
-        from muster.worker.rank.zygote import PRELOAD, READY_WAIT_S, WarmStarts
-
-        async def started() -> WarmStarts:
-            warm = WarmStarts(dict(os.environ), orphan_guard.prefix(), (*PRELOAD, "muster.worker.library.api"))
-            await warm.start()
-            await warm.zygote.ready()
-            return warm
-        self._warm = self._call(started(), READY_WAIT_S + 10)
-        return self
-
-    def spawn(self, args: list[str], env: dict[str, str], log_path: Path) -> WarmChild | None:
-        """`args` forked warm with `env`, its output to `log_path`; None where it cannot be (not a
-        Python script or module under this interpreter, or the zygote is lost): start it cold."""
-        from muster.worker.rank.runner import python_program
-        from muster.worker.rank.zygote import ZygoteLost
-
-        program = python_program(args)
-        if program is None or self._warm is None:
-            return None
-        with open(log_path, "ab") as out, open(os.devnull, "rb") as devnull:
-            try:
-                process = self._call(self._warm.spawn(program, env, (devnull.fileno(), out.fileno(), out.fileno())),
-                                     60)
-            except ZygoteLost:
-                return None
-        return WarmChild(process, self._loop)
-
-    def close(self) -> None:
-        """The zygote ends, and with it any rank still running; then its loop."""
-        if self._warm is not None:
-            self._loop.call_soon_threadsafe(self._warm.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-
-class WarmChild:
-    """A rank `WarmRanks` forked, as a test uses a `subprocess.Popen`: pid, returncode, poll(),
-    wait(timeout) (raising `subprocess.TimeoutExpired`) and kill(). Its exit status comes from the
-    zygote, its parent (negative: killed by that signal, as Popen says)."""
-
-    def __init__(self, process, loop: asyncio.AbstractEventLoop):
-        self._process, self._loop = process, loop
-        self.pid = process.pid
-        self.args = [str(process.pid)]
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.returncode
-
-    def poll(self) -> int | None:
-        return self._process.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        try:
-            return asyncio.run_coroutine_threadsafe(self._process.wait(), self._loop).result(timeout)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(f"warm rank {self.pid}", timeout) from None
-
-    def kill(self) -> None:
-        self._process.kill()
-
-
 class TrainingProcess(_Child):
     """One rank of `examples/train_ddp.py` (or `script`, taking --steps and --step-sleep too) under
-    the worker library (no agent), logging JSON lines; forked from `warm`'s zygote where given."""
+    the worker library (no agent), logging JSON lines."""
 
     def __init__(self, coordinators: list[str], job: str, log_path: Path, *, steps: int, step_sleep_s: float = 0.05,
                  min_nodes: int = 1, max_nodes: int = 0, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                 script: Path | str = EXAMPLE, warm: WarmRanks | None = None):
+                 script: Path | str = EXAMPLE):
         self.log_path = log_path
         self.env = {**os.environ, "MUSTER_COORDINATOR": ",".join(coordinators), "MUSTER_JOB": job,
                     "MUSTER_MIN_NODES": str(min_nodes), "MUSTER_MAX_NODES": str(max_nodes), **(env or {})}
         self.args = [sys.executable, str(script), "--steps", str(steps), "--step-sleep", str(step_sleep_s), *args]
-        self.warm = warm
-        self.proc: subprocess.Popen | WarmChild | None = None
+        self.proc: subprocess.Popen | None = None
 
     def start(self) -> TrainingProcess:
-        self.proc = self.warm.spawn(self.args, self.env, self.log_path) if self.warm is not None else None
-        if self.proc is None:
-            with open(self.log_path, "ab") as out:
-                self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                             start_new_session=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
         return self
 
     def records(self, event: str | None = None) -> list[dict]:
