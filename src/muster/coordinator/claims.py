@@ -73,10 +73,12 @@ def _tag(key: bytes, random: bytes, started: bytes, job: str, run: int, node_id:
     named = b"\0".join((job.encode(), node_id.encode(), _MEMBER.pack(run, member_id)))
     return hmac.new(key, named + started + random, hashlib.sha256).digest()[:TAG_BYTES]
 
+
 def secret_hash(secret: bytes) -> str:
     """What the state keeps of a session secret: the SHA-256 of its random part, never the secret
     (the rest, its proof for a rebuild, is made once the member id is known: `claims`)."""
     return hashlib.sha256(secret[:RANDOM_BYTES]).hexdigest()
+
 
 def check_rejoin(first: pb.NodeFrame) -> None:
     """What a stream's first frame carries besides its address: the session secret, and the node's
@@ -92,6 +94,7 @@ def check_rejoin(first: pb.NodeFrame) -> None:
         raise InvalidArgument(f"rejoin: {exc}") from exc
     if (first.rejoin.job, first.rejoin.node_id) != (first.job, first.node_id):
         raise InvalidArgument("rejoin must name the job and node_id of its frame")
+
 
 def taken_back(first: pb.NodeFrame, state: JobState, member_keys: Callable[[], MemberKeys | None]) -> bool:
     """Whether a first frame is a claim the core decides on (a `Rejoin`), not a member's stream: it
@@ -109,6 +112,7 @@ def taken_back(first: pb.NodeFrame, state: JobState, member_keys: Callable[[], M
     keys = member_keys()  # only now: most frames never get here
     return keys is not None and keys.verify(first.session_secret, state.job, state.run, first.node_id,
                                             first.member_id) is not None
+
 
 def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: int) -> Rejoin:
     """The member a node that is no member says it was (a lost state rebuilt): for the core to take
@@ -130,6 +134,7 @@ def rejoin_of(first: pb.NodeFrame, run: int, keys: MemberKeys | None, now_ms: in
     return Rejoin(first.node_id, first.member_id, first.generation, secret_hash(first.session_secret), r.host,
                   r.store_port, r.slots, wire.node_kind(r.is_process), r.master_port, wire.spec_of(r.spec),
                   run_started_ms=started_ms, world_size=first.world_size, local_world_size=first.local_world_size)
+
 
 def check_claim(first: pb.NodeFrame, keys: MemberKeys | None, now_ms: int) -> None:
     """A rejoining node's claim, checked as its leader will (`rejoin_of`) before a replica that

@@ -66,8 +66,6 @@ def authenticate(member: Member, secret: bytes) -> None:
                                f"{member.member_id} ({presented}); only the node that joined as it may use it")
 
 
-
-
 def check_first(first: pb.NodeFrame, state: JobState) -> None:
     """A session's first frame, before the leader looks its node up."""
     wire.check_node(first.node_id)
@@ -75,12 +73,6 @@ def check_first(first: pb.NodeFrame, state: JobState) -> None:
     if first.run and first.run != state.run:
         raise FailedPrecondition(f"run {first.run} of job {state.job!r} has ended; the job's name runs run "
                                  f"{state.run} now")
-
-
-
-
-
-
 
 
 def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> Member:

@@ -287,10 +287,10 @@ class LocalShards:
 
     @staticmethod
     def load(s: ReplicatedState, tree: dict[str, Any]) -> None:
+        """As WholeState loads it, the optimizer's state onto this generation's parameters."""
         if s.optimizer is not None and tree["optimizer"] is not None:
-            s.optimizer.load_state_dict(on_params(s.optimizer, tree["optimizer"]))
-        for name, obj in s.extras.items():
-            obj.load_state_dict(tree["extras"][name])
+            tree = {**tree, "optimizer": on_params(s.optimizer, tree["optimizer"])}
+        WholeState.load(s, tree)
 
 
 class ReplicaChannel:
