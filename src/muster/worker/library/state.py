@@ -271,7 +271,10 @@ class ReplicatedState(StateTransfer):
                 card.set_result(_card(step, described, tensors, device))
             except BaseException as exc:  # (said where sync takes it)
                 card.set_exception(exc)
-        threading.Thread(target=take, name="muster-card-ahead", daemon=True).start()
+        # Not a daemon: the interpreter waits for it at exit (a hash: bounded by the state's size). A daemon
+        # thread still inside torch when a script exits (a rank fenced out while its group formed) is ended
+        # by the interpreter's finalization from torch's noexcept code: std::terminate, SIGABRT.
+        threading.Thread(target=take, name="muster-card-ahead").start()
 
     def saved_shard(self, rank: int) -> int | None:
         """The checkpoint shard this rank writes: the whole state, by rank 0."""
