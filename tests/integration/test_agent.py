@@ -324,3 +324,21 @@ def test_ctrl_c_drains_the_node_and_exits_130(coordinators, started, tmp_path):
     started[0].send_signal(signal.SIGINT)
     assert started[0].wait(30) == 130
     assert "muster run: SIGINT: draining node 'n0'" in (tmp_path / "n0.err").read_text()
+
+
+@pytest.mark.timeout(150)
+def test_ranks_waiting_for_the_zygote_start_with_the_map_of_a_node_that_joined_meanwhile(coordinators, agents, tmp_path):
+    """Node a forms generation 1 alone while its zygote still imports; b joins before a's ranks
+    start. They start once, in generation 2: before, they forked with generation 1's environment and
+    were restarted at once (a CI run saw it as a slot started twice)."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(4)\n")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    preload = ["--preload", "torch,torch.distributed,slow_import"]
+    (leader,) = coordinators(1)
+    (a,) = agents([leader.address], "late", ["a"], steps=20, extra=preload, env=env)
+    wait_until(lambda: leader.find("membership_changed", kind="formed"), 30, "node a formed generation 1 alone")
+    assert not a.records("rank_started"), "the zygote was ready before b joined: the test proves nothing"
+    (b,) = agents([leader.address], "late", ["b"], steps=20)
+    assert a.wait(120) == 0 and b.wait(120) == 0, a.log_path.read_text()[-3000:]
+    started = a.records("rank_started")
+    assert sorted(r["slot"] for r in started) == [0, 1] and {r["generation"] for r in started} == {2}, started

@@ -229,6 +229,7 @@ class NodeAgent:
     async def _reconcile(self) -> None:
         """Bring the local ranks in line with the newest assignment."""
         async with self.reconciling:
+            await self.ranks.until_warm()
             a = self.assignment
             # A node joining a running job starts its ranks before it has a place (start_ranks).
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set(a.down_local_ranks) if a.start_ranks else set()

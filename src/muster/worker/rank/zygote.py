@@ -397,6 +397,14 @@ class WarmStarts:
     async def start(self) -> None:
         self.zygote = await Zygote.start(self.env, self.guard, self.preload)
 
+    async def ready(self) -> None:
+        """Until the serving zygote's imports are done (bounded); a lost one is the next spawn's to say."""
+        if self.zygote is not None:
+            try:
+                await self.zygote.ready()
+            except ZygoteLost:
+                pass
+
     async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int]) -> WarmProcess:
         if self.zygote is None:
             raise ZygoteLost("closed")
