@@ -229,7 +229,10 @@ class NodeAgent:
     async def _reconcile(self) -> None:
         """Bring the local ranks in line with the newest assignment."""
         async with self.reconciling:
-            await self.ranks.until_warm()
+            # Once a warm start forks at once (the zygote's first imports take seconds): the map read
+            # below is then current as the ranks fork, not one a node that joined meanwhile replaced.
+            if self.ranks.warm is not None:
+                await self.ranks.warm.ready()
             a = self.assignment
             # A node joining a running job starts its ranks before it has a place (start_ranks).
             wanted = set(a.local_ranks) if a.role == pb.ROLE_ACTIVE else set(a.down_local_ranks) if a.start_ranks else set()

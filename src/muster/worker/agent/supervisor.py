@@ -101,13 +101,6 @@ class RankSupervisor:
             self.warm = WarmStarts(self.base_env(), orphan_guard.prefix(), c.preload)
             await self.warm.start()
 
-    async def until_warm(self) -> None:
-        """Until a warm start can fork at once (the zygote's first imports take seconds): a start then
-        reads the map current as it forks, not one a node that joined meanwhile has replaced, which
-        would restart the rank the moment it began."""
-        if self.warm is not None:
-            await self.warm.ready()
-
     def close(self) -> None:
         if self.warm is not None:
             self.warm.close()
