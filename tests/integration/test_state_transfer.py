@@ -56,7 +56,7 @@ def trained(steps: int, width: int = 64, layers: int = 3) -> bytes:
 
 
 def survivor(saved: bytes, steps: int) -> ReplicatedState:
-    tree = torch.load(io.BytesIO(saved))
+    tree = torch.load(io.BytesIO(saved), weights_only=True)
     model = model_of(0)
     model.load_state_dict(tree["model"])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
