@@ -15,7 +15,7 @@ from muster.coordinator.core.liveness import TAKEOVER_UNHEARD_TIMEOUTS
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, decode
-from muster.coordinator.errors import NotLeader
+from muster.coordinator.errors import AlreadyExists, NotLeader
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.job.leader import LARGE_JOB_NODES, JobLeader
 from muster.coordinator.job.leadership import Leadership
@@ -46,8 +46,9 @@ class Led:
     def lost(self) -> str | None:
         return self.leadership.lost_reason
 
-    def join(self, node_id: str) -> asyncio.Task:
-        request = pb.JoinRequest(job=self.leader.job, node_id=node_id, host="10.0.0.1", store_port=29500, slots=1)
+    def join(self, node_id: str, join_key: bytes = b"") -> asyncio.Task:
+        request = pb.JoinRequest(job=self.leader.job, node_id=node_id, host="10.0.0.1", store_port=29500, slots=1,
+                                 join_key=join_key)
         return asyncio.ensure_future(self.leader.join(request, SPEC))
 
 
@@ -65,6 +66,29 @@ def test_a_decision_is_adopted_once_the_store_took_it():
         member = await asyncio.wait_for(led.join("n1"), 2)
         assert member.node_id == "n1" and led.leader.state.generation == 1
         assert stored(store) == led.leader.state and stored(store).term == 1
+        await led.leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_join_repeated_with_its_key_gets_the_membership_it_made_and_another_key_is_refused():
+    """An agent whose Join deadline passed while the leader admitted it tries again with the same
+    join key: it is answered with that member and its secret (nothing changes, no generation); an
+    attempt without the key, or with another, is a second node of the id: refused."""
+    async def scenario():
+        store = MemoryJobStore()
+        led = Led(store, FakeClock())
+        first = await asyncio.wait_for(led.join("n1", b"k" * 32), 2)
+        generation, stored_before = led.leader.state.generation, stored(store)
+        again = await asyncio.wait_for(led.join("n1", b"k" * 32), 2)
+        assert (again.member_id, again.session_secret, again.run) == (first.member_id, first.session_secret, first.run)
+        assert led.leader.state.generation == generation == 1 and stored(store) == stored_before
+        for other in (b"", b"o" * 32):
+            with pytest.raises(AlreadyExists, match="already a member"):
+                await asyncio.wait_for(led.join("n1", other), 2)
+        # keys are per node: n2 with n1's key is a new member with its own secret
+        n2 = await asyncio.wait_for(led.join("n2", b"k" * 32), 2)
+        assert n2.member_id != first.member_id and n2.session_secret != first.session_secret
         await led.leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

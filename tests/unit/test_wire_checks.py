@@ -67,6 +67,13 @@ def test_hosts_refused(host):
     assert "host" in refusal(wire.check_join, join_request(host=host))
 
 
+def test_a_join_key_is_none_or_16_to_64_bytes():
+    for key in (b"", b"k" * 16, b"k" * 64):
+        wire.check_join(join_request(join_key=key))
+    for key in (b"k", b"k" * 15, b"k" * 65, b"k" * 10_000):
+        assert f"join_key is {len(key)} bytes" in refusal(wire.check_join, join_request(join_key=key))
+
+
 def test_leave_bounds_reason_and_secret():
     wire.check_leave(pb.LeaveRequest(job="job", node_id="n0", reason="r" * 256, session_secret=b"s" * 64))
     assert "reason" in refusal(wire.check_leave, pb.LeaveRequest(job="job", node_id="n0", reason="r" * 257))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import struct
 from collections.abc import Callable
 
@@ -72,6 +73,16 @@ class MemberKeys:
 def _tag(key: bytes, random: bytes, started: bytes, job: str, run: int, node_id: str, member_id: int) -> bytes:
     named = b"\0".join((job.encode(), node_id.encode(), _MEMBER.pack(run, member_id)))
     return hmac.new(key, named + started + random, hashlib.sha256).digest()[:TAG_BYTES]
+
+
+def random_part(join: pb.JoinRequest) -> bytes:
+    """A new member's secret's random bytes: from the Join's key and the node it names when it gives
+    a key (an attempt repeated after its answer was lost then gets the secret whose hash its
+    membership holds), otherwise fresh."""
+    if not join.join_key:
+        return secrets.token_bytes(RANDOM_BYTES)
+    named = b"\0".join((b"muster join key v1", join.job.encode(), join.node_id.encode(), join.join_key))
+    return hashlib.sha256(named).digest()[:RANDOM_BYTES]
 
 
 def secret_hash(secret: bytes) -> str:

@@ -20,6 +20,7 @@ from muster.v1 import muster_pb2 as pb
 
 MAX_DIGEST_BYTES = 64
 MAX_SECRET_BYTES = 64
+MIN_JOIN_KEY_BYTES = 16  # JoinRequest.join_key: random, so that nobody else can repeat the join
 MAX_HOST_CHARS = 253
 MAX_PHASE_CHARS = 128
 MAX_EXIT_ERROR_CHARS = 200  # RankExit.error: the exception a rank died of, one line
@@ -90,6 +91,9 @@ def check_join(req: pb.JoinRequest) -> None:
         raise InvalidArgument(f"store_port must be in 1..65535, got {req.store_port}")
     if req.master_port > 65535:
         raise InvalidArgument(f"master_port must be in 0..65535, got {req.master_port}")
+    if req.join_key and not MIN_JOIN_KEY_BYTES <= len(req.join_key) <= MAX_SECRET_BYTES:
+        raise InvalidArgument(f"join_key is {len(req.join_key)} bytes: give {MIN_JOIN_KEY_BYTES}-{MAX_SECRET_BYTES} "
+                              "random bytes, the same on every attempt of one join (or none)")
 
 
 def check_leave(req: pb.LeaveRequest) -> None:

@@ -62,7 +62,7 @@ class JobSpec(_message.Message):
     def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., world_size_multiple: _Optional[int] = ..., straggler_action: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_min_steps: _Optional[int] = ..., on_state_lost: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process", "master_port")
+    __slots__ = ("job", "node_id", "slots", "host", "store_port", "spec", "agent_pid", "is_process", "master_port", "join_key")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class JoinRequest(_message.Message):
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     IS_PROCESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_KEY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     slots: int
@@ -81,7 +82,8 @@ class JoinRequest(_message.Message):
     agent_pid: int
     is_process: bool
     master_port: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ..., master_port: _Optional[int] = ...) -> None: ...
+    join_key: bytes
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., slots: _Optional[int] = ..., host: _Optional[str] = ..., store_port: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., agent_pid: _Optional[int] = ..., is_process: _Optional[bool] = ..., master_port: _Optional[int] = ..., join_key: _Optional[bytes] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("job", "node_id", "member_id", "term", "generation", "heartbeat_interval_ms", "heartbeat_timeout_ms", "session_secret", "run", "relay")

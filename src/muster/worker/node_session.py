@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ RECONNECT_MOST_S = 1.0  # and at most heartbeat_timeout/8 (then this) apart whil
 # separate calls, and the leader ignores a node's frames read after its Leave (a CI run lost a
 # given-up slot's final crash that way; the run still failed).
 EXITS_BEFORE_LEAVE_S = 0.1
+JOIN_KEY_BYTES = 32  # JoinRequest.join_key
 
 
 def job_spec(min_nodes: int, max_nodes: int, world_size_multiple: int,
@@ -108,6 +110,9 @@ class NodeSession:
         self.rpc_timeout_s = rpc_timeout_s
         self.member_id = 0
         self.secret = b""  # from Join: proves on each stream and on Leave that this node is the member
+        # On every attempt of one join, new once it is answered: a leader that admitted an attempt
+        # whose answer was lost (a deadline, under load) answers the next one with that membership.
+        self._join_key = secrets.token_bytes(JOIN_KEY_BYTES)
         self.term = 0  # the term of the leader last heard
         self.generation = 0  # the generation this node runs: set by the owner
         # ...its world size and this node's ranks in it (set with it): a rebuilt leader keeps a whole group
@@ -170,7 +175,10 @@ class NodeSession:
                               spec=i.spec, agent_pid=i.agent_pid, is_process=i.is_process, master_port=i.master_port)
 
     async def join(self, *, retry_for_s: float = 30.0) -> pb.JoinResponse:
-        response = await self._unary("Join", self._join_request(), retry_for_s=retry_for_s)
+        request = self._join_request()
+        request.join_key = self._join_key
+        response = await self._unary("Join", request, retry_for_s=retry_for_s)
+        self._join_key = secrets.token_bytes(JOIN_KEY_BYTES)
         self.member_id = response.member_id
         self.joined_run = response.run
         self.heard_as_member = False

@@ -9,6 +9,7 @@ above theirs: a planned switch where they all ran one generation, whole; an abor
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -327,7 +328,17 @@ def _members_quota(state: JobState, members: int, ctx: Context) -> ResourceExhau
                              f"--job-quota {state.job}:nodes=N raises it for this job")
 
 
+def _repeated(f: _Fold, ev: Join) -> bool:
+    """The Join is an attempt repeated of one that made the node's membership (its answer lost to a
+    deadline while the leader admitted it): same join key, so same secret hash. Answered with that
+    membership; anything else under the node's id stays refused (a second agent, a restarted one)."""
+    held = f.members.get(ev.node_id)
+    return held is not None and bool(held.secret_hash) and hmac.compare_digest(held.secret_hash, ev.secret_hash)
+
+
 def _on_join(f: _Fold, ev: Join) -> None:
+    if not f.state.ended and _repeated(f, ev):
+        return  # settled with the member it made: nothing changes
     refusal = _join_refusal(f, ev)
     if refusal is None:
         f.spec, f.spec_lost, refusal = _restored_spec(f.spec, f.spec_lost, ev.spec)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ import structlog
 from muster.coordinator.job import status_pages
 
 from muster.coordinator import wire
-from muster.coordinator.claims import RANDOM_BYTES, MemberKeys, rejoin_of, secret_hash, taken_back
+from muster.coordinator.claims import MemberKeys, random_part, rejoin_of, secret_hash, taken_back
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.machine import (Context, Decision, Finishing, Join, Leave, MembershipEvent, NodeLost,
@@ -305,8 +304,9 @@ class JobLeader:
         budget.etcd.check()
         budget.joins.spend()
         # The member's proof from now on: made here at the edge (the core stays deterministic),
-        # kept by the state only as a hash, never logged.
-        secret = secrets.token_bytes(RANDOM_BYTES)
+        # kept by the state only as a hash, never logged. An attempt repeated with the same join key
+        # hashes alike, and so is answered with the membership its first attempt made.
+        secret = random_part(req)
         kind = wire.node_kind(req.is_process)
         member = await self._inbox.ask(Join(req.node_id, req.host, req.store_port, req.slots, kind, req.master_port,
                                             secret_hash(secret), requested))
