@@ -75,3 +75,16 @@ def test_the_sized_reforms_excess_over_the_tiny_one_is_held_to_the_target():
     assert verdicts(run(wall_over_cpu=2.0, reform_excess_s=0.06), baseline)[0] == 2
     assert verdicts(run(wall_over_cpu=2.0, reform_excess_s=0.2), run(reform_excess_s=0.12)) == (
         1, {"reform_excess_s": "worse"})
+
+
+def test_a_network_point_that_could_not_run_fails_every_network_figure_and_the_rest_is_still_judged():
+    """1,000 nodes not all streaming in time (their Joins timing out on a slow host): the leader kept up
+    with none of it, so each network figure is `unmeasured`, a failure with the point's error; the
+    in-process figures keep their own verdicts."""
+    baseline = run(leader_change_ms=100.0, frame_latency_p99_ms=4.0, leader_loop_us_per_node_frame=30.0)
+    now = {**run(leader_change_ms=100.0), "network_errors": ["1000 nodes not all stepping within 40.0s"]}
+    status, found = check.judge(now, baseline)
+    assert status == 1
+    assert {v["figure"]: v["verdict"] for v in found} == {
+        "leader_change_ms": "ok", "frame_latency_p99_ms": "unmeasured", "leader_loop_us_per_node_frame": "unmeasured"}
+    assert all(v["error"] == "1000 nodes not all stepping within 40.0s" for v in found if v["verdict"] == "unmeasured")
