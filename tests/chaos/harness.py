@@ -384,14 +384,14 @@ class Chaos:
         """The replica answering as the job's live leader now, if any (frozen ones are not asked)."""
         return next((r for r in self.replicas if r.pid not in self._frozen and r.leads(self.job)), None)
 
-    def status(self) -> pb.JobStatus | None:
-        """The job as the serving leader sees it (generation, term), or None."""
+    def status(self, brief: bool = True) -> pb.JobStatus | None:
+        """The job as the serving leader sees it (generation, term; not brief: its ranks' first page), or None."""
         leader = self.serving_leader()
         if leader is None:
             return None
         try:
             with Coordinators([leader.address], timeout_s=2) as c:
-                return c.call("Status", pb.StatusRequest(job=self.job, brief=True)).jobs[0]
+                return c.call("Status", pb.StatusRequest(job=self.job, brief=brief)).jobs[0]
         except Exception:  # between lives
             return None
 
@@ -482,9 +482,14 @@ class Chaos:
             fault.problems.append(f"{fault.name}: {exc} (coordinator logs: {self.coordinator_logs()})")
         finally:
             fault.throttle.stop()
-        others = [r["node"] for r in named() if r["node"] != fault.slowed]
-        if others:
-            fault.problems.append(f"{fault.name}: healthy nodes named stragglers: {others}")
+        others = [{k: r.get(k) for k in ("node", "local_ranks", "factor", "median_ms", "timestamp")}
+                  for r in named() if r["node"] != fault.slowed]
+        if others:  # with every rank's compute now: was the host slowing them, or the judgement wrong?
+            status = self.status(brief=False)
+            computes = {f"{r.node}/{r.local_rank}": round(r.compute_us / 1e3, 1) for r in status.ranks} \
+                if status else "no leader answered"
+            fault.problems.append(f"{fault.name}: healthy nodes named stragglers: {others}; every rank's "
+                                  f"compute (ms) now: {computes}; load average {os.getloadavg()}")
 
     def kill_agent(self, node: str | None = None) -> Fault:
         node = node or self.rng.choice(sorted(n for n in self.agents if n != self.rank_slot(0)[0]))

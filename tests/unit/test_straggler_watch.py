@@ -41,6 +41,7 @@ def test_a_slow_rank_is_named_after_min_steps_with_its_factor_and_the_loss():
     named, _ = steps(placements, live, watch, {("n2", 1): 0.2}, 1)
     assert [(s.node_id, s.local_ranks, s.factor, s.whole_node) for s in named] == [("n2", (1,), 2.0, False)]
     assert named[0].loss == pytest.approx(0.1 / 0.3, abs=0.01)  # its excess compute over the step time
+    assert named[0].median_ms == 100.0  # what its factor is over: the job's median compute
     assert live["n2"].ranks[1].straggler_factor == 2.0 and live["n2"].ranks[0].straggler_factor == 0
     assert "local rank(s) [1]" in named[0].describe()
     named, _ = steps(placements, live, watch, {("n2", 1): 0.2}, 30)

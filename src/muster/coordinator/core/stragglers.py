@@ -60,6 +60,7 @@ class Straggler:
     factor: float  # the highest compute among them over the job's median
     loss: float  # at most this share of the job's step time is lost to it: its excess compute over the step time
     whole_node: bool  # every measured rank of the node straggles
+    median_ms: float = 0.0  # the job's median compute it was judged against (what "factor" is over)
 
     def describe(self) -> str:
         who = f"node {self.node_id!r}" if self.whole_node else \
@@ -211,5 +212,6 @@ class Look:
             every = [s for (n, s) in named if n == node_id]
             loss = min(1.0, max(0.0, (factor - 1.0) * median / step_time_s)) if step_time_s > 0 else 0.0
             found.append(Straggler(node_id, tuple(sorted(every)), round(factor, 2), round(loss, 3),
-                                   whole_node=len(every) == self._per_node[node_id]))
+                                   whole_node=len(every) == self._per_node[node_id],
+                                   median_ms=round(median * 1e3, 2)))
         return found, sorted(self._cleared - {n for n, _ in named})

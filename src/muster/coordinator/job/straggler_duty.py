@@ -58,7 +58,7 @@ class StragglerDuty:
         events: list[MembershipEvent] = []
         for s in found:
             self.log.warning("straggler_named", node=s.node_id, local_ranks=list(s.local_ranks), factor=s.factor,
-                             loss=s.loss, whole_node=s.whole_node)
+                             loss=s.loss, whole_node=s.whole_node, median_ms=s.median_ms)
             events.append(Straggling(s.node_id, s.describe()))
             if policy.action == "replace":
                 events.extend(self._replace(s, now, state, streams))
