@@ -263,3 +263,38 @@ def test_a_stale_stream_of_a_finished_run_is_refused_with_its_run_named(coordina
         await node.session.leave(immediate=True)
 
     asyncio.run(scenario())
+
+
+def test_a_node_stream_claiming_its_run_back_after_it_ended_and_was_forgotten_makes_no_new_run(coordinators):
+    """A node's stream can come back after its run ended (a leader change near the end), with the
+    claim of who it was that lets a replica rebuild a job etcd lost. Its run's record is there: it is
+    told how the run ended, and no empty run 2 is made (it never ended: CI run A, the slurm recipe)."""
+    (leader,) = coordinators(1)
+
+    async def scenario():
+        node = SimulatedNode([leader.address], "s", "n0", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=1))
+        joined = await node.join()
+        node.start()
+        await node.wait_for(active, 10, "the first map")
+        node.finished = True
+        await node.session.leave(finished=True, reason="done")
+        await node.stop()
+        wait_until(lambda: [j for j in jobs([leader.address], "s") if j.outcome == "succeeded"], 10.0,
+                   "run 1 recorded", interval_s=0.1)
+        claim = pb.NodeFrame(job="s", node_id="n0", member_id=joined.member_id, session_secret=joined.session_secret,
+                             run=joined.run, generation=1, stream_seq=2,
+                             rejoin=pb.JoinRequest(job="s", node_id="n0", slots=1, host="127.0.0.1", store_port=29500,
+                                                   spec=pb.JobSpec(min_nodes=1, max_nodes=1)))
+        async with grpc.aio.insecure_channel(leader.address) as channel:
+            from muster.v1 import muster_pb2_grpc as pb_grpc
+
+            call = pb_grpc.CoordinatorStub(channel).Session(iter([claim]))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call:
+                    pass
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "run 1 of job 's' has ended (succeeded)" in refused.value.details()
+
+    asyncio.run(scenario())
+    assert [(j.run, j.outcome) for j in jobs([leader.address], "s")] == [(1, "succeeded")]
+    assert not leader.find("job_spec_created", job="s")[1:]  # run 1's only

@@ -281,6 +281,7 @@ class Replica:
         try:
             if first.job not in self.jobs and first.HasField("rejoin"):
                 check_claim(first, self.member_keys(), int(time.time() * 1000))
+                await self.runs.refuse_ended(first.job, first.run)
                 await self._create_job(first.job, wire.spec_of(first.rejoin.spec))
                 await self.elections.wait(first.job)
             leader = await self.leader_for(first.job, first.run)  # (a node of a run that ended: how it ended)

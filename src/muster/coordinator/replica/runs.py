@@ -81,6 +81,20 @@ class Runs:
         return NotFound(f"job {job!r} is unknown to this deployment" if not run else
                         f"run {run} of job {job!r} has ended")
 
+    async def refuse_ended(self, job: str, run: int) -> None:
+        """A node's claim to be of run `run` of `job`, which this replica does not serve: refused with
+        how it ended when the name's records hold that run or a later one. A run that ended is never
+        rebuilt: a node's stream can come back after its run ended and its leader forgot the job
+        (a leader change near the end), and taken for a lost job it made an empty run that never ended."""
+        if not run:
+            return
+        try:
+            last = await asyncio.to_thread(self.store.last_run, job)
+        except StoreUnavailable as exc:
+            raise Unavailable(f"etcd is unavailable: {exc}") from exc
+        if last >= run:
+            raise await self.unknown(job, run)
+
     async def check_running(self, job: str) -> None:
         wire.check_job(job)
         if job not in self.jobs:
