@@ -507,6 +507,10 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
             "decided_after_silence_s": round(decided[0] - silenced, 3) if decided else None,
             "every_node_held_it_after_s": round(held - decided[0], 3) if decided and held else None,
             "kind": answer[0]["kind"] if answer else None,  # (node_silent: its stream open, it sent nothing)
+            # when no eviction is found: what the leader changed since, and whether every node held a newer map
+            **({} if answer else {"changes_since": [(r.get("kind"), r.get("reason")) for r in
+                                                    coordinator.find("membership_changed", job=JOB)[settled:]][-5:],
+                                   "held_by_all": held is not None, "waited_s": 4 * timeout_s}),
         },
         "healthy": not evictions and not errors and world == nodes * slots and not changes,
         "world_size": world,  # at the window's end (healthy: every node's slots)

@@ -173,11 +173,12 @@ def test_warm_stress_bench_every_restarted_rank_reaches_its_first_step():
     assert result["workers_left_after_stop"] == 0
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(160)
 def test_snapshots_bench_measures_cost_memory_and_a_recovery():
     """bench/snapshots.py with a tiny model: snapshots are taken and cost something, a rank's
     memory holds them, and a killed rank's job rolls back at most K steps and goes on."""
-    result = bench("snapshots.py", "--sizes", "tiny", "--steps", "12", "--rounds", "1", timeout_s=80)
+    # (68 s in a fresh-clone run; past 80 s once on a host 3x slower at a load of 10)
+    result = bench("snapshots.py", "--sizes", "tiny", "--steps", "12", "--rounds", "1", timeout_s=150)
     tiny = result["sizes"]["tiny"]
     assert tiny["step_s"]["with"]["mean"] > 0 and tiny["step_s"]["without"]["median"] > 0 and tiny["take_s"]["median"] > 0
     assert tiny["memory_mib"]["snapshots"] >= tiny["memory_mib"]["shard"] > 0

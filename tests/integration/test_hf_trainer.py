@@ -77,13 +77,21 @@ def check_one_run(nodes, replaced, steps, accumulation=1, *, batch=BATCH, sample
     return survivor
 
 
-def hang_until_replaced(a, b, slot: int) -> None:
+def hang_until_replaced(leader, a, b, slot: int) -> None:
     """SIGSTOP b's rank in `slot` until a's trains on without it; woken, it finds itself fenced out
     and exits, and its agent starts a replacement."""
     stopped = b.rank_pids(slot)[-1]
+
+    def diagnose() -> str:  # (a CI run on a loaded host timed out here once; 2 s after the stop in a quiet one)
+        changes = [f"{r['timestamp'][11:23]} {r['kind']}: {r['reason']}" for r in leader.find("membership_changed")]
+        tails = {f"{n.node_id}/{s}": n.rank_logs(s)[-1].read_text()[-800:] for n in (a, b) for s in (0, 1)
+                 if n.rank_logs(s)}
+        return f"the leader's changes: {changes[-8:]}\nthe ranks' last output: {tails}"
+
     os.kill(stopped, signal.SIGSTOP)
     try:
-        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3")
+        wait_until(lambda: any(r["world_size"] == 3 for r in a.steps(0)), 30, "the others training as 3",
+                   diagnose=diagnose)
     finally:
         os.kill(stopped, signal.SIGCONT)
     wait_until(lambda: len(b.rank_pids(slot)) == 2, 30, "the agent starts a replacement")
@@ -107,6 +115,6 @@ def test_a_hung_rank_is_replaced_and_gradient_accumulation_keeps_its_step(coordi
     it is fenced out and its agent starts a replacement, which joins mid-epoch (200 samples, 32 a
     step) and takes the state; each step is 2 micro-batches, all-reduced once."""
     leader, (a, b) = start(coordinators, agents, tmp_path, "hfhang", 20, "--accumulation", "2")
-    hang_until_replaced(a, b, 1)
+    hang_until_replaced(leader, a, b, 1)
     survivor = check_one_run([a, b], (b, 1), 20, accumulation=2)
     assert survivor[-1]["epoch"] > 1, "the run crossed an epoch"

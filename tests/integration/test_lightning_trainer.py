@@ -61,6 +61,6 @@ def test_a_hung_rank_is_fenced_out_and_gradient_accumulation_keeps_its_step(coor
     it is fenced out and its agent starts a replacement, which joins mid-epoch (200 samples, 32 a
     step) and takes the state; each step is 2 micro-batches (accumulate_grad_batches=2), all-reduced once."""
     leader, (a, b) = start(coordinators, agents, tmp_path, "plhang", 20, "--accumulation", "2")
-    hang_until_replaced(a, b, 1)
+    hang_until_replaced(leader, a, b, 1)
     survivor = check_one_run([a, b], (b, 1), 20, accumulation=2)
     assert survivor[-1]["epoch"] > 1, "the run crossed an epoch"
