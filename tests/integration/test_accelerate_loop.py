@@ -23,7 +23,7 @@ PRODUCTION_TIMEOUT = ["--heartbeat-timeout", "2.0"]
 STEPS, SAMPLES = 20, 200  # at least 20 steps, then on to the first 4 ranks run (--until-world); an epoch: 12 or 16
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
         coordinators, agents, tmp_path):
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
@@ -31,7 +31,7 @@ def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_t
                "--samples", str(SAMPLES), "--checkpoint-dir", str(tmp_path / "checkpoints")]
     a, b = agents([leader.address], "acckill", ["a", "b"], command=command, nodes="2:2")
     wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 5 for n in (a, b) for s in (0, 1)),
-               90, "every rank past step 5")
+               180, "every rank past step 5")  # (90 s was not enough once, on a host 3x slower at a load of 10)
     os.kill(b.rank_pids(0)[-1], signal.SIGKILL)
     wait_until(lambda: len(b.rank_pids(0)) == 2, 30, "the agent starts a replacement")
     survivor = check_one_run([a, b], (b, 0), STEPS, samples=SAMPLES, keys=("digest", "epoch", "lr"),

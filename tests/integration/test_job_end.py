@@ -23,8 +23,14 @@ def steps_by_rank(out: Path) -> dict[int, list[tuple[int, int]]]:
             for p in out.glob("rank-*.steps")}
 
 
+# How a job ends is what these jobs test, not how fast a silent node is found: a heartbeat timeout an
+# agent starved by four ranks importing torch on a loaded 2-core host does not miss (FAST's 1 s
+# evicted one in a fresh-clone run on a slow host: its slots then started twice).
+TEARDOWN_TIMEOUTS = ["--heartbeat-timeout", "3.0"]
+
+
 def run_job(coordinators, agents, tmp_path, job: str, teardown: str, warm: bool, exit_timeout_s: float = 30.0):
-    (leader,) = coordinators(1)
+    (leader,) = coordinators(1, extra=TEARDOWN_TIMEOUTS)
     out = tmp_path / "steps"
     out.mkdir()
     command = [sys.executable, "-u", str(SCRIPT), "--steps", str(STEPS), "--out", str(out), "--teardown", teardown]

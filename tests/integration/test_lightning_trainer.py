@@ -31,7 +31,7 @@ def start(coordinators, agents, tmp_path, job, steps, *extra):
                "--checkpoint-dir", str(tmp_path / "checkpoints"), *extra]
     nodes = agents([leader.address], job, ["a", "b"], command=command, nodes="2:2")
     wait_until(lambda: all(n.steps(s) and n.steps(s)[-1]["step"] >= 5 for n in nodes for s in (0, 1)),
-               90, "every rank past step 5")
+               180, "every rank past step 5")  # (90 s was not enough once, on a host 3x slower at a load of 10)
     return leader, nodes
 
 
@@ -42,7 +42,7 @@ def check_one_run(nodes, replaced, steps, accumulation=1):
                     keys=("digest", "batch_idx", "epoch", "lr"), off="lightning_resilience_off")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_their_state(
         coordinators, agents, tmp_path):
     leader, (a, b) = start(coordinators, agents, tmp_path, "plkill", 20)
@@ -55,7 +55,7 @@ def test_a_killed_rank_s_survivors_reform_in_process_and_the_replacement_takes_t
     assert "rank_exited" in kinds and "rank_recovered" in kinds
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_a_hung_rank_is_fenced_out_and_gradient_accumulation_keeps_its_step(coordinators, agents, tmp_path):
     """SIGSTOP (a hang): the others re-form without it as soon as the leader judges it stalled; woken,
     it is fenced out and its agent starts a replacement, which joins mid-epoch (200 samples, 32 a
