@@ -17,6 +17,7 @@ from muster.client import Coordinators
 from muster.local import SimulatedNode, wait_until
 from muster.net import free_port
 from muster.v1 import muster_pb2 as pb
+from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.node_session import JobEnded
 
 pytestmark = pytest.mark.timeout(90)
@@ -34,6 +35,16 @@ def jobs(addresses, job: str = "") -> list[pb.JobRecord]:
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "muster.cli", "--log-level", "warning", *args], capture_output=True,
                           text=True, timeout=30)
+
+
+async def session_refusal(address: str, first: pb.NodeFrame) -> grpc.aio.AioRpcError:
+    """How a Session opened with `first` is refused."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.CoordinatorStub(channel).Session(iter([first]))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+    return refused.value
 
 
 def scrape(port: int) -> str:
@@ -251,15 +262,9 @@ def test_a_stale_stream_of_a_finished_run_is_refused_with_its_run_named(coordina
         node = SimulatedNode([leader.address], "r", "n0", slots=1, spec=pb.JobSpec(min_nodes=1, max_nodes=1))
         await node.join()
         frame = pb.NodeFrame(job="r", node_id="n0", member_id=node.member_id, session_secret=node.session.secret, run=7)
-        async with grpc.aio.insecure_channel(leader.address) as channel:
-            from muster.v1 import muster_pb2_grpc as pb_grpc
-
-            call = pb_grpc.CoordinatorStub(channel).Session(iter([frame]))
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in call:
-                    pass
-        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-        assert "run 7 of job 'r' has ended" in refused.value.details()
+        refused = await session_refusal(leader.address, frame)
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        assert "run 7 of job 'r' has ended" in refused.details()
         await node.session.leave(immediate=True)
 
     asyncio.run(scenario())
@@ -285,15 +290,9 @@ def test_a_node_stream_claiming_its_run_back_after_it_ended_and_was_forgotten_ma
                              run=joined.run, generation=1, stream_seq=2,
                              rejoin=pb.JoinRequest(job="s", node_id="n0", slots=1, host="127.0.0.1", store_port=29500,
                                                    spec=pb.JobSpec(min_nodes=1, max_nodes=1)))
-        async with grpc.aio.insecure_channel(leader.address) as channel:
-            from muster.v1 import muster_pb2_grpc as pb_grpc
-
-            call = pb_grpc.CoordinatorStub(channel).Session(iter([claim]))
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in call:
-                    pass
-        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-        assert "run 1 of job 's' has ended (succeeded)" in refused.value.details()
+        refused = await session_refusal(leader.address, claim)
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        assert "run 1 of job 's' has ended (succeeded)" in refused.details()
 
     asyncio.run(scenario())
     assert [(j.run, j.outcome) for j in jobs([leader.address], "s")] == [(1, "succeeded")]
