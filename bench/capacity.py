@@ -437,6 +437,21 @@ async def _idle_cpu(coordinator: CoordinatorProcess, clients: Clients) -> tuple[
     return cores
 
 
+def _change(since: list[dict], silenced: float, held: float | None, waited_s: float) -> dict:
+    """The membership change after a load point, from the leader's changes `since` one node went
+    silent (wall time `silenced`) and when every other node `held` the next map (None: not within
+    `waited_s`)."""
+    answer = [r for r in since if r.get("kind") in EVICTION_KINDS]
+    if not answer:  # what the leader changed instead, and whether every node held a newer map
+        return {"decided_after_silence_s": None, "every_node_held_it_after_s": None, "kind": None,
+                "changes_since": [(r.get("kind"), r.get("reason")) for r in since][-5:],
+                "held_by_all": held is not None, "waited_s": waited_s}
+    decided = _wall(answer[0])
+    return {"decided_after_silence_s": round(decided - silenced, 3),
+            "every_node_held_it_after_s": round(held - decided, 3) if held else None,
+            "kind": answer[0]["kind"]}  # (node_silent: its stream open, it sent nothing)
+
+
 async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nodes: int, rate: float, slots: int,
                    window_s: float, warmup_s: float, started: float, timeout_s: float) -> dict:
     coordinator, relays = coordinators[0], coordinators[1:]
@@ -473,9 +488,8 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
     # Then a membership change at this size: a node goes silent; the leader decides (its log), and
     # every other node holds its part of the next generation (the clients' clocks; one machine).
     silenced, held = await asyncio.to_thread(clients.change, generation, 4 * timeout_s)
-    settled = changes_before + len(changes)
-    answer = [r for r in coordinator.find("membership_changed", job=JOB)[settled:] if r.get("kind") in EVICTION_KINDS]
-    decided = [_wall(r) for r in answer]
+    change = _change(coordinator.find("membership_changed", job=JOB)[changes_before + len(changes):],
+                     silenced, held, 4 * timeout_s)
     delivered_per_s = sum(delivered.values()) / (t1 - t0)
     leader_cores = (leader_cpu1 - leader_cpu0) / (t1 - t0)
     loop_cores = (leader_loop1 - leader_loop0) / (t1 - t0)
@@ -503,15 +517,7 @@ async def _measure(coordinators: list[CoordinatorProcess], clients: Clients, nod
         "relay_cpu_cores": [round((b - a) / (t1 - t0), 3) for a, b in zip(relay_cpu0, relay_cpu1)],
         "relay_streams_at_leader": len(coordinator.find("relay_attached", job=JOB)),
         "client_cpu_cores": round((client_cpu1 - client_cpu0) / (c1 - c0), 3),
-        "change": {
-            "decided_after_silence_s": round(decided[0] - silenced, 3) if decided else None,
-            "every_node_held_it_after_s": round(held - decided[0], 3) if decided and held else None,
-            "kind": answer[0]["kind"] if answer else None,  # (node_silent: its stream open, it sent nothing)
-            # when no eviction is found: what the leader changed since, and whether every node held a newer map
-            **({} if answer else {"changes_since": [(r.get("kind"), r.get("reason")) for r in
-                                                    coordinator.find("membership_changed", job=JOB)[settled:]][-5:],
-                                   "held_by_all": held is not None, "waited_s": 4 * timeout_s}),
-        },
+        "change": change,
         "healthy": not evictions and not errors and world == nodes * slots and not changes,
         "world_size": world,  # at the window's end (healthy: every node's slots)
         "evictions": len(evictions),

@@ -9,7 +9,6 @@ above theirs: a planned switch where they all ran one generation, whole; an abor
 
 from __future__ import annotations
 
-import hmac
 import math
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -333,7 +332,7 @@ def _repeated(f: _Fold, ev: Join) -> bool:
     deadline while the leader admitted it): same join key, so same secret hash. Answered with that
     membership; anything else under the node's id stays refused (a second agent, a restarted one)."""
     held = f.members.get(ev.node_id)
-    return held is not None and bool(held.secret_hash) and hmac.compare_digest(held.secret_hash, ev.secret_hash)
+    return held is not None and bool(held.secret_hash) and held.admits(ev.secret_hash)
 
 
 def _on_join(f: _Fold, ev: Join) -> None:
