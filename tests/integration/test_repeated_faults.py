@@ -101,7 +101,8 @@ def test_a_node_whose_ranks_alone_keep_failing_is_held_out_and_the_others_train_
     c's third failure within the window it is held out (drained, said in the events) instead of
     restarted to its budget, and the job trains on without it."""
     (leader,) = coordinators(1)
-    command = [sys.executable, "-u", str(SCRIPT), "--fail-on-node", "c"]
+    # (steps without end: a and b's 1,000 default steps were done before the stop on a slow host)
+    command = [sys.executable, "-u", str(SCRIPT), "--fail-on-node", "c", "--steps", "1000000"]
     a, b, c = agents([leader.address], "bad-node", ["a", "b", "c"], slots=1, nodes="2:3", command=command)
     try:
         code = c.wait(240)
