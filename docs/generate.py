@@ -261,15 +261,19 @@ def slowest_tests(top: int = 10) -> str:
     tiers = ", ".join(f"{tier} {num(secs)} s" for tier, secs in d["tiers_s"].items())
     args = " ".join(a for a in m.get("args", "").split() if not a.startswith("--junitxml"))
     minutes, seconds = divmod(round(d["wall_s"]), 60)
+    cpu = "cpu_seconds" in d
     rows = [[i, f"`{t['test'].split('::')[0]}`", cell(t["test"].split("::", 1)[1]),
-             num(t["s"]) + ("" if t["outcome"] == "passed" else f" ({t['outcome']})")]
+             num(t["s"]) + ("" if t["outcome"] == "passed" else f" ({t['outcome']})"),
+             *([num(t["cpu_s"]) if "cpu_s" in t else "?"] if cpu else [])]
             for i, t in enumerate(d["slowest"][:top], 1)]
-    return (table(["#", "file", "test", "seconds"], rows) +
+    cpu_tiers = ", ".join(f"{tier} {num(secs)} s" for tier, secs in d.get("tiers_cpu_s", {}).items())
+    return (table(["#", "file", "test", "seconds", *(["CPU seconds"] if cpu else [])], rows) +
             f"\n*From `tests/durations.json`: " + (f"`pytest {args}` " if args else "") +
             f"({d['timestamp'][:16].replace('T', ' ')} UTC), {counts} in {minutes} min {seconds} s"
             + (f" on {m['workers']} workers, {m['cpus']} CPUs" if "workers" in m and "cpus" in m else "")
             + (f", load average {load[0]} at its start" if load else "") +
             f"; the tests' own seconds, setup and teardown included: {tiers}."
+            + (f" The CPU seconds of their processes: {num(d['cpu_seconds'])} in all ({cpu_tiers})." if cpu else "")
             + (f" {d['note']}" if d.get("note") else "") + "*\n")
 
 

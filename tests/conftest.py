@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import json
 import os
+import resource
 
 import pytest
 from hypothesis import settings
@@ -31,6 +32,34 @@ def pytest_sessionstart(session):
     xml.add_global_property("loadavg_at_start", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     xml.add_global_property("workers", getattr(session.config.option, "numprocesses", None) or 1)
     xml.add_global_property("args", " ".join(session.config.invocation_params.args))
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds and those of every descendant it (or its children, in turn) reaped:
+    a test's agents, ranks, coordinators and etcd are reaped by its teardown."""
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = _cpu_s()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Each test's CPU seconds (its processes', setup and teardown included) go into the JUnit XML
+    beside its wall seconds, so tests/durations.py can tell a test that computes from one that waits
+    (an xdist worker runs one test at a time; a module fixture's teardown counts to its last test)."""
+    try:
+        return (yield)
+    finally:
+        if _CPU_AT_SETUP in item.stash:
+            item.user_properties.append(("cpu_s", f"{_cpu_s() - item.stash[_CPU_AT_SETUP]:.2f}"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,9 @@
 """What the suite spends its time on: the JUnit XML `make test` writes (build/tests.xml) summed up
 as JSON on stdout: the run (tests by outcome, its wall time, the machine's CPUs and load average at
 its start), the seconds each tier's tests took together, and the slowest tests with their seconds
-(setup and teardown included). `make durations` writes it to tests/durations.json, from which
+(setup and teardown included), and where conftest.py measured them the CPU seconds of each test's
+processes beside them: wall far above CPU is a test that waits, CPU near twice its wall one that
+keeps both cores busy. `make durations` writes it to tests/durations.json, from which
 docs/generate.py builds the design page's table of the ten slowest.
 
 Usage: python tests/durations.py [build/tests.xml] [--top N] [--note TEXT] > tests/durations.json
@@ -33,19 +35,28 @@ def outcome(case: ET.Element) -> str:
     return "passed"
 
 
+def cpu_seconds(case: ET.Element) -> float | None:
+    """The CPU seconds conftest.py recorded for the case (a property), or None (a run without it)."""
+    value = next((p.get("value") for p in case.iterfind("properties/property") if p.get("name") == "cpu_s"), None)
+    return None if value is None else float(value)
+
+
 def summary(xml: Path, top: int, note: str = "") -> dict:
     root = ET.parse(xml).getroot()
     suite = root.find("testsuite") if root.tag == "testsuites" else root if root.tag == "testsuite" else None
     if suite is None:
         raise ValueError(f"{xml}: no <testsuite> (not a pytest --junitxml file?)")
     properties = {p.get("name"): p.get("value") for p in suite.iterfind("properties/property")}
-    cases = [(case_id(c), float(c.get("time", 0)), outcome(c)) for c in suite.iter("testcase")
+    cases = [(case_id(c), float(c.get("time", 0)), outcome(c), cpu_seconds(c)) for c in suite.iter("testcase")
              if c.get("name")]  # (a run interrupted by ^C ends with nameless cases)
-    outcomes, tiers = defaultdict(int), defaultdict(float)
-    for name, seconds, result in cases:
+    outcomes, tiers, tiers_cpu = defaultdict(int), defaultdict(float), defaultdict(float)
+    for name, seconds, result, cpu in cases:
         outcomes[result] += 1
-        tiers[name.split("/")[1] if name.startswith("tests/") else "other"] += seconds
+        tier = name.split("/")[1] if name.startswith("tests/") else "other"
+        tiers[tier] += seconds
+        tiers_cpu[tier] += cpu or 0.0
     slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
+    measured = any(c[3] is not None for c in cases)
     return {
         "wall_s": round(float(suite.get("time", 0)), 3),
         "timestamp": suite.get("timestamp"),
@@ -53,7 +64,12 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         "tests": dict(sorted(outcomes.items())),
         "test_seconds": round(sum(c[1] for c in cases), 1),  # over every worker: wall_s x workers at best
         "tiers_s": {tier: round(s, 1) for tier, s in sorted(tiers.items(), key=lambda t: -t[1])},
-        "slowest": [{"test": name, "s": round(seconds, 1), "outcome": result} for name, seconds, result in slowest],
+        **({"cpu_seconds": round(sum(c[3] or 0.0 for c in cases), 1),
+            "tiers_cpu_s": {tier: round(tiers_cpu[tier], 1) for tier in sorted(tiers, key=lambda t: -tiers[t])}}
+           if measured else {}),
+        "slowest": [{"test": name, "s": round(seconds, 1), "outcome": result,
+                     **({"cpu_s": round(cpu, 1)} if cpu is not None else {})}
+                    for name, seconds, result, cpu in slowest],
         **({"note": note} if note else {}),
     }
 

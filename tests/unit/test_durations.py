@@ -47,6 +47,33 @@ def test_a_junit_run_is_summed_up_with_its_machine_and_each_tests_seconds(tmp_pa
     assert summary["test_seconds"] >= sum(t["s"] for t in slowest) - 0.1 and summary["wall_s"] > 0
 
 
+BURN_AND_WAIT = """
+import subprocess, sys, time
+
+def test_burns():  # CPU in a child process, as a test's ranks spend it
+    subprocess.run([sys.executable, "-c", "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"],
+                   check=True, timeout=60)
+
+def test_waits():
+    time.sleep(0.6)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_each_tests_cpu_seconds_are_kept_beside_its_wall_seconds(tmp_path):
+    """conftest.py's CPU seconds (the test's own and its reaped processes') tell a test that computes
+    from one that waits: the summary carries them per test and per tier."""
+    (tmp_path / "test_burn_and_wait.py").write_text(BURN_AND_WAIT)
+    xml = tmp_path / "tests.xml"
+    done = pytest_run("-q", "-p", "tests.conftest", "--rootdir", str(tmp_path), str(tmp_path), f"--junitxml={xml}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = load("durations", ROOT / "tests" / "durations.py").summary(xml, top=2)
+    by_name = {t["test"].split("::")[1]: t for t in summary["slowest"]}
+    assert by_name["test_burns"]["cpu_s"] >= 0.5, by_name
+    assert by_name["test_waits"]["s"] >= 0.6 and by_name["test_waits"]["cpu_s"] < 0.3, by_name
+    assert summary["cpu_seconds"] >= by_name["test_burns"]["cpu_s"] and len(summary["tiers_cpu_s"]) == 1
+
+
 def test_a_file_that_is_no_junit_xml_is_refused_in_a_line(tmp_path):
     bad = tmp_path / "tests.xml"
     bad.write_text("<html/>")
