@@ -1,12 +1,15 @@
 """A job's life in the pure core: a run ends exactly once, with an outcome and its reason; nothing
 re-forms a finishing job; stop drains every node at one step; waiting too long fails the run."""
 
+from dataclasses import replace
+
 import pytest
 
-from muster.coordinator.core.machine import Context, Finishing, Join, Leave, NodeLost, Regroup, SlotDown, Stop, Tick, decide
+from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeLost, Regroup, Rejoin, SlotDown, Stop,
+                                             Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode, encode
-from muster.coordinator.errors import FailedPrecondition, Unavailable
+from muster.coordinator.errors import FailedPrecondition, RunEnded, Unavailable
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5, waiting_timeout_s=30.0)
 
@@ -83,3 +86,33 @@ def test_a_job_below_min_nodes_fails_after_the_waiting_timeout():
     assert not d.ended
     d = decide(d.state, [Tick()], ctx(now=3 + 30))
     assert d.ended and d.state.outcome is Outcome.FAILED and "min_nodes" in d.state.outcome_reason
+
+
+def test_a_job_no_node_ever_joined_fails_after_the_form_timeout():
+    """The Join that created it never reached it (its deadline passed while the job was being made)
+    and its node did not come back: the run ends, named so, instead of forming for good. A job being
+    rebuilt from its nodes, or one a node joins in time, waits on."""
+    empty = JobState("job", JobSpec(1, 2, 1))
+    d = decide(empty, [Tick()], ctx(now=1))
+    assert d.state.waiting_deadline == 1 + TIMING.form_timeout_s and not d.ended
+    assert not decide(d.state, [Tick()], ctx(now=TIMING.form_timeout_s)).ended
+    d = decide(d.state, [Tick()], ctx(now=1 + TIMING.form_timeout_s))
+    assert d.ended and d.state.outcome is Outcome.FAILED and d.persist
+    assert d.state.outcome_reason.startswith(f"no node joined within {TIMING.form_timeout_s:g}s of the job's creation")
+    joined = decide(decide(empty, [Tick()], ctx(now=1)).state, [Join("n1", "10.0.0.1", 29500, 2)], ctx(now=2))
+    assert joined.state.waiting_deadline is None
+    assert not decide(joined.state, [Tick()], ctx(now=10 + TIMING.form_timeout_s)).ended
+    rebuilding = decide(replace(empty, rebuilding=True), [Tick()], ctx(now=1))
+    assert rebuilding.state.waiting_deadline is None
+
+
+def test_a_node_claiming_its_place_back_in_an_ended_run_is_told_how_it_ended():
+    """Its stream came back after the run ended (a leader change near the end): told the outcome, as
+    a replica that already forgot the run tells it, never "join first" (which would make run 2)."""
+    state = running(1, JobSpec(1, 1, 1))
+    ended = decide(state, [Leave("n1", False, "done", finished=True)], ctx(now=3)).state
+    assert ended.outcome is Outcome.SUCCEEDED
+    d = decide(ended, [Rejoin("n1", 1, ended.generation, "", "10.0.0.1", 29501, 2, ticket=5)], ctx(now=4))
+    refusal = d.rejected[5]
+    assert isinstance(refusal, RunEnded) and (refusal.run, refusal.outcome) == (ended.run, "succeeded"), refusal
+    assert not d.persist and not d.state.members

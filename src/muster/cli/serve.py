@@ -215,7 +215,8 @@ def add_parser(sub) -> None:
                    "evicting for silence (less once every node reconnected, or a heartbeat timeout after the first)")
     g.add_argument("--last-call", type=positive_float, default=0.5, help="wait for more nodes once min_nodes joined")
     g.add_argument("--form-timeout", type=positive_float, default=60.0,
-                   help="a generation not formed by then is decided again, naming the ranks that are missing")
+                   help="a generation not formed by then is decided again, naming the ranks that are missing; a "
+                   "job no node joined by then (the Join that made it gave up first) ends failed")
     g.add_argument("--switch-lead", type=positive_float, default=0.2, help="a planned change (a node joins, a replacement "
                    "rank returns, a drain) switches this many seconds of steps ahead of where the fastest rank is "
                    "by now (its last report projected), so every rank hears of it first; a replacement waits as "

@@ -18,7 +18,7 @@ from muster.coordinator.core.policy import MAX_NODES, MAX_STEP, InvalidPolicy, J
 from muster.coordinator.core.rankmap import assign_ranks, excluded_ranks, rank0_address
 from muster.coordinator.core.state import Event, JobState, Member, NodeKind, Outcome, Phase, RankMap
 from muster.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, MusterError, NotFound,
-                                       PermissionDenied, ResourceExhausted, Unavailable)
+                                       PermissionDenied, ResourceExhausted, RunEnded, Unavailable)
 
 
 EVENT_NODES_MAX = 32  # nodes named in a generation event
@@ -484,8 +484,7 @@ def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> 
                   rebuilding=f.rebuilding, started_ms=f.started_ms or ctx.wall_ms,
                   rebuild_claims=tuple(c for n, c in f.claims.items() if n in f.members) if f.rebuilding else ())
     nxt, new_generation, drains = _regenerate(f, nxt)
-    nxt = replace(nxt, waiting_deadline=(state.waiting_deadline or ctx.now + ctx.timing.waiting_timeout_s)
-                  if nxt.phase is Phase.WAITING and not nxt.ended else None)
+    nxt = replace(nxt, waiting_deadline=_waiting_deadline(state, nxt, ctx))
     ending = None if nxt.ended else _outcome(state, nxt, f.stop, f.verdict, f.departed, ctx)
     if ending is not None:
         outcome, reason = ending
@@ -547,11 +546,26 @@ def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[st
     return nxt, True, tuple((node_id, switch_at) for node_id in f.leaving if not abort)
 
 
+def _waiting_deadline(before: JobState, state: JobState, ctx: Context) -> float | None:
+    """When the run ends for want of nodes, if it waits for them: below what it needs after it ran
+    (waiting_timeout_s), or with no member at all, never having had one (form_timeout_s): the Join that
+    created the job never reached it (its deadline passed meanwhile) and its node did not come back."""
+    if state.ended or state.rebuilding:
+        return None
+    if state.phase is Phase.WAITING:
+        timeout = ctx.timing.waiting_timeout_s
+    elif not state.members and not before.members:
+        timeout = ctx.timing.form_timeout_s
+    else:
+        return None
+    return before.waiting_deadline or ctx.now + timeout
+
+
 def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str, departed: str,
              ctx: Context) -> tuple[Outcome, str] | None:
     """How the run ends now, if it does: stopped by an operator; a fault that repeats; every node of
-    its map finished (succeeded, unless a rank failed meanwhile); its last member gone; or below
-    min_nodes too long."""
+    its map finished (succeeded, unless a rank failed meanwhile); its last member gone; below
+    min_nodes too long; or no node ever joined."""
     if stop is not None:
         return Outcome.STOPPED, stop.reason
     if verdict:
@@ -578,6 +592,9 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str,
         return Outcome.FAILED, ("every node left before the job finished" if departed == "left_now"
                                 else "every node was lost")
     if state.waiting_deadline is not None and ctx.now >= state.waiting_deadline:
+        if not state.members:
+            return Outcome.FAILED, (f"no node joined within {ctx.timing.form_timeout_s:g}s of the job's creation "
+                                    f"(the Join that created it did not complete, and its node did not try again)")
         waiting = next((e.reason for e in reversed(state.history) if e.kind == "waiting"), "below min_nodes")
         return Outcome.FAILED, f"waited {ctx.timing.waiting_timeout_s:g}s below what the job needs: {waiting}"
     return None
@@ -588,6 +605,8 @@ def _rejoin_refusal(f: _Fold, ev: Rejoin) -> tuple[MusterError | None, list[Memb
     claim displaces: those holding its node id or member id that nobody proved. A refusal a real node
     may get is one it answers by joining again (FAILED_PRECONDITION), never one that ends its agent."""
     state, members, ctx = f.state, f.members, f.ctx
+    if state.ended:  # (as a replica that forgot the run answers, Runs.refuse_ended: never "join first")
+        return RunEnded(state.job, state.run, state.outcome.value, state.outcome_reason), []
     if not f.rebuilding or not ev.generation or not ev.member_id:
         return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first"), []
     if ev.generation >= MAX_CLAIMED or ev.member_id >= MAX_CLAIMED:
