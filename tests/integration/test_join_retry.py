@@ -73,7 +73,6 @@ def test_a_join_whose_answer_was_lost_gets_that_membership_on_its_retry_and_stre
     assert not replica.find("join_refused") and not replica.find("request_refused")
 
 
-
 def test_a_job_whose_creating_join_never_reached_it_ends_failed_and_frees_its_name(coordinators):
     """The Join's deadline passes while its job is being made: the job exists, no node joined it,
     and its node is gone. After --form-timeout its run ends failed, saying so (it stayed forming for
@@ -92,11 +91,11 @@ def test_a_job_whose_creating_join_never_reached_it_ends_failed_and_frees_its_na
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
             time.sleep(1.0)  # (the job's creation, if it began, is done by then)
-            if jobs(stub, job):
+            if job_status(stub, job):
                 break
         else:
             pytest.skip("no deadline fell between a job's creation and its Join on this host")
-        (status,) = jobs(stub, job)
+        (status,) = job_status(stub, job)
         assert (status.phase, list(status.nodes)) == ("forming", [])
         ended = wait_until(lambda: [r for r in c.call("Jobs", pb.JobsRequest(job=job)).jobs if r.outcome != "running"],
                            30, "the empty run's end")
@@ -106,7 +105,8 @@ def test_a_job_whose_creating_join_never_reached_it_ends_failed_and_frees_its_na
         assert again.run == 2
 
 
-def jobs(stub, job: str) -> list[pb.JobStatus]:
+def job_status(stub, job: str) -> list[pb.JobStatus]:
+    """The job's status, or none while it does not exist."""
     try:
         return list(stub.Status(pb.StatusRequest(job=job), timeout=5).jobs)
     except grpc.RpcError as exc:

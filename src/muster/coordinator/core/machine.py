@@ -548,13 +548,14 @@ def _regenerate(f: _Fold, nxt: JobState) -> tuple[JobState, bool, tuple[tuple[st
 
 def _waiting_deadline(before: JobState, state: JobState, ctx: Context) -> float | None:
     """When the run ends for want of nodes, if it waits for them: below what it needs after it ran
-    (waiting_timeout_s), or with no member at all, never having had one (form_timeout_s): the Join that
-    created the job never reached it (its deadline passed meanwhile) and its node did not come back."""
+    (waiting_timeout_s), or with no member at all (form_timeout_s; a run whose last member went ends at
+    once, so this is one that never had one): the Join that created the job never reached it (its
+    deadline passed meanwhile) and its node did not come back."""
     if state.ended or state.rebuilding:
         return None
     if state.phase is Phase.WAITING:
         timeout = ctx.timing.waiting_timeout_s
-    elif not state.members and not before.members:
+    elif not state.members:
         timeout = ctx.timing.form_timeout_s
     else:
         return None
