@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import os
@@ -206,23 +207,114 @@ def rank_env(backend: str) -> dict[str, str]:
     return env
 
 
+class WarmPopen:
+    """A rank forked by this process's `WarmRanks` zygote, as a `subprocess.Popen` shows a child:
+    pid, returncode, poll(), wait(timeout), kill(), terminate(), send_signal()."""
+
+    def __init__(self, rank, loop: asyncio.AbstractEventLoop, args: list[str]):
+        self._rank, self._loop, self.args = rank, loop, args
+        self.pid: int = rank.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._rank.returncode  # set on the zygote's loop when it reports the exit
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        waited = asyncio.run_coroutine_threadsafe(self._rank.wait(), self._loop)
+        try:
+            return waited.result(timeout)
+        except concurrent.futures.TimeoutError:
+            waited.cancel()
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
+
+    def send_signal(self, sig: int) -> None:
+        self._rank._signal(sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class WarmRanks:
+    """One zygote for the library ranks this process starts (`TrainingProcess(warm=True)`), on an
+    event loop of its own: forked from it, as `muster run` forks its ranks, a rank skips the
+    interpreter's start and `import torch` (6 s of CPU where that import takes 3.4, most of what a
+    test of a dozen ranks spends). Started at the first such rank; it dies with this process (the
+    orphan guard), and its ranks with it (PDEATHSIG). If it is lost, ranks start cold."""
+
+    _shared: WarmRanks | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> WarmRanks:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def __init__(self):
+        from muster.worker.rank import orphan_guard
+        from muster.worker.rank.zygote import Zygote
+
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="muster-warm-ranks", daemon=True).start()
+        # Its own environment carries nothing of the caller's jobs (a rank's comes with each fork;
+        # /proc/PID/environ of a forked rank shows this one).
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MUSTER_", "TORCHELASTIC_"))}
+        self._zygote = self._call(Zygote.start(env, orphan_guard.prefix()))
+
+    @classmethod
+    def reaped_cpu_s(cls) -> float:
+        """The CPU seconds of the shared zygote's ranks that ended (0 before it started)."""
+        return cls._shared._zygote.reaped_cpu_s if cls._shared is not None else 0.0
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def spawn(self, args: list[str], env: dict[str, str], out: int) -> WarmPopen | None:
+        """`args` (this interpreter running a script or module) forked with `env`, its stdout and
+        stderr on `out`; None where it cannot be (another program, or the zygote is lost)."""
+        from muster.worker.rank.runner import python_program
+        from muster.worker.rank.zygote import ZygoteLost
+
+        program = python_program(args)
+        if program is None:
+            return None
+        with open(os.devnull, "rb") as stdin:
+            try:
+                rank = self._call(self._zygote.spawn(program, env, (stdin.fileno(), out, out)))
+            except ZygoteLost:
+                return None
+        return WarmPopen(rank, self._loop, args)
+
+
 class TrainingProcess(_Child):
     """One rank of `examples/train_ddp.py` (or `script`, taking --steps and --step-sleep too) under
-    the worker library (no agent), logging JSON lines."""
+    the worker library (no agent), logging JSON lines. `warm`: forked from this process's zygote
+    (`WarmRanks`) rather than started as `python SCRIPT`; the library runs the same either way."""
 
     def __init__(self, coordinators: list[str], job: str, log_path: Path, *, steps: int, step_sleep_s: float = 0.05,
                  min_nodes: int = 1, max_nodes: int = 0, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                 script: Path | str = EXAMPLE):
+                 script: Path | str = EXAMPLE, warm: bool = False):
         self.log_path = log_path
         self.env = {**os.environ, "MUSTER_COORDINATOR": ",".join(coordinators), "MUSTER_JOB": job,
                     "MUSTER_MIN_NODES": str(min_nodes), "MUSTER_MAX_NODES": str(max_nodes), **(env or {})}
         self.args = [sys.executable, str(script), "--steps", str(steps), "--step-sleep", str(step_sleep_s), *args]
-        self.proc: subprocess.Popen | None = None
+        self.warm = warm
+        self.proc: subprocess.Popen | WarmPopen | None = None
 
     def start(self) -> TrainingProcess:
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            if self.warm:
+                self.proc = WarmRanks.shared().spawn(self.args, self.env, out.fileno())
+            if self.proc is None:
+                self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                             start_new_session=True)
         return self
 
     def records(self, event: str | None = None) -> list[dict]:

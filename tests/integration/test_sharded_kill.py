@@ -168,9 +168,10 @@ def test_without_a_spare_the_other_replica_trains_on_and_the_group_rejoins_when_
         p.signal(signal.SIGKILL)
     killed_at = time.time()
     benched_at = by_slot[0].last_step
-    # Started at once: they take seconds to join (a fresh interpreter, torch), replica 1 trains meanwhile.
-    replacements = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", len(victims), BENCH_STEPS, 0.1, min_nodes=2)
     alone = lambda: [r for r in healthy[0].steps() if r["replicas"] == 1]  # noqa: E731
+    # Replacements come once replica 1 has trained alone a while (a forked rank joins in milliseconds).
+    wait_until(lambda: len(alone()) >= 4, 60, "replica 1 training alone for 4 steps")
+    replacements = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", len(victims), BENCH_STEPS, 0.1, min_nodes=2)
     for p in [*healthy, *replacements] + ([by_slot[0]] if lost == "a rank" else []):
         assert p.wait(90) == 0, p.log_path.read_text()[-3000:]
     first_alone = alone()[0]

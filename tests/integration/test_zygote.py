@@ -7,13 +7,14 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 
-from muster.local import process_alive, wait_until
+from muster.local import WarmRanks, process_alive, wait_until
 from muster.worker.rank import orphan_guard
 from muster.worker.rank.runner import COMPLETED_FILE_ENV, Program
 from muster.worker.rank.zygote import WarmStarts, Zygote, ZygoteLost
@@ -178,9 +179,9 @@ def test_the_exit_of_a_rank_gone_before_the_agent_reads_its_pid_still_ends_it():
             for fd in fds:
                 os.close(fd)
             zygote_end.send(json.dumps({"id": json.loads(request)["id"], "pid": 4242}).encode())
-            zygote_end.send(json.dumps({"exited": 4242, "code": 3}).encode())
+            zygote_end.send(json.dumps({"exited": 4242, "code": 3, "cpu_s": 0.5}).encode())
             rank = await spawning
-            assert await asyncio.wait_for(rank.wait(), 5) == 3
+            assert await asyncio.wait_for(rank.wait(), 5) == 3 and zygote.reaped_cpu_s == 0.5
         finally:
             zygote._lose("test over", closing=True)
             zygote_end.close()
@@ -311,3 +312,33 @@ def test_a_warm_rank_given_thp_mem_alloc_enable_holds_its_large_tensors_on_huge_
     run(main({"OMP_NUM_THREADS": "1"}, "off"))
     on, off = (int((tmp_path / f"{n}.txt").read_text()) for n in ("on", "off"))
     assert on >= 200 << 10 and off < on // 4, (on, off)  # kB: most of the 256 MiB, against (nearly) none
+
+
+@pytest.mark.timeout(120)
+def test_a_training_rank_forked_from_the_shared_zygote_is_seen_as_a_child_process(tmp_path):
+    """`TrainingProcess(warm=True)` (the `training` fixture's ranks): forked from this process's one
+    zygote, a rank is polled, waited for (within a bound) and killed by PID as a Popen is, its output
+    goes to its log, and its CPU is counted once it ends (conftest's per-test CPU adds it)."""
+    path = script(tmp_path, """
+        import os, sys, time
+        t = time.process_time()
+        while time.process_time() - t < 0.3:
+            pass
+        print(os.environ["GREETING"], sys.argv[1:], flush=True)
+        time.sleep(float(sys.argv[1]))
+    """)
+    warm = WarmRanks.shared()
+    assert warm.spawn(["/bin/sleep", "1"], {}, 1) is None  # not this interpreter running Python: started cold
+    before = WarmRanks.reaped_cpu_s()
+    with open(tmp_path / "a.log", "wb") as out:
+        a = warm.spawn([sys.executable, str(path), "60"], {"GREETING": "hello"}, out.fileno())
+    with open(tmp_path / "b.log", "wb") as out:
+        b = warm.spawn([sys.executable, str(path), "0"], {"GREETING": "hi"}, out.fileno())
+    assert b.wait(30) == 0 and b.poll() == 0
+    assert a.poll() is None and process_alive(a.pid)
+    with pytest.raises(subprocess.TimeoutExpired):
+        a.wait(0.1)
+    a.kill()
+    assert a.wait(10) == -signal.SIGKILL and not process_alive(a.pid)
+    assert (tmp_path / "a.log").read_text() == "hello ['60']\n" and (tmp_path / "b.log").read_text() == "hi ['0']\n"
+    assert WarmRanks.reaped_cpu_s() - before >= 0.5  # both ranks' busy 0.3 s

@@ -16,8 +16,9 @@ uncaught exception prints its traceback and exits 1).
 
 Protocol (a SOCK_SEQPACKET pair, one JSON message per packet): the agent sends
 {"id", "target", "module", "args", "unbuffered", "env", "cwd"} with the rank's stdin, stdout and stderr as SCM_RIGHTS
-descriptors; the zygote answers {"id", "pid"} (or {"id", "error"}), and {"exited": pid, "code": c}
-when a rank ends (c negative: killed by signal -c, as asyncio reports it).
+descriptors; the zygote answers {"id", "pid"} (or {"id", "error"}), and {"exited": pid, "code": c,
+"cpu_s": s} when a rank ends (c negative: killed by signal -c, as asyncio reports it; s the CPU
+seconds it and the processes it reaped used).
 """
 
 from __future__ import annotations
@@ -133,12 +134,13 @@ def _threads() -> int:
 def _reap(channel: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        _send(channel, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        _send(channel, {"exited": pid, "code": os.waitstatus_to_exitcode(status),
+                        "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)})
 
 
 def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: int) -> None:
@@ -261,6 +263,7 @@ class Zygote:
         self.retiring = False  # a successor serves new ranks: this one ends with its last rank
         self.unsafe: tuple[str, str] | None = None  # a learned module it refused, and why
         self.failed: list[str] = []  # modules whose import failed in it
+        self.reaped_cpu_s = 0.0  # the CPU seconds of its ranks that ended (and of what they reaped)
         asyncio.get_running_loop().add_reader(channel.fileno(), self._on_readable)
 
     @classmethod
@@ -327,6 +330,7 @@ class Zygote:
                 return
             m = json.loads(message)
             if "exited" in m:
+                self.reaped_cpu_s += m["cpu_s"]
                 rank = self._ranks.pop(m["exited"], None)
                 if rank is not None:
                     rank._ended(m["code"])
