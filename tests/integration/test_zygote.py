@@ -216,16 +216,19 @@ def test_forked_ranks_draw_their_own_random_numbers(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_to_the_ranks(tmp_path, caplog):
     """A rank records the installed packages it imported (the runner, after MUSTER_IMPORTS_AFTER);
-    a successor zygote imports them and serves later starts, which find them loaded. One that starts
-    a thread at import is named once and left to the ranks; the zygote serving ranks is kept."""
+    a successor forked from the first zygote imports them and serves later starts, which find them
+    loaded. One that starts a thread at import is named once and left to the ranks. The zygote
+    serving ranks is kept; the first stays (it forks each successor), a succeeded successor ends
+    with its last rank, and every successor dies with the first."""
     site = tmp_path / "site-packages"
     site.mkdir()
     (site / "heavy_pkg.py").write_text("")
+    (site / "later_pkg.py").write_text("")
     (site / "threading_pkg.py").write_text("import threading, time\n"
-                                           "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+                                           "threading.Thread(target=time.sleep, args=(60,)).start()\n")
     path = script(tmp_path, """
         import sys
-        print(sorted(m for m in ("heavy_pkg", "threading_pkg") if m in sys.modules), flush=True)
+        print(sorted(m for m in ("heavy_pkg", "later_pkg", "threading_pkg") if m in sys.modules), flush=True)
         import heavy_pkg, threading_pkg, time
         time.sleep(float(sys.argv[1]))
     """)
@@ -240,22 +243,41 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
                                  {**env, "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.2"}, "first")
             await asyncio.to_thread(wait_until, imports.exists, 30, "the rank's imports recorded")
             assert imports.read_text().split() == ["heavy_pkg", "threading_pkg"]
-            serving = warm.zygote
+            origin = warm.zygote
             warm.learn(imports.read_text().split())
             await asyncio.wait_for(warm._learning, 60)
             assert warm.learned == ("heavy_pkg",) and warm.refused == {"threading_pkg"}
-            assert warm.zygote is not serving and serving.retiring and not serving.lost  # its rank still runs
-            second = await _spawn(warm, Program(str(path), False, ("0",), False), tmp_path, env, "second")
-            assert await second.wait() == 0
+            successor = warm.zygote
+            assert successor is not origin and origin is warm.first and not origin.retiring and not origin.lost
+            assert successor.process.pid in _children(origin.process.pid)  # forked: torch is not imported twice
+            second = await _spawn(warm, Program(str(path), False, ("30",), False), tmp_path, env, "second")
+            warm.learn(["later_pkg"])
+            await asyncio.wait_for(warm._learning, 60)
+            assert warm.learned == ("heavy_pkg", "later_pkg") and warm.zygote is not successor
+            assert successor.retiring and not successor.lost  # its rank still runs
+            third = await _spawn(warm, Program(str(path), False, ("0",), False), tmp_path, env, "third")
+            assert await third.wait() == 0
+            second.kill()
+            assert await second.wait() == -signal.SIGKILL
+            await asyncio.to_thread(wait_until, lambda: successor.lost, 10, "the succeeded zygote to end with its rank")
             first.kill()
             assert await first.wait() == -signal.SIGKILL
-            await asyncio.to_thread(wait_until, lambda: serving.lost, 10, "the retired zygote to end with its rank")
+            assert not origin.lost  # it forks the next successor
+            last = warm.zygote.process.pid
+            origin.close()  # the first zygote gone: its successors go with it (PDEATHSIG)
+            await asyncio.to_thread(wait_until, lambda: not process_alive(last), 10, "the successor to die with the first")
         finally:
             warm.close()
 
     run(main())
     assert (tmp_path / "first.txt").read_text() == "[]\n"
     assert (tmp_path / "second.txt").read_text() == "['heavy_pkg']\n"
+    assert (tmp_path / "third.txt").read_text() == "['heavy_pkg', 'later_pkg']\n"
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
 
 
 @pytest.mark.timeout(60)

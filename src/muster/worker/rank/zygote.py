@@ -14,11 +14,13 @@ stdio, `sys.argv`, `sys.path[0]` and `__main__` (the runner runs it, and marks i
 for a cold start); it exits through the interpreter's normal shutdown (atexit handlers run; an
 uncaught exception prints its traceback and exits 1).
 
-Protocol (a SOCK_SEQPACKET pair, one JSON message per packet): the agent sends
-{"id", "target", "module", "args", "unbuffered", "env", "cwd"} with the rank's stdin, stdout and stderr as SCM_RIGHTS
-descriptors; the zygote answers {"id", "pid"} (or {"id", "error"}), and {"exited": pid, "code": c,
-"cpu_s": s} when a rank ends (c negative: killed by signal -c, as asyncio reports it; s the CPU
-seconds it and the processes it reaped used).
+Protocol (a SOCK_SEQPACKET pair, one JSON message per packet): the agent's first message lists
+modules to import after the preloaded ones (none for the first zygote); then it sends {"id",
+"target", "module", "args", "unbuffered", "env", "cwd"} with the rank's stdin, stdout and stderr
+as SCM_RIGHTS descriptors, or {"id", "successor": true} with one end of a new pair, on which the
+forked successor reads its own first message and serves; the zygote answers {"id", "pid"} (or
+{"id", "error"}), and {"exited": pid, "code": c, "cpu_s": s} when a child ends (c negative:
+killed by signal -c, as asyncio reports it; s the CPU seconds it and the processes it reaped used).
 """
 
 from __future__ import annotations
@@ -68,9 +70,15 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
     for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
         _preload(channel, name)
-    # Learned modules (the ranks' own imports: hundreds, so the agent's first message rather than
-    # argv) must leave the process as fork-safe as the given ones did: no thread started, no CUDA.
-    # The first that does not ends this zygote, unused; the agent starts the next one without it.
+    _serve(channel)
+
+
+def _serve(channel: socket.socket) -> None:
+    """Import the modules the agent's first message names, then fork what it asks for: a rank, or
+    a successor (a zygote that imports more on top of this one's modules)."""
+    # Learned modules (the ranks' own imports: hundreds, so a message rather than argv) must leave
+    # the process as fork-safe as the given ones did: no thread started, no CUDA. The first that
+    # does not ends this zygote, unused; the agent forks the next one without it.
     learned = json.loads(channel.recv(MAX_MESSAGE) or b"[]")
     threads = _threads()
     for name in learned:
@@ -114,6 +122,9 @@ def main() -> None:
                     selector.close()
                     for fd in (wake_r, wake_w):
                         os.close(fd)
+                    if request.get("successor"):
+                        _become_successor(channel, fds, zygote)
+                        os._exit(0)  # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
                     _become_rank(channel, request, fds, zygote)
                     return  # the rank ran: the interpreter exits as after `python SCRIPT`
                 _close(fds)
@@ -143,15 +154,29 @@ def _reap(channel: socket.socket) -> None:
                         "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)})
 
 
+def _become_successor(channel: socket.socket, fds: list[int], zygote: int) -> None:
+    """In the forked child: a zygote of its own on the channel the agent passed, which imports the
+    learned modules on top of this one's (torch is loaded already) and dies with it."""
+    channel.close()
+    signal.set_wakeup_fd(-1)
+    _die_with(zygote)
+    _close(fds[1:])
+    _serve(socket.socket(fileno=fds[0]))
+
+
+def _die_with(zygote: int) -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote:
+        os._exit(1)  # the zygote died before prctl took effect
+
+
 def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: int) -> None:
     """In the forked child: take the rank's stdio, environment and directory, then run it."""
     channel.close()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != zygote:
-        os._exit(1)  # the zygote died before prctl took effect
+    _die_with(zygote)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     _close([fd for fd in fds if fd > 2])
@@ -252,7 +277,7 @@ class WarmProcess:
 class Zygote:
     """The agent's handle on its node's zygote."""
 
-    def __init__(self, channel: socket.socket, process: asyncio.subprocess.Process):
+    def __init__(self, channel: socket.socket, process: asyncio.subprocess.Process | WarmProcess):
         self._channel = channel
         self.process = process
         self._next_id = 0
@@ -267,8 +292,7 @@ class Zygote:
         asyncio.get_running_loop().add_reader(channel.fileno(), self._on_readable)
 
     @classmethod
-    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD,
-                    learned: tuple[str, ...] = ()) -> Zygote:
+    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD) -> Zygote:
         agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             process = await asyncio.create_subprocess_exec(
@@ -278,7 +302,7 @@ class Zygote:
         finally:
             zygote_end.close()
         agent_end.setblocking(False)
-        agent_end.send(json.dumps(list(learned)).encode())  # into an empty buffer: read after its imports
+        agent_end.send(b"[]")  # no learned modules yet (read after its imports; fork_successor's are)
         return cls(agent_end, process)
 
     async def ready(self, timeout_s: float = READY_WAIT_S) -> None:
@@ -291,17 +315,35 @@ class Zygote:
     async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int],
                     answer_wait_s: float = ANSWER_WAIT_S) -> WarmProcess:
         """Fork a rank running `program` with `env` and these descriptors as its stdin, stdout, stderr."""
+        return await self._fork({"target": program.target, "module": program.module, "args": program.args,
+                                 "unbuffered": program.unbuffered, "env": env, "cwd": os.getcwd()},
+                                list(stdio), answer_wait_s)
+
+    async def fork_successor(self, learned: tuple[str, ...]) -> Zygote:
+        """A zygote forked from this one that imports `learned` on top of its modules (a new
+        interpreter would import torch again: seconds of CPU); it dies with this one."""
+        agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            agent_end.send(json.dumps(list(learned)).encode())  # into an empty buffer: its first read
+            process = await self._fork({"successor": True}, [zygote_end.fileno()], ANSWER_WAIT_S)
+        except BaseException:
+            agent_end.close()
+            raise
+        finally:
+            zygote_end.close()
+        agent_end.setblocking(False)
+        return Zygote(agent_end, process)
+
+    async def _fork(self, request: dict, fds: list[int], answer_wait_s: float) -> WarmProcess:
         await self.ready()
         if self.lost:
             raise ZygoteLost("it exited")
         self._next_id += 1
         request_id = self._next_id
         answer = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        message = json.dumps({"id": request_id, "target": program.target, "module": program.module,
-                              "args": program.args, "unbuffered": program.unbuffered, "env": env,
-                              "cwd": os.getcwd()}).encode()
+        message = json.dumps({"id": request_id, **request}).encode()
         try:
-            socket.send_fds(self._channel, [message], list(stdio))
+            socket.send_fds(self._channel, [message], fds)
         except OSError as exc:
             self._pending.pop(request_id, None)
             self._lose(f"send: {exc}")
@@ -385,21 +427,24 @@ class Zygote:
 
 class WarmStarts:
     """The node's zygote, and its successors: a rank reports the installed modules it imported
-    (the runner, IMPORTS_FILE_ENV), and a new zygote that imported them too takes over for later
-    starts, so a restart skips the script's heavy imports (transformers, accelerate, ...) as it
-    skips torch's. A module that would leave the zygote unsafe to fork (a thread, CUDA) is named
-    once and left to the ranks; the zygote serving ranks is never changed in place."""
+    (the runner, IMPORTS_FILE_ENV), and a zygote forked from the first that imported them too
+    takes over for later starts, so a restart skips the script's heavy imports (transformers,
+    accelerate, ...) as it skips torch's. A module that would leave the zygote unsafe to fork (a
+    thread, CUDA) is named once and left to the ranks; the zygote serving ranks is never changed in
+    place. The first zygote stays, idle once its own ranks end, to fork each successor (sharing its
+    pages); a later one ends with its last rank once it is succeeded."""
 
     def __init__(self, env: dict[str, str], guard: list[str], preload: tuple[str, ...]):
         self.env, self.guard, self.preload = env, guard, tuple(preload)
         self.learned: tuple[str, ...] = ()
         self.refused: set[str] = set()
-        self.zygote: Zygote | None = None
-        self._retired: list[Zygote] = []  # predecessors still serving their ranks
+        self.first: Zygote | None = None
+        self.zygote: Zygote | None = None  # the one serving new ranks
+        self._retired: list[Zygote] = []  # successors succeeded in turn, still serving their ranks
         self._learning: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.zygote = await Zygote.start(self.env, self.guard, self.preload)
+        self.first = self.zygote = await Zygote.start(self.env, self.guard, self.preload)
 
     async def ready(self) -> None:
         """Until the serving zygote's imports are done (bounded); a lost one is the next spawn's to say."""
@@ -424,8 +469,12 @@ class WarmStarts:
 
     async def _succeed(self, new: list[str]) -> None:
         want = [*self.learned, *new]
-        while want:
-            successor = await Zygote.start(self.env, self.guard, self.preload, tuple(want))
+        while want and self.first is not None:
+            try:
+                successor = await self.first.fork_successor(tuple(want))
+            except ZygoteLost as exc:
+                log.warning("warm_start_learning_failed", modules=len(want), why=str(exc))
+                return
             try:
                 await successor.ready()
             except ZygoteLost as exc:
@@ -446,8 +495,9 @@ class WarmStarts:
                 successor.close()
                 return
             previous, self.zygote = self.zygote, successor
-            previous.retire()
-            self._retired = [z for z in [*self._retired, previous] if not z.lost]
+            if previous is not self.first:
+                previous.retire()
+                self._retired = [z for z in [*self._retired, previous] if not z.lost]
             log.info("warm_start_learned", modules=len(self.learned),
                      packages=sorted({m.split(".")[0] for m in self.learned})[:32])
             return
@@ -455,10 +505,10 @@ class WarmStarts:
     def close(self) -> None:
         if self._learning is not None:
             self._learning.cancel()
-        for zygote in [*self._retired, self.zygote]:
+        for zygote in [*self._retired, self.zygote, self.first]:
             if zygote is not None:
                 zygote.close()
-        self.zygote, self._retired = None, []
+        self.first, self.zygote, self._retired = None, None, []
 
 
 if __name__ == "__main__":
