@@ -231,7 +231,11 @@ class WarmPopen:
             raise subprocess.TimeoutExpired(self.args, timeout) from None
 
     def send_signal(self, sig: int) -> None:
-        self._rank._signal(sig)
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
