@@ -279,6 +279,8 @@ class Chaos:
         for r in self.replicas:
             r.stop()
         self.etcd.stop()
+        if not any(m.running() for m in self.etcd.members):
+            self.etcd.wipe()  # its members' preallocated WAL files: 64 MB each, the logs stay
         self.pids.update(run.pid for run in self.runs())
         os.environ.pop(CHAOS_RUN_ENV, None)
 
