@@ -56,7 +56,7 @@ import grpc
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, SimulatedNode, process_alive
+from muster.local import CoordinatorProcess, SimulatedNode, end_on_sigterm, process_alive
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -554,4 +554,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

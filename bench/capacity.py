@@ -57,7 +57,7 @@ from muster.coordinator.job.leadership import Leadership
 from muster.coordinator.job.straggler_duty import StragglerDuty
 from muster.coordinator.job.streams import NodeStream
 from muster.coordinator.memory import MemoryJobStore
-from muster.local import CoordinatorProcess, SimulatedNode, wait_until
+from muster.local import CoordinatorProcess, SimulatedNode, end_on_sigterm, wait_until
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
@@ -862,4 +862,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

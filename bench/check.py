@@ -62,6 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import capacity  # noqa: E402
 from muster import logs  # noqa: E402
+from muster.local import end_on_sigterm  # noqa: E402
 
 BASELINE = Path(__file__).parent / "results" / "bench_check.json"
 REFORM_MODEL, REFORM_KILLS = "50M", 3
@@ -258,4 +259,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

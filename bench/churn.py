@@ -57,7 +57,7 @@ from muster import logs
 from muster.client import TRANSIENT, redirect, run_ended
 from muster.coordinator.etcd.client import DEFAULT_PREFIX, connect
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, record_time
+from muster.local import CoordinatorProcess, end_on_sigterm, record_time
 from muster.net import Backoff, free_port
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
@@ -683,4 +683,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import AgentProcess, CoordinatorProcess, record_time, wait_until
+from muster.local import AgentProcess, CoordinatorProcess, end_on_sigterm, record_time, wait_until
 
 JOB, NODES, SLOTS = "death-heard", ("a", "b"), (0, 1)
 STEP_SLEEP_S = 0.05
@@ -141,4 +141,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, TrainingProcess, json_lines, record_time, wait_until
+from muster.local import CoordinatorProcess, TrainingProcess, end_on_sigterm, json_lines, record_time, wait_until
 
 SIZES = {"1M": (512, 4), "17M": (2048, 4)}  # width, layers: layers x width^2 parameters
 BATCH = 8
@@ -195,4 +195,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -64,7 +64,7 @@ from pathlib import Path
 from muster import logs
 from muster.coordinator.core.kinds import EVICTIONS
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, TrainingProcess, rank_env, record_time, wait_until
+from muster.local import CoordinatorProcess, TrainingProcess, end_on_sigterm, rank_env, record_time, wait_until
 from muster.examples.train_ddp import MODELS, parameter_count
 from muster.rank_logs import tail
 from muster.worker import Worker, WorkerConfig
@@ -439,4 +439,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

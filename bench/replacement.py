@@ -36,7 +36,7 @@ from recovery import p50_max, settled, summary
 from muster import logs
 from muster.coordinator.core.policy import Timing
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import AgentProcess, CoordinatorProcess, json_lines, record_time, wait_until
+from muster.local import AgentProcess, CoordinatorProcess, end_on_sigterm, json_lines, record_time, wait_until
 
 JOB = "replacement"
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -150,4 +150,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

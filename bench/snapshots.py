@@ -35,7 +35,8 @@ from pathlib import Path
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, TrainingProcess, record_time, spare_victim_survivors, wait_until
+from muster.local import (CoordinatorProcess, TrainingProcess, end_on_sigterm, record_time,
+                          spare_victim_survivors, wait_until)
 from muster.worker.library.snapshots import EVERY
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_sharded.py")
@@ -157,4 +158,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import AgentProcess, CoordinatorProcess, Throttle, TrainingProcess, record_time, wait_until
+from muster.local import (AgentProcess, CoordinatorProcess, Throttle, TrainingProcess,
+                          end_on_sigterm, record_time, wait_until)
 
 # slowdown name -> (stopped share, period s): ~1.5x and ~3x a rank's compute
 SLOWDOWNS = {"1.5x": (0.4, 0.05), "3x": (0.75, 0.05)}
@@ -227,4 +228,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from muster.client import Coordinators
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import AgentProcess, CoordinatorProcess
+from muster.local import AgentProcess, CoordinatorProcess, end_on_sigterm
 from muster.v1 import muster_pb2 as pb
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "integration" / "scripts" / "multinode.py"
@@ -83,4 +83,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -50,7 +50,7 @@ from recovery import summary
 
 from muster import logs
 from muster.coordinator.etcd.server import EtcdServer
-from muster.local import CoordinatorProcess, process_alive, wait_until
+from muster.local import CoordinatorProcess, end_on_sigterm, process_alive, wait_until
 from muster.net import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -383,4 +383,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    end_on_sigterm()
     sys.exit(main())

@@ -42,6 +42,14 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02,
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f"\n{diagnose()}" if diagnose else ""))
 
 
+def end_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a cancelled job) ends this program as Ctrl-C does, by an exception, so
+    the `finally` blocks that stop what it started run: its coordinators, agents and etcd are in
+    sessions of their own, which the signal to its process group does not reach. (Python's default
+    ends the process at once, and they ran on for good with their ranks.) Call it from a main thread."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def carries_tag(pid: int, tag: str) -> bool:
     """Whether process `pid`'s environment holds `tag` ("NAME=value"): started by a run that set it."""
     try:

@@ -49,7 +49,7 @@ async def code_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_a_relay_flood_and_review_4s_attacks_cost_the_replica_little_and_another_job_nothing():
     """The issue's flood: 8 messages of ~1 MB of frames on fresh stream numbers, replies never read.
     Before: +337 MiB at its peak, the loop held 2.2 s, the other job's steps down to an eighth.
@@ -59,7 +59,7 @@ def test_a_relay_flood_and_review_4s_attacks_cost_the_replica_little_and_another
     etcd (H2), 5 s each at the default quotas: job C's token Joining 64 at a time as a job asking for
     125,000 nodes (before: 43,392 Joins taken in 60 s, etcd +197 MiB), job D's cycling runs."""
     done = subprocess.run([sys.executable, str(BENCH / "abuse.py"), "--duration", "8", "--baseline", "2",
-                           "--etcd-flood", "5"], capture_output=True, text=True, timeout=190)
+                           "--etcd-flood", "5"], capture_output=True, text=True, timeout=290)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     flood, other = result["flood"], result["other_job"]
