@@ -239,11 +239,7 @@ class WarmPopen:
             raise subprocess.TimeoutExpired(self.args, timeout) from None
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+        self._rank.send_signal(sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

@@ -251,7 +251,7 @@ class ZygoteLost(Exception):
 
 class WarmProcess:
     """A rank forked by the zygote, as the agent sees a subprocess: pid, returncode, wait(),
-    terminate(), kill()."""
+    terminate(), kill(), send_signal()."""
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -262,12 +262,12 @@ class WarmProcess:
         return await asyncio.shield(self._exited)
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
 
-    def _signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             try:
                 os.kill(self.pid, sig)
