@@ -17,8 +17,8 @@ HARNESS = textwrap.dedent("""
     if sys.argv[1] == "on":
         end_on_sigterm()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    print(child.pid, flush=True)
     try:
+        print(child.pid, flush=True)  # inside: a SIGTERM that comes at once finds the finally block set
         time.sleep(60)
     finally:
         child.kill()
