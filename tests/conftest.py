@@ -50,8 +50,21 @@ def _cpu_s() -> float:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
+    if item.path.parent.name in ("integration", "chaos") and "MUSTER_ZYGOTE_SOCKET" not in os.environ:
+        _host_zygote()
     item.stash[_CPU_AT_SETUP] = _cpu_s()
     return (yield)
+
+
+def _host_zygote() -> None:
+    """Every agent the tests start (`muster run`, in whatever harness) forks its node's zygote from
+    the worker's, as `muster run --zygote-socket` does from a host's: a node's start then costs no
+    `import torch` (4 s of CPU on a slow host; the suite starts ~250 nodes). An agent in a network
+    namespace of its own (the chaos tier's partitions) still starts its own, and tests of the
+    agent's own zygote unset MUSTER_ZYGOTE_SOCKET for their agents."""
+    from muster.local import WarmRanks
+
+    os.environ["MUSTER_ZYGOTE_SOCKET"] = WarmRanks.shared().socket_path
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime
@@ -252,8 +256,10 @@ class WarmRanks:
     """One zygote for the library ranks this process starts (`TrainingProcess(warm=True)`), on an
     event loop of its own: forked from it, as `muster run` forks its ranks, a rank skips the
     interpreter's start and `import torch` (6 s of CPU where that import takes 3.4, most of what a
-    test of a dozen ranks spends). Started at the first such rank; it dies with this process (the
-    orphan guard), and its ranks with it (PDEATHSIG). If it is lost, ranks start cold."""
+    test of a dozen ranks spends). It is also a host's zygote (`muster zygote`) at `socket_path`,
+    for agents started with `--zygote-socket` (MUSTER_ZYGOTE_SOCKET). Started at the first use; it
+    dies with this process (the orphan guard), and its ranks and agents' zygotes with it
+    (PDEATHSIG). If it is lost, ranks start cold."""
 
     _shared: WarmRanks | None = None
     _lock = threading.Lock()
@@ -274,7 +280,13 @@ class WarmRanks:
         # Its own environment carries nothing of the caller's jobs (a rank's comes with each fork;
         # /proc/PID/environ of a forked rank shows this one).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MUSTER_", "TORCHELASTIC_"))}
-        self._zygote = self._call(Zygote.start(env, orphan_guard.prefix()))
+        home = tempfile.mkdtemp(prefix="muster-zygote-")  # 0700: this user's agents only
+        atexit.register(shutil.rmtree, home, ignore_errors=True)
+        self.socket_path = os.path.join(home, "zygote.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+            listener.bind(self.socket_path)
+            listener.listen(64)
+            self._zygote = self._call(Zygote.start(env, orphan_guard.prefix(), listener=listener))
 
     @classmethod
     def reaped_cpu_s(cls) -> float:

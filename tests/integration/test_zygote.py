@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -183,7 +184,7 @@ def test_the_exit_of_a_rank_gone_before_the_agent_reads_its_pid_still_ends_it():
             rank = await spawning
             assert await asyncio.wait_for(rank.wait(), 5) == 3 and zygote.reaped_cpu_s == 0.5
         finally:
-            zygote._lose("test over", closing=True)
+            zygote._lose("test over", quiet=True)
             zygote_end.close()
 
     run(main())
@@ -364,3 +365,65 @@ def test_a_training_rank_forked_from_the_shared_zygote_is_seen_as_a_child_proces
     assert a.wait(10) == -signal.SIGKILL and not process_alive(a.pid)
     assert (tmp_path / "a.log").read_text() == "hello ['60']\n" and (tmp_path / "b.log").read_text() == "hi ['0']\n"
     assert WarmRanks.reaped_cpu_s() - before >= 0.5  # both ranks' busy 0.3 s
+
+
+@pytest.mark.timeout(120)
+def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing_its_channel(tmp_path):
+    """`muster zygote --socket S`: an agent's zygote is forked from it with the agent's environment
+    (its ranks the host zygote's grandchildren), and ends when the agent's end closes, its ranks
+    with it; one that would see another module path is refused, and the agent starts its own; a
+    second host zygote at the same socket is refused; SIGTERM ends it and removes its socket."""
+    sock = str(tmp_path / "z.sock")
+    host = subprocess.Popen([sys.executable, "-m", "muster.cli", "zygote", "--socket", sock, "--preload", "json"],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: os.path.exists(sock), 30, "the host zygote's socket")
+        assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
+        path = script(tmp_path, """
+            import os, sys, time
+            print(os.getppid(), os.environ["AGENT_ONLY"], os.getcwd(), flush=True)
+            time.sleep(60)
+        """)
+        env = {**os.environ, "AGENT_ONLY": "yes"}
+
+        async def main():
+            zygote = await Zygote.connect(sock, env, preload=("json",))
+            await zygote.ready()
+            try:
+                rank = await _spawn(zygote, Program(str(path), False, (), True), tmp_path, {"AGENT_ONLY": "rank"})
+                await asyncio.to_thread(wait_until, lambda: (tmp_path / "out.txt").read_text(), 20, "the rank's line")
+                parent = int((tmp_path / "out.txt").read_text().split()[0])
+                assert Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(host.pid)
+            finally:
+                zygote.close()  # as the agent's exit does
+            parent, seen, cwd = (tmp_path / "out.txt").read_text().split()
+            assert (seen, cwd) == ("rank", os.getcwd())
+            await asyncio.to_thread(wait_until, lambda: not process_alive(rank.pid), 10, "the rank to die with its zygote")
+            assert not process_alive(int(parent))
+            return int(parent)
+
+        agent_zygote = run(main())
+        assert agent_zygote != host.pid and host.poll() is None
+
+        async def elsewhere():
+            zygote = await Zygote.connect(sock, {**env, "PYTHONPATH": str(tmp_path)}, preload=("json",))
+            with pytest.raises(ZygoteLost, match="PYTHONPATH"):
+                await zygote.ready()
+            warm = WarmStarts(env, GUARD, ("json",), host_zygote=str(tmp_path / "none.sock"))
+            await warm.start()  # nothing listens there: its own zygote, the agent's child
+            try:
+                assert warm.first.process is not None
+                await warm.first.ready()
+            finally:
+                warm.close()
+
+        run(elsewhere())
+        second = subprocess.run([sys.executable, "-m", "muster.cli", "zygote", "--socket", sock], capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode == 1 and "already listens" in second.stderr
+        host.send_signal(signal.SIGTERM)
+        assert host.wait(10) == 128 + signal.SIGTERM and not os.path.exists(sock)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(10)

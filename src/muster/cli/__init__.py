@@ -1,6 +1,6 @@
-"""The `muster` command: serve (coordinator), run (node agent), demo, completion, and the client
-verbs: status, events, logs, jobs, stop, drain, delete. Each family has its module here; this one
-assembles the parser and runs a verb."""
+"""The `muster` command: serve (coordinator), run (node agent), zygote (a host's warm starts), demo,
+completion, and the client verbs: status, events, logs, jobs, stop, drain, delete. Each family has
+its module here; this one assembles the parser and runs a verb."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from muster import logs, version
-from muster.cli import flags, run, serve, verbs, views
+from muster.cli import flags, run, serve, verbs, views, zygote
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -29,6 +29,7 @@ def parser() -> argparse.ArgumentParser:
 
     serve.add_parser(sub)
     run.add_parser(sub)
+    zygote.add_parser(sub)
     _demo_parser(sub)
     _client_parsers(sub)
     c = sub.add_parser("completion", help="print a shell completion script: eval \"$(muster completion bash)\"")

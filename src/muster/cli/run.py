@@ -103,6 +103,7 @@ def command(args: argparse.Namespace) -> int:
         warm_start=args.warm_start,
         step_probe=args.step_probe,
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()),
+        host_zygote=args.zygote_socket if args.warm_start else "",
         env={**network, **durable},
         security=security(args),
     )
@@ -172,6 +173,11 @@ def add_parser(sub) -> None:
     r.add_argument("--preload", default=",".join(PRELOAD), metavar="MODULES",
                    help="modules the zygote imports once for every rank, comma-separated (default %(default)s; "
                         "add the script's heavy imports, e.g. transformers; never one that initialises CUDA)")
+    r.add_argument("--zygote-socket", default=os.environ.get("MUSTER_ZYGOTE_SOCKET", ""), metavar="PATH",
+                   help="fork the node's zygote from the host's (`muster zygote --socket PATH`), which imported "
+                        "torch already: ranks are warm in milliseconds rather than after the seconds of a new "
+                        "interpreter's imports; where none listens there, or it runs another interpreter, module path, "
+                        "namespace or cgroup, the node starts its own (default $MUSTER_ZYGOTE_SOCKET)")
     r.add_argument("--log-dir", help="write each rank's output to a file under DIR/JOB/RUN/, and a copy of the agent's "
                    "log as JSON lines (NODE-agent.log), made 0600 in 0700 directories; `muster logs` reads both; "
                    "default: the agent's stdout/stderr only")

@@ -34,6 +34,7 @@ class AgentConfig:
     job_id: str = ""  # the job as the user named it (torchrun's --rdzv-id); `job` is the coordinator's name
     warm_start: bool = True  # fork Python ranks from a zygote that imported `preload` once (see zygote)
     preload: tuple[str, ...] = PRELOAD
+    host_zygote: str = ""  # a host's zygote's socket (`muster zygote`) the node's zygote is forked from
     step_probe: bool = True  # Python ranks without the library report their steps and compute (see step_probe)
     env: dict[str, str] = field(default_factory=dict)
     security: ClientSecurity = field(default_factory=ClientSecurity)  # token, TLS

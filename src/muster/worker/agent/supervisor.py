@@ -98,7 +98,7 @@ class RankSupervisor:
         """Warm starts: the zygote's imports run while the node joins."""
         c = self.node.config
         if c.warm_start and self.program is not None:
-            self.warm = WarmStarts(self.base_env(), orphan_guard.prefix(), c.preload)
+            self.warm = WarmStarts(self.base_env(), orphan_guard.prefix(), c.preload, c.host_zygote)
             await self.warm.start()
 
     def close(self) -> None:

@@ -34,8 +34,10 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 from importlib import import_module
+from pathlib import Path
 
 import setproctitle
 import structlog
@@ -47,6 +49,8 @@ log = structlog.get_logger(__name__)
 PR_SET_PDEATHSIG = 1
 # What every rank of a DDP script imports; DDP's constructor imports torch._dynamo (1.2 s of CPU alone).
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+# What decides the module path a zygote imports from: an agent whose differ uses a zygote of its own.
+PATH_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR")
 MAX_MESSAGE = 1 << 20  # a rank's argv and environment
 MAX_LEARNED = 3000  # learned modules (~30 bytes each): the message fits a socket's default buffer
 READY_WAIT_S = 120.0  # for the zygote's imports: a cold import of torch on a loaded node takes seconds
@@ -63,27 +67,47 @@ TITLE_ROOM = 2048
 
 
 def main() -> None:
+    """`python -m muster.worker.rank.zygote CHANNEL PRELOAD TITLE [LISTENER]`: CHANNEL the descriptor of
+    the agent's end ("-" for none: a host's zygote, `muster zygote`), PRELOAD comma-separated,
+    TITLE room for the ranks' process titles, LISTENER a listening socket's descriptor."""
     # setproctitle finds the argv memory it writes the ranks' titles to by walking from the C
     # environ, which a rank replaces: it must find it now, in the zygote's untouched environment.
     setproctitle.getproctitle()
-    channel = socket.socket(fileno=int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
+    channel = socket.socket(fileno=int(sys.argv[1])) if sys.argv[1] != "-" else None
+    listener = socket.socket(fileno=int(sys.argv[4])) if len(sys.argv) > 4 else None
+    if channel is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
+    else:  # a host's: SIGINT and SIGTERM end it (and so the zygotes it forked, and their ranks)
+        signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
     # No collection while importing: torch's imports make ~480k objects, and the passes they set off
     # cost a sixth of the zygote's start. What they leave as garbage (~9k objects) is frozen with the
     # rest (_serve): collecting it would walk all 480k again (0.5 s).
     gc.disable()
-    for name in filter(None, sys.argv[2].split(",") if len(sys.argv) > 2 else PRELOAD):
+    for name in filter(None, sys.argv[2].split(",")):
         _preload(channel, name)
-    _serve(channel)
+    try:
+        _serve(channel, listener)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    finally:
+        if listener is not None and channel is None:
+            _unlink(listener.getsockname())
 
 
-def _serve(channel: socket.socket) -> None:
+def _serve(channel: socket.socket | None, listener: socket.socket | None = None) -> None:
     """Import the modules the agent's first message names, then fork what it asks for: a rank, or
-    a successor (a zygote that imports more on top of this one's modules)."""
+    a successor (a zygote that imports more on top of this one's modules); and, with a listener, a
+    zygote for each agent that connects (`_serve_agent`)."""
     # Learned modules (the ranks' own imports: hundreds, so a message rather than argv) must leave
     # the process as fork-safe as the given ones did: no thread started, no CUDA. The first that
     # does not ends this zygote, unused; the agent forks the next one without it.
-    learned = json.loads(channel.recv(MAX_MESSAGE) or b"[]")
+    hello = json.loads(channel.recv(MAX_MESSAGE) or b"[]") if channel is not None else []
+    if isinstance(hello, dict):  # an agent that connected to a host's zygote
+        why = _adopt(hello)
+        if why:
+            _send(channel, {"incompatible": why})
+            return
+    learned = hello["learned"] if isinstance(hello, dict) else hello
     gc.disable()
     threads = _threads()
     for name in learned:
@@ -106,38 +130,104 @@ def _serve(channel: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the pipe
     _send(channel, {"ready": os.getpid()})
     with selectors.DefaultSelector() as selector:
-        selector.register(channel, selectors.EVENT_READ)
-        selector.register(wake_r, selectors.EVENT_READ)
+        for source in (channel, listener, wake_r):
+            if source is not None:
+                selector.register(source, selectors.EVENT_READ)
         while True:
             for key, _ in selector.select():
                 if key.fileobj == wake_r:
                     os.read(wake_r, 4096)
                     _reap(channel)
                     continue
-                message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 3)
-                if not message:
-                    return  # the agent is gone (its ranks go with this process)
-                request = json.loads(message)
+                if key.fileobj is listener:
+                    request, fds = {"successor": True}, _accept(listener)
+                    if not fds:
+                        continue
+                else:
+                    message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 3)
+                    if not message:
+                        return  # the agent is gone (its ranks go with this process)
+                    request = json.loads(message)
                 try:
                     pid = os.fork()
                 except OSError as exc:
                     _close(fds)
-                    _send(channel, {"id": request["id"], "error": f"fork: {exc}"})
+                    if "id" in request:
+                        _send(channel, {"id": request["id"], "error": f"fork: {exc}"})
                     continue
                 if pid == 0:
                     selector.close()
                     for fd in (wake_r, wake_w):
                         os.close(fd)
+                    if listener is not None:
+                        listener.close()
                     if request.get("successor"):
                         _become_successor(channel, fds, zygote)
                         os._exit(0)  # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
                     _become_rank(channel, request, fds, zygote)
                     return  # the rank ran: the interpreter exits as after `python SCRIPT`
                 _close(fds)
-                _send(channel, {"id": request["id"], "pid": pid})
+                if "id" in request:
+                    _send(channel, {"id": request["id"], "pid": pid})
 
 
-def _preload(channel: socket.socket, name: str) -> None:
+def _accept(listener: socket.socket) -> list[int]:
+    """An agent's connection to a host's zygote, as the descriptor its zygote serves on; none from
+    another user (the socket's mode keeps them out already) or when the accept failed."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return []
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    if uid != os.getuid():
+        conn.close()
+        return []
+    return [conn.detach()]
+
+
+def _adopt(hello: dict) -> str:
+    """An agent's zygote forked from a host's: take the agent's environment and directory, as its
+    own zygote would have started with them. What the ranks would see differently is refused (the
+    agent then starts its own): another interpreter or module path, or other namespaces or cgroup
+    (a node in a network namespace of its own: its ranks must be in it too)."""
+    if hello.get("executable") != sys.executable:
+        return f"it runs {sys.executable}, the agent {hello.get('executable')}"
+    env = hello.get("env", {})
+    for name in PATH_ENV:
+        if env.get(name) != os.environ.get(name):
+            return f"its {name} is {os.environ.get(name)!r}, the agent's {env.get(name)!r}"
+    if hello.get("isolation") != isolation():
+        return "the agent runs in other namespaces or another cgroup"
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(hello["cwd"])
+    sys.path[0] = hello["cwd"]  # as `python -m` from there has it
+    return ""
+
+
+def isolation() -> dict[str, str]:
+    """What a process's children inherit of where it runs: its namespaces and its cgroup."""
+    found = {}
+    for ns in ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup"):
+        try:
+            found[f"ns/{ns}"] = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            pass
+    try:
+        found["cgroup"] = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        pass
+    return found
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _preload(channel: socket.socket | None, name: str) -> None:
     try:
         import_module(name)
     except Exception as exc:  # the script will meet (and report) the same error itself
@@ -148,7 +238,7 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _reap(channel: socket.socket) -> None:
+def _reap(channel: socket.socket | None) -> None:
     while True:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -160,11 +250,14 @@ def _reap(channel: socket.socket) -> None:
                         "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)})
 
 
-def _become_successor(channel: socket.socket, fds: list[int], zygote: int) -> None:
+def _become_successor(channel: socket.socket | None, fds: list[int], zygote: int) -> None:
     """In the forked child: a zygote of its own on the channel the agent passed, which imports the
     learned modules on top of this one's (torch is loaded already) and dies with it."""
-    channel.close()
+    if channel is not None:
+        channel.close()
     signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as its agent's own zygote (a host's zygote's child)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with(zygote)
     _close(fds[1:])
     _serve(socket.socket(fileno=fds[0]))
@@ -230,8 +323,9 @@ def _fresh_stdio(unbuffered: bool) -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-def _send(channel: socket.socket, message: dict) -> None:
-    channel.send(json.dumps(message).encode())
+def _send(channel: socket.socket | None, message: dict) -> None:
+    if channel is not None:  # (a host's zygote answers nobody: its children's exits are its own business)
+        channel.send(json.dumps(message).encode())
 
 
 def _close(fds) -> None:
@@ -283,9 +377,9 @@ class WarmProcess:
 class Zygote:
     """The agent's handle on its node's zygote."""
 
-    def __init__(self, channel: socket.socket, process: asyncio.subprocess.Process | WarmProcess):
+    def __init__(self, channel: socket.socket, process: asyncio.subprocess.Process | WarmProcess | None):
         self._channel = channel
-        self.process = process
+        self.process = process  # None: forked by a host's zygote, it ends when its channel closes
         self._next_id = 0
         self._pending: dict[int, asyncio.Future] = {}
         self._ranks: dict[int, WarmProcess] = {}
@@ -298,18 +392,41 @@ class Zygote:
         asyncio.get_running_loop().add_reader(channel.fileno(), self._on_readable)
 
     @classmethod
-    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD) -> Zygote:
+    async def start(cls, env: dict[str, str], guard: list[str], preload: tuple[str, ...] = PRELOAD,
+                    listener: socket.socket | None = None) -> Zygote:
+        """A new zygote, the agent's child through `guard`; with `listener` (a listening Unix
+        socket) it also forks a zygote for each agent that connects there, as a host's does."""
         agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listening = [str(listener.fileno())] if listener is not None else []
         try:
             process = await asyncio.create_subprocess_exec(
                 *guard, sys.executable, "-m", "muster.worker.rank.zygote", str(zygote_end.fileno()), ",".join(preload),
-                " " * TITLE_ROOM, env={**env, "SPT_NOENV": "1"}, pass_fds=(zygote_end.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL)
+                " " * TITLE_ROOM, *listening, env={**env, "SPT_NOENV": "1"},
+                pass_fds=(zygote_end.fileno(), *map(int, listening)), stdin=asyncio.subprocess.DEVNULL)
         finally:
             zygote_end.close()
         agent_end.setblocking(False)
         agent_end.send(b"[]")  # no learned modules yet (read after its imports; fork_successor's are)
         return cls(agent_end, process)
+
+    @classmethod
+    async def connect(cls, path: str, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> Zygote:
+        """The node's zygote forked by the host's zygote listening at `path` (`muster zygote`),
+        importing `preload` on top of its modules with `env` as its environment: ready in
+        milliseconds, not the seconds of a new interpreter's imports. It is not the agent's child:
+        it ends when the agent's end of its channel closes (the agent's exit included), and its
+        ranks with it. Raises OSError where nothing listens there; ready() raises ZygoteLost where
+        the host's zygote cannot stand in for the agent's own (`_adopt`)."""
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            channel.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(channel, path)
+            channel.send(json.dumps({"learned": list(preload), "env": env, "cwd": os.getcwd(),
+                                     "executable": sys.executable, "isolation": isolation()}).encode())
+        except BaseException:
+            channel.close()
+            raise
+        return cls(channel, None)
 
     async def ready(self, timeout_s: float = READY_WAIT_S) -> None:
         try:
@@ -399,13 +516,16 @@ class Zygote:
                 log.warning("warm_start_preload_failed", module=m["preload_failed"], error=m["error"])
             elif "unsafe" in m:
                 self.unsafe = (m["unsafe"], m["why"])
+            elif "incompatible" in m:
+                self._lose(m["incompatible"], quiet=True)  # the agent says what it does instead
+                return
 
-    def _lose(self, why: str, *, closing: bool = False) -> None:
+    def _lose(self, why: str, *, quiet: bool = False) -> None:
         """The zygote is gone: so are its ranks (PDEATHSIG). Each is reported killed."""
         if self.lost:
             return
         self.lost = True
-        if not closing:
+        if not quiet:
             log.warning("warm_start_lost", why=why, ranks=len(self._ranks))
         asyncio.get_running_loop().remove_reader(self._channel.fileno())
         self._channel.close()
@@ -420,8 +540,8 @@ class Zygote:
         self._ranks.clear()
 
     def close(self) -> None:
-        self._lose("closed by the agent", closing=True)
-        if self.process.returncode is None:
+        self._lose("closed by the agent", quiet=True)
+        if self.process is not None and self.process.returncode is None:
             self.process.kill()
 
     def retire(self) -> None:
@@ -440,8 +560,9 @@ class WarmStarts:
     place. The first zygote stays, idle once its own ranks end, to fork each successor (sharing its
     pages); a later one ends with its last rank once it is succeeded."""
 
-    def __init__(self, env: dict[str, str], guard: list[str], preload: tuple[str, ...]):
+    def __init__(self, env: dict[str, str], guard: list[str], preload: tuple[str, ...], host_zygote: str = ""):
         self.env, self.guard, self.preload = env, guard, tuple(preload)
+        self.host_zygote = host_zygote  # a host's zygote's socket, to fork the first zygote from
         self.learned: tuple[str, ...] = ()
         self.refused: set[str] = set()
         self.first: Zygote | None = None
@@ -450,6 +571,17 @@ class WarmStarts:
         self._learning: asyncio.Task | None = None
 
     async def start(self) -> None:
+        if self.host_zygote:
+            try:
+                zygote = await Zygote.connect(self.host_zygote, self.env, self.preload)
+                await zygote.ready()
+            except (OSError, ZygoteLost) as exc:
+                log.warning("warm_start_host_zygote_refused", socket=self.host_zygote, why=str(exc) or type(exc).__name__,
+                            message="the node starts a zygote of its own")
+            else:
+                self.first = self.zygote = zygote
+                log.info("warm_start_host_zygote", socket=self.host_zygote)
+                return
         self.first = self.zygote = await Zygote.start(self.env, self.guard, self.preload)
 
     async def ready(self) -> None:
