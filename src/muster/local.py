@@ -257,7 +257,8 @@ class WarmRanks:
     event loop of its own: forked from it, as `muster run` forks its ranks, a rank skips the
     interpreter's start and `import torch` (6 s of CPU where that import takes 3.4, most of what a
     test of a dozen ranks spends). It is also a host's zygote (`muster zygote`) at `socket_path`,
-    for agents started with `--zygote-socket` (MUSTER_ZYGOTE_SOCKET). Started at the first use; it
+    for agents started with `--zygote-socket` (MUSTER_ZYGOTE_SOCKET); where that is set already, it
+    is forked from the zygote listening there instead. Started at the first use; it
     dies with this process (the orphan guard), and its ranks and agents' zygotes with it
     (PDEATHSIG). If it is lost, ranks start cold."""
 
@@ -273,13 +274,21 @@ class WarmRanks:
 
     def __init__(self):
         from muster.worker.rank import orphan_guard
-        from muster.worker.rank.zygote import Zygote
+        from muster.worker.rank.zygote import Zygote, ZygoteLost
 
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="muster-warm-ranks", daemon=True).start()
         # Its own environment carries nothing of the caller's jobs (a rank's comes with each fork;
         # /proc/PID/environ of a forked rank shows this one).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MUSTER_", "TORCHELASTIC_"))}
+        host = os.environ.get("MUSTER_ZYGOTE_SOCKET", "")
+        if host:  # forked from the host's zygote (a benchmark a test runs: its worker's), else its own
+            try:
+                self._zygote = self._call(self._connect(host, env))
+                self.socket_path = host
+                return
+            except (OSError, ZygoteLost):
+                pass
         home = tempfile.mkdtemp(prefix="muster-zygote-")  # 0700: this user's agents only
         atexit.register(shutil.rmtree, home, ignore_errors=True)
         self.socket_path = os.path.join(home, "zygote.sock")
@@ -287,6 +296,18 @@ class WarmRanks:
             listener.bind(self.socket_path)
             listener.listen(64)
             self._zygote = self._call(Zygote.start(env, orphan_guard.prefix(), listener=listener))
+
+    @staticmethod
+    async def _connect(path: str, env: dict[str, str]):
+        from muster.worker.rank.zygote import Zygote
+
+        zygote = await Zygote.connect(path, env)
+        try:
+            await zygote.ready()
+        except BaseException:
+            zygote.close()
+            raise
+        return zygote
 
     @classmethod
     def reaped_cpu_s(cls) -> float:
@@ -316,16 +337,18 @@ class WarmRanks:
 class TrainingProcess(_Child):
     """One rank of `examples/train_ddp.py` (or `script`, taking --steps and --step-sleep too) under
     the worker library (no agent), logging JSON lines. `warm`: forked from this process's zygote
-    (`WarmRanks`) rather than started as `python SCRIPT`; the library runs the same either way."""
+    (`WarmRanks`) rather than started as `python SCRIPT`; the library runs the same either way. By
+    default a rank is warm where the host has a zygote (MUSTER_ZYGOTE_SOCKET), as `muster run`'s
+    ranks are: a benchmark run by a test forks its ranks from the test worker's."""
 
     def __init__(self, coordinators: list[str], job: str, log_path: Path, *, steps: int, step_sleep_s: float = 0.05,
                  min_nodes: int = 1, max_nodes: int = 0, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                 script: Path | str = EXAMPLE, warm: bool = False):
+                 script: Path | str = EXAMPLE, warm: bool | None = None):
         self.log_path = log_path
         self.env = {**os.environ, "MUSTER_COORDINATOR": ",".join(coordinators), "MUSTER_JOB": job,
                     "MUSTER_MIN_NODES": str(min_nodes), "MUSTER_MAX_NODES": str(max_nodes), **(env or {})}
         self.args = [sys.executable, str(script), "--steps", str(steps), "--step-sleep", str(step_sleep_s), *args]
-        self.warm = warm
+        self.warm = bool(os.environ.get("MUSTER_ZYGOTE_SOCKET")) if warm is None else warm
         self.proc: subprocess.Popen | WarmPopen | None = None
 
     def start(self) -> TrainingProcess:

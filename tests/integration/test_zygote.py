@@ -427,3 +427,26 @@ def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing
         if host.poll() is None:
             host.kill()
             host.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_on_a_host_with_a_zygote_forks_its_warm_ranks_from_that_one(tmp_path):
+    """WarmRanks where MUSTER_ZYGOTE_SOCKET names a host's zygote (a benchmark a test runs, whose
+    worker's zygote is the host's): its ranks are that zygote's grandchildren, not a second
+    zygote's importing torch again, and are waited for as its own."""
+    host = WarmRanks.shared()
+    path = script(tmp_path, """
+        import os
+        print(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1], flush=True)
+    """)
+    program = textwrap.dedent(f"""
+        import os, sys
+        from muster.local import WarmRanks
+        with open({str(tmp_path / 'rank.log')!r}, "wb") as out:
+            rank = WarmRanks.shared().spawn([sys.executable, {str(path)!r}], dict(os.environ), out.fileno())
+        print(rank.wait(30))
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "MUSTER_ZYGOTE_SOCKET": host.socket_path})
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]
+    assert (tmp_path / "rank.log").read_text().strip() == str(host._zygote.process.pid)
