@@ -94,14 +94,26 @@ def main() -> None:
             _unlink(listener.getsockname())
 
 
+class _AgentGone(Exception):
+    """The agent's end of the channel is closed: this zygote ends, and its ranks with it. (The
+    agent's own zygote dies with it anyway; one a host's zygote forked learns it from the channel.)"""
+
+
 def _serve(channel: socket.socket | None, listener: socket.socket | None = None) -> None:
     """Import the modules the agent's first message names, then fork what it asks for: a rank, or
     a successor (a zygote that imports more on top of this one's modules); and, with a listener, a
-    zygote for each agent that connects (`_serve_agent`)."""
+    zygote for each agent that connects (`_accept`). Returns when the agent is gone."""
+    try:
+        _serve_until_gone(channel, listener)
+    except _AgentGone:
+        pass
+
+
+def _serve_until_gone(channel: socket.socket | None, listener: socket.socket | None) -> None:
     # Learned modules (the ranks' own imports: hundreds, so a message rather than argv) must leave
     # the process as fork-safe as the given ones did: no thread started, no CUDA. The first that
     # does not ends this zygote, unused; the agent forks the next one without it.
-    hello = json.loads(channel.recv(MAX_MESSAGE) or b"[]") if channel is not None else []
+    hello = json.loads(_receive(channel)[0] or b"[]") if channel is not None else []
     if isinstance(hello, dict):  # an agent that connected to a host's zygote
         why = _adopt(hello)
         if why:
@@ -144,7 +156,7 @@ def _serve(channel: socket.socket | None, listener: socket.socket | None = None)
                     if not fds:
                         continue
                 else:
-                    message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 3)
+                    message, fds = _receive(channel)
                     if not message:
                         return  # the agent is gone (its ranks go with this process)
                     request = json.loads(message)
@@ -325,7 +337,19 @@ def _fresh_stdio(unbuffered: bool) -> None:
 
 def _send(channel: socket.socket | None, message: dict) -> None:
     if channel is not None:  # (a host's zygote answers nobody: its children's exits are its own business)
-        channel.send(json.dumps(message).encode())
+        try:
+            channel.send(json.dumps(message).encode())
+        except ConnectionError:
+            raise _AgentGone from None
+
+
+def _receive(channel: socket.socket) -> tuple[bytes, list[int]]:
+    """The agent's next message and the descriptors it passed; b"" once it is gone."""
+    try:
+        message, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 3)
+    except ConnectionError:  # it closed with a message of ours unread
+        return b"", []
+    return message, fds
 
 
 def _close(fds) -> None:
