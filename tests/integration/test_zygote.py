@@ -225,8 +225,11 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
     site.mkdir()
     (site / "heavy_pkg.py").write_text("")
     (site / "later_pkg.py").write_text("")
-    (site / "threading_pkg.py").write_text("import threading, time\n"
-                                           "threading.Thread(target=time.sleep, args=(60,)).start()\n")
+    # A non-daemon thread: the zygote that imports it must not wait for it; a rank's (0 s) is
+    # waited for at its exit, as under `python SCRIPT`.
+    (site / "threading_pkg.py").write_text("import os, threading, time\n"
+                                           "threading.Thread(target=time.sleep, args=(float(os.environ.get("
+                                           "'THREAD_S', '60')),)).start()\n")
     path = script(tmp_path, """
         import sys
         print(sorted(m for m in ("heavy_pkg", "later_pkg", "threading_pkg") if m in sys.modules), flush=True)
@@ -234,6 +237,7 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
         time.sleep(float(sys.argv[1]))
     """)
     env = {**os.environ, "PYTHONPATH": str(site)}
+    ranks = {**env, "THREAD_S": "0"}
 
     async def main():
         warm = WarmStarts(env, GUARD, ("json",))
@@ -241,7 +245,7 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
         try:
             imports = tmp_path / "imports"
             first = await _spawn(warm, Program(str(path), False, ("30",), False), tmp_path,
-                                 {**env, "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.2"}, "first")
+                                 {**ranks, "MUSTER_IMPORTS_FILE": str(imports), "MUSTER_IMPORTS_AFTER": "0.2"}, "first")
             await asyncio.to_thread(wait_until, imports.exists, 30, "the rank's imports recorded")
             assert imports.read_text().split() == ["heavy_pkg", "threading_pkg"]
             origin = warm.zygote
@@ -251,12 +255,12 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
             successor = warm.zygote
             assert successor is not origin and origin is warm.first and not origin.retiring and not origin.lost
             assert successor.process.pid in _children(origin.process.pid)  # forked: torch is not imported twice
-            second = await _spawn(warm, Program(str(path), False, ("30",), False), tmp_path, env, "second")
+            second = await _spawn(warm, Program(str(path), False, ("30",), False), tmp_path, ranks, "second")
             warm.learn(["later_pkg"])
             await asyncio.wait_for(warm._learning, 60)
             assert warm.learned == ("heavy_pkg", "later_pkg") and warm.zygote is not successor
             assert successor.retiring and not successor.lost  # its rank still runs
-            third = await _spawn(warm, Program(str(path), False, ("0",), False), tmp_path, env, "third")
+            third = await _spawn(warm, Program(str(path), False, ("0",), False), tmp_path, ranks, "third")
             assert await third.wait() == 0
             second.kill()
             assert await second.wait() == -signal.SIGKILL
@@ -450,3 +454,34 @@ def test_a_process_on_a_host_with_a_zygote_forks_its_warm_ranks_from_that_one(tm
                           env={**os.environ, "MUSTER_ZYGOTE_SOCKET": host.socket_path})
     assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]
     assert (tmp_path / "rank.log").read_text().strip() == str(host._zygote.process.pid)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_forked_from_a_successor_ends_through_the_interpreters_teardown(tmp_path):
+    """As under `python SCRIPT`: its atexit handlers run, its block-buffered stdout is flushed, and
+    what teardown does decides its exit status (it returned into the successor's frames, which
+    ended it with os._exit(0): exit 0, no atexit, the buffered lines lost)."""
+    path = script(tmp_path, """
+        import atexit, os, sys
+        class AbortsWhenFreed:
+            def __del__(self):
+                os.abort()
+        print("buffered")
+        atexit.register(print, "atexit ran")
+        if sys.argv[1] == "abort":
+            freed_in_teardown = AbortsWhenFreed()
+    """)
+
+    async def main():
+        first = await Zygote.start(dict(os.environ), GUARD, preload=("json",))
+        try:
+            successor = await first.fork_successor(("csv",))
+            await successor.ready()
+            clean = await _spawn(successor, Program(str(path), False, ("clean",), False), tmp_path, name="clean")
+            aborts = await _spawn(successor, Program(str(path), False, ("abort",), False), tmp_path, name="abort")
+            return await asyncio.wait_for(clean.wait(), 30), await asyncio.wait_for(aborts.wait(), 30)
+        finally:
+            first.close()
+
+    assert run(main()) == (0, -signal.SIGABRT)
+    assert (tmp_path / "clean.txt").read_text() == "buffered\natexit ran\n"

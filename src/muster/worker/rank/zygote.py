@@ -78,19 +78,19 @@ def main() -> None:
     if channel is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
     else:  # a host's: SIGINT and SIGTERM end it (and so the zygotes it forked, and their ranks)
-        signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda number, _: sys.exit(128 + number))
     # No collection while importing: torch's imports make ~480k objects, and the passes they set off
     # cost a sixth of the zygote's start. What they leave as garbage (~9k objects) is frozen with the
     # rest (_serve): collecting it would walk all 480k again (0.5 s).
     gc.disable()
     for name in filter(None, sys.argv[2].split(",")):
         _preload(channel, name)
+    zygote = os.getpid()
     try:
-        _serve(channel, listener)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        _serve(channel, listener)  # (returns in a rank too, once its script has run)
     finally:
-        if listener is not None and channel is None:
+        if listener is not None and channel is None and os.getpid() == zygote:
             _unlink(listener.getsockname())
 
 
@@ -174,8 +174,11 @@ def _serve_until_gone(channel: socket.socket | None, listener: socket.socket | N
                     if listener is not None:
                         listener.close()
                     if request.get("successor"):
+                        successor = os.getpid()
                         _become_successor(channel, fds, zygote)
-                        os._exit(0)  # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
+                        if os.getpid() == successor:
+                            os._exit(0)  # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
+                        return  # a rank it forked ran (not os._exit: its atexit, flushes and exit status are the script's)
                     _become_rank(channel, request, fds, zygote)
                     return  # the rank ran: the interpreter exits as after `python SCRIPT`
                 _close(fds)
@@ -264,7 +267,8 @@ def _reap(channel: socket.socket | None) -> None:
 
 def _become_successor(channel: socket.socket | None, fds: list[int], zygote: int) -> None:
     """In the forked child: a zygote of its own on the channel the agent passed, which imports the
-    learned modules on top of this one's (torch is loaded already) and dies with it."""
+    learned modules on top of this one's (torch is loaded already) and dies with it. Returns when
+    the agent is gone, and in each rank it forked once the rank's script has run."""
     if channel is not None:
         channel.close()
     signal.set_wakeup_fd(-1)
