@@ -376,7 +376,8 @@ def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing
     """`muster zygote --socket S`: an agent's zygote is forked from it with the agent's environment
     (its ranks the host zygote's grandchildren), and ends when the agent's end closes, its ranks
     with it; one that would see another module path is refused, and the agent starts its own; a
-    second host zygote at the same socket is refused; SIGTERM ends it and removes its socket."""
+    second host zygote at the same socket is refused; SIGTERM ends it and removes its socket, and
+    ends no agent's zygote nor rank."""
     sock = str(tmp_path / "z.sock")
     host = subprocess.Popen([sys.executable, "-m", "muster.cli", "zygote", "--socket", sock, "--preload", "json"],
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -425,8 +426,23 @@ def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing
         second = subprocess.run([sys.executable, "-m", "muster.cli", "zygote", "--socket", sock], capture_output=True,
                                 text=True, timeout=60)
         assert second.returncode == 1 and "already listens" in second.stderr
-        host.send_signal(signal.SIGTERM)
-        assert host.wait(10) == 128 + signal.SIGTERM and not os.path.exists(sock)
+
+        async def outlived():  # the host's zygote ends: an agent's zygote, and its ranks, go on
+            zygote = await Zygote.connect(sock, env, preload=("json",))
+            await zygote.ready()
+            try:
+                sleeper = await _spawn(zygote, Program(str(path), False, (), True), tmp_path, {"AGENT_ONLY": "a"}, "a")
+                host.send_signal(signal.SIGTERM)
+                assert await asyncio.to_thread(host.wait, 10) == 128 + signal.SIGTERM and not os.path.exists(sock)
+                later = await _spawn(zygote, Program(str(path), False, (), True), tmp_path, {"AGENT_ONLY": "b"}, "b")
+                await asyncio.to_thread(wait_until, lambda: (tmp_path / "b.txt").read_text(), 20, "the later rank")
+                assert process_alive(sleeper.pid) and process_alive(later.pid)
+            finally:
+                zygote.close()
+            for rank in (sleeper, later):
+                await asyncio.to_thread(wait_until, lambda: not process_alive(rank.pid), 10, "the ranks to end with it")
+
+        run(outlived())
     finally:
         if host.poll() is None:
             host.kill()

@@ -152,7 +152,7 @@ def _serve_until_gone(channel: socket.socket | None, listener: socket.socket | N
                     _reap(channel)
                     continue
                 if key.fileobj is listener:
-                    request, fds = {"successor": True}, _accept(listener)
+                    request, fds = {"successor": True, "agents": True}, _accept(listener)
                     if not fds:
                         continue
                 else:
@@ -175,7 +175,9 @@ def _serve_until_gone(channel: socket.socket | None, listener: socket.socket | N
                         listener.close()
                     if request.get("successor"):
                         successor = os.getpid()
-                        _become_successor(channel, fds, zygote)
+                        # An agent's, forked by a host's zygote, lives as long as its agent: losing
+                        # or restarting the host's ends no rank of any job.
+                        _become_successor(channel, fds, None if request.get("agents") else zygote)
                         if os.getpid() == successor:
                             os._exit(0)  # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
                         return  # a rank it forked ran (not os._exit: its atexit, flushes and exit status are the script's)
@@ -265,16 +267,18 @@ def _reap(channel: socket.socket | None) -> None:
                         "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)})
 
 
-def _become_successor(channel: socket.socket | None, fds: list[int], zygote: int) -> None:
+def _become_successor(channel: socket.socket | None, fds: list[int], zygote: int | None) -> None:
     """In the forked child: a zygote of its own on the channel the agent passed, which imports the
-    learned modules on top of this one's (torch is loaded already) and dies with it. Returns when
-    the agent is gone, and in each rank it forked once the rank's script has run."""
+    learned modules on top of this one's (torch is loaded already) and dies with it (with `zygote`
+    None: only with the agent's channel). Returns when the agent is gone, and in each rank it
+    forked once the rank's script has run."""
     if channel is not None:
         channel.close()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as its agent's own zygote (a host's zygote's child)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with(zygote)
+    if zygote is not None:
+        _die_with(zygote)
     _close(fds[1:])
     _serve(socket.socket(fileno=fds[0]))
 
@@ -443,7 +447,7 @@ class Zygote:
         importing `preload` on top of its modules with `env` as its environment: ready in
         milliseconds, not the seconds of a new interpreter's imports. It is not the agent's child:
         it ends when the agent's end of its channel closes (the agent's exit included), and its
-        ranks with it. Raises OSError where nothing listens there; ready() raises ZygoteLost where
+        ranks with it; the host's zygote ending ends neither. Raises OSError where nothing listens there; ready() raises ZygoteLost where
         the host's zygote cannot stand in for the agent's own (`_adopt`)."""
         channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
