@@ -24,19 +24,25 @@ def node_of(p) -> str:
     return wait_until(lambda: p.records("node_joined"), 30, "the rank's node_joined record")[0]["node"]
 
 
-def ranks_status(address: str, job: str) -> list[pb.RankStatus]:
-    with Coordinators([address], timeout_s=5) as c:
-        return list(c.call("Status", pb.StatusRequest(job=job)).jobs[0].ranks)
+def ranks_status(address: str, job: str) -> list[pb.RankStatus] | None:
+    """The job's ranks; None while it is not created yet or its leader not (re-)elected (the one
+    replica's etcd session can lapse on a loaded machine: 2 s leases here)."""
+    try:
+        with Coordinators([address], timeout_s=5) as c:
+            return list(c.call("Status", pb.StatusRequest(job=job)).jobs[0].ranks)
+    except grpc.RpcError as exc:
+        if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+            raise
+        return None
+
+
+def status_now(address: str, job: str) -> list[pb.RankStatus]:
+    return wait_until(lambda: ranks_status(address, job), 30, f"{job}'s ranks from its leader")
 
 
 def measured(address: str, job: str, world: int, state: str = "running") -> bool:
-    try:
-        ranks = ranks_status(address, job)
-    except grpc.RpcError as exc:
-        if exc.code() != grpc.StatusCode.NOT_FOUND:  # not created yet
-            raise
-        return False
-    return len(ranks) == world and all(r.compute_us and r.state == state for r in ranks)
+    ranks = ranks_status(address, job)
+    return ranks is not None and len(ranks) == world and all(r.compute_us and r.state == state for r in ranks)
 
 
 @pytest.mark.timeout(150)
@@ -51,7 +57,7 @@ def test_a_throttled_rank_is_named_with_its_node_and_cleared_once_it_runs_freely
         named = wait_until(lambda: leader.find("straggler_named"), 60, "a straggler named")
         assert [r["node"] for r in named] == [node_of(victim)], named
         assert named[0]["factor"] >= 1.5 and named[0]["whole_node"] and 0 < named[0]["loss"] < 1
-        factors = {r.node: r.straggler_factor for r in ranks_status(leader.address, "slow")}
+        factors = {r.node: r.straggler_factor for r in status_now(leader.address, "slow")}
         assert factors.pop(node_of(victim)) >= 1.5 and not any(factors.values()), factors
         def recorded():  # the leader logs the straggler as it decides; the event is the persisted decision's
             with Coordinators([leader.address], timeout_s=5) as c:
@@ -74,7 +80,7 @@ def test_replace_swaps_a_straggling_node_for_the_spare_at_a_planned_step(coordin
     ranks = training([leader.address], "swap", 4, steps=100_000, min_nodes=2, max_nodes=3,
                      env={"MUSTER_STRAGGLER_ACTION": "replace", "MUSTER_STRAGGLER_MIN_STEPS": "10"})
     wait_until(lambda: measured(leader.address, "swap", 3), 60, "three ranks reporting their compute, one spare")
-    in_map = {r.node for r in ranks_status(leader.address, "swap")}
+    in_map = {r.node for r in status_now(leader.address, "swap")}
     spare = next(p for p in ranks if node_of(p) not in in_map)
     victim = next(p for p in ranks if p is not spare)
     throttle = Throttle(victim.pid, stopped=0.6, period_s=0.05).start()
@@ -86,7 +92,7 @@ def test_replace_swaps_a_straggling_node_for_the_spare_at_a_planned_step(coordin
     left = wait_until(lambda: leader.find("membership_changed", kind="node_left"), 10, "the planned leave")
     assert left[0]["nodes"] == [node_of(victim)] and "straggler replaced" in left[0]["reason"]
     assert "graceful" in left[0]["reason"]  # at a step boundary: nothing aborted
-    wait_until(lambda: node_of(spare) in {r.node for r in ranks_status(leader.address, "swap")}, 30,
+    wait_until(lambda: node_of(spare) in {r.node for r in ranks_status(leader.address, "swap") or ()}, 30,
                "the spare in the map")
     wait_until(lambda: measured(leader.address, "swap", 3), 60, "three ranks stepping again")
     assert not leader.find("straggler_named", node=node_of(spare))
@@ -107,7 +113,7 @@ def test_an_unmodified_script_is_measured_by_its_probe_and_its_throttled_rank_na
     nodes = agents([leader.address], "plainslow", ["a", "b", "c"], slots=1, nodes="3:3",
                    command=plain_script(tmp_path))
     wait_until(lambda: measured(leader.address, "plainslow", 3, "script"), 90, "every rank's probe reporting")
-    ranks = ranks_status(leader.address, "plainslow")
+    ranks = status_now(leader.address, "plainslow")
     assert all(r.step > 0 and 0 < r.compute_us for r in ranks), ranks
     victim = nodes[1]
     throttle = Throttle(victim.rank_pids(0)[-1], stopped=0.6, period_s=0.05).start()
@@ -131,7 +137,7 @@ def test_replace_swaps_an_unmodified_scripts_straggling_node_for_the_spare(coord
     nodes = agents([leader.address], "plainswap", ["a", "b", "c"], slots=1, nodes="2:2", extra=policy,
                    command=plain_script(tmp_path))
     wait_until(lambda: measured(leader.address, "plainswap", 2, "script"), 90, "two ranks measured, one spare")
-    in_map = {r.node for r in ranks_status(leader.address, "plainswap")}
+    in_map = {r.node for r in status_now(leader.address, "plainswap")}
     (spare,) = [a for a in nodes if a.node_id not in in_map]
     victim = next(a for a in nodes if a.node_id in in_map)
     throttle = Throttle(victim.rank_pids(0)[-1], stopped=0.6, period_s=0.05).start()
@@ -142,7 +148,7 @@ def test_replace_swaps_an_unmodified_scripts_straggling_node_for_the_spare(coord
         throttle.stop()
     left = wait_until(lambda: leader.find("membership_changed", kind="node_left"), 10, "the planned leave")
     assert left[0]["nodes"] == [victim.node_id] and "straggler replaced" in left[0]["reason"]
-    wait_until(lambda: spare.node_id in {r.node for r in ranks_status(leader.address, "plainswap")}, 30,
+    wait_until(lambda: spare.node_id in {r.node for r in ranks_status(leader.address, "plainswap") or ()}, 30,
                "the spare in the map")
     wait_until(lambda: measured(leader.address, "plainswap", 2, "script"), 60, "both ranks stepping again")
     assert not leader.find("straggler_named", node=spare.node_id)
