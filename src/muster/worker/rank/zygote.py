@@ -21,6 +21,10 @@ as SCM_RIGHTS descriptors, or {"id", "successor": true} with one end of a new pa
 forked successor reads its own first message and serves; the zygote answers {"id", "pid"} (or
 {"id", "error"}), and {"exited": pid, "code": c, "cpu_s": s} when a child ends (c negative:
 killed by signal -c, as asyncio reports it; s the CPU seconds it and the processes it reaped used).
+A host's zygote (`muster zygote`, or one started with a listening socket) forks a zygote for each
+agent that connects to its socket, which lives as long as that connection: the agent's first
+message there is {"learned", "env", "cwd", "executable", "isolation"}, answered {"incompatible":
+why} where its ranks would see another interpreter, module path, namespaces or cgroup.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def main() -> None:
     listener = socket.socket(fileno=int(sys.argv[4])) if len(sys.argv) > 4 else None
     if channel is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it drains the node
-    else:  # a host's: SIGINT and SIGTERM end it (and so the zygotes it forked, and their ranks)
+    else:  # a host's: SIGINT and SIGTERM end it (not the agents' zygotes it forked: they outlive it)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda number, _: sys.exit(128 + number))
     # No collection while importing: torch's imports make ~480k objects, and the passes they set off
