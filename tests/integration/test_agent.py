@@ -88,7 +88,8 @@ def test_a_killed_big_ranks_death_is_reported_as_it_begins_not_once_its_memory_i
     can be reaped (~0.1 s here; a GPU rank's driver teardown comes first too). Its agent reads the
     kill under way from /proc and reports the exit then, once; the slot restarts after the reap."""
     (leader,) = coordinators(1, extra=PRODUCTION_TIMEOUT)
-    command = [sys.executable, str(SCRIPTS / "ballast.py"), "b", "2048", "--steps", "80", "--step-sleep", "0.05"]
+    # (steps enough for the replacement to join before the others end, on a loaded machine too)
+    command = [sys.executable, str(SCRIPTS / "ballast.py"), "b", "2048", "--steps", "240", "--step-sleep", "0.05"]
     a, b = agents([leader.address], "dying", ["a", "b"], command=command)
     stepping([a, b])
     # (a node that joined after the job formed without it restarted the first one's ranks once)
