@@ -259,8 +259,8 @@ class WarmRanks:
     test of a dozen ranks spends). It is also a host's zygote (`muster zygote`) at `socket_path`,
     for agents started with `--zygote-socket` (MUSTER_ZYGOTE_SOCKET); where that is set already, it
     is forked from the zygote listening there instead. Started at the first use; it
-    dies with this process (the orphan guard), and its ranks and agents' zygotes with it
-    (PDEATHSIG). If it is lost, ranks start cold."""
+    dies with this process (the orphan guard), and its ranks with it (PDEATHSIG); the agents'
+    zygotes it forked live as long as their agents. If it is lost, ranks start cold."""
 
     _shared: WarmRanks | None = None
     _lock = threading.Lock()
@@ -284,7 +284,7 @@ class WarmRanks:
         host = os.environ.get("MUSTER_ZYGOTE_SOCKET", "")
         if host:  # forked from the host's zygote (a benchmark a test runs: its worker's), else its own
             try:
-                self._zygote = self._call(self._connect(host, env))
+                self._zygote = self._call(Zygote.connect(host, env))
                 self.socket_path = host
                 return
             except (OSError, ZygoteLost):
@@ -296,18 +296,6 @@ class WarmRanks:
             listener.bind(self.socket_path)
             listener.listen(64)
             self._zygote = self._call(Zygote.start(env, orphan_guard.prefix(), listener=listener))
-
-    @staticmethod
-    async def _connect(path: str, env: dict[str, str]):
-        from muster.worker.rank.zygote import Zygote
-
-        zygote = await Zygote.connect(path, env)
-        try:
-            await zygote.ready()
-        except BaseException:
-            zygote.close()
-            raise
-        return zygote
 
     @classmethod
     def reaped_cpu_s(cls) -> float:

@@ -393,7 +393,6 @@ def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing
 
         async def main():
             zygote = await Zygote.connect(sock, env, preload=("json",))
-            await zygote.ready()
             try:
                 rank = await _spawn(zygote, Program(str(path), False, (), True), tmp_path, {"AGENT_ONLY": "rank"})
                 await asyncio.to_thread(wait_until, lambda: (tmp_path / "out.txt").read_text(), 20, "the rank's line")
@@ -411,9 +410,8 @@ def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing
         assert agent_zygote != host.pid and host.poll() is None
 
         async def elsewhere():
-            zygote = await Zygote.connect(sock, {**env, "PYTHONPATH": str(tmp_path)}, preload=("json",))
             with pytest.raises(ZygoteLost, match="PYTHONPATH"):
-                await zygote.ready()
+                await Zygote.connect(sock, {**env, "PYTHONPATH": str(tmp_path)}, preload=("json",))
             warm = WarmStarts(env, GUARD, ("json",), host_zygote=str(tmp_path / "none.sock"))
             await warm.start()  # nothing listens there: its own zygote, the agent's child
             try:
@@ -429,7 +427,6 @@ def test_a_hosts_zygote_forks_each_agents_zygote_which_its_agent_ends_by_closing
 
         async def outlived():  # the host's zygote ends: an agent's zygote, and its ranks, go on
             zygote = await Zygote.connect(sock, env, preload=("json",))
-            await zygote.ready()
             try:
                 sleeper = await _spawn(zygote, Program(str(path), False, (), True), tmp_path, {"AGENT_ONLY": "a"}, "a")
                 host.send_signal(signal.SIGTERM)

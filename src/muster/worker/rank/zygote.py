@@ -448,11 +448,12 @@ class Zygote:
     @classmethod
     async def connect(cls, path: str, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> Zygote:
         """The node's zygote forked by the host's zygote listening at `path` (`muster zygote`),
-        importing `preload` on top of its modules with `env` as its environment: ready in
-        milliseconds, not the seconds of a new interpreter's imports. It is not the agent's child:
-        it ends when the agent's end of its channel closes (the agent's exit included), and its
-        ranks with it; the host's zygote ending ends neither. Raises OSError where nothing listens there; ready() raises ZygoteLost where
-        the host's zygote cannot stand in for the agent's own (`_adopt`)."""
+        importing `preload` on top of its modules with `env` as its environment, once it is ready:
+        in milliseconds, not the seconds of a new interpreter's imports. It is not the agent's
+        child: it ends when the agent's end of its channel closes (the agent's exit included), and
+        its ranks with it; the host's zygote ending ends neither. Raises OSError where nothing
+        listens there, ZygoteLost where the host's zygote cannot stand in for the agent's own
+        (`_adopt`) or does not answer."""
         channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             channel.setblocking(False)
@@ -462,7 +463,13 @@ class Zygote:
         except BaseException:
             channel.close()
             raise
-        return cls(channel, None)
+        zygote = cls(channel, None)
+        try:
+            await zygote.ready()
+        except BaseException:
+            zygote.close()
+            raise
+        return zygote
 
     async def ready(self, timeout_s: float = READY_WAIT_S) -> None:
         try:
@@ -610,7 +617,6 @@ class WarmStarts:
         if self.host_zygote:
             try:
                 zygote = await Zygote.connect(self.host_zygote, self.env, self.preload)
-                await zygote.ready()
             except (OSError, ZygoteLost) as exc:
                 log.warning("warm_start_host_zygote_refused", socket=self.host_zygote, why=str(exc) or type(exc).__name__,
                             message="the node starts a zygote of its own")
