@@ -9,7 +9,8 @@ from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, No
                                              Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode, encode
-from muster.coordinator.errors import FailedPrecondition, RunEnded, Unavailable
+from muster.coordinator.errors import FailedPrecondition, NotFound, RunEnded, Unavailable
+from muster.coordinator.job.frames import member_of
 
 TIMING = Timing(last_call_s=1.0, switch_lead_s=0.5, waiting_timeout_s=30.0)
 
@@ -116,3 +117,15 @@ def test_a_node_claiming_its_place_back_in_an_ended_run_is_told_how_it_ended():
     refusal = d.rejected[5]
     assert isinstance(refusal, RunEnded) and (refusal.run, refusal.outcome) == (ended.run, "succeeded"), refusal
     assert not d.persist and not d.state.members
+
+
+def test_a_node_that_left_a_run_which_ended_is_told_how_it_ended_not_to_join_first():
+    """Its stream back before the leader wrote the run's record and forgot the job (CI run L): "join
+    first" would have it join again, and make a new run of a job that ended."""
+    state = running(1, JobSpec(1, 1, 1))
+    ended = decide(state, [Leave("n1", False, "done", finished=True)], ctx(now=3)).state
+    assert ended.ended and not ended.members
+    with pytest.raises(RunEnded, match=r"run 1 of job 'job' has ended \(succeeded\)"):
+        member_of(ended, "n1", 1)
+    with pytest.raises(NotFound, match="join first"):
+        member_of(state, "n9", 1)
