@@ -21,7 +21,11 @@ Outside Muster (no MUSTER_JOB: plain python, torchrun) it is Lightning's DDPStra
   optimizer steps once, for the attempt that completed. (A LightningModule.optimizer_step override
   is called for every micro-batch, as under DeepSpeed; the optimizer steps on the last.) A
   collective Lightning runs outside a step (a barrier, a broadcast, a `sync_dist` reduction of
-  validation or epoch metrics) that fails re-forms and gives the rank's own value.
+  validation or epoch metrics) that fails re-forms and gives the rank's own value, as do the rank's
+  collectives after it until its next step begins: a failure cuts the ranks at different places (some
+  in a step, which they redo, some between steps), and they meet again at the step's collectives.
+  For the same reason rank 0's word on a SIGTERM (Lightning's broadcast before every batch) is
+  heard before a step's first micro-batch only: a step redone runs its micro-batches without it.
 - **The state.** Model, optimizer, and as one extra: the LR schedulers, the fit loop's progress
   (global step, epoch and batch counters, optimizer and scheduler steps), the RNG as the step began,
   the callbacks' states (ModelCheckpoint's best) and the data position. A joiner receives it in its
@@ -175,7 +179,14 @@ class MusterDDPStrategy(DDPStrategy):
 
     def _sigterm_said(self) -> None:
         """Lightning's `_broadcast_sigterm_tensor`, before every batch: rank 0's word (a SIGTERM it
-        received) on the current group, never started on an aborted one; the rank's own where it failed."""
+        received) on the current group, never started on an aborted one; the rank's own where it failed.
+        Between a step's micro-batches it waits for the next step's first: a rank redoing a step cut
+        short runs the step's micro-batches without these broadcasts, and the others, had they made
+        one, would wait in it for that rank in the step's all-reduce (CI: a hang with
+        accumulate_grad_batches=2, every survivor stalled until the progress timeout)."""
+        run = self._muster
+        if run is not None and run.worker is not None and run.in_step:
+            return
         own = torch.tensor([1 if getattr(self.lightning_module.trainer, "received_sigterm", False) else 0],
                            device=self.root_device)
 
@@ -183,17 +194,7 @@ class MusterDDPStrategy(DDPStrategy):
             word = own.clone()
             dist.broadcast(word, src=0)
             return word
-        run = self._muster
-        if run is not None and run.worker is not None and run.in_step:
-            # Between a step's micro-batches: a failure is the step's, met again by its next closure
-            # (cut short, redone whole); here the rank's word stands, as in Lightning's own
-            try:
-                run.worker.check_group()
-                word = said()
-            except Exception:
-                word = own
-        else:
-            word = self._collective(said, own)
+        word = self._collective(said, own)
         if word.item() == 1:
             with contextlib.suppress(Exception):
                 self.barrier()  # (as Lightning's: every rank before any exits)
@@ -203,13 +204,17 @@ class MusterDDPStrategy(DDPStrategy):
         run = self._muster
         if run is None or run.worker is None or run.in_step:
             return call()  # (in a step: a failure is the step's, redone whole)
+        if run.cut_between_steps:
+            return own  # the others meet this rank at its next step's collectives, not at this one
         try:
             run.worker.check_group()  # (never started on an aborted group: StepCut, re-formed below)
             return call()
         except Exception as exc:
             run.failed(exc)
+            run.cut_between_steps = True
             log.warning("lightning_collective_dropped", step=run.worker.step, generation=run.worker.generation,
-                        error=str(exc)[:200], note="outside a step: the rank's own value stands in for the group's")
+                        error=str(exc)[:200], note="outside a step: the rank's own value stands in for the "
+                                                   "group's, and for its collectives until its next step")
             return own
 
     # ---- the end ------------------------------------------------------------------------
@@ -262,6 +267,7 @@ class _Run:
         self.micro = 0  # the step's micro-batch in flight (accumulate_grad_batches)
         self.rng: dict = {}  # the RNG as the step in flight began
         self.in_step = False
+        self.cut_between_steps = False  # a collective outside a step failed: the rank's own values until its next
         self.began = 0.0
         self.closing = False
         self.position = _Position(self)
@@ -328,7 +334,7 @@ class _Run:
             self.worker.step_begins()  # (Drained past the drain's step)
             self.worker.boundary()  # a membership change due: the last step's callbacks and logging are done
         self.began = time.perf_counter()
-        self.rng, self.in_step, self.micro = rng(), True, 0
+        self.rng, self.in_step, self.micro, self.cut_between_steps = rng(), True, 0, False
 
     def start(self) -> None:
         """Join the job at the first step: a replacement receives the state here."""
