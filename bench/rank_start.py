@@ -1,6 +1,7 @@
 """What a rank (re)start costs before the script runs past its torch imports: forked from the
 agent's warm zygote (the imports are done) against a cold start through the exec wrapper (a new
-interpreter that imports what the zygote preloads). Prints one JSON object.
+interpreter that imports what the zygote preloads); and the CPU seconds of such a rank's whole life,
+start to exit, teardown included. Prints one JSON object.
 
     python bench/rank_start.py --starts 20
 """
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -25,35 +27,43 @@ from muster.worker.rank.zygote import PRELOAD, Program, Zygote  # noqa: E402
 FIRST_LINE = "import time\nprint(time.time(), flush=True)\n"
 
 
-async def warm_starts(script: Path, guard: list[str], starts: int) -> list[float]:
+async def warm_starts(script: Path, guard: list[str], starts: int) -> tuple[list[float], list[float]]:
     zygote = await Zygote.start(dict(os.environ), guard)
     try:
         await zygote.ready()
-        seconds = []
+        seconds, cpu_s = [], []
         for _ in range(starts):
+            reaped = zygote.reaped_cpu_s
             read_end, write_end = os.pipe()
             began = time.time()
             rank = await zygote.spawn(Program(str(script), False, (), True), dict(os.environ), (0, write_end, 2))
             os.close(write_end)
             await rank.wait()
+            cpu_s.append(zygote.reaped_cpu_s - reaped)  # (its exit's report comes before its end)
             seconds.append(float(os.read(read_end, 100).split()[0]) - began)
             os.close(read_end)
-        return seconds
+        return seconds, cpu_s
     finally:
         zygote.close()
         await zygote.process.wait()
 
 
-def cold_starts(script: Path, guard: list[str], starts: int) -> list[float]:
+def cold_starts(script: Path, guard: list[str], starts: int) -> tuple[list[float], list[float]]:
     imports = "".join(f"import {m}\n" for m in PRELOAD)
     cold = script.with_name("cold.py")
     cold.write_text(FIRST_LINE.replace("import time\n", f"import time\n{imports}", 1))
-    seconds = []
+    seconds, cpu_s = [], []
     for _ in range(starts):
-        began = time.time()
+        began, reaped = time.time(), children_cpu_s()
         out = subprocess.run([*guard, sys.executable, "-u", str(cold)], capture_output=True, text=True, check=True)
+        cpu_s.append(children_cpu_s() - reaped)  # (the guard's exec is the rank: one process)
         seconds.append(float(out.stdout.split()[0]) - began)
-    return seconds
+    return seconds, cpu_s
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> int:
@@ -64,11 +74,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="muster-bench-rank-start-") as d:
         script = Path(d) / "first_line.py"
         script.write_text(FIRST_LINE)
-        warm = asyncio.run(warm_starts(script, guard, args.starts))
-        cold = cold_starts(script, guard, max(3, args.starts // 4))
+        warm, warm_cpu = asyncio.run(warm_starts(script, guard, args.starts))
+        cold, cold_cpu = cold_starts(script, guard, max(3, args.starts // 4))
     print(json.dumps({"benchmark": "rank_start", "preload": list(PRELOAD),
                       "warm_s": summary(warm), "cold_s": summary(cold),
-                      "cold_over_warm_p50": round(summary(cold)["p50"] / summary(warm)["p50"], 1)}, indent=2))
+                      "cold_over_warm_p50": round(summary(cold)["p50"] / summary(warm)["p50"], 1),
+                      "life_cpu_s": {"warm": summary(warm_cpu), "cold": summary(cold_cpu)}}, indent=2))
     return 0
 
 

@@ -862,9 +862,12 @@ def render_grpc_floor(d: dict) -> str:
 
 
 def render_rank_start(d: dict) -> str:
-    return table(["rank (re)start → past its imports", "p50", "max"], [
-        ["forked from the warm zygote", s(d["warm_s"]["p50"]), s(d["warm_s"]["max"])],
-        ["a new interpreter (exec wrapper)", s(d["cold_s"]["p50"]), s(d["cold_s"]["max"])],
+    life = d.get("life_cpu_s", {})
+    return table(["rank (re)start → past its imports", "p50", "max", "CPU, start to exit (p50)"], [
+        ["forked from the warm zygote", s(d["warm_s"]["p50"]), s(d["warm_s"]["max"]),
+         s(life["warm"]["p50"]) if life else "—"],
+        ["a new interpreter (exec wrapper)", s(d["cold_s"]["p50"]), s(d["cold_s"]["max"]),
+         s(life["cold"]["p50"]) if life else "—"],
     ]) + f"\nPreloaded: {', '.join(f'`{m}`' for m in d['preload'])}.\n"
 
 
