@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from muster.worker.agent.slot import dying_signal, process_state
+from muster.worker.agent.slot import StatFiles, dying_signal, process_state
 
 HOLDER = "import sys, time; b = bytearray(256 << 20); print('held', flush=True); time.sleep(60); sys.exit(3)"
 
@@ -45,3 +45,23 @@ def test_a_process_that_exits_by_itself_is_not_read_as_killed():
         time.sleep(0.005)
     assert process_state(p.pid) == "Z" and dying_signal(p.pid) == 0
     assert p.wait(10) == 3
+
+
+@pytest.mark.timeout(30)
+def test_the_stat_files_kept_open_read_their_own_process_and_stay_bounded():
+    """A kept descriptor reads the process it was opened for: reaped, it reads as gone and is
+    closed (the pid is opened anew, as a path read would); no more than KEEP stay open."""
+    files = StatFiles()
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert files.read(p.pid).split(b" ", 1)[0] == str(p.pid).encode()
+        kept = len(os.listdir("/proc/self/fd"))
+        assert files.read(p.pid) is not None and len(os.listdir("/proc/self/fd")) == kept  # (no new descriptor)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert files.read(p.pid) is None and p.pid not in files._fds
+    files.KEEP = 2
+    for pid in (os.getpid(), os.getppid(), 1):
+        assert files.read(pid) is not None
+    assert list(files._fds) == [os.getppid(), 1]

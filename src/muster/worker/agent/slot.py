@@ -219,11 +219,55 @@ def process_state(pid: int) -> str | None:
 def stat_fields(pid: int) -> list[str] | None:
     """/proc/PID/stat's fields from the third (the state) on; None where there is no such process.
     (The name in the second may hold anything, parentheses and spaces included.)"""
+    data = _STATS.read(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return data.rsplit(b")", 1)[1].decode().split() if data is not None else None
+    except IndexError:
         return None
+
+
+class StatFiles:
+    """/proc/PID/stat read through a descriptor kept open for the process: an agent reads each
+    rank's 50 times a second (a kill under way, `dying_signal`) and at every frame, and a pread
+    costs a quarter of an open, read and close (8 us against 34 here). A descriptor reads its own
+    process only, so one that says it is gone (reaped) is closed and the pid opened anew (it may be
+    another process by now, as a path read would find); the most recent KEEP are kept."""
+
+    KEEP = 64
+
+    def __init__(self):
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, pid: int) -> bytes | None:
+        with self._lock:
+            return self._read(pid)
+
+    def _read(self, pid: int) -> bytes | None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            try:
+                data = os.pread(fd, 4096, 0)
+                self._fds[pid] = fd  # (the most recent last)
+                return data
+            except OSError:
+                os.close(fd)
+        try:
+            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, 4096, 0)
+        except OSError:
+            os.close(fd)
+            return None
+        self._fds[pid] = fd
+        while len(self._fds) > self.KEEP:
+            os.close(self._fds.pop(next(iter(self._fds))))
+        return data
+
+
+_STATS = StatFiles()
 
 
 def exit_of(slot: Slot, pid: int, code: int, restarting: bool) -> pb.RankExit:
