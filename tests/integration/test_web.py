@@ -61,7 +61,10 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{JOB} {JOB_TOKEN}\n* {OPERATOR}\n")
     tokens.chmod(0o600)  # a tokens file others may read is refused
-    replicas = coordinators(2, extra=["--metrics-listen", "127.0.0.1:0", "--http", "--tokens", str(tokens)])
+    # (its simulated nodes stream from this process, which also validates pages against the schema: a
+    # loaded run starved them past the 1 s heartbeat timeout, and a node_silent made the new generation)
+    replicas = coordinators(2, extra=["--metrics-listen", "127.0.0.1:0", "--http", "--tokens", str(tokens),
+                                      "--heartbeat-timeout", "5.0"])
     pages = {r.address: r.find("coordinator_serving")[0]["page"].rstrip("/") for r in replicas}
     base = next(iter(pages.values()))
 
@@ -101,14 +104,14 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
             return valid(api(pages[at], f"/api/jobs/{JOB}", JOB_TOKEN), "page_job")
 
         for at in (leader, standby):  # a standby asks the leader for the live view
-            (js,) = page(at)["status"]["jobs"]
+            (js,) = (await asyncio.to_thread(page, at))["status"]["jobs"]
             assert js["live"] and js["world_size"] == 4 and {r["host"] for r in js["ranks"]} == {"127.0.0.1"}
         generation = js["generation"]
 
         # a rank killed: its new generation is on the page (well under a second here; 5 s for a loaded CI)
         nodes[1].exits.append(pb.RankExit(local_rank=1, pid=10_001, exit_code=-9))
         await until(lambda: page(standby)["status"]["jobs"][0]["generation"] > generation, 5, "the new generation")
-        assert "rank_exited" in [e["kind"] for e in page(leader)["events"]["events"]]
+        assert "rank_exited" in [e["kind"] for e in (await asyncio.to_thread(page, leader))["events"]["events"]]
 
         def recovered():  # the leader measures the recovery once every node reports a step in the new generation
             found = page(leader)["status"]["jobs"][0]["health"]["recent_recoveries"]
@@ -116,7 +119,8 @@ def test_the_live_page_through_any_replica_behind_the_apis_tokens(coordinators, 
 
         last = (await until(recovered, 10, "the recovery measured"))[-1]
         assert not last["planned"] and last["recovery_s"] > 0 and last["decided_unix_ms"] > 0
-        listed = {at: valid(api(pages[at], "/api/jobs", OPERATOR), "page_jobs")["jobs"] for at in pages}
+        listed = {at: (await asyncio.to_thread(lambda: valid(api(pages[at], "/api/jobs", OPERATOR), "page_jobs")))["jobs"]
+                  for at in pages}
         assert [(j["name"], j["outcome"], j["leader"]) for j in listed[standby]] == [(JOB, "running", leader)]
         assert (listed[standby][0]["step"], listed[standby][0]["steps_per_second"]) == (None, None)  # the leader's
         assert listed[leader][0]["step"] > 0 and 15 < listed[leader][0]["steps_per_second"] < 25  # 50 ms a step
