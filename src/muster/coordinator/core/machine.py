@@ -601,13 +601,18 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str,
     return None
 
 
+def run_ended(state: JobState) -> RunEnded:
+    """How the state's run ended, as a node of it is told (it ends the same way)."""
+    return RunEnded(state.job, state.run, state.outcome.value, state.outcome_reason)
+
+
 def _rejoin_refusal(f: _Fold, ev: Rejoin) -> tuple[MusterError | None, list[Member]]:
     """Why a node claiming membership is not taken back (None: it is), and the members its proven
     claim displaces: those holding its node id or member id that nobody proved. A refusal a real node
     may get is one it answers by joining again (FAILED_PRECONDITION), never one that ends its agent."""
     state, members, ctx = f.state, f.members, f.ctx
     if state.ended:  # (as a replica that forgot the run answers, Runs.refuse_ended: never "join first")
-        return RunEnded(state.job, state.run, state.outcome.value, state.outcome_reason), []
+        return run_ended(state), []
     if not f.rebuilding or not ev.generation or not ev.member_id:
         return NotFound(f"node {ev.node_id!r} is not a member of job {state.job!r}: join first"), []
     if ev.generation >= MAX_CLAIMED or ev.member_id >= MAX_CLAIMED:

@@ -14,10 +14,10 @@ from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S
 from muster.coordinator.core.machine import STATE_LOST as STATE_LOST_KIND
 from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeLost, Regroup, SlotDown,
-                                             SlotsUp, Verdict)
+                                             SlotsUp, Verdict, run_ended)
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
-from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, RunEnded
+from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from muster.coordinator.job.leader_stats import LeaderStats
 from muster.coordinator.job.streams import NodeStream
 from muster.v1 import muster_pb2 as pb
@@ -49,7 +49,7 @@ def member_of(state: JobState, node_id: str, member_id: int) -> Member:
     member = state.member(node_id)
     if member is None and state.ended:
         # Its run ended as it left (the record not yet written): "join first" would make a new run
-        raise RunEnded(state.job, state.run, state.outcome.value, state.outcome_reason)
+        raise run_ended(state)
     if member is None:
         raise NotFound(f"node {node_id!r} is not a member of job {state.job!r}: join first")
     if member.member_id != member_id:
