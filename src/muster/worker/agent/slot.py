@@ -245,26 +245,26 @@ class StatFiles:
 
     def _read(self, pid: int) -> bytes | None:
         fd = self._fds.pop(pid, None)
-        if fd is not None:
+        data = _pread_or_close(fd) if fd is not None else None
+        if data is None:  # never opened, or its process is gone: the pid's process now, if any
             try:
-                data = os.pread(fd, 4096, 0)
-                self._fds[pid] = fd  # (the most recent last)
-                return data
+                fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
-                os.close(fd)
-        try:
-            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            data = os.pread(fd, 4096, 0)
-        except OSError:
-            os.close(fd)
-            return None
-        self._fds[pid] = fd
-        while len(self._fds) > self.KEEP:
-            os.close(self._fds.pop(next(iter(self._fds))))
+                return None
+            if (data := _pread_or_close(fd)) is None:
+                return None
+            while len(self._fds) >= self.KEEP:
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[pid] = fd  # (the most recent last)
         return data
+
+
+def _pread_or_close(fd: int) -> bytes | None:
+    try:
+        return os.pread(fd, 4096, 0)
+    except OSError:
+        os.close(fd)
+        return None
 
 
 _STATS = StatFiles()
