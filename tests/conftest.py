@@ -59,9 +59,11 @@ def pytest_runtest_setup(item):
 def _host_zygote() -> None:
     """Every agent the tests start (`muster run`, in whatever harness) forks its node's zygote from
     the worker's, as `muster run --zygote-socket` does from a host's: a node's start then costs no
-    `import torch` (4 s of CPU on a slow host; the suite starts ~250 nodes). An agent in a network
-    namespace of its own (the chaos tier's partitions) still starts its own, and tests of the
-    agent's own zygote unset MUSTER_ZYGOTE_SOCKET for their agents."""
+    `import torch` (4 s of CPU on a slow host; the suite starts ~250 nodes). An `AgentProcess` is
+    itself forked from it (the agent imports torch for its TCPStore: ~2 s of CPU a node, start and
+    exit). An agent in a network namespace of its own (the chaos tier's partitions) still starts
+    cold with its own zygote, and tests of the agent's own zygote unset MUSTER_ZYGOTE_SOCKET for
+    their agents."""
     from muster.local import WarmRanks
 
     os.environ["MUSTER_ZYGOTE_SOCKET"] = WarmRanks.shared().socket_path

@@ -305,9 +305,10 @@ class WarmRanks:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def spawn(self, args: list[str], env: dict[str, str], out: int) -> WarmPopen | None:
+    def spawn(self, args: list[str], env: dict[str, str], out: int, cwd: str | None = None) -> WarmPopen | None:
         """`args` (this interpreter running a script or module) forked with `env`, its stdout and
-        stderr on `out`; None where it cannot be (another program, or the zygote is lost)."""
+        stderr on `out`, in `cwd` (this process's by default); None where it cannot be (another
+        program, or the zygote is lost)."""
         from muster.worker.rank.runner import python_program
         from muster.worker.rank.zygote import ZygoteLost
 
@@ -316,7 +317,7 @@ class WarmRanks:
             return None
         with open(os.devnull, "rb") as stdin:
             try:
-                rank = self._call(self._zygote.spawn(program, env, (stdin.fileno(), out, out)))
+                rank = self._call(self._zygote.spawn(program, env, (stdin.fileno(), out, out), cwd=cwd))
             except ZygoteLost:
                 return None
         return WarmPopen(rank, self._loop, args)
@@ -433,7 +434,7 @@ class AgentProcess(_Child):
     def __init__(self, coordinators: list[str], job: str, node_id: str, log_dir: Path, *, slots: int = 2,
                  nodes: str = "1:2", steps: int = 100, step_sleep_s: float = 0.05, host: str = "127.0.0.1",
                  command: list[str] | None = None, extra: list[str] | None = None, wrap: list[str] | None = None,
-                 env: dict[str, str] | None = None, cwd: Path | None = None):
+                 env: dict[str, str] | None = None, cwd: Path | None = None, warm: bool | None = None):
         self.job = job_name(job)  # the name its files are kept under (a job id maps onto one)
         self.node_id = node_id
         self.cwd = cwd  # its ranks' too (what they write to relative paths)
@@ -446,13 +447,21 @@ class AgentProcess(_Child):
                      "--coordinator", ",".join(coordinators), "--job", job, "--nodes", nodes, "--slots", str(slots),
                      "--node-id", node_id, "--host", host,
                      "--log-dir", str(log_dir), "--restart-backoff", "0.2", *(extra or []), "--", *command]
-        self.proc: subprocess.Popen | None = None
+        # Forked from the host's zygote where the tests have one (MUSTER_ZYGOTE_SOCKET) and nothing
+        # wraps it, as a warm rank is: the same `muster run`, without its interpreter's start and
+        # `import torch` (its TCPStore): ~2 s of CPU a node, start and exit.
+        self.warm = bool(os.environ.get("MUSTER_ZYGOTE_SOCKET")) and not wrap if warm is None else warm
+        self.proc: subprocess.Popen | WarmPopen | None = None
 
     def start(self) -> AgentProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True, cwd=self.cwd)
+            if self.warm:
+                self.proc = WarmRanks.shared().spawn(self.args, self.env or dict(os.environ), out.fileno(),
+                                                     cwd=str(self.cwd or os.getcwd()))
+            if self.proc is None:
+                self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                             start_new_session=True, cwd=self.cwd)
         return self
 
     def records(self, event: str | None = None) -> list[dict]:

@@ -479,10 +479,11 @@ class Zygote:
             raise ZygoteLost(f"its imports took longer than {timeout_s:g}s") from None
 
     async def spawn(self, program: Program, env: dict[str, str], stdio: tuple[int, int, int],
-                    answer_wait_s: float = ANSWER_WAIT_S) -> WarmProcess:
-        """Fork a rank running `program` with `env` and these descriptors as its stdin, stdout, stderr."""
+                    answer_wait_s: float = ANSWER_WAIT_S, cwd: str | None = None) -> WarmProcess:
+        """Fork a rank running `program` with `env` and these descriptors as its stdin, stdout, stderr,
+        in `cwd` (this process's by default)."""
         return await self._fork({"target": program.target, "module": program.module, "args": program.args,
-                                 "unbuffered": program.unbuffered, "env": env, "cwd": os.getcwd()},
+                                 "unbuffered": program.unbuffered, "env": env, "cwd": cwd or os.getcwd()},
                                 list(stdio), answer_wait_s)
 
     async def fork_successor(self, learned: tuple[str, ...]) -> Zygote:
