@@ -66,7 +66,7 @@ def run_job(coordinators, agents, tmp_path, job: str, teardown: str, warm: bool,
 def runs(address: str, job: str) -> list[pb.JobRecord]:
     deadline = time.monotonic() + 10
     while True:
-        with Coordinators([address], timeout_s=5) as c:
+        with Coordinators([address], timeout_s=5, retry_for_s=5) as c:  # (UNAVAILABLE: an etcd blip under load)
             found = list(c.call("Jobs", pb.JobsRequest(job=job)).jobs)
         if found and all(r.outcome != "running" for r in found) or time.monotonic() > deadline:
             return found

@@ -28,7 +28,7 @@ def active(node):
 
 
 def jobs(addresses, job: str = "") -> list[pb.JobRecord]:
-    with Coordinators(addresses, timeout_s=5) as c:
+    with Coordinators(addresses, timeout_s=5, retry_for_s=5) as c:
         return list(c.call("Jobs", pb.JobsRequest(job=job)).jobs)
 
 

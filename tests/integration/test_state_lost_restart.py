@@ -38,7 +38,7 @@ def lose_a_shard(leader, agents, job: str, policy: list[str]):
 
 
 def ended(leader, job: str) -> tuple[pb.JobStatus, list[pb.Event]]:
-    with Coordinators([leader.address], timeout_s=5) as c:
+    with Coordinators([leader.address], timeout_s=5, retry_for_s=5) as c:
         return (c.call("Status", pb.StatusRequest(job=job)).jobs[0],
                 list(c.call("Events", pb.EventsRequest(job=job)).events))
 

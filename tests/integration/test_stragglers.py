@@ -60,7 +60,7 @@ def test_a_throttled_rank_is_named_with_its_node_and_cleared_once_it_runs_freely
         factors = {r.node: r.straggler_factor for r in status_now(leader.address, "slow")}
         assert factors.pop(node_of(victim)) >= 1.5 and not any(factors.values()), factors
         def recorded():  # the leader logs the straggler as it decides; the event is the persisted decision's
-            with Coordinators([leader.address], timeout_s=5) as c:
+            with Coordinators([leader.address], timeout_s=5, retry_for_s=5) as c:
                 return [e for e in c.call("Events", pb.EventsRequest(job="slow")).events if e.kind == "straggler"]
 
         (event,) = wait_until(recorded, 10, "the straggler event recorded")

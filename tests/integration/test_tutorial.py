@@ -36,7 +36,7 @@ def run_tutorial(coordinators, agents, tmp_path: Path, job: str, warm: bool, bat
             raise AssertionError(f"agent {node.node_id} still running after {wait_s:g} s:\n"
                                  + node.log_path.read_text()[-3000:]) from None
         assert code == 0, node.log_path.read_text()[-3000:]
-    with Coordinators([leader.address], timeout_s=5) as c:
+    with Coordinators([leader.address], timeout_s=5, retry_for_s=5) as c:
         (run,) = c.call("Jobs", pb.JobsRequest(job=job)).jobs
     assert (run.run, run.outcome) == (1, "succeeded"), run
     return nodes
