@@ -29,7 +29,7 @@ venv: $(STAMP)
 # Every test's seconds are kept in build/tests.xml (JUnit); `make durations` sums them up into
 # tests/durations.json and the design page's table of the ten slowest (commit both).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal --durations=15 --junitxml=build/tests.xml
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --junitxml=build/tests.xml
 
 durations: $(STAMP)
 	mkdir -p build
