@@ -426,7 +426,9 @@ def recovery_from(address: str, job: str, tier: str, timeout_s: float = 90) -> d
 class AgentProcess(_Child):
     """`muster run` for one node, running the packaged src/muster/examples/train_ddp.py (or `command`) on
     its slots; each rank's output goes to log_dir/<job>/<run>/<node>-slot<K>-<start>.log. `wrap` prefixes the
-    command line (e.g. `ip netns exec NS`, which execs: the PID stays the agent's)."""
+    command line (e.g. `ip netns exec NS`, which execs: the PID stays the agent's). `warm`: forked from
+    this process's zygote (`WarmRanks`) rather than started as `python -m muster.cli run`; by default
+    where the host has a zygote (MUSTER_ZYGOTE_SOCKET) and nothing wraps the command."""
 
     # Shipped in the package (not read from a checkout): `muster demo` works after a pip install.
     SCRIPT = Path(__file__).resolve().parent / "examples" / "train_ddp.py"
@@ -447,9 +449,8 @@ class AgentProcess(_Child):
                      "--coordinator", ",".join(coordinators), "--job", job, "--nodes", nodes, "--slots", str(slots),
                      "--node-id", node_id, "--host", host,
                      "--log-dir", str(log_dir), "--restart-backoff", "0.2", *(extra or []), "--", *command]
-        # Forked from the host's zygote where the tests have one (MUSTER_ZYGOTE_SOCKET) and nothing
-        # wraps it, as a warm rank is: the same `muster run`, without its interpreter's start and
-        # `import torch` (its TCPStore): ~2 s of CPU a node, start and exit.
+        # (warm: the same `muster run` without its interpreter's start and `import torch`, for its
+        # TCPStore: ~2 s of CPU a node, start and exit)
         self.warm = bool(os.environ.get("MUSTER_ZYGOTE_SOCKET")) and not wrap if warm is None else warm
         self.proc: subprocess.Popen | WarmPopen | None = None
 
