@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -118,6 +118,13 @@ def store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
+def served(store: dist.TCPStore) -> Future:
+    """`store` as an agent holds its node's (`serve_soon`: made on a thread)."""
+    made = Future()
+    made.set_result(store)
+    return made
+
+
 def generation_2(store_port: int) -> dict[str, pb.Assignment]:
     """Each node's part of generation 2 of job j, as the leader sends it (rank 0 on node a)."""
     rm = RankMap(2, 4, (Placement("a", 0, 0, (0, 1)), Placement("b", 1, 2, (0, 1))), f"127.0.0.1:{store_port}",
@@ -142,7 +149,7 @@ def test_a_master_port_planted_at_a_predictable_prefix_is_never_read_by_the_othe
         maps = generation_2(rank0_store.port)
         assert maps["a"].store_prefix != PREDICTABLE
         a, b = node_agent("a", maps["a"]), node_agent("b", maps["b"])
-        a.masters.store = rank0_store
+        a.masters.store = served(rank0_store)
         reading = asyncio.ensure_future(b.masters.of(maps["b"]))  # the other node asks before rank 0 publishes
         done, _ = await asyncio.wait([reading], timeout=NOT_BEFORE_S)
         assert not done, f"node b took a planted master port: {reading.result()}"
@@ -158,7 +165,7 @@ def test_a_master_port_planted_at_the_generations_own_prefix_stops_rank_0s_node(
         maps = generation_2(rank0_store.port)
         rank0_store.set(f"{maps['a'].store_prefix}/muster-agent/master-port", "1")  # by someone who heard the leader
         a = node_agent("a", maps["a"])
-        a.masters.store = rank0_store
+        a.masters.store = served(rank0_store)
         with structlog.testing.capture_logs() as logs:
             assert await a.masters.of(maps["a"]) is None
         assert a._done.result() == EXIT_FAILED

@@ -6,16 +6,16 @@ import asyncio
 from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from muster.v1 import muster_pb2 as pb
 from muster.worker.agent.master_port import MasterPorts
+from muster.worker.store import serve_soon
 
 
 @pytest.mark.timeout(60)
 def test_a_new_node_finds_the_master_port_of_a_library_job():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    address = f"127.0.0.1:{store.port}"
+    port, store = serve_soon("127.0.0.1", timedelta(seconds=10))  # as an agent makes its node's
+    address = f"127.0.0.1:{port}"
     first = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, node_rank=0, rank_offset=0, store_address=address,
                           store_prefix="muster/j/g3", master_address="127.0.0.1:29555")
     joiner = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, node_rank=1, rank_offset=2, store_address=address,

@@ -15,7 +15,7 @@ import torch
 
 from muster.worker.library.snapshot_ring import Snapshot, pack
 from muster.worker.library.transfer import SkeletonRefused, TensorRef, decode, describe, encode, flatten
-from muster.worker.store import Seal, StoreTampered, serve
+from muster.worker.store import Seal, StoreTampered, serve, serve_soon
 
 
 class RunsCode:
@@ -125,3 +125,14 @@ def test_a_store_listens_on_the_nodes_address_not_every_interface():
     client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
     client.set("a", "b")
     assert store.get("a") == b"b"
+
+
+def test_a_nodes_store_made_on_a_thread_listens_on_its_port_before_it_is_made_and_serves_from_then():
+    """An agent's store (`serve_soon`): the port goes into the node's Join at once; a client that
+    connects before the TCPStore takes the socket over waits in the backlog, and is served."""
+    port, made = serve_soon("127.0.0.1", timedelta(seconds=5))
+    assert listening_address(port) == "0100007F"  # listening as it returns, on the node's address
+    client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    client.set("a", "b")
+    store = made.result(timeout=5)
+    assert store.port == port and store.get("a") == b"b"

@@ -12,10 +12,12 @@ that lacks it. What remains to a store writer is denial: a generation that does 
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import hmac
 import ipaddress
 import socket
+import threading
 from datetime import timedelta
 
 import structlog
@@ -96,6 +98,34 @@ def serve(host: str, timeout: timedelta):
     # The store takes the descriptor over (and closes it with itself).
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout,
                          master_listen_fd=listener.detach())
+
+
+def serve_soon(host: str, timeout: timedelta) -> tuple[int, concurrent.futures.Future]:
+    """`serve`'s store with its port known at once: the socket is bound and listening here, and
+    the TCPStore that takes it over is made on a thread of its own. Its `import torch` (1.6 s of
+    CPU, more on a loaded host) then runs beside a node's Join and its zygote's imports, not before
+    them; a rank that connects meanwhile waits in the listen backlog. Where the store picks its own
+    port (`serve`'s every-interface case) it is made here, before this returns."""
+    made: concurrent.futures.Future = concurrent.futures.Future()
+    listener = _bound(host)
+    if listener is None:
+        made.set_result(serve(host, timeout))
+        return made.result().port, made
+
+    def make() -> None:
+        try:
+            import torch.distributed as dist
+
+            made.set_result(dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout,
+                                          master_listen_fd=listener.detach()))
+        except BaseException as exc:  # raised where the store is first used (publishing a master port)
+            listener.close()
+            log.error("node_store_failed", host=host, error=f"{type(exc).__name__}: {exc}")
+            made.set_exception(exc)
+
+    port = listener.getsockname()[1]
+    threading.Thread(target=make, name="muster-node-store").start()  # (an early exit waits for it: no import cut)
+    return port, made
 
 
 def _bound(host: str) -> socket.socket | None:

@@ -49,7 +49,7 @@ from muster.worker.agent.slot import Slot, process_state
 from muster.worker.agent.rank_hub import RankHub
 from muster.worker.agent.supervisor import RankSupervisor, say
 from muster.worker.agent.watchdogs import watch_coordinator, watch_place
-from muster.worker.store import serve
+from muster.worker.store import serve_soon
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         c = self.config
-        store = self.masters.store = serve(c.host, timedelta(seconds=300))  # it outlives the node's ranks
+        store_port, self.masters.store = serve_soon(c.host, timedelta(seconds=300))  # it outlives the node's ranks
         master_port = free_port(c.host)
         _remove_stale_socket_dirs()
         sockets = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
@@ -94,7 +94,7 @@ class NodeAgent:
         spec = job_spec(*(c.nodes or (0, 0)), c.world_size_multiple, c.stragglers, c.on_state_lost)
         self.session = NodeSession(
             c.coordinators,
-            NodeIdentity(c.job, c.node_id, c.slots, c.host, store.port, spec, agent_pid=os.getpid(),
+            NodeIdentity(c.job, c.node_id, c.slots, c.host, store_port, spec, agent_pid=os.getpid(),
                          master_port=master_port),
             reports=self.hub.reports,
             on_directive=self._on_directive,

@@ -9,6 +9,7 @@ ranks need none of it (they form their groups on the generation's store themselv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -31,7 +32,9 @@ class MasterPorts:
     def __init__(self, host: str, *, library: Callable[[], bool], assignment: Callable[[], pb.Assignment | None],
                  ended: Callable[[], bool], planted: Callable[[int, Exception], None]):
         self.host = host  # what this node's ranks bind and others reach
-        self.store = None  # this node's TCPStore: it serves the generations whose rank 0 is here
+        # This node's TCPStore, which serves the generations whose rank 0 is here (made on a thread:
+        # `serve_soon`).
+        self.store: concurrent.futures.Future | None = None
         self._library, self._assignment, self._ended, self._planted = library, assignment, ended, planted
         self._clients: dict[str, object] = {}  # other nodes' stores, by address
         self._found: dict[int, asyncio.Future] = {}  # generation -> its (MASTER_ADDR, MASTER_PORT)
@@ -67,7 +70,7 @@ class MasterPorts:
             served = None if self._library() else await asyncio.to_thread(serve_store, self.host)
             port = str(served.port if served is not None else master_port)
             try:
-                await asyncio.to_thread(publish, self.store, key, port, seal)
+                await asyncio.to_thread(publish, await asyncio.wrap_future(self.store), key, port, seal)
             except StoreKeyTaken as exc:  # nodes that read it first would use someone else's port
                 self._planted(a.generation, exc)
                 return None
