@@ -90,9 +90,12 @@ def serve(host: str, timeout: timedelta):
     (the node's advertised address) rather than every interface, where that address is this
     host's own. A name that resolves to loopback here may be reached elsewhere by another address,
     and an address not on this host (behind NAT) cannot be bound: then every interface, said once."""
+    return _store(host, timeout, _bound(host))
+
+
+def _store(host: str, timeout: timedelta, listener: socket.socket | None):
     import torch.distributed as dist
 
-    listener = _bound(host)
     if listener is None:
         return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
     # The store takes the descriptor over (and closes it with itself).
@@ -109,15 +112,12 @@ def serve_soon(host: str, timeout: timedelta) -> tuple[int, concurrent.futures.F
     made: concurrent.futures.Future = concurrent.futures.Future()
     listener = _bound(host)
     if listener is None:
-        made.set_result(serve(host, timeout))
+        made.set_result(_store(host, timeout, None))
         return made.result().port, made
 
     def make() -> None:
         try:
-            import torch.distributed as dist
-
-            made.set_result(dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout,
-                                          master_listen_fd=listener.detach()))
+            made.set_result(_store(host, timeout, listener))
         except BaseException as exc:  # raised where the store is first used (publishing a master port)
             listener.close()
             log.error("node_store_failed", host=host, error=f"{type(exc).__name__}: {exc}")
