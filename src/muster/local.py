@@ -367,7 +367,7 @@ def spare_victim_survivors(ranks: list[TrainingProcess], slot: int, coordinator:
     (no step yet), the one stepping in `slot`, and the others. The spare is first waited for as a
     member of `job`: a fault before it joined (a slow start on a loaded host) shrinks the mesh and
     grows it again, two reforms where the caller means one."""
-    with Coordinators([coordinator], timeout_s=5) as c:  # one client for the whole wait
+    with Coordinators([coordinator], timeout_s=5, retry_for_s=5) as c:  # one client for the whole wait (UNAVAILABLE: an etcd blip)
         def spares() -> list[str]:
             try:
                 status = c.call("Status", pb.StatusRequest(job=job))
