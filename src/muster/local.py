@@ -323,6 +323,17 @@ class WarmRanks:
         return WarmPopen(rank, self._loop, args)
 
 
+def start_child(args: list[str], env: dict[str, str] | None, out, warm: bool,
+                cwd: Path | None = None) -> subprocess.Popen | WarmPopen:
+    """`args` with stdout and stderr on the file `out`: forked from this process's zygote where `warm`
+    and it can be (`WarmRanks.spawn`), else started as a new session."""
+    if warm:
+        proc = WarmRanks.shared().spawn(args, env or dict(os.environ), out.fileno(), cwd=str(cwd or os.getcwd()))
+        if proc is not None:
+            return proc
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cwd)
+
+
 class TrainingProcess(_Child):
     """One rank of `examples/train_ddp.py` (or `script`, taking --steps and --step-sleep too) under
     the worker library (no agent), logging JSON lines. `warm`: forked from this process's zygote
@@ -342,11 +353,7 @@ class TrainingProcess(_Child):
 
     def start(self) -> TrainingProcess:
         with open(self.log_path, "ab") as out:
-            if self.warm:
-                self.proc = WarmRanks.shared().spawn(self.args, self.env, out.fileno())
-            if self.proc is None:
-                self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                             start_new_session=True)
+            self.proc = start_child(self.args, self.env, out, self.warm)
         return self
 
     def records(self, event: str | None = None) -> list[dict]:
@@ -457,12 +464,7 @@ class AgentProcess(_Child):
     def start(self) -> AgentProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            if self.warm:
-                self.proc = WarmRanks.shared().spawn(self.args, self.env or dict(os.environ), out.fileno(),
-                                                     cwd=str(self.cwd or os.getcwd()))
-            if self.proc is None:
-                self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                             start_new_session=True, cwd=self.cwd)
+            self.proc = start_child(self.args, self.env, out, self.warm, self.cwd)
         return self
 
     def records(self, event: str | None = None) -> list[dict]:
