@@ -199,6 +199,24 @@ def test_operations_raise_etcd_unavailable_when_server_is_down(tmp_path: Path):
         server.stop()
 
 
+@pytest.mark.timeout(30)
+def test_one_timed_out_call_does_not_refuse_the_next_to_a_lone_member(etcd: EtcdServer):
+    # etcd3 marks the member of a timed-out call failed, and with every member marked it refused
+    # every call at once (NoServerAvailableError) until the mark expired: one slow answer under
+    # load became an outage for every caller of a single-member cluster.
+    with connect([etcd.endpoint], timeout_s=1.0) as client:
+        store = JobStore(client)
+        store.create_spec("job", b"spec")
+        etcd.freeze()
+        try:
+            with pytest.raises(EtcdUnavailable, match="DEADLINE_EXCEEDED|ConnectionTimeout"):
+                store.get_spec("job")
+        finally:
+            etcd.thaw()
+        assert all(endpoint.is_failed() for endpoint in client.endpoints.values())
+        assert store.get_spec("job") == b"spec"
+
+
 # --- Session ---------------------------------------------------------------------
 
 

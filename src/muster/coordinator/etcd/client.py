@@ -61,7 +61,7 @@ _UNAVAILABLE_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 # These etcd3 errors mean the endpoint was marked failed, so a retry goes to
-# another member; NoServerAvailableError means every member is marked failed.
+# another member (where every member is marked, `Client.channel` still picks one).
 _FAILOVER_ERRORS = (
     etcd3.exceptions.ConnectionFailedError,
     etcd3.exceptions.ConnectionTimeoutError,
@@ -69,7 +69,6 @@ _FAILOVER_ERRORS = (
 )
 _UNAVAILABLE_ERRORS = (
     *_FAILOVER_ERRORS,
-    etcd3.exceptions.NoServerAvailableError,
     etcd3.exceptions.WatchTimedOut,
     etcd3.exceptions.RevisionCompactedError,
 )
@@ -163,6 +162,19 @@ class Client(etcd3.MultiEndpointEtcd3Client):
                  password: str | None) -> None:
         super().__init__(endpoints, timeout=timeout, failover=True, user=user, password=password)
         self._login = etcd3.etcdrpc.AuthenticateRequest(name=user, password=password) if user else None
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """A member not marked failed, as etcd3 picks it; where every member is marked, the one marked
+        longest ago, not etcd3's NoServerAvailableError. The mark only steers the choice among
+        members: one call timed out under load would otherwise refuse every call to a lone member for
+        _ENDPOINT_RETRY_S, and a member truly down fails the call itself (gRPC fails fast while it
+        cannot connect)."""
+        if any(not endpoint.is_failed() for endpoint in self.endpoints.values()):
+            return super().channel
+        label = min(self.endpoints, key=lambda each: self.endpoints[each].last_failed)
+        self._current_endpoint_label = label
+        return self.endpoints[label].channel
 
     def renew_token(self) -> None:
         """A fresh auth token, for every later call and watch stream (a restarted etcd forgot the old)."""
