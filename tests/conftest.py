@@ -6,10 +6,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import fcntl
 import json
 import os
 import resource
+import shutil
 import sys
+import tempfile
+import time
 
 import pytest
 from hypothesis import settings
@@ -41,11 +45,86 @@ _CPU_AT_SETUP = pytest.StashKey[float]()
 def _cpu_s() -> float:
     """This process's CPU seconds and those of every descendant it (or its children, in turn) reaped:
     a test's agents, ranks, coordinators and etcd are reaped by its teardown; ranks forked from the
-    worker's shared zygote (`training`) are reaped by the zygote, which reports their CPU."""
+    worker's shared zygote (`training`) are reaped by the zygote, which reports their CPU, and those of
+    `muster.testing.run_processes` by multiprocessing's forkserver, whose /proc stat counts them."""
     own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     local = sys.modules.get("muster.local")
     warm = local.WarmRanks.reaped_cpu_s() if local is not None else 0.0
-    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + warm
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + warm + _forkserver_reaped_cpu_s()
+
+
+def _forkserver_reaped_cpu_s() -> float:
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # (it ended)
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime (stat's 16th, 17th)
+
+
+# --- CPU slots -------------------------------------------------------------------------------------
+# `make test` runs one more xdist worker than the host has cores, and a test that keeps about a core or
+# more busy (ranks training, agents, coordinators) first takes one of os.cpu_count() slots, so no more
+# such tests run at once than there are cores: three of them on 2 cores starved heartbeats past their
+# timeouts. A light test (tests/durations.json's `light`: in the last summed-up run it used under 0.4
+# of a core; it mostly waits on outages, timeouts, etcd) takes none and runs beside them, unless it
+# shares a module fixture's processes, which run through the module's every test. A new test is
+# heavy until a run says otherwise. A slot is a lock file shared by the run's workers; the wait is
+# outside the test's timed phases, so its seconds in the JUnit XML stay its own.
+_SLOTS_DIR = "MUSTER_TEST_SLOTS_DIR"
+_SLOT_WAIT_BOUND_S = 1800.0  # past every test's own timeout: a slot not freed by then is a bug here
+_DURATIONS = Path(__file__).with_name("durations.json")
+_LIGHT = pytest.StashKey[frozenset]()
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        os.environ[_SLOTS_DIR] = tempfile.mkdtemp(prefix="muster-test-slots-")  # the workers inherit it
+    last = json.loads(_DURATIONS.read_text()) if _DURATIONS.is_file() else {}
+    config.stash[_LIGHT] = frozenset(last.get("light", ()))
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and _SLOTS_DIR in os.environ:
+        shutil.rmtree(os.environ.pop(_SLOTS_DIR), ignore_errors=True)
+
+
+def _light(item) -> bool:
+    shared = any(d.scope != "function" and d.baseid.startswith("tests")  # (pytest's own: tmp_path_factory)
+                 for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+    return item.nodeid in item.config.stash[_LIGHT] and not shared
+
+
+def _take_slot(item) -> int | None:
+    """A held lock on a free slot's file (its descriptor), or None where the test needs none."""
+    folder = os.environ.get(_SLOTS_DIR)
+    if folder is None or _light(item):
+        return None
+    deadline = time.monotonic() + _SLOT_WAIT_BOUND_S
+    while True:
+        for slot in range(os.cpu_count() or 1):
+            fd = os.open(os.path.join(folder, f"slot-{slot}"), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                os.close(fd)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no CPU slot in {folder} came free in {_SLOT_WAIT_BOUND_S:g} s for {item.nodeid}")
+        time.sleep(0.05)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    slot = _take_slot(item)
+    try:
+        return (yield)
+    finally:
+        if slot is not None:
+            os.close(slot)  # (closing the descriptor releases its lock)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -87,11 +166,10 @@ def pytest_collection_modifyitems(config, items):
     the other files after them as collected: xdist's worksteal gives each worker half of the
     collection and moves tests from the ends of the queues, so a long test no longer starts last,
     with the other worker idle, and makes the suite's tail."""
-    durations = Path(__file__).with_name("durations.json")
-    if not durations.is_file():
+    if not _DURATIONS.is_file():
         return
     slowest: dict[str, float] = {}
-    for test in json.loads(durations.read_text())["slowest"]:
+    for test in json.loads(_DURATIONS.read_text())["slowest"]:
         path = test["test"].split("::")[0]
         slowest[path] = max(slowest.get(path, 0.0), test["s"])
     root = config.rootpath
