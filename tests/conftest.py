@@ -117,7 +117,7 @@ def _take_slot(item) -> int | None:
         time.sleep(0.05)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: pytest-timeout's timer starts once a slot is held
 def pytest_runtest_protocol(item, nextitem):
     slot = _take_slot(item)
     try:
