@@ -78,18 +78,22 @@ _SLOTS_DIR = "MUSTER_TEST_SLOTS_DIR"
 _SLOT_WAIT_BOUND_S = 1800.0  # past every test's own timeout: a slot not freed by then is a bug here
 _DURATIONS = Path(__file__).with_name("durations.json")
 _LIGHT = pytest.StashKey[frozenset]()
+_OWN_SLOTS = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
-        os.environ[_SLOTS_DIR] = tempfile.mkdtemp(prefix="muster-test-slots-")  # the workers inherit it
+        # the workers inherit it; a pytest a test runs makes its own or (without xdist) uses none
+        os.environ[_SLOTS_DIR] = config.stash[_OWN_SLOTS] = tempfile.mkdtemp(prefix="muster-test-slots-")
+    elif not hasattr(config, "workerinput"):
+        os.environ.pop(_SLOTS_DIR, None)
     last = json.loads(_DURATIONS.read_text()) if _DURATIONS.is_file() else {}
     config.stash[_LIGHT] = frozenset(last.get("light", ()))
 
 
 def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput") and _SLOTS_DIR in os.environ:
-        shutil.rmtree(os.environ.pop(_SLOTS_DIR), ignore_errors=True)
+    if _OWN_SLOTS in config.stash:
+        shutil.rmtree(config.stash[_OWN_SLOTS], ignore_errors=True)
 
 
 def _light(item) -> bool:

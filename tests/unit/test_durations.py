@@ -147,6 +147,14 @@ def test_no_more_heavy_tests_run_at_once_than_there_are_cores_and_a_light_one_ru
     assert len(heavy) == 3 * (cores + 1) and most_at_once(heavy) == cores, spans
     assert most_at_once([(start, end) for _, start, end in spans]) > cores, spans  # the extra worker's light ones
 
+    # a pytest without xdist that a test runs leaves the slots of the run around it alone
+    outer = tmp_path / "outer-slots"
+    outer.mkdir()
+    inner = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", "--rootdir",
+                            str(tmp_path), "tests"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MUSTER_TEST_SLOTS_DIR": str(outer)})
+    assert inner.returncode == 0 and outer.is_dir(), inner.stdout[-2000:] + inner.stderr[-2000:]
+
 
 def test_a_file_that_is_no_junit_xml_is_refused_in_a_line(tmp_path):
     bad = tmp_path / "tests.xml"
