@@ -165,19 +165,16 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files of the slowest tests of the last summed-up run (tests/durations.json) first, the
-    slowest first, each file's tests together and in their order (a module's fixtures stay shared),
-    the other files after them as collected: xdist's worksteal gives each worker half of the
-    collection and moves tests from the ends of the queues, so a long test no longer starts last,
-    with the other worker idle, and makes the suite's tail."""
+    """The files that took longest in the last summed-up run (tests/durations.json's `files_s`) first,
+    each file's tests together and in their order (a module's fixtures stay shared), files it did not
+    run last: xdist's worksteal hands each worker a share of the collection and moves tests from the
+    ends of the queues, so the long files start first and the run ends on short tests, not with one
+    worker running a long one while the others idle."""
     if not _DURATIONS.is_file():
         return
-    slowest: dict[str, float] = {}
-    for test in json.loads(_DURATIONS.read_text())["slowest"]:
-        path = test["test"].split("::")[0]
-        slowest[path] = max(slowest.get(path, 0.0), test["s"])
+    seconds = json.loads(_DURATIONS.read_text()).get("files_s", {})
     root = config.rootpath
-    items.sort(key=lambda item: -slowest.get(item.path.relative_to(root).as_posix(), 0.0))  # (a stable sort)
+    items.sort(key=lambda item: -seconds.get(item.path.relative_to(root).as_posix(), 0.0))  # (a stable sort)
 
 if TYPE_CHECKING:
     from muster.coordinator.etcd.server import EtcdServer

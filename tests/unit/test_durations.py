@@ -1,6 +1,6 @@
 """The suite's durations are kept and read back: a pytest run with --junitxml (as `make test`
 writes build/tests.xml) carries the machine beside each test's seconds, tests/durations.py sums it
-up, and the collection starts with the files of the slowest tests tests/durations.json names."""
+up, and the collection starts with the files that took longest in the run tests/durations.json sums up."""
 
 from __future__ import annotations
 
@@ -74,14 +74,15 @@ def test_each_tests_cpu_seconds_are_kept_beside_its_wall_seconds(tmp_path):
     assert summary["cpu_seconds"] >= by_name["test_burns"]["cpu_s"] and len(summary["tiers_cpu_s"]) == 1
 
 
-def junit(cases: list[tuple[str, str, float, float | None, str]]) -> str:
+def junit(cases: list[tuple[str, str, float, float | None, str]], cpus: int = 2, workers: int = 2) -> str:
     """A JUnit XML of (module, name, seconds, cpu_s, outcome) cases, as pytest with conftest.py writes it."""
     rows = []
     for module, name, seconds, cpu, result in cases:
         props = f'<properties><property name="cpu_s" value="{cpu}"/></properties>' if cpu is not None else ""
         skipped = "<skipped/>" if result == "skipped" else ""
         rows.append(f'<testcase classname="tests.unit.{module}" name="{name}" time="{seconds}">{props}{skipped}</testcase>')
-    return f'<testsuites><testsuite name="pytest" time="9">{"".join(rows)}</testsuite></testsuites>'
+    machine = f'<properties><property name="cpus" value="{cpus}"/><property name="workers" value="{workers}"/></properties>'
+    return f'<testsuites><testsuite name="pytest" time="9">{machine}{"".join(rows)}</testsuite></testsuites>'
 
 
 def test_the_tests_that_mostly_wait_are_named_light_unless_their_file_computes(tmp_path):
@@ -96,6 +97,12 @@ def test_the_tests_that_mostly_wait_are_named_light_unless_their_file_computes(t
     ]))
     summary = load("durations", ROOT / "tests" / "durations.py").summary(xml, top=2)
     assert summary["light"] == ["tests/unit/test_idle.py::test_waits"], summary["light"]
+    assert list(summary["files_s"].items()) == [("tests/unit/test_idle.py", 4.0), ("tests/unit/test_busy.py", 2.0)]
+    # three workers on two cores stretch every wall: 0.3 of a core then is a test that computes
+    xml.write_text(junit([("test_stretched", "test_computes", 1.0, 0.3, "passed"),
+                          ("test_stretched", "test_waits", 3.0, 0.3, "passed")], cpus=2, workers=3))
+    summary = load("durations", ROOT / "tests" / "durations.py").summary(xml, top=2)
+    assert summary["light"] == ["tests/unit/test_stretched.py::test_waits"], summary["light"]
 
 
 SLOTTED = """
@@ -136,7 +143,7 @@ def test_no_more_heavy_tests_run_at_once_than_there_are_cores_and_a_light_one_ru
     (tmp_path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "tests" / "test_slotted.py").write_text(SLOTTED)
     (tmp_path / "tests" / "durations.json").write_text(json.dumps(
-        {"slowest": [], "light": [f"tests/test_slotted.py::test_light[{i}]" for i in range(2)]}))
+        {"files_s": {}, "light": [f"tests/test_slotted.py::test_light[{i}]" for i in range(2)]}))
     log = tmp_path / "spans.jsonl"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(cores + 1), "--dist", "worksteal",
                            "--rootdir", str(tmp_path), "tests"], cwd=tmp_path, capture_output=True, text=True,
@@ -168,10 +175,10 @@ def test_a_file_that_is_no_junit_xml_is_refused_in_a_line(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_the_slowest_tests_files_are_collected_first():
-    slowest = json.loads((ROOT / "tests" / "durations.json").read_text())["slowest"]
-    first = slowest[0]["test"].split("::")[0]
-    assert FAST not in {t["test"].split("::")[0] for t in slowest}
-    collected = pytest_run("--collect-only", "-q", FAST, first).stdout.split()
+def test_the_files_that_took_longest_are_collected_first():
+    files = json.loads((ROOT / "tests" / "durations.json").read_text())["files_s"]
+    longest = max(files, key=files.get)
+    assert files[FAST] < files[longest]
+    collected = pytest_run("--collect-only", "-q", FAST, longest).stdout.split()
     ids = [line for line in collected if "::" in line]
-    assert ids and ids[0].startswith(first + "::") and ids[-1].startswith(FAST + "::"), ids
+    assert ids and ids[0].startswith(longest + "::") and ids[-1].startswith(FAST + "::"), ids
