@@ -58,8 +58,9 @@ def test_a_killed_rank_is_replaced_and_rejoins_while_the_others_keep_their_pids(
     # (a replacement back before the survivors' re-form was over cut the kill's recovery short: kept, superseded)
     assert killed["superseded_by"] in (None, rejoined["generation"]), killed
     assert not killed["planned"] and killed["detection_s"] > 0 and (killed["delivered_s"] > 0 or killed["superseded_by"])
-    wait_until(lambda: (k := timelines()[0])["abort_s"] > 0 and k["form_s"] > 0, 10, "the survivors' phases")
-    killed = timelines()[0]
+    recovery = lambda: next((r for r in timelines() if r["generation"] == killed["generation"]), {})  # noqa: E731
+    killed = wait_until(lambda: (k := recovery()).get("abort_s", 0) > 0 and k.get("form_s", 0) > 0 and k, 10,
+                        "the survivors' phases", diagnose=lambda: f"recoveries: {timelines()}")
     assert killed["slowest"]
     assert rejoined["planned"] and rejoined["bytes_moved"] > 0 and rejoined["transfer_s"] > 0
     # where each one's state came from: the survivors' own, in memory, nothing lost
