@@ -28,11 +28,8 @@ venv: $(STAMP)
 
 # Every test's seconds are kept in build/tests.xml (JUnit); `make durations` sums them up into
 # tests/durations.json and the design page's table of the ten slowest (commit both).
-# One worker more than the host has cores (at most 8): a test that keeps a core busy first takes one
-# of a core's slots, and the extra worker runs the tests that mostly wait (tests/conftest.py).
-TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n + 1 < 8 ? n + 1 : 8 )))
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 --junitxml=build/tests.xml
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --junitxml=build/tests.xml
 
 durations: $(STAMP)
 	mkdir -p build

@@ -6,14 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import fcntl
 import json
 import os
 import resource
-import shutil
 import sys
-import tempfile
-import time
 
 import pytest
 from hypothesis import settings
@@ -65,72 +61,6 @@ def _forkserver_reaped_cpu_s() -> float:
     return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime (stat's 16th, 17th)
 
 
-# --- CPU slots -------------------------------------------------------------------------------------
-# `make test` runs one more xdist worker than the host has cores, and a test that keeps about a core or
-# more busy (ranks training, agents, coordinators) first takes one of os.cpu_count() slots, so no more
-# such tests run at once than there are cores: three of them on 2 cores starved heartbeats past their
-# timeouts. A light test (tests/durations.json's `light`: in the last summed-up run it used under 0.4
-# of a core; it mostly waits on outages, timeouts, etcd) takes none and runs beside them, unless it
-# shares a module fixture's processes, which run through the module's every test. A new test is
-# heavy until a run says otherwise. A slot is a lock file shared by the run's workers; the wait is
-# outside the test's timed phases, so its seconds in the JUnit XML stay its own.
-_SLOTS_DIR = "MUSTER_TEST_SLOTS_DIR"
-_SLOT_WAIT_BOUND_S = 1800.0  # past every test's own timeout: a slot not freed by then is a bug here
-_DURATIONS = Path(__file__).with_name("durations.json")
-_LIGHT = pytest.StashKey[frozenset]()
-_OWN_SLOTS = pytest.StashKey[str]()
-
-
-def pytest_configure(config):
-    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
-        # the workers inherit it; a pytest a test runs makes its own or (without xdist) uses none
-        os.environ[_SLOTS_DIR] = config.stash[_OWN_SLOTS] = tempfile.mkdtemp(prefix="muster-test-slots-")
-    elif not hasattr(config, "workerinput"):
-        os.environ.pop(_SLOTS_DIR, None)
-    last = json.loads(_DURATIONS.read_text()) if _DURATIONS.is_file() else {}
-    config.stash[_LIGHT] = frozenset(last.get("light", ()))
-
-
-def pytest_unconfigure(config):
-    if _OWN_SLOTS in config.stash:
-        shutil.rmtree(config.stash[_OWN_SLOTS], ignore_errors=True)
-
-
-def _light(item) -> bool:
-    shared = any(d.scope != "function" and d.baseid.startswith("tests")  # (pytest's own: tmp_path_factory)
-                 for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
-    return item.nodeid in item.config.stash[_LIGHT] and not shared
-
-
-def _take_slot(item) -> int | None:
-    """A held lock on a free slot's file (its descriptor), or None where the test needs none."""
-    folder = os.environ.get(_SLOTS_DIR)
-    if folder is None or _light(item):
-        return None
-    deadline = time.monotonic() + _SLOT_WAIT_BOUND_S
-    while True:
-        for slot in range(os.cpu_count() or 1):
-            fd = os.open(os.path.join(folder, f"slot-{slot}"), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except BlockingIOError:
-                os.close(fd)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no CPU slot in {folder} came free in {_SLOT_WAIT_BOUND_S:g} s for {item.nodeid}")
-        time.sleep(0.05)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: pytest-timeout's timer starts once a slot is held
-def pytest_runtest_protocol(item, nextitem):
-    slot = _take_slot(item)
-    try:
-        return (yield)
-    finally:
-        if slot is not None:
-            os.close(slot)  # (closing the descriptor releases its lock)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     if item.path.parent.name in ("integration", "chaos") and "MUSTER_ZYGOTE_SOCKET" not in os.environ:
@@ -162,6 +92,9 @@ def pytest_runtest_teardown(item, nextitem):
     finally:
         if _CPU_AT_SETUP in item.stash:
             item.user_properties.append(("cpu_s", f"{_cpu_s() - item.stash[_CPU_AT_SETUP]:.2f}"))
+
+
+_DURATIONS = Path(__file__).with_name("durations.json")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,8 +5,7 @@ its start), the seconds each tier's tests took together, and the slowest tests w
 processes beside them: wall far above CPU is a test that waits, CPU near twice its wall one that
 keeps both cores busy. `make durations` writes it to tests/durations.json, from which
 docs/generate.py builds the design page's table of the ten slowest, and from which conftest.py
-takes the order of the next run (`files_s`, each file's seconds) and its `light` tests: those that mostly wait, which run without a
-CPU slot (conftest.py says why).
+takes the order of the next run (`files_s`, each file's seconds: the longest first).
 
 Usage: python tests/durations.py [build/tests.xml] [--top N] [--note TEXT] > tests/durations.json
 """
@@ -21,11 +20,6 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# A light test: its processes used under LIGHT_CPU of a core over its wall seconds, in a file whose
-# tests together used under LIGHT_FILE_CPU (a module fixture's processes run through all its tests,
-# and their CPU counts to the test whose teardown reaps them). In a run of more workers than cores
-# the walls stretch, so both are scaled by cores / workers: else each run would name more tests light.
-LIGHT_CPU, LIGHT_FILE_CPU = 0.4, 0.5
 
 
 def case_id(case: ET.Element) -> str:
@@ -64,14 +58,9 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         tiers_cpu[tier] += cpu or 0.0
     slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
     measured = any(c[3] is not None for c in cases)
-    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for name, seconds, _, cpu in cases:
-        files[name.split("::")[0]][0] += seconds
-        files[name.split("::")[0]][1] += cpu or 0.0
-    stretch = min(1.0, int(properties.get("cpus") or 1) / int(properties.get("workers") or 1))
-    light = sorted(name for name, seconds, result, cpu in cases
-                   if result == "passed" and cpu is not None and cpu < LIGHT_CPU * stretch * seconds
-                   and files[name.split("::")[0]][1] < LIGHT_FILE_CPU * stretch * files[name.split("::")[0]][0])
+    files: dict[str, float] = defaultdict(float)
+    for name, seconds, _, _ in cases:
+        files[name.split("::")[0]] += seconds
     return {
         "wall_s": round(float(suite.get("time", 0)), 3),
         "timestamp": suite.get("timestamp"),
@@ -85,8 +74,7 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         "slowest": [{"test": name, "s": round(seconds, 1), "outcome": result,
                      **({"cpu_s": round(cpu, 1)} if cpu is not None else {})}
                     for name, seconds, result, cpu in slowest],
-        "files_s": {path: round(both[0], 1) for path, both in sorted(files.items(), key=lambda f: -f[1][0])},
-        **({"light": light} if measured else {}),
+        "files_s": {path: round(seconds, 1) for path, seconds in sorted(files.items(), key=lambda f: -f[1])},
         **({"note": note} if note else {}),
     }
 

@@ -74,93 +74,27 @@ def test_each_tests_cpu_seconds_are_kept_beside_its_wall_seconds(tmp_path):
     assert summary["cpu_seconds"] >= by_name["test_burns"]["cpu_s"] and len(summary["tiers_cpu_s"]) == 1
 
 
-def junit(cases: list[tuple[str, str, float, float | None, str]], cpus: int = 2, workers: int = 2) -> str:
+def junit(cases: list[tuple[str, str, float, float | None, str]]) -> str:
     """A JUnit XML of (module, name, seconds, cpu_s, outcome) cases, as pytest with conftest.py writes it."""
     rows = []
     for module, name, seconds, cpu, result in cases:
         props = f'<properties><property name="cpu_s" value="{cpu}"/></properties>' if cpu is not None else ""
         skipped = "<skipped/>" if result == "skipped" else ""
         rows.append(f'<testcase classname="tests.unit.{module}" name="{name}" time="{seconds}">{props}{skipped}</testcase>')
-    machine = f'<properties><property name="cpus" value="{cpus}"/><property name="workers" value="{workers}"/></properties>'
-    return f'<testsuites><testsuite name="pytest" time="9">{machine}{"".join(rows)}</testsuite></testsuites>'
+    return f'<testsuites><testsuite name="pytest" time="9">{"".join(rows)}</testsuite></testsuites>'
 
 
-def test_the_tests_that_mostly_wait_are_named_light_unless_their_file_computes(tmp_path):
+def test_each_files_seconds_are_summed_longest_first(tmp_path):
     xml = tmp_path / "tests.xml"
     xml.write_text(junit([
-        ("test_busy", "test_computes", 1.0, 1.0, "passed"),
-        ("test_busy", "test_waits_beside_a_module_fixture", 1.0, 0.1, "passed"),  # its file: 0.55 of a core
-        ("test_idle", "test_waits", 2.0, 0.1, "passed"),
-        ("test_idle", "test_half_a_core", 1.0, 0.5, "passed"),
-        ("test_idle", "test_skipped", 0.0, 0.0, "skipped"),
-        ("test_idle", "test_unmeasured", 1.0, None, "passed"),
+        ("test_short", "test_one", 1.0, 1.0, "passed"),
+        ("test_long", "test_waits", 2.0, 0.1, "passed"),
+        ("test_long", "test_skipped", 0.0, 0.0, "skipped"),
+        ("test_long", "test_unmeasured", 1.5, None, "passed"),
+        ("test_short", "test_two", 0.5, 0.5, "passed"),
     ]))
     summary = load("durations", ROOT / "tests" / "durations.py").summary(xml, top=2)
-    assert summary["light"] == ["tests/unit/test_idle.py::test_waits"], summary["light"]
-    assert list(summary["files_s"].items()) == [("tests/unit/test_idle.py", 4.0), ("tests/unit/test_busy.py", 2.0)]
-    # three workers on two cores stretch every wall: 0.3 of a core then is a test that computes
-    xml.write_text(junit([("test_stretched", "test_computes", 1.0, 0.3, "passed"),
-                          ("test_stretched", "test_waits", 3.0, 0.3, "passed")], cpus=2, workers=3))
-    summary = load("durations", ROOT / "tests" / "durations.py").summary(xml, top=2)
-    assert summary["light"] == ["tests/unit/test_stretched.py::test_waits"], summary["light"]
-
-
-SLOTTED = """
-import json, os, time
-import pytest
-
-def record(kind, seconds):
-    start = time.time()
-    time.sleep(seconds)
-    with open(os.environ["SLOT_LOG"], "a") as log:
-        log.write(json.dumps([kind, start, time.time()]) + "\\n")
-
-@pytest.mark.timeout(1.1)  # its own 0.6 s: the wait for a slot is not on its clock
-@pytest.mark.parametrize("i", range(3 * ((os.cpu_count() or 1) + 1)))  # every worker gets some
-def test_heavy(i):
-    record("heavy", 0.6)
-
-@pytest.mark.parametrize("i", range(2))
-def test_light(i):
-    record("light", 1.5)
-"""
-
-
-def most_at_once(spans: list[tuple[float, float]]) -> int:
-    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
-    running = best = 0
-    for _, change in edges:  # (an end sorts before a start at the same instant)
-        running += change
-        best = max(best, running)
-    return best
-
-
-@pytest.mark.timeout(150)
-def test_no_more_heavy_tests_run_at_once_than_there_are_cores_and_a_light_one_runs_beside_them(tmp_path):
-    """conftest.py's CPU slots, over pytest-xdist with a worker more than the cores, as `make test` runs."""
-    cores = os.cpu_count() or 1
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tmp_path / "tests" / "test_slotted.py").write_text(SLOTTED)
-    (tmp_path / "tests" / "durations.json").write_text(json.dumps(
-        {"files_s": {}, "light": [f"tests/test_slotted.py::test_light[{i}]" for i in range(2)]}))
-    log = tmp_path / "spans.jsonl"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(cores + 1), "--dist", "worksteal",
-                           "--rootdir", str(tmp_path), "tests"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "SLOT_LOG": str(log)})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    spans = [json.loads(line) for line in log.read_text().splitlines()]
-    heavy = [(start, end) for kind, start, end in spans if kind == "heavy"]
-    assert len(heavy) == 3 * (cores + 1) and most_at_once(heavy) == cores, spans
-    assert most_at_once([(start, end) for _, start, end in spans]) > cores, spans  # the extra worker's light ones
-
-    # a pytest without xdist that a test runs leaves the slots of the run around it alone
-    outer = tmp_path / "outer-slots"
-    outer.mkdir()
-    inner = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", "--rootdir",
-                            str(tmp_path), "tests"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "MUSTER_TEST_SLOTS_DIR": str(outer)})
-    assert inner.returncode == 0 and outer.is_dir(), inner.stdout[-2000:] + inner.stderr[-2000:]
+    assert list(summary["files_s"].items()) == [("tests/unit/test_long.py", 3.5), ("tests/unit/test_short.py", 1.5)]
 
 
 def test_a_file_that_is_no_junit_xml_is_refused_in_a_line(tmp_path):
