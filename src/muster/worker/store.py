@@ -105,10 +105,14 @@ def _store(host: str, timeout: timedelta, listener: socket.socket | None):
 
 def serve_soon(host: str, timeout: timedelta) -> tuple[int, concurrent.futures.Future]:
     """`serve`'s store with its port known at once: the socket is bound and listening here, and
-    the TCPStore that takes it over is made on a thread of its own. Its `import torch` (1.6 s of
-    CPU, more on a loaded host) then runs beside a node's Join and its zygote's imports, not before
-    them; a rank that connects meanwhile waits in the listen backlog. Where the store picks its own
-    port (`serve`'s every-interface case) it is made here, before this returns."""
+    the TCPStore that takes it over is made on a thread of its own, beside the node's Join; a rank
+    that connects meanwhile waits in the listen backlog. Its `import torch` is done here, before the
+    node joins: on that thread, libtorch's load held the GIL for seconds on a loaded host, the
+    node's frames stopped, and a node was lost as it joined (fresh-clone run Z, the Slurm recipe's
+    test). Where the store picks its own port (`serve`'s every-interface case) it is made here,
+    before this returns."""
+    import torch.distributed  # noqa: F401  (see above: not on the thread)
+
     made: concurrent.futures.Future = concurrent.futures.Future()
     listener = _bound(host)
     if listener is None:
