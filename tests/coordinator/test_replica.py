@@ -236,3 +236,26 @@ def test_the_nodes_of_a_new_job_joining_at_once_create_it_once_within_its_runs_q
 
     asyncio.run(main())
 
+
+
+def test_a_leader_that_sees_the_session_loss_itself_while_another_stops_leaves_the_renewal_going():
+    # Fresh-clone run Z: while the lost session's first leader stopped, the second saw the loss itself
+    # and was dropped meanwhile; the renewal then met a KeyError and ended, and no job was led again.
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("a", "b"), n=1) as ([replica], nodes):
+            old = dict(replica.leaders)
+            stop = old["a"].stop
+
+            async def stop_while_b_sees_it_itself(reason, **kw):
+                replica._leadership_lost("b", "session lost: lease renewals failed past the renew deadline")
+                await stop(reason, **kw)
+
+            old["a"].stop = stop_while_b_sees_it_itself
+            twins.coordination.expire(twins.coordination.leader_session("a"))
+            for job in ("a", "b"):
+                led = await until(lambda: replica.leaders.get(job) not in (None, old[job]) and replica.leaders[job],
+                                  f"job {job} led again on the new session")
+                assert led.term > old[job].term
+
+    asyncio.run(scenario())

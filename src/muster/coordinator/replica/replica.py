@@ -127,15 +127,19 @@ class Replica:
             self._cancel_watch()
         self.relays.close()
         for job in list(self.leaders):
-            await self.leaders.pop(job).stop("replica shutting down", resigned=True)
+            if (leader := self.leaders.pop(job, None)) is not None:  # (see _session_lost)
+                await leader.stop("replica shutting down", resigned=True)
         await self.campaigns.close()
         self.log.info("replica_stopped")
 
     async def _session_lost(self, reason: str) -> None:
-        """Every leadership of the lost session is void: drop them (the campaigns then start over)."""
+        """Every leadership of the lost session is void: drop them (the campaigns then start over).
+        While one leader stops, another may see the loss itself and be dropped by `_follow`: a
+        KeyError here ended the renewal, and the replica never led again (fresh-clone run Z)."""
         self.log.warning("session_replaced", reason=reason, led=sorted(self.leaders))
         for job in list(self.leaders):
-            await self.leaders.pop(job).stop(reason)
+            if (leader := self.leaders.pop(job, None)) is not None:
+                await leader.stop(reason)
 
     # ---- leadership ------------------------------------------------------------------
 
