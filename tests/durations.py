@@ -50,17 +50,15 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
     properties = {p.get("name"): p.get("value") for p in suite.iterfind("properties/property")}
     cases = [(case_id(c), float(c.get("time", 0)), outcome(c), cpu_seconds(c)) for c in suite.iter("testcase")
              if c.get("name")]  # (a run interrupted by ^C ends with nameless cases)
-    outcomes, tiers, tiers_cpu = defaultdict(int), defaultdict(float), defaultdict(float)
+    outcomes, tiers, tiers_cpu, files = defaultdict(int), defaultdict(float), defaultdict(float), defaultdict(float)
     for name, seconds, result, cpu in cases:
         outcomes[result] += 1
         tier = name.split("/")[1] if name.startswith("tests/") else "other"
         tiers[tier] += seconds
         tiers_cpu[tier] += cpu or 0.0
+        files[name.split("::")[0]] += seconds
     slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
     measured = any(c[3] is not None for c in cases)
-    files: dict[str, float] = defaultdict(float)
-    for name, seconds, _, _ in cases:
-        files[name.split("::")[0]] += seconds
     return {
         "wall_s": round(float(suite.get("time", 0)), 3),
         "timestamp": suite.get("timestamp"),
