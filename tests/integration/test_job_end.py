@@ -3,6 +3,8 @@ teardown (torch/gloo destructors under Hugging Face's Trainer) has finished. Not
 nothing re-forms the job, every agent exits 0 and the coordinator records one run, succeeded. An
 operator's stop and drain end agents with the stopped code (3)."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -186,3 +188,38 @@ def test_a_node_joining_as_the_job_finishes_does_not_hold_the_run(coordinators, 
     (run,) = runs(leader.address, "late")
     assert run.outcome == "succeeded", run
     assert "node(s) 'c' placed at generation" in run.reason and "never trained" in run.reason, run.reason
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_without_a_place_as_the_job_finishes_does_not_hold_the_run(coordinators, agents, tmp_path):
+    """A rank killed before the last step: its survivors re-form without it and complete the job, while
+    its replacement waits for a place (the leader places it only once they have re-formed, at a switch
+    after the step they are at). Before: it held --hold-timeout (300 s), then exited 3 and the run
+    ended failed. Its agent now ends it as the job finishes, and the run succeeds."""
+    (leader,) = coordinators(1, extra=TEARDOWN_TIMEOUTS)
+    release, steps = tmp_path / "release", 20
+    command = [sys.executable, "-u", str(SCRIPT.with_name("repeat_fault.py")), "--steps", str(steps),
+               "--wait-before-last", str(release)]
+    a, b = agents([leader.address], "outrun", ["a", "b"], nodes="2:2", command=command)
+    wait_until(lambda: all(n.rank_records(s, "waiting_before_last_step") for n in (a, b) for s in (0, 1)), 120,
+               "every rank before its last step", interval_s=0.2)
+    (victim,) = b.rank_pids(0)
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: len(b.rank_logs(0)) == 2 and b.rank_records(0, "assignment_received"), 60,
+               "the replacement connected, with no place yet", interval_s=0.2)
+    release.touch()
+    for node in (a, b):  # (the hold would be 300 s)
+        try:
+            code = node.wait(90)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {node.node_id} still running:\n" + node.log_path.read_text()[-3000:]) from None
+        assert code == 0, node.log_path.read_text()[-3000:]
+    (outrun,) = b.records("rank_outrun")
+    assert outrun["slot"] == 0 and outrun["pid"] == b.rank_pids(0)[-1] != victim
+    (run,) = runs(leader.address, "outrun")
+    assert run.outcome == "succeeded", run
+    # (the survivors' map, or one placing the replacement at a switch they never reached)
+    assert "every rank of generation 2 completed its script (world size 3)" == run.reason or (
+        "switch after step" in run.reason and "placed anew never trained" in run.reason), run.reason
+    finished = [r["reason"] for r in leader.find("membership_changed", kind="node_finished")]
+    assert any("replacement with no place yet as the job finished (slot(s) 0)" in r for r in finished), finished

@@ -179,3 +179,56 @@ def test_a_sigkill_starts_no_crash_loop_however_soon_it_came():
     assert outside_crash_loop(-signal.SIGKILL, 1.0)
     assert not outside_crash_loop(1, 1.0) and not outside_crash_loop(-signal.SIGSEGV, 1.0)
     assert outside_crash_loop(1, CRASH_LOOP_S + 1)
+
+
+@pytest.mark.parametrize("report, ended", [
+    (pb.RankReport(local_rank=0, state=pb.RANK_STATE_HOLDING, step=0), True),
+    (pb.RankReport(local_rank=0, state=pb.RANK_STATE_STARTING, step=0), True),
+    (pb.RankReport(local_rank=0, state=pb.RANK_STATE_FORMING, step=12), False),  # it received the state: it trains
+    (pb.RankReport(local_rank=0, state=pb.RANK_STATE_RUNNING, step=13), False),
+])
+def test_a_replacement_with_no_place_as_the_job_finishes_is_ended_and_its_slot_counts_as_finished(
+        tmp_path, report, ended):
+    """Slot 0's replacement waits for a place at a planned switch after the job's last step; slot 1
+    completes its script. A finishing job re-forms nothing: the replacement is ended at once and the
+    node leaves finished (before: it held --hold-timeout, 300 s, then exited 3 and failed the run)."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(0.5)\n"
+                      "    sys.exit(0)\ntime.sleep(60)\n")
+
+    async def scenario():
+        session = FakeSession()
+        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
+                                  argv=(sys.executable, str(script))))
+        a.session, a._done, a.library = session, asyncio.get_running_loop().create_future(), True
+        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
+        a.assignment = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, local_ranks=[1], down_local_ranks=[0],
+                                     world_size=2)
+        for slot in a.slots:
+            await a.ranks.start(slot)
+        replacement = a.slots[0]
+        replacement.restarts, replacement.connected = 1, True
+        replacement.report = pb.RankReport()
+        replacement.report.CopyFrom(report)
+        replacement.report.pid = replacement.proc.pid
+        watch = asyncio.create_task(a.ranks.watch_library_ranks())
+        try:
+            code = await asyncio.wait_for(asyncio.shield(a._done), 3) if ended else None
+            alive = replacement.alive
+            if not ended:
+                await asyncio.sleep(1.0)  # slot 1 finished meanwhile: the job is finishing
+                assert a.finishing()
+                alive = replacement.alive
+                await a.ranks.stop(replacement)
+            return code, alive, session, a.slots
+        finally:
+            watch.cancel()
+
+    code, alive, session, slots = within(scenario())
+    assert slots[1].finished
+    assert slots[0].outrun is ended and alive is not ended
+    assert session.exits == []  # nothing failed: no exit is reported for it
+    if ended:
+        assert code == EXIT_SUCCEEDED
+        (left,) = session.left
+        assert left["finished"] and "replacement with no place yet as the job finished (slot(s) 0)" in left["reason"]

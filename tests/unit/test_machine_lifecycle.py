@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeLost, Regroup, Rejoin, SlotDown, Stop,
-                                             Tick, decide)
+from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeLost, Regroup, Rejoin, SlotDown, SlotsUp,
+                                             Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode, encode
 from muster.coordinator.errors import FailedPrecondition, NotFound, RunEnded, Unavailable
@@ -47,6 +47,26 @@ def test_every_node_finishing_succeeds_once_and_nothing_reforms_meanwhile():
     # ...and with the rank that died while finishing: failed, naming it
     d = decide(failed, [Leave(n, False, "done", finished=True) for n in ("n1", "n2", "n3")], ctx(now=6))
     assert d.state.outcome is Outcome.FAILED and "rank 3" in d.state.outcome_reason
+
+
+@pytest.mark.parametrize("high_step, said", [
+    (17, "every rank that trained completed its script before generation 3's switch after step 17: the ranks it "
+         "placed anew never trained"),
+    (20, "every rank of generation 3 completed its script (world size 6)"),
+])
+def test_a_run_that_finished_before_its_maps_planned_switch_says_the_ranks_placed_anew_never_trained(high_step, said):
+    """A killed rank's survivors re-form without it (abort), its replacement gets a place at a planned
+    switch, and the job finishes before that step: its agent ends the replacement (`outrun`), and the
+    run does not claim that the map's ranks completed their script."""
+    state = running()
+    aborted = decide(state, [SlotDown("n2", 1, "rank_exited", "killed by signal 9")], ctx(now=3, max_step=10)).state
+    assert aborted.rank_map.abort_previous and aborted.rank_map.world_size == 5
+    switched = decide(aborted, [SlotsUp("n2", (1,))], ctx(now=4, max_step=11)).state
+    rm = switched.rank_map
+    assert (rm.generation, rm.world_size, rm.abort_previous, rm.switch_at_step) == (3, 6, False, 17)
+    d = decide(switched, [Leave(n, False, "done", finished=True) for n in ("n1", "n2", "n3")],
+               replace(ctx(now=5, max_step=12), high_step=high_step))
+    assert d.state.outcome is Outcome.SUCCEEDED and d.state.outcome_reason == said
 
 
 def test_a_spare_left_over_does_not_hold_the_end():

@@ -191,6 +191,7 @@ class Context:
     step_lag_s: float = 0.0  # how far behind the ranks `max_step` may be (relays forward progress now and then)
     # Nodes of the map whose ranks never formed a group (`Assessment.unformed`), asked only as the job finishes
     unformed: frozenset[str] = frozenset()
+    high_step: int = 0  # the highest step the job's ranks reported (`LeaderStats.high_step`): where a run ended
 
 
 @dataclass(frozen=True)
@@ -583,10 +584,16 @@ def _outcome(before: JobState, state: JobState, stop: Stop | None, verdict: str,
         lost = [e.generation for e in state.history if e.kind == STATE_LOST_EVENT]
         again = (f"; its training state was lost beyond every tier and begun again from step 0 (on_state_lost="
                  f"restart) at generation(s) {', '.join(map(str, lost))}") if lost else ""
-        return Outcome.SUCCEEDED, (f"every rank of generation {rm.generation} completed its script "
-                                   f"(world size {rm.world_size})" if not late else
-                                   f"every rank that trained completed its script; node(s) {', '.join(map(repr, late))} "
-                                   f"placed at generation {rm.generation} never trained: the job finished first") + again
+        switch = 0 if rm.abort_previous else rm.switch_at_step
+        if late:
+            done = (f"every rank that trained completed its script; node(s) {', '.join(map(repr, late))} placed at "
+                    f"generation {rm.generation} never trained: the job finished first")
+        elif switch and ctx.high_step <= switch:  # e.g. a replacement's place: its agent ended it (`outrun`)
+            done = (f"every rank that trained completed its script before generation {rm.generation}'s switch "
+                    f"after step {switch}: the ranks it placed anew never trained")
+        else:
+            done = f"every rank of generation {rm.generation} completed its script (world size {rm.world_size})"
+        return Outcome.SUCCEEDED, done + again
     if before.members and not state.members and not state.rebuilding:
         if departed == "left":
             return Outcome.STOPPED, "every node left (drained)"

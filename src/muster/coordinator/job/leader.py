@@ -228,6 +228,7 @@ class JobLeader:
         ctx = Context(now, int(self._wall() * 1000), self.term, self.timing, reached, seen.median_step_time,
                       prestart=seen.prestart, max_members=self.limits.members_of(self.state.spec),
                       step_lag_s=self.timing.relay_progress_s if self.streams.relayed else 0.0,
+                      high_step=self.stats.high_step,
                       unformed=seen.unformed if self.state.finishing or any(isinstance(e, (Finishing, Leave))
                                                                              for e in events) else frozenset())
         if len(self.state.members) >= LARGE_JOB_NODES:

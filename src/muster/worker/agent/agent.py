@@ -16,6 +16,8 @@ A job ends once. A rank whose script completed (the runner's mark, or exit 0) ha
 its process then dies or hangs in interpreter teardown (ended after --exit-timeout): it is never
 restarted. Once a local rank finished, or the leader says the job is finishing, no rank is restarted
 and no new map restarts any: a rank that ends without completing is reported, and the node exits 1.
+A library rank's replacement with no place yet then never gets one: it is ended, its slot counted
+as finished (its survivors re-formed without it and completed the job).
 The exit status tells the outcome (muster.worker.outcome, `muster run --help`):
   0      succeeded: every local rank completed (or the run ended succeeded)
   1      failed: a slot given up, a rank ended without completing as the job finished, the run
@@ -114,7 +116,7 @@ class NodeAgent:
             elif joining.result():
                 streaming = asyncio.create_task(self._stream())
                 watchdogs = [asyncio.create_task(watch_coordinator(self)), asyncio.create_task(watch_place(self)),
-                             asyncio.create_task(self.ranks.watch_dying())]
+                             asyncio.create_task(self.ranks.watch_library_ranks())]
             return await self._done
         finally:
             for task in watchdogs or ():
@@ -268,9 +270,12 @@ class NodeAgent:
         # A node giving up leaves now, not at a step boundary like a drain: the leader must not take
         # the job's last node going for an operator's drain (the run ended "stopped", and this agent
         # exited 3 when that news beat its own verdict).
-        await self._leave("every local rank completed" if all(s.finished for s in self.slots)
+        outrun = [s.index for s in self.slots if s.outrun]
+        await self._leave("every local rank completed" if all(s.finished for s in self.slots) else
+                          f"every local rank completed, or was a replacement with no place yet as the job finished "
+                          f"(slot(s) {', '.join(map(str, outrun))})" if all(s.finished or s.outrun for s in self.slots)
                           else "every local slot finished, ended or was given up",
-                          finished=not given_up and any(s.finished for s in self.slots), immediate=given_up)
+                          finished=not given_up and any(s.finished or s.outrun for s in self.slots), immediate=given_up)
 
     async def _leave(self, reason: str, *, finished: bool, immediate: bool = False) -> None:
         try:

@@ -45,7 +45,7 @@ class RankHub(pb_grpc.NodeAgentServicer):
             return []  # starting: report the node's ranks together, so they enter the map in one generation
         reports = []
         for slot in node.slots:
-            if slot.finished:
+            if slot.finished or slot.outrun:
                 # The job is finishing, not failing (a drained rank's end is the drain's). A coordinator
                 # that predates runs (JoinResponse.run 0) refuses the state: it is told nothing, as then.
                 if node.session.joined_run and not node.draining:

@@ -27,6 +27,8 @@ TAIL_BYTES = 64 * 1024
 # between them was seen, the agent's next record then sharing the line.
 PARTIAL_LINE_S = 2.0
 MAX_ERROR_CHARS = 200  # of the exception a rank died of, in its exit report (RankExit.error)
+# A library rank's states before its first step (the leader's `live_records.NOT_TRAINED`, as the wire has them)
+NOT_TRAINED = frozenset({pb.RANK_STATE_STARTING, pb.RANK_STATE_FORMING, pb.RANK_STATE_HOLDING})
 PF_EXITING = 0x4  # a task's flag from the start of its exit (include/linux/sched.h)
 
 
@@ -64,6 +66,7 @@ class Slot:
     finished: bool = False  # its script completed (exit 0, or the runner's mark): its process may still be tearing down
     given_up: bool = False  # crash-looped past the budget
     failed: bool = False  # ended without completing once the job was finishing: not restarted
+    outrun: bool = False  # a replacement with no place yet as the job finished: ended, counted as finished (never will)
     generation: int = 0  # the generation its process was started for
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
@@ -102,7 +105,16 @@ class Slot:
     @property
     def retired(self) -> bool:
         """Never started again: its script completed, it was given up, or it ended as the job finished."""
-        return self.finished or self.given_up or self.failed
+        return self.finished or self.given_up or self.failed or self.outrun
+
+    @property
+    def untrained_replacement(self) -> bool:
+        """Its process replaces one that crashed and says it has not trained: it waits for a place in
+        a group (starting, forming or holding, at step 0). Once the job is finishing it never gets one:
+        a finishing job re-forms nothing, and the ranks that complete it do so without it."""
+        r = self.report
+        return (self.alive and self.restarts > 0 and self.connected and not self.stopping and not self.finished
+                and r is not None and r.pid == self.proc.pid and r.state in NOT_TRAINED and r.step == 0)
 
     @property
     def named(self) -> str:

@@ -277,7 +277,10 @@ class RankSupervisor:
             await self._until_crash_answered(slot)
         if self.node.finishing() and not self.node.draining and not self.node.done():
             # It began finishing meanwhile: no restart (the leader hears so, if it was told otherwise).
-            self._lost_as_finishing(slot, proc.pid, code, report=in_place)
+            if self.node.library:  # its crash came first, and the job's other ranks completed it without it
+                self._outrun(slot, proc.pid)
+            else:  # restart semantics: the job was to re-form with this slot's replacement
+                self._lost_as_finishing(slot, proc.pid, code, report=in_place)
             await self.node.settle()
             return
         if not self.node.draining and not self.node.done() and not slot.alive and not slot.given_up:
@@ -298,15 +301,32 @@ class RankSupervisor:
         self.node.session.exits.append(exit_of(slot, pid, code, in_place))
         self.node.session.send_now()  # the leader hears of it within milliseconds
 
-    async def watch_dying(self) -> None:
-        """The library ranks, looked at every DYING_POLL_S for a kill under way (one loop for the node:
-        a wake-up costs more than the reads)."""
+    async def watch_library_ranks(self) -> None:
+        """The library ranks, looked at every DYING_POLL_S (one loop for the node: a wake-up costs more
+        than the reads): for a kill under way; once the job is finishing, for replacements that will
+        never get a place (`_outrun`)."""
         while not self.node.done():
             await asyncio.sleep(DYING_POLL_S)
-            if self.node.library and not self.node.draining and not self.node.finishing():
-                for slot in self.node.slots:
-                    if slot.alive and slot.dying_pid != slot.proc.pid and not slot.stopping and not slot.finished:
-                        self._heard_dying(slot, slot.proc)
+            if not self.node.library or self.node.draining:
+                continue
+            finishing = self.node.finishing()
+            for slot in self.node.slots:
+                if finishing and slot.untrained_replacement:
+                    self._outrun(slot, slot.proc.pid)
+                    await self.stop(slot)
+                    await self.node.settle()
+                elif (not finishing and slot.alive and slot.dying_pid != slot.proc.pid and not slot.stopping
+                      and not slot.finished):
+                    self._heard_dying(slot, slot.proc)
+
+    def _outrun(self, slot: Slot, pid: int) -> None:
+        """A library slot whose replacement had no place yet as the job began finishing (its crash came
+        first): the job's other ranks complete it without this one, so the slot counts as finished. Its
+        replacement is not started, or is ended (`watch_library_ranks`), rather than left to hold for
+        --hold-timeout and then fail the run that completed."""
+        slot.outrun = True
+        self.log.info("rank_outrun", slot=slot.index, pid=pid, restarts=slot.restarts,
+                      message="a replacement with no place yet as the job finishes: ended, counted as finished")
 
     def _heard_dying(self, slot: Slot, proc: asyncio.subprocess.Process | WarmProcess) -> None:
         """A library rank being killed (a signal, its exit begun) is reported at once: its memory, GBs
