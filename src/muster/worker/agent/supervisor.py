@@ -24,10 +24,10 @@ from muster.worker.agent.crash_report import exit_words, failure_report
 from muster.worker.rank.group_end import ENDED_SUFFIX, EndedFile
 from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
-from muster.worker.rank_link import HANDOVER_FILE_ENV, SLOT_SECRET_ENV
-from muster.worker.rank.runner import COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, python_program, runner_argv
+from muster.worker.agent.rank_env import base_env, rank_env
+from muster.worker.rank.runner import python_program, runner_argv
 from muster.worker.agent.slot import Slot, StderrTail, crash_of, dying_signal, exit_of, outside_crash_loop
-from muster.worker.rank.step_probe import STEP_FILE_ENV, StepFile
+from muster.worker.rank.step_probe import StepFile
 from muster.worker.rank.zygote import WarmProcess, WarmStarts, ZygoteLost
 
 log = structlog.get_logger(__name__)
@@ -36,23 +36,6 @@ COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked 
 DYING_POLL_S = 0.02  # how often a library rank is looked at for a kill under way (a read of its /proc stat)
 EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
 RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
-# What torchrun sets for its workers: taken from the current map, never from the agent's own
-# environment (an agent started inside another job's environment must not leak its RANK).
-RANK_ENV = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "MUSTER_GENERATION", "MUSTER_AGENT_SOCKET", "MUSTER_NODE_ID", COMPLETED_FILE_ENV, IMPORTS_FILE_ENV, SLOT_SECRET_ENV,
-    STEP_FILE_ENV, HANDOVER_FILE_ENV,
-    # Secrets of the agent's own: its ranks talk to it over its socket, never to the coordinators
-    # or etcd (and trackers that record a process's environment would keep them).
-    "MUSTER_TOKEN", "MUSTER_ETCD_PASSWORD",
-})
-# Set for every process the agent starts unless the environment or --env sets it. (Not
-# THP_MEM_ALLOC_ENABLE=1, torch's huge pages for large CPU tensors: a killed rank's memory is freed
-# ~4x sooner, so its death is heard sooner, but its allocations faulted 3-7x slower on the
-# development VM: docs/reference/environment.md.)
-RANK_DEFAULTS = {"OMP_NUM_THREADS": "1"}
 
 
 class Node(Protocol):
@@ -98,56 +81,12 @@ class RankSupervisor:
         """Warm starts: the zygote's imports run while the node joins."""
         c = self.node.config
         if c.warm_start and self.program is not None:
-            self.warm = WarmStarts(self.base_env(), orphan_guard.prefix(), c.preload, c.host_zygote)
+            self.warm = WarmStarts(base_env(c), orphan_guard.prefix(), c.preload, c.host_zygote)
             await self.warm.start()
 
     def close(self) -> None:
         if self.warm is not None:
             self.warm.close()
-
-    def _env(self, slot: Slot, master: tuple[str, str] | None) -> dict[str, str]:
-        """torchrun's environment for the slot's process, from the current map only: what torchrun
-        sets is never inherited from the agent's own environment, and a rank without a place (one
-        started before its node enters the map) gets no RANK or MASTER_* at all."""
-        a = self.node.assignment
-        c = self.node.config
-        env = self.base_env()
-        env.update({
-            "LOCAL_RANK": str(slot.index), "MUSTER_AGENT_SOCKET": self.socket_path, SLOT_SECRET_ENV: slot.secret,
-            "MUSTER_JOB": c.job, "MUSTER_NODE_ID": c.node_id, "MUSTER_HOST": c.host,
-            "MUSTER_GENERATION": str(a.generation), "MUSTER_HOLD_TIMEOUT": str(c.hold_timeout_s),
-            "TORCHELASTIC_RUN_ID": c.job_id or c.job,
-            "TORCHELASTIC_RESTART_COUNT": str(slot.restarts), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
-            # a script's ranks use the store their agent serves (master_port); a library rank none
-            "TORCHELASTIC_USE_AGENT_STORE": str(not self.node.library), "ROLE_NAME": "default",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "LOCAL_WORLD_SIZE": str(a.local_world_size), "WORLD_SIZE": str(a.world_size),
-            "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_WORLD_SIZE": str(a.world_size),
-            HANDOVER_FILE_ENV: os.path.join(self.files, f"handover-slot{slot.index}"),  # kept across its starts
-        })
-        if slot.error_file:
-            env["TORCHELASTIC_ERROR_FILE"] = slot.error_file
-        if slot.completed_file:
-            env[COMPLETED_FILE_ENV] = slot.completed_file
-        if slot.imports_file:
-            env[IMPORTS_FILE_ENV] = slot.imports_file
-        if slot.steps is not None:
-            env[STEP_FILE_ENV] = slot.steps.path
-        if a.role == pb.ROLE_ACTIVE and slot.index in a.local_ranks:
-            rank = str(a.rank_offset + list(a.local_ranks).index(slot.index))
-            env.update(RANK=rank, ROLE_RANK=rank, GROUP_RANK=str(a.node_rank))
-            if master is not None:
-                env.update(MASTER_ADDR=master[0], MASTER_PORT=master[1])
-        return env
-
-    def base_env(self) -> dict[str, str]:
-        """The environment every process the agent starts shares: its own without what torchrun
-        sets per rank, plus --env."""
-        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
-        env.update(self.node.config.env)
-        for name, value in RANK_DEFAULTS.items():
-            env.setdefault(name, value)
-        return env
 
     def placed(self, slot: Slot) -> bool:
         """The slot has a rank in the current map."""
@@ -181,7 +120,8 @@ class RankSupervisor:
         slot.imports_file = os.path.join(self.files, f"imports-slot{slot.index}-{slot.starts}") if self.warm else ""
         slot.steps = StepFile(os.path.join(self.files, f"steps-slot{slot.index}-{slot.starts}")) \
             if self.program is not None and c.step_probe and not self.node.library else None
-        env = self._env(slot, master)
+        env = rank_env(c, self.node.assignment, slot, master, library=self.node.library,
+                       socket_path=self.socket_path, files=self.files)
         generation = self.node.assignment.generation  # the map its environment is from (a newer may come below)
         slot.rank = int(env["RANK"]) if "RANK" in env else None
         out = err = None
