@@ -594,6 +594,15 @@ def running_state(nodes: int, slots: int) -> JobState:
     return state
 
 
+def forming_join_ms(nodes: int, slots: int, reps: int) -> float:
+    """`decide` of one more Join while a job of `nodes` nodes forms (its max_nodes not reached): what
+    every tally of a big job's start costs while its nodes gather."""
+    joins = [Join(f"node-{i:05d}", f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 29500, slots) for i in range(nodes)]
+    state = decide(JobState(JOB, JobSpec(nodes + 2, nodes + 2, 1)), joins, context(0.0)).state
+    late = Join("node-new", "10.255.255.254", 29500, slots)
+    return median_ms(lambda: decide(state, [late], context(0.0)), reps)
+
+
 def rank_reports(slots: int, step: int) -> list[RankReport]:
     """Every rank stepping, its compute measured (what the straggler watch looks at)."""
     return [RankReport(s, 10_000 + s, step, 0.05, "running", compute_s=0.03 + 0.001 * s) for s in range(slots)]
@@ -617,6 +626,7 @@ def membership_at(ranks: int, slots: int, reps: int) -> dict:
     build_s = time.perf_counter() - t0
     victims = random.Random(1).sample([m.node_id for m in state.members], 2 + reps)
     decide_ms, lost, aged = decide_costs(state, victims, slots, reps)
+    decide_ms["forming_join"] = forming_join_ms(nodes, slots, reps)
     blob, aged_blob = encode(lost), encode(aged)  # (before the leader runs: it shares the members)
     leader = streaming_leader(state, slots)
     frame_us = frame_cost_us(leader, state, slots)
@@ -785,7 +795,8 @@ def membership_at_scale(sizes: list[int], slots: int, reps: int) -> dict:
             "clock": "every figure is CPU time (a median over the repetitions; leader_change_ms the process's, for "
                      "its worker thread; the others the measuring thread's), not wall time: load elsewhere on the "
                      "host does not count, though it still slows the CPU a little (shared caches)",
-            "decide_ms": "machine.decide(state, [event], ctx) on a running job with every node in the map",
+            "decide_ms": "machine.decide(state, [event], ctx) on a running job with every node in the map; "
+                         "forming_join: one more Join while a job of as many nodes forms (max_nodes not reached)",
             "encode_ms": "state.encode of the state after the node-lost decision (what is written to etcd); a new "
                          "job's history",
             "state_bytes_full_history": f"the same once the history is full ({TIMING.history_limit} events, half "

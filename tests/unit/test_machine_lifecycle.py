@@ -69,6 +69,24 @@ def test_a_run_that_finished_before_its_maps_planned_switch_says_the_ranks_place
     assert d.state.outcome is Outcome.SUCCEEDED and d.state.outcome_reason == said
 
 
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_a_forming_job_waits_its_last_call_only_once_it_could_run(multiple):
+    """The last call starts once the nodes gathered could form a map (a size rule may still cut them
+    below min_nodes), and the job forms at its end, or at once with max_nodes."""
+    state = JobState("job", JobSpec(2, 5, multiple))
+    d = decide(state, [Join("n1", "10.0.0.1", 29500, 1)], ctx(now=0))
+    assert d.state.forming_deadline is None and d.state.rank_map is None  # below min_nodes
+    d = decide(d.state, [Join("n2", "10.0.0.2", 29500, 1)], ctx(now=0.5))
+    runnable = multiple == 1  # 2 slots: no world size of a multiple of 4
+    assert d.state.forming_deadline == (0.5 + TIMING.last_call_s if runnable else None)
+    d = decide(d.state, [Join("n3", "10.0.0.3", 29500, 1), Join("n4", "10.0.0.4", 29500, 1)], ctx(now=1.0))
+    assert d.state.rank_map is None and d.state.forming_deadline == (0.5 if runnable else 1.0) + TIMING.last_call_s
+    d = decide(d.state, [Tick()], ctx(now=2.6))
+    assert d.new_generation and d.state.rank_map.world_size == 4 and d.state.forming_deadline is None
+    assert decide(JobState("job", JobSpec(2, 2, multiple)), [Join(f"n{i}", "10.0.0.1", 29500 + i, 2) for i in (1, 2)],
+                  ctx(now=0)).new_generation  # max_nodes: no last call
+
+
 def test_a_spare_left_over_does_not_hold_the_end():
     state = running(3, JobSpec(1, 2, 1))
     assert len(state.spares) == 1
