@@ -232,3 +232,37 @@ def test_a_replacement_with_no_place_as_the_job_finishes_is_ended_and_its_slot_c
         assert code == EXIT_SUCCEEDED
         (left,) = session.left
         assert left["finished"] and "replacement with no place yet as the job finished (slot(s) 0)" in left["reason"]
+
+
+def test_a_library_rank_crashed_before_the_job_began_finishing_is_not_restarted_after_it_nor_a_failure(tmp_path):
+    """The crash is reported (the survivors re-form without it); the job begins finishing before its
+    replacement would start: the replacement would never get a place, so none is started, and the
+    slot counts as finished. (A script without the library still fails the node: restart semantics
+    were to re-form the job with that slot.)"""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    sys.exit(5)\n"
+                      "time.sleep(0.5)\n")
+
+    async def scenario():
+        session = FakeSession()
+        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
+                                  argv=(sys.executable, str(script))))
+        a.session, a._done, a.library = session, asyncio.get_running_loop().create_future(), True
+        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
+        a.assignment = pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)
+
+        async def finishing_meanwhile(slot, cause):  # another rank completed the job as the crash was handled
+            session.finishing = True
+            return True
+
+        a.ranks.restart_allowed = finishing_meanwhile
+        for slot in a.slots:
+            await a.ranks.start(slot)
+        return await a._done, session, a.slots
+
+    code, session, slots = within(scenario())
+    assert code == EXIT_SUCCEEDED
+    assert [s.starts for s in slots] == [1, 1] and slots[0].outrun and not slots[0].failed and slots[1].finished
+    assert [(e.local_rank, e.exit_code) for e in session.exits] == [(0, 5)]  # reported as it crashed
+    (left,) = session.left
+    assert left["finished"], left
