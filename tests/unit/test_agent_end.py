@@ -266,3 +266,36 @@ def test_a_library_rank_crashed_before_the_job_began_finishing_is_not_restarted_
     assert [(e.local_rank, e.exit_code) for e in session.exits] == [(0, 5)]  # reported as it crashed
     (left,) = session.left
     assert left["finished"], left
+
+
+@pytest.mark.parametrize("report, outrun", [(None, True),
+                                            (pb.RankReport(local_rank=0, state=pb.RANK_STATE_RUNNING, step=9), False)])
+def test_a_replacement_ending_as_the_job_finishes_fails_the_node_only_if_it_had_trained(tmp_path, report, outrun):
+    """Slot 1 completes; then slot 0's replacement ends on its own (exit 5). One that never trained
+    (nothing said yet, e.g. still importing) had nothing to complete: its slot counts as finished. One
+    that trained ended without completing its script: the node fails, the leader hears of the exit."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    time.sleep(1.0)\n"
+                      "    sys.exit(5)\n")
+
+    async def scenario():
+        session = FakeSession()
+        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
+                                  argv=(sys.executable, str(script))))
+        a.session, a._done, a.library = session, asyncio.get_running_loop().create_future(), True
+        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
+        a.assignment = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, local_ranks=[1], down_local_ranks=[0],
+                                     world_size=2)
+        for slot in a.slots:
+            await a.ranks.start(slot)
+        a.slots[0].restarts = 1  # a replacement
+        if report is not None:
+            a.slots[0].report = pb.RankReport()
+            a.slots[0].report.CopyFrom(report)
+            a.slots[0].report.pid = a.slots[0].proc.pid
+        return await a._done, session, a.slots
+
+    code, session, slots = within(scenario())
+    assert slots[1].finished and slots[0].outrun is outrun and slots[0].failed is not outrun
+    assert code == (EXIT_SUCCEEDED if outrun else EXIT_FAILED)
+    assert [(e.local_rank, e.exit_code) for e in session.exits] == ([] if outrun else [(0, 5)])

@@ -108,13 +108,18 @@ class Slot:
         return self.finished or self.given_up or self.failed or self.outrun
 
     @property
-    def untrained_replacement(self) -> bool:
-        """Its process replaces one that crashed and says it has not trained: it waits for a place in
-        a group (starting, forming or holding, at step 0). Once the job is finishing it never gets one:
-        a finishing job re-forms nothing, and the ranks that complete it do so without it."""
+    def untrained(self) -> bool:
+        """Its process replaces one that crashed and has not trained: it said nothing yet, or says it
+        waits for a place in a group (starting, forming or holding, at step 0). Once the job is
+        finishing it never gets one: a finishing job re-forms nothing, and the ranks that complete it
+        do so without it. (`report` is its current process's: cleared at each start.)"""
         r = self.report
-        return (self.alive and self.restarts > 0 and self.connected and not self.stopping and not self.finished
-                and r is not None and r.pid == self.proc.pid and r.state in NOT_TRAINED and r.step == 0)
+        return self.restarts > 0 and (r is None or r.state in NOT_TRAINED and r.step == 0)
+
+    @property
+    def untrained_replacement(self) -> bool:
+        """`untrained`, its process running and heard from, not one the agent is ending."""
+        return self.alive and self.connected and not self.stopping and not self.finished and self.untrained
 
     @property
     def named(self) -> str:

@@ -186,8 +186,11 @@ class RankSupervisor:
             await self.node.settle()
             return
         if self.node.finishing() and not self.node.draining:
-            self._lost_as_finishing(slot, proc.pid, code, report=slot.dying_pid != proc.pid)
-            slot.last_crash = await crash_of(slot, proc.pid, code)
+            if self.node.library and slot.untrained:  # a replacement with no place yet: nothing of it is lost
+                self._outrun(slot, proc.pid)
+            else:
+                self._lost_as_finishing(slot, proc.pid, code, report=slot.dying_pid != proc.pid)
+                slot.last_crash = await crash_of(slot, proc.pid, code)
             await self.node.settle()
             return
         a = self.node.assignment
