@@ -270,12 +270,16 @@ class NodeAgent:
         # A node giving up leaves now, not at a step boundary like a drain: the leader must not take
         # the job's last node going for an operator's drain (the run ended "stopped", and this agent
         # exited 3 when that news beat its own verdict).
-        outrun = [s.index for s in self.slots if s.outrun]
-        await self._leave("every local rank completed" if all(s.finished for s in self.slots) else
-                          f"every local rank completed, or was a replacement with no place yet as the job finished "
-                          f"(slot(s) {', '.join(map(str, outrun))})" if all(s.finished or s.outrun for s in self.slots)
-                          else "every local slot finished, ended or was given up",
-                          finished=not given_up and any(s.finished or s.outrun for s in self.slots), immediate=given_up)
+        if all(s.finished for s in self.slots):
+            reason = "every local rank completed"
+        elif all(s.finished or s.outrun for s in self.slots):
+            outrun = ", ".join(str(s.index) for s in self.slots if s.outrun)
+            reason = ("every local rank completed, or was a replacement with no place yet as the job finished "
+                      f"(slot(s) {outrun})")
+        else:
+            reason = "every local slot finished, ended or was given up"
+        await self._leave(reason, finished=not given_up and any(s.finished or s.outrun for s in self.slots),
+                          immediate=given_up)
 
     async def _leave(self, reason: str, *, finished: bool, immediate: bool = False) -> None:
         try:

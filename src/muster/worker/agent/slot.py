@@ -66,7 +66,7 @@ class Slot:
     finished: bool = False  # its script completed (exit 0, or the runner's mark): its process may still be tearing down
     given_up: bool = False  # crash-looped past the budget
     failed: bool = False  # ended without completing once the job was finishing: not restarted
-    outrun: bool = False  # a replacement with no place yet as the job finished: ended, counted as finished (never will)
+    outrun: bool = False  # a replacement with no place yet as the job finished (never to get one): counted as finished
     generation: int = 0  # the generation its process was started for
     stopping: bool = False  # the agent is ending this process on purpose
     failed_pid: int = 0
