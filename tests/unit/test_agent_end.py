@@ -56,6 +56,31 @@ def within(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
+def script_node(tmp_path, script: str, assignment: pb.Assignment, *, library: bool = False) -> NodeAgent:
+    """A 2-slot agent over a FakeSession (`.session`) whose slots run `script` as real processes, with
+    its supervisor, under `assignment` (not started: the caller starts its slots)."""
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
+                              argv=(sys.executable, str(path))))
+    a.session, a._done, a.library = FakeSession(), asyncio.get_running_loop().create_future(), library
+    a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
+    a.assignment = assignment
+    return a
+
+
+async def start_all(a: NodeAgent) -> None:
+    for slot in a.slots:
+        await a.ranks.start(slot)
+
+
+def said(slot, report: pb.RankReport) -> None:
+    """`report` as the last word of the slot's current process over the agent's socket."""
+    slot.report = pb.RankReport()
+    slot.report.CopyFrom(report)
+    slot.report.pid = slot.proc.pid
+
+
 @pytest.mark.parametrize("outcome, code", [("succeeded", EXIT_SUCCEEDED), ("failed", EXIT_FAILED),
                                            ("stopped", EXIT_STOPPED), ("from-a-newer-coordinator", EXIT_FAILED)])
 def test_the_end_of_the_run_exits_with_its_outcomes_code(outcome, code, capsys):
@@ -119,19 +144,12 @@ def test_the_leaders_finishing_flag_alone_stops_restarts():
 
 def test_a_rank_ending_without_completing_once_another_finished_is_not_restarted_and_fails_the_node(
         tmp_path, capsys):
-    script = tmp_path / "train.py"
-    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(1)\n    sys.exit(5)\n")
-
     async def scenario():
-        session = FakeSession()
-        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
-                                  argv=(sys.executable, str(script))))
-        a.session, a._done = session, asyncio.get_running_loop().create_future()
-        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
-        a.assignment = pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)
-        for slot in a.slots:
-            await a.ranks.start(slot)
-        return await a._done, session, a.slots
+        a = script_node(tmp_path, "import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(1)\n"
+                                  "    sys.exit(5)\n",
+                        pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2))
+        await start_all(a)
+        return await a._done, a.session, a.slots
 
     code, session, slots = within(scenario())
     assert code == EXIT_FAILED
@@ -181,6 +199,10 @@ def test_a_sigkill_starts_no_crash_loop_however_soon_it_came():
     assert outside_crash_loop(1, CRASH_LOOP_S + 1)
 
 
+# Slot 0 down (its replacement has no place yet), slot 1 placed
+REPLACING = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, local_ranks=[1], down_local_ranks=[0], world_size=2)
+
+
 @pytest.mark.parametrize("report, ended", [
     (pb.RankReport(local_rank=0, state=pb.RANK_STATE_HOLDING, step=0), True),
     (pb.RankReport(local_rank=0, state=pb.RANK_STATE_STARTING, step=0), True),
@@ -192,35 +214,25 @@ def test_a_replacement_with_no_place_as_the_job_finishes_is_ended_and_its_slot_c
     """Slot 0's replacement waits for a place at a planned switch after the job's last step; slot 1
     completes its script. A finishing job re-forms nothing: the replacement is ended at once and the
     node leaves finished (before: it held --hold-timeout, 300 s, then exited 3 and failed the run)."""
-    script = tmp_path / "train.py"
-    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(0.5)\n"
-                      "    sys.exit(0)\ntime.sleep(60)\n")
-
     async def scenario():
-        session = FakeSession()
-        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
-                                  argv=(sys.executable, str(script))))
-        a.session, a._done, a.library = session, asyncio.get_running_loop().create_future(), True
-        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
-        a.assignment = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, local_ranks=[1], down_local_ranks=[0],
-                                     world_size=2)
-        for slot in a.slots:
-            await a.ranks.start(slot)
+        a = script_node(tmp_path, "import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    time.sleep(0.5)\n"
+                                  "    sys.exit(0)\ntime.sleep(60)\n", REPLACING, library=True)
+        await start_all(a)
         replacement = a.slots[0]
         replacement.restarts, replacement.connected = 1, True
-        replacement.report = pb.RankReport()
-        replacement.report.CopyFrom(report)
-        replacement.report.pid = replacement.proc.pid
+        said(replacement, report)
         watch = asyncio.create_task(a.ranks.watch_library_ranks())
         try:
-            code = await asyncio.wait_for(asyncio.shield(a._done), 3) if ended else None
-            alive = replacement.alive
-            if not ended:
+            if ended:
+                code = await asyncio.wait_for(asyncio.shield(a._done), 3)
+            else:
+                code = None
                 await asyncio.sleep(1.0)  # slot 1 finished meanwhile: the job is finishing
                 assert a.finishing()
-                alive = replacement.alive
+            alive = replacement.alive
+            if alive:
                 await a.ranks.stop(replacement)
-            return code, alive, session, a.slots
+            return code, alive, a.session, a.slots
         finally:
             watch.cancel()
 
@@ -239,26 +251,19 @@ def test_a_library_rank_crashed_before_the_job_began_finishing_is_not_restarted_
     replacement would start: the replacement would never get a place, so none is started, and the
     slot counts as finished. (A script without the library still fails the node: restart semantics
     were to re-form the job with that slot.)"""
-    script = tmp_path / "train.py"
-    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    sys.exit(5)\n"
-                      "time.sleep(0.5)\n")
-
     async def scenario():
-        session = FakeSession()
-        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
-                                  argv=(sys.executable, str(script))))
-        a.session, a._done, a.library = session, asyncio.get_running_loop().create_future(), True
-        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
-        a.assignment = pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2)
+        a = script_node(tmp_path, "import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    sys.exit(5)\n"
+                                  "time.sleep(0.5)\n",
+                        pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2),
+                        library=True)
 
         async def finishing_meanwhile(slot, cause):  # another rank completed the job as the crash was handled
-            session.finishing = True
+            a.session.finishing = True
             return True
 
         a.ranks.restart_allowed = finishing_meanwhile
-        for slot in a.slots:
-            await a.ranks.start(slot)
-        return await a._done, session, a.slots
+        await start_all(a)
+        return await a._done, a.session, a.slots
 
     code, session, slots = within(scenario())
     assert code == EXIT_SUCCEEDED
@@ -274,26 +279,14 @@ def test_a_replacement_ending_as_the_job_finishes_fails_the_node_only_if_it_had_
     """Slot 1 completes; then slot 0's replacement ends on its own (exit 5). One that never trained
     (nothing said yet, e.g. still importing) had nothing to complete: its slot counts as finished. One
     that trained ended without completing its script: the node fails, the leader hears of the exit."""
-    script = tmp_path / "train.py"
-    script.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    time.sleep(1.0)\n"
-                      "    sys.exit(5)\n")
-
     async def scenario():
-        session = FakeSession()
-        a = NodeAgent(AgentConfig(coordinators=("127.0.0.1:1",), job="j", node_id="n", slots=2,
-                                  argv=(sys.executable, str(script))))
-        a.session, a._done, a.library = session, asyncio.get_running_loop().create_future(), True
-        a.ranks = RankSupervisor(a, str(tmp_path), str(tmp_path / "ranks.sock"))
-        a.assignment = pb.Assignment(generation=3, role=pb.ROLE_ACTIVE, local_ranks=[1], down_local_ranks=[0],
-                                     world_size=2)
-        for slot in a.slots:
-            await a.ranks.start(slot)
+        a = script_node(tmp_path, "import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    time.sleep(1.0)\n"
+                                  "    sys.exit(5)\n", REPLACING, library=True)
+        await start_all(a)
         a.slots[0].restarts = 1  # a replacement
         if report is not None:
-            a.slots[0].report = pb.RankReport()
-            a.slots[0].report.CopyFrom(report)
-            a.slots[0].report.pid = a.slots[0].proc.pid
-        return await a._done, session, a.slots
+            said(a.slots[0], report)
+        return await a._done, a.session, a.slots
 
     code, session, slots = within(scenario())
     assert slots[1].finished and slots[0].outrun is outrun and slots[0].failed is not outrun
