@@ -217,6 +217,48 @@ def test_a_stale_first_frame_a_relay_still_held_does_not_displace_the_nodes_newe
     asyncio.run(scenario())
 
 
+def test_a_relay_gives_a_leader_elected_while_it_retries_the_whole_connect_time():
+    """A dead leader's key outlives it by up to the session TTL, and etcd's lease check and the
+    takeover add theirs: a relay that counted its patience from its start gave up just before the
+    successor took over (fresh-clone run D), and put its nodes on the successor directly. Counted
+    from the successor's election instead; a successor that never takes the call is left a connect
+    time after its election (at most twice the connect time in all), its nodes told where it is."""
+    async def scenario():
+        loop = asyncio.get_running_loop()
+
+        async def attempt(successor_takes_at: float):
+            start = loop.time()
+            calls = []
+
+            async def elected(job: str) -> str:
+                return "old:1" if loop.time() - start < 0.3 else "new:2"
+
+            relay = Relay("job", "relay:3", "old:1", security=ClientSecurity(), find_leader=elected, window_s=0.01,
+                          connect_s=1.0, heartbeat_timeout_s=0.8, progress_s=0.1)
+
+            async def call(address: str) -> tuple[bool, str, str]:
+                calls.append(address)
+                if address == "new:2" and loop.time() - start >= successor_takes_at:
+                    relay.nodes.clear()  # accepted; its nodes, once hung up, end the call
+                    return True, "the leader ended it", ""
+                return False, "UNAVAILABLE: not leading", ""
+
+            relay._call = call
+            node = RelayedNode(1, "n1")
+            relay.nodes = {1: node}
+            relay.start()
+            await until(lambda: not relay.accepting, "the relay's attempts over", timeout_s=5)
+            return loop.time() - start, calls, node
+
+        took, calls, node = await attempt(successor_takes_at=1.1)  # after the relay's first connect_s
+        assert calls[-1] == "new:2" and node.queue.empty(), (took, calls)  # taken: its nodes stay on it
+        took, calls, node = await attempt(successor_takes_at=99)
+        assert 1.25 <= took <= 1.8, took  # a connect time after its election (0.3 s)
+        assert node.queue.get_nowait().leader == "new:2"
+
+    asyncio.run(scenario())
+
+
 def test_a_relay_spreads_the_leaders_pulse_over_its_nodes_and_forwards_frames_to_be_read_in_full():
     """The relay's end: one pulse from the leader reaches each of its 1,000 nodes once, a slice at a
     time (never all at once: that burst held the relay's loop); a node that hung up gets none."""

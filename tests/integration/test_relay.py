@@ -79,11 +79,15 @@ async def new_leader_reached(survivors, job: str, nodes):
         for n in nodes:
             await n.wait_for(lambda x: x.term == term, 8, "the new leader's term")
     except AssertionError as exc:  # (seen once in CI: what each replica said of the job, to tell why)
-        said = {r.address: [{k: v for k, v in e.items() if k not in ("job", "level")} for e in r.records()
-                            if e.get("job") == job][-40:] for r in survivors}
-        raise AssertionError(f"{exc}\nnew leader {new.address}, term {term}; the replicas' lines:\n"
-                             + "\n".join(f"{a}: {line}" for a, lines in said.items() for line in lines)) from None
+        raise AssertionError(f"{exc}\nnew leader {new.address}, term {term}; {said(survivors, job)}") from None
     return new
+
+
+def said(replicas, job: str) -> str:
+    """What each replica said of `job` last, to tell why a wait on them failed."""
+    lines = {r.address: [{k: v for k, v in e.items() if k not in ("job", "level")} for e in r.records()
+                         if e.get("job") == job][-40:] for r in replicas}
+    return "the replicas' lines:\n" + "\n".join(f"{a}: {line}" for a, ls in lines.items() for line in ls)
 
 
 async def pulses_heard(nodes, pulses: int) -> None:
@@ -342,7 +346,8 @@ def test_relays_follow_a_new_leader_after_the_leader_is_killed(coordinators):
         standby = next(r for r in survivors if r is not new)
         # the surviving standby relays its nodes to the new leader
         await asyncio.to_thread(wait_until, lambda: new.find("relay_attached", job="leaderkill", relay=standby.address),
-                                8, "the standby relaying to the new leader")
+                                8, "the standby relaying to the new leader",
+                                diagnose=lambda: said(survivors, "leaderkill"))
         await train_on_unchanged(nodes, generation, new.address, "leaderkill")
         for n in nodes:
             await n.stop()

@@ -64,7 +64,7 @@ class PeerAccess:
 class Relay:
     """This replica's relay of one job it does not lead: one Relay call to the leader. Until the
     leader accepts the call, a refused or failed attempt is retried (the leader looked up again, the
-    unsent frames kept) for up to `connect_s`; once the call ends, every node stream it carried ends
+    unsent frames kept) for up to `connect_s`, counted afresh from a new leader's election; once the call ends, every node stream it carried ends
     with UNAVAILABLE and a leader hint, and the replica opens a new Relay for the next node."""
 
     def __init__(self, job: str, address: str, leader: str, *, security: ClientSecurity,
@@ -150,7 +150,9 @@ class Relay:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.connect_s
+        start = loop.time()
+        deadline = start + self.connect_s
+        tried = {self.leader}
         backoff = Backoff(0.05, self.retry_most_s)
         while True:
             accepted, reason, hint = await self._call(self.leader)
@@ -161,6 +163,13 @@ class Relay:
             await asyncio.sleep(min(backoff.next(), max(0.0, deadline - loop.time())))
             if not hint:
                 self.leader = await self._find_leader(self.job)
+            if self.leader and self.leader not in tried:
+                # A leader elected meanwhile gets the whole `connect_s` to take the call: a dead one's
+                # key outlives it by up to the session TTL, then etcd's lease check and the takeover
+                # take their time, and a relay that gave up just before put its nodes on the new
+                # leader directly, all at once (bounded: twice `connect_s` in all).
+                tried.add(self.leader)
+                deadline = min(start + 2 * self.connect_s, max(deadline, loop.time() + self.connect_s))
         self.accepting = False
         if self._pulsing is not None:
             self._pulsing.cancel()
