@@ -79,7 +79,27 @@ def _host_zygote() -> None:
     their agents."""
     from muster.local import WarmRanks
 
-    os.environ["MUSTER_ZYGOTE_SOCKET"] = WarmRanks.shared().socket_path
+    zygote = WarmRanks.shared()
+    os.environ["MUSTER_ZYGOTE_SOCKET"] = zygote.socket_path
+    if zygote.pid is not None:
+        _behind_the_control_plane(zygote.pid)
+
+
+# What the zygote forks (agents and their ranks, `training`'s ranks) runs this much nicer than etcd,
+# the coordinators and the test itself.
+BEHIND = 5
+
+
+def _behind_the_control_plane(pid: int) -> None:
+    """On a real cluster etcd and the coordinators have hosts of their own; here the ranks, most of the
+    suite's CPU, share two cores with them, and under load a coordinator starved for a second lost
+    its 2 s etcd session, and with it its leadership (fresh-clone run E: two tests failed so). Ranks
+    forked from `pid` inherit its niceness, its threads each their own (Linux: a thread's)."""
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(task), BEHIND)
+    except OSError:
+        pass  # gone, or not ours to change: as before
 
 
 @pytest.hookimpl(wrapper=True)

@@ -297,6 +297,11 @@ class WarmRanks:
             listener.listen(64)
             self._zygote = self._call(Zygote.start(env, orphan_guard.prefix(), listener=listener))
 
+    @property
+    def pid(self) -> int | None:
+        """The zygote's process (None: forked by another's, the host's)."""
+        return self._zygote.process.pid if self._zygote.process is not None else None
+
     @classmethod
     def reaped_cpu_s(cls) -> float:
         """The CPU seconds of the shared zygote's ranks that ended (0 before it started)."""
