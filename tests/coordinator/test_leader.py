@@ -200,3 +200,46 @@ def test_a_large_job_changes_off_the_loop_and_every_node_gets_its_part_once():
         assert leader.live.nodes["n7"].ranks[0].step == 3
 
     asyncio.run(scenario())
+
+
+def test_a_nodes_fault_count_toward_holding_it_out_outlives_its_leader():
+    """Node c's rank fails of its own fault twice under one leader and once under the next (it lost
+    its etcd session in between: fresh-clone run E): the third failure within the window holds c
+    out, as it would have under one leader. Before, the count began again at each term."""
+    spec = JobSpec(min_nodes=2, max_nodes=3)
+    ctx = Context(now=0, wall_ms=0, term=1, timing=TIMING)
+    formed = decide(JobState("job", spec), [Join(n, "10.0.0.1", 29500, 1) for n in "abc"], ctx).state
+    formed = decide(formed, [Tick()], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
+    store = MemoryJobStore()
+
+    def fault(leader: JobLeader, pid: int, step: int) -> None:
+        c = leader.state.member("c")
+        leader.on_frame(leader.streams["c"], pb.NodeFrame(
+            job="job", node_id="c", member_id=c.member_id, term=leader.term, generation=leader.state.generation,
+            exits=[pb.RankExit(local_rank=0, pid=pid, exit_code=1, step=step,
+                               error=f"RuntimeError: CUDA error: an illegal memory access (step {step})")]))
+
+    async def led(state: JobState, term: int) -> JobLeader:
+        leadership = Leadership(LeaderKey("job", term, "memory/job", "replica"), store)
+        leader = JobLeader(state, leadership=leadership, address="replica", timing=TIMING, tick_s=0.01,
+                           clock=FakeClock())
+        for m in state.members:
+            leader.streams[m.node_id] = NodeStream("job", m.node_id, m.member_id, m.kind)
+        leader.start()
+        return leader
+
+    async def scenario():
+        first = await led(formed, 1)
+        for pid, step in ((101, 2), (102, 22)):
+            fault(first, pid, step)
+            await until(lambda: (s := stored(store)) and len(s.member("c").faults_ms) == step // 20 + 1,
+                        "the fault kept with c's membership")
+        await first.stop("its session lost", resigned=True)
+        second = await led(stored(store), 2)
+        fault(second, 103, 40)
+        await until(lambda: second.state.member("c") is None, "c held out")
+        (left,) = [e for e in second.state.history if e.kind == "node_left"]
+        assert "held out: its ranks failed 3 times" in left.reason, left
+        await second.stop("test over", resigned=True)
+
+    asyncio.run(scenario())

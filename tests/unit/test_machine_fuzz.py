@@ -4,8 +4,9 @@ decision keeps the core's invariants, and the persisted form reads back to the s
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeLost, Rejoin, SlotDown, SlotsUp, Stop,
-                                             Tick, decide)
+from muster.coordinator.core.exits import HOLD_OUT_FAILURES
+from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeFault, NodeLost, Rejoin, SlotDown,
+                                             SlotsUp, Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
 
@@ -22,6 +23,7 @@ events = st.one_of(
     st.builds(Rejoin, st.sampled_from(NODES), st.integers(0, 12), st.integers(0, 30), st.sampled_from(["", "a", "b"]),
               st.just("10.0.0.2"), st.integers(1, 65535), st.integers(1, 4), st.sampled_from(list(NodeKind))),
     st.builds(Finishing, st.sampled_from(NODES), st.just("done")),
+    st.builds(NodeFault, st.sampled_from(NODES), st.integers(0, 2**41)),
     st.just(Stop("operator")),
     st.just(Tick()),
 )
@@ -64,6 +66,7 @@ def test_any_sequence_of_events_keeps_the_invariants(spec, batches, prestart, ma
                 ranks += [p.rank_of(s) for s in p.slots]
             assert sorted(ranks) == list(range(rm.world_size)) and rm.world_size % spec.world_size_multiple == 0
             assert spec.min_nodes <= len(rm.placements) <= spec.max_nodes
+        assert all(len(m.faults_ms) <= HOLD_OUT_FAILURES for m in nxt.members), "a member keeps its last faults only"
         if d.persist:
             assert decode(encode(nxt)) == nxt
         state = nxt

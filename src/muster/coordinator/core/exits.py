@@ -27,7 +27,7 @@ class ExitBook:
         self.last_errors: dict[tuple[str, int], tuple[str, int, int]] = {}  # (node, slot) -> (error, step, pid)
         self.at_start: dict[tuple[str, int], str] = {}  # (node, slot) -> the error it died of at the job's start
         self.cohort: tuple[int, frozenset[tuple[str, int]]] = (0, frozenset())  # the map they started in
-        self.own_faults: dict[str, list[float]] = {}  # node -> when its ranks failed of their own fault
+        self.own_faults: dict[str, list[int]] = {}  # node -> when (wall ms) its ranks failed of their own fault
 
     def note(self, key: tuple[str, int], state: str) -> None:
         """A slot's new state: reported exits and restarts are indexed."""
@@ -82,14 +82,21 @@ class ExitBook:
             return generation, len(slots)
         return None
 
-    def node_fault(self, node_id: str, now: float, others: Iterable[str]) -> int:
-        """A rank of the node failed of its own fault at `now`: how often its ranks did within the
-        window, or 0 while a node of `others` had such a failure within it too (the job's fault)."""
-        recent = [t for t in self.own_faults.get(node_id, ()) if now - t < HOLD_OUT_WINDOW_S] + [now]
+    def node_fault(self, node_id: str, at_ms: int, others: Iterable[str]) -> int:
+        """A rank of the node failed of its own fault at `at_ms` (wall): how often its ranks did within
+        the window, or 0 while a node of `others` had such a failure within it too (the job's fault)."""
+        window_ms = HOLD_OUT_WINDOW_S * 1000
+        recent = [t for t in self.own_faults.get(node_id, ()) if at_ms - t < window_ms] + [at_ms]
         self.own_faults[node_id] = recent
-        if any(now - t < HOLD_OUT_WINDOW_S for n in others if n != node_id for t in self.own_faults.get(n, ())):
+        if any(at_ms - t < window_ms for n in others if n != node_id for t in self.own_faults.get(n, ())):
             return 0
         return len(recent)
+
+    def faults_before(self, node_id: str, faults_ms: Iterable[int]) -> None:
+        """A member's own faults as the job's state kept them (`Member.faults_ms`): a new leader's count
+        goes on from them, as the last one's would have."""
+        if faults_ms:
+            self.own_faults[node_id] = list(faults_ms)
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""

@@ -267,9 +267,13 @@ class Liveness:
         started = bool(self._exits.at_start) and self.max_step(state) > 1
         return self._exits.all_at_start(node_id, local_rank, error, step, state.rank_map, started)
 
-    def node_fault(self, node_id: str, now: float, others) -> int:
+    def node_fault(self, node_id: str, at_ms: int, others) -> int:
         """A rank of the node failed of its own fault (`ExitBook.node_fault`)."""
-        return self._exits.node_fault(node_id, now, others)
+        return self._exits.node_fault(node_id, at_ms, others)
+
+    def faults_before(self, node_id: str, faults_ms) -> None:
+        """A member's own faults under earlier leaders (`ExitBook.faults_before`)."""
+        self._exits.faults_before(node_id, faults_ms)
 
     def awaiting(self, node_id: str, slots) -> None:
         """Slots with no process yet (a node starting its ranks): any process there is their recovery."""

@@ -13,6 +13,7 @@ import math
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from muster.coordinator.core.exits import HOLD_OUT_FAILURES
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.policy import MAX_NODES, MAX_STEP, InvalidPolicy, JobSpec, Timing
 from muster.coordinator.core.rankmap import assign_ranks, excluded_ranks, rank0_address
@@ -164,12 +165,22 @@ STATE_LOST_EVENT = "state_lost"  # the event a job whose spec says on_state_lost
 
 
 @dataclass(frozen=True)
+class NodeFault:
+    """A rank of the node failed of its own fault at `at_ms` (wall): kept with its member
+    (`Member.faults_ms`), so that a new leader counts on toward holding the node out. No membership
+    change: the exit's own event is that."""
+
+    node_id: str
+    at_ms: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened but time passed (forming and waiting deadlines)."""
 
 
 MembershipEvent = (Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Straggling | Regroup | Finishing
-                   | Stop | Verdict | Tick)
+                   | NodeFault | Stop | Verdict | Tick)
 # The events a request waits on, the only ones `decide` refuses: each carries its request's ticket, a
 # number the inbox gives it (0: nobody waits), so that a refusal reaches its request wherever the
 # event stands in the batch.
@@ -420,6 +431,14 @@ def _on_slots_up(f: _Fold, ev: SlotsUp) -> None:
     f.planned = f.changed = True
 
 
+def _on_node_fault(f: _Fold, ev: NodeFault) -> None:
+    member = f.members.get(ev.node_id)
+    if member is None:
+        return
+    f.members[ev.node_id] = replace(member, faults_ms=(*member.faults_ms, ev.at_ms)[-HOLD_OUT_FAILURES:])
+    f.changed = True
+
+
 def _on_diverged(f: _Fold, ev: Diverged) -> None:
     f.note("replicas_diverged", ev.reason, *ev.nodes)
     f.changed = True
@@ -469,7 +488,7 @@ def _on_regroup(f: _Fold, ev: Regroup) -> None:
 
 _FOLD = {Rejoin: _on_rejoin, Join: _on_join, Leave: _on_leave, NodeLost: _on_lost, SlotDown: _on_slot_down,
          SlotsUp: _on_slots_up, Diverged: _on_diverged, Straggling: _on_straggling, Finishing: _on_finishing,
-         Stop: _on_stop, Regroup: _on_regroup, Verdict: _on_verdict}
+         NodeFault: _on_node_fault, Stop: _on_stop, Regroup: _on_regroup, Verdict: _on_verdict}
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:

@@ -69,6 +69,9 @@ class Member:
     # Taken back on a claim its secret proved, in a rebuild still going on: it outranks the members
     # nobody could prove (`machine._rebuild`), and no claim but a proven one takes its place.
     proven: bool = False
+    # When (wall ms) its ranks last failed of their own fault, the newest last (at most
+    # HOLD_OUT_FAILURES): persisted so that a new leader counts on toward holding the node out.
+    faults_ms: tuple[int, ...] = ()
 
     @cached_property  # a member never changes: assigning ranks asks it of every member
     def usable_slots(self) -> tuple[int, ...]:
@@ -84,7 +87,8 @@ class Member:
         return _json({"node_id": self.node_id, "member_id": self.member_id, "host": self.host,
                       "store_port": self.store_port, "slots": self.slots, "seq": self.seq, "kind": self.kind.value,
                       "down_slots": sorted(self.down_slots), "master_port": self.master_port,
-                      "secret_hash": self.secret_hash, **({"proven": True} if self.proven else {})})
+                      "secret_hash": self.secret_hash, **({"proven": True} if self.proven else {}),
+                      **({"faults_ms": list(self.faults_ms)} if self.faults_ms else {})})
 
 
 @lru_cache(maxsize=1024)
@@ -378,7 +382,8 @@ def decode(data: bytes) -> JobState:
         failure=doc.get("failure", ""),
         **({"store_salt": doc["store_salt"]} if "store_salt" in doc else {}),  # else a new one: written before salts
         members=tuple(
-            Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"])})
+            Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"]),
+                      "faults_ms": tuple(m.get("faults_ms", ()))})
             for m in doc["members"]
         ),
         rank_map=None

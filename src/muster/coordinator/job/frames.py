@@ -13,8 +13,8 @@ from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S
 from muster.coordinator.core.machine import STATE_LOST as STATE_LOST_KIND
-from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeLost, Regroup, SlotDown,
-                                             SlotsUp, Verdict, run_ended)
+from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeFault, NodeLost, Regroup,
+                                             SlotDown, SlotsUp, Verdict, run_ended)
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -93,11 +93,12 @@ def admit(first: pb.NodeFrame, state: JobState, current: NodeStream | None) -> M
 class FrameReader:
     """Every frame of one job's streams, under one leader's term."""
 
-    def __init__(self, term: int, live: Liveness, stats: LeaderStats, clock: Callable[[], float]):
+    def __init__(self, term: int, live: Liveness, stats: LeaderStats, clock: Callable[[], float],
+                 wall: Callable[[], float]):
         self.term = term
         self.live = live
         self.stats = stats
-        self._clock = clock
+        self._clock, self._wall = clock, wall
         self._finishing_asked = False
         self._last_exit = ""  # the last rank exit heard, in words (a state-lost verdict names what lost it)
 
@@ -149,15 +150,15 @@ class FrameReader:
         self.stats.stepped(self.live.nodes[member.node_id].top_step)
         stream.local_ranks = tuple(r.local_rank for r in reports)
         if frame.exits:
-            events += self._exits(member, frame, state, now)
+            events += self._exits(member, frame, state)
         if recovered:
             events.append(SlotsUp(member.node_id, tuple(recovered)))
         return events
 
-    def _exits(self, member: Member, frame: pb.NodeFrame, state: JobState, now: float) -> list[MembershipEvent]:
+    def _exits(self, member: Member, frame: pb.NodeFrame, state: JobState) -> list[MembershipEvent]:
         rm = state.rank_map
         placement = rm.placement(member.node_id) if rm else None
-        events: list[MembershipEvent] = self._held_out(member, frame, state, now)
+        events: list[MembershipEvent] = self._held_out(member, frame, state)
         for e in frame.exits:
             how = f"killed by signal {-e.exit_code}" if e.exit_code < 0 else f"exit code {e.exit_code}"
             rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
@@ -192,19 +193,22 @@ class FrameReader:
                 events.append(SlotDown(member.node_id, e.local_rank, FailureKind.RANK_EXITED, f"pid {e.pid} {how}"))
         return events
 
-    def _held_out(self, member: Member, frame: pb.NodeFrame, state: JobState, now: float) -> list[MembershipEvent]:
+    def _held_out(self, member: Member, frame: pb.NodeFrame, state: JobState) -> list[MembershipEvent]:
         """A Leave (at once) of a node whose ranks failed of their own fault (an error, a
         crash signal) HOLD_OUT_FAILURES times within the window while no other node's did, unless the
         job would fall below min_nodes: its restarts would only fail the job's reforms again. (A
-        script's peers that die of its fault fail too: no node is held out then.)"""
+        script's peers that die of its fault fail too: no node is held out then.) Each such failure
+        is kept with the member too (`NodeFault`): a new leader counts on from it."""
         own = [e for e in frame.exits
                if e.error and not e.error.startswith(DECIDED) or not e.error and -e.exit_code in CRASH_SIGNALS]
         if not own or state.frozen:
             return []
+        at_ms = int(self._wall() * 1000)
         for e in own:
-            count = self.live.node_fault(member.node_id, now, (m.node_id for m in state.members))
+            count = self.live.node_fault(member.node_id, at_ms, (m.node_id for m in state.members))
+        events: list[MembershipEvent] = [NodeFault(member.node_id, at_ms)] * len(own)
         if count < HOLD_OUT_FAILURES or len(state.members) - 1 < state.spec.min_nodes:
-            return []
+            return events
         last = e.error or f"killed by signal {-e.exit_code}"
-        return [Leave(member.node_id, True, f"held out: its ranks failed {count} times within {HOLD_OUT_WINDOW_S:g} s "
-                                            f"while no other node's did (the last: {last})")]
+        return events + [Leave(member.node_id, True, f"held out: its ranks failed {count} times within "
+                                                     f"{HOLD_OUT_WINDOW_S:g} s while no other node's did (the last: {last})")]

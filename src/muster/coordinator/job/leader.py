@@ -77,6 +77,7 @@ def liveness_for(state: JobState, timing: Timing, now: float) -> Liveness:
         live.start_grace([m.node_id for m in state.members], now)
     for m in state.members:  # the failed pids died with the previous leader: any process is new
         live.awaiting(m.node_id, m.down_slots)
+        live.faults_before(m.node_id, m.faults_ms)
     return live
 
 
@@ -122,7 +123,7 @@ class JobLeader:
         self.log = log.bind(job=self.job, term=self.term)
         self.metrics = metrics or Metrics()
         self.stats = LeaderStats(self.job, self.metrics, now)
-        self._frames = FrameReader(self.term, self.live, self.stats, clock)
+        self._frames = FrameReader(self.term, self.live, self.stats, clock, wall)
         self._graced = True  # the takeover grace has not ended yet
         self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.limits.runs_kept, self.metrics,
                                self.log)
