@@ -93,8 +93,8 @@ BEHIND = 5
 def _behind_the_control_plane(pid: int) -> None:
     """On a real cluster etcd and the coordinators have hosts of their own; here the ranks, most of the
     suite's CPU, share two cores with them, and under load a coordinator starved for a second lost
-    its 2 s etcd session, and with it its leadership (fresh-clone run E: two tests failed so). Ranks
-    forked from `pid` inherit its niceness, its threads each their own (Linux: a thread's)."""
+    its 2 s etcd session, and with it its leadership (fresh-clone run E: two tests failed so). On Linux
+    niceness is per thread, so each of `pid`'s threads is set; what it forks inherits it."""
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
             os.setpriority(os.PRIO_PROCESS, int(task), BEHIND)

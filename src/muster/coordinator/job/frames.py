@@ -211,4 +211,5 @@ class FrameReader:
             return events
         last = e.error or f"killed by signal {-e.exit_code}"
         return events + [Leave(member.node_id, True, f"held out: its ranks failed {count} times within "
-                                                     f"{HOLD_OUT_WINDOW_S:g} s while no other node's did (the last: {last})")]
+                                                     f"{HOLD_OUT_WINDOW_S:g} s while no other node's did "
+                                                     f"(the last: {last})")]

@@ -64,8 +64,9 @@ class PeerAccess:
 class Relay:
     """This replica's relay of one job it does not lead: one Relay call to the leader. Until the
     leader accepts the call, a refused or failed attempt is retried (the leader looked up again, the
-    unsent frames kept) for up to `connect_s`, counted afresh from a new leader's election; once the call ends, every node stream it carried ends
-    with UNAVAILABLE and a leader hint, and the replica opens a new Relay for the next node."""
+    unsent frames kept) for up to `connect_s`, counted afresh from a new leader's election; once the
+    call ends, every node stream it carried ends with UNAVAILABLE and a leader hint, and the replica
+    opens a new Relay for the next node."""
 
     def __init__(self, job: str, address: str, leader: str, *, security: ClientSecurity,
                  find_leader: Callable[[str], Awaitable[str]], window_s: float, connect_s: float,
