@@ -99,6 +99,20 @@ def test_join_below_max_nodes_is_a_planned_switch():
     assert d.state.rank_map.switch_at_step == 12 and d.joined[0].node_id == "n3"
 
 
+def test_a_planned_switch_superseded_before_its_step_keeps_that_step():
+    """Run G: generation 6 said "switch after step 4", and 0.15 s later 7 said "after step 7". The
+    ranks that heard only 6 left their group after step 4; one that heard 7 stayed in it and hung.
+    A map superseding a switch no rank has reached keeps its step; once reached, a new one is ahead."""
+    state = decide(running(n=2, spec=JobSpec(2, 4, 1)), [join(3)], ctx(now=5, max_step=10)).state
+    assert state.rank_map.switch_at_step == 12
+    d = decide(state, [join(4)], ctx(now=5.2, max_step=11, step_time_s=0.1))
+    assert d.new_generation and not d.state.rank_map.abort_previous and d.state.rank_map.switch_at_step == 12
+    d = decide(d.state, [SlotDown("n4", 1, "rank_exited", "exit code 1")], ctx(now=5.3, max_step=12))
+    assert d.state.rank_map.abort_previous  # (an abort leaves the planned switch behind)
+    later = decide(state, [join(4)], ctx(now=6, max_step=12, step_time_s=0.1))  # 12 reached: the switch made
+    assert later.state.rank_map.switch_at_step == 12 + 6  # (0.5 s of lead at 0.1 s a step, and one)
+
+
 def test_graceful_leave_drains_the_node_at_the_switch_step():
     d = decide(running(), [Leave("n3", immediate=False, reason="SIGTERM")], ctx(now=5, max_step=10))
     assert d.drains == (("n3", 12),) and not d.state.rank_map.abort_previous

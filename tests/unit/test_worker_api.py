@@ -1,6 +1,8 @@
 """The worker's training-thread contract, without a coordinator: configuration from the
 environment, what a step scope counts, and which errors it lets through."""
 
+import types
+
 import pytest
 import torch
 
@@ -133,15 +135,43 @@ def test_a_step_boundary_reforms_for_an_abort_or_a_switch_due_and_looks_again_fo
     def gen(g, *, slots=(0,), abort=False, switch_at=0):
         return pb.Assignment(generation=g, role=pb.ROLE_ACTIVE, local_ranks=list(slots), abort_previous=abort,
                              switch_at_step=switch_at)
-    assert at_boundary(None, None, None, 1, 5, 0) == "nothing"
-    assert at_boundary(None, gen(1), gen(1), 1, 5, 0) == "nothing"  # nothing newer than this generation
-    assert at_boundary(None, gen(2, abort=True), gen(2, abort=True), 1, 5, 0) == "reform"
-    assert at_boundary(None, gen(2, switch_at=9), None, 1, 5, 0) == "again"  # a planned switch ahead
-    assert at_boundary(None, gen(2, switch_at=9), None, 1, 9, 0) == "reform"  # ...due at its step
-    assert at_boundary(None, gen(3, switch_at=9), gen(2, abort=True), 1, 5, 0) == "reform"  # the abort's group first
-    assert at_boundary(None, gen(3, switch_at=9), gen(2, slots=(1,), abort=True), 1, 5, 0) == "again"  # no place in it
-    assert at_boundary(7, gen(2, abort=True), None, 1, 7, 0) == "again"  # drained: Drained as the next step begins
-    assert at_boundary(9, None, None, 1, 7, 0) == "again"  # the drain's step is ahead
+    assert at_boundary(None, None, None, 0, 1, 5, 0) == "nothing"
+    assert at_boundary(None, gen(1), gen(1), 0, 1, 5, 0) == "nothing"  # nothing newer than this generation
+    assert at_boundary(None, gen(2, abort=True), gen(2, abort=True), 0, 1, 5, 0) == "reform"
+    assert at_boundary(None, gen(2), gen(2), 0, 1, 5, 0) == "reform"  # a rebuild, formed at once
+    assert at_boundary(None, gen(2, switch_at=9), None, 9, 1, 5, 0) == "again"  # a planned switch ahead
+    assert at_boundary(None, gen(2, switch_at=9), None, 9, 1, 9, 0) == "reform"  # ...due at its step
+    # A later map superseded the switch before its step: the step heard first holds (peers leave there)
+    assert at_boundary(None, gen(3, switch_at=12), None, 9, 1, 9, 0) == "reform"
+    assert at_boundary(None, gen(3, switch_at=9), gen(2, abort=True), 9, 1, 5, 0) == "reform"  # the abort's group first
+    assert at_boundary(None, gen(3, switch_at=9), gen(2, slots=(1,), abort=True), 9, 1, 5, 0) == "again"  # no place
+    assert at_boundary(7, gen(2, abort=True), None, 0, 1, 7, 0) == "again"  # drained: Drained as the next step begins
+    assert at_boundary(9, None, None, 0, 1, 7, 0) == "again"  # the drain's step is ahead
+
+
+def test_the_mailbox_keeps_the_first_switch_heard_away_from_the_running_generation():
+    """Generation 6 said "switch after step 4", generation 7 (0.15 s later) "after step 7": a rank
+    that heard both leaves its group after step 4, where the peers that heard only 6 leave it."""
+    from muster.worker.link import Link
+
+    link = Link("test")
+    link.session = types.SimpleNamespace(generation=5)
+
+    def hear(g, switch_at=0, abort=False):
+        link._deliver(pb.Directive(assignment=pb.Assignment(generation=g, role=pb.ROLE_ACTIVE, local_ranks=[0],
+                                                            switch_at_step=switch_at, abort_previous=abort)))
+    assert link.switch_after(5) == 0
+    hear(6, switch_at=4)
+    hear(7, switch_at=7)
+    assert link.latest.generation == 7 and link.switch_after(5) == 4
+    link._running(7)  # formed 7 (the reform's link.running, on the link's loop)
+    assert link.switch_after(7) == 0 and link.switches == {}
+    hear(8, switch_at=20)
+    hear(9, abort=True)  # an abort: formed at once, no planned step
+    assert link.switch_after(7) == 20 and link.switches == {8: 20}
+    link._running(9)
+    hear(10, switch_at=30)  # (what the rank left behind is dropped as the next arrives: it stays a handful)
+    assert link.switches == {10: 30}
 
 
 def test_an_abort_watches_a_group_formed_but_not_yet_adopted():

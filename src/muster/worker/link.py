@@ -3,7 +3,7 @@ worker library and the torchrun rendezvous handler. Both ends are a `Transport`.
 
 One owner for what the training thread and the link thread share: the link thread, with its own
 asyncio loop, runs the transport and is the only writer of the mailbox (`latest`, `base`,
-`drain_after`); the training thread reads it, waits on `changed`, and reaches the transport only
+`switches`, `drain_after`); the training thread reads it, waits on `changed`, and reaches the transport only
 through the loop (`call`, `leave`, `running`, `send_now`). The transport's end — fenced out, lost, or
 the run's end — is turned into a WorkerError here, once.
 """
@@ -57,6 +57,9 @@ class Link:
         self.session: Transport | None = None
         self.latest: pb.Assignment | None = None  # the newest assignment
         self.base: pb.Assignment | None = None  # the newest formed at once (not at a planned step)
+        # The planned switches heard, generation -> the step to switch after, for generations newer
+        # than the one this process runs (replaced whole, never changed in place: read on other threads).
+        self.switches: dict[int, int] = {}
         self.drain_after: int | None = None  # the node leaves the job after this step
         self.ended: pb.JobEnd | None = None  # the job's run ended
         self.changed = threading.Event()  # the mailbox has news (or the link failed)
@@ -89,7 +92,13 @@ class Link:
 
     def running(self, generation: int) -> None:
         """The generation this process runs now: the transport's frames carry it."""
-        self._loop.call_soon_threadsafe(setattr, self.session, "generation", generation)
+        self._loop.call_soon_threadsafe(self._running, generation)
+
+    def switch_after(self, generation: int) -> int:
+        """The step after which a rank in `generation` leaves it for a planned switch: the earliest heard
+        for any newer generation (0: none). A later map that supersedes a planned one before its step
+        does not move that step away: peers that heard only the earlier one leave the group there."""
+        return min((step for g, step in self.switches.items() if g > generation), default=0)
 
     def send_now(self) -> None:
         """A frame at once, not at the next interval."""
@@ -124,6 +133,7 @@ class Link:
         if self.session is not None:
             await self.session.stop()
         self.latest = self.base = self.drain_after = self.ended = None
+        self.switches = {}
         self.session = session = connect(self._deliver)
         if joined:
             await session.join(retry_for_s=join_timeout_s)
@@ -143,6 +153,14 @@ class Link:
         except Exception as exc:
             self._failed(session, CoordinatorLost(f"lost the coordinator: {exc}"), exc)
 
+    def _running(self, generation: int) -> None:
+        self.session.generation = generation
+        self.switches = self._newer(self.switches)
+
+    def _newer(self, switches: dict[int, int]) -> dict[int, int]:
+        """The switches to generations newer than the one this process runs (a handful at most)."""
+        return {g: step for g, step in switches.items() if g > self.session.generation}
+
     def _failed(self, session: Transport, error: WorkerError, cause: BaseException | None) -> None:
         if session is not self.session or session is self._left:
             return  # replaced meanwhile, or it left
@@ -161,6 +179,8 @@ class Link:
                 self.latest = a
                 if immediate(a):
                     self.base = a
+                else:
+                    self.switches = {**self._newer(self.switches), a.generation: a.switch_at_step}
             if evicted(d) is not None:
                 return  # the transport raises Evicted next: the failure tells
         elif d.HasField("drain"):

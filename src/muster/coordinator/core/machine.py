@@ -764,13 +764,17 @@ def _maybe_form(state: JobState, ctx: Context, log: list[Event]) -> tuple[JobSta
 
 
 def _switch_at(state: JobState, ctx: Context) -> int:
-    """A step far enough ahead that every rank hears of the change before reaching it."""
+    """A step far enough ahead that every rank hears of the change before reaching it. A planned
+    switch not yet reached keeps its step: the ranks that heard only it leave their group there, and
+    those that hear this map first must leave with them (the group they would stay in is gone)."""
+    pending = state.rank_map.switch_at_step if state.rank_map and not state.rank_map.abort_previous else 0
+    if pending > ctx.max_step:
+        return pending
     lead = 2
     if ctx.step_time_s:
         lead = max(lead, math.ceil((ctx.timing.switch_lead_s + ctx.step_lag_s) / ctx.step_time_s) + 1)
-    pending = state.rank_map.switch_at_step if state.rank_map and not state.rank_map.abort_previous else 0
     # Capped: steps come from the nodes, and the step must stay in the wire's uint64.
-    return min(max(ctx.max_step + lead, pending), MAX_STEP)
+    return min(ctx.max_step + lead, MAX_STEP)
 
 
 def _publish(state: JobState, placements, world_size: int, *, abort: bool, switch_at: int,

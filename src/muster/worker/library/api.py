@@ -316,7 +316,9 @@ class Worker:
     def _boundary(self) -> None:
         self.link.changed.clear()
         self._thread.raise_error()
-        due = at_boundary(self.link.drain_after, self.link.latest, self.link.base, self.generation, self.step, self._slot)
+        link = self.link
+        due = at_boundary(link.drain_after, link.latest, link.base, link.switch_after(self.generation), self.generation,
+                          self.step, self._slot)
         if due == "reform":
             self._reform()
             self._extras.noted(self.state.extras)  # (as the reform left them: a peer's, where it received)

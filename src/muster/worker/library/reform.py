@@ -198,14 +198,15 @@ class RepeatedFailure:
 
 
 def at_boundary(drain_after: int | None, latest: pb.Assignment | None, base: pb.Assignment | None,
-                generation: int, step: int, slot: int) -> Literal["reform", "again", "nothing"]:
+                switch_after: int, generation: int, step: int, slot: int) -> Literal["reform", "again", "nothing"]:
     """What a rank in `generation` does with its mailbox at the boundary after `step`: "reform" now,
-    look "again" at the next boundary (a drain or a planned switch ahead), or "nothing"."""
+    look "again" at the next boundary (a drain or a planned switch ahead), or "nothing".
+    `switch_after`: the earliest planned switch heard away from `generation` (Link.switch_after)."""
     if drain_due(drain_after, step):
         return "again"  # Drained is raised as the next step begins
     if latest is None or latest.generation <= generation:
         return "again" if drain_after is not None else "nothing"  # (the drain step is ahead)
-    if latest.abort_previous or step >= latest.switch_at_step or (
+    if immediate(latest) or 0 < switch_after <= step or (
             base is not None and base.generation > generation and placed(base, slot)):
         return "reform"  # (an abort came with a planned switch after it: form the abort's group)
     return "again"  # a planned switch ahead
