@@ -36,9 +36,10 @@ def outcome(case: ET.Element) -> str:
     return "passed"
 
 
-def cpu_seconds(case: ET.Element) -> float | None:
-    """The CPU seconds conftest.py recorded for the case (a property), or None (a run without it)."""
-    value = next((p.get("value") for p in case.iterfind("properties/property") if p.get("name") == "cpu_s"), None)
+def cpu_seconds(case: ET.Element, name: str = "cpu_s") -> float | None:
+    """The CPU seconds conftest.py recorded for the case (a property: `cpu_s` of all its processes,
+    `own_cpu_s` of the test process alone), or None (a run without it)."""
+    value = next((p.get("value") for p in case.iterfind("properties/property") if p.get("name") == name), None)
     return None if value is None else float(value)
 
 
@@ -59,6 +60,7 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         files[name.split("::")[0]] += seconds
     slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
     measured = any(c[3] is not None for c in cases)
+    harness = [cpu_seconds(c, "own_cpu_s") for c in suite.iter("testcase") if c.get("name")]
     return {
         "wall_s": round(float(suite.get("time", 0)), 3),
         "timestamp": suite.get("timestamp"),
@@ -69,6 +71,9 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         **({"cpu_seconds": round(sum(c[3] or 0.0 for c in cases), 1),
             "tiers_cpu_s": {tier: round(tiers_cpu[tier], 1) for tier in sorted(tiers, key=lambda t: -tiers[t])}}
            if measured else {}),
+        # the test processes' own share (their waits' polls, their log reads): the rest is what they started
+        **({"harness_cpu_seconds": round(sum(h or 0.0 for h in harness), 1)} if any(h is not None for h in harness)
+           else {}),
         "slowest": [{"test": name, "s": round(seconds, 1), "outcome": result,
                      **({"cpu_s": round(cpu, 1)} if cpu is not None else {})}
                     for name, seconds, result, cpu in slowest],
