@@ -273,7 +273,9 @@ def slowest_tests(top: int = 10) -> str:
             + (f" on {m['workers']} workers, {m['cpus']} CPUs" if "workers" in m and "cpus" in m else "")
             + (f", load average {load[0]} at its start" if load else "") +
             f"; the tests' own seconds, setup and teardown included: {tiers}."
-            + (f" The CPU seconds of their processes: {num(d['cpu_seconds'])} in all ({cpu_tiers})." if cpu else "")
+            + (f" The CPU seconds of their processes: {num(d['cpu_seconds'])} in all ({cpu_tiers})" if cpu else "")
+            + (f", of which the test processes' own (their waits, their log reads) {num(d['harness_cpu_seconds'])} s"
+               if cpu and "harness_cpu_seconds" in d else "") + ("." if cpu else "")
             + (f" {d['note']}" if d.get("note") else "") + "*\n")
 
 
