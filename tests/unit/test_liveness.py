@@ -100,7 +100,7 @@ def test_agent_reported_silent_rank_is_a_rank_failure():
 def test_a_new_process_in_a_failed_slot_is_reported_as_recovered():
     live = Liveness(TIMING, now=0)
     live.observe("n0", 1, report(5, pid=100), 0)
-    live.mark_failed("n0", 0, 100)
+    live.exits.mark_failed("n0", 0, 100)
     assert live.observe("n0", 1, report(5, pid=100, state="exited"), 0.1) == []
     assert live.observe("n0", 1, report(0, pid=101, state="starting"), 0.2) == [0]
 

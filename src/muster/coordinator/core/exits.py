@@ -102,6 +102,11 @@ class ExitBook:
         """The slot's process failed; a different pid in that slot later means it came back."""
         self.failed_pids[(node_id, local_rank)] = pid or -1
 
+    def awaiting(self, node_id: str, slots: Iterable[int]) -> None:
+        """Slots with no process yet (a node starting its ranks): any process there is their recovery."""
+        for slot in slots:
+            self.mark_failed(node_id, slot, -1)
+
     def came_back(self, node_id: str, r: RankReport) -> bool:
         """Whether `r` is a new process in a failed slot (then no longer failed)."""
         failed_pid = self.failed_pids.get((node_id, r.local_rank))

@@ -53,7 +53,7 @@ class Liveness:
         # Indexes kept by `observe`, so that a tally looks only at what changed:
         self._wheel = SilenceWheel(timing.heartbeat_timeout_s)
         self._deadlines = Deadlines()
-        self._exits = ExitBook()
+        self.exits = ExitBook()  # the ranks' exits and faults, asked by the frame reader as it reads them
         self._group = GroupWatch(timing)
         self._digests = DigestTally()
         self._recoveries = RecoveryWatch()
@@ -114,7 +114,7 @@ class Liveness:
         for slot, live in node.ranks.items() if node else ():
             self._group.holding.discard((node_id, slot))
             self._digests.count(live.digest_step, -1)
-        self._exits.forget(node_id, node.ranks if node else ())
+        self.exits.forget(node_id, node.ranks if node else ())
 
     def _node(self, node_id: str, now: float) -> NodeLive:
         node = self.nodes.get(node_id)
@@ -159,7 +159,7 @@ class Liveness:
         node.generation = generation
         recovered = []
         lost_ms = self.timing.heartbeat_timeout_s * 1000
-        exits, failed_pids = self._exits, self._exits.failed_pids
+        exits, failed_pids = self.exits, self.exits.failed_pids
         top_step = 0
         for r in reports:
             if r.state not in UNMONITORED:  # a script's steps (its probe's) restart with its process: not the job's
@@ -251,34 +251,13 @@ class Liveness:
         if node is not None:
             node.lagging = False
 
-    def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
-        """The slot's process failed; a different pid in that slot later means it came back."""
-        self._exits.mark_failed(node_id, local_rank, pid)
-
-    def repeated(self, node_id: str, local_rank: int, pid: int, error: str, step: int) -> bool:
-        """The slot's process died as its previous one did (`ExitBook.repeated`)."""
-        return self._exits.repeated(node_id, local_rank, pid, error, step)
-
     def all_at_start(self, node_id: str, local_rank: int, error: str, step: int,
                      state: JobState) -> tuple[int, int] | None:
         """Every rank of the map the job started in died of this error before its first step
         (`ExitBook.all_at_start`): that map's (generation, ranks), else None. O(nodes) while the
         job is at its start, to see whether a rank stepped past it."""
-        started = bool(self._exits.at_start) and self.max_step(state) > 1
-        return self._exits.all_at_start(node_id, local_rank, error, step, state.rank_map, started)
-
-    def node_fault(self, node_id: str, at_ms: int, others) -> int:
-        """A rank of the node failed of its own fault (`ExitBook.node_fault`)."""
-        return self._exits.node_fault(node_id, at_ms, others)
-
-    def faults_before(self, node_id: str, faults_ms) -> None:
-        """A member's own faults under earlier leaders (`ExitBook.faults_before`)."""
-        self._exits.faults_before(node_id, faults_ms)
-
-    def awaiting(self, node_id: str, slots) -> None:
-        """Slots with no process yet (a node starting its ranks): any process there is their recovery."""
-        for slot in slots:
-            self._exits.mark_failed(node_id, slot, -1)
+        started = bool(self.exits.at_start) and self.max_step(state) > 1
+        return self.exits.all_at_start(node_id, local_rank, error, step, state.rank_map, started)
 
     def generation_published(self, generation: int, now: float) -> None:
         """A new map (or a new leader's first view of the current one): reforming is not a stall
@@ -301,7 +280,7 @@ class Liveness:
     def failures(self, state: JobState, now: float) -> list[Failure]:
         """Exited ranks of the map; silence and stalls among the members, except during the grace.
         A failure is found at every tally until a decision removes it."""
-        exited = self._exits.in_map(state.rank_map, self.nodes)
+        exited = self.exits.in_map(state.rank_map, self.nodes)
         if self.in_grace(now):
             return exited
         found = self._wheel.silent(self.nodes, state, now) + self._stalled(state, now)
@@ -356,6 +335,6 @@ class Liveness:
             self.forget(node_id)
         for member in d.joined:
             self.track(member.node_id, now)
-            self.awaiting(member.node_id, member.down_slots)
+            self.exits.awaiting(member.node_id, member.down_slots)
         if d.new_generation:
             self.generation_published(d.state.generation, now)

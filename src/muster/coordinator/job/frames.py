@@ -168,7 +168,7 @@ class FrameReader:
                 events.append(Verdict(member.node_id, f"{who} {where}: {e.error}", STATE_LOST_KIND))
             elif e.error.startswith(REFUSED):
                 events.append(Verdict(member.node_id, f"{who} {where}, refused as every restart would be: {e.error}"))
-            elif self.live.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
+            elif self.live.exits.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
                 events.append(Verdict(member.node_id, f"{who} failed again {where} with the same error after a "
                                                       f"restart: {e.error}"))
             elif at_start := self.live.all_at_start(member.node_id, e.local_rank, e.error, e.step, state):
@@ -189,7 +189,7 @@ class FrameReader:
                     events.append(Regroup(FailureKind.RANK_RESTARTED, f"local rank {e.local_rank}: pid {e.pid} "
                                           f"{how}; its agent restarts it in place", (member.node_id,)))
             else:
-                self.live.mark_failed(member.node_id, e.local_rank, e.pid)
+                self.live.exits.mark_failed(member.node_id, e.local_rank, e.pid)
                 events.append(SlotDown(member.node_id, e.local_rank, FailureKind.RANK_EXITED, f"pid {e.pid} {how}"))
         return events
 
@@ -205,7 +205,7 @@ class FrameReader:
             return []
         at_ms = int(self._wall() * 1000)
         for e in own:
-            count = self.live.node_fault(member.node_id, at_ms, (m.node_id for m in state.members))
+            count = self.live.exits.node_fault(member.node_id, at_ms, (m.node_id for m in state.members))
         events: list[MembershipEvent] = [NodeFault(member.node_id, at_ms)] * len(own)
         if count < HOLD_OUT_FAILURES or len(state.members) - 1 < state.spec.min_nodes:
             return events

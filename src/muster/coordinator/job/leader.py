@@ -76,8 +76,8 @@ def liveness_for(state: JobState, timing: Timing, now: float) -> Liveness:
     if state.members:  # taken over: agents get a grace period to reconnect
         live.start_grace([m.node_id for m in state.members], now)
     for m in state.members:  # the failed pids died with the previous leader: any process is new
-        live.awaiting(m.node_id, m.down_slots)
-        live.faults_before(m.node_id, m.faults_ms)
+        live.exits.awaiting(m.node_id, m.down_slots)
+        live.exits.faults_before(m.node_id, m.faults_ms)
     return live
 
 
