@@ -105,6 +105,26 @@ def test_a_lost_session_ends_every_leadership_of_its_replica_and_each_job_is_led
     asyncio.run(scenario())
 
 
+def test_a_replica_leading_its_job_again_on_the_map_it_left_keeps_the_jobs_recoveries():
+    """Fresh-clone runs E and B: a coordinator's etcd session lapsed under load, and the same replica
+    took the job back at once, but the recovery it had measured was lost with the old term's memory."""
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("j",), n=1) as ([replica], nodes):
+            old = replica.leaders["j"]
+            await until(lambda: old.stats.recoveries, "the first map's recovery measured")
+            measured = list(old.stats.recoveries)
+            twins.coordination.expire(twins.coordination.leader_session("j"))
+            led = await until(lambda: replica.leaders.get("j") not in (None, old) and replica.leaders["j"],
+                              "j led again on the new session")
+            assert led.term > old.term and led.state.generation == old.state.generation
+            assert led.stats is old.stats and list(led.stats.recoveries) == measured
+            shown = await until(lambda: replica.leaders["j"].tallies and replica.leaders["j"], "a tally of the new term")
+            assert list((await replica.events("j")).recoveries) == measured and shown is led  # as `muster events` shows them
+
+    asyncio.run(scenario())
+
+
 def test_a_session_lost_as_it_replaces_a_lost_one_is_replaced_too():
     # After a long etcd freeze a grant can come back already past its renew deadline; the loss of that
     # session, heard while the replica was still setting it up, once went unheard: no leader, for good.

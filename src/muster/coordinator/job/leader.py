@@ -98,7 +98,9 @@ class JobLeader:
         retain_s: float = 7 * 86400.0,
         member_keys: Callable[[], MemberKeys | None] = lambda: None,
         budgets: JobBudgets | None = None,
+        stats: LeaderStats | None = None,
     ):
+        """`stats`: the figures of this replica's last leadership of the job, where it left the same map."""
         self.job = state.job
         self.leadership = leadership
         self.term = leadership.term
@@ -122,7 +124,7 @@ class JobLeader:
         self.tallies = 0  # tallies done: a test waits for some before it asserts that nothing changed
         self.log = log.bind(job=self.job, term=self.term)
         self.metrics = metrics or Metrics()
-        self.stats = LeaderStats(self.job, self.metrics, now)
+        self.stats = stats or LeaderStats(self.job, self.metrics, now)
         self._frames = FrameReader(self.term, self.live, self.stats, clock, wall)
         self._graced = True  # the takeover grace has not ended yet
         self._run_end = RunEnd(leadership, timing.stop_grace_s, retain_s, self.limits.runs_kept, self.metrics,

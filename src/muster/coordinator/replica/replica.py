@@ -30,6 +30,7 @@ from muster.coordinator.core.stragglers import StragglerPolicy
 from muster.coordinator.replica.election_waits import ElectionWaits
 from muster.coordinator.errors import FailedPrecondition, NotLeader, StoreUnavailable
 from muster.coordinator.job.leader import JobLeader
+from muster.coordinator.job.leader_stats import LeaderStats
 from muster.coordinator.job.leadership import Leadership
 from muster.coordinator.metrics import Metrics
 from muster.coordinator.replica.ports import LeaderPort, RelayCall, RelayPort, SessionPort
@@ -75,6 +76,9 @@ class Replica:
         self.coordination = coordination
         self.jobs: set[str] = set()
         self.leaders: dict[str, JobLeader] = {}
+        # The figures (recoveries, history) of a leadership this replica lost, by job: taken up again
+        # if it leads the job next with the run and map it left (no other leader changed them meanwhile).
+        self._stood_down: dict[str, tuple[int, int, LeaderStats]] = {}
         self._creating: dict[str, asyncio.Future] = {}  # jobs being created, done once their spec is (or is not)
         self.relays = Relays(lambda: self.address, peers.security, self._elected, window_s=config.relay_batch_s,
                              # A dead leader's key outlives it by up to the session TTL: followed, not given up on.
@@ -139,6 +143,7 @@ class Replica:
         self.log.warning("session_replaced", reason=reason, led=sorted(self.leaders))
         for job in list(self.leaders):
             if (leader := self.leaders.pop(job, None)) is not None:
+                self._stand_down(leader)
                 await leader.stop(reason)
 
     # ---- leadership ------------------------------------------------------------------
@@ -193,8 +198,10 @@ class Replica:
             if spec is None:
                 self.log.warning("job_spec_missing", job=job)
                 spec_lost = True
+        run, generation, stats = self._stood_down.pop(job, (0, 0, None))
         return JobLeader(
             replace(state, term=key.term),
+            stats=stats if data and (run, generation) == (state.run, state.generation) else None,
             leadership=Leadership(key, self.store, session_alive=self.campaigns.session.alive, restore_spec=spec_lost),
             address=self.address,
             timing=self.config.timing,
@@ -230,6 +237,7 @@ class Replica:
         if leader is not None and not leader.ended and (leader.state.ended or leader.state.members):
             return
         self.jobs.discard(job)
+        self._stood_down.pop(job, None)
         if leader is not None:
             del self.leaders[job]
             asyncio.ensure_future(leader.stop("the job's run ended"))
@@ -244,8 +252,14 @@ class Replica:
         (it ends every leadership of this replica)."""
         leader = self.leaders.pop(job, None)
         if leader is not None:
+            self._stand_down(leader)
             asyncio.ensure_future(leader.stop(reason))
         self.campaigns.retry(job, reason)
+
+    def _stand_down(self, leader: JobLeader) -> None:
+        """Keep a lost leadership's figures for this replica's next one of the job: an etcd session
+        lapsing under load (a missed renewal) lost a recovery's record, and the job's history with it."""
+        self._stood_down[leader.job] = (leader.state.run, leader.state.generation, leader.stats)
 
     # ---- routing ---------------------------------------------------------------------
 
