@@ -119,8 +119,8 @@ def test_a_replica_leading_its_job_again_on_the_map_it_left_keeps_the_jobs_recov
                               "j led again on the new session")
             assert led.term > old.term and led.state.generation == old.state.generation
             assert led.stats is old.stats and list(led.stats.recoveries) == measured
-            shown = await until(lambda: replica.leaders["j"].tallies and replica.leaders["j"], "a tally of the new term")
-            assert list((await replica.events("j")).recoveries) == measured and shown is led  # as `muster events` shows them
+            await until(lambda: led.tallies, "a tally of the new term")
+            assert list((await replica.events("j")).recoveries) == measured  # as `muster events` shows them
 
     asyncio.run(scenario())
 
