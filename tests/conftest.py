@@ -49,10 +49,10 @@ def _cpu_s() -> float:
     a test's agents, ranks, coordinators and etcd are reaped by its teardown; ranks forked from the
     worker's shared zygote (`training`) are reaped by the zygote, which reports their CPU, and those of
     `muster.testing.run_processes` by multiprocessing's forkserver, whose /proc stat counts them."""
-    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     local = sys.modules.get("muster.local")
     warm = local.WarmRanks.reaped_cpu_s() if local is not None else 0.0
-    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + warm + _forkserver_reaped_cpu_s()
+    return _own_cpu_s() + reaped.ru_utime + reaped.ru_stime + warm + _forkserver_reaped_cpu_s()
 
 
 def _forkserver_reaped_cpu_s() -> float:

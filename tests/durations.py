@@ -49,8 +49,8 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
     if suite is None:
         raise ValueError(f"{xml}: no <testsuite> (not a pytest --junitxml file?)")
     properties = {p.get("name"): p.get("value") for p in suite.iterfind("properties/property")}
-    cases = [(case_id(c), float(c.get("time", 0)), outcome(c), cpu_seconds(c)) for c in suite.iter("testcase")
-             if c.get("name")]  # (a run interrupted by ^C ends with nameless cases)
+    named = [c for c in suite.iter("testcase") if c.get("name")]  # (a run interrupted by ^C ends with nameless cases)
+    cases = [(case_id(c), float(c.get("time", 0)), outcome(c), cpu_seconds(c)) for c in named]
     outcomes, tiers, tiers_cpu, files = defaultdict(int), defaultdict(float), defaultdict(float), defaultdict(float)
     for name, seconds, result, cpu in cases:
         outcomes[result] += 1
@@ -60,7 +60,7 @@ def summary(xml: Path, top: int, note: str = "") -> dict:
         files[name.split("::")[0]] += seconds
     slowest = sorted((c for c in cases if c[2] != "skipped"), key=lambda c: -c[1])[:top]
     measured = any(c[3] is not None for c in cases)
-    harness = [cpu_seconds(c, "own_cpu_s") for c in suite.iter("testcase") if c.get("name")]
+    harness = [cpu_seconds(c, "own_cpu_s") for c in named]
     return {
         "wall_s": round(float(suite.get("time", 0)), 3),
         "timestamp": suite.get("timestamp"),

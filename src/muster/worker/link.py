@@ -155,11 +155,11 @@ class Link:
 
     def _running(self, generation: int) -> None:
         self.session.generation = generation
-        self.switches = self._newer(self.switches)
+        self.switches = self._newer()
 
-    def _newer(self, switches: dict[int, int]) -> dict[int, int]:
-        """The switches to generations newer than the one this process runs (a handful at most)."""
-        return {g: step for g, step in switches.items() if g > self.session.generation}
+    def _newer(self) -> dict[int, int]:
+        """The switches heard to generations newer than the one this process runs (a handful at most)."""
+        return {g: step for g, step in self.switches.items() if g > self.session.generation}
 
     def _failed(self, session: Transport, error: WorkerError, cause: BaseException | None) -> None:
         if session is not self.session or session is self._left:
@@ -180,7 +180,7 @@ class Link:
                 if immediate(a):
                     self.base = a
                 else:
-                    self.switches = {**self._newer(self.switches), a.generation: a.switch_at_step}
+                    self.switches = {**self._newer(), a.generation: a.switch_at_step}
             if evicted(d) is not None:
                 return  # the transport raises Evicted next: the failure tells
         elif d.HasField("drain"):
