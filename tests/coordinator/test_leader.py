@@ -14,7 +14,7 @@ from muster.testing import FakeClock, until
 from muster.coordinator.core.liveness import TAKEOVER_UNHEARD_TIMEOUTS
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
-from muster.coordinator.core.state import JobState, decode
+from muster.coordinator.core.state import JobState, Outcome, decode
 from muster.coordinator.errors import AlreadyExists, NotLeader
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.job.leader import LARGE_JOB_NODES, JobLeader
@@ -202,44 +202,73 @@ def test_a_large_job_changes_off_the_loop_and_every_node_gets_its_part_once():
     asyncio.run(scenario())
 
 
+def _formed_abc() -> JobState:
+    """Nodes a, b and c (min 2), formed: the state a leader of the tests below takes over."""
+    spec = JobSpec(min_nodes=2, max_nodes=3)
+    formed = decide(JobState("job", spec), [Join(n, "10.0.0.1", 29500, 1) for n in "abc"],
+                    Context(now=0, wall_ms=0, term=1, timing=TIMING)).state
+    return decide(formed, [Tick()], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
+
+
+def _c_failed(leader: JobLeader, pid: int, step: int) -> None:
+    """Node c reports that its rank (process `pid`) died of an error in `step`."""
+    c = leader.state.member("c")
+    leader.on_frame(leader.streams["c"], pb.NodeFrame(
+        job="job", node_id="c", member_id=c.member_id, term=leader.term, generation=leader.state.generation,
+        exits=[pb.RankExit(local_rank=0, pid=pid, exit_code=1, step=step,
+                           error=f"RuntimeError: CUDA error: an illegal memory access (step {step})")]))
+
+
+async def _led(state: JobState, term: int, store: MemoryJobStore) -> JobLeader:
+    """A leader of `state` in `term`, every member's stream open."""
+    leadership = Leadership(LeaderKey("job", term, "memory/job", "replica"), store)
+    leader = JobLeader(state, leadership=leadership, address="replica", timing=TIMING, tick_s=0.01, clock=FakeClock())
+    for m in state.members:
+        leader.streams[m.node_id] = NodeStream("job", m.node_id, m.member_id, m.kind)
+    leader.start()
+    return leader
+
+
 def test_a_nodes_fault_count_toward_holding_it_out_outlives_its_leader():
     """Node c's rank fails of its own fault twice under one leader and once under the next (it lost
     its etcd session in between: fresh-clone run E): the third failure within the window holds c
     out, as it would have under one leader. Before, the count began again at each term."""
-    spec = JobSpec(min_nodes=2, max_nodes=3)
-    ctx = Context(now=0, wall_ms=0, term=1, timing=TIMING)
-    formed = decide(JobState("job", spec), [Join(n, "10.0.0.1", 29500, 1) for n in "abc"], ctx).state
-    formed = decide(formed, [Tick()], Context(now=1, wall_ms=0, term=1, timing=TIMING)).state
     store = MemoryJobStore()
 
-    def fault(leader: JobLeader, pid: int, step: int) -> None:
-        c = leader.state.member("c")
-        leader.on_frame(leader.streams["c"], pb.NodeFrame(
-            job="job", node_id="c", member_id=c.member_id, term=leader.term, generation=leader.state.generation,
-            exits=[pb.RankExit(local_rank=0, pid=pid, exit_code=1, step=step,
-                               error=f"RuntimeError: CUDA error: an illegal memory access (step {step})")]))
-
-    async def led(state: JobState, term: int) -> JobLeader:
-        leadership = Leadership(LeaderKey("job", term, "memory/job", "replica"), store)
-        leader = JobLeader(state, leadership=leadership, address="replica", timing=TIMING, tick_s=0.01,
-                           clock=FakeClock())
-        for m in state.members:
-            leader.streams[m.node_id] = NodeStream("job", m.node_id, m.member_id, m.kind)
-        leader.start()
-        return leader
-
     async def scenario():
-        first = await led(formed, 1)
+        first = await _led(_formed_abc(), 1, store)
         for pid, step in ((101, 2), (102, 22)):
-            fault(first, pid, step)
+            _c_failed(first, pid, step)
             await until(lambda: (s := stored(store)) and len(s.member("c").faults_ms) == step // 20 + 1,
                         "the fault kept with c's membership")
         await first.stop("its session lost", resigned=True)
-        second = await led(stored(store), 2)
-        fault(second, 103, 40)
+        second = await _led(stored(store), 2, store)
+        _c_failed(second, 103, 40)
         await until(lambda: second.state.member("c") is None, "c held out")
         (left,) = [e for e in second.state.history if e.kind == "node_left"]
         assert "held out: its ranks failed 3 times" in left.reason, left
+        await second.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_slots_failure_repeated_under_the_next_leader_is_a_repeat():
+    """Node c's rank dies of an error in step 6 under one leader; its restart dies of the same error in
+    the same step under the next (the first lost its etcd session between: a 3-worker run). The run
+    ends failed at once with the repeat's verdict, as under one leader. Before, the new leader did not
+    know the first failure and restarted every slot once more."""
+    store = MemoryJobStore()
+
+    async def scenario():
+        first = await _led(_formed_abc(), 1, store)
+        _c_failed(first, 101, 6)
+        await until(lambda: (s := stored(store)) and s.member("c").last_errors, "c's failure kept with c")
+        await first.stop("its session lost", resigned=True)
+        second = await _led(stored(store), 2, store)
+        _c_failed(second, 102, 6)
+        await until(lambda: second.state.ended, "the run ended")
+        assert second.state.outcome is Outcome.FAILED and "failed again in step 6 with the same error" \
+            in second.state.outcome_reason, second.state.outcome_reason
         await second.stop("test over", resigned=True)
 
     asyncio.run(scenario())

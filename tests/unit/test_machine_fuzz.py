@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from muster.coordinator.core.exits import HOLD_OUT_FAILURES
 from muster.coordinator.core.machine import (Context, Finishing, Join, Leave, NodeFault, NodeLost, Rejoin, SlotDown,
-                                             SlotsUp, Stop, Tick, decide)
+                                             SlotError, SlotsUp, Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, NodeKind, Phase, decode, encode
 
@@ -24,6 +24,8 @@ events = st.one_of(
               st.just("10.0.0.2"), st.integers(1, 65535), st.integers(1, 4), st.sampled_from(list(NodeKind))),
     st.builds(Finishing, st.sampled_from(NODES), st.just("done")),
     st.builds(NodeFault, st.sampled_from(NODES), st.integers(0, 2**41)),
+    st.builds(SlotError, st.sampled_from(NODES), st.integers(0, 4), st.sampled_from(["", "0123abcd", "4567ef01"]),
+              st.integers(0, 30), st.integers(1, 9)),
     st.just(Stop("operator")),
     st.just(Tick()),
 )
@@ -67,6 +69,9 @@ def test_any_sequence_of_events_keeps_the_invariants(spec, batches, prestart, ma
             assert sorted(ranks) == list(range(rm.world_size)) and rm.world_size % spec.world_size_multiple == 0
             assert spec.min_nodes <= len(rm.placements) <= spec.max_nodes
         assert all(len(m.faults_ms) <= HOLD_OUT_FAILURES for m in nxt.members), "a member keeps its last faults only"
+        assert all(len({e[0] for e in m.last_errors}) == len(m.last_errors) and all(0 <= e[0] < m.slots and e[1]
+                                                                                    for e in m.last_errors)
+                   for m in nxt.members), "a member keeps one last failure a slot of its own"
         if d.persist:
             assert decode(encode(nxt)) == nxt
         state = nxt

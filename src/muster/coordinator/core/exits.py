@@ -3,11 +3,13 @@ pids of failed processes, so that a new process in such a slot counts as its rec
 slot's last failure, so that one repeated by the next process is known (`repeated`), and the
 failures at the job's start, so that one every rank met is known without a restart (`all_at_start`),
 and when each node's ranks failed of their own fault, so that a node whose ranks alone keep failing
-is known (`node_fault`).
+is known (`node_fault`). The last failures and the own faults are kept with the members too (the
+job's state), so that a new leader goes on from them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 from muster.coordinator.core.kinds import FailureKind
@@ -20,11 +22,16 @@ from muster.coordinator.core.state import RankMap
 HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S = 3, 600.0
 
 
+def error_digest(error: str) -> str:
+    """A rank's error as its slot's last failure is kept (in the job's state, so short): "" for none."""
+    return hashlib.sha256(error.encode()).hexdigest()[:16] if error else ""
+
+
 class ExitBook:
     def __init__(self) -> None:
         self.failed_pids: dict[tuple[str, int], int] = {}  # (node, slot) -> the pid that failed there (-1: none yet)
         self.reported: set[tuple[str, int]] = set()  # slots reporting exited or restarting
-        self.last_errors: dict[tuple[str, int], tuple[str, int, int]] = {}  # (node, slot) -> (error, step, pid)
+        self.last_errors: dict[tuple[str, int], tuple[str, int, int]] = {}  # (node, slot) -> (digest, step, pid)
         self.at_start: dict[tuple[str, int], str] = {}  # (node, slot) -> the error it died of at the job's start
         self.cohort: tuple[int, frozenset[tuple[str, int]]] = (0, frozenset())  # the map they started in
         self.own_faults: dict[str, list[int]] = {}  # node -> when (wall ms) its ranks failed of their own fault
@@ -57,8 +64,8 @@ class ExitBook:
         if not error:
             self.last_errors.pop(key, None)
             return False
-        self.last_errors[key] = (error, step, pid)
-        return before is not None and before[:2] == (error, step) and before[2] != pid
+        self.last_errors[key] = (digest := error_digest(error), step, pid)
+        return before is not None and before[:2] == (digest, step) and before[2] != pid
 
     def all_at_start(self, node_id: str, local_rank: int, error: str, step: int, rm: RankMap | None,
                      started: bool) -> tuple[int, int] | None:
@@ -97,6 +104,12 @@ class ExitBook:
         goes on from them, as the last one's would have."""
         if faults_ms:
             self.own_faults[node_id] = list(faults_ms)
+
+    def errors_before(self, node_id: str, last_errors: Iterable[tuple[int, str, int, int]]) -> None:
+        """A member's slots' last failures as the job's state kept them (`Member.last_errors`): a new
+        leader knows a repeat as the last one would have."""
+        for slot, digest, step, pid in last_errors:
+            self.last_errors[(node_id, slot)] = (digest, step, pid)
 
     def mark_failed(self, node_id: str, local_rank: int, pid: int) -> None:
         """The slot's process failed; a different pid in that slot later means it came back."""

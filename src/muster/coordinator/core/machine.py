@@ -175,12 +175,25 @@ class NodeFault:
 
 
 @dataclass(frozen=True)
+class SlotError:
+    """A process of the slot failed of `digest` (its error's, `exits.error_digest`; "": no error known,
+    a streak broken) in `step`: kept with its member (`Member.last_errors`), so that a new leader
+    still knows a restart that fails the same way as a repeat. No membership change either."""
+
+    node_id: str
+    local_rank: int
+    digest: str
+    step: int
+    pid: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened but time passed (forming and waiting deadlines)."""
 
 
 MembershipEvent = (Join | Rejoin | Leave | NodeLost | SlotDown | SlotsUp | Diverged | Straggling | Regroup | Finishing
-                   | NodeFault | Stop | Verdict | Tick)
+                   | NodeFault | SlotError | Stop | Verdict | Tick)
 # The events a request waits on, the only ones `decide` refuses: each carries its request's ticket, a
 # number the inbox gives it (0: nobody waits), so that a refusal reaches its request wherever the
 # event stands in the batch.
@@ -439,6 +452,17 @@ def _on_node_fault(f: _Fold, ev: NodeFault) -> None:
     f.changed = True
 
 
+def _on_slot_error(f: _Fold, ev: SlotError) -> None:
+    member = f.members.get(ev.node_id)
+    if member is None or not 0 <= ev.local_rank < member.slots:  # (kept: one a slot)
+        return
+    others = tuple(e for e in member.last_errors if e[0] != ev.local_rank)
+    kept = (*others, (ev.local_rank, ev.digest, ev.step, ev.pid)) if ev.digest else others
+    if kept != member.last_errors:
+        f.members[ev.node_id] = replace(member, last_errors=kept)
+        f.changed = True
+
+
 def _on_diverged(f: _Fold, ev: Diverged) -> None:
     f.note("replicas_diverged", ev.reason, *ev.nodes)
     f.changed = True
@@ -488,7 +512,7 @@ def _on_regroup(f: _Fold, ev: Regroup) -> None:
 
 _FOLD = {Rejoin: _on_rejoin, Join: _on_join, Leave: _on_leave, NodeLost: _on_lost, SlotDown: _on_slot_down,
          SlotsUp: _on_slots_up, Diverged: _on_diverged, Straggling: _on_straggling, Finishing: _on_finishing,
-         NodeFault: _on_node_fault, Stop: _on_stop, Regroup: _on_regroup, Verdict: _on_verdict}
+         NodeFault: _on_node_fault, SlotError: _on_slot_error, Stop: _on_stop, Regroup: _on_regroup, Verdict: _on_verdict}
 
 
 def decide(state: JobState, events: Sequence[MembershipEvent], ctx: Context) -> Decision:

@@ -72,6 +72,9 @@ class Member:
     # When (wall ms) its ranks last failed of their own fault, the newest last (at most
     # HOLD_OUT_FAILURES): persisted so that a new leader counts on toward holding the node out.
     faults_ms: tuple[int, ...] = ()
+    # Each slot's last failure, (slot, error digest, step, pid): persisted so that a new leader knows a
+    # restart that fails the same way again as a repeat (`ExitBook.repeated`), as the last one would.
+    last_errors: tuple[tuple[int, str, int, int], ...] = ()
 
     @cached_property  # a member never changes: assigning ranks asks it of every member
     def usable_slots(self) -> tuple[int, ...]:
@@ -88,7 +91,8 @@ class Member:
                       "store_port": self.store_port, "slots": self.slots, "seq": self.seq, "kind": self.kind.value,
                       "down_slots": sorted(self.down_slots), "master_port": self.master_port,
                       "secret_hash": self.secret_hash, **({"proven": True} if self.proven else {}),
-                      **({"faults_ms": list(self.faults_ms)} if self.faults_ms else {})})
+                      **({"faults_ms": list(self.faults_ms)} if self.faults_ms else {}),
+                      **({"last_errors": [list(e) for e in self.last_errors]} if self.last_errors else {})})
 
 
 @lru_cache(maxsize=1024)
@@ -383,7 +387,8 @@ def decode(data: bytes) -> JobState:
         **({"store_salt": doc["store_salt"]} if "store_salt" in doc else {}),  # else a new one: written before salts
         members=tuple(
             Member(**{**m, "kind": NodeKind(m["kind"]), "down_slots": frozenset(m["down_slots"]),
-                      "faults_ms": tuple(m.get("faults_ms", ()))})
+                      "faults_ms": tuple(m.get("faults_ms", ())),
+                      "last_errors": tuple(tuple(e) for e in m.get("last_errors", ()))})
             for m in doc["members"]
         ),
         rank_map=None

@@ -11,10 +11,10 @@ from muster.coordinator import wire
 from muster.coordinator.claims import check_rejoin, secret_hash
 from muster.coordinator.core.kinds import FailureKind
 from muster.coordinator.core.liveness import Liveness
-from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S
+from muster.coordinator.core.exits import HOLD_OUT_FAILURES, HOLD_OUT_WINDOW_S, error_digest
 from muster.coordinator.core.machine import STATE_LOST as STATE_LOST_KIND
 from muster.coordinator.core.machine import (Finishing, Leave, MembershipEvent, NodeFault, NodeLost, Regroup,
-                                             SlotDown, SlotsUp, Verdict, run_ended)
+                                             SlotDown, SlotError, SlotsUp, Verdict, run_ended)
 from muster.coordinator.core.policy import JobSpec
 from muster.coordinator.core.state import JobState, Member, NodeKind
 from muster.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -164,11 +164,15 @@ class FrameReader:
             rank = f"rank {placement.rank_of(e.local_rank)} " if placement and e.local_rank in placement.slots else ""
             who = f"{rank}(node {member.node_id!r}, local rank {e.local_rank})"
             where = f"in step {e.step}" if e.step else "before any step it reported"
+            repeated = False
+            if not e.error.startswith((*STATE_LOST, REFUSED)):  # (ends of their own, below)
+                repeated = self.live.exits.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step)
+                events.append(SlotError(member.node_id, e.local_rank, error_digest(e.error), e.step, e.pid))
             if e.error.startswith(STATE_LOST):  # the worker library's StateLost (ShardLost): no tier holds the state
                 events.append(Verdict(member.node_id, f"{who} {where}: {e.error}", STATE_LOST_KIND))
             elif e.error.startswith(REFUSED):
                 events.append(Verdict(member.node_id, f"{who} {where}, refused as every restart would be: {e.error}"))
-            elif self.live.exits.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step):
+            elif repeated:
                 events.append(Verdict(member.node_id, f"{who} failed again {where} with the same error after a "
                                                       f"restart: {e.error}"))
             elif at_start := self.live.all_at_start(member.node_id, e.local_rank, e.error, e.step, state):

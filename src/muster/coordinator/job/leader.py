@@ -78,6 +78,7 @@ def liveness_for(state: JobState, timing: Timing, now: float) -> Liveness:
     for m in state.members:  # the failed pids died with the previous leader: any process is new
         live.exits.awaiting(m.node_id, m.down_slots)
         live.exits.faults_before(m.node_id, m.faults_ms)
+        live.exits.errors_before(m.node_id, m.last_errors)
     return live
 
 
