@@ -316,7 +316,14 @@ class Churn:
                     call.cancel()
                     leader = hint[0] if hint else leader
                     await asyncio.sleep(0.05)
-            await call.write(frame(pb.RANK_STATE_FINISHED, step=1))
+            try:
+                await call.write(frame(pb.RANK_STATE_FINISHED, step=1))
+                ended_first = False
+            except grpc.aio.AioRpcError:
+                # grpc aio's INTERNAL for a write to a stream the replica ended first (the run ended as the
+                # other node's finish was tallied, or the leadership moved): the Leave below hears which
+                self.window.stream_ends["ended_before_its_finish"] += 1
+                ended_first = True
             try:
                 await self.unary("Leave", pb.LeaveRequest(job=job, node_id=node_id, member_id=joined.member_id,
                                                           finished=True, reason="churn: done",
@@ -331,17 +338,8 @@ class Churn:
                     raise NodeFailed("leave", exc.code().name, exc.details() or "") from None
                 left = True
             # Closed from this end after leaving (a process node's stream closing before it left is its exit).
-            try:
-                await call.done_writing()
-                async with asyncio.timeout(2):
-                    while (d := await call.read()) is not grpc.aio.EOF:
-                        if d.HasField("end"):
-                            self.window.stream_ends[f"JobEnd:{d.end.outcome}"] += 1
-                self.window.stream_ends["OK"] += 1
-            except grpc.aio.AioRpcError as exc:
-                self.window.stream_ends[exc.code().name] += 1
-            except TimeoutError:
-                self.window.stream_ends["open_2s_after_leave"] += 1
+            if not ended_first:
+                await self._close(call)
         finally:
             if call is not None:
                 call.cancel()
@@ -352,6 +350,20 @@ class Churn:
                         reason="churn: failed", session_secret=joined.session_secret), leader, 2.0))
                 except (grpc.aio.AioRpcError, asyncio.CancelledError):
                     pass
+
+    async def _close(self, call) -> None:
+        """A stream closed from this end, and how it ended counted."""
+        try:
+            await call.done_writing()
+            async with asyncio.timeout(2):
+                while (d := await call.read()) is not grpc.aio.EOF:
+                    if d.HasField("end"):
+                        self.window.stream_ends[f"JobEnd:{d.end.outcome}"] += 1
+            self.window.stream_ends["OK"] += 1
+        except grpc.aio.AioRpcError as exc:
+            self.window.stream_ends[exc.code().name] += 1
+        except TimeoutError:
+            self.window.stream_ends["open_2s_after_leave"] += 1
 
     async def _until_active(self, call, interval: float, frame) -> pb.Directive:
         """Read directives until this node's ROLE_ACTIVE assignment, writing a frame every heartbeat
