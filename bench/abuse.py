@@ -27,7 +27,8 @@ that asks for 125,000 nodes, with 128-character node ids; `run_flood`, job D's t
 
 And review 5's L1 on the page's port (`page_port`): `--idle-http` connections that each send half
 a request line and nothing more, with the replica's threads and RSS at their peak, and when the
-port closed them.
+port closed them. Last, review 5's H1 (`store_planting`): bench/store_planting.py's trials
+(`--store-planting-trials`).
 
     python bench/abuse.py                       # 8 x 46,000 frames, 30 s
     python bench/abuse.py --messages 2 --frames 20000 --duration 5   # a smoke test
@@ -546,6 +547,8 @@ def main() -> int:
     parser.add_argument("--joins", type=int, default=200, help="job A's Joins (N4)")
     parser.add_argument("--idle-http", type=int, default=600, help="idle connections to the page's port (L1)")
     parser.add_argument("--etcd-flood", type=float, default=20.0, help="seconds of each etcd flood (H2)")
+    parser.add_argument("--store-planting-trials", type=int, default=3,
+                        help="bench/store_planting.py's trials (review 5's H1), 0: none")
     args = parser.parse_args()
     logs.configure("warning")
     with tempfile.TemporaryDirectory(prefix="muster-abuse-") as tmp:
@@ -565,7 +568,8 @@ def main() -> int:
                       **asyncio.run(scenario(replica, args))}
             result["attacks"]["etcd_peer_port"] = etcd_peer_port()
             result["attacks"]["page_port"] = page_port(replica, args.idle_http)
-            result["attacks"]["store_planting"] = store_planting.run(trials=3)
+            if args.store_planting_trials:
+                result["attacks"]["store_planting"] = store_planting.run(trials=args.store_planting_trials)
         finally:
             if replica is not None:
                 replica.stop()
