@@ -195,17 +195,19 @@ def judge(now: dict, baseline: dict) -> tuple[int, list[dict]]:
             verdicts.append({"figure": f.name, "verdict": "unmeasured", "baseline": theirs["median"],
                              "error": now["network_errors"][0]})
             continue
-        if ours is None or theirs is None:
+        if ours is None:
             continue
         scaled = ours["median"] / speed if f.cpu else ours["median"]
-        allowed = theirs["median"] * (1 + f.tolerance) + f.slack
+        allowed = theirs["median"] * (1 + f.tolerance) + f.slack if theirs is not None else None
         if f.bound is not None and scaled > f.bound:
             verdict = "worse"  # the promise itself: no baseline or noise excuses it
+        elif allowed is None:
+            verdict = "no baseline"  # a figure newer than the baseline: its bound alone (--update adds it)
         else:
             verdict = "ok" if scaled <= allowed else ("inconclusive" if noisy else "worse")
-        status = max(status, {"ok": 0, "inconclusive": 2, "worse": 1}[verdict])
-        verdicts.append({"figure": f.name, "verdict": verdict, "median": ours["median"],
-                         "scaled": round(scaled, 3), "allowed": round(allowed, 3), "baseline": theirs["median"],
+        status = max(status, {"ok": 0, "no baseline": 0, "inconclusive": 2, "worse": 1}[verdict])
+        verdicts.append({"figure": f.name, "verdict": verdict, "median": ours["median"], "scaled": round(scaled, 3),
+                         **({"allowed": round(allowed, 3), "baseline": theirs["median"]} if theirs is not None else {}),
                          **({"bound": f.bound} if f.bound is not None else {})})
     return status, verdicts
 

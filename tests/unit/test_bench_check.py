@@ -41,8 +41,13 @@ def test_a_figure_past_its_tolerance_on_a_noisy_machine_is_inconclusive():
     assert verdicts(run(spread=0.4, wall_over_cpu=3.0, leader_change_ms=100.0), baseline)[0] == 0
 
 
-def test_figures_missing_on_either_side_are_not_judged():
-    assert verdicts(run(leader_change_ms=100.0), run(tick_ms=0.01)) == (0, {})
+def test_a_figure_not_measured_is_not_judged_and_one_the_baseline_lacks_is_held_to_its_bound_alone():
+    """The committed baseline predates reform_excess_s: its bound (the target) is judged all the same.
+    Before, a figure missing from the baseline was dropped, and the reform's bound with it."""
+    assert verdicts(run(leader_change_ms=100.0), run(tick_ms=0.01)) == (0, {"leader_change_ms": "no baseline"})
+    assert verdicts(run(), run(tick_ms=0.01)) == (0, {})
+    assert verdicts(run(reform_excess_s=0.12), run()) == (0, {"reform_excess_s": "no baseline"})
+    assert verdicts(run(reform_excess_s=0.28), run()) == (1, {"reform_excess_s": "worse"})
 
 
 def test_a_latency_past_its_absolute_bound_is_worse_however_noisy_the_host_or_slow_the_baseline():
