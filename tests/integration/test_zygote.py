@@ -161,6 +161,56 @@ def test_a_forked_rank_marks_its_completion_before_teardown_and_a_failing_one_do
 
 
 
+# How scripts end, each run cold (`python SCRIPT`) and forked: the same status, stdout and stderr.
+ENDINGS = {
+    "returns": """
+        import atexit, threading, time
+        class Freed:
+            def __del__(self):
+                print("global freed", flush=True)
+        kept = Freed()
+        atexit.register(print, "atexit ran")
+        def late():
+            time.sleep(0.3)
+            print("thread done")
+        threading.Thread(target=late).start()
+        print("unflushed", end="")  # (a file: block-buffered until the exit flushes it)
+    """,
+    "exits_3": "import sys\nprint('bye')\nsys.exit(3)\n",
+    "exits_with_a_message": "import sys\nsys.exit('no data at /data')\n",
+    "raises": "def load():\n    raise ValueError('bad shard 7')\nload()\n",
+    "interrupted": "raise KeyboardInterrupt\n",
+    "prints_from_c": "import ctypes\nctypes.CDLL(None).printf(b'from C')\n",
+    "aborts_in_a_destructor": "import os\nclass A:\n    def __del__(self):\n        os.abort()\na = A()\n",
+}
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_rank_ends_as_python_script_ends(tmp_path):
+    """Its own teardown without the zygote's (`runner.end_forked`): threads joined, atexit run, its
+    globals freed, output flushed (libc's too), and the status an interpreter's exit gives."""
+    paths = {name: script(tmp_path, body).rename(tmp_path / f"{name}.py") for name, body in ENDINGS.items()}
+    cold = {}
+    for name, path in paths.items():
+        done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        cold[name] = (done.returncode, done.stdout, done.stderr)
+
+    async def main():
+        zygote = await Zygote.start(dict(os.environ), GUARD, preload=("ctypes",))
+        try:
+            return {name: await (await _spawn(zygote, Program(str(path), False, (), False), tmp_path,
+                                              name=name)).wait() for name, path in paths.items()}
+        finally:
+            zygote.close()
+
+    codes = run(main())
+    warm = {name: (codes[name], (tmp_path / f"{name}.txt").read_text(), (tmp_path / f"{name}.err").read_text())
+            for name in paths}
+    assert cold["returns"] == (0, "unflushedthread done\natexit ran\nglobal freed\n", "")  # the order of an exit
+    for name in paths:
+        assert warm[name] == cold[name], name
+
+
 @pytest.mark.timeout(30)
 def test_the_exit_of_a_rank_gone_before_the_agent_reads_its_pid_still_ends_it():
     """A loaded agent may read the zygote's answer and the rank's exit in one go: the exit must

@@ -20,16 +20,22 @@ status, and an uncaught exception's traceback without this module's or runpy's f
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import gc
 import json
 import os
 import runpy
 import shutil
+import signal
 import sys
 import threading
 import time
 import traceback
 import types
+import weakref
 from dataclasses import dataclass
+from typing import NoReturn
 
 from muster.worker.rank import group_end, step_probe
 
@@ -212,6 +218,70 @@ def _from_program(hook):
         hook(kind, value.with_traceback(tb), tb)
 
     return excepthook
+
+
+def end_forked(exc: BaseException | None, inherited: frozenset[str]) -> NoReturn:
+    """End a rank the zygote forked as the interpreter ends `python SCRIPT`, `exc` what the program
+    raised (None: it returned): its exception printed (exit 1, or death by SIGINT for
+    KeyboardInterrupt) or SystemExit's status taken; its non-daemon threads joined; every atexit
+    handler run; then the modules it imported torn down, its own globals first (their __del__ run,
+    an abort there is the rank's exit), its garbage collected and its output flushed. What the
+    zygote imported is left to the process's end: tearing it down frees the zygote's objects one by
+    one, copying every page the rank shares with it (0.45 s of CPU a rank on a slow host, ~42k page
+    faults), for nothing the program made."""
+    code = 0
+    if isinstance(exc, SystemExit):
+        code = _system_exit_code(exc.code)
+    elif exc is not None:
+        sys.excepthook(type(exc), exc, exc.__traceback__)  # (the program's own, `_from_program`)
+        code = 1
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    exc = None  # its traceback holds the program's frames: they die with its modules, below
+    threading._shutdown()  # type: ignore[attr-defined]  (what the interpreter's exit does first)
+    atexit._run_exitfuncs()
+    _tear_down([name for name in sys.modules if name not in inherited])
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass  # closed, or its reader gone: as the interpreter, nothing to be done
+    ctypes.CDLL(None).fflush(None)  # what C code printed (torch's, an extension's) into libc's buffers
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
+def _system_exit_code(code: object) -> int:
+    """The status SystemExit(code) ends a process with; a code that is no int is printed, as the
+    interpreter prints it, and ends it with 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    try:
+        print(code, file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+    return 1
+
+
+def _tear_down(names: list[str]) -> None:
+    """Modules leave as at the interpreter's exit: out of sys.modules, newest first (the program's
+    kept globals, `_keep`, are the newest), the garbage collected, then the globals of those still
+    alive cleared, private names first (CPython's _PyModule_ClearDict), and collected again."""
+    alive = [weakref.ref(m) for m in (sys.modules.pop(name, None) for name in reversed(names))
+             if isinstance(m, types.ModuleType)]
+    gc.collect()
+    for ref in alive:
+        namespace = getattr(ref(), "__dict__", None)
+        for private in (True, False):
+            for key in [k for k in namespace or () if isinstance(k, str) and k.startswith("_") == private]:
+                if key != "__builtins__":
+                    namespace[key] = None
+        namespace = None
+    gc.collect()
 
 
 def main() -> None:

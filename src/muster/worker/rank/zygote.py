@@ -11,8 +11,9 @@ Only `PYTHON [-u] SCRIPT ARGS…` and `PYTHON [-u] -m MODULE ARGS…` with the a
 run warm (what `muster run -- torchrun …` starts is always one); any other command is executed as
 before. The child sees what `python SCRIPT` would show it: its own environment, working directory,
 stdio, `sys.argv`, `sys.path[0]` and `__main__` (the runner runs it, and marks its completion as
-for a cold start); it exits through the interpreter's normal shutdown (atexit handlers run; an
-uncaught exception prints its traceback and exits 1).
+for a cold start); it ends as the interpreter ends it (non-daemon threads joined, atexit handlers
+run, an uncaught exception printed and exit 1, the modules it imported torn down), save that what the
+zygote imported is not torn down (`runner.end_forked`).
 
 Protocol (a SOCK_SEQPACKET pair, one JSON message per packet): the agent's first message lists
 modules to import after the preloaded ones (none for the first zygote); then it sends {"id",
@@ -42,17 +43,20 @@ import struct
 import sys
 from importlib import import_module
 from pathlib import Path
+from typing import NoReturn
 
 import setproctitle
 import structlog
 
-from muster.worker.rank.runner import Program, command_line, run
+from muster.worker.rank.runner import Program, command_line, end_forked, run
 
 log = structlog.get_logger(__name__)
 
 PR_SET_PDEATHSIG = 1
 # What every rank of a DDP script imports; DDP's constructor imports torch._dynamo (1.2 s of CPU alone).
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+# And Muster's worker library, which a library rank imports first thing (200 modules with gRPC and
+# protobuf: 0.2-0.5 s of CPU a rank on a slow host); a node of plain scripts pays it once, in its zygote.
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "muster.worker.library.api")
 # What decides the module path a zygote imports from: an agent whose differ uses a zygote of its own.
 PATH_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR")
 MAX_MESSAGE = 1 << 20  # a rank's argv and environment
@@ -92,7 +96,7 @@ def main() -> None:
         _preload(channel, name)
     zygote = os.getpid()
     try:
-        _serve(channel, listener)  # (returns in a rank too, once its script has run)
+        _serve(channel, listener)  # (never in a rank: it ends in _become_rank)
     finally:
         if listener is not None and channel is None and os.getpid() == zygote:
             _unlink(listener.getsockname())
@@ -178,15 +182,12 @@ def _serve_until_gone(channel: socket.socket | None, listener: socket.socket | N
                     if listener is not None:
                         listener.close()
                     if request.get("successor"):
-                        successor = os.getpid()
                         # An agent's, forked by a host's zygote, lives as long as its agent: losing
                         # or restarting the host's ends no rank of any job.
                         _become_successor(channel, fds, None if request.get("agents") else zygote)
-                        if os.getpid() == successor:
-                            os._exit(0)  # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
-                        return  # a rank it forked ran (not os._exit: its atexit, flushes and exit status are the script's)
-                    _become_rank(channel, request, fds, zygote)
-                    return  # the rank ran: the interpreter exits as after `python SCRIPT`
+                        # a zygote has nothing to flush; a thread an unsafe import started is no reason to wait
+                        os._exit(0)
+                    _become_rank(channel, request, fds, zygote)  # (never returns: the rank ends there)
                 _close(fds)
                 if "id" in request:
                     _send(channel, {"id": request["id"], "pid": pid})
@@ -274,8 +275,7 @@ def _reap(channel: socket.socket | None) -> None:
 def _become_successor(channel: socket.socket | None, fds: list[int], zygote: int | None) -> None:
     """In the forked child: a zygote of its own on the channel the agent passed, which imports the
     learned modules on top of this one's (torch is loaded already) and dies with it (with `zygote`
-    None: only with the agent's channel). Returns when the agent is gone, and in each rank it
-    forked once the rank's script has run."""
+    None: only with the agent's channel). Returns when the agent is gone (its ranks never return)."""
     if channel is not None:
         channel.close()
     signal.set_wakeup_fd(-1)
@@ -293,8 +293,9 @@ def _die_with(zygote: int) -> None:
         os._exit(1)  # the zygote died before prctl took effect
 
 
-def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: int) -> None:
-    """In the forked child: take the rank's stdio, environment and directory, then run it."""
+def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: int) -> NoReturn:
+    """In the forked child: take the rank's stdio, environment and directory, then run it and end."""
+    inherited = frozenset(sys.modules)
     channel.close()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -314,7 +315,11 @@ def _become_rank(channel: socket.socket, request: dict, fds: list[int], zygote: 
     # Else `ps`, `top`, `nvidia-smi` and `pgrep -f SCRIPT` show every rank as the zygote (its argv's
     # memory, TITLE_ROOM; /proc/PID/environ still shows the zygote's: docs/operations/observing.md).
     setproctitle.setproctitle(" ".join(command_line(program)))
-    run(program)
+    try:
+        run(program)
+    except BaseException as exc:  # (SystemExit and KeyboardInterrupt too: the interpreter's exit takes them)
+        end_forked(exc, inherited)
+    end_forked(None, inherited)
 
 
 def _fresh_random() -> None:
