@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muster.coordinator.core.exits import ExitBook
+from muster.coordinator.core.exits import ExitBook, error_digest
 from muster.coordinator.core.machine import Context, Join, SlotDown, Tick, Verdict, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode, encode
@@ -46,17 +46,20 @@ def test_an_error_every_rank_of_the_map_dies_of_at_the_jobs_start_is_known_witho
     assert book.all_at_start("n2", 0, "OSError: no data", 1, rm, True) is None and not book.at_start
 
 
+BOOM = error_digest("RuntimeError: boom")
+
+
 def test_a_slot_whose_next_process_dies_the_same_way_is_a_repeat():
     book = ExitBook()
-    assert not book.repeated("n1", 0, 100, "RuntimeError: boom", 6)
-    assert not book.repeated("n1", 0, 100, "RuntimeError: boom", 6), "the same process told again (a new leader)"
-    assert book.repeated("n1", 0, 101, "RuntimeError: boom", 6)
-    assert not book.repeated("n1", 1, 102, "RuntimeError: boom", 6), "another slot's first"
-    assert not book.repeated("n1", 1, 103, "RuntimeError: boom", 7), "another step"
-    assert not book.repeated("n1", 1, 104, "", 0) and not book.repeated("n1", 1, 105, "RuntimeError: boom", 7), \
+    assert not book.repeated("n1", 0, 100, BOOM, 6)
+    assert not book.repeated("n1", 0, 100, BOOM, 6), "the same process told again (a new leader)"
+    assert book.repeated("n1", 0, 101, BOOM, 6)
+    assert not book.repeated("n1", 1, 102, BOOM, 6), "another slot's first"
+    assert not book.repeated("n1", 1, 103, BOOM, 7), "another step"
+    assert not book.repeated("n1", 1, 104, "", 0) and not book.repeated("n1", 1, 105, BOOM, 7), \
         "a death with no error known (a SIGKILL) breaks the streak"
     book.forget("n1", (0, 1))
-    assert not book.repeated("n1", 0, 106, "RuntimeError: boom", 6), "a node gone and back starts afresh"
+    assert not book.repeated("n1", 0, 106, BOOM, 6), "a node gone and back starts afresh"
 
 
 def test_a_verdict_ends_the_run_failed_at_once_with_its_reason_and_publishes_nothing():

@@ -53,18 +53,18 @@ class ExitBook:
                 del book[key]
         self.own_faults.pop(node_id, None)
 
-    def repeated(self, node_id: str, local_rank: int, pid: int, error: str, step: int) -> bool:
-        """A process of the slot died of `error` in `step`: did the slot's previous process die the same
-        way (the same error at the same step)? Then its restart met the same fault: one that repeats
+    def repeated(self, node_id: str, local_rank: int, pid: int, digest: str, step: int) -> bool:
+        """A process of the slot died of the error of `digest` (`error_digest`) in `step`: did the slot's
+        previous process die the same way (the same error at the same step)? Then its restart met the same fault: one that repeats
         (a script's bug at step N, a model sharded after register(), a full disk), not one a process
         restarted elsewhere outlives. An exit with no error known (a signal) breaks a streak; the same
         process reported again (to a new leader) is not a repeat."""
         key = (node_id, local_rank)
         before = self.last_errors.get(key)
-        if not error:
+        if not digest:
             self.last_errors.pop(key, None)
             return False
-        self.last_errors[key] = (digest := error_digest(error), step, pid)
+        self.last_errors[key] = (digest, step, pid)
         return before is not None and before[:2] == (digest, step) and before[2] != pid
 
     def all_at_start(self, node_id: str, local_rank: int, error: str, step: int, rm: RankMap | None,

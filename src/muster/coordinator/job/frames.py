@@ -166,8 +166,9 @@ class FrameReader:
             where = f"in step {e.step}" if e.step else "before any step it reported"
             repeated = False
             if not e.error.startswith((*STATE_LOST, REFUSED)):  # (ends of their own, below)
-                repeated = self.live.exits.repeated(member.node_id, e.local_rank, e.pid, e.error, e.step)
-                events.append(SlotError(member.node_id, e.local_rank, error_digest(e.error), e.step, e.pid))
+                digest = error_digest(e.error)
+                repeated = self.live.exits.repeated(member.node_id, e.local_rank, e.pid, digest, e.step)
+                events.append(SlotError(member.node_id, e.local_rank, digest, e.step, e.pid))
             if e.error.startswith(STATE_LOST):  # the worker library's StateLost (ShardLost): no tier holds the state
                 events.append(Verdict(member.node_id, f"{who} {where}: {e.error}", STATE_LOST_KIND))
             elif e.error.startswith(REFUSED):
