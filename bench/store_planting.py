@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from muster.worker.library.comm import GroupChannel, GroupSpec
 from muster.worker.library.state import ReplicatedState
+from muster.testing import run_processes
 from muster.worker.store import serve
 
 CPU = torch.device("cpu")
@@ -98,26 +99,14 @@ def trial(workdir: str, n: int) -> dict:
     marker = os.path.join(workdir, f"ran-{n}")
     stop, planted = threading.Event(), []
     attacker = threading.Thread(target=attack, args=(store.port, marker, stop, planted), daemon=True)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, store.port, out)) for r in range(2)]
     began = time.monotonic()
     attacker.start()
-    for p in procs:
-        p.start()
     try:
-        ranks = {}
-        for _ in range(2):
-            r = out.get(timeout=120)
-            ranks[r.pop("rank")] = r
+        # (forked from a server that imported torch once: a spawned rank imported it again, 3-4 s of CPU)
+        ranks = {r.pop("rank"): r for r in run_processes(rank_main, [(0, store.port), (1, store.port)], 2, 120)}
     finally:
         stop.set()
         attacker.join(10)
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
     return {"ranks": ranks, "planted": planted, "payload_ran": os.path.exists(marker),
             "seconds": round(time.monotonic() - began, 3)}
 

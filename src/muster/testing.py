@@ -1,7 +1,7 @@
 """What only tests use: `until`, a wait on an event loop for a condition; `FakeClock`, a
 monotonic clock that moves only when told (pass it as a component's `clock=`); `run_processes`,
-the ranks of a multi-process test, started cheaply. The harness that the demo and the benchmarks
-share, `wait_until` among it, is in `muster.local`."""
+the ranks of a multi-process test (or of a benchmark a test runs), started cheaply. The harness
+that the demo and the benchmarks share, `wait_until` among it, is in `muster.local`."""
 
 from __future__ import annotations
 
