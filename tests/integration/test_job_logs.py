@@ -5,7 +5,6 @@ job; what a rank prints reaches the terminal escaped. And the coordinator refuse
 characters in a Leave's or Stop's reason and in a rank's phase, naming the field."""
 
 import asyncio
-import json
 import os
 import re
 import stat

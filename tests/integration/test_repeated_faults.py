@@ -9,7 +9,6 @@ with backoff, or 852 generations in 300 s)."""
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
