@@ -237,20 +237,34 @@ def end_forked(exc: BaseException | None, inherited: frozenset[str]) -> NoReturn
         code = 1
     interrupted = isinstance(exc, KeyboardInterrupt)
     exc = None  # its traceback holds the program's frames: they die with its modules, below
-    threading._shutdown()  # type: ignore[attr-defined]  (what the interpreter's exit does first)
-    atexit._run_exitfuncs()
-    _tear_down([name for name in sys.modules if name not in inherited])
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  (what the interpreter's exit does first)
+        atexit._run_exitfuncs()
+        _tear_down([name for name in sys.modules if name not in inherited])
+    except BaseException:  # (a fault here must neither return into the zygote's code nor end the rank 0)
+        traceback.print_exc()
+        code = code or 1
+    finally:
+        _flush()
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)
+
+
+def _flush() -> None:
+    """The process's output out, as the interpreter's exit flushes it: Python's streams, then what C
+    code (torch's, an extension's) printed into libc's buffers."""
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
                 stream.flush()
         except (OSError, ValueError):
             pass  # closed, or its reader gone: as the interpreter, nothing to be done
-    ctypes.CDLL(None).fflush(None)  # what C code printed (torch's, an extension's) into libc's buffers
-    if interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code & 0xFF)
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass  # no C library to load by that name
 
 
 def _system_exit_code(code: object) -> int:
