@@ -25,9 +25,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from muster.testing import run_processes
 from muster.worker.library.comm import GroupChannel, GroupSpec
 from muster.worker.library.state import ReplicatedState
-from muster.testing import run_processes
 from muster.worker.store import serve
 
 CPU = torch.device("cpu")

@@ -55,10 +55,10 @@ class ExitBook:
 
     def repeated(self, node_id: str, local_rank: int, pid: int, digest: str, step: int) -> bool:
         """A process of the slot died of the error of `digest` (`error_digest`) in `step`: did the slot's
-        previous process die the same way (the same error at the same step)? Then its restart met the same fault: one that repeats
-        (a script's bug at step N, a model sharded after register(), a full disk), not one a process
-        restarted elsewhere outlives. An exit with no error known (a signal) breaks a streak; the same
-        process reported again (to a new leader) is not a repeat."""
+        previous process die the same way (the same error at the same step)? Then its restart met the
+        same fault: one that repeats (a script's bug at step N, a model sharded after register(), a
+        full disk), not one a process restarted elsewhere outlives. An exit with no error known (a
+        signal) breaks a streak; the same process reported again (to a new leader) is not a repeat."""
         key = (node_id, local_rank)
         before = self.last_errors.get(key)
         if not digest:
