@@ -102,7 +102,8 @@ def test_a_state_begun_again_at_step_0_is_the_tier_none_with_every_step_lost():
         d = decide(d.state, [NodeLost("n1", FailureKind.PROCESS_EXITED, "gone")], c(4))
         stats.adopted(d, 4, 0)
     g = d.state.generation
-    stats.reported("n0", frame(g, pb.ReformPhases(generation=g, tier="", step=0, begun_at=g)), 5)  # nothing restored
+    began = frame(g, pb.ReformPhases(generation=g, tier="", step=0, begun_at=g))  # nothing restored
+    assert stats.reported("n0", began, 5) == 0  # (the state-lost verdict said it: not a second loss)
     m = stats._measuring.record
     assert (m.generation, m.tier, m.step, m.steps_lost) == (g, "none", 0, 57)
 

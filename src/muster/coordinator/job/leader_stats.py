@@ -182,7 +182,8 @@ class LeaderStats:
                 if self._begun_again:  # (the ranks, begun at step 0, report nothing restored)
                     self._begun_again = False
                     record.tier, record.steps_lost = "none", self.high_step
-                    self.high_step = 0
+                    # (their word that it began from nothing here is this verdict's, not a second loss)
+                    self.high_step = self._high_at[d.state.generation] = 0
         if d.persist:
             self._signals.clear()
 
