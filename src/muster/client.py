@@ -63,6 +63,13 @@ def leader_hint(error: grpc.RpcError) -> str:
     return ""
 
 
+def electing(error: grpc.RpcError | None) -> bool:
+    """A replica answered that the job has no leader yet (an election under way: a failover, or the
+    one replica's own lease renewed late), as opposed to no replica answering at all."""
+    return error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and any(
+        key == LEADER_METADATA and not value for key, value in error.trailing_metadata() or ())
+
+
 def redirect(error: grpc.RpcError, address: str, order: list[str]) -> bool:
     """After a call to `address` failed: False when the error is final; otherwise True, with the
     leader it names (if any) put first in `order`. Used by the sync and the async clients."""
@@ -76,11 +83,12 @@ def redirect(error: grpc.RpcError, address: str, order: list[str]) -> bool:
 
 class Coordinators:
     def __init__(self, addresses: str | Sequence[str], *, timeout_s: float = 5.0, retry_for_s: float = 0.0,
-                 security: ClientSecurity | None = None):
+                 election_wait_s: float = 0.0, security: ClientSecurity | None = None):
         self.addresses = parse_addresses(addresses)
         self.security = security or ClientSecurity()
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s  # keep trying (with backoff) while no leader answers
+        self.election_wait_s = election_wait_s  # keep trying while a replica answers that none is elected yet
         self._channels: dict[str, grpc.Channel] = {}
 
     def stub(self, address: str) -> pb_grpc.CoordinatorStub:
@@ -92,6 +100,7 @@ class Coordinators:
     def call(self, rpc: str, request, *, prefer: str | None = None):
         """Call `rpc` on the leader (for job RPCs) or the first live replica (for queries)."""
         deadline = time.monotonic() + self.retry_for_s
+        election_deadline = time.monotonic() + self.election_wait_s
         backoff = Backoff(0.05, 1.0)
         last: grpc.RpcError | None = None
         while True:
@@ -107,7 +116,8 @@ class Coordinators:
                     if not redirect(exc, address, order):
                         raise
                     last = exc
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline and not (electing(last) and now < election_deadline):
                 raise last
             time.sleep(backoff.next())
 

@@ -279,3 +279,41 @@ def test_a_leader_that_sees_the_session_loss_itself_while_another_stops_leaves_t
                 assert led.term > old[job].term
 
     asyncio.run(scenario())
+
+
+def test_a_client_call_waits_out_an_election_but_not_a_replica_that_does_not_answer():
+    """Fresh-clone run S: `muster stop` met the one replica between two leaderships (its session lapsed
+    under load) and failed with "no leader is elected yet, retry". A client verb now asks again for
+    --election-wait (a failover takes seconds), and only while a replica answers so: an address
+    nobody serves fails within the call's timeout."""
+    import grpc
+
+    from muster.client import Coordinators, electing
+    from muster.net import free_port
+
+    async def scenario():
+        twins = Twins()
+        async with replicas_leading(twins, ("j",), n=1) as ([replica], nodes):
+            twins.coordination.make_unavailable()  # (the campaign for the next term waits)
+            twins.coordination.expire(twins.coordination.leader_session("j"))
+            await until(lambda: "j" not in replica.leaders, "the leadership lost")
+            with Coordinators(replica.address, timeout_s=2) as at_once:
+                with pytest.raises(grpc.RpcError) as refused:
+                    await asyncio.to_thread(at_once.call, "Stop", pb.StopRequest(job="j"))
+            assert electing(refused.value) and "no leader is elected yet" in refused.value.details()
+
+            with Coordinators(replica.address, timeout_s=2, election_wait_s=10) as waiting:
+                stop = asyncio.ensure_future(asyncio.to_thread(waiting.call, "Stop", pb.StopRequest(job="j")))
+                await asyncio.sleep(1.0)
+                assert not stop.done()
+                twins.coordination.make_available()
+                assert (await asyncio.wait_for(stop, 10)).run == 1
+                assert replica.leaders["j"].term > 1
+
+        with Coordinators(f"127.0.0.1:{free_port()}", timeout_s=1, election_wait_s=10) as nobody:
+            began = time.monotonic()
+            with pytest.raises(grpc.RpcError) as unanswered:
+                await asyncio.to_thread(nobody.call, "Stop", pb.StopRequest(job="j"))
+            assert not electing(unanswered.value) and time.monotonic() - began < 5
+
+    asyncio.run(scenario())

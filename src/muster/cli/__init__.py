@@ -78,6 +78,9 @@ def _client_parsers(sub) -> None:
                            help=f"one JSON document (its schema: the reference's JSON output page){follows}")
         q.add_argument("--timeout", type=flags.positive_float, default=5.0,
                        help="seconds for each call (default %(default)s)")
+        q.add_argument("--election-wait", type=flags.wait_seconds, default=15.0,
+                       help="seconds to keep asking while a replica answers that the job's leader is being elected "
+                            "(a failover takes a few); 0 fails at once (default %(default)s)")
         if name in ("status", "events", "logs"):
             q.add_argument("--watch" if name == "status" else "--follow", action="store_true", help={
                 "status": "refresh every --interval, in place on a terminal, until Ctrl-C",

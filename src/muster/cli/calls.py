@@ -24,7 +24,8 @@ def job_of(args: argparse.Namespace) -> str:
 def coordinators_of(args):
     from muster.client import Coordinators
 
-    return Coordinators(args.coordinator, timeout_s=args.timeout, security=security(args))
+    return Coordinators(args.coordinator, timeout_s=args.timeout, election_wait_s=args.election_wait,
+                        security=security(args))
 
 
 def ask(args, rpc: str, request, coordinators=None):

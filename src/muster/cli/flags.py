@@ -66,6 +66,11 @@ def positive_float(text: str) -> float:
     return _checked(text, float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
+def wait_seconds(text: str) -> float:
+    """A bounded wait: 0 (none) to an hour."""
+    return _checked(text, float, lambda v: 0 <= v <= 3600, "within 0 and 3600 seconds")
+
+
 def refresh_interval(text: str) -> float:
     """--interval: a refresh loop that neither spins nor looks stuck."""
     return _checked(text, float, lambda v: 0.1 <= v <= 3600, "within 0.1 and 3600 seconds")

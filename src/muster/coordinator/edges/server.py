@@ -37,7 +37,7 @@ HANDLER_OF = {
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: errors.MusterError):
-    if isinstance(exc, errors.NotLeader) and exc.leader:
+    if isinstance(exc, errors.NotLeader):  # (empty: no leader elected yet, which a client may wait out)
         context.set_trailing_metadata(((LEADER_METADATA, exc.leader),))
     elif isinstance(exc, errors.RunEnded):
         context.set_trailing_metadata(((RUN_ENDED_METADATA, f"{exc.run} {exc.outcome}"),))
