@@ -182,10 +182,9 @@ class Fleet:
                 if r["kind"] in kinds and record_time(r) >= since]
 
     def leader(self) -> CoordinatorProcess:
-        for r in self.replicas:
-            if r.leads(JOB):
-                return r
-        raise RuntimeError("no replica leads")
+        """The replica leading the job, waited for: on a loaded host a leader's etcd session can lapse
+        and the job be led again a moment later (a Status in between finds no live leader)."""
+        return wait_until(lambda: next((r for r in self.replicas if r.leads(JOB)), None), 30, "a replica leading")
 
     def stop(self) -> None:
         for p in self.procs:

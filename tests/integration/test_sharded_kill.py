@@ -100,10 +100,13 @@ def test_under_muster_run_a_lost_node_is_replaced_by_a_spare_node(coordinators, 
     cannot know its ranks use the library, waits for the generation's master port, which rank 0's
     node publishes anyway (it waited for good before)."""
     (leader,) = coordinators(1, extra=HEARTBEAT)
-    steps = 150  # long enough for the spare's ranks to start (cold: no warm start) before the job ends
+    # ~30 s: long enough for the spare node's ranks to start and heal before the job ends. In few long
+    # steps: an HSDP step costs each rank ~50 ms of CPU here (FSDP2's hooks, six gloo collectives), and
+    # 150 steps of 0.2 s kept both cores busy for a minute.
+    steps = 60
     reference = hsdp(leader.address, "hsdp-ref", 4, steps)
     run = {"nodes": "2:2", "extra": ["--world-size-multiple", "4"],
-           "command": [*HSDP_COMMAND, "--steps", str(steps), "--step-sleep", STEP_SLEEP]}
+           "command": [*HSDP_COMMAND, "--steps", str(steps), "--step-sleep", "0.5"]}
     nodes = agents([leader.address], "hsdp-node", ["a", "b", "c"], **run)
     wait_until(lambda: sum(all(n.steps(s) for s in (0, 1)) for n in nodes) == 2, 120, "two nodes stepping")
     kept, victim = [n for n in nodes if all(n.steps(s) for s in (0, 1))]
@@ -126,7 +129,7 @@ def test_under_muster_run_a_lost_node_is_replaced_by_a_spare_node(coordinators, 
     assert finals == final_digests(reference, steps)
 
 
-BENCH_STEPS = 150
+BENCH_STEPS, BENCH_SLEEP = 60, 0.25  # (few long steps: the CPU an HSDP step costs, not the sleep, is what adds up)
 
 
 def reference_losses(participation: dict[int, set[int]], steps: int) -> dict[tuple[int, int], float]:
@@ -159,7 +162,7 @@ def test_without_a_spare_the_other_replica_trains_on_and_the_group_rejoins_when_
     healthy replica. Every slot's loss at every step equals the reference's for the replica groups
     that trained it, and the replicas end identical."""
     (leader,) = coordinators(1, extra=HEARTBEAT)
-    ranks = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", 4, BENCH_STEPS, 0.1, min_nodes=2)
+    ranks = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", 4, BENCH_STEPS, BENCH_SLEEP, min_nodes=2)
     wait_until(lambda: sum(p.last_step >= 3 for p in ranks) == 4, 60, "4 ranks past step 3")
     by_slot = {p.steps()[-1]["slot"]: p for p in ranks}
     victims = [by_slot[1]] if lost == "a rank" else [by_slot[0], by_slot[1]]
@@ -171,7 +174,7 @@ def test_without_a_spare_the_other_replica_trains_on_and_the_group_rejoins_when_
     alone = lambda: [r for r in healthy[0].steps() if r["replicas"] == 1]  # noqa: E731
     # Replacements come once replica 1 has trained alone a while (a forked rank joins in milliseconds).
     wait_until(lambda: len(alone()) >= 4, 60, "replica 1 training alone for 4 steps")
-    replacements = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", len(victims), BENCH_STEPS, 0.1, min_nodes=2)
+    replacements = hsdp(leader.address, f"hsdp-bench-{lost[2:6]}", len(victims), BENCH_STEPS, BENCH_SLEEP, min_nodes=2)
     for p in [*healthy, *replacements] + ([by_slot[0]] if lost == "a rank" else []):
         assert p.wait(90) == 0, p.log_path.read_text()[-3000:]
     first_alone = alone()[0]

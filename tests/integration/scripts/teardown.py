@@ -1,5 +1,6 @@
-"""A plain DDP script (env://, gloo, no Muster code) whose rank 0 misbehaves in interpreter teardown
-once its steps are done, as torch/gloo destructors do under Hugging Face's Trainer:
+"""A plain DDP script (env://, gloo, no Muster code) whose rank 0 (or the ranks named, RANK=KIND,...)
+misbehaves in interpreter teardown once its steps are done, as torch/gloo destructors do under
+Hugging Face's Trainer:
 --teardown abort: a global object's __del__ calls os.abort() (SIGABRT) when the interpreter frees it;
 --teardown hang: an atexit handler that never returns;
 --teardown freeze: before its script returns, a C call that never returns with the GIL held, as gloo's
@@ -24,10 +25,18 @@ class AbortsWhenFreed:
         os.abort()
 
 
+def misbehaviours(text: str) -> dict[int, str]:
+    """KIND (rank 0's), or RANK=KIND,...: each rank's way to misbehave."""
+    pairs = [part.split("=") if "=" in part else ("0", part) for part in text.split(",")]
+    if not all(kind in ("abort", "hang", "freeze") for _, kind in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: KIND or RANK=KIND,... (abort, hang, freeze)")
+    return {int(rank): kind for rank, kind in pairs}
+
+
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--out", type=Path, required=True)
-p.add_argument("--teardown", choices=("abort", "hang", "freeze"), required=True)
+p.add_argument("--teardown", type=misbehaviours, required=True)
 args = p.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -39,10 +48,10 @@ for step in range(1, args.steps + 1):
 dist.barrier()
 del ddp
 dist.destroy_process_group()
-if rank == 0:
-    if args.teardown == "abort":
-        freed_in_teardown = AbortsWhenFreed()
-    elif args.teardown == "hang":
-        atexit.register(time.sleep, 3600)
-    else:
-        ctypes.pythonapi.sleep(3600)  # (pythonapi: the GIL stays held)
+misbehaviour = args.teardown.get(rank)
+if misbehaviour == "abort":
+    freed_in_teardown = AbortsWhenFreed()
+elif misbehaviour == "hang":
+    atexit.register(time.sleep, 3600)
+elif misbehaviour == "freeze":
+    ctypes.pythonapi.sleep(3600)  # (pythonapi: the GIL stays held)

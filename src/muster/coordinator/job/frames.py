@@ -100,7 +100,6 @@ class FrameReader:
         self.stats = stats
         self._clock, self._wall = clock, wall
         self._finishing_asked = False
-        self._last_exit = ""  # the last rank exit heard, in words (a state-lost verdict names what lost it)
 
     def read(self, stream: NodeStream, frame: pb.NodeFrame, state: JobState) -> list[MembershipEvent]:
         """Validate one frame completely, then record it; the events it calls for."""
@@ -134,7 +133,7 @@ class FrameReader:
             self.stats.signalled(now)
         events: list[MembershipEvent] = []
         if reached := self.stats.reported(member.node_id, frame, now):
-            last = f" (the last one lost: {self._last_exit})" if self._last_exit else ""
+            last = f" (the last one lost: {self.stats.last_exit})" if self.stats.last_exit else ""
             events.append(Verdict(member.node_id, f"the job's ranks began again at step 0 with nothing "
                                                   f"restored, after it had reached step {reached}: "
                                                   f"every rank that held the training state was lost{last}, and no "
@@ -183,7 +182,7 @@ class FrameReader:
                                                       f"error: {e.error}"))
             if e.error:
                 how += f": {e.error}"
-            self._last_exit = f"{who}{' ' + where if e.step else ''}, {how}"
+            self.stats.last_exit = f"{who}{' ' + where if e.step else ''}, {how}"
             if member.kind is NodeKind.PROCESS:
                 events.append(NodeLost(member.node_id, FailureKind.PROCESS_EXITED, f"pid {e.pid} {how}"))
             elif e.restarting and placement is not None and e.local_rank in placement.slots:

@@ -52,6 +52,7 @@ class LeaderStats:
         self._begun_again = False  # the state was lost and the job allows a restart: the next generation's is "none"
         self._said_lost = False  # `reported` found it (its generation is marked "none" already) and the verdict is due
         self.restarts = 0  # rank processes that exited
+        self.last_exit = ""  # the last one heard, in words: a state-lost verdict names what lost the state
         self.history: list[pb.HealthSample] = []
         self._sample_every, self._sampled_at = FIRST_SAMPLE_S, None
 
