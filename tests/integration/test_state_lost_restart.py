@@ -98,7 +98,7 @@ def test_every_rank_of_a_replicated_job_lost_without_a_checkpoint_is_said_lost(c
         assert status.outcome == "failed" and status.outcome_reason.startswith("training state lost beyond every tier"), \
             status.outcome_reason
         assert "began again at step 0 with nothing restored" in status.outcome_reason, status.outcome_reason
-        assert "(the last one lost: " in status.outcome_reason and "SIGKILL" in status.outcome_reason, \
+        assert "(the last one lost: " in status.outcome_reason and "killed by signal 9" in status.outcome_reason, \
             status.outcome_reason
         return
     begun = recovery_from(leader.address, job, "none", 120)
