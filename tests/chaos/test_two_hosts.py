@@ -149,7 +149,8 @@ def test_the_newcomers_path_two_hosts_a_plain_script_a_killed_rank_and_a_node_lo
         # generation supersedes the kill's, and the restarted ranks' first step is that one's.)
         generation, drawn = wait_until(lambda: recovery_drawn(page, before), 60,
                                        "the recovery's timeline on the page", interval_s=0.05,
-                                       diagnose=lambda: f"muster events says {cli('events')['recoveries']}")
+                                       diagnose=lambda: f"muster events says {cli('events')['recoveries']}; "
+                                                        f"the ranks: {cli('status')['jobs'][0]['ranks']}")
         for phase in ("detected", "maps delivered", "first step"):
             assert phase in drawn, drawn
         page.save_screenshot(str(tmp_path / "recovery.png"))

@@ -211,7 +211,9 @@ class StuckNode(SimulatedNode):
 
 @pytest.mark.timeout(90)
 def test_a_relayed_rank_that_stops_advancing_is_named_lagging_and_judged_stalled(coordinators):
-    replicas = coordinators(3, RELAY + ["--progress-timeout", "2"])
+    # (the default heartbeat timeout, 2 s: the six simulated nodes share the test's event loop, and on a
+    # loaded host two healthy ones went unheard past the tier's 1 s and were evicted before the stall)
+    replicas = coordinators(3, [*RELAY, "--progress-timeout", "2", "--heartbeat-timeout", "2.0"])
     addresses = [r.address for r in replicas]
 
     async def scenario():
