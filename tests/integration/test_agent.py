@@ -152,14 +152,17 @@ def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, 
     (leader,) = coordinators(1, extra=[*PRODUCTION_TIMEOUT, "--metrics-listen", "127.0.0.1:0"])
     plain = [sys.executable, str(EXAMPLES / "train_plain.py"), "--steps", "150", "--step-sleep", "0.05",
              "--checkpoint-dir", str(tmp_path / "checkpoint")]
-    a, b = agents([leader.address], "plain", ["a", "b"], command=plain)
+    (a,) = agents([leader.address], "plain", ["a"], command=plain)
+    # node b without the step probe (as a shell wrapper or another interpreter runs): its ranks' steps unmeasured
+    (b,) = agents([leader.address], "plain", ["b"], command=plain, extra=["--no-step-probe"])
     stepping([a, b])
     before = leader.find("membership_changed")[-1]["generation"]
     # (a node that joined after the job formed without it restarted the first one's ranks once)
     starts = {(n, slot): len(n.rank_pids(slot)) for n in (a, b) for slot in (0, 1)}
     os.kill(b.rank_pids(1)[-1], signal.SIGKILL)
     # Its recovery is measured (the decision until every rank steps in a process of the new
-    # generation, from the step probe), in Status and the metric, like a library job's.
+    # generation, from the step probe; b's once they run one), in Status and the metric, like a
+    # library job's.
     metrics = leader.find("coordinator_serving")[0]["metrics"]
     job = (("job", "plain"),)
 
@@ -167,6 +170,7 @@ def test_a_plain_script_survives_a_killed_rank_by_restart(coordinators, agents, 
         out = subprocess.run([sys.executable, "-m", "muster.cli", "status", "plain", "--coordinator", leader.address,
                               "--json"], capture_output=True, text=True, timeout=30).stdout
         (js,) = json.loads(out)["jobs"]
+        assert js["health"], f"the run ended ({js['outcome']}) with the kill's recovery never measured"
         found = js["health"]["recent_recoveries"]
         return js if found and found[-1]["generation"] > before else None
 

@@ -322,6 +322,23 @@ def test_a_scripts_recovery_ends_once_each_of_its_ranks_steps_in_a_process_of_th
     assert live.assess(state, 12.5, recovering=recovery).recovered == (True, 2.5)
 
 
+def test_a_scripts_recovery_whose_steps_no_probe_measures_ends_once_its_ranks_run_the_generation():
+    """`muster run -- bash train.sh`, another interpreter, or --no-step-probe: the ranks' steps stay
+    0, and their recovery never ended (no recovery on the page, in `events`, in the metrics)."""
+    state = job()
+    live = Liveness(TIMING, now=0)
+    recovery = Recovery(generation=1, decided_at=10.0, step=0)
+    unmeasured = lambda generation: [r._replace(steps_unmeasured=True)  # noqa: E731
+                                     for r in ranks("script", step=0, generation=generation)]
+    live.observe("n0", 1, unmeasured(1), 11)
+    live.observe("n1", 1, unmeasured(0), 11)  # its process of the map before
+    assert live.assess(state, 11.5, recovering=recovery).recovered == (False, None)
+    live.observe("n1", 1, ranks("script", step=0, generation=1, pid=101), 11.6)  # measured: not stepping yet
+    assert live.assess(state, 11.7, recovering=recovery).recovered == (False, None)
+    live.observe("n1", 1, [r._replace(pid=101) for r in unmeasured(1)], 12)
+    assert live.assess(state, 12.5, recovering=recovery).recovered == (True, 2.5)
+
+
 def test_a_superseded_recovery_is_over_without_a_time():
     live = Liveness(TIMING, now=0)
     assert live.assess(job(), 5.0, recovering=Recovery(generation=2, decided_at=1.0, step=0)).recovered == (True, None)

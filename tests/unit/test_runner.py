@@ -38,6 +38,10 @@ def test_only_the_agents_own_interpreter_runs_python_programs(tmp_path):
     assert python_program([str(bin_dir / "python"), "train.py"], str(bin_dir / "python3")) == Program(
         "train.py", False, (), False)
     assert python_program([os.path.realpath(py), "train.py"], str(bin_dir / "python3")) is None
+    # the same venv reached through a symlinked directory (a checkout whose .venv links to another's)
+    (tmp_path / "linked").symlink_to(tmp_path / "venv")
+    assert python_program([str(tmp_path / "linked" / "bin" / "python"), "train.py"], str(bin_dir / "python3")) \
+        == Program("train.py", False, (), False)
     assert runner_argv(Program("t.py", False, ("-x",), True), py) == [py, "-u", "-m", "muster.worker.rank.runner",
                                                                         "t.py", "-x"]
     assert runner_argv(Program("pkg.t", True, (), False), py) == [py, "-m", "muster.worker.rank.runner", "-m", "pkg.t"]

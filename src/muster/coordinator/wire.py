@@ -132,7 +132,7 @@ def check_frame_ranks(frame: pb.NodeFrame, member: Member) -> list[RankReport]:
             _refuse_rank(r, slots)
         reports.append(RankReport(local_rank, r.pid, step, r.step_time_us / 1e6, state, r.heard_ms_ago, phase,
                                   digest_step, digest, generation, r.compute_us / 1e6, r.restarts,
-                                  r.snapshot_every, r.snapshot_bytes))
+                                  r.snapshot_every, r.snapshot_bytes, r.steps_unmeasured))
     for e in frame.exits:
         if e.local_rank >= member.slots:
             raise InvalidArgument(f"exit of local_rank {e.local_rank} is out of range for {member.slots} slots")

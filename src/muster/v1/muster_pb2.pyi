@@ -136,7 +136,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., switch_at_step: _Optional[int] = ...) -> None: ...
 
 class RankReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation", "compute_us", "restarts", "snapshot_every", "snapshot_bytes", "reform")
+    __slots__ = ("local_rank", "pid", "step", "step_time_us", "state", "heard_ms_ago", "phase", "digest_step", "digest", "generation", "compute_us", "restarts", "snapshot_every", "snapshot_bytes", "reform", "steps_unmeasured")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class RankReport(_message.Message):
     SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REFORM_FIELD_NUMBER: _ClassVar[int]
+    STEPS_UNMEASURED_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     step: int
@@ -167,7 +168,8 @@ class RankReport(_message.Message):
     snapshot_every: int
     snapshot_bytes: int
     reform: ReformPhases
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reform: _Optional[_Union[ReformPhases, _Mapping]] = ...) -> None: ...
+    steps_unmeasured: bool
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_time_us: _Optional[int] = ..., state: _Optional[_Union[RankState, str]] = ..., heard_ms_ago: _Optional[int] = ..., phase: _Optional[str] = ..., digest_step: _Optional[int] = ..., digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., compute_us: _Optional[int] = ..., restarts: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reform: _Optional[_Union[ReformPhases, _Mapping]] = ..., steps_unmeasured: _Optional[bool] = ...) -> None: ...
 
 class ReformPhases(_message.Message):
     __slots__ = ("generation", "abort_s", "form_s", "sync_s", "transfer_s", "bytes_received", "tier", "step", "steps_lost", "begun_at")

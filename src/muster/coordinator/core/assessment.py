@@ -127,8 +127,8 @@ class RecoveryWatch:
         """Whether `recovery` is over, and how long it took: until every node of its map reported
         the generation and a step past the one at the decision, or, for a script's ranks (restarted
         with each map, their probe's steps counting from their process's start), until each of
-        them steps in a process of the generation (None: another map superseded it, or there is
-        nothing to run)."""
+        them steps in a process of the generation, or runs one where no probe measures its steps
+        (None: another map superseded it, or there is nothing to run)."""
         rm = state.rank_map
         if rm is None or rm.generation != recovery.generation:
             return True, None
@@ -151,8 +151,9 @@ def recovered(node: NodeLive, slots: Sequence[int], recovery: Recovery) -> bool:
     if any((vouch.step_of(node, r) if vouch is not None else r.step) > recovery.step and r.state not in UNMONITORED
            for r in ranks):
         return True
-    return bool(ranks) and all(r.state == SCRIPT and r.generation >= recovery.generation and r.step >= 1
-                               for r in ranks)
+    # (one whose steps no probe measures: once its process runs the generation, all that can be known)
+    return bool(ranks) and all(r.state == SCRIPT and r.generation >= recovery.generation
+                               and (r.step >= 1 or r.steps_unmeasured) for r in ranks)
 
 
 def max_steps(nodes: Mapping[str, NodeLive], state: JobState, cap: float, now: float | None,

@@ -31,6 +31,7 @@ class RankLive:
     restarts: int = 0  # its slot's restarts by its agent, as last reported
     snapshot_every: int = 0  # its peer snapshots' period in steps, as last reported (0: none)
     snapshot_bytes: int = 0  # the host memory they take on it
+    steps_unmeasured: bool = False  # a script's rank whose steps no probe measures (RankReport.steps_unmeasured)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +96,7 @@ class RankReport(NamedTuple):  # a tuple: made for every rank of every frame, 5x
     restarts: int = 0  # its slot's restarts by its agent
     snapshot_every: int = 0
     snapshot_bytes: int = 0
+    steps_unmeasured: bool = False  # a script's rank without a step probe: step stays 0
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,7 @@ class Liveness:
             live.pid, live.step, live.step_time_s, live.generation = r.pid, r.step, r.step_time_s, r.generation
             live.compute_s, live.restarts = r.compute_s, r.restarts
             live.snapshot_every, live.snapshot_bytes = r.snapshot_every, r.snapshot_bytes
+            live.steps_unmeasured = r.steps_unmeasured
             live.state, live.phase, live.heard_ms_ago = r.state, r.phase, r.heard_ms_ago
             if r.heard_ms_ago > lost_ms:
                 self._deadlines.arm(node_id, now)  # its agent lost it: judged at the next tally

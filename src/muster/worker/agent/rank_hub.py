@@ -69,7 +69,8 @@ class RankHub(pb_grpc.NodeAgentServicer):
                 step, step_time_us, compute_us = slot.steps.read() if slot.steps is not None else (0, 0, 0)
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.proc.pid, state=pb.RANK_STATE_UNMONITORED,
                                              step=step, step_time_us=step_time_us, compute_us=compute_us,
-                                             generation=slot.generation))  # its recovery is over once it steps
+                                             generation=slot.generation,  # its recovery is over once it steps
+                                             steps_unmeasured=slot.steps is None))  # (or, unmeasured, runs)
             elif slot.restarting:  # until its replacement starts: the job is to re-form with the slot
                 reports.append(pb.RankReport(local_rank=slot.index, pid=slot.failed_pid, state=pb.RANK_STATE_RESTARTING,
                                              generation=slot.crashed_in))

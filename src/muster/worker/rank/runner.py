@@ -80,8 +80,10 @@ def python_program(argv: tuple[str, ...] | list[str], executable: str = sys.exec
 def same_interpreter(path: str, executable: str) -> bool:
     """`path` is `executable` by another name in its directory: a venv's `python` beside the
     `python3` a pip-installed `muster` runs under (the same binary, and the same venv, which the
-    directory decides). The same binary elsewhere is another environment."""
-    return (os.path.dirname(os.path.abspath(path)) == os.path.dirname(os.path.abspath(executable))
+    directory decides, reached by whatever path: a venv behind a symlinked directory is that venv).
+    The same binary elsewhere is another environment."""
+    return (os.path.realpath(os.path.dirname(os.path.abspath(path)))
+            == os.path.realpath(os.path.dirname(os.path.abspath(executable)))
             and os.path.realpath(path) == os.path.realpath(executable))
 
 
