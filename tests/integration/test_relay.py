@@ -14,6 +14,10 @@ from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 
 RELAY = ["--relay-min-nodes", "4", "--relay-batch", "0.02"]
+# The default heartbeat timeout (2 s), not the tier's 1 s, where a test's six simulated nodes must all be
+# heard: they share one event loop, and on a loaded host healthy ones went unheard past 1 s (fresh-clone
+# run S: one attached to a successor 1.03 s after the first; another run: two evicted before a stall).
+SHARED_LOOP = ["--heartbeat-timeout", "2.0"]
 EVICTIONS = {"node_silent", "rank_silent", "rank_stalled", "process_exited", "node_left", "rank_exited"}
 
 
@@ -211,9 +215,7 @@ class StuckNode(SimulatedNode):
 
 @pytest.mark.timeout(90)
 def test_a_relayed_rank_that_stops_advancing_is_named_lagging_and_judged_stalled(coordinators):
-    # (the default heartbeat timeout, 2 s: the six simulated nodes share the test's event loop, and on a
-    # loaded host two healthy ones went unheard past the tier's 1 s and were evicted before the stall)
-    replicas = coordinators(3, [*RELAY, "--progress-timeout", "2", "--heartbeat-timeout", "2.0"])
+    replicas = coordinators(3, [*RELAY, "--progress-timeout", "2", *SHARED_LOOP])
     addresses = [r.address for r in replicas]
 
     async def scenario():
@@ -362,10 +364,7 @@ def test_relays_leave_a_frozen_leader_for_its_successor_and_nobody_is_evicted(co
     """A frozen leader keeps its relays' calls open (its socket takes writes) and the relays answer
     their nodes: each relay must notice the silence, ask etcd, and move its nodes on once a standby
     is elected, all in time for the successor's takeover grace (2 s), counted from the first frame."""
-    # The default heartbeat timeout (2 s), not the tier's 1 s: after the first frame reaches the successor
-    # the other nodes have one timeout to attach, and the test's six simulated nodes share one event loop
-    # with each other (fresh-clone run S: one of them, on a loaded host, came 1.03 s after the first).
-    replicas = coordinators(3, [*RELAY, "--heartbeat-timeout", "2.0"])
+    replicas = coordinators(3, [*RELAY, *SHARED_LOOP])  # (after the first frame, one timeout for the others)
     addresses = [r.address for r in replicas]
 
     async def scenario():
