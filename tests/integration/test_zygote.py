@@ -412,6 +412,8 @@ def test_a_training_rank_forked_from_the_shared_zygote_is_seen_as_a_child_proces
     with open(tmp_path / "b.log", "wb") as out:
         b = warm.spawn([sys.executable, str(path), "0"], {"GREETING": "hi"}, out.fileno())
     assert b.wait(30) == 0 and b.poll() == 0
+    # (a's 0.3 s of CPU before its greeting can outlast b on a loaded host: killed before it, a says nothing)
+    wait_until(lambda: (tmp_path / "a.log").read_text(), 30, "a's greeting in its log")
     assert a.poll() is None and process_alive(a.pid)
     with pytest.raises(subprocess.TimeoutExpired):
         a.wait(0.1)
