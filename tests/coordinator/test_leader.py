@@ -202,6 +202,50 @@ def test_a_large_job_changes_off_the_loop_and_every_node_gets_its_part_once():
     asyncio.run(scenario())
 
 
+def test_a_node_whose_session_opens_after_a_planned_switch_forms_the_group_it_leaves_first():
+    """Stop 74's CI: node c was placed in generation 1, and before its Session opened node d joined and
+    generation 2 came as a switch after step 2. c heard only generation 2, formed it at once and waited
+    there, while a and b waited in generation 1 for c: fenced out 60 s later. A node that never ran the
+    group a pending planned switch leaves now gets that group's assignment first; a node that ran it, or
+    one new in the switch, gets the current assignment alone; once a map forms at once, so does it."""
+    spec = JobSpec(min_nodes=3, max_nodes=4)
+
+    async def scenario():
+        clock = FakeClock()
+        leader = JobLeader(JobState("job", spec), leadership=Leadership(LeaderKey("job", 1, "memory/job", "replica"),
+                                                                        MemoryJobStore()),
+                           address="replica", timing=TIMING, tick_s=0.01, clock=clock)
+        leader.start()
+
+        async def join(node: str) -> pb.JoinResponse:
+            return await leader.join(pb.JoinRequest(job="job", node_id=node, host="10.0.0.1", store_port=29500,
+                                                    slots=1, is_process=True), spec)
+
+        def opened(joined: pb.JoinResponse, ran: int) -> list[tuple[int, str]]:
+            stream = leader.attach(pb.NodeFrame(job="job", node_id=joined.node_id, member_id=joined.member_id,
+                                                term=joined.term, session_secret=joined.session_secret,
+                                                generation=ran))
+            got = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+            return [(d.generation, d.assignment.reason) for d in got]
+
+        joined = {node: await join(node) for node in "abc"}
+        clock.advance(TIMING.last_call_s + 0.1)
+        await until(lambda: leader.state.generation == 1, "generation 1 formed")
+        joined["d"] = await join("d")
+        await until(lambda: leader.state.generation == 2, "d's generation")
+        assert leader.state.rank_map.planned
+        assert opened(joined["c"], 0) == [(1, "current assignment, before the planned switch"),
+                                          (2, "current assignment")]
+        assert opened(joined["a"], 1) == [(2, "current assignment")]
+        assert opened(joined["d"], 0) == [(2, "current assignment")]
+        await leader.tally_once(NodeLost("d", "node_silent", "test"))
+        assert leader.state.generation == 3 and not leader.state.rank_map.planned
+        assert opened(joined["b"], 0) == [(3, "current assignment")]
+        await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
 def _formed_abc() -> JobState:
     """Nodes a, b and c (min 2), formed: the state a leader of the tests below takes over."""
     spec = JobSpec(min_nodes=2, max_nodes=3)

@@ -99,8 +99,9 @@ def median(step_times: Iterable[float]) -> float | None:
 def reforming(nodes: Mapping[str, NodeLive], state: JobState) -> bool:
     """The current map is an abort generation that some library rank of it has not formed yet
     (it still forms or holds, or runs an older group): the leader holds back planned changes
-    until it has (a node that reconnects gets only the current map, never the abort before a
-    planned one: it would form the new group while the others form the abort's). O(ranks)."""
+    until it has (a node that reconnects to a leader that did not publish the abort gets only the
+    current map, never the abort before a planned one: it would form the new group while the others
+    form the abort's; `Streams.attach`). O(ranks)."""
     rm = state.rank_map
     if rm is None or not rm.abort_previous:
         return False

@@ -164,6 +164,11 @@ class RankMap:
         return self.by_node.get(node_id)
 
     @property
+    def planned(self) -> bool:
+        """Switched to after a step of the group before it, not formed at once (an abort, a first map)."""
+        return not self.abort_previous and self.switch_at_step > 0
+
+    @property
     def node_ids(self) -> tuple[str, ...]:
         return tuple(map(_NODE_ID, self.placements))
 

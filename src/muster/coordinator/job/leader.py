@@ -362,7 +362,7 @@ class JobLeader:
                             term_ahead=first.term if self.state.rebuilding else 0, link=link, stream_id=stream_id,
                             seq=first.stream_seq)
         self.on_frame(stream, first)
-        self.streams.attach(stream, self.state, self.term)
+        self.streams.attach(stream, self.state, self.term, first.generation)
         self.log.info("node_attached", node=member.node_id, member=member.member_id, generation=first.generation)
         return stream
 
@@ -383,7 +383,7 @@ class JobLeader:
         if self.lost_reason is not None:
             stream.send(NotLeader(self.job, ""))
         elif not stream.closed:
-            self.streams.attach(stream, self.state, self.term)
+            self.streams.attach(stream, self.state, self.term, generation)
             self.log.info("node_taken_back", node=stream.node_id, member=stream.member_id, generation=generation)
 
     def detach(self, stream: NodeStream, *, relay_lost: bool = False) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from muster.coordinator import wire
@@ -110,6 +110,9 @@ class Streams(dict[str, NodeStream]):
     def __init__(self, pulse_every_s: float, tick_s: float):
         super().__init__()
         self._pulses = Pulses(pulse_every_s, tick_s)
+        # The state of the newest map formed at once while planned switches away from it are pending
+        # (None: the current map was formed at once, or this leader did not publish the one before).
+        self._base: JobState | None = None
 
     @property
     def relayed(self) -> bool:
@@ -168,6 +171,7 @@ class Streams(dict[str, NodeStream]):
         for node_id, member_id in d.evicted:
             self.evict(node_id, member_id, wire.evicted_directive(state, "evicted: " + reason_for(state, node_id)))
         if d.new_generation:
+            self._base = base_of(state, previous, self._base)
             assignments = wire.Assignments(state, d.events[-1].reason if d.events else "")
             await self.fan_out(assignments.directive, in_slices, RelayedMaps.of(state, previous, assignments.active))
         stopped = d.ended and state.outcome is Outcome.STOPPED
@@ -178,8 +182,13 @@ class Streams(dict[str, NodeStream]):
                     after_step=after_step, reason=state.outcome_reason if stopped else reason_for(state, node_id),
                     stop=stopped)))
 
-    def attach(self, stream: NodeStream, state: JobState, term: int) -> None:
-        """`stream` is its node's from now on, and gets the node's current assignment."""
+    def attach(self, stream: NodeStream, state: JobState, term: int, ran: int = 0) -> None:
+        """`stream` is its node's from now on, and gets the node's current assignment. `ran`: the
+        generation its first frame says the node runs. A node placed in the group a pending planned
+        switch leaves, which it never ran (a fresh process whose Session opened after the switch was
+        published, its Join before), gets that group's assignment first: it must form it with the
+        others, who wait for it there and train in it up to the switch. Given the planned map alone,
+        it would form that at once and wait there for them: neither side would ever form."""
         previous = self.get(stream.node_id)
         if previous is not None:
             # Its frames still in flight are no news: one would put a node its relay vouches for
@@ -192,6 +201,9 @@ class Streams(dict[str, NodeStream]):
             # generation nobody published), only this leader's term.
             stream.send(pb.Directive(term=term, generation=state.generation))
         else:
+            base = self._base
+            if base is not None and ran < base.generation and base.rank_map.placement(stream.node_id) is not None:
+                stream.send(wire.assignment_for(base, stream.node_id, "current assignment, before the planned switch"))
             stream.send(wire.assignment_for(state, stream.node_id, "current assignment"))
 
     def detach(self, stream: NodeStream) -> bool:
@@ -224,6 +236,19 @@ class Streams(dict[str, NodeStream]):
             for item in items:
                 stream.send(item)
         self.clear()
+
+
+def base_of(state: JobState, previous: RankMap | None, base: JobState | None) -> JobState | None:
+    """The newest map formed at once, as a state to build its assignments from, while `state`'s map
+    is a planned switch away from it: `previous` if that one was formed at once, or the `base` kept
+    through planned maps published since (None: `state`'s map was formed at once, or it follows a
+    map this leader did not publish)."""
+    rm = state.rank_map
+    if rm is None or not rm.planned or previous is None:
+        return None
+    if not previous.planned:
+        return replace(state, generation=previous.generation, rank_map=previous)
+    return base if base is not None and base.generation < previous.generation else None
 
 
 class RelayedMaps:
