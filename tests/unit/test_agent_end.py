@@ -294,3 +294,34 @@ def test_a_replacement_ending_as_the_job_finishes_fails_the_node_only_if_it_had_
     assert slots[1].finished and slots[0].outrun is outrun and slots[0].failed is not outrun
     assert code == (EXIT_SUCCEEDED if outrun else EXIT_FAILED)
     assert [(e.local_rank, e.exit_code) for e in session.exits] == ([] if outrun else [(0, 5)])
+
+
+@pytest.mark.parametrize("answer", ["a map after the crash", "the run's end"])
+def test_a_library_rank_in_a_crash_loop_starts_again_only_once_the_leader_answered_its_crash(tmp_path, answer):
+    """Stop 74's fresh-clone run X: a script raising at the same step after every restart. Its slot's
+    second crash backed off 0.2 s; the leader's verdict (a fault that repeats) came later on the loaded
+    host, and a third process started, only to be stopped with the run. A crash loop's next process
+    now waits (bounded) for the leader's answer: a map after the crash starts it, the run's end not."""
+    from dataclasses import replace
+
+    async def scenario():
+        a = script_node(tmp_path, "import sys\nsys.exit(5)\n",
+                        pb.Assignment(generation=1, role=pb.ROLE_ACTIVE, local_ranks=[0, 1], world_size=2),
+                        library=True)
+        a.config = replace(a.config, restart_backoff_s=0.05)
+        slot = a.slots[0]
+        await a.ranks.start(slot)
+        await until(lambda: len(a.session.exits) == 2, "the slot's second crash, in a crash loop", 8)
+        await asyncio.sleep(0.5)  # ten times its backoff: no answer yet, so no third process
+        assert slot.starts == 2 and slot.crashes == 2
+        if answer == "the run's end":
+            a.finish(EXIT_FAILED)
+            await asyncio.sleep(0.3)
+        else:
+            a.assignment = pb.Assignment(generation=2, role=pb.ROLE_ACTIVE, local_ranks=[1], down_local_ranks=[0],
+                                         world_size=1)
+            await until(lambda: slot.starts == 3, "the replacement started into the map after the crash", 5)
+            a.finish(EXIT_FAILED)
+        return slot.starts
+
+    assert within(scenario()) == (2 if answer == "the run's end" else 3)

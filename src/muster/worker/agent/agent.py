@@ -47,7 +47,7 @@ from muster.worker.agent.master_port import MasterPorts
 from muster.worker.agent.membership import join, rejoin
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, evicted, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
-from muster.worker.agent.slot import Slot, process_state
+from muster.worker.agent.slot import Slot, crash_answered, process_state
 from muster.worker.agent.rank_hub import RankHub
 from muster.worker.agent.supervisor import RankSupervisor, say
 from muster.worker.agent.watchdogs import watch_coordinator, watch_place
@@ -211,7 +211,7 @@ class NodeAgent:
         self.session.generation = a.generation
         self.session.sizes = (a.world_size, len(a.local_ranks) if a.role == pb.ROLE_ACTIVE else 0)
         for slot in self.slots:
-            if slot.failed_pid and slot.connected and self.hub.crash_answered(slot):
+            if slot.failed_pid and slot.connected and crash_answered(a, slot):
                 slot.failed_pid = 0  # its replacement speaks for the slot from now on
         if a.start_ranks:
             self.library = True  # the leader asks for it only when the job's ranks use the library

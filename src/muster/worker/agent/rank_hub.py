@@ -13,7 +13,7 @@ import grpc
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
-from muster.worker.agent.slot import Slot, process_state
+from muster.worker.agent.slot import Slot, crash_answered, process_state
 from muster.worker.agent.supervisor import Node
 
 
@@ -27,13 +27,6 @@ class RankHub(pb_grpc.NodeAgentServicer):
         for q, slot in self.queues.items():
             if _for_rank(d, slot):
                 q.put_nowait(_group_gone(d) if slot.kept and d.HasField("assignment") else d)
-
-    def crash_answered(self, slot: Slot) -> bool:
-        """The leader has acted on the slot's last crash: a generation after the one it crashed in,
-        or the slot listed as down; or the slot was in no map, so its crash changed nothing."""
-        a = self.node.assignment
-        return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
-                or slot.index not in a.local_ranks)
 
     def reports(self) -> list[pb.RankReport]:
         """The node's frame: one report per slot, from its rank's stream or from its process."""
@@ -98,7 +91,7 @@ class RankHub(pb_grpc.NodeAgentServicer):
                                 f"process (the agent sets it in that process's environment, {SLOT_SECRET_ENV})")
         loop = asyncio.get_running_loop()
         slot.report, slot.heard_at, slot.connected = first, loop.time(), True
-        if slot.failed_pid and self.crash_answered(slot):
+        if slot.failed_pid and crash_answered(node.assignment, slot):
             slot.failed_pid = 0  # the replacement speaks for the slot now: the leader places it at its next
             node.session.send_now()  # tally, not a frame interval later
         node.library = True

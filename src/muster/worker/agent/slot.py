@@ -287,6 +287,13 @@ def _pread_or_close(fd: int) -> bytes | None:
 _STATS = StatFiles()
 
 
+def crash_answered(a: pb.Assignment | None, slot: Slot) -> bool:
+    """The leader has acted on the slot's last crash: a generation after the one it crashed in, or
+    the slot listed as down; or the slot was in no map, so its crash changed nothing."""
+    return (a is None or a.generation > slot.crashed_in or slot.index in a.down_local_ranks
+            or slot.index not in a.local_ranks)
+
+
 def exit_of(slot: Slot, pid: int, code: int, restarting: bool) -> pb.RankExit:
     """Its process's exit as the leader hears it: with the exception it died of (one line, without
     control characters, 200 characters at most: the wire's bounds) and the step it was in, where

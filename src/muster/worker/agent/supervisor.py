@@ -12,6 +12,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -26,7 +27,8 @@ from muster.worker.agent.master_port import MasterPorts
 from muster.worker.node_session import NodeSession
 from muster.worker.agent.rank_env import base_env, rank_env
 from muster.worker.rank.runner import python_program, runner_argv
-from muster.worker.agent.slot import Slot, StderrTail, crash_of, dying_signal, exit_of, outside_crash_loop
+from muster.worker.agent.slot import (Slot, StderrTail, crash_answered, crash_of, dying_signal, exit_of,
+                                      outside_crash_loop)
 from muster.worker.rank.step_probe import StepFile
 from muster.worker.rank.zygote import WarmProcess, WarmStarts, ZygoteLost
 
@@ -35,7 +37,7 @@ log = structlog.get_logger(__name__)
 COMPLETION_POLL_S = 0.1  # how often a running rank's completion mark is looked for (a stat)
 DYING_POLL_S = 0.02  # how often a library rank is looked at for a kill under way (a read of its /proc stat)
 EXIT_KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL, for a rank hung in teardown
-RESTART_ANSWER_WAIT_S = 10.0  # for the generation that re-forms the job around a rank restarted in place
+RESTART_ANSWER_WAIT_S = 10.0  # for the leader's answer to a crash: a rank restarted in place, or in a crash loop
 
 
 class Node(Protocol):
@@ -216,8 +218,12 @@ class RankSupervisor:
         delay = self.node.config.restart_backoff_s * 2 ** (slot.crashes - 2) if slot.crashes > 1 else 0.0
         self.log.info("rank_restart_scheduled", slot=slot.index, in_s=delay, restart=slot.restarts, in_place=in_place)
         await asyncio.sleep(delay)
-        if in_place:
-            await self._until_crash_answered(slot)
+        if in_place:  # its replacement starts once, into the map that re-forms the job with it
+            await self._until_crash_answered(slot, lambda: self.node.assignment.generation > slot.crashed_in)
+        elif self.node.library and slot.crashes > 1:
+            # A crash loop: the leader judges first whether the fault repeats (its verdict ends the run),
+            # so that no process starts only to be stopped with the run, however late the verdict.
+            await self._until_crash_answered(slot, lambda: crash_answered(self.node.assignment, slot))
         if self.node.finishing() and not self.node.draining and not self.node.done():
             # It began finishing meanwhile: no restart (the leader hears so, if it was told otherwise).
             if self.node.library:  # its crash came first, and the job's other ranks completed it without it
@@ -334,16 +340,16 @@ class RankSupervisor:
         self.log.error("rank_lost_finishing", slot=slot.index, rank=slot.rank, pid=pid, code=code,
                        message="ended without completing its script as the job was finishing: not restarted")
 
-    async def _until_crash_answered(self, slot: Slot) -> None:
-        """Wait (bounded) for the generation that re-forms the job after the slot's crash, so that
-        its replacement starts once, into that map. A coordinator outage is the hold watchdog's."""
+    async def _until_crash_answered(self, slot: Slot, answered: Callable[[], bool]) -> None:
+        """Wait (bounded) until the leader has `answered` the slot's crash. A coordinator outage is the
+        hold watchdog's."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RESTART_ANSWER_WAIT_S
-        while self.node.assignment.generation <= slot.crashed_in and not self.node.done() and not self.node.finishing():
+        while not answered() and not self.node.done() and not self.node.finishing():
             if loop.time() > deadline and self.node.session.silent_s() < self.node.session.heartbeat_timeout_s:
                 self.log.warning("restart_unanswered", slot=slot.index, generation=slot.crashed_in,
-                                 waited_s=RESTART_ANSWER_WAIT_S, message="no new generation came for the crash; "
-                                 "restarting the rank in the current one")
+                                 waited_s=RESTART_ANSWER_WAIT_S, message="the leader did not answer the crash; "
+                                 "restarting the rank in the current map")
                 return
             await asyncio.sleep(0.01)
 
