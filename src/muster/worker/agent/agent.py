@@ -45,6 +45,7 @@ from muster.worker.agent.agent_config import AgentConfig
 from muster.worker.agent.crash_report import exit_words
 from muster.worker.agent.master_port import MasterPorts
 from muster.worker.agent.membership import join, rejoin
+from muster.worker.link import immediate
 from muster.worker.node_session import Evicted, JobEnded, NodeIdentity, NodeSession, evicted, job_spec
 from muster.worker.outcome import EXIT_FAILED, EXIT_STOPPED, EXIT_SUCCEEDED, exit_code
 from muster.worker.agent.slot import Slot, crash_answered, process_state
@@ -61,6 +62,7 @@ class NodeAgent:
         self.config = config
         self.slots = [Slot(i) for i in range(config.slots)]
         self.assignment: pb.Assignment | None = None
+        self.base: pb.Assignment | None = None  # the newest map formed at once (an abort, a first map)
         self.drain: pb.Drain | None = None
         self.library = False  # some rank of this node uses the worker library
         self.draining = False
@@ -208,6 +210,8 @@ class NodeAgent:
         if self.assignment is not None and a.generation < self.assignment.generation:
             return
         self.assignment = a
+        if immediate(a):
+            self.base = a
         self.session.generation = a.generation
         self.session.sizes = (a.world_size, len(a.local_ranks) if a.role == pb.ROLE_ACTIVE else 0)
         for slot in self.slots:

@@ -12,6 +12,7 @@ import grpc
 
 from muster.v1 import muster_pb2 as pb
 from muster.v1 import muster_pb2_grpc as pb_grpc
+from muster.worker.link import immediate
 from muster.worker.rank_link import SLOT_SECRET_ENV, SLOT_SECRET_METADATA
 from muster.worker.agent.slot import Slot, crash_answered, process_state
 from muster.worker.agent.supervisor import Node
@@ -96,9 +97,8 @@ class RankHub(pb_grpc.NodeAgentServicer):
             node.session.send_now()  # tally, not a frame interval later
         node.library = True
         queue: asyncio.Queue = asyncio.Queue()
-        if node.assignment is not None:
-            current = pb.Directive(term=node.session.term, generation=node.assignment.generation,
-                                   assignment=node.assignment)
+        for a in told_on_connect(node.assignment, node.base, slot, first.generation):
+            current = pb.Directive(term=node.session.term, generation=a.generation, assignment=a)
             if _for_rank(current, slot):
                 queue.put_nowait(current)
         if node.drain is not None:
@@ -131,6 +131,21 @@ class RankHub(pb_grpc.NodeAgentServicer):
             self.queues.pop(queue, None)
             if slot.report is not None and slot.report.pid == first.pid:
                 slot.connected = False
+
+
+def told_on_connect(latest: pb.Assignment | None, base: pb.Assignment | None, slot: Slot,
+                    ran: int) -> list[pb.Assignment]:
+    """The maps a rank that connects is told: the current one, and first the map formed at once that
+    a pending planned switch leaves (`base`), where that places the slot and the rank never ran it
+    (`ran`: the generation of its first report): its peers wait for it there and train in it up to
+    the switch. Told the planned map alone, it would form that at once and wait there for them
+    (the leader's side of this: `Streams.attach`)."""
+    if latest is None:
+        return []
+    if (base is None or immediate(latest) or base.generation >= latest.generation or ran >= base.generation
+            or slot.kept or base.role != pb.ROLE_ACTIVE or slot.index not in base.local_ranks):
+        return [latest]
+    return [base, latest]
 
 
 def _for_rank(d: pb.Directive, slot: Slot) -> bool:

@@ -46,6 +46,7 @@ class Node(Protocol):
     config: AgentConfig
     slots: list[Slot]
     assignment: pb.Assignment | None
+    base: pb.Assignment | None  # the newest map formed at once (an abort, a first map)
     library: bool  # some rank of this node uses the worker library
     draining: bool
     drain: pb.Drain | None  # the leader's order to leave, once given
