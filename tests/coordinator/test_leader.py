@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 from muster.testing import FakeClock, until
@@ -15,7 +16,7 @@ from muster.coordinator.core.liveness import TAKEOVER_UNHEARD_TIMEOUTS
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode
-from muster.coordinator.errors import AlreadyExists, NotLeader
+from muster.coordinator.errors import AlreadyExists, FailedPrecondition, NotLeader
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.job.leader import LARGE_JOB_NODES, JobLeader
 from muster.coordinator.job.leadership import Leadership
@@ -242,6 +243,24 @@ def test_a_node_whose_session_opens_after_a_planned_switch_forms_the_group_it_le
         assert leader.state.generation == 3 and not leader.state.rank_map.planned
         assert opened(joined["b"], 0) == [(3, "current assignment")]
         await leader.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_repeated_is_answered_as_such_and_one_after_another_end_refused():
+    """The second `muster stop` (its first's answer lost to a deadline) gets `already`, not
+    FAILED_PRECONDITION; a stop of a run that ended another way is still refused."""
+    async def scenario():
+        leader = await _led(_formed_abc(), 1, MemoryJobStore())
+        first = await leader.stop_job("by the book")
+        again = await leader.stop_job("by the book")
+        assert (first.run, first.already, again.run, again.already) == (1, False, 1, True)
+        await leader.stop("test over", resigned=True)
+        failed = await _led(replace(_formed_abc(), outcome=Outcome.FAILED, outcome_reason="x", ended_ms=1), 1,
+                            MemoryJobStore())
+        with pytest.raises(FailedPrecondition, match=r"has ended already \(failed\)"):
+            await failed.stop_job("too late")
+        await failed.stop("test over", resigned=True)
 
     asyncio.run(scenario())
 

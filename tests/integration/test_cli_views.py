@@ -152,8 +152,13 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
     assert (drained["job"], drained["node"]) == (JOB, "b") and drained["generation"] >= 2
     assert b.wait(60) == 3
     stopped = answered("stop", "stop", JOB, *at)
-    assert stopped["job"] == JOB and stopped["run"] == 1
+    assert stopped["job"] == JOB and stopped["run"] == 1 and not stopped["already"]
+    # A stop repeated (the first's answer lost to a deadline, say) is answered, not refused: as the run
+    # ends at its leader, and once it has ended (at the replica, from its record)
+    assert answered("stop", "stop", JOB, *at) == {"job": JOB, "run": 1, "after_step": 0, "already": True}
     assert a.wait(60) == 3
+    out = muster("stop", JOB, *at)
+    assert out.returncode == 0 and out.stdout == f"job {JOB} run 1 was stopped already: nothing changed\n", out
     assert events.wait(30) == 0 and follow.wait(30) == 0
     lines = [valid(json.loads(line), "event_line") for line in events.stdout.read().splitlines()]
     kinds = [line["event"]["kind"] for line in lines]
@@ -169,3 +174,5 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
     (record,) = answered("jobs", "jobs", *at)["jobs"]
     assert (record["outcome"], record["leader"]) == ("stopped", None)
     assert answered("delete", "delete", JOB, *at) == {"job": JOB, "deleted": 1}
+    out = muster("stop", JOB, *at)  # no run of it retained: nothing says it was stopped
+    assert out.returncode != 0 and f"job {JOB!r} is not running" in out.stderr, out

@@ -15,7 +15,9 @@ def stop(args: argparse.Namespace) -> int:
 
     response = ask(args, "Stop", pb.StopRequest(job=job_of(args), reason=args.reason or ""))
     at = f"after step {response.after_step}" if response.after_step else "now"
-    answer(args, response, f"job {job_of(args)} run {response.run} stopped: every node drains {at}, its agents exit 3")
+    said = f"job {job_of(args)} run {response.run} " + ("was stopped already: nothing changed" if response.already
+                                                         else f"stopped: every node drains {at}, its agents exit 3")
+    answer(args, response, said)
     return 0
 
 

@@ -597,12 +597,14 @@ class StopRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StopResponse(_message.Message):
-    __slots__ = ("run", "after_step")
+    __slots__ = ("run", "after_step", "already")
     RUN_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_FIELD_NUMBER: _ClassVar[int]
     run: int
     after_step: int
-    def __init__(self, run: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+    already: bool
+    def __init__(self, run: _Optional[int] = ..., after_step: _Optional[int] = ..., already: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("job", "node", "reason")

@@ -25,9 +25,9 @@ from muster.coordinator.core.liveness import Liveness
 from muster.coordinator.core.machine import (Context, Decision, Finishing, Join, Leave, MembershipEvent, NodeLost,
                                              SlotsUp, Stop, Tick, decide)
 from muster.coordinator.core.policy import JobSpec, Limits, Timing
-from muster.coordinator.core.state import JobState, NodeKind, Phase, Placement
+from muster.coordinator.core.state import JobState, NodeKind, Outcome, Phase, Placement
 from muster.coordinator.core.stragglers import StragglerPolicy
-from muster.coordinator.errors import Fenced, NotFound, NotLeader, PersistUnavailable
+from muster.coordinator.errors import FailedPrecondition, Fenced, NotFound, NotLeader, PersistUnavailable
 from muster.coordinator.job.frames import FrameReader, admit, authenticate, check_first, check_joinable, member_of
 from muster.coordinator.job.inbox import Inbox, Queued, settle
 from muster.coordinator.job.leader_stats import LeaderStats, live_ranks, summarised
@@ -332,8 +332,14 @@ class JobLeader:
         return pb.LeaveResponse(generation=generation, switch_at_step=switch_at)
 
     async def stop_job(self, reason: str) -> pb.StopResponse:
-        """An operator's stop: the run ends `stopped` now, every node drains at one step."""
-        after_step = await self._inbox.ask(Stop(reason))
+        """An operator's stop: the run ends `stopped` now, every node drains at one step. A stop
+        repeated once the first took effect is answered as such (`already`), not refused."""
+        try:
+            after_step = await self._inbox.ask(Stop(reason))
+        except FailedPrecondition:
+            if self.state.outcome is Outcome.STOPPED:
+                return pb.StopResponse(run=self.state.run, already=True)
+            raise
         return pb.StopResponse(run=self.state.run, after_step=after_step)
 
     async def drain_node(self, node_id: str, reason: str) -> pb.DrainResponse:

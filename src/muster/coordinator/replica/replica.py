@@ -371,7 +371,12 @@ class Replica:
         return await self.runs.list_jobs(self.address, job)
 
     async def stop_job(self, job: str, reason: str) -> pb.StopResponse:
-        await self.runs.check_running(job)
+        try:
+            await self.runs.check_running(job)
+        except FailedPrecondition:
+            if run := await self.runs.stopped_run(job):
+                return pb.StopResponse(run=run, already=True)
+            raise
         return await (await self.leader_for(job)).stop_job(reason or "stopped by an operator")
 
     async def drain_node(self, job: str, node: str, reason: str) -> pb.DrainResponse:

@@ -14,7 +14,7 @@ from muster.coordinator.job import status_pages
 from muster.coordinator import wire
 from muster.coordinator.coordination import Coordination
 from muster.coordinator.core.policy import InvalidPolicy, JobSpec, Limits
-from muster.coordinator.core.state import JobState, decode, decode_spec, encode_spec
+from muster.coordinator.core.state import JobState, Outcome, decode, decode_spec, encode_spec
 from muster.coordinator.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RunEnded,
                                        StoreUnavailable, Unavailable)
 from muster.coordinator.job.leader import JobLeader
@@ -100,6 +100,17 @@ class Runs:
         if job not in self.jobs:
             last = await asyncio.to_thread(self.store.last_run, job)
             raise FailedPrecondition(f"job {job!r} is not running" + (f" (its run {last} has ended)" if last else ""))
+
+    async def stopped_run(self, job: str) -> int:
+        """The latest run of `job` if it ended stopped and no run is under way (else 0): a stop repeated
+        once the first took effect (its answer lost to a deadline, say) is answered, not refused."""
+        if job in self.jobs:
+            return 0
+        try:
+            state = await self._of_run(job, 0)
+        except (NotFound, Unavailable):
+            return 0
+        return state.run if state is not None and state.outcome is Outcome.STOPPED else 0
 
     async def status(self, address: str, job: str, brief: bool, page: status_pages.Page, run: int) -> pb.StatusResponse:
         """The jobs' status as this replica, at `address`, reports it."""
