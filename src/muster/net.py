@@ -53,6 +53,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def reserve_port(host: str) -> socket.socket:
+    """A free port held for a server that another process starts later (a generation's master
+    TCPStore): bound with SO_REUSEADDR and never listening, so that no other bind (a port-0 pick
+    included) nor a connect's own port takes it meanwhile, while a server that sets SO_REUSEADDR,
+    as c10d's TCPStore does, still binds and listens on it. A port merely found free was taken by
+    another server before the workers bound it (a CI run: EADDRINUSE, then a worker pinged the
+    stranger). Close it once the port is no longer wanted."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    held = socket.socket(family[0], socket.SOCK_STREAM)
+    try:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(family[4])
+    except OSError:
+        held.close()
+        raise
+    return held
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Pick a currently free TCP port (racy by nature, fine for loopback tests).
 

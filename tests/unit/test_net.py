@@ -62,3 +62,39 @@ def test_a_nodes_address_is_the_one_on_the_route_to_the_coordinator():
     if own and not is_loopback(own):
         assert address_towards([f"{own}:7600"]) == own
     assert not is_loopback("10.0.0.1") and not is_loopback("coord.example") and is_loopback("::1")
+
+
+def test_a_reserved_port_is_no_strangers_but_a_tcpstore_serves_on_it():
+    """The torchrun backend's MASTER_PORT (a CI run: a port found free was bound by another server
+    before the workers' TCPStore, EADDRINUSE): held, nothing else binds it, by name or as a pick of
+    port 0, nor connects from it; the workers' store still serves on it, and once it is released the
+    port is free."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from muster.net import reserve_port
+
+    held = reserve_port("127.0.0.1")
+    port = held.getsockname()[1]
+    try:
+        with socket.socket() as stranger, pytest.raises(OSError):
+            stranger.bind(("127.0.0.1", port))
+        picked = []
+        for _ in range(200):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", 0))
+                picked.append(s.getsockname()[1])
+        assert port not in picked
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+        store.set("master", "here")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        assert client.get("master") == b"here"
+        del client, store
+    finally:
+        held.close()
+    with socket.socket() as s:  # (a closed connection of the store's may sit in TIME_WAIT on it)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))

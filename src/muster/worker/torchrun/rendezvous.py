@@ -35,7 +35,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
                                                   RendezvousParameters, RendezvousStoreInfo,
                                                   RendezvousTimeoutError)
 
-from muster.net import address_towards, free_port, split_host_port
+from muster.net import address_towards, reserve_port, split_host_port
 from muster.security import ClientSecurity
 from muster.v1 import muster_pb2 as pb
 from muster.worker.store import Seal, publish, serve
@@ -63,6 +63,7 @@ class MusterRendezvousHandler(RendezvousHandler):
         self._join_timeout_s = float(params.get("join_timeout", 600))
         self._rejoin_after_s = float(params.get("rejoin_after", 3.0))
         self._server = serve(self._host, timedelta(seconds=self._join_timeout_s))
+        self._master_port: socket.socket | None = None  # this round's MASTER_PORT, held (`reserve_port`)
         self._generation = 0
         self._rounds = 0
         self._closed = False
@@ -138,7 +139,9 @@ class MusterRendezvousHandler(RendezvousHandler):
         addr_key, port_key = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
         if a.node_rank == 0:  # as RendezvousStoreInfo.build, but sealed, and a planted key is found, not overwritten
             publish(store, addr_key, self._host, seal)
-            publish(store, port_key, str(free_port(self._host)), seal)
+            self._release_master_port()
+            self._master_port = reserve_port(self._host)  # held until the next round: no stranger takes it
+            publish(store, port_key, str(self._master_port.getsockname()[1]), seal)
         bootstrap = RendezvousStoreInfo(seal.open(addr_key, store.get(addr_key)).decode(),
                                         int(seal.open(port_key, store.get(port_key))))
         log.info("rdzv_round", job=self._job, generation=a.generation, node_rank=a.node_rank, nodes=a.num_nodes)
@@ -205,7 +208,13 @@ class MusterRendezvousHandler(RendezvousHandler):
     def get_run_id(self) -> str:
         return self._run_id
 
+    def _release_master_port(self) -> None:
+        if self._master_port is not None:
+            self._master_port.close()
+            self._master_port = None
+
     def shutdown(self) -> bool:
+        self._release_master_port()
         if self._link.ended is not None:  # no member of an ended run: nothing to leave
             self._link.close()
             return True
