@@ -497,17 +497,27 @@ def record_time(record: dict) -> float:
     return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+_RECORD = json.JSONDecoder()
+
+
 def json_lines(path: Path, event: str | None = None) -> list[dict]:
-    """The JSON records of a log file (other lines skipped), optionally of one event."""
+    """The JSON records of a log file (other lines skipped), optionally of one event. A record may
+    share its line with another thread's output: a rank's script prints its record and the newline
+    in two writes, and the library's log line (the user's structlog config: console text on stdout)
+    can land between them, or before the record (a CI run lost a step record so)."""
     out = []
     for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if event is None or record.get("event") == event:
-                out.append(record)
+        at = 0 if line.startswith("{") else line.find('{"')
+        if at < 0:
+            continue
+        try:
+            record, _ = _RECORD.raw_decode(line, at)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or (at and "event" not in record):  # (text holding JSON: no record)
+            continue
+        if event is None or record.get("event") == event:
+            out.append(record)
     return out
 
 

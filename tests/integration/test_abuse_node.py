@@ -184,6 +184,7 @@ def rendezvous_node(node_rank: int, assignment: pb.Assignment, server: dist.TCPS
                               latest=assignment)
     h._job, h._host, h._server = "j", "127.0.0.1", server
     h._closed, h._rounds, h._generation, h._workers_ended, h._restarting_in = False, 0, 0, False, 0
+    h._master_port = None
     h._rejoin_after_s = h._join_timeout_s = 10.0
     return h
 

@@ -33,3 +33,20 @@ def test_a_step_missing_without_a_reform_is_a_gap():
 def test_a_step_done_twice_or_a_reform_going_back_is_a_gap():
     assert progress_gap(steps(9, 10, 10)) == "completed step 10 after step 10"
     assert progress_gap(steps(9, 10) + formed(8)) == "went back from step 10 to 8"
+
+
+def test_a_record_sharing_its_line_with_another_threads_output_is_still_read(tmp_path):
+    """A script prints its record and the newline in two writes: the library's console log line
+    (its structlog unconfigured: stdout) landed before it, or between the two (a CI run lost step 105
+    so, and the test took a survivor for one that skipped a step)."""
+    from muster.local import json_lines
+
+    log = tmp_path / "rank.log"
+    log.write_text('{"event": "step", "step": 104}\n'
+                   '2026-12-02 12:17:27 [info ] assignment_received generation=3{"event": "step", "step": 105}\n'
+                   '{"event": "step", "step": 106}2026-12-02 12:17:28 [info ] group_formed\n'
+                   '\n'
+                   'note {"not": "a record"} and {broken\n'
+                   '{"event": "step", "step": 107}\n')
+    assert [r["step"] for r in json_lines(log, "step")] == [104, 105, 106, 107]
+    assert len(json_lines(log)) == 4
