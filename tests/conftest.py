@@ -88,7 +88,7 @@ def _host_zygote() -> None:
     zygote = WarmRanks.shared()
     os.environ["MUSTER_ZYGOTE_SOCKET"] = zygote.socket_path
     if zygote.pid is not None:
-        _behind_the_control_plane(zygote.pid)
+        behind_the_control_plane(zygote.pid)
 
 
 # What the zygote forks (agents and their ranks, `training`'s ranks) runs this much nicer than etcd,
@@ -98,7 +98,7 @@ def _host_zygote() -> None:
 BEHIND = 10
 
 
-def _behind_the_control_plane(pid: int) -> None:
+def behind_the_control_plane(pid: int) -> None:
     """On a real cluster etcd and the coordinators have hosts of their own; here the ranks, most of the
     suite's CPU, share two cores with them, and under load a coordinator starved for a second lost
     its 2 s etcd session, and with it its leadership (fresh-clone run E: two tests failed so). On Linux

@@ -14,6 +14,7 @@ import pytest
 
 from muster.local import wait_until
 from muster.names import job_name
+from tests.conftest import behind_the_control_plane
 
 PLAIN = Path(__file__).resolve().parents[2] / "examples" / "train_plain.py"
 STEP_RECORD = re.compile(r'\{"event": "step"[^{}]*\}')  # ranks share torchrun's stdout: lines may interleave
@@ -28,6 +29,9 @@ class TorchrunNode:
                 str(PLAIN), "--steps", str(steps), "--step-sleep", "0.05", "--checkpoint-dir", str(checkpoints)]
         with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # Nice 10, as the zygote's ranks (what torchrun forks inherits it): at 0 its four workers took a
+        # quarter of a core each beside the coordinators of the tests running with it (fresh-clone run AA)
+        behind_the_control_plane(self.proc.pid)
 
     def steps(self) -> list[dict]:
         return [json.loads(m) for m in STEP_RECORD.findall(self.log_path.read_text(errors="replace"))]
