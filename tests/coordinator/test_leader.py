@@ -335,3 +335,41 @@ def test_a_slots_failure_repeated_under_the_next_leader_is_a_repeat():
         await second.stop("test over", resigned=True)
 
     asyncio.run(scenario())
+
+
+def _finished(leader: JobLeader, node_id: str) -> None:
+    """Node `node_id` reports that its rank completed its script (still in teardown)."""
+    member = leader.state.member(node_id)
+    leader.on_frame(leader.streams[node_id], pb.NodeFrame(
+        job="job", node_id=node_id, member_id=member.member_id, term=leader.term, generation=leader.state.generation,
+        ranks=[pb.RankReport(local_rank=0, pid=100, state=pb.RANK_STATE_FINISHED, step=20,
+                             generation=leader.state.generation)]))
+
+
+def test_a_leader_taking_over_a_finishing_job_waits_for_its_members_ranks():
+    """A leader lost its session as the job finished (a's rank completed its script; b's and c's ranks
+    were still in teardown). Its successor knows nothing yet of its members' ranks: it waits for them,
+    and ends the run once they have left. Before, it ended the run at its first tick, 'placed at
+    generation 1 never trained' (a fresh-clone run), while a rank still hung in teardown."""
+    store = MemoryJobStore()
+
+    async def scenario():
+        first = await _led(_formed_abc(), 1, store)
+        _finished(first, "a")
+        await until(lambda: (s := stored(store)) and s.finishing, "the job finishing")
+        await first.stop("its session lost", resigned=True)
+        second = await _led(stored(store), 2, store)
+        await asyncio.sleep(0.2)  # 20 ticks, none of them hearing a member
+        assert not second.state.ended, second.state.outcome_reason
+        for node_id in "abc":
+            _finished(second, node_id)
+            member = second.state.member(node_id)
+            await second.leave(pb.LeaveRequest(job="job", node_id=node_id, member_id=member.member_id,
+                                               finished=True,
+                                               reason="its ranks finished"))
+        await until(lambda: second.state.ended, "the run ended")
+        assert second.state.outcome is Outcome.SUCCEEDED, second.state.outcome_reason
+        assert "never trained" not in second.state.outcome_reason, second.state.outcome_reason
+        await second.stop("test over", resigned=True)
+
+    asyncio.run(scenario())

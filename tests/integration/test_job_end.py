@@ -132,14 +132,14 @@ ABORTED = "then died in interpreter teardown (killed by SIGABRT): counted as fin
 HUNG = "hung in interpreter teardown, ended after --exit-timeout 3s (killed by SIGTERM)"
 
 
-def ended_after_the_exit_timeout(nodes, rank: int) -> None:
+def ended_after_the_exit_timeout(nodes, rank: int, exit_timeout_s: float = 3) -> None:
     """`rank`'s node ended it (on a loaded machine another rank's slow teardown may pass 3 s too: the
-    same path) within --exit-timeout (3 s) and a few seconds of its script's end."""
+    same path) within --exit-timeout and a few seconds of its script's end."""
     (node,) = [n for n in nodes if any(r["rank"] == rank for r in n.records("rank_completed"))]
     assert node.records("rank_exit_timeout")
     completed = record_time(next(r for r in node.records("rank_completed") if r["rank"] == rank))
     stopped = record_time(node.records("agent_stopped")[-1])
-    assert 3 <= stopped - completed < 3 + 5, "ended within --exit-timeout and a few seconds"
+    assert exit_timeout_s <= stopped - completed < exit_timeout_s + 5, "ended within --exit-timeout and a few seconds"
 
 
 @pytest.mark.timeout(180)
@@ -161,10 +161,12 @@ def test_a_rank_hanging_in_teardown_is_ended_after_the_exit_timeout_and_counted_
 def test_cold_ranks_aborting_and_hanging_in_teardown_are_finished_as_forked_ones_are(coordinators, agents, tmp_path):
     """Started as `python SCRIPT` (--no-warm-start), each rank ends in the interpreter's own teardown,
     not `runner.end_forked`'s: rank 0 (node a) aborts there, rank 2 (node b) hangs there, and both
-    count as finished. (One job for both: its four cold ranks import torch, ~30 s of CPU here.)"""
-    nodes, said = run_job(coordinators, agents, tmp_path, "cold", "0=abort,2=hang", warm=False, exit_timeout_s=3)
-    assert said[0].endswith(ABORTED) and HUNG in said[2], said
-    ended_after_the_exit_timeout(nodes, 2)
+    count as finished. (One job for both: its four cold ranks import torch, ~30 s of CPU here.) A cold
+    teardown frees all of torch before rank 0's abort: on a host at half speed (fresh-clone run Z)
+    even well-behaved ranks took over 3 s, so these wait 10 s before they count as hung."""
+    nodes, said = run_job(coordinators, agents, tmp_path, "cold", "0=abort,2=hang", warm=False, exit_timeout_s=10)
+    assert said[0].endswith(ABORTED) and HUNG.replace(" 3s ", " 10s ") in said[2], said
+    ended_after_the_exit_timeout(nodes, 2, exit_timeout_s=10)
 
 
 @pytest.mark.timeout(180)

@@ -73,6 +73,27 @@ def shown(page, css: str, predicate, timeout_s: float, what: str) -> str:
     raise AssertionError(f"timed out waiting for {what}; {css} shows {text!r}")
 
 
+def steady(read, timeout_s: float = 5.0):
+    """read() of elements the page may re-render between a find and a read (its refresh replaces
+    them): read again, within a bound."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return read()
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def timeline(page, generation: int) -> tuple[str, str, set[str]]:
+    """A recovery's drawn timeline: its slowest phase's name, its text, the phases drawn as bars."""
+    drawn = page.find_element(By.ID, f"recovery-{generation}")
+    bars = {phase for phase in ("aborted", "formed", "moved")
+            if drawn.find_elements(By.CSS_SELECTOR, f"svg rect.phase-{phase}")}
+    return drawn.find_element(By.CSS_SELECTOR, ".slowest-name").text, drawn.text, bars
+
+
 @pytest.mark.timeout(120)
 def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinators, tmp_path):
     tokens = tmp_path / "tokens"
@@ -105,10 +126,10 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             straggler = await asyncio.to_thread(shown, page, "tr.straggler", lambda t: "straggler 3.00x" in t, 30,
                                                 "the throttled rank named a straggler")
             assert " n1 " in f" {straggler} " and "127.0.0.1" in straggler and "50.0 ms 60.0 ms 120%" in straggler
-            assert MARKUP in page.find_element(By.TAG_NAME, "main").text  # shown as text ...
+            assert MARKUP in steady(lambda: page.find_element(By.TAG_NAME, "main").text)  # shown as text ...
             assert not page.find_elements(By.ID, "injected")  # ... never made an element
             keep("straggler")
-            before = int(page.find_element(By.ID, "generation").text.split()[-1])
+            before = int(steady(lambda: page.find_element(By.ID, "generation").text).split()[-1])
             killed = time.monotonic()
             nodes[0].exits.append(pb.RankExit(local_rank=0, pid=10_000, exit_code=-9))
             await asyncio.to_thread(shown, page, "#generation", lambda t: int(t.split()[-1]) > before, 5,
@@ -121,22 +142,23 @@ def test_the_page_in_a_browser_follows_a_straggler_a_kill_and_a_stop(coordinator
             assert re.search(rf"\n{before + 1} .* \d\.\d{{3}} s \d\.\d{{3}} s moved the ranks' own \(in memory\) 7 \d+\n",
                              recovered), recovered
             # its timeline, the ranks' slowest phase (the state's transfer) named, with bytes and rate
-            drawn = page.find_element(By.ID, f"recovery-{before + 1}")
-            assert drawn.find_element(By.CSS_SELECTOR, ".slowest-name").text == "state moved"
-            assert "state moved 0.450 s (12.0 MiB, 30.0 MiB/s)" in drawn.text, drawn.text  # the 3 ranks left x 4 MiB
+            slowest, text, bars = steady(lambda: timeline(page, before + 1))
+            assert slowest == "state moved"
+            assert "state moved 0.450 s (12.0 MiB, 30.0 MiB/s)" in text, text  # the 3 ranks left x 4 MiB
             for phase in ("detected", "maps delivered", "old group aborted", "new group formed", "first step"):
-                assert phase in drawn.text
-            for phase in ("aborted", "formed", "moved"):  # (each a bar to scale; one of no time has none)
-                assert drawn.find_elements(By.CSS_SELECTOR, f"svg rect.phase-{phase}"), phase
+                assert phase in text
+            assert bars == {"aborted", "formed", "moved"}, bars  # (each a bar to scale; one of no time has none)
             # the job over time: world size, steps/s and restarts (the kill's, once sampled), each a line
             await asyncio.to_thread(shown, page, "#chart-restarts b", lambda t: t == "1", 5, "the restart drawn")
             for chart in ("chart-world-size", "chart-steps", "chart-restarts"):
-                assert page.find_element(By.CSS_SELECTOR, f"#{chart} svg polyline").get_attribute("points").count(",") > 1
+                css = f"#{chart} svg polyline"
+                points = steady(lambda css=css: page.find_element(By.CSS_SELECTOR, css).get_attribute("points"))
+                assert points.count(",") > 1, (chart, points)
             keep("killed")
             with Coordinators([replica.address], security=ClientSecurity(OPERATOR)) as c:
                 await asyncio.to_thread(c.call, "Stop", pb.StopRequest(job=JOB, reason="stopped from the test"))
             await asyncio.to_thread(shown, page, "#outcome", lambda t: t == "stopped", 15, "the outcome")
-            assert "phase ended" in page.find_element(By.CSS_SELECTOR, "p.facts").text
+            assert "phase ended" in steady(lambda: page.find_element(By.CSS_SELECTOR, "p.facts").text)
             keep("stopped")
             for n in nodes:
                 await n.stop()

@@ -679,9 +679,13 @@ def test_a_relays_summary_stands_for_its_nodes_progress_until_it_names_one_laggi
 def test_nodes_of_the_map_that_never_trained_are_the_unformed_ones_as_the_job_finishes():
     """A node placed as the job finished: its ranks starting, forming their first group, or not
     reported yet (still importing) never trained; a node heard training, running a script, or not
-    heard at all (a leader that just took over) is waited for."""
+    heard at all (a member a leader that just took over tracks, or one joined and on its way) is
+    waited for."""
     state = job(4)
     live = Liveness(TIMING, now=0)
+    live.start_grace(["n0", "n1", "n2"], now=0)
+    live.track("n3", 0)
+    assert live.assess(state, 0.05).unformed == set()  # nothing heard yet: nothing judged
     live.observe("n0", 1, report(20, state="finished"), 0.1)
     live.observe("n1", 1, report(0, state="forming"), 0.1)
     live.observe("n2", 1, [], 0.1)  # heard, its ranks not connected yet

@@ -73,12 +73,16 @@ class Assessment:
     def unformed(self) -> frozenset[str]:
         """Nodes of the map none of whose ranks trained: each a library rank starting or forming its
         first group (step 0), or none reported yet (still importing). Placed by a switch after the
-        step the job's ranks finished at, they never will."""
+        step the job's ranks finished at, they never will. A node this leader has not heard yet is
+        not judged: a leader that took over as the job finished knows nothing of its members' ranks
+        (a fresh-clone run's successor ended a run at once as 'placed at generation 1 never trained',
+        its two nodes' ranks done and one still hanging in teardown, before either node reattached)."""
         rm = self.state.rank_map
         found = []
         for p in rm.placements if rm else ():
-            node = self.nodes.get(p.node_id)  # (unheard: a leader that just took over knows nothing yet)
-            if node is not None and all(r.state in NOT_TRAINED and r.step == 0 for r in node.ranks.values()):
+            node = self.nodes.get(p.node_id)
+            if node is not None and node.heard and all(r.state in NOT_TRAINED and r.step == 0
+                                                       for r in node.ranks.values()):
                 found.append(p.node_id)
         return frozenset(found)
 

@@ -62,6 +62,7 @@ class NodeLive:
     early: float = 0.0  # in [0, 0.5): how much of the progress timeout's floor its judgements come early
     vouch: Vouch | None = None  # relayed by a relay that summarises: its progress is the relay's word
     lagging: bool = False  # its relay named it lagging: its progress is its own ranks' again
+    heard: bool = False  # a frame of it reached this leader (a member only tracked, on its way, is not judged)
 
 
 @dataclass(frozen=True)

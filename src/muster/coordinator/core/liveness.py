@@ -156,7 +156,7 @@ class Liveness:
             self._deadlines.arm(node_id, now)
         self._wheel.heard(node_id, node, now, vouched)
         self._vouched_by(node, vouch if vouched else None)
-        node.generation = generation
+        node.generation, node.heard = generation, True
         recovered = []
         lost_ms = self.timing.heartbeat_timeout_s * 1000
         exits, failed_pids = self.exits, self.exits.failed_pids
