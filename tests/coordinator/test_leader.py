@@ -16,7 +16,7 @@ from muster.coordinator.core.liveness import TAKEOVER_UNHEARD_TIMEOUTS
 from muster.coordinator.core.machine import Context, Join, NodeLost, Tick, decide
 from muster.coordinator.core.policy import JobSpec, Timing
 from muster.coordinator.core.state import JobState, Outcome, decode
-from muster.coordinator.errors import AlreadyExists, FailedPrecondition, NotLeader
+from muster.coordinator.errors import AlreadyExists, FailedPrecondition, NotFound, NotLeader
 from muster.coordinator.coordination import LeaderKey
 from muster.coordinator.job.leader import LARGE_JOB_NODES, JobLeader
 from muster.coordinator.job.leadership import Leadership
@@ -261,6 +261,29 @@ def test_a_stop_repeated_is_answered_as_such_and_one_after_another_end_refused()
         with pytest.raises(FailedPrecondition, match=r"has ended already \(failed\)"):
             await failed.stop_job("too late")
         await failed.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_repeated_is_answered_as_such_and_one_of_a_node_lost_refused():
+    """`muster drain` repeated (its first's answer lost to a deadline), or two at once: the node
+    leaves once, the other drain gets `already`. A node that left is answered so until it joins
+    again; one lost, or never a member, is still NOT_FOUND."""
+    async def scenario():
+        leader = await _led(_formed_abc(), 1, MemoryJobStore())
+        first, second = await asyncio.gather(leader.drain_node("c", "maintenance"),
+                                             leader.drain_node("c", "maintenance"))
+        assert sorted([first.already, second.already]) == [False, True], (first, second)
+        assert leader.state.member("c") is None
+        (left,) = [e for e in leader.state.history if e.kind == "node_left"]  # once
+        again = await leader.drain_node("c", "maintenance")
+        assert again.already and again.generation == leader.state.generation
+        await leader.tally_once(NodeLost("b", "node_silent", "no frame for 1 s"))
+        assert leader.state.member("b") is None
+        for gone in ("b", "z"):
+            with pytest.raises(NotFound, match=rf"node '{gone}' is not a member"):
+                await leader.drain_node(gone, "too late")
+        await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())
 

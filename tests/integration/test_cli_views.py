@@ -149,7 +149,12 @@ def test_watch_follow_logs_and_every_json_against_a_live_deployment(coordinators
 
     # the operator verbs' --json; the followers end on their own once the run has its outcome
     drained = answered("drain", "drain", *at, "--job", JOB, "--node", "b")
-    assert (drained["job"], drained["node"]) == (JOB, "b") and drained["generation"] >= 2
+    assert (drained["job"], drained["node"]) == (JOB, "b") and drained["generation"] >= 2 and not drained["already"]
+    # A drain repeated is answered, not refused (b left with the first)
+    again = answered("drain", "drain", *at, "--job", JOB, "--node", "b")
+    assert again["already"] and again["generation"] >= drained["generation"], again
+    out = muster("drain", *at, "--job", JOB, "--node", "b")
+    assert out.returncode == 0 and out.stdout == f"node b of job {JOB} had left already: nothing changed\n", out
     assert b.wait(60) == 3
     stopped = answered("stop", "stop", JOB, *at)
     assert stopped["job"] == JOB and stopped["run"] == 1 and not stopped["already"]

@@ -26,8 +26,10 @@ def drain(args: argparse.Namespace) -> int:
 
     response = ask(args, "Drain", pb.DrainRequest(job=job_of(args), node=args.node, reason=args.reason or ""))
     at = f"after step {response.after_step}" if response.after_step else "now"
-    answer(args, response, f"node {args.node} of job {job_of(args)} leaves {at} (generation {response.generation} "
-                            "runs without it)", node=args.node)
+    said = f"node {args.node} of job {job_of(args)} " + ("had left already: nothing changed" if response.already else
+                                                           f"leaves {at} (generation {response.generation} runs "
+                                                           "without it)")
+    answer(args, response, said, node=args.node)
     return 0
 
 

@@ -617,12 +617,14 @@ class DrainRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("generation", "after_step")
+    __slots__ = ("generation", "after_step", "already")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     after_step: int
-    def __init__(self, generation: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+    already: bool
+    def __init__(self, generation: _Optional[int] = ..., after_step: _Optional[int] = ..., already: _Optional[bool] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("job", "run")

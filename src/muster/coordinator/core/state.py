@@ -239,6 +239,17 @@ class JobState:
     def member(self, node_id: str) -> Member | None:
         return self.members_by_node.get(node_id)
 
+    def left(self, node_id: str) -> Event | None:
+        """How `node_id` left, if it is no member because it left (a drain, a signal to its agent, its
+        ranks' end) rather than being lost or never joining: the history's last entry about it alone
+        (a departure's "finishing" note aside). What a drain repeated is answered with."""
+        if self.member(node_id) is not None:
+            return None
+        for e in reversed(self.history):
+            if e.nodes == (node_id,) and e.kind != "finishing":
+                return e if e.kind in ("node_left", "node_finished") else None
+        return None
+
     @property
     def rebuilt_members(self) -> bool:
         """Rebuilding, and nodes were taken back (they claim generations > 0): the job runs on

@@ -343,16 +343,26 @@ class JobLeader:
         return pb.StopResponse(run=self.state.run, after_step=after_step)
 
     async def drain_node(self, node_id: str, reason: str) -> pb.DrainResponse:
-        """An operator's drain of one node: it leaves at a step boundary, as on SIGTERM to its agent."""
+        """An operator's drain of one node: it leaves at a step boundary, as on SIGTERM to its agent. A
+        drain repeated once the node left (the first's answer lost to a deadline, or two at once) is
+        answered as such (`already`), not refused."""
         wire.check_node(node_id)
         if self.state.member(node_id) is None:
-            raise NotFound(f"node {node_id!r} is not a member of job {self.job!r}")
+            return self._left_already(node_id)
         placed = self.state.rank_map is not None and self.state.rank_map.placement(node_id) is not None
         stream = self.streams.depart(node_id)
-        generation, switch_at = await self._inbox.ask(Leave(node_id, False, reason))
+        try:
+            generation, switch_at = await self._inbox.ask(Leave(node_id, False, reason))
+        except NotFound:  # another drain's Leave came first
+            return self._left_already(node_id)
         if stream and not placed:  # a spare or a waiting node: the decision sent it no drain
             stream.send(pb.Directive(term=self.term, generation=generation, drain=pb.Drain(reason=reason)))
         return pb.DrainResponse(generation=generation, after_step=switch_at if placed else 0)
+
+    def _left_already(self, node_id: str) -> pb.DrainResponse:
+        if self.state.left(node_id) is None:
+            raise NotFound(f"node {node_id!r} is not a member of job {self.job!r}")
+        return pb.DrainResponse(generation=self.state.generation, already=True)
 
     # ---- node streams ----------------------------------------------------------------
 
