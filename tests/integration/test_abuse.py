@@ -76,8 +76,12 @@ def test_a_relay_flood_and_review_4s_attacks_cost_the_replica_little_and_another
             (name, attack)
         assert attack["other_job"]["errors"] == 0, (name, attack)
         assert name == "idle_sessions" or not attack["other_job"]["new_generation"], (name, attack)
-    calls = attacks["relay_calls"]["ended"]  # INTERNAL: grpc aio's client racing the server's end
-    assert calls.get("open", 0) <= 4 and calls["RESOURCE_EXHAUSTED"] + calls.get("INTERNAL", 0) >= 196, calls
+    # Ended by the replica, all but its per-peer limit. INTERNAL: grpc aio's client racing the server's end;
+    # UNAVAILABLE: job A's leader between terms (a fresh-clone run at a load of 20: 19 of 200, its etcd
+    # session lost), which ends a call as promptly
+    calls = attacks["relay_calls"]["ended"]
+    refused = sum(calls.get(code, 0) for code in ("RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE"))
+    assert calls.get("open", 0) <= 4 and refused >= 196, calls
     assert attacks["relay_calls"]["replica"]["rss_peak_growth_mib"] < 40, attacks["relay_calls"]
     idle = attacks["idle_sessions"]
     assert idle["ended"] == {"DEADLINE_EXCEEDED": 256, "UNAVAILABLE": 44} and idle["its_errors"] == 0, idle

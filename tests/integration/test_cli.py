@@ -48,10 +48,18 @@ def test_status_and_events_report_the_job_from_any_replica_skipping_dead_ones(co
             assert (r0["node"], r0["local_rank"], r0["node_rank"], r0["pid"], r0["host"], r0["state"]) == \
                 ("n0", 0, 0, 10000, "127.0.0.1", "running")
             assert r0["step"] > 0
-        table = await asyncio.to_thread(muster, "status", "--coordinator", replicas[1].address)
+        row, shown = ["0", "0", "n0", "0", "127.0.0.1", "10000"], []
+
+        def table_row() -> subprocess.CompletedProcess | None:
+            """The table once it shows rank 0's row (a leader that took over meanwhile, its etcd session
+            lost on a loaded host, lists a rank once its node reattached)."""
+            shown.append(muster("status", "--coordinator", replicas[1].address))
+            return shown[-1] if any(line.split()[:6] == row for line in shown[-1].stdout.splitlines()) else None
+
+        table = await asyncio.to_thread(wait_until, table_row, 15, "rank 0's row in the status table", interval_s=0.5,
+                                        diagnose=lambda: shown[-1])
         assert table.returncode == 0 and "job cli" in table.stdout and "spares: n2" in table.stdout
         assert table.stdout.startswith(f"replica {replicas[1].address}  muster {version()}\n")
-        assert any(line.split()[:6] == ["0", "0", "n0", "0", "127.0.0.1", "10000"] for line in table.stdout.splitlines())
         events = await asyncio.to_thread(muster, "events", "--coordinator", replicas[1].address, "--job", "cli", "--json")
         kinds = [e["kind"] for e in json.loads(events.stdout)["events"]]
         # (a spare that joins while the job runs may start its ranks first: recovered once they report)

@@ -312,6 +312,8 @@ def test_the_zygote_learns_the_packages_a_rank_imported_and_leaves_unsafe_ones_t
             assert successor.retiring and not successor.lost  # its rank still runs
             third = await _spawn(warm, Program(str(path), False, ("0",), False), tmp_path, ranks, "third")
             assert await third.wait() == 0
+            # (its line first: a fresh-clone run, at a load of 20, killed it before it printed)
+            await asyncio.to_thread(wait_until, lambda: (tmp_path / "second.txt").read_text(), 20, "the second's line")
             second.kill()
             assert await second.wait() == -signal.SIGKILL
             await asyncio.to_thread(wait_until, lambda: successor.lost, 10, "the succeeded zygote to end with its rank")
