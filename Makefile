@@ -32,7 +32,7 @@ venv: $(STAMP)
 # coordinator, agent and CLI call the suite starts (~1,000) compiled its modules again (0.2 s of CPU each).
 test: $(STAMP)
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal --durations=15 --junitxml=build/tests.xml
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --junitxml=build/tests.xml
 
 durations: $(STAMP)
 	mkdir -p build
