@@ -40,6 +40,14 @@ class FakeClock:
         self.now += max(0.0, s)
         await asyncio.sleep(0)  # others run, as they would while this waited
 
+    async def elapse(self, s: float, step_s: float = 0.1) -> None:
+        """`s` seconds pass in steps of `step_s`, a leader's ticks running between them (a real 20 ms
+        each): a leader whose clock jumped a whole heartbeat timeout at once takes it for its own pause."""
+        end = self.now + s
+        while self.now < end:
+            self.now = min(end, self.now + step_s)
+            await asyncio.sleep(0.02)
+
 
 def run_processes(target: Callable, args: list[tuple], results: int, timeout_s: float) -> list:
     """One process a tuple of `args`, running `target(*args, out)`, forked from a server that imported

@@ -121,10 +121,11 @@ def test_the_old_leader_is_fenced_once_the_new_one_wrote():
         assert new.leader.state == stored(store)
         # n1 never reaches the new leader: the grace runs on (bounded) while no node has, then n1,
         # the job's only node, is evicted, which ends the run (failed), recorded by the new leader
-        new_clock.now += TIMING.grace_s + (TAKEOVER_UNHEARD_TIMEOUTS + 1) * TIMING.heartbeat_timeout_s
+        await new_clock.elapse(TIMING.grace_s + (TAKEOVER_UNHEARD_TIMEOUTS + 1) * TIMING.heartbeat_timeout_s, 0.25)
         await until(lambda: new.leader.ended, "the new leader's eviction of silent n1 stored")
         assert stored(store) is None and json.loads(store.runs("job")[0][2])["outcome"] == "failed"
-        old_clock.now += TIMING.heartbeat_timeout_s + 0.1  # the old leader, as if resumed, decides the same
+        # the old leader, as if resumed (its ticks on time: not its own pause), decides the same
+        await old_clock.elapse(TIMING.heartbeat_timeout_s + 0.1)
         await until(lambda: old.lost, "the old leader fenced")
         assert old.lost.startswith("fenced write refused")
         assert old.leader.state.member("n1") is not None and stored(store) is None
@@ -305,10 +306,11 @@ def _c_failed(leader: JobLeader, pid: int, step: int) -> None:
                            error=f"RuntimeError: CUDA error: an illegal memory access (step {step})")]))
 
 
-async def _led(state: JobState, term: int, store: MemoryJobStore) -> JobLeader:
+async def _led(state: JobState, term: int, store: MemoryJobStore, clock: FakeClock | None = None) -> JobLeader:
     """A leader of `state` in `term`, every member's stream open."""
     leadership = Leadership(LeaderKey("job", term, "memory/job", "replica"), store)
-    leader = JobLeader(state, leadership=leadership, address="replica", timing=TIMING, tick_s=0.01, clock=FakeClock())
+    leader = JobLeader(state, leadership=leadership, address="replica", timing=TIMING, tick_s=0.01,
+                       clock=clock or FakeClock())
     for m in state.members:
         leader.streams[m.node_id] = NodeStream("job", m.node_id, m.member_id, m.kind)
     leader.start()
@@ -394,5 +396,45 @@ def test_a_leader_taking_over_a_finishing_job_waits_for_its_members_ranks():
         assert second.state.outcome is Outcome.SUCCEEDED, second.state.outcome_reason
         assert "never trained" not in second.state.outcome_reason, second.state.outcome_reason
         await second.stop("test over", resigned=True)
+
+    asyncio.run(scenario())
+
+
+def _stepped(leader: JobLeader, node_id: str, step: int) -> None:
+    """Node `node_id`'s frame: its rank at `step`."""
+    member = leader.state.member(node_id)
+    leader.on_frame(leader.streams[node_id], pb.NodeFrame(
+        job="job", node_id=node_id, member_id=member.member_id, term=leader.term, generation=leader.state.generation,
+        ranks=[pb.RankReport(local_rank=0, pid=100, state=pb.RANK_STATE_RUNNING, step=step,
+                             generation=leader.state.generation)]))
+
+
+def test_a_leader_that_did_not_run_for_a_while_judges_no_node_silent_for_its_own_pause():
+    """The leader's task ran 3 heartbeat timeouts late (its host starved it: a fresh-clone run's
+    coordinator woke after 11.6 s and ended a healthy run 'every node was lost'). The nodes' frames of
+    that time were unread, not missing: nobody is judged for a heartbeat timeout after it resumed. Then
+    a node that stays silent is, and the nodes whose frames came are not."""
+    clock = FakeClock()
+
+    async def scenario():
+        leader = await _led(_formed_abc(), 1, MemoryJobStore(), clock)
+        for step in (1, 2):
+            for node_id in "abc":
+                _stepped(leader, node_id, step)
+            clock.advance(0.2)
+            await asyncio.sleep(0.03)
+        clock.advance(3 * TIMING.heartbeat_timeout_s)  # while the leader's task waits for its next tick
+        await asyncio.sleep(0.1)  # ~10 ticks
+        assert [m.node_id for m in leader.state.members] == ["a", "b", "c"], leader.state.history[-1]
+        for step in range(3, 12):  # a and b's frames come; c's never do
+            for node_id in "ab":
+                _stepped(leader, node_id, step)
+            clock.advance(0.2)
+            await asyncio.sleep(0.03)
+        await until(lambda: leader.state.member("c") is None, "c found silent")
+        assert [m.node_id for m in leader.state.members] == ["a", "b"]
+        (silent,) = [e for e in leader.state.history if e.kind == "node_silent"]
+        assert silent.nodes == ("c",), silent
+        await leader.stop("test over", resigned=True)
 
     asyncio.run(scenario())

@@ -180,7 +180,7 @@ def test_a_frame_in_flight_on_a_superseded_stream_does_not_bring_back_the_leader
         link.receive(relayed(1, first(p1)))  # the node's newer session, through a relay
         assert leader.streams["p1"].link is link
         leader.on_frame(direct, frame)  # still in flight on the old stream
-        clock.advance(3 * TIMING.heartbeat_timeout_s)  # p2 never streamed: it goes; p1's relay vouches for it
+        await clock.elapse(3 * TIMING.heartbeat_timeout_s)  # p2 never streamed: it goes; p1's relay vouches for it
         await until(lambda: leader.state.member("p2") is None, "p2 found silent")
         await tallies(leader)  # p1's silence would have been judged in them as p2's was
         assert leader.state.member("p1") is not None

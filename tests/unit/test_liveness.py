@@ -41,6 +41,24 @@ def test_silent_node_fails_after_heartbeat_timeout():
     assert [(f.kind, f.node_id) for f in live.failures(state, 2.5)] == [("node_silent", "n1")]
 
 
+def test_after_the_leaders_own_pause_silence_counts_again_only_a_heartbeat_timeout_later():
+    """The leader did not run from 0.5 to 12 (its host starved it): the nodes' frames of that time wait
+    unread. Nothing is judged silent or stalled until a heartbeat timeout after it resumed, save an
+    exit; a node whose frames come is never judged, one that stays silent is, once the hold is over."""
+    state = job()
+    live = Liveness(TIMING, now=0)
+    for node in ("n0", "n1"):
+        live.observe(node, 1, report(1), 0.5)
+    live.after_a_pause(12.0)
+    assert live.failures(state, 12.0) == [] and live.failures(state, 13.9) == []
+    live.observe("n0", 1, report(2), 12.1)  # its frames, read once the leader runs
+    live.observe("n0", 1, report(3), 13.5)
+    assert [(f.kind, f.node_id) for f in live.failures(state, 14.1)] == [("node_silent", "n1")]
+    live.after_a_pause(20.0)
+    live.observe("n0", 1, report(4, state="exited"), 20.0)
+    assert [(f.kind, f.node_id) for f in live.failures(state, 20.0)] == [("rank_exited", "n0")]  # at once
+
+
 def test_progress_timeout_is_calibrated_from_step_times_with_a_floor():
     live = Liveness(TIMING, now=0)
     assert live.progress_timeout() == 30.0  # not calibrated yet

@@ -48,6 +48,7 @@ class Liveness:
         self.grace_until = now
         self.unheard_since_takeover = False  # a takeover no node's frame has reached yet
         self.opened_at = now  # a takeover's first frame: the path to this leader works from then
+        self.held_until = now  # the leader itself paused (`after_a_pause`): until then only exits act
         self._unattached: set[str] = set()  # members taken over that have sent this leader no frame yet
         self.published: tuple[int, float] = (0, now)  # the current map's generation, and since when it is due
         # Indexes kept by `observe`, so that a tally looks only at what changed:
@@ -79,6 +80,14 @@ class Liveness:
         self.opened_at = now
         for node_id in self._unattached:
             self._wheel.heard(node_id, self.nodes[node_id], now)
+
+    def after_a_pause(self, now: float) -> None:
+        """The leader itself did not run for a while (its process stopped, its host starved): the
+        nodes' frames of that time wait unread, so no silence or stall counts for a heartbeat timeout
+        from now, and only exits act meanwhile. A node silent for that long after is judged as ever.
+        (A fresh-clone run's coordinator, starved 11.6 s, woke to judge both nodes of a healthy job
+        silent: its run ended 'every node was lost'.)"""
+        self.held_until = max(self.held_until, now + self.timing.heartbeat_timeout_s)
 
     def in_grace(self, now: float) -> bool:
         """The takeover grace: only exits act while members may still be on their way to this leader.
@@ -279,10 +288,10 @@ class Liveness:
         return max_steps(self.nodes, state, self.timing.heartbeat_timeout_s, now, step_time_s)[0]
 
     def failures(self, state: JobState, now: float) -> list[Failure]:
-        """Exited ranks of the map; silence and stalls among the members, except during the grace.
-        A failure is found at every tally until a decision removes it."""
+        """Exited ranks of the map; silence and stalls among the members, except during the grace or
+        a hold after the leader's own pause. A failure is found at every tally until a decision removes it."""
         exited = self.exits.in_map(state.rank_map, self.nodes)
-        if self.in_grace(now):
+        if self.in_grace(now) or now < self.held_until:
             return exited
         found = self._wheel.silent(self.nodes, state, now) + self._stalled(state, now)
         failures = exited + [f for _, _, f in sorted(found, key=lambda x: x[:2])]

@@ -167,7 +167,13 @@ class JobLeader:
 
     async def _run(self) -> None:
         while self.lost_reason is None:
+            waited_from = self._clock()
             await self._inbox.wait(self.tick_s)
+            if (late_s := self._clock() - waited_from - self.tick_s) > self.timing.heartbeat_timeout_s / 2:
+                # This task did not run when due: the nodes' frames of that time are unread, not missing
+                self.live.after_a_pause(self._clock())
+                self.log.warning("leader_resumed_after_a_pause", late_s=round(late_s, 3),
+                                 judged_from_s=self.timing.heartbeat_timeout_s)
             # One state write a tick at most: what comes in meanwhile (a flood's Joins, its nodes'
             # changes) folds into the next decision, and its one write.
             pause = self._written_at + self.tick_s - self._clock()
