@@ -275,10 +275,13 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event,
     relay_channel = grpc.aio.insecure_channel(relay) if relay else None
     samples: list[tuple[float, int]] = []
     ended: list[str] = []
+    # One join key for every Join: a stream that ended while the probe stayed a member (a fresh-clone
+    # run: ALREADY_EXISTS) is joined again as that membership; one evicted joins anew.
+    join_key = os.urandom(32)
     try:
         while True:
             try:
-                await _probe_session(stub, relay_channel, sampling, stop, samples)
+                await _probe_session(stub, relay_channel, sampling, stop, samples, join_key)
                 return samples, ended
             except ProbeEnded as exc:
                 ended.append(str(exc))
@@ -294,10 +297,10 @@ async def _probe(stub, sampling: asyncio.Event, stop: asyncio.Event,
 
 
 async def _probe_session(stub, relay_channel, sampling: asyncio.Event, stop: asyncio.Event,
-                         samples: list[tuple[float, int]]) -> None:
+                         samples: list[tuple[float, int]], join_key: bytes) -> None:
     """One membership of the probe node: `_probe`'s samples until `stop`, or ProbeEnded."""
     joined = await stub.Join(pb.JoinRequest(job=PROBE_JOB, node_id="probe", slots=1, host="127.0.0.1",
-                                            store_port=29400), timeout=10)
+                                            store_port=29400, join_key=join_key), timeout=10)
     call = (pb_grpc.CoordinatorStub(relay_channel) if relay_channel else stub).Session()
     generation = 0
     step = 0
