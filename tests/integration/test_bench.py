@@ -82,7 +82,7 @@ def test_capacity_bench_quick():
     (point,) = result["heartbeat"]["points"]
     health = {k: point[k] for k in ("healthy", "evictions", "world_size", "membership_changes_in_window",
                                     "client_node_errors", "leader_warnings", "nodes_not_advancing")}
-    assert point["healthy"] and point["evictions"] == 0 and point["frames_per_s_per_node"] == 10, health
+    assert point["healthy"] and point["evictions"] == 0 and point["frames_per_s_per_node"] == 10, json.dumps(health)
     # the nodes' raw HTTP/2 frames (bench/h2_nodes.py) reach the leader as an agent's would
     assert result["heartbeat"]["clients"].startswith("raw HTTP/2") and point["client_node_errors"] == 0
     assert point["delivered_frames_per_s"] >= 0.8 * point["offered_frames_per_s"]
